@@ -1,0 +1,72 @@
+"""Scaled dot-product attention with causal / sliding-window semantics.
+
+Layouts: q [B, n_heads, L, D], k and v [B, n_kv_heads, S, D] with S >= L; the L
+queries are the last L of the S key positions. GQA/MQA is handled by the kernel
+(k/v are not tiled). Output [B, n_heads, L, Dv].
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from .masks import create_causal_mask, create_causal_mask_with_window_full
+
+
+def causal_attention(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: mx.array | None = None,
+    mask: mx.array | None = None,
+) -> mx.array:
+    """Causal attention, windowed when `window` is set (0 or None: plain causal).
+
+    `mask` (boolean [L, S], True = attend) is normally built once per forward
+    by the model; without it the mask is derived here from L and S:
+    - one query past the window: attend the trailing `window` keys only;
+    - several queries: the full-width (windowed) mask over all S keys. K/V are
+      never sliced for a multi-token query: a capped mask would leave the early
+      rows with no visible key (all -inf, NaN).
+    `softcap` applies tanh soft-capping to the scores (gemma2); `sinks` are
+    per-head logits [n_heads] that join the softmax denominator (gpt-oss).
+    """
+    L, S = q.shape[2], k.shape[2]
+    if mask is None:
+        if L == 1:
+            if window and S > window:
+                k, v = k[..., -window:, :], v[..., -window:, :]
+        elif window:
+            mask = create_causal_mask_with_window_full(L, S - L, window)
+        else:
+            mask = create_causal_mask(L, S - L)
+    elif mask.shape[-1] != S:
+        raise ValueError(f"mask covers {mask.shape[-1]} keys but attention got {S}")
+
+    if softcap is None:
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, sinks=sinks)
+    return _attention_softcap(q, k, v, scale, softcap, mask, sinks)
+
+
+def _attention_softcap(q, k, v, scale, softcap, mask, sinks):
+    # The fused kernel has no soft-capping: the explicit form, softmax in fp32
+    # (as the reference does), GQA by grouping query heads per KV head.
+    B, H, L, D = q.shape
+    Hkv = k.shape[1]
+    rep = H // Hkv
+    q = q.reshape(B, Hkv, rep, L, D)  # [B, Hkv, rep, L, D]
+    scores = (q @ mx.expand_dims(k, 2).swapaxes(-1, -2)) * scale  # [B, Hkv, rep, L, S]
+    scores = mx.tanh(scores / softcap) * softcap
+    scores = scores.astype(mx.float32)
+    if mask is not None:
+        scores = mx.where(mask, scores, mx.array(-mx.inf, mx.float32))
+    if sinks is not None:
+        s = sinks.astype(mx.float32).reshape(1, Hkv, rep, 1, 1)
+        s = mx.broadcast_to(s, scores.shape[:-1] + (1,))
+        probs = mx.softmax(mx.concatenate([s, scores], axis=-1), axis=-1)[..., 1:]
+    else:
+        probs = mx.softmax(scores, axis=-1)
+    out = probs.astype(v.dtype) @ mx.expand_dims(v, 2)  # [B, Hkv, rep, L, Dv]
+    return out.reshape(B, H, L, -1)

@@ -1,0 +1,151 @@
+"""Key/value caches.
+
+Keys and values are [B, kv_heads, S, head_dim] (kv_heads per rank under TP).
+`update_and_fetch(k, v)` appends n new tokens and returns the keys/values that
+attention must use for them. Before an update, `sliding_offset` says how many
+earlier keys that update will return, so a model builds its mask (key axis
+`sliding_offset + n`) once per forward, before any layer runs; after it,
+`returned` says how many keys were handed out, and the two always agree.
+
+- `KVCache`: global layers; returns every key.
+- `RotatingKVCache(max_size)`: sliding layers with window `max_size`.
+  * A multi-token update returns the last `max_size - 1` earlier keys plus all
+    new ones (a fresh prefill keeps all its keys), so every new token, the first
+    included, sees a full window; the mask does the windowing.
+  * A single-token decode writes into a ring buffer of `max_size` slots and
+    returns at most `max_size` keys: exactly the window, in ring order (order is
+    irrelevant to a single query, RoPE was applied before caching).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+
+class KVCache:
+    step = 256  # grow the buffer in steps so decode does not copy every token
+
+    def __init__(self):
+        self.keys = None
+        self.values = None
+        self.offset = 0
+        self.returned = 0
+
+    @property
+    def sliding_offset(self) -> int:
+        return self.offset
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        n = keys.shape[2]
+        prev = self.offset
+        if self.keys is None or prev + n > self.keys.shape[2]:
+            B, H, _, Dk = keys.shape
+            Dv = values.shape[3]
+            grow = ((n + self.step - 1) // self.step) * self.step
+            new_k = mx.zeros((B, H, grow, Dk), keys.dtype)
+            new_v = mx.zeros((B, H, grow, Dv), values.dtype)
+            if self.keys is not None:
+                self.keys = mx.concatenate([self.keys[..., :prev, :], new_k], axis=2)
+                self.values = mx.concatenate([self.values[..., :prev, :], new_v], axis=2)
+            else:
+                self.keys, self.values = new_k, new_v
+        self.keys[..., prev : prev + n, :] = keys
+        self.values[..., prev : prev + n, :] = values
+        self.offset += n
+        self.returned = self.offset
+        return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
+
+    @property
+    def state(self):
+        if self.keys is None:
+            return []
+        return [self.keys, self.values]
+
+
+class RotatingKVCache:
+    step = 256
+
+    def __init__(self, max_size: int):
+        if max_size < 1:
+            raise ValueError(f"RotatingKVCache needs max_size >= 1, got {max_size}")
+        self.max_size = max_size
+        self.keys = None
+        self.values = None
+        self.offset = 0  # tokens seen in total (the next token's position)
+        self._idx = 0  # ring write position, or buffer length when in temporal order
+        self.returned = 0
+
+    @property
+    def sliding_offset(self) -> int:
+        """Earlier keys the next update returns, for any update size."""
+        return min(self.offset, self.max_size - 1)
+
+    def _temporal_order(self, x: mx.array) -> mx.array:
+        # Rearrange the ring buffer so the oldest key comes first.
+        if self._idx == x.shape[2]:
+            return x
+        if self._idx < self.offset:  # wrapped
+            return mx.concatenate([x[..., self._idx :, :], x[..., : self._idx, :]], axis=2)
+        return x[..., : self._idx, :]
+
+    def _update_concat(self, keys, values):
+        if self.keys is None:
+            self.keys, self.values = keys, values
+        else:
+            keep = self.sliding_offset
+            old_k = self._temporal_order(self.keys)
+            old_v = self._temporal_order(self.values)
+            old_k = old_k[..., old_k.shape[2] - keep :, :]
+            old_v = old_v[..., old_v.shape[2] - keep :, :]
+            self.keys = mx.concatenate([old_k, keys], axis=2)
+            self.values = mx.concatenate([old_v, values], axis=2)
+        self.offset += keys.shape[2]
+        self._idx = self.keys.shape[2]
+        return self.keys, self.values
+
+    def _update_in_place(self, keys, values):
+        prev = self.offset
+        if self.keys is None or (prev >= self.keys.shape[2] and self.keys.shape[2] < self.max_size):
+            # Grow towards max_size (buffer in temporal order, _idx == length).
+            B, H, _, Dk = keys.shape
+            Dv = values.shape[3]
+            grow = min(self.step, self.max_size - prev)
+            new_k = mx.zeros((B, H, grow, Dk), keys.dtype)
+            new_v = mx.zeros((B, H, grow, Dv), values.dtype)
+            if self.keys is not None:
+                self.keys = mx.concatenate([self.keys, new_k], axis=2)
+                self.values = mx.concatenate([self.values, new_v], axis=2)
+            else:
+                self.keys, self.values = new_k, new_v
+            self._idx = prev
+        excess = self.keys.shape[2] - self.max_size
+        if excess > 0:
+            # After a long multi-token update: keep the trailing window in order.
+            self.keys = self._temporal_order(self.keys)[..., -self.max_size :, :]
+            self.values = self._temporal_order(self.values)[..., -self.max_size :, :]
+            self._idx = self.max_size
+        if self._idx == self.max_size:
+            self._idx = 0
+        self.keys[..., self._idx : self._idx + 1, :] = keys
+        self.values[..., self._idx : self._idx + 1, :] = values
+        self.offset += 1
+        self._idx += 1
+        if self.offset < self.max_size:
+            return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
+        return self.keys, self.values
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        expected = self.sliding_offset + keys.shape[2]
+        if keys.shape[2] == 1:
+            k, v = self._update_in_place(keys, values)
+        else:
+            k, v = self._update_concat(keys, values)
+        self.returned = k.shape[2]
+        assert self.returned == expected, (self.returned, expected)
+        return k, v
+
+    @property
+    def state(self):
+        if self.keys is None:
+            return []
+        return [self.keys, self.values]

@@ -1,0 +1,249 @@
+"""`mlxcel-dist` command line: thin typer commands over the library.
+
+Results go to stdout, progress and stats to stderr, and under tensor
+parallelism only rank 0 prints or writes files. Every model command takes
+--np/--backend/--hostfile: with more than one rank the command re-runs itself
+on every rank through the launcher (`launcher.launch`), and each rank joins the
+group (`distributed.init_from_env`) before loading its shard.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import click
+import typer
+
+from .errors import UserError
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="Tensor-parallel LLM inference across MLX ranks.",
+)
+
+# Shared options -------------------------------------------------------------
+ModelArg = Annotated[
+    Optional[str],
+    typer.Argument(help="Checkpoint directory or Hugging Face repo id (default: the embedded tiny gemma3).",
+                   show_default=False),
+]
+RequiredModelArg = Annotated[str, typer.Argument(help="Checkpoint directory or Hugging Face repo id.")]
+NpOpt = Annotated[int, typer.Option("--np", help="Number of ranks (tensor-parallel degree).")]
+BackendOpt = Annotated[str, typer.Option("--backend", help="Distributed backend: auto, ring, mpi, nccl, jaccl.")]
+HostfileOpt = Annotated[
+    Optional[Path], typer.Option("--hostfile", help="OpenMPI or MLX JSON hostfile for multi-host runs.")
+]
+DtypeOpt = Annotated[
+    Optional[str], typer.Option("--dtype", help="Compute dtype (float32, bfloat16, float16); default: the checkpoint's.")
+]
+PrefillStepOpt = Annotated[
+    Optional[int], typer.Option("--prefill-step", help="Feed the prompt through the cache in chunks of this many tokens.")
+]
+
+
+def _handle_errors(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except UserError as e:
+            _err(f"error: {e}")
+            raise typer.Exit(e.exit_code) from None
+        except KeyboardInterrupt:
+            _err("interrupted")
+            raise typer.Exit(130) from None
+
+    return wrapper
+
+
+def _err(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _argv_from_ctx(ctx: click.Context) -> list[str]:
+    """The command line that re-creates this command on each rank."""
+    argv = [ctx.info_name]
+    for p in ctx.command.params:
+        v = ctx.params.get(p.name)
+        if isinstance(p, click.Argument):
+            if v is not None:
+                argv.append(str(v))
+        elif getattr(p, "is_flag", False):
+            if v and p.opts:
+                argv.append(p.opts[0])
+            elif not v and p.secondary_opts:
+                argv.append(p.secondary_opts[0])
+        elif v is not None:
+            argv += [p.opts[0], str(v)]
+    return argv
+
+
+class Rank:
+    """Where this process stands: single process, or one rank of a group."""
+
+    def __init__(self, group=None):
+        self.group = group
+        self.rank = group.rank() if group is not None else 0
+        self.size = group.size() if group is not None else 1
+
+    @property
+    def is_root(self) -> bool:
+        return self.rank == 0
+
+
+def _distribute(np_: int, backend: str, hostfile: Optional[Path]) -> Rank:
+    """Launch ranks (and exit with the job's code) or join the group."""
+    from . import distributed
+
+    group = distributed.init_from_env()
+    if group is not None:
+        return Rank(group)
+    if np_ < 1:
+        raise UserError(f"--np must be >= 1, got {np_}")
+    if np_ == 1 and hostfile is None:
+        return Rank(None)
+    from .launcher import launch
+
+    ctx = click.get_current_context()
+    code = launch(_argv_from_ctx(ctx), np_, backend, str(hostfile) if hostfile else None)
+    raise typer.Exit(code)
+
+
+def _load(model, dtype, rank: Rank):
+    from .loader import load_model
+
+    return load_model(model, dtype=dtype, group=rank.group)
+
+
+# Commands --------------------------------------------------------------------
+@app.command()
+@_handle_errors
+def logits(
+    model: RequiredModelArg,
+    tokens_file: Annotated[Path, typer.Option("--tokens-file", help="1-D integer .npy of token ids.")],
+    out: Annotated[Path, typer.Option("--out", help="Where to write float32 [T, V] logits (.npy).")],
+    decode_from: Annotated[
+        Optional[int], typer.Option("--decode-from", help="Tokens [0, K) are the prompt; the rest are decoded one by one.")
+    ] = None,
+    prefill_step: PrefillStepOpt = None,
+    dtype: DtypeOpt = None,
+    np_: NpOpt = 1,
+    backend: BackendOpt = "auto",
+    hostfile: HostfileOpt = None,
+):
+    """Write the logits of every position of a token sequence."""
+    import numpy as np
+
+    from .engine import sequence_logits
+
+    ids = _read_tokens(tokens_file)
+    rank = _distribute(np_, backend, hostfile)
+    loaded = _load(model, dtype, rank)
+    result = sequence_logits(loaded.model, ids, decode_from=decode_from, prefill_step=prefill_step)
+    if rank.is_root:
+        try:
+            np.save(out, result)
+        except OSError as e:
+            raise UserError(f"cannot write {out}: {e.strerror}") from None
+        _err(f"wrote {out} {list(result.shape)} float32 (np {rank.size})")
+
+
+def _read_tokens(path: Path):
+    import numpy as np
+
+    if not path.exists():
+        raise UserError(f"{path}: no such tokens file")
+    try:
+        ids = np.load(path, allow_pickle=False)
+    except (ValueError, OSError) as e:
+        raise UserError(f"{path}: not a .npy array ({e})") from None
+    if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
+        raise UserError(f"{path}: expected a 1-D integer array, got {ids.dtype} {list(ids.shape)}")
+    return ids
+
+
+@app.command()
+@_handle_errors
+def generate(
+    model: ModelArg = None,
+    prompt: Annotated[str, typer.Option("--prompt", "-p", help="Prompt text.")] = "The sea",
+    max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", help="Tokens to generate.")] = 64,
+    temp: Annotated[float, typer.Option("--temp", help="Sampling temperature (0 = greedy).")] = 0.0,
+    seed: Annotated[int, typer.Option("--seed", help="Random seed (same on every rank).")] = 0,
+    prefill_step: PrefillStepOpt = None,
+    dtype: DtypeOpt = None,
+    np_: NpOpt = 1,
+    backend: BackendOpt = "auto",
+    hostfile: HostfileOpt = None,
+):
+    """Generate text, streamed to stdout; speed to stderr."""
+    from .engine import generate_tokens
+    from .tokenizer import StreamDecoder, Tokenizer
+
+    rank = _distribute(np_, backend, hostfile)
+    loaded = _load(model, dtype, rank)
+    tok = Tokenizer(loaded.model_dir, loaded.config)
+    ids = tok.encode(prompt)
+    stream = StreamDecoder(tok)
+    gen = generate_tokens(loaded.model, ids, max_tokens, temp=temp, seed=seed,
+                          eos_ids=tok.eos_ids, prefill_step=prefill_step)
+    if rank.is_root:
+        sys.stdout.write(prompt)
+        sys.stdout.flush()
+    stats = None
+    while True:
+        try:
+            t = next(gen)
+        except StopIteration as stop:
+            stats = stop.value
+            break
+        if rank.is_root and t not in tok.eos_ids:
+            sys.stdout.write(stream.add(t))
+            sys.stdout.flush()
+    if rank.is_root:
+        sys.stdout.write(stream.flush() + "\n")
+        sys.stdout.flush()
+        _err(
+            f"prompt {stats.prompt_tokens} tok, {stats.prefill_tok_s:.1f} tok/s | "
+            f"generated {stats.generated} tok, {stats.decode_tok_s:.1f} tok/s | np {rank.size}"
+        )
+
+
+@app.command()
+@_handle_errors
+def info(model: ModelArg = None):
+    """Config summary, per-layer attention kind, parameter count."""
+    import numpy as np
+
+    from .loader import build_model, read_config, resolve_model_dir
+    from .weights import open_checkpoint
+
+    model_dir = resolve_model_dir(model)
+    config = read_config(model_dir)
+    m = build_model(config)
+    a = m.args
+    refs = m.sanitize(open_checkpoint(model_dir))
+    n_params = sum(int(np.prod(r.shape)) for r in refs.values())
+    dtypes = sorted({r.dtype for r in refs.values()})
+    print(f"model       {model_dir}")
+    print(f"model_type  {config.get('model_type')} -> {a.model_type}")
+    print(f"parameters  {n_params:,} ({', '.join(dtypes)})")
+    print(f"hidden      {a.hidden_size}, intermediate {a.intermediate_size}, vocab {a.vocab_size}")
+    print(f"heads       {a.num_attention_heads} q, {a.num_key_value_heads} kv, head_dim {a.head_dim}")
+    print(f"layers      {a.num_hidden_layers}")
+    for line in m.describe_layers():
+        print(f"  {line}")
+
+
+def main():
+    app()
+
+
+if __name__ == "__main__":
+    main()

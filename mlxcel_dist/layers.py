@@ -1,0 +1,60 @@
+"""Small building blocks shared by model files (norms, activations).
+
+Norms compute in float32 and cast back, as the reference does, so bf16
+checkpoints round at the same points.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import mlx.nn as nn
+
+
+class RMSNorm(nn.Module):
+    """Llama-style: normalise in fp32, cast to the input dtype, then scale by w."""
+
+    def __init__(self, dims: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = mx.ones((dims,))
+        self.eps = eps
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = mx.fast.rms_norm(x.astype(mx.float32), None, self.eps).astype(x.dtype)
+        return self.weight * y
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma-style: scale by (1 + w), all in fp32, then cast to the input dtype."""
+
+    def __init__(self, dims: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = mx.zeros((dims,))
+        self.eps = eps
+
+    def __call__(self, x: mx.array) -> mx.array:
+        w = 1.0 + self.weight.astype(mx.float32)
+        return mx.fast.rms_norm(x.astype(mx.float32), w, self.eps).astype(x.dtype)
+
+
+def gelu_tanh(x: mx.array) -> mx.array:
+    """transformers' gelu_pytorch_tanh / gelu_new."""
+    return 0.5 * x * (1.0 + mx.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)))
+
+
+ACTIVATIONS = {
+    "gelu_pytorch_tanh": gelu_tanh,
+    "gelu_new": gelu_tanh,
+    "gelu": nn.gelu,
+    "silu": nn.silu,
+    "swish": nn.silu,
+}
+
+
+def activation(name: str):
+    from .errors import UserError
+
+    if name not in ACTIVATIONS:
+        raise UserError(f"unsupported activation {name!r} (supported: {', '.join(ACTIVATIONS)})")
+    return ACTIVATIONS[name]

@@ -1,0 +1,171 @@
+"""From a MODEL argument to a loaded (and, under TP, sharded) model.
+
+resolve_model_dir: local directory, the embedded default, or a Hub repo id.
+load_model: config.json -> registry -> ModelArgs -> Model -> shard(group) ->
+read exactly this rank's slice of every tensor -> strict load -> cast.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from .errors import UserError
+from .models import get_model_module
+from .shard import collect_plan
+from .weights import open_checkpoint
+
+DEFAULT_MODEL_NAME = "gemma3-tiny"
+HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.jinja", "*.txt"]
+
+DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+
+
+def default_model_dir() -> Path:
+    """The embedded tiny checkpoint (installed as package data, or the repo's models/)."""
+    try:
+        from importlib.resources import files
+
+        p = Path(str(files("mlxcel_dist.default_models") / DEFAULT_MODEL_NAME))
+        if (p / "config.json").exists():
+            return p
+    except (ModuleNotFoundError, TypeError):
+        pass
+    p = Path(__file__).resolve().parent.parent / "models" / DEFAULT_MODEL_NAME
+    if (p / "config.json").exists():
+        return p
+    raise UserError("the embedded default model is not installed; pass a MODEL path")
+
+
+def resolve_model_dir(model: str | os.PathLike | None) -> Path:
+    if model is None or str(model) == "":
+        return default_model_dir()
+    p = Path(model).expanduser()
+    if p.exists():
+        if not p.is_dir():
+            raise UserError(f"{p}: MODEL must be a checkpoint directory, not a file")
+        return p
+    s = str(model)
+    looks_like_repo = s.count("/") == 1 and not s.startswith((".", "/", "~")) and all(s.split("/"))
+    if not looks_like_repo:
+        raise UserError(f"{s}: no such model directory")
+    return _download(s)
+
+
+def _download(repo_id: str) -> Path:
+    try:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.utils import disable_progress_bars  # noqa: F401
+    except ImportError:  # pragma: no cover - a declared dependency
+        raise UserError("huggingface-hub is not installed; pass a local MODEL directory") from None
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=HUB_PATTERNS))
+    except Exception as e:  # the hub raises many types; all mean the same to a user
+        offline = os.environ.get("HF_HUB_OFFLINE") not in (None, "", "0")
+        hint = (
+            "it is not in the local cache (HF_HUB_OFFLINE is set)"
+            if offline
+            else "check the repo id and the network, or pass a local directory (HF_HUB_OFFLINE=1 uses the cache only)"
+        )
+        raise UserError(f"could not get {repo_id!r} from the Hugging Face Hub: {type(e).__name__}; {hint}") from None
+
+
+def read_config(model_dir: Path) -> dict:
+    path = model_dir / "config.json"
+    if not path.exists():
+        raise UserError(f"{model_dir}: no config.json (is this a checkpoint directory?)")
+    try:
+        config = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{path}: not valid JSON ({e.msg if hasattr(e, 'msg') else e})") from None
+    if not isinstance(config, dict):
+        raise UserError(f"{path}: expected a JSON object")
+    return config
+
+
+def config_dtype(config: dict):
+    """The checkpoint's compute dtype (transformers 5 'dtype', 4 'torch_dtype')."""
+    for src in (config, config.get("text_config") or {}):
+        for key in ("dtype", "torch_dtype"):
+            name = src.get(key)
+            if isinstance(name, str) and name in DTYPES:
+                return DTYPES[name]
+    return None
+
+
+def parse_dtype(name: str | None):
+    if name is None:
+        return None
+    if name not in DTYPES:
+        raise UserError(f"unknown dtype {name!r} (choose from {', '.join(DTYPES)})")
+    return DTYPES[name]
+
+
+@dataclass
+class Loaded:
+    model: nn.Module
+    config: dict
+    model_dir: Path
+    dtype: object
+    group: object = None
+
+
+def build_model(config: dict):
+    module = get_model_module(config.get("model_type"))
+    args = module.ModelArgs.from_dict(config)
+    return module.Model(args)
+
+
+def load_model(model: str | os.PathLike | None, dtype: str | None = None, group=None, progress=None) -> Loaded:
+    model_dir = resolve_model_dir(model)
+    config = read_config(model_dir)
+    m = build_model(config)
+    if group is not None and group.size() > 1:
+        m.shard(group)
+    target = parse_dtype(dtype) or config_dtype(config)
+    refs = m.sanitize(open_checkpoint(model_dir))
+    load_weights(m, refs, target, progress=progress)
+    m.eval()
+    return Loaded(m, config, model_dir, target, group)
+
+
+def load_weights(model: nn.Module, refs: dict, dtype=None, progress=None) -> None:
+    """Strict: every parameter must come from the checkpoint with the right
+    shape, and every checkpoint tensor must be used. Reads only this rank's slice."""
+    expected = dict(tree_flatten(model.parameters()))
+    missing = sorted(expected.keys() - refs.keys())
+    unexpected = sorted(refs.keys() - expected.keys())
+    if missing:
+        more = f" (+{len(missing) - 3} more)" if len(missing) > 3 else ""
+        raise UserError(f"checkpoint is missing tensors: {', '.join(missing[:3])}{more}")
+    if unexpected:
+        more = f" (+{len(unexpected) - 3} more)" if len(unexpected) > 3 else ""
+        raise UserError(f"checkpoint has unexpected tensors: {', '.join(unexpected[:3])}{more}")
+    plan = collect_plan(model)
+    weights = []
+    names = sorted(expected)
+    for i, name in enumerate(names):
+        ref, param = refs[name], expected[name]
+        axis, ranges = plan.get(name, (None, None))
+        if axis is not None and (axis >= len(ref.shape) or ranges[-1][1] > ref.shape[axis]):
+            raise UserError(f"tensor {name!r} has shape {list(ref.shape)}, too small for this rank's slice")
+        shape = ref.sliced_shape(axis, ranges)
+        if shape != tuple(param.shape):
+            full = list(param.shape)
+            if axis is not None:
+                full[axis] = ref.shape[axis]
+            raise UserError(f"tensor {name!r} has shape {list(ref.shape)}, expected {full}")
+        w = ref.read(axis, ranges)
+        if dtype is not None and mx.issubdtype(w.dtype, mx.floating):
+            w = w.astype(dtype)
+        weights.append((name, w))
+        if progress is not None:
+            progress(i + 1, len(names))
+    model.load_weights(weights, strict=True)
+    mx.eval(model.parameters())

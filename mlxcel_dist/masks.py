@@ -1,0 +1,95 @@
+"""Attention masks shared by every model and every rank.
+
+All masks are boolean arrays of shape [queries, keys] where True means "may
+attend". Query row q is the token at absolute position `offset + q`; the key
+axis covers the keys the cache returns, oldest first. A sliding window of size
+W lets a query see W keys including itself, as in transformers:
+
+    key k visible to query q  iff  q_pos - W < k_pos <= q_pos
+
+Which builder applies:
+
+- `create_causal_mask(size, offset)`: global layers, keys [0, offset + size).
+- `create_causal_mask_with_window_full(size, offset, window)`: every key,
+  windowed. Correct for any size; it is what a multi-token prefill past the
+  window must use.
+- `create_causal_mask_with_window(size, offset, window)`: the capped form, whose
+  key axis is only the trailing `window` keys once size + offset > window. It is
+  only correct while size <= window (a decode step, a short chunk): with a
+  longer prefill the early query rows would see no key at all (all -inf, NaN).
+- `create_sliding_window_prefill_mask(size, sliding_offset, window)`: the
+  selector models call. `sliding_offset` is the number of earlier keys the
+  cache returns with this update (`cache.sliding_offset`), so the mask's key
+  axis always equals the keys attention receives.
+
+No builder ever returns a row that is all False.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+
+def _positions(size: int, offset: int, num_keys: int):
+    # Absolute positions: queries are the last `size` tokens, keys the last
+    # `num_keys` tokens of the `offset + size` seen so far.
+    end = offset + size
+    q = mx.arange(offset, end)[:, None]
+    k = mx.arange(end - num_keys, end)[None, :]
+    return q, k
+
+
+def _check(size: int, offset: int, window: int | None = None) -> None:
+    if size < 1 or offset < 0:
+        raise ValueError(f"mask needs size >= 1 and offset >= 0, got size={size} offset={offset}")
+    if window is not None and window < 1:
+        raise ValueError(f"sliding window must be >= 1, got {window}")
+
+
+def create_causal_mask(size: int, offset: int = 0) -> mx.array:
+    """[size, offset + size]: key k visible iff k <= q + offset."""
+    _check(size, offset)
+    q, k = _positions(size, offset, offset + size)
+    return k <= q
+
+
+def create_causal_mask_with_window_full(size: int, offset: int, window: int) -> mx.array:
+    """[size, offset + size]: key k visible iff q + offset - window < k <= q + offset."""
+    _check(size, offset, window)
+    q, k = _positions(size, offset, offset + size)
+    return (k <= q) & (k > q - window)
+
+
+def create_causal_mask_with_window(size: int, offset: int, window: int) -> mx.array:
+    """Capped windowed mask: [size, min(offset + size, window)].
+
+    The key axis is the trailing `window` keys (what a cache capped at `window`
+    holds). Only valid while size <= window; callers with a longer prefill must
+    use `create_causal_mask_with_window_full` (see the module docstring).
+    """
+    _check(size, offset, window)
+    if size > window and size + offset > window:
+        raise ValueError(
+            f"capped window mask cannot hold {size} queries in a window of {window}: "
+            "use create_causal_mask_with_window_full"
+        )
+    q, k = _positions(size, offset, min(offset + size, window))
+    return (k <= q) & (k > q - window)
+
+
+def create_sliding_window_prefill_mask(size: int, sliding_offset: int, window: int) -> mx.array:
+    """Mask for `size` new queries on a sliding layer whose cache returns
+    `sliding_offset` earlier keys plus the `size` new ones.
+
+    Three regimes, one invariant (key axis == sliding_offset + size):
+    - within the window (sliding_offset + size <= window): equals the capped
+      builder, which is then plain causal;
+    - a fresh prefill longer than the window (sliding_offset == 0): the full
+      windowed [size, size] mask;
+    - a cache that has rolled over (sliding_offset > 0): the windowed mask over
+      the kept keys followed by the new ones.
+    """
+    _check(size, sliding_offset, window)
+    if sliding_offset + size <= window:
+        return create_causal_mask_with_window(size, sliding_offset, window)
+    return create_causal_mask_with_window_full(size, sliding_offset, window)

@@ -1,0 +1,56 @@
+"""What every model file shares: config parsing and the per-layer kinds.
+
+A model file defines `ModelArgs(BaseModelArgs)` whose fields are config.json
+keys, `Model(args)` with `__call__(inputs [B, L] int32, cache=None) ->
+logits [B, L, vocab]`, `make_cache()`, `sanitize(weights)` (pure dict -> dict
+over weight names) and `shard(group)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..errors import UserError
+
+SLIDING = "sliding_attention"
+FULL = "full_attention"
+
+
+@dataclasses.dataclass
+class BaseModelArgs:
+    @classmethod
+    def from_dict(cls, params: dict):
+        names = {f.name for f in dataclasses.fields(cls)}
+        try:
+            return cls(**{k: v for k, v in params.items() if k in names})
+        except TypeError as e:  # a required key is missing
+            raise UserError(f"config.json for {cls.__module__.rsplit('.', 1)[-1]}: {e}") from None
+
+
+def derive_layer_types(
+    layer_types: list | None,
+    num_layers: int,
+    sliding_window: int | None,
+    sliding_window_pattern: int | None = None,
+) -> list[str]:
+    """The single source of sliding vs full per layer.
+
+    `layer_types` (transformers 5, and newer 4.x configs) wins; else the legacy
+    `sliding_window_pattern` P makes every P-th layer full; else every layer is
+    sliding when a window is set (mistral) and full otherwise.
+    """
+    if layer_types is not None:
+        if len(layer_types) != num_layers:
+            raise UserError(f"config layer_types has {len(layer_types)} entries for {num_layers} layers")
+        bad = sorted({t for t in layer_types if t not in (SLIDING, FULL)})
+        if bad:
+            raise UserError(f"config layer_types has unsupported kinds {bad} (supported: {SLIDING}, {FULL})")
+        types = list(layer_types)
+    elif sliding_window_pattern:
+        p = int(sliding_window_pattern)
+        types = [SLIDING if (i + 1) % p else FULL for i in range(num_layers)]
+    else:
+        types = [SLIDING if sliding_window else FULL] * num_layers
+    if SLIDING in types and not sliding_window:
+        raise UserError("config has sliding_attention layers but no sliding_window")
+    return types

@@ -1,0 +1,267 @@
+"""Gemma 3 text model (`gemma3_text`, and the text tower of multimodal `gemma3`).
+
+Hidden states [B, L, hidden]; q [B, n_heads, L, head_dim], k/v [B, n_kv_heads,
+L, head_dim] (per-rank counts under tensor parallelism). Layers alternate
+sliding-window (local RoPE base) and full attention (global RoPE base, with
+rope scaling); both normalise q and k per head, scale scores by
+query_pre_attn_scalar ** -0.5, and wrap attention and the GeGLU MLP in
+pre- and post-norms. Embeddings are scaled by sqrt(hidden) in the compute
+dtype and tied to the output head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..attention import causal_attention
+from ..cache import KVCache, RotatingKVCache
+from ..errors import UserError
+from ..layers import GemmaRMSNorm, activation
+from ..masks import create_causal_mask, create_sliding_window_prefill_mask
+from ..rope import RoPE
+from ..shard import shard_attention, shard_mlp
+from .base import FULL, SLIDING, BaseModelArgs, derive_layer_types
+
+
+@dataclass
+class ModelArgs(BaseModelArgs):
+    model_type: str = "gemma3_text"
+    vocab_size: int = 262208
+    hidden_size: int = 2304
+    intermediate_size: int = 9216
+    num_hidden_layers: int = 26
+    num_attention_heads: int = 8
+    num_key_value_heads: int = 4
+    head_dim: int = 256
+    rms_norm_eps: float = 1e-6
+    query_pre_attn_scalar: float = 256
+    sliding_window: int = 4096
+    layer_types: list | None = None
+    sliding_window_pattern: int | None = 6
+    rope_theta: float = 1_000_000.0
+    rope_local_base_freq: float = 10_000.0
+    rope_scaling: dict | None = None
+    rope_parameters: dict | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    hidden_activation: str = "gelu_pytorch_tanh"
+    tie_word_embeddings: bool = True
+    attention_bias: bool = False
+    max_position_embeddings: int = 131072
+    use_bidirectional_attention: bool | None = False
+
+    @classmethod
+    def from_dict(cls, params: dict):
+        # Multimodal checkpoints nest the text model under text_config.
+        if isinstance(params.get("text_config"), dict):
+            text = dict(params["text_config"])
+            if "tie_word_embeddings" in params and "tie_word_embeddings" not in text:
+                text["tie_word_embeddings"] = params["tie_word_embeddings"]
+            params = text
+        return super().from_dict(params)
+
+    def __post_init__(self):
+        if self.use_bidirectional_attention:
+            raise UserError("gemma3 with use_bidirectional_attention (an embedding model) is not supported")
+        self.layer_types = derive_layer_types(
+            self.layer_types, self.num_hidden_layers, self.sliding_window, self.sliding_window_pattern
+        )
+        self.rope = self._rope_per_kind()
+
+    def _rope_per_kind(self) -> dict:
+        # transformers 5: rope_parameters per layer kind. transformers 4:
+        # rope_theta + rope_scaling for global layers, rope_local_base_freq local.
+        rp = self.rope_parameters
+        if rp is not None and (FULL in rp or SLIDING in rp):
+            full = dict(rp.get(FULL) or {})
+            sliding = dict(rp.get(SLIDING) or {})
+        elif rp is not None:
+            full, sliding = dict(rp), {}
+        else:
+            full, sliding = dict(self.rope_scaling or {}), {}
+        if "type" in full and "rope_type" not in full:
+            full["rope_type"] = full.pop("type")
+        full.setdefault("rope_type", "default")
+        full.setdefault("rope_theta", self.rope_theta)
+        sliding.setdefault("rope_type", "default")
+        sliding.setdefault("rope_theta", self.rope_local_base_freq)
+        return {FULL: full, SLIDING: sliding}
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, layer_idx: int):
+        super().__init__()
+        self.total_num_heads = self.num_heads = args.num_attention_heads
+        self.total_num_kv_heads = self.num_kv_heads = args.num_key_value_heads
+        if self.total_num_heads % self.total_num_kv_heads:
+            raise UserError(
+                f"num_attention_heads {self.total_num_heads} is not a multiple of "
+                f"num_key_value_heads {self.total_num_kv_heads}"
+            )
+        self.head_dim = args.head_dim
+        self.scale = args.query_pre_attn_scalar**-0.5
+        kind = args.layer_types[layer_idx]
+        self.window = args.sliding_window if kind == SLIDING else None
+        # transformers' Gemma3 never applies attn_logit_softcapping (Gemma 3
+        # replaced it with q/k norms); the reference wins, so neither do we.
+        self.softcap = None
+        dim, bias = args.hidden_size, args.attention_bias
+        self.q_proj = nn.Linear(dim, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(dim, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(dim, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, dim, bias=bias)
+        self.q_norm = GemmaRMSNorm(self.head_dim, args.rms_norm_eps)
+        self.k_norm = GemmaRMSNorm(self.head_dim, args.rms_norm_eps)
+        self.rope = RoPE(self.head_dim, args.rope[kind], args.max_position_embeddings)
+
+    def __call__(self, x, mask=None, cache=None):
+        B, L, _ = x.shape
+        # [B, L, heads * D] -> [B, heads, L, D]
+        q = self.q_proj(x).reshape(B, L, self.num_heads, self.head_dim).transpose(0, 2, 1, 3)
+        k = self.k_proj(x).reshape(B, L, self.num_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
+        v = self.v_proj(x).reshape(B, L, self.num_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
+        q, k = self.q_norm(q), self.k_norm(k)
+        offset = cache.offset if cache is not None else 0
+        q, k = self.rope(q, offset), self.rope(k, offset)
+        if cache is not None:
+            k, v = cache.update_and_fetch(k, v)
+        out = causal_attention(q, k, v, self.scale, self.window, softcap=self.softcap, mask=mask)
+        # [B, heads, L, D] -> [B, L, heads * D]
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
+        self.act = activation(args.hidden_activation)
+
+    def __call__(self, x):
+        # The activation runs in fp32 and rounds once, as torch's kernels do.
+        g = self.gate_proj(x)
+        return self.down_proj(self.act(g.astype(mx.float32)).astype(x.dtype) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, layer_idx: int):
+        super().__init__()
+        eps = args.rms_norm_eps
+        self.self_attn = Attention(args, layer_idx)
+        self.mlp = MLP(args)
+        self.input_layernorm = GemmaRMSNorm(args.hidden_size, eps)
+        self.post_attention_layernorm = GemmaRMSNorm(args.hidden_size, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(args.hidden_size, eps)
+        self.post_feedforward_layernorm = GemmaRMSNorm(args.hidden_size, eps)
+
+    def __call__(self, x, mask=None, cache=None):
+        h = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), mask, cache))
+        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+
+
+def gemma3_masks(L: int, cache, args: ModelArgs) -> dict:
+    """One mask per attention kind for L new tokens, built once per forward.
+
+    A single decode token needs none: global layers see every cached key and
+    the rotating cache hands sliding layers exactly their window.
+    """
+    if L == 1:
+        return {FULL: None, SLIDING: None}
+    masks = {}
+    for kind in set(args.layer_types):
+        c = cache[args.layer_types.index(kind)] if cache is not None else None
+        offset = c.sliding_offset if c is not None else 0
+        if kind == FULL:
+            masks[kind] = create_causal_mask(L, offset)
+        else:
+            masks[kind] = create_sliding_window_prefill_mask(L, offset, args.sliding_window)
+    return masks
+
+
+class Gemma3TextModel(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = [DecoderLayer(args, i) for i in range(args.num_hidden_layers)]
+        self.norm = GemmaRMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def __call__(self, inputs, cache=None):
+        h = self.embed_tokens(inputs)
+        # sqrt(hidden) rounded once to fp32, then to the compute dtype (as the reference).
+        h = h * mx.array(self.args.hidden_size**0.5, mx.float32).astype(h.dtype)
+        masks = gemma3_masks(inputs.shape[1], cache, self.args)
+        cache = cache if cache is not None else [None] * len(self.layers)
+        for layer, kind, c in zip(self.layers, self.args.layer_types, cache):
+            h = layer(h, masks[kind], c)
+        return self.norm(h)
+
+
+class Model(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model_type = args.model_type
+        self.model = Gemma3TextModel(args)
+        if not args.tie_word_embeddings:
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    def __call__(self, inputs, cache=None):
+        h = self.model(inputs, cache)
+        if self.args.tie_word_embeddings:
+            logits = self.model.embed_tokens.as_linear(h)
+        else:
+            logits = self.lm_head(h)
+        if self.args.final_logit_softcapping:
+            cap = self.args.final_logit_softcapping
+            logits = mx.tanh(logits / cap) * cap
+        return logits
+
+    @property
+    def layers(self):
+        return self.model.layers
+
+    def make_cache(self):
+        return [
+            RotatingKVCache(self.args.sliding_window) if kind == SLIDING else KVCache()
+            for kind in self.args.layer_types
+        ]
+
+    def sanitize(self, weights: dict) -> dict:
+        """Map multimodal names onto the text model; drop the vision parts and
+        a stored copy of the tied output head."""
+        out = {}
+        for name, w in weights.items():
+            if name.startswith(("vision_tower.", "multi_modal_projector.", "model.vision_tower.")):
+                continue
+            if name.startswith("model.multi_modal_projector."):
+                continue
+            for old, new in (
+                ("language_model.model.", "model."),  # transformers 4 multimodal
+                ("model.language_model.", "model."),  # transformers 5 multimodal
+                ("language_model.lm_head.", "lm_head."),
+            ):
+                if name.startswith(old):
+                    name = new + name[len(old) :]
+                    break
+            if name == "lm_head.weight" and self.args.tie_word_embeddings:
+                continue
+            out[name] = w
+        return out
+
+    def shard(self, group):
+        for layer in self.layers:
+            shard_attention(layer.self_attn, group)
+            shard_mlp(layer.mlp, group)
+
+    def describe_layers(self) -> list[str]:
+        out = []
+        for i, (kind, layer) in enumerate(zip(self.args.layer_types, self.layers)):
+            attn = layer.self_attn
+            w = f"sliding (window {attn.window})" if kind == SLIDING else "full"
+            out.append(f"{i}: {w}, rope {attn.rope.describe()}")
+        return out

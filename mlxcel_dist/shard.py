@@ -1,0 +1,136 @@
+"""Tensor parallelism: one helper per block kind, applied after construction.
+
+Attention: rank r holds q heads [r*H/N, (r+1)*H/N) and the KV heads those
+queries use (split when N divides the KV heads, replicated when the KV heads
+divide N); q/k/v become all-to-sharded, o_proj sharded-to-all (one all_sum).
+MLP: gate/up all-to-sharded by columns, down sharded-to-all (one all_sum).
+Norms, embeddings and the head stay replicated.
+
+The helpers run before any weight is read: they swap in sharded layers whose
+parameters are still lazy placeholders and attach a `ShardSpec` saying which
+slice of each checkpoint tensor this rank needs, so the loader reads only that.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.nn.layers.distributed import AllToShardedLinear, ShardedToAllLinear
+
+from .errors import UserError
+
+
+class ShardSpec:
+    """Per-parameter slices: name -> (axis, [(start, stop), ...]) of the full tensor."""
+
+    def __init__(self, slices: dict):
+        self.slices = slices
+
+    def __repr__(self):
+        return f"ShardSpec({self.slices})"
+
+
+def _slice(w: mx.array, axis: int, ranges) -> mx.array:
+    parts = [w[(slice(None),) * axis + (slice(a, b),)] for a, b in ranges]
+    return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=axis)
+
+
+def _sharded(linear: nn.Linear, kind: str, ranges, group) -> nn.Module:
+    """Swap `linear` for an AllToShardedLinear (kind "rows": output slice) or a
+    ShardedToAllLinear (kind "cols": input slice) holding only `ranges`."""
+    has_bias = "bias" in linear
+    out_dims, in_dims = linear.weight.shape
+    n = group.size()
+    # The constructors want evenly divisible dims; shapes are replaced below
+    # (replicated KV heads are not an even split of the output).
+    if kind == "rows":
+        layer = AllToShardedLinear(in_dims, n, bias=has_bias, group=group)
+        layer.weight = _slice(linear.weight, 0, ranges)
+        if has_bias:
+            layer.bias = _slice(linear.bias, 0, ranges)
+        spec = {"weight": (0, ranges)}
+        if has_bias:
+            spec["bias"] = (0, ranges)
+    else:
+        layer = ShardedToAllLinear(n, out_dims, bias=has_bias, group=group)
+        layer.weight = _slice(linear.weight, 1, ranges)
+        if has_bias:
+            layer.bias = linear.bias  # added once, after the all_sum
+        spec = {"weight": (1, ranges)}
+    layer.shard_spec = ShardSpec(spec)
+    return layer
+
+
+def head_ranges(total_heads: int, total_kv_heads: int, n: int, r: int):
+    """(q head range, kv head range) for rank r of n, or UserError."""
+    if n < 1 or not 0 <= r < n:
+        raise UserError(f"bad rank {r} of {n}")
+    if total_heads % n:
+        raise UserError(
+            f"{n} ranks cannot split {total_heads} attention heads "
+            f"({total_kv_heads} KV heads): use a rank count that divides {total_heads}"
+        )
+    if total_kv_heads % n and n % total_kv_heads:
+        raise UserError(
+            f"{n} ranks cannot split {total_kv_heads} KV heads "
+            f"({total_heads} attention heads): the rank count must divide the KV heads "
+            f"or be a multiple of them"
+        )
+    per = total_heads // n
+    group = total_heads // total_kv_heads  # q heads per KV head
+    q0, q1 = r * per, (r + 1) * per
+    kv0, kv1 = q0 // group, (q1 - 1) // group + 1
+    return (q0, q1), (kv0, kv1)
+
+
+def shard_attention(attn: nn.Module, group) -> None:
+    """Shard q/k/v/o projections of a standard attention block in place.
+
+    Needs `total_num_heads`, `total_num_kv_heads`, `head_dim`, and q_proj,
+    k_proj, v_proj, o_proj; per-head parameters named in `attn.per_head_params`
+    (e.g. attention sinks) are sliced with their heads.
+    """
+    n, r = group.size(), group.rank()
+    if n == 1:
+        return
+    (q0, q1), (kv0, kv1) = head_ranges(attn.total_num_heads, attn.total_num_kv_heads, n, r)
+    D = attn.head_dim
+    attn.q_proj = _sharded(attn.q_proj, "rows", [(q0 * D, q1 * D)], group)
+    attn.k_proj = _sharded(attn.k_proj, "rows", [(kv0 * D, kv1 * D)], group)
+    attn.v_proj = _sharded(attn.v_proj, "rows", [(kv0 * D, kv1 * D)], group)
+    attn.o_proj = _sharded(attn.o_proj, "cols", [(q0 * D, q1 * D)], group)
+    per_head = {}
+    for name in getattr(attn, "per_head_params", ()):
+        setattr(attn, name, _slice(getattr(attn, name), 0, [(q0, q1)]))
+        per_head[name] = (0, [(q0, q1)])
+    if per_head:
+        attn.shard_spec = ShardSpec(per_head)
+    attn.num_heads = q1 - q0
+    attn.num_kv_heads = kv1 - kv0
+
+
+def shard_mlp(mlp: nn.Module, group, up=("gate_proj", "up_proj"), down="down_proj") -> None:
+    """Column-shard the up projections and row-shard the down projection."""
+    n, r = group.size(), group.rank()
+    if n == 1:
+        return
+    inter = getattr(mlp, up[0]).weight.shape[0]
+    if inter % n:
+        raise UserError(f"{n} ranks cannot split the MLP's intermediate size {inter}")
+    per = inter // n
+    rng = [(r * per, (r + 1) * per)]
+    for name in up:
+        setattr(mlp, name, _sharded(getattr(mlp, name), "rows", rng, group))
+    setattr(mlp, down, _sharded(getattr(mlp, down), "cols", rng, group))
+
+
+def collect_plan(model: nn.Module) -> dict:
+    """Full parameter name -> (axis, ranges) for every sharded parameter."""
+    plan = {}
+    for path, module in model.named_modules():
+        spec = getattr(module, "shard_spec", None)
+        if isinstance(spec, ShardSpec):
+            prefix = f"{path}." if path else ""
+            for pname, s in spec.slices.items():
+                plan[prefix + pname] = s
+    return plan

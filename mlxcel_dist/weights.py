@@ -1,0 +1,132 @@
+"""Reading safetensors without reading what this rank does not need.
+
+A checkpoint is opened by parsing each file's header (8-byte little-endian
+length, JSON table of name -> dtype, shape, byte offsets) and memory-mapping its
+data, so a rank materialises only the slices of the tensors it holds. Only
+safetensors are read (never pickle). Every header is validated against the file
+size, so a truncated download is a clear error rather than garbage or a crash.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from .errors import UserError
+
+# safetensors dtype -> (numpy storage dtype, mlx dtype). bf16 is stored as
+# uint16 and reinterpreted, since numpy has no bfloat16.
+_DTYPES = {
+    "F32": (np.float32, mx.float32),
+    "F16": (np.float16, mx.float16),
+    "BF16": (np.uint16, mx.bfloat16),
+    "F64": (np.float64, mx.float32),
+    "I64": (np.int64, mx.int64),
+    "I32": (np.int32, mx.int32),
+    "I16": (np.int16, mx.int16),
+    "I8": (np.int8, mx.int8),
+    "U32": (np.uint32, mx.uint32),
+    "U16": (np.uint16, mx.uint16),
+    "U8": (np.uint8, mx.uint8),
+    "BOOL": (np.bool_, mx.bool_),
+}
+
+
+class TensorRef:
+    """A tensor in a safetensors file, read on demand (whole or a slice)."""
+
+    __slots__ = ("file", "name", "dtype", "shape", "_mm")
+
+    def __init__(self, file: Path, name: str, dtype: str, shape: tuple, mm: np.ndarray):
+        self.file, self.name, self.dtype, self.shape, self._mm = file, name, dtype, shape, mm
+
+    def read(self, axis: int | None = None, ranges=None) -> mx.array:
+        a = self._mm
+        if axis is not None:
+            idx = (slice(None),) * axis
+            a = np.concatenate([a[idx + (slice(s, e),)] for s, e in ranges], axis=axis)
+        a = np.ascontiguousarray(a)  # copies only the selected bytes out of the map
+        _, mdt = _DTYPES[self.dtype]
+        if self.dtype == "BF16":
+            return mx.array(a).view(mx.bfloat16)
+        if self.dtype == "F64":
+            return mx.array(a.astype(np.float32))
+        return mx.array(a)
+
+    def sliced_shape(self, axis: int | None, ranges) -> tuple:
+        if axis is None:
+            return self.shape
+        shape = list(self.shape)
+        shape[axis] = sum(e - s for s, e in ranges)
+        return tuple(shape)
+
+
+def read_header(path: Path) -> dict[str, TensorRef]:
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise UserError(f"{path}: not a safetensors file (truncated header)")
+        (n,) = struct.unpack("<Q", raw)
+        if n > size - 8 or n > 100_000_000:
+            raise UserError(f"{path}: not a safetensors file or truncated (header length {n}, file {size} bytes)")
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise UserError(f"{path}: corrupt safetensors header") from None
+    header.pop("__metadata__", None)
+    base = 8 + n
+    data_len = size - base
+    out = {}
+    for name, info in header.items():
+        try:
+            dtype, shape, (start, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise UserError(f"{path}: corrupt safetensors entry for {name!r}") from None
+        if dtype not in _DTYPES:
+            raise UserError(f"{path}: tensor {name!r} has unsupported dtype {dtype}")
+        np_dt = np.dtype(_DTYPES[dtype][0])
+        count = int(np.prod(shape)) if shape else 1
+        if end > data_len:
+            raise UserError(
+                f"{path}: truncated: tensor {name!r} ends at byte {base + end} but the file has {size} bytes"
+            )
+        if end - start != count * np_dt.itemsize:
+            raise UserError(f"{path}: tensor {name!r} byte range does not match its shape {list(shape)}")
+        if count == 0:
+            mm = np.zeros(shape, np_dt)
+        else:
+            mm = np.memmap(path, dtype=np_dt, mode="r", offset=base + start, shape=shape)
+        out[name] = TensorRef(path, name, dtype, shape, mm)
+    return out
+
+
+def open_checkpoint(model_dir: Path) -> dict[str, TensorRef]:
+    """All tensors of a checkpoint directory (sharded index or plain files)."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise UserError(f"{index}: not a valid safetensors index") from None
+        paths = [model_dir / f for f in files]
+        missing = [p.name for p in paths if not p.exists()]
+        if missing:
+            raise UserError(f"{model_dir}: index names missing weight files: {', '.join(missing[:3])}")
+    else:
+        paths = sorted(model_dir.glob("*.safetensors"))
+    if not paths:
+        if list(model_dir.glob("*.bin")) or list(model_dir.glob("*.pt")):
+            raise UserError(f"{model_dir}: only pickle weights (.bin/.pt) found; mlxcel-dist reads safetensors only")
+        raise UserError(f"{model_dir}: no .safetensors weight files")
+    refs: dict[str, TensorRef] = {}
+    for p in paths:
+        for name, ref in read_header(p).items():
+            if name in refs:
+                raise UserError(f"{model_dir}: tensor {name!r} appears in two files")
+            refs[name] = ref
+    return refs
