@@ -15,7 +15,6 @@ import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
-import click
 import typer
 
 from .errors import UserError
@@ -66,12 +65,12 @@ def _err(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def _argv_from_ctx(ctx: click.Context) -> list[str]:
+def _argv_from_ctx(ctx: typer.Context) -> list[str]:
     """The command line that re-creates this command on each rank."""
     argv = [ctx.info_name]
     for p in ctx.command.params:
         v = ctx.params.get(p.name)
-        if isinstance(p, click.Argument):
+        if p.param_type_name == "argument":
             if v is not None:
                 argv.append(str(v))
         elif getattr(p, "is_flag", False):
@@ -97,7 +96,7 @@ class Rank:
         return self.rank == 0
 
 
-def _distribute(np_: int, backend: str, hostfile: Optional[Path]) -> Rank:
+def _distribute(ctx: typer.Context, np_: int, backend: str, hostfile: Optional[Path]) -> Rank:
     """Launch ranks (and exit with the job's code) or join the group."""
     from . import distributed
 
@@ -110,7 +109,6 @@ def _distribute(np_: int, backend: str, hostfile: Optional[Path]) -> Rank:
         return Rank(None)
     from .launcher import launch
 
-    ctx = click.get_current_context()
     code = launch(_argv_from_ctx(ctx), np_, backend, str(hostfile) if hostfile else None)
     raise typer.Exit(code)
 
@@ -125,6 +123,7 @@ def _load(model, dtype, rank: Rank):
 @app.command()
 @_handle_errors
 def logits(
+    ctx: typer.Context,
     model: RequiredModelArg,
     tokens_file: Annotated[Path, typer.Option("--tokens-file", help="1-D integer .npy of token ids.")],
     out: Annotated[Path, typer.Option("--out", help="Where to write float32 [T, V] logits (.npy).")],
@@ -143,7 +142,7 @@ def logits(
     from .engine import sequence_logits
 
     ids = _read_tokens(tokens_file)
-    rank = _distribute(np_, backend, hostfile)
+    rank = _distribute(ctx, np_, backend, hostfile)
     loaded = _load(model, dtype, rank)
     result = sequence_logits(loaded.model, ids, decode_from=decode_from, prefill_step=prefill_step)
     if rank.is_root:
@@ -171,6 +170,7 @@ def _read_tokens(path: Path):
 @app.command()
 @_handle_errors
 def generate(
+    ctx: typer.Context,
     model: ModelArg = None,
     prompt: Annotated[str, typer.Option("--prompt", "-p", help="Prompt text.")] = "The sea",
     max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", help="Tokens to generate.")] = 64,
@@ -186,7 +186,7 @@ def generate(
     from .engine import generate_tokens
     from .tokenizer import StreamDecoder, Tokenizer
 
-    rank = _distribute(np_, backend, hostfile)
+    rank = _distribute(ctx, np_, backend, hostfile)
     loaded = _load(model, dtype, rank)
     tok = Tokenizer(loaded.model_dir, loaded.config)
     ids = tok.encode(prompt)

@@ -1,0 +1,140 @@
+"""Property tests for the shared mask builders and their agreement with the caches."""
+
+import itertools
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlxcel_dist.cache import KVCache, RotatingKVCache
+from mlxcel_dist.masks import (
+    create_causal_mask,
+    create_causal_mask_with_window,
+    create_causal_mask_with_window_full,
+    create_sliding_window_prefill_mask,
+)
+
+
+def dense(size, offset, num_keys, window=None):
+    """Reference by definition: query at offset+q sees key at position p iff
+    p <= q_pos and (no window or q_pos - window < p)."""
+    end = offset + size
+    m = np.zeros((size, num_keys), bool)
+    for qi in range(size):
+        qp = offset + qi
+        for ki in range(num_keys):
+            kp = end - num_keys + ki
+            m[qi, ki] = kp <= qp and (window is None or kp > qp - window)
+    return m
+
+
+SWEEP = [(s, o, w) for s in (1, 2, 3, 5, 8, 13) for o in (0, 1, 4, 7, 12, 30) for w in (1, 2, 4, 8, 16)]
+
+
+@pytest.mark.parametrize("size,offset", [(s, o) for s in (1, 3, 8) for o in (0, 5)])
+def test_causal_mask_matches_definition(size, offset):
+    m = np.array(create_causal_mask(size, offset))
+    assert m.shape == (size, offset + size)
+    np.testing.assert_array_equal(m, dense(size, offset, offset + size))
+
+
+def test_full_window_mask_matches_definition_and_no_empty_row():
+    for size, offset, window in SWEEP:
+        m = np.array(create_causal_mask_with_window_full(size, offset, window))
+        assert m.shape == (size, offset + size)
+        np.testing.assert_array_equal(m, dense(size, offset, offset + size, window))
+        assert m.any(axis=1).all(), (size, offset, window)
+        # every query sees exactly min(window, its position + 1) keys
+        np.testing.assert_array_equal(m.sum(1), np.minimum(window, offset + np.arange(size) + 1))
+
+
+def test_capped_mask_is_trailing_window_and_refuses_long_prefill():
+    for size, offset, window in SWEEP:
+        if size > window and size + offset > window:
+            with pytest.raises(ValueError):
+                create_causal_mask_with_window(size, offset, window)
+            continue
+        m = np.array(create_causal_mask_with_window(size, offset, window))
+        keys = min(offset + size, window)
+        assert m.shape == (size, keys)
+        full = dense(size, offset, offset + size, window)
+        np.testing.assert_array_equal(m, full[:, full.shape[1] - keys :])
+        assert m.any(axis=1).all()
+
+
+def test_capping_a_long_prefill_would_leave_empty_rows():
+    # Why the capped form is refused past the window: the first queries of a
+    # prefill longer than the window see none of the trailing `window` keys.
+    size, window = 10, 4
+    trailing = dense(size, 0, size, window)[:, -window:]
+    assert not trailing.any(axis=1).all()
+
+
+def test_selector_regimes():
+    W = 8
+    # fresh prefill longer than the window: the full [size, size] windowed mask
+    m = np.array(create_sliding_window_prefill_mask(20, 0, W))
+    np.testing.assert_array_equal(m, dense(20, 0, 20, W))
+    # cache rolled over: key axis == kept keys + new keys, windowed
+    for kept, size in [(W - 1, 3), (W - 1, 20), (5, 4)]:
+        m = np.array(create_sliding_window_prefill_mask(size, kept, W))
+        assert m.shape == (size, kept + size)
+        np.testing.assert_array_equal(m, dense(size, kept, kept + size, W))
+    # within the window: identical to the capped builder
+    for size, off in [(3, 0), (4, 4), (1, 7), (8, 0)]:
+        np.testing.assert_array_equal(
+            np.array(create_sliding_window_prefill_mask(size, off, W)),
+            np.array(create_causal_mask_with_window(size, off, W)),
+        )
+
+
+def test_selector_never_has_empty_rows():
+    for size, offset, window in SWEEP:
+        kept = min(offset, window - 1)
+        m = np.array(create_sliding_window_prefill_mask(size, kept, window))
+        assert m.shape == (size, kept + size)
+        assert m.any(axis=1).all()
+
+
+def _kv(positions, H=1, D=2):
+    # keys whose every feature is the token position, so returned keys reveal it
+    p = mx.array(np.array(positions, np.float32))
+    k = mx.broadcast_to(p[None, None, :, None], (1, H, len(positions), D))
+    return k, k
+
+
+@pytest.mark.parametrize("window", [1, 3, 8])
+@pytest.mark.parametrize("seed", range(6))
+def test_rotating_cache_returns_the_window_and_mask_agrees(window, seed):
+    rng = np.random.default_rng(seed)
+    cache, pos = RotatingKVCache(window), 0
+    for _ in range(25):
+        n = int(rng.choice([1, 1, 1, 2, 3, window, window + 2, 2 * window + 1]))
+        kept = cache.sliding_offset
+        keys, _ = cache.update_and_fetch(*_kv(range(pos, pos + n)))
+        got = np.array(keys[0, 0, :, 0]).astype(int)
+        assert cache.returned == len(got) == kept + n
+        if n == 1:
+            # ring order: the set of the last `window` positions
+            assert sorted(got) == list(range(max(0, pos + 1 - window), pos + 1))
+        else:
+            # temporal order: up to window-1 earlier keys, then all new ones
+            assert list(got) == list(range(pos - kept, pos + n))
+            mask = np.array(create_sliding_window_prefill_mask(n, kept, window))
+            assert mask.shape[1] == len(got)
+            # mask by absolute positions == the definition
+            for qi in range(n):
+                qp = pos + qi
+                np.testing.assert_array_equal(mask[qi], (got <= qp) & (got > qp - window))
+        pos += n
+        assert cache.offset == pos
+
+
+def test_kv_cache_returns_everything():
+    cache, pos = KVCache(), 0
+    for n in [5, 1, 1, 300, 2, 1]:
+        assert cache.sliding_offset == pos
+        keys, values = cache.update_and_fetch(*_kv(range(pos, pos + n)))
+        pos += n
+        assert list(np.array(keys[0, 0, :, 0]).astype(int)) == list(range(pos))
+        assert cache.returned == pos

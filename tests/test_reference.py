@@ -1,0 +1,61 @@
+"""Per-family runner: every fixture, every feeding mode, against transformers."""
+
+import shutil
+
+import numpy as np
+import pytest
+
+from mlxcel_dist.engine import sequence_logits
+from mlxcel_dist.loader import load_model
+
+from reference_cases import BF16_REL_TOL, FP32_REL_TOL, case_id, cases, compare, modes, window_of
+
+CASES = cases()
+
+
+def _reference(d, compute_fp32=False):
+    ref = np.load(d / "reference.npz")
+    if compute_fp32 and "logits_fp32" in ref:
+        return ref["ids"], ref["logits_fp32"], FP32_REL_TOL
+    bf16 = "logits_fp32" in ref
+    return ref["ids"], ref["logits"], BF16_REL_TOL if bf16 else FP32_REL_TOL
+
+
+@pytest.fixture(scope="module", params=CASES, ids=[case_id(d) for d in CASES])
+def case(request):
+    d = request.param
+    return d, load_model(d).model
+
+
+def test_fixtures_exist():
+    assert len(CASES) >= 5
+
+
+@pytest.mark.parametrize("mode", list(modes(16, 64)))
+def test_matches_reference(case, mode):
+    d, model = case
+    ids, ref, tol = _reference(d)
+    kw = modes(window_of(d), len(ids))[mode]
+    r = compare(sequence_logits(model, ids, **kw), ref, tol)
+    assert r["ok"], r
+
+
+@pytest.mark.parametrize("d", [d for d in CASES if "bf16" in d.name], ids=case_id)
+def test_bf16_checkpoint_in_fp32_is_exact(d):
+    ids, ref, tol = _reference(d, compute_fp32=True)
+    model = load_model(d, dtype="float32").model
+    for kw in modes(window_of(d), len(ids)).values():
+        r = compare(sequence_logits(model, ids, **kw), ref, tol)
+        assert r["ok"] and tol == FP32_REL_TOL, r
+
+
+@pytest.mark.parametrize("d", [d for d in CASES if (d / "config_t4.json").exists()], ids=case_id)
+def test_transformers4_config_form(d, tmp_path):
+    # Same weights, config.json in the transformers-4 form: same logits.
+    for f in d.iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    shutil.copy(d / "config_t4.json", tmp_path / "config.json")
+    ids, ref, tol = _reference(d)
+    model = load_model(tmp_path).model
+    r = compare(sequence_logits(model, ids, decode_from=len(ids) // 2), ref, tol)
+    assert r["ok"], r
