@@ -98,11 +98,10 @@ class Rank:
 
 def _distribute(ctx: typer.Context, np_: int, backend: str, hostfile: Optional[Path]) -> Rank:
     """Launch ranks (and exit with the job's code) or join the group."""
-    from . import distributed
+    if os.environ.get("MLXCEL_DIST_WORLD"):  # we are a launched rank
+        from . import distributed
 
-    group = distributed.init_from_env()
-    if group is not None:
-        return Rank(group)
+        return Rank(distributed.init_from_env())
     if np_ < 1:
         raise UserError(f"--np must be >= 1, got {np_}")
     if np_ == 1 and hostfile is None:

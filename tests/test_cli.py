@@ -1,0 +1,135 @@
+"""CLI behaviour through typer's CliRunner, and bad input end to end."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+from typer.testing import CliRunner
+
+from mlxcel_dist.cli import app
+
+from reference_cases import FIXTURES, FP32_REL_TOL, compare
+
+runner = CliRunner()
+GQA = FIXTURES / "gemma3" / "gqa_fp32"
+
+
+def run(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+@pytest.fixture
+def ids_file(tmp_path):
+    ids = np.load(GQA / "reference.npz")["ids"]
+    p = tmp_path / "ids.npy"
+    np.save(p, ids)
+    return p
+
+
+@pytest.mark.parametrize("extra", [[], ["--decode-from", "5"], ["--prefill-step", "7", "--decode-from", "40"]])
+def test_logits_command_matches_reference(tmp_path, ids_file, extra):
+    out = tmp_path / "out.npy"
+    r = run("logits", GQA, "--tokens-file", ids_file, "--out", out, *extra)
+    assert r.exit_code == 0, r.output
+    res = compare(np.load(out), np.load(GQA / "reference.npz")["logits"], FP32_REL_TOL)
+    assert res["ok"], res
+
+
+def test_info_lists_layer_kinds():
+    r = run("info", GQA)
+    assert r.exit_code == 0, r.output
+    assert "sliding (window 16)" in r.output and "full" in r.output
+    assert "parameters" in r.output
+
+
+@pytest.fixture
+def ckpt(tmp_path):
+    d = tmp_path / "ckpt"
+    shutil.copytree(GQA, d)
+    return d
+
+
+def _edit_weights(d, fn):
+    w = load_file(str(d / "model.safetensors"))
+    save_file(fn(w), str(d / "model.safetensors"))
+
+
+BAD = {
+    "missing path": (lambda d: Path("/no/such/model"), "no such model directory"),
+    "config not json": (lambda d: (d / "config.json").write_text("{not json") and d, "not valid JSON"),
+    "unsupported model_type": (
+        lambda d: (d / "config.json").write_text(json.dumps({"model_type": "bert"})) and d,
+        "unsupported model_type 'bert' (supported: ",
+    ),
+    "missing tensor": (
+        lambda d: _edit_weights(d, lambda w: {k: v for k, v in w.items() if "layers.3.mlp.up_proj" not in k}) or d,
+        "missing tensors: model.layers.3.mlp.up_proj.weight",
+    ),
+    "unexpected tensor": (
+        lambda d: _edit_weights(d, lambda w: {**w, "model.extra.weight": np.zeros(3, np.float32)}) or d,
+        "unexpected tensors: model.extra.weight",
+    ),
+    "wrong shape": (
+        lambda d: _edit_weights(
+            d, lambda w: {**w, "model.norm.weight": np.zeros(65, np.float32)}
+        ) or d,
+        "'model.norm.weight' has shape [65], expected [64]",
+    ),
+    "truncated safetensors": (
+        lambda d: (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:50000]) and d,
+        "truncated",
+    ),
+    "no weights": (lambda d: (d / "model.safetensors").unlink() or d, "no .safetensors weight files"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_model_is_one_clear_line(case, ckpt, ids_file, tmp_path):
+    make, message = BAD[case]
+    model = make(ckpt)
+    r = run("logits", model, "--tokens-file", ids_file, "--out", tmp_path / "o.npy")
+    assert r.exit_code == 2, r.output
+    assert message in r.output
+    assert "Traceback" not in r.output
+    assert r.output.strip().count("\n") == 0, r.output
+
+
+def test_token_outside_vocab(tmp_path):
+    p = tmp_path / "ids.npy"
+    np.save(p, np.array([1, 2, 256], np.int32))
+    r = run("logits", GQA, "--tokens-file", p, "--out", tmp_path / "o.npy")
+    assert r.exit_code == 2 and "token id 256 is outside the vocabulary [0, 256)" in r.output
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--tokens-file", "/no/ids.npy"], "no such tokens file"),
+        (["--np", "0"], "--np must be >= 1"),
+        (["--decode-from", "0"], "--decode-from must be in"),
+        (["--prefill-step", "0"], "--prefill-step must be >= 1"),
+        (["--dtype", "float8"], "unknown dtype 'float8'"),
+    ],
+)
+def test_bad_options(args, message, ids_file, tmp_path):
+    base = {"--tokens-file": str(ids_file)}
+    argv = ["logits", str(GQA), "--out", str(tmp_path / "o.npy")]
+    if "--tokens-file" not in args:
+        argv += ["--tokens-file", base["--tokens-file"]]
+    r = run(*argv, *args)
+    assert r.exit_code == 2, r.output
+    assert message in r.output
+
+
+def test_console_script_error_has_no_traceback(tmp_path):
+    exe = Path(sys.executable).parent / "mlxcel-dist"
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "mlxcel_dist.cli"]
+    p = subprocess.run(cmd + ["info", str(tmp_path / "missing")], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2
+    assert p.stderr.strip().startswith("error: ") and "Traceback" not in p.stderr
+    assert p.stderr.strip().count("\n") == 0
