@@ -214,6 +214,127 @@ def generate(
         )
 
 
+@app.command(hidden=True)
+@_handle_errors
+def modes(
+    ctx: typer.Context,
+    model: RequiredModelArg,
+    tokens: Annotated[str, typer.Option("--tokens", help="Comma-separated token ids.")],
+    out: Annotated[Path, typer.Option("--out", help="npz with one [T, V] array per mode (rank 0 writes).")],
+    dtype: DtypeOpt = None,
+    np_: NpOpt = 1,
+    backend: BackendOpt = "auto",
+    hostfile: HostfileOpt = None,
+):
+    """Logits of one sequence in every feeding mode (the harness's rank job)."""
+    import numpy as np
+
+    from .harness import all_mode_logits
+
+    try:
+        ids = np.array([int(t) for t in tokens.split(",")], np.int64)
+    except ValueError:
+        raise UserError("--tokens must be comma-separated integers") from None
+    rank = _distribute(ctx, np_, backend, hostfile)
+    loaded = _load(model, dtype, rank)
+    result = all_mode_logits(loaded.model, ids)
+    if rank.is_root:
+        np.savez(out, **result)
+
+
+@app.command("logit-match")
+@_handle_errors
+def logit_match(
+    ctx: typer.Context,
+    model: ModelArg = None,
+    reference: Annotated[
+        Optional[Path], typer.Option("--reference", help="npz with ids and logits (e.g. from transformers).")
+    ] = None,
+    tokens_file: Annotated[Optional[Path], typer.Option("--tokens-file", help="1-D integer .npy of token ids.")] = None,
+    dtype: DtypeOpt = None,
+    np_: NpOpt = 2,
+    backend: BackendOpt = "auto",
+    hostfile: HostfileOpt = None,
+):
+    """Compare N-rank logits with single-process logits (and a reference) in every mode."""
+    import tempfile
+
+    import numpy as np
+
+    from .harness import all_mode_logits, compare, default_tokens, model_window, rel_tol_for
+    from .loader import load_model, resolve_model_dir
+
+    if np_ < 1:
+        raise UserError(f"--np must be >= 1, got {np_}")
+    model_dir = resolve_model_dir(model)
+    single = load_model(model_dir, dtype=dtype)
+    m = single.model
+    ref = None
+    if reference is not None:
+        ref = _read_reference(reference)
+    if tokens_file is not None:
+        ids = _read_tokens(tokens_file)
+    elif ref is not None:
+        ids = ref["ids"]
+    else:
+        ids = default_tokens(m.args.vocab_size, model_window(m))
+    if ref is not None and (len(ref["ids"]) != len(ids) or (ref["ids"] != ids).any()):
+        raise UserError("--tokens-file ids differ from the reference's ids")
+    from .engine import check_tokens
+
+    ids = check_tokens(ids, m.args.vocab_size)
+    dtype_name = str(np.dtype("float32")) if single.dtype is None else str(single.dtype).split(".")[-1]
+    tol = rel_tol_for(dtype_name)
+    _err(f"logit-match: {model_dir.name}, {len(ids)} tokens, window {model_window(m)}, {dtype_name}, np {np_}")
+    ours = all_mode_logits(m, ids)
+    tp = None
+    if np_ > 1 or hostfile is not None:
+        from .launcher import launch
+
+        with tempfile.TemporaryDirectory(prefix="mlxcel-match-", dir=".") as tmp:
+            out = Path(tmp).resolve() / "tp.npz"
+            argv = ["modes", str(model_dir.resolve()), "--tokens", ",".join(map(str, ids.tolist())), "--out", str(out)]
+            if dtype:
+                argv += ["--dtype", dtype]
+            code = launch(argv, np_, backend, str(hostfile) if hostfile else None)
+            if code != 0:
+                raise UserError(f"the {np_}-rank run failed (exit code {code})")
+            with np.load(out) as z:
+                tp = {k: z[k] for k in z.files}
+    rows = []
+    for mode, logits in ours.items():
+        if tp is not None:
+            rows.append((mode, f"np{np_} vs np1", compare(tp[mode], logits, tol)))
+        if ref is not None:
+            rows.append((mode, "np1 vs reference", compare(logits, ref["logits"], tol)))
+            if tp is not None:
+                rows.append((mode, f"np{np_} vs reference", compare(tp[mode], ref["logits"], tol)))
+    if not rows:
+        raise UserError("nothing to compare: use --np >= 2 and/or --reference")
+    print(f"{'mode':24} {'comparison':20} {'max|diff|':>10} {'mean|diff|':>10} {'rel':>9} {'top1':>6} {'KL':>9}  ok")
+    for mode, what, r in rows:
+        print(f"{mode:24} {what:20} {r['max']:10.3e} {r['mean']:10.3e} {r['rel']:9.2e} {r['top1']:6.3f} "
+              f"{r['kl']:9.2e}  {'yes' if r['ok'] else 'NO'}")
+    bad = [r for r in rows if not r[2]["ok"]]
+    print(f"tolerance: max|diff| <= {tol:.2e} x logit scale; {len(rows) - len(bad)}/{len(rows)} comparisons match")
+    if bad:
+        raise typer.Exit(1)
+
+
+def _read_reference(path: Path) -> dict:
+    import numpy as np
+
+    if not path.exists():
+        raise UserError(f"{path}: no such reference file")
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            if "ids" not in z.files or "logits" not in z.files:
+                raise UserError(f"{path}: a reference npz needs 'ids' and 'logits'")
+            return {"ids": z["ids"], "logits": z["logits"]}
+    except (ValueError, OSError) as e:
+        raise UserError(f"{path}: not an npz file ({e})") from None
+
+
 @app.command()
 @_handle_errors
 def info(model: ModelArg = None):
