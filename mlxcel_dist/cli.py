@@ -113,9 +113,21 @@ def _distribute(ctx: typer.Context, np_: int, backend: str, hostfile: Optional[P
 
 
 def _load(model, dtype, rank: Rank):
+    """Load this rank's shard; rank 0 shows a progress bar on stderr."""
     from .loader import load_model
 
-    return load_model(model, dtype=dtype, group=rank.group)
+    if not rank.is_root:
+        return load_model(model, dtype=dtype, group=rank.group)
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    console = Console(stderr=True)
+    with Progress(TextColumn("loading"), BarColumn(), MofNCompleteColumn(), console=console,
+                  transient=True, disable=not console.is_terminal) as bar:
+        task = bar.add_task("load", total=None)
+        loaded = load_model(model, dtype=dtype, group=rank.group,
+                            progress=lambda i, n: bar.update(task, completed=i, total=n))
+    return loaded
 
 
 # Commands --------------------------------------------------------------------
