@@ -2,8 +2,13 @@
 and over N ranks, compared with each other and with a reference.
 
 Tolerances: in float32, max |diff| <= 1e-4 of the logit scale (exact fp32
-reaches ~1e-6). A bf16 run's logits are themselves bf16, one ulp being 2^-8 of
-the scale; independent kernels round differently, so 4 ulps. Top-1 must agree
+reaches ~1e-6). In bf16/fp16 the logits are themselves half precision (one
+bf16 ulp is 2^-8 of the scale) and every matmul rounds: transformers' own bf16
+run of the gqa_bf16 fixture is 1.54e-2 of the scale (~4 ulps) away from the
+exact fp32 answer for the same weights, ours 1.36e-2 (np 1) and 1.42e-2 (np 4,
+which also rounds each rank's partial sum). Two correct half-precision runs can
+therefore differ by twice that: 8 ulps. The tests also check that our bf16 is
+at least as close to the fp32 answer as transformers' bf16. Top-1 must agree
 wherever the reference's top-2 margin exceeds twice the tolerance.
 """
 
@@ -12,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 FP32_REL_TOL = 1e-4
-HALF_REL_TOL = 4 * 2.0**-8
+HALF_REL_TOL = 8 * 2.0**-8
 
 
 def rel_tol_for(dtype_name: str) -> float:

@@ -13,6 +13,8 @@ slice of each checkpoint tensor this rank needs, so the loader reads only that.
 
 from __future__ import annotations
 
+import os
+
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.nn.layers.distributed import AllToShardedLinear, ShardedToAllLinear
@@ -95,6 +97,10 @@ def shard_attention(attn: nn.Module, group) -> None:
         return
     (q0, q1), (kv0, kv1) = head_ranges(attn.total_num_heads, attn.total_num_kv_heads, n, r)
     D = attn.head_dim
+    if os.environ.get("MLXCEL_DIST_INJECT_FAULT") == "wrong-kv-slice" and r == n - 1:
+        # Test hook: the last rank takes the wrong KV heads, so the harness
+        # can prove it catches a bad shard.
+        kv0, kv1 = (kv0 + 1) % attn.total_num_kv_heads, (kv0 + 1) % attn.total_num_kv_heads + (kv1 - kv0)
     attn.q_proj = _sharded(attn.q_proj, "rows", [(q0 * D, q1 * D)], group)
     attn.k_proj = _sharded(attn.k_proj, "rows", [(kv0 * D, kv1 * D)], group)
     attn.v_proj = _sharded(attn.v_proj, "rows", [(kv0 * D, kv1 * D)], group)

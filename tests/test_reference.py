@@ -49,6 +49,20 @@ def test_bf16_checkpoint_in_fp32_is_exact(d):
         assert r["ok"] and tol == FP32_REL_TOL, r
 
 
+@pytest.mark.parametrize("d", [d for d in CASES if "bf16" in d.name], ids=case_id)
+def test_bf16_at_least_as_accurate_as_transformers_bf16(d):
+    # Against the exact (fp32) answer for the same bf16 weights, our bf16 run
+    # must be no further than transformers' own bf16 run.
+    z = np.load(d / "reference.npz")
+    ids, hf_bf16, exact = z["ids"], z["logits"], z["logits_fp32"]
+    scale = np.abs(exact).max()
+    hf_err = np.abs(hf_bf16 - exact).max() / scale
+    model = load_model(d).model
+    for kw in modes(window_of(d), len(ids)).values():
+        ours = np.abs(sequence_logits(model, ids, **kw) - exact).max() / scale
+        assert ours <= hf_err, (ours, hf_err)
+
+
 @pytest.mark.parametrize("d", [d for d in CASES if (d / "config_t4.json").exists()], ids=case_id)
 def test_transformers4_config_form(d, tmp_path):
     # Same weights, config.json in the transformers-4 form: same logits.

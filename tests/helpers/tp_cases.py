@@ -1,0 +1,30 @@
+"""Rank job for the TP tests: every fixture case in every mode, one launch.
+
+usage (under the launcher): tp_cases.py OUT_DIR CASE_DIR [CASE_DIR ...]
+Rank 0 writes OUT_DIR/<family>__<case>.npz (one array per mode). Loading the
+cases one after another in one job amortises process start-up.
+"""
+
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from mlxcel_dist import distributed
+from mlxcel_dist.harness import all_mode_logits
+from mlxcel_dist.loader import load_model
+
+
+def main():
+    out = Path(sys.argv[1])
+    group = distributed.init_from_env()
+    for d in map(Path, sys.argv[2:]):
+        ids = np.load(d / "reference.npz")["ids"]
+        model = load_model(d, group=group).model
+        result = all_mode_logits(model, ids)
+        if group is None or group.rank() == 0:
+            np.savez(out / f"{d.parent.name}__{d.name}.npz", **result)
+
+
+if __name__ == "__main__":
+    main()
