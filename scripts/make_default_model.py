@@ -3,7 +3,7 @@
 
 Run from the repository root:
 
-    /work/venv/bin/python scripts/make_default_model.py [--steps N] [--max-seconds S]
+    /work/venv/bin/python scripts/make_default_model.py [--steps N] [--max-cpu-seconds S]
 
 Steps:
   1. read the corpus ``scripts/data/corpus.txt`` (original text written for this
@@ -14,16 +14,23 @@ Steps:
   3. build a ~0.85M-parameter ``Gemma3ForCausalLM`` (model_type ``gemma3_text``):
      hidden 128, 4 heads / 2 KV heads, head_dim 32, intermediate 384, 4 layers
      [sliding, sliding, sliding, full], sliding_window 32, tied embeddings, float32;
-  4. train it with torch on CPU (2 threads, fixed number of steps, stopped early
-     if it exceeds ``--max-seconds``) on random 160-token crops of the corpus;
+  4. train it with torch on CPU (2 threads, fixed number of steps; a guard stops
+     it early if it exceeds ``--max-cpu-seconds`` of CPU time) on random
+     160-token crops of the corpus;
   5. save config / safetensors / tokenizer / generation config / model card and
      print a greedy sample.
 
 Deterministic for a given machine (fixed seeds and step count) unless the
-wall-clock guard stops training early.
+CPU-time guard stops training early.  About 60 s wall / 150 s CPU when the
+machine is idle.
 """
 
 from __future__ import annotations
+
+import os
+
+# Avoid OpenMP busy-waiting, which wastes most of the CPU when the 2 cores are shared.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse
 import json
@@ -196,7 +203,7 @@ cities and numbers; it knows nothing else and is not useful for real tasks.
    the tokenizer prepends `<bos>`;
 2. model initialised with transformers' default Gemma 3 init (seed {SEED});
 3. trained for {stats['steps']} steps of AdamW (batch {BATCH} x {SEQ} tokens, peak lr
-   {stats['lr']}, cosine decay) in {stats['train_seconds']:.0f} s; final training loss
+   {stats['lr']}, cosine decay; about 2-3 CPU-minutes with 2 threads); final training loss
    {stats['final_loss']:.3f} (mean of the last 20 steps).
 
 The model has memorised much of its tiny corpus. It was trained on sequences of
@@ -206,7 +213,7 @@ Documents end with `<eos>`, so generation can stop on its own.
 
 Greedy sample (prompt `{SAMPLE_PROMPT}`, 60 new tokens):
 
-> {stats['sample'].strip()}
+> {stats['sample'].strip().replace(chr(10), chr(10) + '> ')}
 
 ## License
 
@@ -220,8 +227,13 @@ released under CC0 1.0 as well.
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=600)
-    ap.add_argument("--max-seconds", type=float, default=170.0)
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument(
+        "--max-cpu-seconds",
+        type=float,
+        default=360.0,
+        help="guard on this process's CPU time (2 threads: 360 s ~ 3 min wall on an idle 2-core machine)",
+    )
     ap.add_argument("--lr", type=float, default=3e-3)
     args = ap.parse_args()
 
@@ -247,6 +259,7 @@ def main() -> int:
     losses: list[float] = []
     model.train()
     t0 = time.time()
+    c0 = time.process_time()
     step = 0
     for step in range(1, args.steps + 1):
         if step <= warmup:
@@ -265,11 +278,19 @@ def main() -> int:
         opt.step()
         losses.append(loss.item())
         if step % 50 == 0 or step == 1:
-            print(f"step {step:4d} loss {np.mean(losses[-50:]):.3f} lr {lr:.2e} {time.time() - t0:6.1f}s", flush=True)
-        if time.time() - t0 > args.max_seconds:
-            print(f"stopping at step {step}: wall-clock guard {args.max_seconds}s")
+            print(
+                f"step {step:4d} loss {np.mean(losses[-50:]):.3f} lr {lr:.2e} "
+                f"{time.time() - t0:6.1f}s wall {time.process_time() - c0:6.1f}s CPU",
+                flush=True,
+            )
+        if time.process_time() - c0 > args.max_cpu_seconds:
+            print(
+                f"WARNING: stopping at step {step} of {args.steps}: CPU-time guard {args.max_cpu_seconds}s; "
+                "the result differs from a full run"
+            )
             break
     train_seconds = time.time() - t0
+    train_cpu = time.process_time() - c0
     final_loss = float(np.mean(losses[-20:]))
     model.eval()
 
@@ -296,6 +317,7 @@ def main() -> int:
     # Normalise tokenizer_config.json to a small, loader-friendly form.
     tcfg_path = OUT / "tokenizer_config.json"
     tcfg = json.loads(tcfg_path.read_text())
+    tcfg.pop("backend", None)  # transformers-5-only key; the default backend is `tokenizers` anyway
     tcfg.update(
         tokenizer_class="PreTrainedTokenizerFast",
         bos_token="<bos>",
@@ -318,6 +340,9 @@ def main() -> int:
     tokenizer = AutoTokenizer.from_pretrained(OUT)
     ids = tokenizer(SAMPLE_PROMPT)["input_ids"]
     assert ids[0] == BOS and ids.count(BOS) == 1, ids
+    raw = Tokenizer.from_file(str(OUT / "tokenizer.json"))
+    assert raw.encode(SAMPLE_PROMPT).ids == ids, (raw.encode(SAMPLE_PROMPT).ids, ids)
+    assert raw.decode(ids, skip_special_tokens=True) == SAMPLE_PROMPT
     sample, _ = greedy(reloaded, tokenizer, SAMPLE_PROMPT)
     long_sample, n_prompt = greedy(reloaded, tokenizer, LONG_PROMPT)
 
@@ -335,7 +360,7 @@ def main() -> int:
         ),
     )
     total = sum(p.stat().st_size for p in OUT.iterdir())
-    print(f"\nfinal training loss (mean of last 20 steps): {final_loss:.4f}  [{step} steps, {train_seconds:.0f}s]")
+    print(f"\nfinal training loss (mean of last 20 steps): {final_loss:.4f}  [{step} steps, {train_seconds:.0f}s wall, {train_cpu:.0f}s CPU]")
     print(f"saved {OUT.relative_to(ROOT)}: {sorted(p.name for p in OUT.iterdir())}, {total / 1e6:.2f} MB")
     print(f"\ngreedy, prompt {SAMPLE_PROMPT!r}, 60 new tokens:\n{sample}\n")
     print(f"greedy, {n_prompt}-token prompt (+60 new, crosses the 32-token window):\n{long_sample}")
