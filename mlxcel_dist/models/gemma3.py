@@ -60,6 +60,9 @@ class ModelArgs(BaseModelArgs):
             text = dict(params["text_config"])
             if "tie_word_embeddings" in params and "tie_word_embeddings" not in text:
                 text["tie_word_embeddings"] = params["tie_word_embeddings"]
+            # transformers' Gemma3ForConditionalGeneration never applies the
+            # final logit softcap (only Gemma3ForCausalLM does): match it.
+            text["final_logit_softcapping"] = None
             params = text
         return super().from_dict(params)
 
