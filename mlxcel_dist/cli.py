@@ -96,8 +96,11 @@ class Rank:
         return self.rank == 0
 
 
-def _distribute(ctx: typer.Context, np_: int, backend: str, hostfile: Optional[Path]) -> Rank:
-    """Launch ranks (and exit with the job's code) or join the group."""
+def _distribute(ctx: typer.Context, np_: int, backend: str, hostfile: Optional[Path], model=None) -> Rank:
+    """Launch ranks (and exit with the job's code) or join the group.
+
+    Before launching, the model is sharded on paper for every rank, so a rank
+    count its heads cannot take fails here, once."""
     if os.environ.get("MLXCEL_DIST_WORLD"):  # we are a launched rank
         from . import distributed
 
@@ -107,7 +110,9 @@ def _distribute(ctx: typer.Context, np_: int, backend: str, hostfile: Optional[P
     if np_ == 1 and hostfile is None:
         return Rank(None)
     from .launcher import launch
+    from .loader import check_shardable
 
+    check_shardable(model, np_)
     code = launch(_argv_from_ctx(ctx), np_, backend, str(hostfile) if hostfile else None)
     raise typer.Exit(code)
 
@@ -153,7 +158,7 @@ def logits(
     from .engine import sequence_logits
 
     ids = _read_tokens(tokens_file)
-    rank = _distribute(ctx, np_, backend, hostfile)
+    rank = _distribute(ctx, np_, backend, hostfile, model)
     loaded = _load(model, dtype, rank)
     result = sequence_logits(loaded.model, ids, decode_from=decode_from, prefill_step=prefill_step)
     if rank.is_root:
@@ -197,7 +202,7 @@ def generate(
     from .engine import generate_tokens
     from .tokenizer import StreamDecoder, Tokenizer
 
-    rank = _distribute(ctx, np_, backend, hostfile)
+    rank = _distribute(ctx, np_, backend, hostfile, model)
     loaded = _load(model, dtype, rank)
     tok = Tokenizer(loaded.model_dir, loaded.config)
     ids = tok.encode(prompt)
@@ -247,7 +252,7 @@ def modes(
         ids = np.array([int(t) for t in tokens.split(",")], np.int64)
     except ValueError:
         raise UserError("--tokens must be comma-separated integers") from None
-    rank = _distribute(ctx, np_, backend, hostfile)
+    rank = _distribute(ctx, np_, backend, hostfile, model)
     loaded = _load(model, dtype, rank)
     result = all_mode_logits(loaded.model, ids)
     if rank.is_root:
@@ -274,7 +279,7 @@ def logit_match(
     import numpy as np
 
     from .harness import all_mode_logits, compare, default_tokens, model_window, rel_tol_for
-    from .loader import load_model, resolve_model_dir
+    from .loader import check_shardable, load_model, resolve_model_dir
 
     if np_ < 1:
         raise UserError(f"--np must be >= 1, got {np_}")
@@ -308,6 +313,7 @@ def logit_match(
             argv = ["modes", str(model_dir.resolve()), "--tokens", ",".join(map(str, ids.tolist())), "--out", str(out)]
             if dtype:
                 argv += ["--dtype", dtype]
+            check_shardable(model_dir, np_)
             code = launch(argv, np_, backend, str(hostfile) if hostfile else None)
             if code != 0:
                 raise UserError(f"the {np_}-rank run failed (exit code {code})")

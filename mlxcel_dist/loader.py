@@ -122,6 +122,30 @@ def build_model(config: dict):
     return module.Model(args)
 
 
+class _PlannedGroup:
+    """Stands in for rank r of an n-rank group so a model can be sharded on
+    paper (parameters stay lazy) before any process is launched."""
+
+    def __init__(self, n: int, r: int):
+        self._n, self._r = n, r
+
+    def size(self):
+        return self._n
+
+    def rank(self):
+        return self._r
+
+
+def check_shardable(model: str | os.PathLike | None, np_: int) -> None:
+    """Raise UserError now if `np_` ranks cannot split this model's heads/MLP,
+    so a bad rank count is one clear line instead of N failing ranks."""
+    if np_ <= 1:
+        return
+    config = read_config(resolve_model_dir(model))
+    for r in range(np_):
+        build_model(config).shard(_PlannedGroup(np_, r))
+
+
 def load_model(model: str | os.PathLike | None, dtype: str | None = None, group=None, progress=None) -> Loaded:
     model_dir = resolve_model_dir(model)
     config = read_config(model_dir)

@@ -133,3 +133,18 @@ def test_console_script_error_has_no_traceback(tmp_path):
     assert p.returncode == 2
     assert p.stderr.strip().startswith("error: ") and "Traceback" not in p.stderr
     assert p.stderr.strip().count("\n") == 0
+
+
+@pytest.mark.parametrize(
+    "fixture,np_,message",
+    [
+        ("gqa_fp32", 3, "3 ranks cannot split 8 attention heads (2 KV heads)"),
+        ("mqa_fp32", 8, "8 ranks cannot split 4 attention heads (1 KV heads)"),
+    ],
+)
+def test_rank_count_the_heads_cannot_take(fixture, np_, message, ids_file, tmp_path):
+    # Refused before any rank is launched: one line, exit 2.
+    r = run("logits", FIXTURES / "gemma3" / fixture, "--tokens-file", ids_file, "--out", tmp_path / "o.npy",
+            "--np", np_)
+    assert r.exit_code == 2, r.output
+    assert message in r.output and r.output.strip().count("\n") == 0
