@@ -149,3 +149,8 @@ class RotatingKVCache:
         if self.keys is None:
             return []
         return [self.keys, self.values]
+
+
+def make_layer_caches(layer_types: list, window: int | None) -> list:
+    """A RotatingKVCache(window) per sliding layer, a KVCache per full layer."""
+    return [RotatingKVCache(window) if kind == "sliding_attention" else KVCache() for kind in layer_types]

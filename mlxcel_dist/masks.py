@@ -93,3 +93,25 @@ def create_sliding_window_prefill_mask(size: int, sliding_offset: int, window: i
     if sliding_offset + size <= window:
         return create_causal_mask_with_window(size, sliding_offset, window)
     return create_causal_mask_with_window_full(size, sliding_offset, window)
+
+
+def layer_masks(L: int, cache, layer_types: list, window: int | None) -> dict:
+    """One mask per attention kind for L new tokens, built once per forward
+    (before any layer updates its cache).
+
+    A single decode token needs none: full layers see every cached key and a
+    sliding layer's rotating cache hands it exactly its window. `cache` is the
+    per-layer cache list (or None for a cache-less pass).
+    """
+    kinds = set(layer_types)
+    if L == 1:
+        return {kind: None for kind in kinds}
+    masks = {}
+    for kind in kinds:
+        c = cache[layer_types.index(kind)] if cache is not None else None
+        offset = c.sliding_offset if c is not None else 0
+        if kind == "sliding_attention":
+            masks[kind] = create_sliding_window_prefill_mask(L, offset, window)
+        else:
+            masks[kind] = create_causal_mask(L, offset)
+    return masks

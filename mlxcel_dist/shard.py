@@ -130,6 +130,13 @@ def shard_mlp(mlp: nn.Module, group, up=("gate_proj", "up_proj"), down="down_pro
     setattr(mlp, down, _sharded(getattr(mlp, down), "cols", rng, group))
 
 
+def shard_layers(layers, group, attn="self_attn", mlp="mlp") -> None:
+    """The common decoder: shard each layer's attention and gated MLP."""
+    for layer in layers:
+        shard_attention(getattr(layer, attn), group)
+        shard_mlp(getattr(layer, mlp), group)
+
+
 def collect_plan(model: nn.Module) -> dict:
     """Full parameter name -> (axis, ranges) for every sharded parameter."""
     plan = {}

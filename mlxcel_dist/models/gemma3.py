@@ -16,13 +16,13 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..attention import causal_attention
-from ..cache import KVCache, RotatingKVCache
+from ..blocks import MLP, Attention
+from ..cache import make_layer_caches
 from ..errors import UserError
 from ..layers import GemmaRMSNorm, activation
-from ..masks import create_causal_mask, create_sliding_window_prefill_mask
+from ..masks import layer_masks
 from ..rope import RoPE
-from ..shard import shard_attention, shard_mlp
+from ..shard import shard_layers
 from .base import FULL, SLIDING, BaseModelArgs, derive_layer_types
 
 
@@ -94,68 +94,26 @@ class ModelArgs(BaseModelArgs):
         return {FULL: full, SLIDING: sliding}
 
 
-class Attention(nn.Module):
-    def __init__(self, args: ModelArgs, layer_idx: int):
-        super().__init__()
-        self.total_num_heads = self.num_heads = args.num_attention_heads
-        self.total_num_kv_heads = self.num_kv_heads = args.num_key_value_heads
-        if self.total_num_heads % self.total_num_kv_heads:
-            raise UserError(
-                f"num_attention_heads {self.total_num_heads} is not a multiple of "
-                f"num_key_value_heads {self.total_num_kv_heads}"
-            )
-        self.head_dim = args.head_dim
-        self.scale = args.query_pre_attn_scalar**-0.5
-        kind = args.layer_types[layer_idx]
-        self.window = args.sliding_window if kind == SLIDING else None
-        # transformers' Gemma3 never applies attn_logit_softcapping (Gemma 3
-        # replaced it with q/k norms); the reference wins, so neither do we.
-        self.softcap = None
-        dim, bias = args.hidden_size, args.attention_bias
-        self.q_proj = nn.Linear(dim, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(dim, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(dim, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, dim, bias=bias)
-        self.q_norm = GemmaRMSNorm(self.head_dim, args.rms_norm_eps)
-        self.k_norm = GemmaRMSNorm(self.head_dim, args.rms_norm_eps)
-        self.rope = RoPE(self.head_dim, args.rope[kind], args.max_position_embeddings)
-
-    def __call__(self, x, mask=None, cache=None):
-        B, L, _ = x.shape
-        # [B, L, heads * D] -> [B, heads, L, D]
-        q = self.q_proj(x).reshape(B, L, self.num_heads, self.head_dim).transpose(0, 2, 1, 3)
-        k = self.k_proj(x).reshape(B, L, self.num_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
-        v = self.v_proj(x).reshape(B, L, self.num_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
-        q, k = self.q_norm(q), self.k_norm(k)
-        offset = cache.offset if cache is not None else 0
-        q, k = self.rope(q, offset), self.rope(k, offset)
-        if cache is not None:
-            k, v = cache.update_and_fetch(k, v)
-        out = causal_attention(q, k, v, self.scale, self.window, softcap=self.softcap, mask=mask)
-        # [B, heads, L, D] -> [B, L, heads * D]
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
-
-
-class MLP(nn.Module):
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
-        self.act = activation(args.hidden_activation)
-
-    def __call__(self, x):
-        # The activation runs in fp32 and rounds once, as torch's kernels do.
-        g = self.gate_proj(x)
-        return self.down_proj(self.act(g.astype(mx.float32)).astype(x.dtype) * self.up_proj(x))
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, args: ModelArgs, layer_idx: int):
         super().__init__()
         eps = args.rms_norm_eps
-        self.self_attn = Attention(args, layer_idx)
-        self.mlp = MLP(args)
+        kind = args.layer_types[layer_idx]
+        self.self_attn = Attention(
+            args.hidden_size,
+            args.num_attention_heads,
+            args.num_key_value_heads,
+            args.head_dim,
+            scale=args.query_pre_attn_scalar**-0.5,
+            window=args.sliding_window if kind == SLIDING else None,
+            rope=RoPE(args.head_dim, args.rope[kind], args.max_position_embeddings),
+            bias=args.attention_bias,
+            qk_norm=lambda d: GemmaRMSNorm(d, eps),
+            # transformers' Gemma3 never applies attn_logit_softcapping (Gemma 3
+            # replaced it with q/k norms); the reference wins, so neither do we.
+            softcap=None,
+        )
+        self.mlp = MLP(args.hidden_size, args.intermediate_size, activation(args.hidden_activation))
         self.input_layernorm = GemmaRMSNorm(args.hidden_size, eps)
         self.post_attention_layernorm = GemmaRMSNorm(args.hidden_size, eps)
         self.pre_feedforward_layernorm = GemmaRMSNorm(args.hidden_size, eps)
@@ -167,22 +125,8 @@ class DecoderLayer(nn.Module):
 
 
 def gemma3_masks(L: int, cache, args: ModelArgs) -> dict:
-    """One mask per attention kind for L new tokens, built once per forward.
-
-    A single decode token needs none: global layers see every cached key and
-    the rotating cache hands sliding layers exactly their window.
-    """
-    if L == 1:
-        return {FULL: None, SLIDING: None}
-    masks = {}
-    for kind in set(args.layer_types):
-        c = cache[args.layer_types.index(kind)] if cache is not None else None
-        offset = c.sliding_offset if c is not None else 0
-        if kind == FULL:
-            masks[kind] = create_causal_mask(L, offset)
-        else:
-            masks[kind] = create_sliding_window_prefill_mask(L, offset, args.sliding_window)
-    return masks
+    """Global and sliding masks for L new tokens, once per forward."""
+    return layer_masks(L, cache, args.layer_types, args.sliding_window)
 
 
 class Gemma3TextModel(nn.Module):
@@ -229,10 +173,7 @@ class Model(nn.Module):
         return self.model.layers
 
     def make_cache(self):
-        return [
-            RotatingKVCache(self.args.sliding_window) if kind == SLIDING else KVCache()
-            for kind in self.args.layer_types
-        ]
+        return make_layer_caches(self.args.layer_types, self.args.sliding_window)
 
     def sanitize(self, weights: dict) -> dict:
         """Map multimodal names onto the text model; drop the vision parts and
@@ -257,9 +198,7 @@ class Model(nn.Module):
         return out
 
     def shard(self, group):
-        for layer in self.layers:
-            shard_attention(layer.self_attn, group)
-            shard_mlp(layer.mlp, group)
+        shard_layers(self.layers, group)
 
     def describe_layers(self) -> list[str]:
         out = []
