@@ -375,7 +375,9 @@ def info(model: ModelArg = None):
     print(f"hidden      {a.hidden_size}, intermediate {a.intermediate_size}, vocab {a.vocab_size}")
     print(f"heads       {a.num_attention_heads} q, {a.num_key_value_heads} kv, head_dim {a.head_dim}")
     print(f"layers      {a.num_hidden_layers}")
-    for line in m.describe_layers():
+    from .models.base import describe_layers
+
+    for line in getattr(m, "describe_layers", lambda: describe_layers(m))():
         print(f"  {line}")
 
 

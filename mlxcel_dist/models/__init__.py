@@ -1,25 +1,35 @@
-"""Registry: HF `model_type` -> model file. One file per architecture; a remap
-entry lets several model_types share one file (e.g. multimodal wrappers)."""
+"""Registry: HF `model_type` -> model file.
+
+A model file named after its `model_type` (models/<model_type>.py) is found by
+name; MODEL_REMAP lets other model_types share a file (e.g. a multimodal
+wrapper whose text tower is another file)."""
 
 from __future__ import annotations
 
 import importlib
+import pkgutil
 
 from ..errors import UserError
 
 MODEL_REMAP = {
-    "gemma3_text": "gemma3",
     "gemma3": "gemma3",  # multimodal checkpoint: its text tower
+    "gemma3_text": "gemma3",
 }
+_NOT_MODELS = {"base"}
+
+
+def _files() -> set[str]:
+    return {m.name for m in pkgutil.iter_modules(__path__) if m.name not in _NOT_MODELS}
 
 
 def supported() -> list[str]:
-    return sorted(MODEL_REMAP)
+    files = _files()
+    names = {t for t, f in MODEL_REMAP.items() if f in files}
+    names |= {f for f in files if f not in MODEL_REMAP.values() or f in MODEL_REMAP}
+    return sorted(names)
 
 
-def get_model_module(model_type: str | None):
-    if model_type not in MODEL_REMAP:
-        raise UserError(
-            f"unsupported model_type {model_type!r} (supported: {', '.join(supported())})"
-        )
-    return importlib.import_module(f".{MODEL_REMAP[model_type]}", __name__)
+def get_model_module(model_type):
+    if not isinstance(model_type, str) or model_type not in supported():
+        raise UserError(f"unsupported model_type {model_type!r} (supported: {', '.join(supported())})")
+    return importlib.import_module(f".{MODEL_REMAP.get(model_type, model_type)}", __name__)

@@ -54,3 +54,14 @@ def derive_layer_types(
     if SLIDING in types and not sliding_window:
         raise UserError("config has sliding_attention layers but no sliding_window")
     return types
+
+
+def describe_layers(model) -> list[str]:
+    """One line per layer for `mlxcel-dist info`: attention kind, window, RoPE."""
+    out = []
+    for i, (kind, layer) in enumerate(zip(model.args.layer_types, model.layers)):
+        attn = layer.self_attn
+        what = f"sliding (window {attn.window})" if kind == SLIDING else "full"
+        rope = f"rope {attn.rope.describe()}" if attn.rope is not None else "no rope"
+        out.append(f"{i}: {what}, {rope}")
+    return out

@@ -23,7 +23,7 @@ from ..layers import GemmaRMSNorm, activation
 from ..masks import layer_masks
 from ..rope import RoPE
 from ..shard import shard_layers
-from .base import FULL, SLIDING, BaseModelArgs, derive_layer_types
+from .base import FULL, SLIDING, BaseModelArgs, derive_layer_types, describe_layers
 
 
 @dataclass
@@ -199,11 +199,3 @@ class Model(nn.Module):
 
     def shard(self, group):
         shard_layers(self.layers, group)
-
-    def describe_layers(self) -> list[str]:
-        out = []
-        for i, (kind, layer) in enumerate(zip(self.args.layer_types, self.layers)):
-            attn = layer.self_attn
-            w = f"sliding (window {attn.window})" if kind == SLIDING else "full"
-            out.append(f"{i}: {w}, rope {attn.rope.describe()}")
-        return out
