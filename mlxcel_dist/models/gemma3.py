@@ -23,7 +23,7 @@ from ..layers import GemmaRMSNorm, activation
 from ..masks import layer_masks
 from ..rope import RoPE
 from ..shard import shard_layers
-from .base import FULL, SLIDING, BaseModelArgs, derive_layer_types, describe_layers
+from .base import FULL, SLIDING, BaseModelArgs, derive_layer_types
 
 
 @dataclass
