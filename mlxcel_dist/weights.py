@@ -36,6 +36,11 @@ _DTYPES = {
 }
 
 
+# Bytes materialised from checkpoint files by this process (tests and --verbose
+# use it to show a rank reads only its shard).
+bytes_read = 0
+
+
 class TensorRef:
     """A tensor in a safetensors file, read on demand (whole or a slice)."""
 
@@ -50,6 +55,8 @@ class TensorRef:
             idx = (slice(None),) * axis
             a = np.concatenate([a[idx + (slice(s, e),)] for s, e in ranges], axis=axis)
         a = np.ascontiguousarray(a)  # copies only the selected bytes out of the map
+        global bytes_read
+        bytes_read += a.nbytes
         _, mdt = _DTYPES[self.dtype]
         if self.dtype == "BF16":
             return mx.array(a).view(mx.bfloat16)

@@ -89,3 +89,23 @@ def test_logit_match_passes_on_default_model(tmp_path):
                        capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "np2 vs np1" in p.stdout and " NO" not in p.stdout
+
+
+def test_each_rank_reads_only_its_shard(tmp_path):
+    # gqa_fp32: everything but embeddings and norms is split 2 ways (8 q heads,
+    # 2 KV heads, MLP columns), so each rank reads and holds exactly
+    # replicated + sharded / 2 bytes, never the whole checkpoint.
+    from mlxcel_dist.weights import open_checkpoint
+
+    d = FIXTURES / "gemma3" / "gqa_fp32"
+    refs = open_checkpoint(d)
+    total = sum(int(np.prod(r.shape)) * 4 for r in refs.values())
+    sharded = sum(int(np.prod(r.shape)) * 4 for n, r in refs.items() if "_proj" in n)
+    expected = total - sharded + sharded // 2
+    code = launch([str(d), str(tmp_path)], 2, "mpi", script=str(Path(__file__).parent / "helpers" / "rank_bytes.py"))
+    assert code == 0
+    import json
+
+    for r in range(2):
+        got = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert got["read"] == expected and got["held"] == expected, (got, expected, total)
