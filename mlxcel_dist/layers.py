@@ -58,3 +58,32 @@ def activation(name: str):
     if name not in ACTIVATIONS:
         raise UserError(f"unsupported activation {name!r} (supported: {', '.join(ACTIVATIONS)})")
     return ACTIVATIONS[name]
+
+
+class RMSNormFP32Scale(nn.Module):
+    """OLMo-2/3 style: normalise and scale by w in fp32, then cast
+    ((w * x_hat).to(dtype), unlike Llama's w * x_hat.to(dtype))."""
+
+    def __init__(self, dims: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = mx.ones((dims,))
+        self.eps = eps
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return mx.fast.rms_norm(x.astype(mx.float32), self.weight.astype(mx.float32), self.eps).astype(x.dtype)
+
+
+class LayerNorm(nn.Module):
+    """Mean/variance LayerNorm in fp32, then cast; `bias=False` gives cohere's
+    weight-only form."""
+
+    def __init__(self, dims: int, eps: float = 1e-5, bias: bool = False):
+        super().__init__()
+        self.weight = mx.ones((dims,))
+        if bias:
+            self.bias = mx.zeros((dims,))
+        self.eps = eps
+
+    def __call__(self, x: mx.array) -> mx.array:
+        b = self.bias.astype(mx.float32) if "bias" in self else None
+        return mx.fast.layer_norm(x.astype(mx.float32), self.weight.astype(mx.float32), b, self.eps).astype(x.dtype)

@@ -3,7 +3,8 @@
 float32, so positions far into a sequence rotate exactly as the reference.
 
 Input [B, heads, L, head_dim]; the first `dims` features are rotated in the
-"rotate half" (non-interleaved) layout, the rest pass through.
+"rotate half" (non-interleaved) layout, or pairwise-interleaved with
+`traditional=True`; the rest pass through.
 """
 
 from __future__ import annotations
@@ -91,8 +92,13 @@ def _yarn(params: dict, base: float, dim: int, max_pos: int | None):
 class RoPE:
     """Applies rotary embeddings; not an nn.Module so it holds no parameters."""
 
-    def __init__(self, head_dim: int, params: dict, max_position_embeddings: int | None = None):
+    def __init__(
+        self, head_dim: int, params: dict, max_position_embeddings: int | None = None, *, traditional: bool = False
+    ):
         inv, self.scaling, self.dims = inv_freq_for(params, head_dim, max_position_embeddings)
+        # traditional: rotate interleaved pairs (x[2i], x[2i+1]) as cohere's
+        # rotate_half does, instead of the two halves.
+        self.traditional = traditional
         # mx.fast.rope takes wavelengths-over-2pi ("freqs") = 1 / inv_freq.
         self._freqs = mx.array((1.0 / inv.astype(np.float64)).astype(np.float32))
         self.params = dict(params)
@@ -101,9 +107,12 @@ class RoPE:
         if self.scaling != 1.0:
             # Yarn scales cos and sin; rotation is linear, so scale the input.
             x = x * self.scaling
-        return mx.fast.rope(x, self.dims, traditional=False, base=None, scale=1.0, offset=offset, freqs=self._freqs)
+        return mx.fast.rope(
+            x, self.dims, traditional=self.traditional, base=None, scale=1.0, offset=offset, freqs=self._freqs
+        )
 
     def describe(self) -> str:
         t = self.params.get("rope_type", "default")
         extra = f", factor {self.params['factor']}" if "factor" in self.params else ""
-        return f"{t} theta {self.params.get('rope_theta')}{extra}"
+        inter = ", interleaved" if self.traditional else ""
+        return f"{t} theta {self.params.get('rope_theta')}{extra}{inter}"

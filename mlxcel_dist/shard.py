@@ -147,3 +147,52 @@ def collect_plan(model: nn.Module) -> dict:
             for pname, s in spec.slices.items():
                 plan[prefix + pname] = s
     return plan
+
+
+def shard_head_vector(module: nn.Module, name: str, heads: tuple, head_dim: int) -> None:
+    """Slice `module.<name>`, laid out [total_heads * head_dim] along axis 0
+    (e.g. OLMo 3's q/k norm over the whole projection), to the head range
+    `heads` = (h0, h1), and record the slice so the loader reads only it."""
+    h0, h1 = heads
+    rng = [(h0 * head_dim, h1 * head_dim)]
+    setattr(module, name, _slice(getattr(module, name), 0, rng))
+    spec = getattr(module, "shard_spec", None)
+    slices = dict(spec.slices) if isinstance(spec, ShardSpec) else {}
+    slices[name] = (0, rng)
+    module.shard_spec = ShardSpec(slices)
+
+
+def shard_moe(moe: nn.Module, group, experts: str = "experts") -> None:
+    """Tensor-parallel mixture of experts: the router (any other child of
+    `moe`) stays replicated, so every rank routes every token alike; each
+    expert is split by its intermediate dimension I, rank r keeping slice
+    [r*I/N, (r+1)*I/N) of every expert.
+
+    `moe.<experts>` holds gate_up_proj [E, hidden, 2I] with gate and up
+    interleaved along the last axis (column 2j = gate j, 2j+1 = up j), so the
+    contiguous column range [2*i0, 2*i1) is exactly the gate/up pairs of slice
+    [i0, i1), still interleaved; gate_up_proj_bias [E, 2I] likewise;
+    down_proj [E, I, hidden] keeps rows [i0, i1); down_proj_bias is replicated.
+    The experts module sums its partial outputs over `group` (its `group`
+    attribute, set here: one all_sum per block) and adds the down bias once,
+    after the sum.
+    """
+    n, r = group.size(), group.rank()
+    if n == 1:
+        return
+    ex = getattr(moe, experts)
+    inter = ex.down_proj.shape[1]
+    if ex.gate_up_proj.shape[2] != 2 * inter:
+        raise UserError(f"expert gate_up_proj has {ex.gate_up_proj.shape[2]} columns, expected 2 x {inter}")
+    if inter % n:
+        raise UserError(f"{n} ranks cannot split the experts' intermediate size {inter}")
+    per = inter // n
+    i0, i1 = r * per, (r + 1) * per
+    pairs = [(2 * i0, 2 * i1)]
+    ex.gate_up_proj = _slice(ex.gate_up_proj, 2, pairs)
+    ex.gate_up_proj_bias = _slice(ex.gate_up_proj_bias, 1, pairs)
+    ex.down_proj = _slice(ex.down_proj, 1, [(i0, i1)])
+    ex.shard_spec = ShardSpec(
+        {"gate_up_proj": (2, pairs), "gate_up_proj_bias": (1, pairs), "down_proj": (1, [(i0, i1)])}
+    )
+    ex.group = group

@@ -65,3 +65,45 @@ def describe_layers(model) -> list[str]:
         rope = f"rope {attn.rope.describe()}" if attn.rope is not None else "no rope"
         out.append(f"{i}: {what}, {rope}")
     return out
+
+
+# RoPE types whose pretraining length transformers fills in when absent.
+_NEEDS_ORIGINAL_MAX = ("llama3", "yarn", "longrope")
+
+
+def single_rope_params(
+    rope_parameters: dict | None,
+    rope_scaling: dict | None,
+    rope_theta: float | None,
+    max_position_embeddings: int,
+    original_max_position_embeddings: int | None = None,
+    default: dict | None = None,
+) -> dict:
+    """One RoPE params dict (transformers-5 form) for a model whose layers all
+    share one RoPE, read as transformers' `RotaryEmbeddingConfigMixin` does:
+
+    - transformers 4 `rope_scaling` wins over 5's `rope_parameters` (then the
+      family's `default`); its legacy "type" key names the rope_type;
+    - `rope_theta` fills in only when the dict has none (10000 when absent);
+    - llama3/yarn/longrope get `original_max_position_embeddings` from a
+      top-level key of that name when the config has one (it overrides),
+      else from max_position_embeddings.
+    """
+    params = rope_scaling or rope_parameters or default or {}
+    if not isinstance(params, dict):
+        raise UserError(f"config rope_parameters/rope_scaling must be an object, got {params!r}")
+    if SLIDING in params or FULL in params:
+        raise UserError("config has per-layer-kind rope_parameters, which this model does not support")
+    params = dict(params)
+    params.setdefault("rope_type", params.get("type", "default"))
+    params.setdefault("rope_theta", 10_000.0 if rope_theta is None else rope_theta)
+    factor = params.get("partial_rotary_factor")
+    if factor is not None and float(factor) != 1.0:
+        # transformers' default RoPE for these families ignores it and the others break.
+        raise UserError(f"config partial_rotary_factor {factor} is not supported for this model_type")
+    if params["rope_type"] in _NEEDS_ORIGINAL_MAX:
+        if original_max_position_embeddings is not None:
+            params["original_max_position_embeddings"] = original_max_position_embeddings
+        else:
+            params.setdefault("original_max_position_embeddings", max_position_embeddings)
+    return params

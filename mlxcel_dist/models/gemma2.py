@@ -1,0 +1,152 @@
+"""Gemma 2 (`gemma2`).
+
+Hidden states [B, L, hidden]; q [B, n_heads, L, head_dim], k/v [B, n_kv_heads,
+L, head_dim] (per-rank counts under tensor parallelism). Layers alternate
+sliding-window and full attention (sliding first), all with the same RoPE;
+scores are scaled by query_pre_attn_scalar ** -0.5 and tanh soft-capped
+(attn_logit_softcapping, as transformers' eager path does), the output logits
+soft-capped by final_logit_softcapping. Attention and the GeGLU MLP are
+wrapped in pre- and post-norms (GemmaRMSNorm, 1 + w). Embeddings are scaled by
+sqrt(hidden) in the compute dtype and tied to the output head by default.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..blocks import MLP, Attention
+from ..cache import make_layer_caches
+from ..errors import UserError
+from ..layers import GemmaRMSNorm, activation
+from ..masks import layer_masks
+from ..rope import RoPE
+from ..shard import shard_layers
+from .base import SLIDING, BaseModelArgs, derive_layer_types, single_rope_params
+
+# transformers' Gemma2Config: without layer_types, every 2nd layer is full
+# ("sliding_attention" if (i + 1) % 2 else "full_attention").
+LEGACY_PATTERN = 2
+
+
+@dataclass
+class ModelArgs(BaseModelArgs):
+    model_type: str = "gemma2"
+    vocab_size: int = 256000
+    hidden_size: int = 2304
+    intermediate_size: int = 9216
+    num_hidden_layers: int = 26
+    num_attention_heads: int = 8
+    num_key_value_heads: int = 4
+    head_dim: int = 256
+    rms_norm_eps: float = 1e-6
+    query_pre_attn_scalar: float = 256
+    sliding_window: int | None = 4096
+    layer_types: list | None = None
+    rope_theta: float | None = None
+    rope_scaling: dict | None = None
+    rope_parameters: dict | None = None
+    attn_logit_softcapping: float | None = 50.0
+    final_logit_softcapping: float | None = 30.0
+    hidden_activation: str = "gelu_pytorch_tanh"
+    tie_word_embeddings: bool = True
+    attention_bias: bool = False
+    max_position_embeddings: int = 8192
+    use_bidirectional_attention: bool | None = None
+
+    def __post_init__(self):
+        if self.use_bidirectional_attention:
+            raise UserError("gemma2 with use_bidirectional_attention (an embedding model) is not supported")
+        # Gemma2Config ignores any sliding_window_pattern key: only the legacy alternation.
+        self.layer_types = derive_layer_types(
+            self.layer_types, self.num_hidden_layers, self.sliding_window, LEGACY_PATTERN
+        )
+        self.rope = single_rope_params(
+            self.rope_parameters, self.rope_scaling, self.rope_theta, self.max_position_embeddings
+        )
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, rope: RoPE, layer_idx: int):
+        super().__init__()
+        eps = args.rms_norm_eps
+        kind = args.layer_types[layer_idx]
+        self.self_attn = Attention(
+            args.hidden_size,
+            args.num_attention_heads,
+            args.num_key_value_heads,
+            args.head_dim,
+            scale=args.query_pre_attn_scalar**-0.5,
+            window=args.sliding_window if kind == SLIDING else None,
+            rope=rope,
+            bias=args.attention_bias,
+            softcap=args.attn_logit_softcapping,
+        )
+        self.mlp = MLP(args.hidden_size, args.intermediate_size, activation(args.hidden_activation))
+        self.input_layernorm = GemmaRMSNorm(args.hidden_size, eps)
+        self.post_attention_layernorm = GemmaRMSNorm(args.hidden_size, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(args.hidden_size, eps)
+        self.post_feedforward_layernorm = GemmaRMSNorm(args.hidden_size, eps)
+
+    def __call__(self, x, mask=None, cache=None):
+        h = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), mask, cache))
+        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+
+
+class Gemma2Model(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        rope = RoPE(args.head_dim, args.rope, args.max_position_embeddings)
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = [DecoderLayer(args, rope, i) for i in range(args.num_hidden_layers)]
+        self.norm = GemmaRMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def __call__(self, inputs, cache=None):
+        h = self.embed_tokens(inputs)
+        # sqrt(hidden) rounded once to fp32, then to the compute dtype (as the reference).
+        h = h * mx.array(self.args.hidden_size**0.5, mx.float32).astype(h.dtype)
+        masks = layer_masks(inputs.shape[1], cache, self.args.layer_types, self.args.sliding_window)
+        cache = cache if cache is not None else [None] * len(self.layers)
+        for layer, kind, c in zip(self.layers, self.args.layer_types, cache):
+            h = layer(h, masks[kind], c)
+        return self.norm(h)
+
+
+class Model(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model_type = args.model_type
+        self.model = Gemma2Model(args)
+        if not args.tie_word_embeddings:
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    def __call__(self, inputs, cache=None):
+        h = self.model(inputs, cache)
+        if self.args.tie_word_embeddings:
+            logits = self.model.embed_tokens.as_linear(h)
+        else:
+            logits = self.lm_head(h)
+        if self.args.final_logit_softcapping is not None:
+            cap = self.args.final_logit_softcapping
+            logits = mx.tanh(logits / cap) * cap
+        return logits
+
+    @property
+    def layers(self):
+        return self.model.layers
+
+    def make_cache(self):
+        return make_layer_caches(self.args.layer_types, self.args.sliding_window)
+
+    def sanitize(self, weights: dict) -> dict:
+        """Drop a stored copy of the tied output head."""
+        if self.args.tie_word_embeddings:
+            return {k: v for k, v in weights.items() if k != "lm_head.weight"}
+        return dict(weights)
+
+    def shard(self, group):
+        shard_layers(self.layers, group)
