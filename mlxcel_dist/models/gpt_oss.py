@@ -1,0 +1,280 @@
+"""gpt-oss (`gpt_oss`): GQA attention with learned per-head sinks, sliding
+window on alternate layers, yarn RoPE, and a top-k mixture-of-experts MLP.
+
+Hidden states [B, L, hidden]; q [B, n_heads, L, head_dim], k/v [B,
+n_kv_heads, L, head_dim] (per-rank counts under tensor parallelism); sinks
+[n_heads]. q/k/v/o all carry biases. Norms are RMSNorm scaled by w in fp32
+(transformers keeps them in fp32), pre-attention and pre-MLP only.
+
+MoE (per layer, names as transformers saves an unquantized checkpoint):
+- router: linear with bias, [E, hidden] + [E]; the top-k logits per token are
+  softmaxed (top-k first, then softmax over those k);
+- experts.gate_up_proj [E, hidden, 2I] (x @ W, not W.T), with gate and up
+  INTERLEAVED along the last axis: gate_j = column 2j, up_j = column 2j+1;
+  experts.gate_up_proj_bias [E, 2I];
+- experts.down_proj [E, I, hidden], experts.down_proj_bias [E, hidden];
+- clamped SwiGLU: gate = min(gate, limit), up = clip(up, -limit, limit),
+  out = (up + 1) * gate * sigmoid(alpha * gate).
+MXFP4 checkpoints (`*_blocks` / `*_scales` expert tensors) are refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.nn.layers.distributed import sum_gradients
+
+from ..blocks import Attention
+from ..cache import make_layer_caches
+from ..errors import UserError
+from ..layers import RMSNormFP32Scale
+from ..masks import layer_masks
+from ..rope import RoPE
+from ..shard import shard_attention, shard_moe
+from .base import SLIDING, BaseModelArgs, derive_layer_types, describe_layers, single_rope_params
+
+# transformers' GptOssConfig default when a config gives no rope at all.
+DEFAULT_ROPE = {
+    "rope_type": "yarn",
+    "factor": 32.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+    "original_max_position_embeddings": 4096,
+}
+DEFAULT_THETA = 150_000.0
+
+
+@dataclass
+class ModelArgs(BaseModelArgs):
+    model_type: str = "gpt_oss"
+    vocab_size: int = 201088
+    hidden_size: int = 2880
+    intermediate_size: int = 2880
+    num_hidden_layers: int = 36
+    num_attention_heads: int = 64
+    num_key_value_heads: int = 8
+    head_dim: int | None = 64
+    num_local_experts: int = 128
+    num_experts_per_tok: int = 4
+    sliding_window: int | None = 128
+    layer_types: list | None = None
+    rms_norm_eps: float = 1e-5
+    rope_theta: float | None = None
+    rope_scaling: dict | None = None
+    rope_parameters: dict | None = None
+    original_max_position_embeddings: int | None = None
+    max_position_embeddings: int = 131072
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    attention_bias: bool = True
+    tie_word_embeddings: bool = False
+
+    @classmethod
+    def from_dict(cls, params: dict):
+        params = dict(params)
+        # transformers' attribute_map alias; openai's config also carries
+        # experts_per_token next to num_experts_per_tok.
+        if "num_local_experts" not in params and "num_experts" in params:
+            params["num_local_experts"] = params["num_experts"]
+        if "num_experts_per_tok" not in params and "experts_per_token" in params:
+            params["num_experts_per_tok"] = params["experts_per_token"]
+        return super().from_dict(params)
+
+    def __post_init__(self):
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if not 1 <= self.num_experts_per_tok <= self.num_local_experts:
+            raise UserError(
+                f"gpt_oss: num_experts_per_tok {self.num_experts_per_tok} must be in 1..{self.num_local_experts} "
+                "(num_local_experts)"
+            )
+        # transformers' default without layer_types: even layers sliding, odd full.
+        self.layer_types = derive_layer_types(self.layer_types, self.num_hidden_layers, self.sliding_window, 2)
+        self.rope = self._rope()
+
+    def _rope(self) -> dict:
+        # One RoPE for all layers; with no rope config at all, GptOssConfig's
+        # yarn default (not plain RoPE) and theta 150000.
+        theta = self.rope_theta if self.rope_theta is not None else DEFAULT_THETA
+        return single_rope_params(
+            self.rope_parameters,
+            self.rope_scaling,
+            theta,
+            self.max_position_embeddings,
+            self.original_max_position_embeddings,
+            default=DEFAULT_ROPE,
+        )
+
+
+def clamped_swiglu(gate_up: mx.array, alpha: float, limit: float) -> mx.array:
+    """[..., 2I] interleaved (gate_0, up_0, gate_1, up_1, ...) -> [..., I].
+    In fp32, cast once (as blocks.MLP)."""
+    x = gate_up.astype(mx.float32)
+    gate, up = x[..., ::2], x[..., 1::2]
+    gate = mx.minimum(gate, limit)  # clamped above only
+    up = mx.clip(up, -limit, limit)
+    glu = gate * mx.sigmoid(gate * alpha)
+    return ((up + 1) * glu).astype(gate_up.dtype)
+
+
+def gather_mm(x: mx.array, w: mx.array, indices: mx.array) -> mx.array:
+    """x [..., 1, K] @ w[indices] ([E, K, M] gathered per row) -> [..., 1, M].
+
+    MLX's CPU gather_mm is float32-only (0.32): there, half-precision inputs
+    are multiplied in fp32 and rounded once, as a half matmul with fp32
+    accumulation does (and as torch's bf16 CPU matmul does)."""
+    if x.dtype == mx.float32 or mx.default_device() == mx.gpu:
+        return mx.gather_mm(x, w, rhs_indices=indices)
+    return mx.gather_mm(x.astype(mx.float32), w.astype(mx.float32), rhs_indices=indices).astype(x.dtype)
+
+
+class Experts(nn.Module):
+    """E experts applied to the k experts each token was routed to.
+
+    Each token gathers only its k experts' weights (`mx.gather_mm`), so the
+    work is tokens * k expert matmuls, never tokens * E. Under tensor
+    parallelism (`shard.shard_moe`) this rank holds intermediate slice
+    [r*I/N, (r+1)*I/N) of every expert, so the partial down projections are
+    summed over ranks (`group`) before the down bias is added, once.
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, alpha: float, limit: float):
+        super().__init__()
+        self.num_experts = num_experts
+        self.alpha, self.limit = alpha, limit
+        self.gate_up_proj = mx.zeros((num_experts, hidden_size, 2 * intermediate_size))
+        self.gate_up_proj_bias = mx.zeros((num_experts, 2 * intermediate_size))
+        self.down_proj = mx.zeros((num_experts, intermediate_size, hidden_size))
+        self.down_proj_bias = mx.zeros((num_experts, hidden_size))
+        self.group = None  # set by shard_moe when the intermediate dim is split
+
+    def __call__(self, x, indices, weights):
+        # x [N, hidden]; indices [N, k] expert ids; weights [N, k] routing weights
+        if self.group is not None:
+            x = sum_gradients(self.group)(x)  # identity forward, as AllToShardedLinear
+        xe = x[:, None, None, :]  # [N, 1, 1, hidden]: one row per (token, chosen expert)
+        gu = gather_mm(xe, self.gate_up_proj, indices)  # [N, k, 1, 2I]
+        gu = gu + self.gate_up_proj_bias[indices][:, :, None, :]
+        h = clamped_swiglu(gu, self.alpha, self.limit)  # [N, k, 1, I]
+        out = gather_mm(h, self.down_proj, indices).squeeze(-2)  # [N, k, hidden]
+        w = weights[..., None].astype(out.dtype)  # [N, k, 1]
+        y = (out * w).sum(axis=1)  # [N, hidden]
+        if self.group is not None:
+            y = mx.distributed.all_sum(y, group=self.group)
+        return y + (self.down_proj_bias[indices] * w).sum(axis=1)
+
+
+class MoE(nn.Module):
+    """transformers' GptOssMLP: router -> top-k -> softmax over the k -> experts."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.top_k = args.num_experts_per_tok
+        self.router = nn.Linear(args.hidden_size, args.num_local_experts, bias=True)
+        self.experts = Experts(
+            args.num_local_experts, args.hidden_size, args.intermediate_size, args.swiglu_alpha, args.swiglu_limit
+        )
+
+    def __call__(self, x):
+        B, L, D = x.shape
+        x = x.reshape(B * L, D)  # [N, hidden]
+        logits = self.router(x)  # [N, E]
+        k = self.top_k
+        # The k largest logits (their order does not matter: the softmax and
+        # the sum over experts are order-free).
+        idx = mx.argpartition(-logits, kth=k - 1, axis=-1)[:, :k]  # [N, k]
+        top = mx.take_along_axis(logits, idx, axis=-1)
+        w = mx.softmax(top.astype(mx.float32), axis=-1).astype(logits.dtype)  # [N, k]
+        return self.experts(x, idx, w).reshape(B, L, D)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, layer_idx: int):
+        super().__init__()
+        kind = args.layer_types[layer_idx]
+        self.self_attn = Attention(
+            args.hidden_size,
+            args.num_attention_heads,
+            args.num_key_value_heads,
+            args.head_dim,
+            scale=args.head_dim**-0.5,
+            window=args.sliding_window if kind == SLIDING else None,
+            rope=RoPE(args.head_dim, args.rope, args.max_position_embeddings),
+            bias=args.attention_bias,
+            sinks=True,
+        )
+        self.mlp = MoE(args)
+        self.input_layernorm = RMSNormFP32Scale(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNormFP32Scale(args.hidden_size, args.rms_norm_eps)
+
+    def __call__(self, x, mask=None, cache=None):
+        h = x + self.self_attn(self.input_layernorm(x), mask, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class GptOssModel(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = [DecoderLayer(args, i) for i in range(args.num_hidden_layers)]
+        self.norm = RMSNormFP32Scale(args.hidden_size, args.rms_norm_eps)
+
+    def __call__(self, inputs, cache=None):
+        h = self.embed_tokens(inputs)
+        masks = layer_masks(inputs.shape[1], cache, self.args.layer_types, self.args.sliding_window)
+        cache = cache if cache is not None else [None] * len(self.layers)
+        for layer, kind, c in zip(self.layers, self.args.layer_types, cache):
+            h = layer(h, masks[kind], c)
+        return self.norm(h)
+
+
+class Model(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model_type = args.model_type
+        self.model = GptOssModel(args)
+        if not args.tie_word_embeddings:
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    def __call__(self, inputs, cache=None):
+        h = self.model(inputs, cache)
+        if self.args.tie_word_embeddings:
+            return self.model.embed_tokens.as_linear(h)
+        return self.lm_head(h)
+
+    @property
+    def layers(self):
+        return self.model.layers
+
+    def make_cache(self):
+        return make_layer_caches(self.args.layer_types, self.args.sliding_window)
+
+    def describe_layers(self) -> list[str]:
+        a = self.args
+        moe = f", moe {a.num_local_experts} experts top-{a.num_experts_per_tok}, attention sinks"
+        return [line + moe for line in describe_layers(self)]
+
+    def sanitize(self, weights: dict) -> dict:
+        """Refuse MXFP4 expert tensors; drop a stored copy of a tied head."""
+        quantized = sorted(n for n in weights if n.endswith(("_blocks", "_scales")))
+        if quantized:
+            raise UserError(
+                f"gpt_oss: MXFP4-quantized checkpoints are not supported yet (found {quantized[0]}); "
+                "use a dequantized (bf16/fp32) checkpoint"
+            )
+        out = {}
+        for name, w in weights.items():
+            if name == "lm_head.weight" and self.args.tie_word_embeddings:
+                continue
+            out[name] = w
+        return out
+
+    def shard(self, group):
+        for layer in self.layers:
+            shard_attention(layer.self_attn, group)
+            shard_moe(layer.mlp, group)
