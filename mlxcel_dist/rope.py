@@ -19,9 +19,15 @@ from .errors import UserError
 SUPPORTED = ("default", "linear", "llama3", "yarn")
 
 
+def _pow32(base: float, exps: np.ndarray) -> np.ndarray:
+    # torch's float32 pow is correctly rounded; numpy's float32 pow can be 1 ulp
+    # off, so raise in float64 and round once.
+    return (np.float64(np.float32(base)) ** exps.astype(np.float64)).astype(np.float32)
+
+
 def _default_inv_freq(base: float, dim: int) -> np.ndarray:
     exps = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
-    return (np.float32(1.0) / (np.float32(base) ** exps)).astype(np.float32)
+    return (np.float32(1.0) / _pow32(base, exps)).astype(np.float32)
 
 
 def inv_freq_for(params: dict, head_dim: int, max_position_embeddings: int | None = None):
@@ -80,7 +86,7 @@ def _yarn(params: dict, base: float, dim: int, max_pos: int | None):
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001
-    pos_freqs = (np.float32(base) ** (np.arange(0, dim, 2).astype(np.float32) / np.float32(dim))).astype(np.float32)
+    pos_freqs = _pow32(base, np.arange(0, dim, 2).astype(np.float32) / np.float32(dim))
     extrap = (np.float32(1.0) / pos_freqs).astype(np.float32)
     interp = (np.float32(1.0) / (np.float32(factor) * pos_freqs)).astype(np.float32)
     ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1).astype(np.float32)
