@@ -1,0 +1,140 @@
+"""Mistral (`mistral`): the Llama decoder where `sliding_window`, when set,
+windows EVERY layer (transformers 5.24 MistralModel builds one sliding mask for
+all layers; mlx-lm ignores the window altogether). A null window means full
+attention everywhere. A config.json that also has a `layer_types` key is what
+transformers' AutoConfig loads as `ministral` (Ministral-8B ships as model_type
+mistral), so then `layer_types` decides per layer, as it does there.
+
+Hidden states [B, L, hidden]; q [B, n_heads, L, head_dim], k/v [B, n_kv_heads,
+L, head_dim] (per-rank counts under tensor parallelism). No biases; head_dim
+defaults to hidden / heads; one RoPE for all layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.nn as nn
+
+from ..blocks import MLP, Attention
+from ..cache import make_layer_caches
+from ..layers import RMSNorm, activation
+from ..masks import layer_masks
+from ..rope import RoPE
+from ..shard import shard_layers
+from .base import SLIDING, BaseModelArgs, derive_layer_types, single_rope_params
+
+
+@dataclass
+class ModelArgs(BaseModelArgs):
+    # Defaults are transformers' MistralConfig defaults.
+    model_type: str = "mistral"
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    intermediate_size: int = 14336
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int | None = 8
+    head_dim: int | None = None
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 4096 * 32
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    rope_theta: float | None = None
+    rope_scaling: dict | None = None
+    rope_parameters: dict | None = None
+    original_max_position_embeddings: int | None = None
+    sliding_window: int | None = 4096
+    layer_types: list | None = None
+
+    def __post_init__(self):
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        # Without layer_types every layer slides when a window is set.
+        self.layer_types = derive_layer_types(self.layer_types, self.num_hidden_layers, self.sliding_window)
+        self.rope = single_rope_params(
+            self.rope_parameters,
+            self.rope_scaling,
+            self.rope_theta,
+            self.max_position_embeddings,
+            self.original_max_position_embeddings,
+        )
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, layer_idx: int):
+        super().__init__()
+        kind = args.layer_types[layer_idx]
+        self.self_attn = Attention(
+            args.hidden_size,
+            args.num_attention_heads,
+            args.num_key_value_heads,
+            args.head_dim,
+            scale=args.head_dim**-0.5,
+            window=args.sliding_window if kind == SLIDING else None,
+            rope=RoPE(args.head_dim, args.rope, args.max_position_embeddings),
+        )
+        self.mlp = MLP(args.hidden_size, args.intermediate_size, activation(args.hidden_act))
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def __call__(self, x, mask=None, cache=None):
+        h = x + self.self_attn(self.input_layernorm(x), mask, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class MistralModel(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = [DecoderLayer(args, i) for i in range(args.num_hidden_layers)]
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def __call__(self, inputs, cache=None):
+        h = self.embed_tokens(inputs)
+        masks = layer_masks(inputs.shape[1], cache, self.args.layer_types, self.args.sliding_window)
+        cache = cache if cache is not None else [None] * len(self.layers)
+        for layer, kind, c in zip(self.layers, self.args.layer_types, cache):
+            h = layer(h, masks[kind], c)
+        return self.norm(h)
+
+
+class Model(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model_type = args.model_type
+        self.model = MistralModel(args)
+        if not args.tie_word_embeddings:
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    def __call__(self, inputs, cache=None):
+        h = self.model(inputs, cache)
+        if self.args.tie_word_embeddings:
+            return self.model.embed_tokens.as_linear(h)
+        return self.lm_head(h)
+
+    @property
+    def layers(self):
+        return self.model.layers
+
+    def make_cache(self):
+        return make_layer_caches(self.args.layer_types, self.args.sliding_window)
+
+    def sanitize(self, weights: dict) -> dict:
+        """Drop a stored copy of the tied output head, and the RoPE buffers
+        (`self_attn.rotary_emb.inv_freq`) that some older conversions saved."""
+        out = {}
+        for name, w in weights.items():
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
+            if name == "lm_head.weight" and self.args.tie_word_embeddings:
+                continue
+            out[name] = w
+        return out
+
+    def shard(self, group):
+        shard_layers(self.layers, group)

@@ -1,0 +1,150 @@
+"""Qwen3 (`qwen3`): the Llama decoder plus per-head RMSNorm on q and k.
+
+Hidden states [B, L, hidden]; q [B, n_heads, L, head_dim], k/v [B, n_kv_heads,
+L, head_dim] (per-rank counts under tensor parallelism). q_norm / k_norm are
+RMSNorms over head_dim applied to every head after the projection and BEFORE
+RoPE. head_dim is its own config key (default 128, not hidden / heads).
+Sliding windows only when `use_sliding_window`: then, without an explicit
+`layer_types`, layers i >= max_window_layers slide (transformers 5.24's
+Qwen3Config derivation), the rest are full.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.nn as nn
+
+from ..blocks import MLP, Attention
+from ..cache import make_layer_caches
+from ..errors import UserError
+from ..layers import RMSNorm, activation
+from ..masks import layer_masks
+from ..rope import RoPE
+from ..shard import shard_layers
+from .base import FULL, SLIDING, BaseModelArgs, derive_layer_types, single_rope_params
+
+
+@dataclass
+class ModelArgs(BaseModelArgs):
+    # Defaults are transformers' Qwen3Config defaults.
+    model_type: str = "qwen3"
+    vocab_size: int = 151936
+    hidden_size: int = 4096
+    intermediate_size: int = 22016
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int | None = 32
+    head_dim: int | None = 128
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 32768
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    rope_theta: float | None = None
+    rope_scaling: dict | None = None
+    rope_parameters: dict | None = None
+    original_max_position_embeddings: int | None = None
+    attention_bias: bool = False
+    use_sliding_window: bool = False
+    sliding_window: int | None = 4096
+    max_window_layers: int = 28
+    layer_types: list | None = None
+
+    def __post_init__(self):
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None:
+            # transformers' Qwen3 cannot build this either (head_dim None in the projections).
+            raise UserError("qwen3 config.json has head_dim null")
+        # The window exists only with use_sliding_window (transformers drops it otherwise).
+        self.sliding_window = self.sliding_window if self.use_sliding_window else None
+        types = self.layer_types
+        if types is not None and SLIDING in types and self.sliding_window is None:
+            raise UserError("qwen3 config has sliding_attention layer_types but no window (use_sliding_window false)")
+        if types is None:
+            types = [
+                SLIDING if self.sliding_window is not None and i >= self.max_window_layers else FULL
+                for i in range(self.num_hidden_layers)
+            ]
+        self.layer_types = derive_layer_types(types, self.num_hidden_layers, self.sliding_window)
+        self.rope = single_rope_params(
+            self.rope_parameters,
+            self.rope_scaling,
+            self.rope_theta,
+            self.max_position_embeddings,
+            self.original_max_position_embeddings,
+        )
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, layer_idx: int):
+        super().__init__()
+        eps = args.rms_norm_eps
+        kind = args.layer_types[layer_idx]
+        self.self_attn = Attention(
+            args.hidden_size,
+            args.num_attention_heads,
+            args.num_key_value_heads,
+            args.head_dim,
+            scale=args.head_dim**-0.5,
+            window=args.sliding_window if kind == SLIDING else None,
+            rope=RoPE(args.head_dim, args.rope, args.max_position_embeddings),
+            bias=args.attention_bias,
+            qk_norm=lambda d: RMSNorm(d, eps),
+        )
+        self.mlp = MLP(args.hidden_size, args.intermediate_size, activation(args.hidden_act))
+        self.input_layernorm = RMSNorm(args.hidden_size, eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, eps)
+
+    def __call__(self, x, mask=None, cache=None):
+        h = x + self.self_attn(self.input_layernorm(x), mask, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Qwen3Model(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = [DecoderLayer(args, i) for i in range(args.num_hidden_layers)]
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def __call__(self, inputs, cache=None):
+        h = self.embed_tokens(inputs)
+        masks = layer_masks(inputs.shape[1], cache, self.args.layer_types, self.args.sliding_window)
+        cache = cache if cache is not None else [None] * len(self.layers)
+        for layer, kind, c in zip(self.layers, self.args.layer_types, cache):
+            h = layer(h, masks[kind], c)
+        return self.norm(h)
+
+
+class Model(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model_type = args.model_type
+        self.model = Qwen3Model(args)
+        if not args.tie_word_embeddings:
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    def __call__(self, inputs, cache=None):
+        h = self.model(inputs, cache)
+        if self.args.tie_word_embeddings:
+            return self.model.embed_tokens.as_linear(h)
+        return self.lm_head(h)
+
+    @property
+    def layers(self):
+        return self.model.layers
+
+    def make_cache(self):
+        return make_layer_caches(self.args.layer_types, self.args.sliding_window)
+
+    def sanitize(self, weights: dict) -> dict:
+        """Drop a stored copy of the tied output head."""
+        if self.args.tie_word_embeddings:
+            weights = {k: v for k, v in weights.items() if k != "lm_head.weight"}
+        return weights
+
+    def shard(self, group):
+        shard_layers(self.layers, group)
