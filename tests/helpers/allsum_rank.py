@@ -1,0 +1,72 @@
+"""A tiny rank program for the launcher tests.
+
+Every rank: init_from_env(), all_sum of (rank + 1), check it equals
+n(n+1)/2, print one line. Options:
+
+  --fail-rank R --code C   rank R exits with code C right after init
+  --kill-rank R            rank R kills itself with SIGKILL after init
+  --sleep S                every rank sleeps S seconds before exiting
+  --no-init                skip init (to test launching alone)
+  --spam N                 every rank prints N long numbered lines to stdout
+"""
+
+import argparse
+import os
+import signal
+import sys
+import time
+
+from mlxcel_dist.distributed import barrier, init_from_env, rank
+from mlxcel_dist.errors import UserError
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--fail-rank", type=int, default=-1)
+    ap.add_argument("--kill-rank", type=int, default=-1)
+    ap.add_argument("--code", type=int, default=3)
+    ap.add_argument("--sleep", type=float, default=0.0)
+    ap.add_argument("--no-init", action="store_true")
+    ap.add_argument("--spam", type=int, default=0)
+    args = ap.parse_args()
+
+    if args.no_init:
+        print(f"rank {rank()} pid {os.getpid()} up", flush=True)
+        time.sleep(args.sleep)
+        return 0
+
+    try:
+        group = init_from_env()
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if group is None:
+        print("error: not launched (MLXCEL_DIST_WORLD unset)", file=sys.stderr)
+        return 2
+
+    import mlx.core as mx
+
+    r, n = group.rank(), group.size()
+    if r == args.fail_rank:
+        print(f"rank {r} failing on purpose", file=sys.stderr)
+        return args.code
+    if r == args.kill_rank:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    total = mx.distributed.all_sum(mx.array([float(r + 1)]), group=group)
+    mx.eval(total)
+    want = n * (n + 1) / 2
+    got = total.item()
+    if got != want:
+        print(f"error: rank {r}: all_sum gave {got}, expected {want}", file=sys.stderr)
+        return 1
+    barrier(group)
+    for i in range(args.spam):
+        print(f"spam rank={r} line={i} " + "x" * 300)
+    print(f"allsum ok rank={r} size={n} sum={got:g} backend={os.environ['MLXCEL_DIST_BACKEND']}")
+    time.sleep(args.sleep)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
