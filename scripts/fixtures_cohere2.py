@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """Tiny random Cohere2 reference fixtures (tests/fixtures/cohere2/<case>/).
 
-    /work/venv/bin/python scripts/fixtures_cohere2.py
+    /work/venv/bin/python scripts/fixtures_cohere2.py   (or scripts/make_fixtures.py --family cohere2)
 
-See scripts/fixture_common.py for what each case directory holds. Features
+See scripts/fixture_lib.py for what each case directory holds. Features
 exercised: the parallel block (one weight-only LayerNorm feeding attention and
 MLP), interleaved RoPE on sliding layers only (full layers have none),
 logit_scale, tied and untied embeddings, attention biases, layer kinds from
@@ -12,14 +12,12 @@ layer_types and from the legacy sliding_window_pattern (default 4).
 
 from __future__ import annotations
 
-import copy
 import sys
 
 from transformers import Cohere2Config, Cohere2ForCausalLM
 
-from fixture_common import make_family, pattern_layer_types
+from fixture_lib import GEMMA2_STYLE, Family, no_window, pattern_layer_types, run, t4_config
 
-FAMILY = "cohere2"
 # Tied logits are h @ E^T * logit_scale: a larger embedding std keeps a spread of several units.
 INIT = dict(embed_std=0.6, linear_std=0.25, norm_center=1.0, norm_std=0.3, other_std=0.1)
 COMMON = dict(layer_norm_eps=1e-5, hidden_act="silu", pad_token_id=0, bos_token_id=5, eos_token_id=255)
@@ -27,25 +25,12 @@ COMMON = dict(layer_norm_eps=1e-5, hidden_act="silu", pad_token_id=0, bos_token_
 
 def t4_form(pattern: int | None):
     """transformers-4 form: rope_theta (+ rope_scaling), sliding_window_pattern
-    (or nothing: the default 4) instead of layer_types, torch_dtype."""
-
-    def convert(cfg: dict):
-        d = copy.deepcopy(cfg)
-        types = d.pop("layer_types")
-        assert types == pattern_layer_types(d["num_hidden_layers"], pattern or 4)
-        if pattern is not None:
-            d["sliding_window_pattern"] = pattern
-        rp = d.pop("rope_parameters")
-        d["rope_theta"] = rp["rope_theta"]
-        d["rope_scaling"] = None
-        assert rp.get("rope_type", "default") == "default"
-        d.pop("head_dim", None)  # derived from hidden / heads
-        d["torch_dtype"] = d.pop("dtype")
-        d["cache_implementation"] = "hybrid"
-        d["transformers_version"] = "4.48.0"
-        return d, d
-
-    return convert
+    (or nothing: the default 4) instead of layer_types, no head_dim (derived
+    from hidden / heads), torch_dtype."""
+    extra = {} if pattern is None else {"sliding_window_pattern": pattern}
+    return lambda cfg: t4_config(
+        cfg, pattern=pattern or 4, drop=("head_dim",), version="4.48.0", cache_implementation="hybrid", **extra
+    )
 
 
 def _no_logit_scale(m):
@@ -72,7 +57,7 @@ CASES = [
             rope_parameters={"rope_type": "default", "rope_theta": 20_000.0},
         ),
         t4=t4_form(3),
-        ablations={"no_logit_scale": _no_logit_scale},
+        ablations={"no_sliding_window": no_window, "no_logit_scale": _no_logit_scale},
     ),
     dict(
         name="mha_bias_fp32",
@@ -95,9 +80,14 @@ CASES = [
             rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
         ),
         t4=t4_form(None),
+        ablations={"no_sliding_window": no_window},
     ),
 ]
 
 
+FAMILY = Family(
+    "cohere2", __file__, Cohere2ForCausalLM, Cohere2Config, CASES, common=COMMON, init=INIT, **GEMMA2_STYLE
+)
+
 if __name__ == "__main__":
-    sys.exit(make_family(FAMILY, CASES, Cohere2ForCausalLM, Cohere2Config, INIT, COMMON, "scripts/fixtures_cohere2.py"))
+    sys.exit(run(FAMILY))

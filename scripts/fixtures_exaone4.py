@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """Tiny random EXAONE 4.0 reference fixtures (tests/fixtures/exaone4/<case>/).
 
-    /work/venv/bin/python scripts/fixtures_exaone4.py
+    /work/venv/bin/python scripts/fixtures_exaone4.py   (or scripts/make_fixtures.py --family exaone4)
 
-See scripts/fixture_common.py for what each case directory holds. Features
+See scripts/fixture_lib.py for what each case directory holds. Features
 exercised: the LLLG layer pattern (layer_types; config_t4.json carries the
 string "LLLG" instead), global layers without RoPE, per-head q/k RMSNorm,
 post-norm blocks (no input norm), llama3 RoPE scaling, and the window-less form
@@ -16,37 +16,28 @@ the transformers check of config_t4.json loads it with layer_types added.
 
 from __future__ import annotations
 
-import copy
 import sys
 
 from transformers import Exaone4Config, Exaone4ForCausalLM
 
-from fixture_common import FULL, make_family, pattern_layer_types
+from fixture_lib import FULL, GEMMA2_STYLE, Family, no_window, pattern_layer_types, run, t4_config
 
-FAMILY = "exaone4"
 INIT = dict(embed_std=0.2, linear_std=0.25, norm_center=1.0, norm_std=0.3, other_std=0.1)
 COMMON = dict(head_dim=16, rms_norm_eps=1e-5, hidden_act="silu", bos_token_id=0, eos_token_id=2, pad_token_id=0)
 
 
-def t4_form(cfg: dict):
+def t4_form(cfg: dict) -> dict:
     """EXAONE's published (transformers 4.54) form: rope_theta/rope_scaling,
     sliding_window_pattern "LLLG" (or no window), no layer_types."""
-    d = copy.deepcopy(cfg)
-    types = d.pop("layer_types")
-    if d["sliding_window"] is None:
-        assert set(types) == {FULL}
-        d.pop("sliding_window_pattern", None)
-    else:
-        assert types == pattern_layer_types(d["num_hidden_layers"], 4)
-        d["sliding_window_pattern"] = "LLLG"
-    rp = d.pop("rope_parameters")
-    d["rope_theta"] = rp["rope_theta"]
-    scaling = {k: v for k, v in rp.items() if k != "rope_theta"}
-    d["rope_scaling"] = None if scaling.get("rope_type", "default") == "default" else scaling
-    d["torch_dtype"] = d.pop("dtype")
-    d["transformers_version"] = "4.54.0"
-    hf = dict(d, layer_types=types)
-    return d, hf
+    if cfg["sliding_window"] is None:
+        assert set(cfg["layer_types"]) == {FULL}
+        return t4_config(cfg, drop=("layer_types", "sliding_window_pattern"), version="4.54.0")
+    return t4_config(cfg, pattern=4, version="4.54.0", sliding_window_pattern="LLLG")
+
+
+def with_layer_types(t4: dict, cfg: dict) -> dict:
+    # What transformers 5 is given: it cannot derive layer_types from "LLLG" nor without a window.
+    return dict(t4, layer_types=cfg["layer_types"])
 
 
 def _rope_on_global_layers(m):
@@ -83,11 +74,12 @@ CASES = [
             },
         ),
         t4=t4_form,
+        t4_hf=with_layer_types,
         notes=[
             "config_t4.json uses sliding_window_pattern \"LLLG\" without layer_types "
             "(transformers 5 checked with layer_types added)"
         ],
-        ablations={"rope_on_global_layers": _rope_on_global_layers},
+        ablations={"no_sliding_window": no_window, "rope_on_global_layers": _rope_on_global_layers},
     ),
     dict(
         name="nowindow_fp32",
@@ -104,6 +96,7 @@ CASES = [
             rope_parameters={"rope_type": "default", "rope_theta": 500_000.0},
         ),
         t4=t4_form,
+        t4_hf=with_layer_types,
         notes=[
             "config_t4.json has no sliding window and no layer_types "
             "(transformers 5 checked with layer_types added)"
@@ -112,5 +105,9 @@ CASES = [
 ]
 
 
+FAMILY = Family(
+    "exaone4", __file__, Exaone4ForCausalLM, Exaone4Config, CASES, common=COMMON, init=INIT, **GEMMA2_STYLE
+)
+
 if __name__ == "__main__":
-    sys.exit(make_family(FAMILY, CASES, Exaone4ForCausalLM, Exaone4Config, INIT, COMMON, "scripts/fixtures_exaone4.py"))
+    sys.exit(run(FAMILY))

@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """Tiny random Gemma2 reference fixtures (tests/fixtures/gemma2/<case>/).
 
-    /work/venv/bin/python scripts/fixtures_gemma2.py
+    /work/venv/bin/python scripts/fixtures_gemma2.py   (or scripts/make_fixtures.py --family gemma2)
 
-See scripts/fixture_common.py for what each case directory holds. Features
+See scripts/fixture_lib.py for what each case directory holds. Features
 exercised: attention-score tanh softcapping (transformers' eager path applies
 it before the mask), final logit softcapping, query_pre_attn_scalar != head_dim,
 alternating sliding/full layers (sliding first) with a real window, GemmaRMSNorm
@@ -12,56 +12,33 @@ alternating sliding/full layers (sliding first) with a real window, GemmaRMSNorm
 
 from __future__ import annotations
 
-import copy
 import sys
 
 from transformers import Gemma2Config, Gemma2ForCausalLM
 
-from fixture_common import FULL, SLIDING, make_family, pattern_layer_types
-
-FAMILY = "gemma2"
-INIT = dict(embed_std=0.2, linear_std=0.25, norm_center=0.0, norm_std=0.3, final_norm_shift=1.0, other_std=0.1)
-COMMON = dict(
-    head_dim=16,
-    rms_norm_eps=1e-6,
-    hidden_activation="gelu_pytorch_tanh",
-    pad_token_id=0,
-    eos_token_id=1,
-    bos_token_id=2,
-    tie_word_embeddings=True,
+from fixture_lib import (
+    FULL,
+    GEMMA2_STYLE,
+    GEMMA_COMMON,
+    SLIDING,
+    Family,
+    no_attn_softcap,
+    no_final_softcap,
+    no_window,
+    pattern_layer_types,
+    run,
+    scale_by_head_dim,
+    t4_config,
 )
 
-
-def to_t4(cfg: dict):
-    """transformers-4 form: rope_theta/rope_scaling, no layer_types (the legacy
-    alternation derives them), torch_dtype."""
-    d = copy.deepcopy(cfg)
-    assert d.pop("layer_types") == pattern_layer_types(d["num_hidden_layers"], 2)
-    rp = d.pop("rope_parameters")
-    d["rope_theta"] = rp["rope_theta"]
-    d["rope_scaling"] = None if rp.get("rope_type", "default") == "default" else {
-        k: v for k, v in rp.items() if k != "rope_theta"
-    }
-    d.pop("use_bidirectional_attention", None)
-    d["torch_dtype"] = d.pop("dtype")
-    d["cache_implementation"] = "hybrid"
-    d["transformers_version"] = "4.44.0"
-    return d, d
+INIT = dict(embed_std=0.2, linear_std=0.25, norm_center=0.0, norm_std=0.3, final_norm_shift=1.0, other_std=0.1)
 
 
-def _no_attn_softcap(m):
-    m.config.attn_logit_softcapping = None
-    for layer in m.model.layers:
-        layer.self_attn.attn_logit_softcapping = None
-
-
-def _no_final_softcap(m):
-    m.config.final_logit_softcapping = None
-
-
-def _scale_by_head_dim(m):
-    for layer in m.model.layers:
-        layer.self_attn.scaling = 16**-0.5
+def to_t4(cfg: dict) -> dict:
+    """transformers-4 form: rope_theta/rope_scaling, no layer_types (4.x alternates
+    sliding / full), torch_dtype."""
+    drop = ("use_bidirectional_attention",)
+    return t4_config(cfg, pattern=2, drop=drop, version="4.44.0", cache_implementation="hybrid")
 
 
 CASES = [
@@ -86,9 +63,10 @@ CASES = [
         ),
         t4=to_t4,
         ablations={
-            "no_attn_softcap": _no_attn_softcap,
-            "no_final_softcap": _no_final_softcap,
-            "scale_by_head_dim": _scale_by_head_dim,
+            "no_sliding_window": no_window,
+            "no_attn_softcap": no_attn_softcap,
+            "no_final_softcap": no_final_softcap,
+            "scale_by_head_dim": scale_by_head_dim,
         },
     ),
     dict(
@@ -112,9 +90,13 @@ CASES = [
             rope_parameters={"rope_type": "linear", "rope_theta": 10_000.0, "factor": 2.0},
         ),
         t4=to_t4,
+        ablations={"no_sliding_window": no_window},
     ),
 ]
 
+FAMILY = Family(
+    "gemma2", __file__, Gemma2ForCausalLM, Gemma2Config, CASES, common=GEMMA_COMMON, init=INIT, **GEMMA2_STYLE
+)
 
 if __name__ == "__main__":
-    sys.exit(make_family(FAMILY, CASES, Gemma2ForCausalLM, Gemma2Config, INIT, COMMON, "scripts/fixtures_gemma2.py"))
+    sys.exit(run(FAMILY))

@@ -3,7 +3,7 @@
 
 Run from the repository root:
 
-    /work/venv/bin/python scripts/fixtures_gpt_oss.py
+    /work/venv/bin/python scripts/fixtures_gpt_oss.py   (or scripts/make_fixtures.py --family gpt_oss)
 
 For every case it writes ``tests/fixtures/gpt_oss/<case>/``:
 
@@ -30,55 +30,127 @@ Re-initialisation: every parameter random (seeded, in name order), sinks
 ~ N(0.5, 1) so they take a real share of the softmax, norms ~ N(1, 0.3), the
 SwiGLU clamp set low enough that it actually clips.
 
-Deterministic (fixed seeds, single-threaded torch, fixed zip timestamps) and
-idempotent: each case directory is deleted and rewritten.
+The common steps (and determinism) are scripts/fixture_lib.py's.
 """
 
 from __future__ import annotations
 
-import copy
-import json
-import os
-import shutil
 import sys
-import tempfile
-from pathlib import Path
 
 import numpy as np
 import torch
-import transformers
 from transformers import GptOssConfig, GptOssForCausalLM
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from make_fixtures import full_logits, safetensors_dtypes, top1_gap, weight_prefixes, write_npz  # noqa: E402
+from fixture_lib import (
+    BASE_COLUMNS,
+    FULL,
+    SLIDING,
+    Family,
+    Readme,
+    Rule,
+    anything,
+    bf16_vs_fp32,
+    endswith,
+    full_logits,
+    is_embedding,
+    no_window,
+    run,
+    t4_config,
+)
 
-ROOT = Path(__file__).resolve().parent.parent
-OUT_DIR = ROOT / "tests" / "fixtures" / "gpt_oss"
-
-EMBED_STD = 0.2
-LINEAR_STD = 0.25
 # Smaller q/k and expert weights: at 0.25 the un-normalised q/k give very peaked
 # attention and the experts large activations, so transformers' own fp32 run is
 # ~7e-6 of the logit scale from a float64 run (bf16: 15%); at these, ~7e-7 (bf16: 1.5%).
-QK_STD = 0.12
-EXPERT_STD = 0.15
-NORM_MEAN, NORM_STD = 1.0, 0.3
-BIAS_STD = 0.1
-SINK_MEAN, SINK_STD = 0.5, 1.0
-
-SLIDING, FULL = "sliding_attention", "full_attention"
+INIT = dict(
+    embed_std=0.2,
+    linear_std=0.25,
+    qk_std=0.12,
+    expert_std=0.15,
+    norm_mean=1.0,
+    norm_std=0.3,
+    bias_std=0.1,
+    sink_mean=0.5,
+    sink_std=1.0,
+)
+INIT_RULES = (
+    Rule(is_embedding, "embed_std"),
+    Rule(endswith("norm.weight"), "norm_std", ("norm_mean",)),
+    Rule(endswith("sinks"), "sink_std", ("sink_mean",)),
+    Rule(endswith("q_proj.weight", "k_proj.weight"), "qk_std"),
+    Rule(endswith("experts.gate_up_proj", "experts.down_proj"), "expert_std"),
+    Rule(endswith("bias"), "bias_std"),  # .bias and experts' *_proj_bias
+    Rule(anything, "linear_std"),
+)
 
 COMMON = dict(
-    vocab_size=256,
-    hidden_size=64,
     head_dim=16,
-    max_position_embeddings=512,
     rms_norm_eps=1e-5,
     pad_token_id=0,
     eos_token_id=1,
     bos_token_id=2,
     tie_word_embeddings=False,
 )
+
+
+def no_sinks(m) -> None:
+    for layer in m.model.layers:
+        layer.self_attn.sinks.fill_(-1e4)
+
+
+def no_swiglu_clamp(m) -> None:
+    for layer in m.model.layers:
+        layer.mlp.experts.limit = 1e9
+
+
+def no_yarn_attention_scaling(m) -> None:
+    m.model.rotary_emb.attention_scaling = 1.0
+
+
+def gate_up_as_halves(m) -> None:
+    """A loader that read gate/up as the two halves instead of interleaved."""
+    for layer in m.model.layers:
+        ex = layer.mlp.experts
+        half = ex.gate_up_proj.shape[-1] // 2
+        for p in (ex.gate_up_proj, ex.gate_up_proj_bias):
+            p.copy_(torch.stack([p[..., :half], p[..., half:]], dim=-1).reshape(p.shape))
+
+
+def softmax_before_topk(m) -> None:
+    """Route by top-k of the softmax over all experts (same set, other weights)."""
+    for layer in m.model.layers:
+        r = layer.mlp.router
+
+        def fwd(h, r=r):
+            logits = torch.nn.functional.linear(h, r.weight, r.bias)
+            probs = torch.softmax(logits, dim=-1)
+            vals, idx = torch.topk(probs, r.top_k, dim=-1)
+            return logits, vals, idx
+
+        r.forward = fwd
+
+
+ABLATIONS = {
+    "no_sinks": no_sinks,
+    "no_sliding_window": no_window,
+    "no_swiglu_clamp": no_swiglu_clamp,
+    "no_yarn_attention_scaling": no_yarn_attention_scaling,
+    "gate_up_as_halves": gate_up_as_halves,
+    "softmax_before_topk_unnormalised": softmax_before_topk,
+}
+
+
+def to_t4_config(cfg_v5: dict) -> dict:
+    """The transformers-4 (openai 4.55) form of a transformers-5 gpt_oss config.json."""
+    assert cfg_v5["swiglu_alpha"] == 1.702, "transformers 4 hard-codes swiglu alpha 1.702"
+    return t4_config(
+        cfg_v5,
+        pattern=2,  # 4.x alternates sliding / full
+        drop=("swiglu_alpha",),
+        version="4.55.0",
+        experts_per_token=cfg_v5["num_experts_per_tok"],
+        initial_context_length=cfg_v5["rope_parameters"]["original_max_position_embeddings"],
+    )
+
 
 CASES = [
     dict(
@@ -89,7 +161,8 @@ CASES = [
         ),
         seed=2001,
         T=48,
-        t4=True,
+        t4=to_t4_config,
+        ablations=ABLATIONS,
         config=dict(
             num_hidden_layers=4,
             num_attention_heads=8,
@@ -121,6 +194,7 @@ CASES = [
         ),
         seed=2002,
         T=80,
+        ablations=ABLATIONS,
         config=dict(
             num_hidden_layers=4,
             num_attention_heads=4,
@@ -150,6 +224,7 @@ CASES = [
         seed=2003,
         T=64,
         dtype=torch.bfloat16,
+        ablations=ABLATIONS,
         config=dict(
             num_hidden_layers=4,
             num_attention_heads=8,
@@ -174,37 +249,23 @@ CASES = [
 ]
 
 
-def reinit_(model: torch.nn.Module, seed: int) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
-            if "embed_tokens" in name:
-                new = torch.randn(p.shape, generator=gen) * EMBED_STD
-            elif name.endswith("norm.weight"):
-                new = NORM_MEAN + torch.randn(p.shape, generator=gen) * NORM_STD
-            elif name.endswith("sinks"):
-                new = SINK_MEAN + torch.randn(p.shape, generator=gen) * SINK_STD
-            elif name.endswith(("q_proj.weight", "k_proj.weight")):
-                new = torch.randn(p.shape, generator=gen) * QK_STD
-            elif name.endswith(("experts.gate_up_proj", "experts.down_proj")):
-                new = torch.randn(p.shape, generator=gen) * EXPERT_STD
-            elif name.endswith("bias"):  # .bias and experts' *_proj_bias
-                new = torch.randn(p.shape, generator=gen) * BIAS_STD
-            else:
-                new = torch.randn(p.shape, generator=gen) * LINEAR_STD
-            p.copy_(new.to(p.dtype))
 
-
-def load(directory: Path, experts="eager", dtype=torch.float32):
-    return GptOssForCausalLM.from_pretrained(
-        directory, attn_implementation="eager", experts_implementation=experts, dtype=dtype
-    ).eval()
+def grouped_mm_check(ctx) -> list[str]:
+    """transformers' default grouped_mm experts agree with the eager reference."""
+    grouped = full_logits(ctx.load(ctx.out, experts_implementation="grouped_mm"), ctx.ids)
+    rel = float(np.abs(grouped - ctx.ref32).max() / np.abs(ctx.ref32).max())
+    assert rel < 1e-5, f"{ctx.case['name']}: eager vs grouped_mm experts differ by {rel}"
+    return [
+        "reference: eager attention, eager experts (per-expert loop); transformers' default grouped_mm "
+        f"experts agree to {rel:.1e} of the logit scale (float32)",
+    ]
 
 
 @torch.no_grad()
-def router_margin(model, ids: np.ndarray) -> float | None:
-    """Smallest (k-th - (k+1)-th) router logit over every token and layer
-    (None when every token uses every expert)."""
+def router_margin(ctx) -> dict:
+    """Smallest (k-th - (k+1)-th) router logit over every token and layer of the
+    float32 model (None when every token uses every expert)."""
+    model = ctx.exact
     k, margins = model.config.num_experts_per_tok, []
 
     def hook(_m, _inp, out):
@@ -214,216 +275,52 @@ def router_margin(model, ids: np.ndarray) -> float | None:
             margins.append(float((top[:, k - 1] - top[:, k]).min()))
 
     hs = [layer.mlp.router.register_forward_hook(hook) for layer in model.model.layers]
-    full_logits(model, ids)
+    full_logits(model, ctx.ids)
     for h in hs:
         h.remove()
-    return min(margins) if margins else None
+    return {"router_min_margin": round(min(margins), 5) if margins else None}
 
 
-@torch.no_grad()
-def ablation(model, ids: np.ndarray, ref: np.ndarray) -> dict:
-    """Relative logit change (max |diff| / std) when one feature is removed."""
-    std = float(ref.std())
-    res = {}
-
-    def rel(m):
-        return round(float(np.abs(full_logits(m, ids) - ref).max() / std), 3)
-
-    m = copy.deepcopy(model)
-    for layer in m.model.layers:
-        layer.self_attn.sinks.fill_(-1e4)
-    res["no_sinks"] = rel(m)
-    m = copy.deepcopy(model)
-    m.config.sliding_window = 1_000_000
-    res["no_sliding_window"] = rel(m)
-    m = copy.deepcopy(model)
-    for layer in m.model.layers:
-        layer.mlp.experts.limit = 1e9
-    res["no_swiglu_clamp"] = rel(m)
-    m = copy.deepcopy(model)
-    m.model.rotary_emb.attention_scaling = 1.0
-    res["no_yarn_attention_scaling"] = rel(m)
-    m = copy.deepcopy(model)  # a loader that read gate/up as the two halves
-    for layer in m.model.layers:
-        ex = layer.mlp.experts
-        half = ex.gate_up_proj.shape[-1] // 2
-        for p in (ex.gate_up_proj, ex.gate_up_proj_bias):
-            p.copy_(torch.stack([p[..., :half], p[..., half:]], dim=-1).reshape(p.shape))
-    res["gate_up_as_halves"] = rel(m)
-    m = copy.deepcopy(model)  # route by top-k of the softmax over all experts (same set, other weights)
-    for layer in m.model.layers:
-        r = layer.mlp.router
-
-        def fwd(h, r=r):
-            logits = torch.nn.functional.linear(h, r.weight, r.bias)
-            probs = torch.softmax(logits, dim=-1)
-            vals, idx = torch.topk(probs, r.top_k, dim=-1)
-            return logits, vals, idx
-
-        r.forward = fwd
-    res["softmax_before_topk_unnormalised"] = rel(m)
-    return res
-
-
-def to_t4_config(cfg_v5: dict) -> dict:
-    """The transformers-4 (openai 4.55) form of a transformers-5 gpt_oss config.json."""
-    d = copy.deepcopy(cfg_v5)
-    rp = d.pop("rope_parameters")
-    d["rope_theta"] = rp.pop("rope_theta")
-    d["rope_scaling"] = rp
-    alpha = d.pop("swiglu_alpha")
-    assert alpha == 1.702, "transformers 4 hard-codes swiglu alpha 1.702"
-    d.pop("layer_types")  # derived: alternating sliding / full
-    d["experts_per_token"] = d["num_experts_per_tok"]
-    d["initial_context_length"] = rp["original_max_position_embeddings"]
-    d["torch_dtype"] = d.pop("dtype")
-    d["transformers_version"] = "4.55.0"
-    return dict(sorted(d.items()))
-
-
-def make_case(case: dict) -> dict:
-    name = case["name"]
-    out = OUT_DIR / name
-    if out.exists():
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
-
-    torch.manual_seed(case["seed"])
-    cfg = GptOssConfig(**{**COMMON, **copy.deepcopy(case["config"])})
-    model = GptOssForCausalLM(cfg)
-    reinit_(model, case["seed"])
-    dtype = case.get("dtype", torch.float32)
-    model = model.to(dtype).eval()
-
-    ids = np.random.default_rng(case["seed"]).integers(0, COMMON["vocab_size"], size=case["T"]).astype(np.int32)
-    model.save_pretrained(out)
-    st_path = out / "model.safetensors"
-    os.chmod(st_path, 0o644)  # save_pretrained leaves it 0600
-    assert st_path.exists() and not list(out.glob("*.index.json")), "expected a single safetensors file"
-
-    # The reference is the model as reloaded from disk (for bf16, from_pretrained
-    # keeps the norms in fp32 and RoPE buffers in fp32, unlike model.to(bf16)).
-    reloaded = load(out, dtype=dtype)
-    sd_mem, sd_new = model.state_dict(), reloaded.state_dict()
-    assert sd_mem.keys() == sd_new.keys() and all(torch.equal(sd_mem[k].float(), sd_new[k].float()) for k in sd_mem)
-    logits = full_logits(reloaded, ids)
-    arrays = {"ids": ids, "logits": logits.astype(np.float32)}
-    exact = reloaded
-    if dtype == torch.bfloat16:
-        exact = load(out, dtype=torch.float32)
-        arrays["logits_fp32"] = full_logits(exact, ids).astype(np.float32)
-    grouped = full_logits(load(out, experts="grouped_mm"), ids)
-    ref32 = arrays.get("logits_fp32", logits)
-    grouped_rel = float(np.abs(grouped - ref32).max() / np.abs(ref32).max())
-    assert grouped_rel < 1e-5, f"{name}: eager vs grouped_mm experts differ by {grouped_rel}"
-    write_npz(out / "reference.npz", arrays)
-
-    notes = [
-        "reference: eager attention, eager experts (per-expert loop); transformers' default grouped_mm "
-        f"experts agree to {grouped_rel:.1e} of the logit scale (float32)",
-    ]
-    if dtype == torch.bfloat16:
-        notes.append("logits: bf16 forward; logits_fp32: same bf16-rounded weights upcast, float32 forward")
-    t4_result = None
-    if case.get("t4"):
-        t4 = to_t4_config(json.loads((out / "config.json").read_text()))
-        (out / "config_t4.json").write_text(json.dumps(t4, indent=2) + "\n")
-        with tempfile.TemporaryDirectory() as td:
-            td = Path(td)
-            shutil.copy(out / "config_t4.json", td / "config.json")
-            os.symlink(st_path, td / "model.safetensors")
-            m4 = load(td)
-            same_types = m4.config.layer_types == reloaded.config.layer_types
-            same_rope = m4.config.rope_parameters == reloaded.config.rope_parameters
-            l4 = full_logits(m4, ids)
-            t4_result = dict(
-                layer_types_equal=same_types,
-                rope_parameters_equal=same_rope,
-                rope_parameters_loaded=m4.config.rope_parameters,
-                logits_max_abs_diff=float(np.abs(l4 - logits).max()),
-            )
-            assert same_types and same_rope and np.array_equal(l4, logits), f"{name}: t4 mismatch {t4_result}"
-        notes.append("config_t4.json: transformers-4 form; transformers 5 loads it to identical logits")
-
-    margin = router_margin(exact, ids)
-    info = dict(
-        case=name,
-        description=case["description"],
-        hf_class="GptOssForCausalLM",
-        transformers_version=transformers.__version__,
-        torch_version=torch.__version__,
-        dtype=str(dtype).replace("torch.", ""),
-        safetensors_dtypes=safetensors_dtypes(st_path),
-        T=int(case["T"]),
-        vocab_size=COMMON["vocab_size"],
-        sliding_window=case["config"]["sliding_window"],
-        layer_types=reloaded.config.layer_types,
-        rope_parameters=reloaded.config.rope_parameters,
-        rope_attention_scaling=float(reloaded.model.rotary_emb.attention_scaling),
-        logits_std=round(float(logits.std()), 4),
-        logits_min_top1_gap=round(top1_gap(logits), 4),
-        bf16_vs_fp32_max_abs_diff=(
-            round(float(np.abs(arrays["logits"] - arrays["logits_fp32"]).max()), 4) if "logits_fp32" in arrays else None
-        ),
-        router_min_margin=None if margin is None else round(margin, 5),
-        ablation_max_rel_change=ablation(exact, ids, ref32),
-        weight_prefixes=weight_prefixes(st_path),
-        t4_check=t4_result,
-        init=dict(
-            embed_std=EMBED_STD,
-            linear_std=LINEAR_STD,
-            qk_std=QK_STD,
-            expert_std=EXPERT_STD,
-            norm_mean=NORM_MEAN,
-            norm_std=NORM_STD,
-            bias_std=BIAS_STD,
-            sink_mean=SINK_MEAN,
-            sink_std=SINK_STD,
-            seed=case["seed"],
-        ),
-        notes=notes,
-        safetensors_bytes=st_path.stat().st_size,
+def rope_info(ctx) -> dict:
+    return dict(
+        rope_parameters=ctx.reloaded.config.rope_parameters,
+        rope_attention_scaling=float(ctx.reloaded.model.rotary_emb.attention_scaling),
     )
-    (out / "fixture_info.json").write_text(json.dumps(info, indent=2) + "\n")
-    return info
 
 
-def write_index(infos: list[dict]) -> None:
-    lines = [
-        "# gpt_oss reference fixtures",
-        "",
-        "Generated by `scripts/fixtures_gpt_oss.py` (do not edit by hand; rerun the script).",
-        f"transformers {transformers.__version__}, torch {torch.__version__}, eager attention, eager experts, CPU.",
-        "",
-        "Each case: `config.json` / `model.safetensors` / `generation_config.json` as `save_pretrained` wrote",
-        "them (unquantized expert layout), `reference.npz` (`ids` int32 [T], `logits` float32 [T, V], one full",
-        "forward pass without cache; bf16 cases add `logits_fp32`), `fixture_info.json` (statistics, router",
-        "margin, ablations, notes); `config_t4.json` is the transformers-4 form.",
-        "",
-        "| case | description | T | logit std | min top-1 gap | min router margin |",
-        "|---|---|---|---|---|---|",
-    ]
-    for i in infos:
-        lines.append(
-            f"| {i['case']} | {i['description']} | {i['T']} | {i['logits_std']} | {i['logits_min_top1_gap']} "
-            f"| {i['router_min_margin'] if i['router_min_margin'] is not None else '- (top-k = all experts)'} |"
-        )
-    lines += ["", "Notes:", ""]
-    lines += [f"- `{i['case']}`: {n}" for i in infos for n in i["notes"]]
-    (OUT_DIR / "README.md").write_text("\n".join(lines) + "\n")
+def router_cell(info, case):
+    margin = info["router_min_margin"]
+    return margin if margin is not None else "- (top-k = all experts)"
 
 
-def main() -> None:
-    torch.set_num_threads(1)
-    torch.use_deterministic_algorithms(True)
-    infos = [make_case(c) for c in CASES]
-    write_index(infos)
-    for i in infos:
-        print(
-            f"{i['case']}: {i['safetensors_bytes']} bytes, logit std {i['logits_std']}, "
-            f"router margin {i['router_min_margin']}, ablations {i['ablation_max_rel_change']}"
-        )
-
+FAMILY = Family(
+    "gpt_oss",
+    __file__,
+    GptOssForCausalLM,
+    GptOssConfig,
+    CASES,
+    common=COMMON,
+    init=INIT,
+    init_rules=INIT_RULES,
+    load_kwargs=dict(experts_implementation="eager"),
+    check_in_memory=False,
+    ablate_in_fp32=True,
+    min_ablation=0.0,  # with top-k = all experts (gqa_bf16) the routing ablation cannot matter
+    extra_outputs=grouped_mm_check,
+    info_fields=(rope_info, bf16_vs_fp32, router_margin),
+    t4_fields=("layer_types_equal", "rope_parameters_equal", "rope_parameters_loaded", "logits_max_abs_diff"),
+    t4_note="config_t4.json: transformers-4 form; transformers 5 loads it to identical logits",
+    readme=Readme(
+        runtime="eager attention, eager experts, CPU.",
+        about=(
+            "Each case: `config.json` / `model.safetensors` / `generation_config.json` as `save_pretrained` wrote",
+            "them (unquantized expert layout), `reference.npz` (`ids` int32 [T], `logits` float32 [T, V], one full",
+            "forward pass without cache; bf16 cases add `logits_fp32`), `fixture_info.json` (statistics, router",
+            "margin, ablations, notes); `config_t4.json` is the transformers-4 form.",
+        ),
+        columns=BASE_COLUMNS + (("min router margin", router_cell),),
+    ),
+)
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run(FAMILY))

@@ -2,6 +2,7 @@
 """Tiny random Llama reference fixtures (tests/fixtures/llama/<case>/).
 
 Run from the repository root: /work/venv/bin/python scripts/fixtures_llama.py
+(or scripts/make_fixtures.py --family llama).
 See scripts/fixture_lib.py for what each case directory holds.
 """
 
@@ -11,7 +12,7 @@ import sys
 
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from fixture_lib import default_rope, run, t4_config, zero_biases
+from fixture_lib import LLAMA_STYLE, Family, default_rope, run, t4_config, zero_biases
 
 CASES = [
     dict(
@@ -39,7 +40,7 @@ CASES = [
                 "original_max_position_embeddings": 64,
             },
         ),
-        t4=lambda c: t4_config(c),
+        t4=t4_config,
         ablations={"llama3_rope": default_rope, "biases": zero_biases},
     ),
     dict(
@@ -64,5 +65,7 @@ CASES = [
     ),
 ]
 
+FAMILY = Family("llama", __file__, LlamaForCausalLM, LlamaConfig, CASES, **LLAMA_STYLE)
+
 if __name__ == "__main__":
-    sys.exit(run("llama", "fixtures_llama.py", LlamaConfig, LlamaForCausalLM, CASES))
+    sys.exit(run(FAMILY))

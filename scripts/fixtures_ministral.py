@@ -2,6 +2,7 @@
 """Tiny random Ministral reference fixtures (tests/fixtures/ministral/<case>/).
 
 Run from the repository root: /work/venv/bin/python scripts/fixtures_ministral.py
+(or scripts/make_fixtures.py --family ministral).
 See scripts/fixture_lib.py for what each case directory holds.
 """
 
@@ -11,9 +12,7 @@ import sys
 
 from transformers import MinistralConfig, MinistralForCausalLM
 
-from fixture_lib import no_window, run, t4_config
-
-S, F = "sliding_attention", "full_attention"
+from fixture_lib import FULL, LLAMA_STYLE, SLIDING, Family, no_window, run, t4_config
 
 CASES = [
     dict(
@@ -27,7 +26,7 @@ CASES = [
             num_key_value_heads=2,
             head_dim=16,
             sliding_window=8,
-            layer_types=[S, S, F, S, S, F],
+            layer_types=[SLIDING, SLIDING, FULL, SLIDING, SLIDING, FULL],
             rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
         ),
         t4=lambda c: t4_config(c, version="4.54.0"),
@@ -55,5 +54,7 @@ CASES = [
     ),
 ]
 
+FAMILY = Family("ministral", __file__, MinistralForCausalLM, MinistralConfig, CASES, **LLAMA_STYLE)
+
 if __name__ == "__main__":
-    sys.exit(run("ministral", "fixtures_ministral.py", MinistralConfig, MinistralForCausalLM, CASES))
+    sys.exit(run(FAMILY))

@@ -2,6 +2,7 @@
 """Tiny random Ministral 3 reference fixtures (tests/fixtures/ministral3/<case>/).
 
 Run from the repository root: /work/venv/bin/python scripts/fixtures_ministral3.py
+(or scripts/make_fixtures.py --family ministral3).
 See scripts/fixture_lib.py for what each case directory holds. original_max_position_embeddings
 is far below T so the Llama-4 query scaling takes several values within a sequence.
 """
@@ -12,9 +13,7 @@ import sys
 
 from transformers import Ministral3Config, Ministral3ForCausalLM
 
-from fixture_lib import default_rope, no_window, run
-
-S, F = "sliding_attention", "full_attention"
+from fixture_lib import FULL, LLAMA_STYLE, SLIDING, Family, default_rope, no_window, run
 
 
 def no_query_scaling(m) -> None:
@@ -25,7 +24,7 @@ def no_query_scaling(m) -> None:
 def with_ignored_layer_types(c: dict) -> dict:
     # Ministral3Config warns about layer_types and the model never reads them.
     c = dict(c)
-    c["layer_types"] = [S, F] * (c["num_hidden_layers"] // 2)
+    c["layer_types"] = [SLIDING, FULL] * (c["num_hidden_layers"] // 2)
     return c
 
 
@@ -99,5 +98,9 @@ NOTES = [
     "1 + llama_4_scaling_beta * log(1 + floor(pos / original_max_position_embeddings)).",
 ]
 
+FAMILY = Family(
+    "ministral3", __file__, Ministral3ForCausalLM, Ministral3Config, CASES, readme_notes=NOTES, **LLAMA_STYLE
+)
+
 if __name__ == "__main__":
-    sys.exit(run("ministral3", "fixtures_ministral3.py", Ministral3Config, Ministral3ForCausalLM, CASES, NOTES))
+    sys.exit(run(FAMILY))

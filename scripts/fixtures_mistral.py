@@ -2,6 +2,7 @@
 """Tiny random Mistral reference fixtures (tests/fixtures/mistral/<case>/).
 
 Run from the repository root: /work/venv/bin/python scripts/fixtures_mistral.py
+(or scripts/make_fixtures.py --family mistral).
 See scripts/fixture_lib.py for what each case directory holds. Every case has a
 sliding window smaller than T: without layer_types transformers windows every
 mistral layer.
@@ -13,14 +14,14 @@ import sys
 
 from transformers import MistralConfig, MistralForCausalLM
 
-from fixture_lib import no_window, run, t4_config
+from fixture_lib import FULL, LLAMA_STYLE, SLIDING, Family, no_window, run, t4_config
 
 
 def with_layer_types(c: dict) -> dict:
     # MistralConfig drops layer_types; written into config.json, AutoConfig loads
     # the checkpoint as ministral and the kinds apply per layer.
     c = dict(c)
-    c["layer_types"] = ["sliding_attention", "full_attention"] * (c["num_hidden_layers"] // 2)
+    c["layer_types"] = [SLIDING, FULL] * (c["num_hidden_layers"] // 2)
     return c
 
 
@@ -37,7 +38,7 @@ CASES = [
             sliding_window=8,
             rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
         ),
-        t4=lambda c: t4_config(c),
+        t4=t4_config,
         ablations={"sliding_window": no_window},
     ),
     dict(
@@ -71,5 +72,7 @@ NOTES = [
     "transformers 5.24 MistralModel windows every layer when sliding_window is set (mlx-lm ignores the window).",
 ]
 
+FAMILY = Family("mistral", __file__, MistralForCausalLM, MistralConfig, CASES, readme_notes=NOTES, **LLAMA_STYLE)
+
 if __name__ == "__main__":
-    sys.exit(run("mistral", "fixtures_mistral.py", MistralConfig, MistralForCausalLM, CASES, NOTES))
+    sys.exit(run(FAMILY))

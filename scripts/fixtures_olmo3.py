@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """Tiny random OLMo 3 reference fixtures (tests/fixtures/olmo3/<case>/).
 
-    /work/venv/bin/python scripts/fixtures_olmo3.py
+    /work/venv/bin/python scripts/fixtures_olmo3.py   (or scripts/make_fixtures.py --family olmo3)
 
-See scripts/fixture_common.py for what each case directory holds. Features
+See scripts/fixture_lib.py for what each case directory holds. Features
 exercised: q/k RMSNorm over the whole projection (all heads), post-norm blocks
 (no input norm) with OLMo's fp32 weight scaling, 3 sliding : 1 full layers,
 plain RoPE on sliding layers and yarn on full layers, untied and tied heads,
@@ -21,45 +21,37 @@ mha_bias_fp32 uses 500000, where both agree.
 
 from __future__ import annotations
 
-import copy
 import sys
 
+import torch
 from transformers import Olmo3Config, Olmo3ForCausalLM
 
-from fixture_common import FULL, SLIDING, make_family, pattern_layer_types
+from fixture_lib import (
+    FULL,
+    GEMMA2_STYLE,
+    SLIDING,
+    Family,
+    no_window,
+    pattern_layer_types,
+    rope_by_kind,
+    run,
+    t4_config,
+)
 
-FAMILY = "olmo3"
 INIT = dict(embed_std=0.2, linear_std=0.25, norm_center=1.0, norm_std=0.3, other_std=0.1)
 COMMON = dict(head_dim=16, rms_norm_eps=1e-6, hidden_act="silu", pad_token_id=1, eos_token_id=0)
 
 
-def t4_form(cfg: dict):
+def t4_form(cfg: dict) -> dict:
     """transformers-4 form: rope_theta (both kinds) + rope_scaling (full layers),
     no layer_types (every 4th layer full), torch_dtype."""
-    d = copy.deepcopy(cfg)
-    assert d.pop("layer_types") == pattern_layer_types(d["num_hidden_layers"], 4)
-    rp = d.pop("rope_parameters")
-    full, sliding = rp[FULL], rp[SLIDING]
+    full, sliding = cfg["rope_parameters"][FULL], cfg["rope_parameters"][SLIDING]
     assert sliding == {"rope_type": "default", "rope_theta": full["rope_theta"]}
-    d["rope_theta"] = full["rope_theta"]
-    scaling = {k: v for k, v in full.items() if k != "rope_theta"}
-    d["rope_scaling"] = None if scaling.get("rope_type", "default") == "default" else scaling
-    d["torch_dtype"] = d.pop("dtype")
-    d["transformers_version"] = "4.57.0"
-    return d, d
-
-
-def rope(theta: float, full_scaling: dict | None = None) -> dict:
-    return {
-        FULL: {"rope_type": "default", "rope_theta": theta, **(full_scaling or {})},
-        SLIDING: {"rope_type": "default", "rope_theta": theta},
-    }
+    return t4_config({**cfg, "rope_parameters": full}, pattern=4, version="4.57.0")
 
 
 def _per_head_qk_norm(m):
     # What a per-head norm (the common mistake) would give: same weights, statistic per head.
-    import torch
-
     for layer in m.model.layers:
         a = layer.self_attn
         for norm in (a.q_norm, a.k_norm):
@@ -89,10 +81,15 @@ CASES = [
             sliding_window=16,
             layer_types=pattern_layer_types(6, 4),
             tie_word_embeddings=False,
-            rope_parameters=rope(
+            rope_parameters=rope_by_kind(
                 50_000.0,
-                {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64,
-                 "beta_fast": 32.0, "beta_slow": 1.0},
+                full_scaling={
+                    "rope_type": "yarn",
+                    "factor": 8.0,
+                    "original_max_position_embeddings": 64,
+                    "beta_fast": 32.0,
+                    "beta_slow": 1.0,
+                },
             ),
         ),
         t4=t4_form,
@@ -102,7 +99,7 @@ CASES = [
             "sliding layers with theta 500000 instead (see t4_check.hf_logits_rel_change); the reference logits "
             "follow config.json, which 4.57 semantics of config_t4.json reproduce"
         ],
-        ablations={"per_head_qk_norm": _per_head_qk_norm},
+        ablations={"no_sliding_window": no_window, "per_head_qk_norm": _per_head_qk_norm},
     ),
     dict(
         name="mha_bias_fp32",
@@ -117,13 +114,15 @@ CASES = [
             layer_types=pattern_layer_types(5, 4),
             tie_word_embeddings=True,
             attention_bias=True,
-            rope_parameters=rope(500_000.0),
+            rope_parameters=rope_by_kind(500_000.0),
         ),
         t4=t4_form,
-        ablations={"per_head_qk_norm": _per_head_qk_norm},
+        ablations={"no_sliding_window": no_window, "per_head_qk_norm": _per_head_qk_norm},
     ),
 ]
 
 
+FAMILY = Family("olmo3", __file__, Olmo3ForCausalLM, Olmo3Config, CASES, common=COMMON, init=INIT, **GEMMA2_STYLE)
+
 if __name__ == "__main__":
-    sys.exit(make_family(FAMILY, CASES, Olmo3ForCausalLM, Olmo3Config, INIT, COMMON, "scripts/fixtures_olmo3.py"))
+    sys.exit(run(FAMILY))

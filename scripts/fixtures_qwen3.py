@@ -2,6 +2,7 @@
 """Tiny random Qwen3 reference fixtures (tests/fixtures/qwen3/<case>/).
 
 Run from the repository root: /work/venv/bin/python scripts/fixtures_qwen3.py
+(or scripts/make_fixtures.py --family qwen3).
 See scripts/fixture_lib.py for what each case directory holds.
 """
 
@@ -12,7 +13,7 @@ import sys
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from fixture_lib import default_rope, no_window, run, t4_config, zero_biases
+from fixture_lib import LLAMA_STYLE, Family, default_rope, no_window, run, t4_config, zero_biases
 
 
 def no_qk_norm(m) -> None:
@@ -86,5 +87,7 @@ NOTES = [
     "layer i slides iff a window is left and i >= max_window_layers. q_norm/k_norm act per head before RoPE.",
 ]
 
+FAMILY = Family("qwen3", __file__, Qwen3ForCausalLM, Qwen3Config, CASES, readme_notes=NOTES, **LLAMA_STYLE)
+
 if __name__ == "__main__":
-    sys.exit(run("qwen3", "fixtures_qwen3.py", Qwen3Config, Qwen3ForCausalLM, CASES, NOTES))
+    sys.exit(run(FAMILY))
