@@ -1,8 +1,9 @@
 """From a MODEL argument to a loaded (and, under TP, sharded) model.
 
 resolve_model_dir: local directory, the embedded default, or a Hub repo id.
-load_model: config.json -> registry -> ModelArgs -> Model -> shard(group) ->
-read exactly this rank's slice of every tensor -> strict load -> cast.
+load_model: config.json -> registry -> ModelArgs -> Model -> quantize the
+modules an MLX-quantized checkpoint stores quantized -> shard(group) -> read
+exactly this rank's slice of every tensor -> strict load -> cast.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from mlx.utils import tree_flatten
 
 from .errors import UserError
 from .models import get_model_module
+from .quant import foreign_quant_method, quantize_model, read_quantization
 from .shard import collect_plan
 from .weights import open_checkpoint
 
@@ -141,27 +143,50 @@ def check_shardable(model: str | os.PathLike | None, np_: int) -> None:
     so a bad rank count is one clear line instead of N failing ranks."""
     if np_ <= 1:
         return
-    config = read_config(resolve_model_dir(model))
+    model_dir = resolve_model_dir(model)
+    config = read_config(model_dir)
+    # A quantized checkpoint's tensors say which layers are quantized (and
+    # o/down must split into whole quantization groups): read its headers.
+    refs = open_checkpoint(model_dir) if read_quantization(config) is not None else None
     for r in range(np_):
-        build_model(config).shard(_PlannedGroup(np_, r))
+        m, _ = _build_for_checkpoint(config, refs)
+        m.shard(_PlannedGroup(np_, r))
+
+
+def _build_for_checkpoint(config: dict, raw_refs: dict | None):
+    """The model, with the layers the checkpoint stores MLX-quantized swapped
+    for quantized ones (before sharding and loading), and its sanitized refs."""
+    m = build_model(config)
+    refs = m.sanitize(raw_refs) if raw_refs is not None else None
+    quant = read_quantization(config)
+    if quant is not None:
+        quantize_model(m, quant, refs)
+    return m, refs
 
 
 def load_model(model: str | os.PathLike | None, dtype: str | None = None, group=None, progress=None) -> Loaded:
     model_dir = resolve_model_dir(model)
     config = read_config(model_dir)
-    m = build_model(config)
+    m, refs = _build_for_checkpoint(config, open_checkpoint(model_dir))
     if group is not None and group.size() > 1:
         m.shard(group)
     target = parse_dtype(dtype) or config_dtype(config)
-    refs = m.sanitize(open_checkpoint(model_dir))
-    load_weights(m, refs, target, progress=progress)
+    method = foreign_quant_method(config)
+    hint = (
+        f"config.json quantization_config has quant_method {method!r}, which mlxcel-dist does not read "
+        f"(it reads MLX-quantized checkpoints, e.g. mlx-community or `mlxcel-dist convert --quantize`, and unquantized ones)"
+        if method
+        else None
+    )
+    load_weights(m, refs, target, progress=progress, unexpected_hint=hint)
     m.eval()
     return Loaded(m, config, model_dir, target, group)
 
 
-def load_weights(model: nn.Module, refs: dict, dtype=None, progress=None) -> None:
+def load_weights(model: nn.Module, refs: dict, dtype=None, progress=None, unexpected_hint: str | None = None) -> None:
     """Strict: every parameter must come from the checkpoint with the right
-    shape, and every checkpoint tensor must be used. Reads only this rank's slice."""
+    shape, and every checkpoint tensor must be used. Reads only this rank's slice.
+    `unexpected_hint` is added to the error about unexpected tensors."""
     expected = dict(tree_flatten(model.parameters()))
     missing = sorted(expected.keys() - refs.keys())
     unexpected = sorted(refs.keys() - expected.keys())
@@ -170,7 +195,12 @@ def load_weights(model: nn.Module, refs: dict, dtype=None, progress=None) -> Non
         raise UserError(f"checkpoint is missing tensors: {', '.join(missing[:3])}{more}")
     if unexpected:
         more = f" (+{len(unexpected) - 3} more)" if len(unexpected) > 3 else ""
-        raise UserError(f"checkpoint has unexpected tensors: {', '.join(unexpected[:3])}{more}")
+        hint = ""
+        if unexpected_hint:
+            hint = f" ({unexpected_hint})"
+        elif any(n.endswith(".scales") for n in unexpected) and not any(n.endswith(".scales") for n in expected):
+            hint = " (quantized tensors, but config.json has no MLX `quantization`)"
+        raise UserError(f"checkpoint has unexpected tensors: {', '.join(unexpected[:3])}{more}{hint}")
     plan = collect_plan(model)
     weights = []
     names = sorted(expected)
@@ -184,7 +214,12 @@ def load_weights(model: nn.Module, refs: dict, dtype=None, progress=None) -> Non
             full = list(param.shape)
             if axis is not None:
                 full[axis] = ref.shape[axis]
-            raise UserError(f"tensor {name!r} has shape {list(ref.shape)}, expected {full}")
+            hint = ""
+            if param.dtype == mx.uint32 or name.endswith((".scales", ".biases")):
+                hint = " (quantized with other bits / group size than config.json's `quantization` says?)"
+            raise UserError(f"tensor {name!r} has shape {list(ref.shape)}, expected {full}{hint}")
+        if param.dtype == mx.uint32 and ref.dtype != "U32":
+            raise UserError(f"tensor {name!r} is {ref.dtype}, expected packed quantized weights (U32)")
         w = ref.read(axis, ranges)
         if dtype is not None and mx.issubdtype(w.dtype, mx.floating):
             w = w.astype(dtype)

@@ -9,6 +9,11 @@ Norms, embeddings and the head stay replicated.
 The helpers run before any weight is read: they swap in sharded layers whose
 parameters are still lazy placeholders and attach a `ShardSpec` saying which
 slice of each checkpoint tensor this rank needs, so the loader reads only that.
+
+MLX-quantized layers (quant.py) run before sharding, so q/k/v/gate/up may be
+QuantizedLinear; they become QuantizedAllToShardedLinear (rows of the packed
+weight, scales and biases) and o/down QuantizedShardedToAllLinear (the input
+slice in packed words and in scale groups, which must cut whole groups).
 """
 
 from __future__ import annotations
@@ -17,13 +22,22 @@ import os
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.nn.layers.distributed import AllToShardedLinear, ShardedToAllLinear
+from mlx.nn.layers.distributed import (
+    AllToShardedLinear,
+    QuantizedAllToShardedLinear,
+    QuantizedShardedToAllLinear,
+    ShardedToAllLinear,
+)
 
 from .errors import UserError
+from .quant import quantized_col_ranges
 
 
 class ShardSpec:
-    """Per-parameter slices: name -> (axis, [(start, stop), ...]) of the full tensor."""
+    """Per-parameter slices: name -> (axis, [(start, stop), ...]) of the full
+    tensor, in the stored tensor's own units (for a quantized layer: packed
+    uint32 words of `weight`, groups of `scales`/`biases`), so the loader
+    reads exactly these ranges from the file."""
 
     def __init__(self, slices: dict):
         self.slices = slices
@@ -37,9 +51,13 @@ def _slice(w: mx.array, axis: int, ranges) -> mx.array:
     return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=axis)
 
 
-def _sharded(linear: nn.Linear, kind: str, ranges, group) -> nn.Module:
+def _sharded(linear: nn.Module, kind: str, ranges, group, name: str = "layer") -> nn.Module:
     """Swap `linear` for an AllToShardedLinear (kind "rows": output slice) or a
-    ShardedToAllLinear (kind "cols": input slice) holding only `ranges`."""
+    ShardedToAllLinear (kind "cols": input slice) holding only `ranges`
+    (logical rows / input columns). A QuantizedLinear becomes the quantized
+    counterpart, see `_sharded_quantized`."""
+    if isinstance(linear, nn.QuantizedLinear):
+        return _sharded_quantized(linear, kind, ranges, group, name)
     has_bias = "bias" in linear
     out_dims, in_dims = linear.weight.shape
     n = group.size()
@@ -59,6 +77,46 @@ def _sharded(linear: nn.Linear, kind: str, ranges, group) -> nn.Module:
         if has_bias:
             layer.bias = linear.bias  # added once, after the all_sum
         spec = {"weight": (1, ranges)}
+    layer.shard_spec = ShardSpec(spec)
+    return layer
+
+
+def _sharded_quantized(linear: nn.QuantizedLinear, kind: str, ranges, group, name: str) -> nn.Module:
+    """QuantizedAllToShardedLinear / QuantizedShardedToAllLinear.
+
+    Rows (output slice): rows of the packed weight, scales, biases and bias,
+    the same ranges as unquantized (each row is quantized on its own).
+    Cols (input slice): the packed weight's words [start*bits/32,
+    stop*bits/32) and the scale/bias groups [start/gs, stop/gs); the slice
+    must be whole groups (UserError otherwise). The bias is replicated and
+    added once, after the all_sum."""
+    gs, bits, mode = linear.group_size, linear.bits, linear.mode
+    has_bias = "bias" in linear
+    has_biases = linear.get("biases") is not None
+    out_dims, packed_in = linear.weight.shape
+    in_dims = packed_in * 32 // bits
+    n = group.size()
+    q = {"group_size": gs, "bits": bits, "mode": mode}
+    # Placeholder shapes (lazy, never evaluated) that the constructors accept;
+    # the real slices replace them below.
+    if kind == "rows":
+        layer = QuantizedAllToShardedLinear(in_dims, n, bias=has_bias, group=group, **q)
+        names = ["weight", "scales"] + ["biases"] * has_biases + ["bias"] * has_bias
+        spec = {p: (0, ranges) for p in names}
+        for p in names:
+            setattr(layer, p, _slice(linear[p], 0, ranges))
+    else:
+        packed, groups = quantized_col_ranges(ranges, gs, bits, f"{n} ranks cannot split {name} ({in_dims} inputs)")
+        layer = QuantizedShardedToAllLinear(n * gs, out_dims, bias=has_bias, group=group, **q)
+        spec = {"weight": (1, packed), "scales": (1, groups)}
+        if has_biases:
+            spec["biases"] = (1, groups)
+        for p, (axis, rng) in spec.items():
+            setattr(layer, p, _slice(linear[p], axis, rng))
+        if has_bias:
+            layer.bias = linear.bias  # added once, after the all_sum
+    if not has_biases:
+        layer.biases = None
     layer.shard_spec = ShardSpec(spec)
     return layer
 
@@ -104,7 +162,7 @@ def shard_attention(attn: nn.Module, group) -> None:
     attn.q_proj = _sharded(attn.q_proj, "rows", [(q0 * D, q1 * D)], group)
     attn.k_proj = _sharded(attn.k_proj, "rows", [(kv0 * D, kv1 * D)], group)
     attn.v_proj = _sharded(attn.v_proj, "rows", [(kv0 * D, kv1 * D)], group)
-    attn.o_proj = _sharded(attn.o_proj, "cols", [(q0 * D, q1 * D)], group)
+    attn.o_proj = _sharded(attn.o_proj, "cols", [(q0 * D, q1 * D)], group, "o_proj")
     per_head = {}
     for name in getattr(attn, "per_head_params", ()):
         setattr(attn, name, _slice(getattr(attn, name), 0, [(q0, q1)]))
@@ -127,7 +185,7 @@ def shard_mlp(mlp: nn.Module, group, up=("gate_proj", "up_proj"), down="down_pro
     rng = [(r * per, (r + 1) * per)]
     for name in up:
         setattr(mlp, name, _sharded(getattr(mlp, name), "rows", rng, group))
-    setattr(mlp, down, _sharded(getattr(mlp, down), "cols", rng, group))
+    setattr(mlp, down, _sharded(getattr(mlp, down), "cols", rng, group, down))
 
 
 def shard_layers(layers, group, attn="self_attn", mlp="mlp") -> None:
