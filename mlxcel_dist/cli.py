@@ -52,13 +52,24 @@ def _handle_errors(fn):
         try:
             return fn(*args, **kwargs)
         except UserError as e:
-            _err(f"error: {e}")
+            if not (getattr(e, "collective", False) and _is_other_rank()):
+                _err(f"error: {e}")
             raise typer.Exit(e.exit_code) from None
         except KeyboardInterrupt:
             _err("interrupted")
             raise typer.Exit(130) from None
 
     return wrapper
+
+
+def _is_other_rank() -> bool:
+    """A launched rank other than 0 (errors every rank raises alike are
+    reported by rank 0 alone)."""
+    if not os.environ.get("MLXCEL_DIST_WORLD"):
+        return False
+    from . import distributed
+
+    return distributed.rank() != 0
 
 
 def _err(msg: str) -> None:
@@ -78,9 +89,17 @@ def _argv_from_ctx(ctx: typer.Context) -> list[str]:
                 argv.append(p.opts[0])
             elif not v and p.secondary_opts:
                 argv.append(p.secondary_opts[0])
+        elif isinstance(v, (list, tuple)):  # repeatable option
+            for item in v:
+                argv.append(_opt_value(p.opts[0], item))
         elif v is not None:
-            argv += [p.opts[0], str(v)]
+            argv.append(_opt_value(p.opts[0], v))
     return argv
+
+
+def _opt_value(opt: str, v) -> str:
+    # --opt=VALUE: a value that starts with "-" (say --stop "-") stays a value.
+    return f"{opt}={v}" if opt.startswith("--") else f"{opt}{v}"
 
 
 class Rank:
@@ -188,10 +207,20 @@ def _read_tokens(path: Path):
 def generate(
     ctx: typer.Context,
     model: ModelArg = None,
-    prompt: Annotated[str, typer.Option("--prompt", "-p", help="Prompt text.")] = "The sea",
-    max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", help="Tokens to generate.")] = 64,
+    prompt: Annotated[str, typer.Option("--prompt", "-p", help="Prompt text (with --chat: the user message).")] = "The sea",
+    max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", help="Most tokens to generate.")] = 64,
     temp: Annotated[float, typer.Option("--temp", help="Sampling temperature (0 = greedy).")] = 0.0,
-    seed: Annotated[int, typer.Option("--seed", help="Random seed (same on every rank).")] = 0,
+    top_k: Annotated[int, typer.Option("--top-k", help="Sample from the k most likely tokens (0 = off).")] = 0,
+    top_p: Annotated[float, typer.Option("--top-p", help="Nucleus sampling: smallest set with this much probability, in (0, 1] (1 = off).")] = 1.0,
+    min_p: Annotated[float, typer.Option("--min-p", help="Drop tokens below min-p x the top probability, in [0, 1] (0 = off).")] = 0.0,
+    repetition_penalty: Annotated[float, typer.Option("--repetition-penalty", help="Divide positive / multiply negative logits of tokens already in the context (1 = off).")] = 1.0,
+    repetition_context_size: Annotated[int, typer.Option("--repetition-context-size", help="Penalise only the last N ids of the context (0 = all of it).")] = 0,
+    seed: Annotated[int, typer.Option("--seed", help="Random seed (the same on every rank).")] = 0,
+    stop: Annotated[Optional[list[str]], typer.Option("--stop", help="Stop at the first occurrence of this text, not printed (repeatable).")] = None,
+    chat: Annotated[bool, typer.Option("--chat", help="Render the prompt as a user turn through the checkpoint's chat template.")] = False,
+    system: Annotated[Optional[str], typer.Option("--system", help="System prompt (with --chat).")] = None,
+    check_every: Annotated[int, typer.Option("--check-every", help="Ranks compare a checksum of the generated ids every N tokens and at the end (0 = only at the end).")] = 1,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Per-rank load time and peak memory, sampling settings, EOS ids (stderr).")] = False,
     prefill_step: PrefillStepOpt = None,
     dtype: DtypeOpt = None,
     np_: NpOpt = 1,
@@ -199,36 +228,71 @@ def generate(
     hostfile: HostfileOpt = None,
 ):
     """Generate text, streamed to stdout; speed to stderr."""
-    from .engine import generate_tokens
-    from .tokenizer import StreamDecoder, Tokenizer
+    import time
 
+    from .engine import generate_text, rank_resources
+    from .loader import resolve_model_dir
+    from .sampling import SamplingParams
+    from .tokenizer import StopStrings, Tokenizer
+
+    sampling = SamplingParams(temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
+                              repetition_context_size=repetition_context_size, seed=seed).validate()
+    if max_tokens < 0:
+        raise UserError(f"--max-tokens must be >= 0, got {max_tokens}")
+    if check_every < 0:
+        raise UserError(f"--check-every must be >= 0 (0 = only at the end), got {check_every}")
+    if prefill_step is not None and prefill_step < 1:
+        raise UserError(f"--prefill-step must be >= 1, got {prefill_step}")
+    stops = list(stop or [])
+    StopStrings(stops)
+    if not os.environ.get("MLXCEL_DIST_WORLD"):
+        # Prompt problems (no chat template, a template that refuses the
+        # conversation) fail here once, before any rank is launched.
+        Tokenizer(resolve_model_dir(model)).prompt_ids(prompt, chat=chat, system=system)
     rank = _distribute(ctx, np_, backend, hostfile, model)
+    t0 = time.perf_counter()
     loaded = _load(model, dtype, rank)
+    load_s = time.perf_counter() - t0
     tok = Tokenizer(loaded.model_dir, loaded.config)
-    ids = tok.encode(prompt)
-    stream = StreamDecoder(tok)
-    gen = generate_tokens(loaded.model, ids, max_tokens, temp=temp, seed=seed,
-                          eos_ids=tok.eos_ids, prefill_step=prefill_step)
-    if rank.is_root:
+    ids = tok.prompt_ids(prompt, chat=chat, system=system)
+    if rank.is_root and verbose:
+        _err(f"prompt {len(ids)} tokens{' (chat template: ' + tok.chat_template()[1] + ')' if chat else ''}; "
+             f"sampling: {sampling.describe()}; EOS ids {tok.eos_ids}; stop strings {stops}; np {rank.size}")
+    gen = generate_text(loaded.model, tok, ids, max_tokens, sampling, stop=stops, prefill_step=prefill_step,
+                        group=rank.group, check_every=check_every)
+    if rank.is_root and not chat:
         sys.stdout.write(prompt)
         sys.stdout.flush()
-    stats = None
     while True:
         try:
-            t = next(gen)
-        except StopIteration as stop:
-            stats = stop.value
+            text = next(gen)
+        except StopIteration as done:
+            stats = done.value
             break
-        if rank.is_root and t not in tok.eos_ids:
-            sys.stdout.write(stream.add(t))
+        except UserError:
+            if rank.is_root:  # end the partial line before the error line
+                sys.stdout.write("\n")
+                sys.stdout.flush()
+            raise
+        if rank.is_root:
+            sys.stdout.write(text)
             sys.stdout.flush()
+    resources = rank_resources(rank.group, load_s) if verbose else None
     if rank.is_root:
-        sys.stdout.write(stream.flush() + "\n")
+        sys.stdout.write("\n")
         sys.stdout.flush()
         _err(
             f"prompt {stats.prompt_tokens} tok, {stats.prefill_tok_s:.1f} tok/s | "
             f"generated {stats.generated} tok, {stats.decode_tok_s:.1f} tok/s | np {rank.size}"
         )
+        if verbose:
+            why = {"eos": "EOS", "length": "--max-tokens", "stop": f"stop string {stats.stop!r}"}[stats.finish_reason]
+            agreed = (f"ranks agreed at {stats.checks} check(s)" if rank.size > 1
+                      else "1 rank: the rank-agreement check is a no-op")
+            _err(f"finished by {why}; {agreed}")
+            _err(f"{'rank':>4} {'load s':>8} {'MLX peak MiB':>13} {'peak RSS MiB':>13}")
+            for r, (ls, peak, rss) in enumerate(resources):
+                _err(f"{r:>4} {ls:8.2f} {peak:13.1f} {rss:13.1f}")
 
 
 @app.command(hidden=True)
@@ -379,6 +443,50 @@ def info(model: ModelArg = None):
 
     for line in getattr(m, "describe_layers", lambda: describe_layers(m))():
         print(f"  {line}")
+
+
+@app.command()
+@_handle_errors
+def convert(
+    model: RequiredModelArg,
+    out: Annotated[Path, typer.Argument(help="Output directory (created; must be empty).", show_default=False)],
+    quantize: Annotated[
+        bool, typer.Option("--quantize", "-q", help="Quantize Linear and Embedding weights (MLX affine, as mlx-lm).")
+    ] = False,
+    bits: Annotated[
+        Optional[int], typer.Option("--bits", help="Bits per weight with --quantize: 2, 3, 4, 5, 6 or 8 (default 4).")
+    ] = None,
+    group_size: Annotated[
+        Optional[int],
+        typer.Option("--group-size", help="Weights per scale and bias with --quantize: 32, 64 or 128 (default 64)."),
+    ] = None,
+    dtype: Annotated[
+        Optional[str],
+        typer.Option("--dtype", help="Dtype of the stored float tensors (float32, bfloat16, float16); default: the checkpoint's."),
+    ] = None,
+):
+    """Write an mlx-community-style checkpoint (optionally MLX-quantized) that mlxcel-dist and mlx-lm load."""
+    from .convert import convert_checkpoint
+    from .loader import check_shardable
+
+    s = convert_checkpoint(model, out, quantize=quantize, bits=bits, group_size=group_size, dtype=dtype)
+    q = s["quantization"]
+    what = (
+        f"{q.describe()}, {len(s['quantized_modules'])} layers quantized, {s['bits_per_weight']:.2f} bits per weight"
+        if q
+        else "not quantized"
+    )
+    _err(f"wrote {out}: {', '.join(s['files'])} ({s['tensors']} tensors, {s['bytes'] / 2**20:.1f} MiB), {what}")
+    if s["copied"]:
+        _err(f"copied {', '.join(s['copied'])}")
+    splits = []
+    for n in (2, 4, 8):
+        try:
+            check_shardable(out, n)
+            splits.append(str(n))
+        except UserError:
+            pass
+    _err(f"tensor-parallel rank counts that split it (of 2, 4, 8): {', '.join(splits) or 'none'}")
 
 
 def main():

@@ -1,4 +1,5 @@
-"""Running a loaded model: logits in every feeding mode, and generation.
+"""Running a loaded model: logits in every feeding mode, and generation
+(sampling in sampling.py; text in/out in tokenizer.py).
 
 The same functions run single-process and on every rank under TP (the model's
 sharded layers do the collectives); only rank 0 reports.
@@ -6,13 +7,15 @@ sharded layers do the collectives); only rank 0 reports.
 
 from __future__ import annotations
 
+import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import mlx.core as mx
 import numpy as np
 
 from .errors import UserError
+from .sampling import SEED_LIMIT, Sampler, SamplingParams
 
 
 def check_tokens(ids, vocab_size: int) -> np.ndarray:
@@ -57,6 +60,98 @@ def sequence_logits(model, ids, decode_from: int | None = None, prefill_step: in
     return np.concatenate(out, axis=0)
 
 
+# Generation ---------------------------------------------------------------------
+#
+# Every rank runs the whole loop below: prefill, sample, agreement check, EOS,
+# detokenise, stop strings. Only rank 0 prints what it yields. All ranks take
+# every decision from the token ids alone, and the ids agree on every rank by
+# the sampler's invariant (sampling.py), so they stop at the same token and
+# issue the same collectives in the same order.
+
+
+class RanksDiverged(UserError):
+    """Ranks sampled different tokens: the TP job cannot go on. Raised on
+    every rank at once (they share the verdict), so only rank 0 reports it."""
+
+    exit_code = 3
+    collective = True
+
+
+def gather_per_rank(group, row, dtype=mx.float32) -> np.ndarray:
+    """Every rank's `row` (a short vector) as a [size, len(row)] array, on every
+    rank, with one all_sum: rank r fills row r of a zero matrix. Without a
+    group (or with one rank) no collective runs."""
+    np_dtype = {mx.int32: np.int32, mx.float32: np.float32}[dtype]
+    row = np.asarray(row, dtype=np_dtype)
+    size = group.size() if group is not None else 1
+    rank = group.rank() if group is not None else 0
+    mat = np.zeros((size, row.size), dtype=np_dtype)
+    mat[rank] = row
+    if size > 1:
+        mat = np.array(mx.distributed.all_sum(mx.array(mat), group=group))
+    return mat.astype(np.float64)
+
+
+class RankAgreement:
+    """Run-time guard of the sampler's invariant: all ranks generate the same ids.
+
+    Each rank keeps a checksum of its generated ids (a polynomial hash mod
+    2^31-1, so it is exact in int32), their count and the last id. `check()`
+    gathers every rank's (count, checksum, last id) with one all_sum of a
+    [size, 3] int32 matrix (row r from rank r, zeros elsewhere); every rank
+    then holds all rows, reaches the same verdict, and on a mismatch raises
+    RanksDiverged naming the ranks.
+    At np 1 the same code runs with no collective (a no-op check).
+
+    `every`: check after every N-th generated token, and always before the
+    generation ends (`finish`). The default N=1 checks each token before it is
+    printed or acted on; that is what keeps the guard sound: a divergent token
+    can also make ranks disagree about *stopping* (one rank samples EOS, the
+    other does not), and with N>1 such a rank would enter the final check while
+    the others enter their next forward pass, a mismatched collective that the
+    backend reports (or hangs on) instead of this guard. The cost at N=1 is one
+    12-byte-per-rank all_sum per token, next to the model's two per layer.
+    N=0 checks only at the end.
+    """
+
+    MOD = 2**31 - 1
+    MUL = 1_000_003
+
+    def __init__(self, group=None, every: int = 1):
+        if every < 0:
+            raise UserError(f"--check-every must be >= 0 (0 = only at the end), got {every}")
+        self.group = group
+        self.every = every
+        self.count = 0
+        self.checksum = 0
+        self.last = -1
+        self.checked = 0  # count at the last check
+        self.checks = 0
+
+    def add(self, tok_id: int) -> None:
+        self.count += 1
+        self.checksum = (self.checksum * self.MUL + int(tok_id) + 1) % self.MOD
+        self.last = int(tok_id)
+        if self.every and self.count - self.checked >= self.every:
+            self.check()
+
+    def check(self) -> None:
+        rows = gather_per_rank(self.group, [self.count, self.checksum, self.last], dtype=mx.int32).astype(np.int64)
+        self.checked = self.count
+        self.checks += 1
+        if (rows != rows[0]).any():
+            per_rank = "; ".join(f"rank {r}: {c} ids, last id {t}, checksum {h}" for r, (c, h, t) in enumerate(rows))
+            raise RanksDiverged(
+                f"ranks diverged after {self.count} generated tokens ({per_rank}); every rank must draw the "
+                "same token from bit-identical logits with the same seed (mixed host types or a "
+                "non-deterministic backend break that)"
+            )
+
+    def finish(self) -> None:
+        if self.checked != self.count or self.checks == 0:
+            self.check()
+
+
 @dataclass
 class GenStats:
     prompt_tokens: int = 0
@@ -64,6 +159,9 @@ class GenStats:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     tokens: list = field(default_factory=list)
+    finish_reason: str = ""  # "eos" | "stop" | "length"
+    stop: str | None = None  # the stop string that ended generation
+    checks: int = 0  # rank-agreement checks run
 
     @property
     def prefill_tok_s(self):
@@ -74,44 +172,123 @@ class GenStats:
         return (self.generated - 1) / self.decode_s if self.decode_s and self.generated > 1 else 0.0
 
 
-def sample(logits: mx.array, temp: float) -> mx.array:
-    if temp == 0:
-        return mx.argmax(logits, axis=-1)
-    return mx.random.categorical(logits * (1.0 / temp))
+def _fault_seed(params: SamplingParams, group) -> SamplingParams:
+    # Test hook: the last rank samples with another seed (breaks the invariant).
+    if (os.environ.get("MLXCEL_DIST_INJECT_FAULT") == "sampler-seed" and group is not None
+            and group.rank() == group.size() - 1):
+        return replace(params, seed=(params.seed + 1) % SEED_LIMIT)
+    return params
 
 
-def generate_tokens(model, prompt_ids, max_tokens: int, temp: float = 0.0, seed: int = 0,
-                    eos_ids=(), prefill_step: int | None = None):
-    """Yield generated token ids one by one; returns GenStats via StopIteration.value.
+class TokenGenerator:
+    """Iterating yields generated ids (each already agreed on, per the guard's
+    schedule) until EOS or `max_tokens`; a caller may also stop early (stop
+    strings). Call `finish()` afterwards, on every rank: it runs the final
+    agreement check and returns GenStats."""
 
-    Every rank runs this with the same seed, so all ranks sample the same token.
-    """
-    prompt = check_tokens(prompt_ids, vocab_size(model))
-    if max_tokens < 0:
-        raise UserError(f"--max-tokens must be >= 0, got {max_tokens}")
-    if temp < 0:
-        raise UserError(f"--temp must be >= 0, got {temp}")
-    mx.random.seed(seed)
-    stats = GenStats(prompt_tokens=len(prompt))
-    if max_tokens == 0:
-        return stats
-    cache = model.make_cache()
-    t0 = time.perf_counter()
-    step = prefill_step or len(prompt)
-    for i in range(0, len(prompt), step):
-        logits = model(mx.array(prompt[i : i + step])[None], cache)
-    tok = sample(logits[0, -1], temp)
-    tok_id = int(tok.item())
-    t1 = time.perf_counter()
-    stats.prefill_s = t1 - t0
-    eos = set(eos_ids)
-    while True:
-        stats.generated += 1
-        stats.tokens.append(tok_id)
-        yield tok_id
-        if tok_id in eos or stats.generated >= max_tokens:
+    def __init__(self, model, prompt_ids, max_tokens: int, sampling: SamplingParams | None = None,
+                 eos_ids=(), prefill_step: int | None = None, group=None, check_every: int = 1):
+        self.prompt = check_tokens(prompt_ids, vocab_size(model))
+        if max_tokens < 0:
+            raise UserError(f"--max-tokens must be >= 0, got {max_tokens}")
+        if prefill_step is not None and prefill_step < 1:
+            raise UserError(f"--prefill-step must be >= 1, got {prefill_step}")
+        self.model = model
+        self.max_tokens = max_tokens
+        self.sampler = Sampler(_fault_seed(sampling or SamplingParams(), group))
+        self.eos = set(int(e) for e in eos_ids)
+        self.prefill_step = prefill_step
+        self.guard = RankAgreement(group, check_every)
+        self.stats = GenStats(prompt_tokens=len(self.prompt))
+        self._t_decode = None
+
+    def __iter__(self):
+        stats = self.stats
+        if self.max_tokens == 0:
+            stats.finish_reason = "length"
+            return
+        context = self.prompt.tolist()
+        cache = self.model.make_cache()
+        t0 = time.perf_counter()
+        step = self.prefill_step or len(self.prompt)
+        for i in range(0, len(self.prompt), step):
+            logits = self.model(mx.array(self.prompt[i : i + step])[None], cache)
+        while True:
+            tok = self.sampler(logits[0, -1], context)
+            if self._t_decode is None:
+                self._t_decode = time.perf_counter()
+                stats.prefill_s = self._t_decode - t0
+            stats.generated += 1
+            stats.tokens.append(tok)
+            context.append(tok)
+            self.guard.add(tok)
+            if tok in self.eos:
+                stats.finish_reason = "eos"
+                return
+            yield tok
+            if stats.generated >= self.max_tokens:
+                stats.finish_reason = "length"
+                return
+            logits = self.model(mx.array([[tok]]), cache)
+
+    def finish(self) -> GenStats:
+        self.guard.finish()
+        if self._t_decode is not None:
+            self.stats.decode_s = time.perf_counter() - self._t_decode
+        self.stats.checks = self.guard.checks
+        return self.stats
+
+
+def generate_tokens(model, prompt_ids, max_tokens: int, sampling: SamplingParams | None = None, eos_ids=(),
+                    prefill_step: int | None = None, group=None, check_every: int = 1):
+    """Yield generated ids (EOS is not yielded); returns GenStats via
+    StopIteration.value."""
+    gen = TokenGenerator(model, prompt_ids, max_tokens, sampling, eos_ids, prefill_step, group, check_every)
+    yield from gen
+    return gen.finish()
+
+
+def generate_text(model, tokenizer, prompt_ids, max_tokens: int, sampling: SamplingParams | None = None,
+                  stop=(), eos_ids=None, prefill_step: int | None = None, group=None, check_every: int = 1,
+                  context_tokens: int = 4):
+    """Yield text chunks as they become final; returns GenStats via
+    StopIteration.value.
+
+    Stops at EOS (not printed), after `max_tokens`, or at the first occurrence
+    of a stop string (neither it nor any part of it is yielded). Text is
+    yielded only when it is whole UTF-8 and cannot be the start of a stop
+    string. The prompt's last `context_tokens` ids are the detokenizer's left
+    context (never yielded). Every rank must run this, not only the one that
+    prints: stop strings decide when generation ends."""
+    from .tokenizer import StopStrings, StreamDecoder
+
+    stopper = StopStrings(stop)
+    gen = TokenGenerator(model, prompt_ids, max_tokens, sampling,
+                         tokenizer.eos_ids if eos_ids is None else eos_ids, prefill_step, group, check_every)
+    decoder = StreamDecoder(tokenizer, context=list(prompt_ids)[-context_tokens:] if context_tokens else ())
+    for tok in gen:
+        text = stopper.feed(decoder.add(tok))
+        if text:
+            yield text
+        if stopper.stopped is not None:
             break
-        logits = model(mx.array([[tok_id]]), cache)
-        tok_id = int(sample(logits[0, -1], temp).item())
-    stats.decode_s = time.perf_counter() - t1
+    if stopper.stopped is None:
+        tail = stopper.feed(decoder.flush())
+        tail += stopper.flush()
+        if tail:
+            yield tail
+    stats = gen.finish()
+    if stopper.stopped is not None:
+        stats.finish_reason, stats.stop = "stop", stopper.stopped
     return stats
+
+
+def rank_resources(group, load_s: float) -> np.ndarray:
+    """[size, 3] on every rank: load seconds, MLX peak memory (MiB), peak RSS
+    (MiB) of each rank, gathered with one all_sum."""
+    import resource
+    import sys
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    rss_mib = rss / 2**20 if sys.platform == "darwin" else rss / 2**10  # bytes on macOS, KiB on Linux
+    return gather_per_rank(group, [load_s, mx.get_peak_memory() / 2**20, rss_mib], dtype=mx.float32)

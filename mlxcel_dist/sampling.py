@@ -1,0 +1,199 @@
+"""Choosing the next token: repetition penalty, temperature, top-k, top-p,
+min-p, seeded categorical sampling; greedy at temperature 0.
+
+Order (transformers' `generate` order, and why)::
+
+    repetition penalty -> (temp == 0: argmax) -> temperature -> top-k -> top-p -> min-p -> sample
+
+Each step has exactly the semantics of the transformers LogitsProcessor of the
+same name (`RepetitionPenaltyLogitsProcessor`, `TemperatureLogitsWarper`,
+`TopKLogitsWarper`, `TopPLogitsWarper`, `MinPLogitsWarper`, with
+`min_tokens_to_keep=1`), on float32 logits, removed tokens set to -inf:
+
+- repetition penalty: every distinct token id in the context (prompt +
+  generated so far; with `repetition_context_size` N only the last N ids, as
+  mlx-lm's `repetition_context_size`) gets `l * p` if `l < 0` else `l / p`;
+- temperature: `l / temp`;
+- top-k: drop tokens whose logit is below the k-th largest (ties kept);
+- top-p: sort ascending, drop tokens whose cumulative probability (of the
+  distribution left by the steps before) is <= 1 - top_p; the top token stays;
+- min-p: drop tokens whose probability is below min_p x the top probability.
+
+Why this order: it is the order of the reference the project is tested
+against, and the one `generation_config.json` sampling values are tuned for;
+applying min-p after temperature is also llama.cpp's choice. mlx-lm agrees on
+greedy decoding, on the repetition-penalty formula, on top-k alone, and on
+top-p or min-p alone at temperature 1; it differs elsewhere (it filters the
+untempered distribution in the order top-p -> min-p -> top-k and applies
+temperature last), so where the two disagree we follow transformers. With
+sampling off (temp 0) only the repetition penalty applies, then argmax, as
+transformers' greedy search (the filters never remove the argmax anyway).
+
+Randomness comes from an explicit key chain, never MLX's global random state:
+`key = mx.random.key(seed)`, and each sampled token splits it once. So the
+sequence of draws depends only on the seed and on how many tokens were drawn.
+
+Rank agreement (the invariant tensor parallelism relies on): every rank runs
+this same deterministic sampler, with the same parameters and seed, on the
+same logits — after a TP forward's final all_sum every rank holds the same
+hidden state and computes the replicated norm and lm_head on it, so the
+logits are bit-identical on every rank of one machine type. Hence every rank
+draws the same token, feeds the same token to its next forward, and makes the
+same stop decision (EOS, stop strings, length), without any communication.
+Nothing here may depend on the rank. `engine.RankAgreement` checks the
+invariant at run time (see there).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from .errors import UserError
+
+SEED_LIMIT = 2**64
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temp: float = 0.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+    min_p: float = 0.0  # 0 = off
+    repetition_penalty: float = 1.0  # 1 = off
+    repetition_context_size: int = 0  # 0 = the whole context (prompt + generated)
+    seed: int = 0
+
+    def validate(self) -> "SamplingParams":
+        """Raise UserError (named after the CLI option) on a value no reference accepts."""
+        def bad(opt, want, got):
+            raise UserError(f"{opt} must be {want}, got {got}")
+
+        if not math.isfinite(self.temp) or self.temp < 0:
+            bad("--temp", ">= 0 (0 = greedy)", self.temp)
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            bad("--top-k", "an integer >= 0 (0 = off)", self.top_k)
+        if not (0.0 < self.top_p <= 1.0):
+            bad("--top-p", "in (0, 1] (1 = off)", self.top_p)
+        if not (0.0 <= self.min_p <= 1.0):
+            bad("--min-p", "in [0, 1] (0 = off)", self.min_p)
+        if not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0:
+            bad("--repetition-penalty", "> 0 (1 = off)", self.repetition_penalty)
+        if self.repetition_context_size < 0:
+            bad("--repetition-context-size", ">= 0 (0 = the whole context)", self.repetition_context_size)
+        if not 0 <= self.seed < SEED_LIMIT:
+            bad("--seed", "in [0, 2^64)", self.seed)
+        return self
+
+    @property
+    def greedy(self) -> bool:
+        return self.temp == 0
+
+    def describe(self) -> str:
+        if self.greedy:
+            parts = ["greedy"]
+        else:
+            parts = [f"temp {self.temp:g}"]
+            if self.top_k:
+                parts.append(f"top-k {self.top_k}")
+            if self.top_p < 1:
+                parts.append(f"top-p {self.top_p:g}")
+            if self.min_p > 0:
+                parts.append(f"min-p {self.min_p:g}")
+            parts.append(f"seed {self.seed}")
+        if self.repetition_penalty != 1:
+            ctx = self.repetition_context_size or "all"
+            parts.append(f"repetition penalty {self.repetition_penalty:g} (context {ctx})")
+        return ", ".join(parts)
+
+
+NEG_INF = float("-inf")
+
+
+def apply_repetition_penalty(logits: mx.array, context, penalty: float, context_size: int = 0) -> mx.array:
+    """transformers' RepetitionPenaltyLogitsProcessor over the distinct ids of
+    `context` (its last `context_size` ids when > 0)."""
+    if penalty == 1.0 or len(context) == 0:
+        return logits
+    ids = np.asarray(context, dtype=np.int64)
+    if context_size > 0:
+        ids = ids[-context_size:]
+    mask = np.zeros(logits.shape[-1], dtype=bool)
+    mask[ids] = True
+    penalized = mx.where(logits < 0, logits * penalty, logits / penalty)
+    return mx.where(mx.array(mask), penalized, logits)
+
+
+def apply_top_k(logits: mx.array, k: int) -> mx.array:
+    """transformers' TopKLogitsWarper: keep logits >= the k-th largest."""
+    V = logits.shape[-1]
+    if k <= 0 or k >= V:
+        return logits
+    kth = mx.min(mx.topk(logits, k, axis=-1), axis=-1, keepdims=True)
+    return mx.where(logits < kth, NEG_INF, logits)
+
+
+def apply_top_p(logits: mx.array, top_p: float) -> mx.array:
+    """transformers' TopPLogitsWarper: ascending sort, drop cumulative
+    probability <= 1 - top_p, always keep the top token."""
+    if top_p >= 1.0:
+        return logits
+    order = mx.argsort(logits, axis=-1)
+    sorted_logits = mx.take_along_axis(logits, order, axis=-1)
+    cum = mx.cumsum(mx.softmax(sorted_logits, axis=-1), axis=-1)
+    remove_sorted = cum <= (1 - top_p)
+    last = mx.arange(logits.shape[-1]) == logits.shape[-1] - 1
+    remove_sorted = mx.logical_and(remove_sorted, mx.logical_not(last))
+    remove = mx.put_along_axis(mx.zeros(logits.shape, dtype=mx.bool_), order, remove_sorted, axis=-1)
+    return mx.where(remove, NEG_INF, logits)
+
+
+def apply_min_p(logits: mx.array, min_p: float) -> mx.array:
+    """transformers' MinPLogitsWarper: drop probabilities < min_p x the top one."""
+    if min_p <= 0.0:
+        return logits
+    probs = mx.softmax(logits, axis=-1)
+    top = mx.max(probs, axis=-1, keepdims=True)
+    return mx.where(probs < min_p * top, NEG_INF, logits)
+
+
+def process_logits(logits: mx.array, context, params: SamplingParams) -> mx.array:
+    """float32 logits of the distribution a token is drawn from (the warped
+    scores of transformers' sampling), in the documented order. At temp 0 only
+    the repetition penalty applies (greedy takes the argmax of this)."""
+    x = logits.astype(mx.float32)
+    x = apply_repetition_penalty(x, context, params.repetition_penalty, params.repetition_context_size)
+    if params.greedy:
+        return x
+    if params.temp != 1.0:
+        x = x / params.temp
+    x = apply_top_k(x, params.top_k)
+    x = apply_top_p(x, params.top_p)
+    x = apply_min_p(x, params.min_p)
+    return x
+
+
+class Sampler:
+    """The deterministic sampler every rank runs (see the module docstring):
+    `sampler(logits [V], context ids) -> token id`."""
+
+    def __init__(self, params: SamplingParams):
+        self.params = params.validate()
+        self._key = mx.random.key(params.seed)
+        self.draws = 0
+
+    def next_key(self) -> mx.array:
+        self._key, sub = mx.random.split(self._key)
+        self.draws += 1
+        return sub
+
+    def __call__(self, logits: mx.array, context) -> int:
+        x = process_logits(logits, context, self.params)
+        if self.params.greedy:
+            tok = mx.argmax(x, axis=-1)
+        else:
+            tok = mx.random.categorical(x, axis=-1, key=self.next_key())
+        return int(tok.item())
