@@ -4,13 +4,22 @@ A model file defines `ModelArgs(BaseModelArgs)` whose fields are config.json
 keys, `Model(args)` with `__call__(inputs [B, L] int32, cache=None) ->
 logits [B, L, vocab]`, `make_cache()`, `sanitize(weights)` (pure dict -> dict
 over weight names) and `shard(group)`.
+
+The decoder-stack loop (`run_layers`) and the `Model` wrapper around it
+(`CausalLM`: output head, `layers`, `make_cache`, `sanitize`, `shard`) are
+shared here; what a family does differently stays explicit in its own file.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import mlx.nn as nn
+
+from ..cache import make_layer_caches
 from ..errors import UserError
+from ..masks import layer_masks
+from ..shard import shard_layers
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
@@ -107,3 +116,89 @@ def single_rope_params(
         else:
             params.setdefault("original_max_position_embeddings", max_position_embeddings)
     return params
+
+
+def run_layers(h, layers, layer_types: list, cache, masks: dict):
+    """Run the decoder layers over h [B, L, hidden]: each layer gets its
+    kind's mask (built once per forward, before any cache update) and its own
+    cache entry (None without a cache)."""
+    cache = cache if cache is not None else [None] * len(layers)
+    for layer, kind, c in zip(layers, layer_types, cache):
+        h = layer(h, masks[kind], c)
+    return h
+
+
+class DecoderStack(nn.Module):
+    """The decoder stack every family shares: `embed_tokens`, then `layers`
+    (run by `run_layers` with the masks of `masks()`, built from the
+    config's `sliding_window`), then the final `norm`. A family's `__init__` calls this one (which
+    sets `args` and `embed_tokens`) and then builds its own `layers` and
+    `norm`; `embed` is the hook for what it does to the embeddings."""
+
+    def __init__(self, args):
+        super().__init__()
+        self.args = args
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+
+    def embed(self, inputs):
+        return self.embed_tokens(inputs)
+
+    def masks(self, L: int, cache) -> dict:
+        """One mask per attention kind for L new tokens (`masks.layer_masks`)."""
+        return layer_masks(L, cache, self.args.layer_types, getattr(self.args, "sliding_window", None))
+
+    def __call__(self, inputs, cache=None):
+        h = self.embed(inputs)
+        h = run_layers(h, self.layers, self.args.layer_types, cache, self.masks(inputs.shape[1], cache))
+        return self.norm(h)
+
+
+class CausalLM(nn.Module):
+    """The `Model` wrapper every family shares: `self.model` (the decoder
+    stack, with `embed_tokens` and `layers`) plus an output head that is
+    `lm_head` or, with `tie_word_embeddings`, the embedding matrix.
+
+    Attribute names are the checkpoint's weight names (`model.*`, `lm_head.*`).
+    Families override `__call__` (softcaps, logit scales), `sanitize` (name
+    maps, refusals) or `shard` (extra per-rank state) where they differ.
+    """
+
+    # Drop `*rotary_emb.inv_freq` buffers that some older conversions saved.
+    drop_rotary_buffers = False
+
+    def __init__(self, args, model: nn.Module):
+        super().__init__()
+        self.args = args
+        self.model_type = args.model_type
+        self.model = model
+        if not args.tie_word_embeddings:
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    def __call__(self, inputs, cache=None):
+        h = self.model(inputs, cache)
+        if self.args.tie_word_embeddings:
+            return self.model.embed_tokens.as_linear(h)
+        return self.lm_head(h)
+
+    @property
+    def layers(self):
+        return self.model.layers
+
+    def make_cache(self):
+        return make_layer_caches(self.args.layer_types, getattr(self.args, "sliding_window", None))
+
+    def sanitize(self, weights: dict) -> dict:
+        """Drop a stored copy of the tied output head (and, with
+        `drop_rotary_buffers`, saved RoPE buffers)."""
+        tied = self.args.tie_word_embeddings
+        out = {}
+        for name, w in weights.items():
+            if self.drop_rotary_buffers and name.endswith("rotary_emb.inv_freq"):
+                continue
+            if tied and name == "lm_head.weight":
+                continue
+            out[name] = w
+        return out
+
+    def shard(self, group):
+        shard_layers(self.layers, group)

@@ -18,13 +18,10 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..blocks import MLP, Attention
-from ..cache import make_layer_caches
 from ..errors import UserError
 from ..layers import GemmaRMSNorm, activation
-from ..masks import layer_masks
 from ..rope import RoPE
-from ..shard import shard_layers
-from .base import SLIDING, BaseModelArgs, derive_layer_types, single_rope_params
+from .base import SLIDING, BaseModelArgs, CausalLM, DecoderStack, derive_layer_types, single_rope_params
 
 # transformers' Gemma2Config: without layer_types, every 2nd layer is full
 # ("sliding_attention" if (i + 1) % 2 else "full_attention").
@@ -95,58 +92,27 @@ class DecoderLayer(nn.Module):
         return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
 
 
-class Gemma2Model(nn.Module):
+class Gemma2Model(DecoderStack):
     def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.args = args
+        super().__init__(args)
         rope = RoPE(args.head_dim, args.rope, args.max_position_embeddings)
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = [DecoderLayer(args, rope, i) for i in range(args.num_hidden_layers)]
         self.norm = GemmaRMSNorm(args.hidden_size, args.rms_norm_eps)
 
-    def __call__(self, inputs, cache=None):
+    def embed(self, inputs):
         h = self.embed_tokens(inputs)
         # sqrt(hidden) rounded once to fp32, then to the compute dtype (as the reference).
         h = h * mx.array(self.args.hidden_size**0.5, mx.float32).astype(h.dtype)
-        masks = layer_masks(inputs.shape[1], cache, self.args.layer_types, self.args.sliding_window)
-        cache = cache if cache is not None else [None] * len(self.layers)
-        for layer, kind, c in zip(self.layers, self.args.layer_types, cache):
-            h = layer(h, masks[kind], c)
-        return self.norm(h)
+        return h
 
 
-class Model(nn.Module):
+class Model(CausalLM):
     def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.args = args
-        self.model_type = args.model_type
-        self.model = Gemma2Model(args)
-        if not args.tie_word_embeddings:
-            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        super().__init__(args, Gemma2Model(args))
 
     def __call__(self, inputs, cache=None):
-        h = self.model(inputs, cache)
-        if self.args.tie_word_embeddings:
-            logits = self.model.embed_tokens.as_linear(h)
-        else:
-            logits = self.lm_head(h)
+        logits = super().__call__(inputs, cache)
         if self.args.final_logit_softcapping is not None:
             cap = self.args.final_logit_softcapping
             logits = mx.tanh(logits / cap) * cap
         return logits
-
-    @property
-    def layers(self):
-        return self.model.layers
-
-    def make_cache(self):
-        return make_layer_caches(self.args.layer_types, self.args.sliding_window)
-
-    def sanitize(self, weights: dict) -> dict:
-        """Drop a stored copy of the tied output head."""
-        if self.args.tie_word_embeddings:
-            return {k: v for k, v in weights.items() if k != "lm_head.weight"}
-        return dict(weights)
-
-    def shard(self, group):
-        shard_layers(self.layers, group)

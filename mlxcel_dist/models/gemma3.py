@@ -17,13 +17,11 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..blocks import MLP, Attention
-from ..cache import make_layer_caches
 from ..errors import UserError
 from ..layers import GemmaRMSNorm, activation
 from ..masks import layer_masks
 from ..rope import RoPE
-from ..shard import shard_layers
-from .base import FULL, SLIDING, BaseModelArgs, derive_layer_types
+from .base import FULL, SLIDING, BaseModelArgs, CausalLM, DecoderStack, derive_layer_types
 
 
 @dataclass
@@ -125,59 +123,41 @@ class DecoderLayer(nn.Module):
 
 
 def gemma3_masks(L: int, cache, args: ModelArgs) -> dict:
-    """Global and sliding masks for L new tokens, once per forward."""
+    """The global and the sliding mask for L new tokens, built once per forward
+    through the shared selector (a decode step needs none)."""
     return layer_masks(L, cache, args.layer_types, args.sliding_window)
 
 
-class Gemma3TextModel(nn.Module):
+class Gemma3TextModel(DecoderStack):
     def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.args = args
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        super().__init__(args)
         self.layers = [DecoderLayer(args, i) for i in range(args.num_hidden_layers)]
         self.norm = GemmaRMSNorm(args.hidden_size, args.rms_norm_eps)
 
-    def __call__(self, inputs, cache=None):
+    def embed(self, inputs):
         h = self.embed_tokens(inputs)
         # sqrt(hidden) rounded once to fp32, then to the compute dtype (as the reference).
         h = h * mx.array(self.args.hidden_size**0.5, mx.float32).astype(h.dtype)
-        masks = gemma3_masks(inputs.shape[1], cache, self.args)
-        cache = cache if cache is not None else [None] * len(self.layers)
-        for layer, kind, c in zip(self.layers, self.args.layer_types, cache):
-            h = layer(h, masks[kind], c)
-        return self.norm(h)
+        return h
+
+    def masks(self, L: int, cache) -> dict:
+        return gemma3_masks(L, cache, self.args)
 
 
-class Model(nn.Module):
+class Model(CausalLM):
     def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.args = args
-        self.model_type = args.model_type
-        self.model = Gemma3TextModel(args)
-        if not args.tie_word_embeddings:
-            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        super().__init__(args, Gemma3TextModel(args))
 
     def __call__(self, inputs, cache=None):
-        h = self.model(inputs, cache)
-        if self.args.tie_word_embeddings:
-            logits = self.model.embed_tokens.as_linear(h)
-        else:
-            logits = self.lm_head(h)
+        logits = super().__call__(inputs, cache)
         if self.args.final_logit_softcapping:
             cap = self.args.final_logit_softcapping
             logits = mx.tanh(logits / cap) * cap
         return logits
 
-    @property
-    def layers(self):
-        return self.model.layers
-
-    def make_cache(self):
-        return make_layer_caches(self.args.layer_types, self.args.sliding_window)
-
     def sanitize(self, weights: dict) -> dict:
         """Map multimodal names onto the text model; drop the vision parts and
-        a stored copy of the tied output head."""
+        (in the shared sanitize) a stored copy of the tied output head."""
         out = {}
         for name, w in weights.items():
             if name.startswith(("vision_tower.", "multi_modal_projector.", "model.vision_tower.")):
@@ -192,10 +172,5 @@ class Model(nn.Module):
                 if name.startswith(old):
                     name = new + name[len(old) :]
                     break
-            if name == "lm_head.weight" and self.args.tie_word_embeddings:
-                continue
             out[name] = w
-        return out
-
-    def shard(self, group):
-        shard_layers(self.layers, group)
+        return super().sanitize(out)

@@ -27,13 +27,19 @@ import mlx.nn as nn
 from mlx.nn.layers.distributed import sum_gradients
 
 from ..blocks import Attention
-from ..cache import make_layer_caches
 from ..errors import UserError
 from ..layers import RMSNormFP32Scale
-from ..masks import layer_masks
 from ..rope import RoPE
 from ..shard import shard_attention, shard_moe
-from .base import SLIDING, BaseModelArgs, derive_layer_types, describe_layers, single_rope_params
+from .base import (
+    SLIDING,
+    BaseModelArgs,
+    CausalLM,
+    DecoderStack,
+    derive_layer_types,
+    describe_layers,
+    single_rope_params,
+)
 
 # transformers' GptOssConfig default when a config gives no rope at all.
 DEFAULT_ROPE = {
@@ -215,44 +221,16 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class GptOssModel(nn.Module):
+class GptOssModel(DecoderStack):
     def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.args = args
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        super().__init__(args)
         self.layers = [DecoderLayer(args, i) for i in range(args.num_hidden_layers)]
         self.norm = RMSNormFP32Scale(args.hidden_size, args.rms_norm_eps)
 
-    def __call__(self, inputs, cache=None):
-        h = self.embed_tokens(inputs)
-        masks = layer_masks(inputs.shape[1], cache, self.args.layer_types, self.args.sliding_window)
-        cache = cache if cache is not None else [None] * len(self.layers)
-        for layer, kind, c in zip(self.layers, self.args.layer_types, cache):
-            h = layer(h, masks[kind], c)
-        return self.norm(h)
 
-
-class Model(nn.Module):
+class Model(CausalLM):
     def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.args = args
-        self.model_type = args.model_type
-        self.model = GptOssModel(args)
-        if not args.tie_word_embeddings:
-            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-
-    def __call__(self, inputs, cache=None):
-        h = self.model(inputs, cache)
-        if self.args.tie_word_embeddings:
-            return self.model.embed_tokens.as_linear(h)
-        return self.lm_head(h)
-
-    @property
-    def layers(self):
-        return self.model.layers
-
-    def make_cache(self):
-        return make_layer_caches(self.args.layer_types, self.args.sliding_window)
+        super().__init__(args, GptOssModel(args))
 
     def describe_layers(self) -> list[str]:
         a = self.args
@@ -267,12 +245,7 @@ class Model(nn.Module):
                 f"gpt_oss: MXFP4-quantized checkpoints are not supported yet (found {quantized[0]}); "
                 "use a dequantized (bf16/fp32) checkpoint"
             )
-        out = {}
-        for name, w in weights.items():
-            if name == "lm_head.weight" and self.args.tie_word_embeddings:
-                continue
-            out[name] = w
-        return out
+        return super().sanitize(weights)
 
     def shard(self, group):
         for layer in self.layers:

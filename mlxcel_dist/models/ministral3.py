@@ -21,13 +21,10 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..blocks import MLP, Attention
-from ..cache import make_layer_caches
 from ..errors import UserError
 from ..layers import RMSNorm, activation
-from ..masks import layer_masks
 from ..rope import RoPE
-from ..shard import shard_layers
-from .base import SLIDING, BaseModelArgs, derive_layer_types, single_rope_params
+from .base import SLIDING, BaseModelArgs, CausalLM, DecoderStack, derive_layer_types, single_rope_params
 
 # Ministral3Config's rope_parameters when config.json has none.
 DEFAULT_ROPE = {
@@ -124,50 +121,13 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class Ministral3Model(nn.Module):
+class Ministral3Model(DecoderStack):
     def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.args = args
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        super().__init__(args)
         self.layers = [DecoderLayer(args, i) for i in range(args.num_hidden_layers)]
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
-    def __call__(self, inputs, cache=None):
-        h = self.embed_tokens(inputs)
-        masks = layer_masks(inputs.shape[1], cache, self.args.layer_types, self.args.sliding_window)
-        cache = cache if cache is not None else [None] * len(self.layers)
-        for layer, kind, c in zip(self.layers, self.args.layer_types, cache):
-            h = layer(h, masks[kind], c)
-        return self.norm(h)
 
-
-class Model(nn.Module):
+class Model(CausalLM):
     def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.args = args
-        self.model_type = args.model_type
-        self.model = Ministral3Model(args)
-        if not args.tie_word_embeddings:
-            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-
-    def __call__(self, inputs, cache=None):
-        h = self.model(inputs, cache)
-        if self.args.tie_word_embeddings:
-            return self.model.embed_tokens.as_linear(h)
-        return self.lm_head(h)
-
-    @property
-    def layers(self):
-        return self.model.layers
-
-    def make_cache(self):
-        return make_layer_caches(self.args.layer_types, self.args.sliding_window)
-
-    def sanitize(self, weights: dict) -> dict:
-        """Drop a stored copy of the tied output head."""
-        if self.args.tie_word_embeddings:
-            weights = {k: v for k, v in weights.items() if k != "lm_head.weight"}
-        return weights
-
-    def shard(self, group):
-        shard_layers(self.layers, group)
+        super().__init__(args, Ministral3Model(args))

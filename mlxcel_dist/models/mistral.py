@@ -17,12 +17,9 @@ from dataclasses import dataclass
 import mlx.nn as nn
 
 from ..blocks import MLP, Attention
-from ..cache import make_layer_caches
 from ..layers import RMSNorm, activation
-from ..masks import layer_masks
 from ..rope import RoPE
-from ..shard import shard_layers
-from .base import SLIDING, BaseModelArgs, derive_layer_types, single_rope_params
+from .base import SLIDING, BaseModelArgs, CausalLM, DecoderStack, derive_layer_types, single_rope_params
 
 
 @dataclass
@@ -85,56 +82,16 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class MistralModel(nn.Module):
+class MistralModel(DecoderStack):
     def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.args = args
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        super().__init__(args)
         self.layers = [DecoderLayer(args, i) for i in range(args.num_hidden_layers)]
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
-    def __call__(self, inputs, cache=None):
-        h = self.embed_tokens(inputs)
-        masks = layer_masks(inputs.shape[1], cache, self.args.layer_types, self.args.sliding_window)
-        cache = cache if cache is not None else [None] * len(self.layers)
-        for layer, kind, c in zip(self.layers, self.args.layer_types, cache):
-            h = layer(h, masks[kind], c)
-        return self.norm(h)
 
+class Model(CausalLM):
+    # Some older conversions saved `self_attn.rotary_emb.inv_freq`.
+    drop_rotary_buffers = True
 
-class Model(nn.Module):
     def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.args = args
-        self.model_type = args.model_type
-        self.model = MistralModel(args)
-        if not args.tie_word_embeddings:
-            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-
-    def __call__(self, inputs, cache=None):
-        h = self.model(inputs, cache)
-        if self.args.tie_word_embeddings:
-            return self.model.embed_tokens.as_linear(h)
-        return self.lm_head(h)
-
-    @property
-    def layers(self):
-        return self.model.layers
-
-    def make_cache(self):
-        return make_layer_caches(self.args.layer_types, self.args.sliding_window)
-
-    def sanitize(self, weights: dict) -> dict:
-        """Drop a stored copy of the tied output head, and the RoPE buffers
-        (`self_attn.rotary_emb.inv_freq`) that some older conversions saved."""
-        out = {}
-        for name, w in weights.items():
-            if name.endswith("rotary_emb.inv_freq"):
-                continue
-            if name == "lm_head.weight" and self.args.tie_word_embeddings:
-                continue
-            out[name] = w
-        return out
-
-    def shard(self, group):
-        shard_layers(self.layers, group)
+        super().__init__(args, MistralModel(args))
