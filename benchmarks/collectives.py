@@ -17,10 +17,9 @@ re-run as a rank with --worker). Every rank measures:
    (x @ Wqkv[H, 3H/np] -> [:, :H/np] @ Wo[H/np, H] -> all_sum) and an MLP-like
    block (x @ Wup[H, 2F/np] -> gate*up -> @ Wdown[F/np, H] -> all_sum): 4
    matmuls and 2 all_sums of [1, 1, H] per layer, one token per step. Timed
-   with and without the all_sums (same shards), so the difference is what the
-   collectives cost inside a real dependency chain; and pipelined the way
-   mlx-lm generates (async_eval of step i+1 before reading step i back).
-   np 1 runs the full weights without collectives: the TP baseline.
+   with and without the all_sums (same shards, alternating step by step), so
+   the difference is what the collectives cost inside a real dependency
+   chain. np 1 runs the full weights without collectives: the TP baseline.
 
 Configurations (--backends): ``ring`` and ``mpi`` as mlxcel_dist.launcher
 starts them (mpi with OMPI_MCA_mpi_yield_when_idle=1, the launcher's
@@ -30,7 +29,7 @@ ranks started by ``mlx.launch`` with stdin from /dev/null.
 
 Rank 0 writes JSON; the driver prints a table (and --json for the raw rows).
 Trials are interleaved across configurations so that background load on a
-shared box hits them alike; the table reports the median trial.
+shared box hits them alike; the table shows each number's median over trials.
 """
 
 from __future__ import annotations
@@ -122,36 +121,23 @@ def worker(args) -> int:
         return h
 
     h0 = mx.ones((1, 1, H), dtype=dt) * 0.01
-
-    def pipelined(k: int, comm: bool) -> None:
-        # mlx-lm's generate loop: queue step i+1 (async_eval) before
-        # reading step i back, so Python works while the stream computes.
-        y = step(h0, comm)
-        mx.async_eval(y)
-        for _ in range(k):
-            ny = step(y * 1e-3, comm)
-            mx.async_eval(ny)
-            y.sum().item()
-            y = ny
-        y.sum().item()
-
     if L > 0:
         variants = [("with_allsum", True), ("no_allsum", False)] if n > 1 else [("single", False)]
-        for name, comm in variants:
-            for _ in range(3):
+        for _ in range(3):
+            for _name, comm in variants:
                 mx.eval(step(h0, comm))
-            if group is not None and n > 1:
-                barrier(group)
-            t = time.perf_counter()
-            for _ in range(args.steps):
-                mx.eval(step(h0, comm))
-            res[f"step_ms_{name}"] = (time.perf_counter() - t) / args.steps * 1e3
-        pipelined(2, n > 1)
         if group is not None and n > 1:
             barrier(group)
-        t = time.perf_counter()
-        pipelined(args.steps, n > 1)
-        res["step_ms_async"] = (time.perf_counter() - t) / (args.steps + 1) * 1e3
+        # Alternate the variants step by step, so that load from elsewhere on
+        # the machine hits both alike; their difference is the all_sums' cost.
+        spent = {name: 0.0 for name, _ in variants}
+        for _ in range(args.steps):
+            for name, comm in variants:
+                t = time.perf_counter()
+                mx.eval(step(h0, comm))
+                spent[name] += time.perf_counter() - t
+        for name, _ in variants:
+            res[f"step_ms_{name}"] = spent[name] / args.steps * 1e3
 
     if r == 0 and args.out:
         Path(args.out).write_text(json.dumps(res))
@@ -236,13 +222,12 @@ def _median(rows: list[dict], key: str):
 def _report(args, configs, results) -> int:
     L = args.layers
     base = _median(results["np1"], "step_ms_single") if "np1" in results else None
-    base_async = _median(results["np1"], "step_ms_async") if "np1" in results else None
     print(f"\nmachine: {os.cpu_count()} CPUs, {args.hog} busy-loop hog(s); layers={L} "
           f"hidden={args.hidden} inter={args.inter} dtype={args.dtype}; "
           f"median of {args.trials} trial(s)\n")
     hdr = (f"{'config':<14}{'np':>3}{'all_sum us: mean':>17}{'p50':>6}{'p99':>7}{'max':>7}"
            f"{'vcsw/op':>8}{'thr':>4} |{'step ms':>8}{'no-comm':>8}{'comm/op us':>11}"
-           f"{'vs np1':>7} |{'async ms':>9}{'vs np1':>7}")
+           f"{'vs np1':>7}")
     print(hdr)
     print("-" * len(hdr))
     for name, np_, *_ in configs:
@@ -254,14 +239,11 @@ def _report(args, configs, results) -> int:
         else:
             step, nocomm = _median(rows, "step_ms_with_allsum"), _median(rows, "step_ms_no_allsum")
             per_op = (step - nocomm) * 1e3 / (2 * L) if step is not None and L else None
-        asy = _median(rows, "step_ms_async")
         speed = f"{base / step:6.2f}x" if base and step else "     -"
-        aspeed = f"{base_async / asy:6.2f}x" if base_async and asy else "     -"
         print(f"{name:<14}{np_:>3}{_fmt(lat.get('mean')):>17}{_fmt(lat.get('p50')):>6}"
               f"{_fmt(lat.get('p99')):>7}{_fmt(lat.get('max')):>7}"
               f"{_fmt(_median(rows, 'vcsw_per_op'), '.1f'):>8}{_fmt(_median(rows, 'threads'), '.0f'):>4} |"
-              f"{_fmt(step, '.2f'):>8}{_fmt(nocomm, '.2f'):>8}{_fmt(per_op):>11}{speed:>7} |"
-              f"{_fmt(asy, '.2f'):>9}{aspeed:>7}")
+              f"{_fmt(step, '.2f'):>8}{_fmt(nocomm, '.2f'):>8}{_fmt(per_op):>11}{speed:>7}")
     if args.json:
         print(json.dumps(results, indent=1))
     return 0

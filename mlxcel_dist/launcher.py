@@ -202,9 +202,12 @@ def default_backend(
 ) -> str:
     """What ``backend="auto"`` becomes.
 
-    One node: ``mpi`` when an mpirun (and its libmpi) is found, else ``ring``
-    (measured on a 2-core box: MPI all_sum 20 us vs ring 60-320 us with a tail
-    of several ms, see docs/launching.md). CUDA: ``nccl``. Several nodes: the
+    One node: ``mpi`` when an mpirun (and its libmpi) is found, else ``ring``.
+    Measured on a 2-core box (docs/launching.md): MPI's all_sum 10-15 us vs
+    the ring's 60-180 us with a 5-40 ms tail; equal decode speed when the box
+    is quiet, but with any other load the ring fell to 0.52-0.54x of one
+    process while MPI held 0.99-1.62x, and with 4 ranks on 2 cores 0.14x vs
+    0.73x. CUDA: ``nccl``. Several nodes: the
     JSON hostfile's ``backend``, else ``jaccl`` if it lists RDMA devices,
     ``ring`` for MLX JSON hostfiles, ``mpi`` (or ``ring`` without mpirun) for
     OpenMPI ones.

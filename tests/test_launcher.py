@@ -504,3 +504,24 @@ def test_multi_host_ring_hostfile_json(tmp_path, monkeypatch):
     assert json.loads(specs[0].files["MLX_HOSTFILE"]) == [
         ["mac1:40000"], ["mac1:40001"], ["mac2:40002"]
     ]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_partial_line_streams_through(backend):
+    """A token printed without a newline reaches the user at once (Open MPI 5
+    holds output back a line at a time unless --output :raw)."""
+    code = ("import sys; from mlxcel_dist.launcher import launch; "
+            f"sys.exit(launch(['--stream'], 2, {backend!r}, script={HELPER!r}))")
+    p = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE,
+                         stderr=subprocess.DEVNULL, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    buf = b""
+    while b"partial" not in buf:
+        chunk = os.read(p.stdout.fileno(), 4096)
+        assert chunk, buf
+        buf += chunk
+    t_partial = time.monotonic()
+    buf += p.stdout.read()
+    p.wait(timeout=60)
+    assert p.returncode == 0
+    assert buf.startswith(b"partial done\n")
+    assert time.monotonic() - t_partial > 1.0, "'partial' only arrived with its newline"

@@ -8,6 +8,7 @@ n(n+1)/2, print one line. Options:
   --sleep S                every rank sleeps S seconds before exiting
   --no-init                skip init (to test launching alone)
   --spam N                 every rank prints N long numbered lines to stdout
+  --stream                 rank 0 prints "partial" (no newline), waits 2 s, then " done"
 """
 
 import argparse
@@ -28,6 +29,7 @@ def main() -> int:
     ap.add_argument("--sleep", type=float, default=0.0)
     ap.add_argument("--no-init", action="store_true")
     ap.add_argument("--spam", type=int, default=0)
+    ap.add_argument("--stream", action="store_true")
     args = ap.parse_args()
 
     if args.no_init:
@@ -61,6 +63,11 @@ def main() -> int:
         print(f"error: rank {r}: all_sum gave {got}, expected {want}", file=sys.stderr)
         return 1
     barrier(group)
+    if args.stream and r == 0:
+        sys.stdout.write("partial")
+        sys.stdout.flush()
+        time.sleep(2)
+        print(" done")
     for i in range(args.spam):
         print(f"spam rank={r} line={i} " + "x" * 300)
     print(f"allsum ok rank={r} size={n} sum={got:g} backend={os.environ['MLXCEL_DIST_BACKEND']}")
