@@ -114,3 +114,20 @@ class MLP(nn.Module):
     def __call__(self, x):
         g = self.gate_proj(x)
         return self.down_proj(self.act(g.astype(mx.float32)).astype(x.dtype) * self.up_proj(x))
+
+
+class PreNormBlock(nn.Module):
+    """The llama-style decoder layer: h = x + attn(norm(x)); out = h + mlp(norm(h)),
+    with HF's names (`input_layernorm`, `post_attention_layernorm`). `norm` is a
+    factory `dims -> Module` (the family's RMSNorm variant)."""
+
+    def __init__(self, self_attn: nn.Module, mlp: nn.Module, hidden_size: int, norm: Callable[[int], nn.Module]):
+        super().__init__()
+        self.self_attn = self_attn
+        self.mlp = mlp
+        self.input_layernorm = norm(hidden_size)
+        self.post_attention_layernorm = norm(hidden_size)
+
+    def __call__(self, x, mask=None, cache=None):
+        h = x + self.self_attn(self.input_layernorm(x), mask, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))

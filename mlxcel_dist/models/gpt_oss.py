@@ -26,7 +26,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.nn.layers.distributed import sum_gradients
 
-from ..blocks import Attention
+from ..blocks import Attention, PreNormBlock
 from ..errors import UserError
 from ..layers import RMSNormFP32Scale
 from ..rope import RoPE
@@ -197,11 +197,10 @@ class MoE(nn.Module):
         return self.experts(x, idx, w).reshape(B, L, D)
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(PreNormBlock):
     def __init__(self, args: ModelArgs, layer_idx: int):
-        super().__init__()
         kind = args.layer_types[layer_idx]
-        self.self_attn = Attention(
+        self_attn = Attention(
             args.hidden_size,
             args.num_attention_heads,
             args.num_key_value_heads,
@@ -212,13 +211,8 @@ class DecoderLayer(nn.Module):
             bias=args.attention_bias,
             sinks=True,
         )
-        self.mlp = MoE(args)
-        self.input_layernorm = RMSNormFP32Scale(args.hidden_size, args.rms_norm_eps)
-        self.post_attention_layernorm = RMSNormFP32Scale(args.hidden_size, args.rms_norm_eps)
-
-    def __call__(self, x, mask=None, cache=None):
-        h = x + self.self_attn(self.input_layernorm(x), mask, cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        mlp = MoE(args)
+        super().__init__(self_attn, mlp, args.hidden_size, lambda d: RMSNormFP32Scale(d, args.rms_norm_eps))
 
 
 class GptOssModel(DecoderStack):

@@ -12,9 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import mlx.nn as nn
 
-from ..blocks import MLP, Attention
+from ..blocks import Attention, MLP, PreNormBlock
 from ..layers import RMSNorm, activation
 from ..rope import RoPE
 from .base import BaseModelArgs, CausalLM, DecoderStack, derive_layer_types, single_rope_params
@@ -57,10 +56,9 @@ class ModelArgs(BaseModelArgs):
         )
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(PreNormBlock):
     def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.self_attn = Attention(
+        self_attn = Attention(
             args.hidden_size,
             args.num_attention_heads,
             args.num_key_value_heads,
@@ -69,13 +67,8 @@ class DecoderLayer(nn.Module):
             rope=RoPE(args.head_dim, args.rope, args.max_position_embeddings),
             bias=args.attention_bias,
         )
-        self.mlp = MLP(args.hidden_size, args.intermediate_size, activation(args.hidden_act), bias=args.mlp_bias)
-        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-
-    def __call__(self, x, mask=None, cache=None):
-        h = x + self.self_attn(self.input_layernorm(x), mask, cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        mlp = MLP(args.hidden_size, args.intermediate_size, activation(args.hidden_act), bias=args.mlp_bias)
+        super().__init__(self_attn, mlp, args.hidden_size, lambda d: RMSNorm(d, args.rms_norm_eps))
 
 
 class LlamaModel(DecoderStack):

@@ -14,9 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import mlx.nn as nn
 
-from ..blocks import MLP, Attention
+from ..blocks import Attention, MLP, PreNormBlock
 from ..errors import UserError
 from ..layers import RMSNorm, activation
 from ..rope import RoPE
@@ -62,11 +61,10 @@ class ModelArgs(BaseModelArgs):
         )
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(PreNormBlock):
     def __init__(self, args: ModelArgs, layer_idx: int):
-        super().__init__()
         kind = args.layer_types[layer_idx]
-        self.self_attn = Attention(
+        self_attn = Attention(
             args.hidden_size,
             args.num_attention_heads,
             args.num_key_value_heads,
@@ -75,13 +73,8 @@ class DecoderLayer(nn.Module):
             window=args.sliding_window if kind == SLIDING else None,
             rope=RoPE(args.head_dim, args.rope, args.max_position_embeddings),
         )
-        self.mlp = MLP(args.hidden_size, args.intermediate_size, activation(args.hidden_act))
-        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-
-    def __call__(self, x, mask=None, cache=None):
-        h = x + self.self_attn(self.input_layernorm(x), mask, cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        mlp = MLP(args.hidden_size, args.intermediate_size, activation(args.hidden_act))
+        super().__init__(self_attn, mlp, args.hidden_size, lambda d: RMSNorm(d, args.rms_norm_eps))
 
 
 class MinistralModel(DecoderStack):

@@ -13,9 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import mlx.nn as nn
 
-from ..blocks import MLP, Attention
+from ..blocks import Attention, MLP, PreNormBlock
 from ..errors import UserError
 from ..layers import RMSNorm, activation
 from ..rope import RoPE
@@ -73,12 +72,11 @@ class ModelArgs(BaseModelArgs):
         )
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(PreNormBlock):
     def __init__(self, args: ModelArgs, layer_idx: int):
-        super().__init__()
         eps = args.rms_norm_eps
         kind = args.layer_types[layer_idx]
-        self.self_attn = Attention(
+        self_attn = Attention(
             args.hidden_size,
             args.num_attention_heads,
             args.num_key_value_heads,
@@ -89,13 +87,8 @@ class DecoderLayer(nn.Module):
             bias=args.attention_bias,
             qk_norm=lambda d: RMSNorm(d, eps),
         )
-        self.mlp = MLP(args.hidden_size, args.intermediate_size, activation(args.hidden_act))
-        self.input_layernorm = RMSNorm(args.hidden_size, eps)
-        self.post_attention_layernorm = RMSNorm(args.hidden_size, eps)
-
-    def __call__(self, x, mask=None, cache=None):
-        h = x + self.self_attn(self.input_layernorm(x), mask, cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        mlp = MLP(args.hidden_size, args.intermediate_size, activation(args.hidden_act))
+        super().__init__(self_attn, mlp, args.hidden_size, lambda d: RMSNorm(d, eps))
 
 
 class Qwen3Model(DecoderStack):
