@@ -489,6 +489,46 @@ def convert(
     _err(f"tensor-parallel rank counts that split it (of 2, 4, 8): {', '.join(splits) or 'none'}")
 
 
+@app.command()
+@_handle_errors
+def serve(
+    ctx: typer.Context,
+    model: ModelArg = None,
+    host: Annotated[str, typer.Option("--host", help="Address to listen on (rank 0).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", help="TCP port to listen on (0 = any free port).")] = 8080,
+    max_tokens_cap: Annotated[int, typer.Option("--max-tokens-cap", help="Largest max_tokens a request may ask for.")] = 4096,
+    max_request_bytes: Annotated[int, typer.Option("--max-request-bytes", help="Largest request body accepted (bytes).")] = 1_000_000,
+    prefill_step: PrefillStepOpt = None,
+    dtype: DtypeOpt = None,
+    np_: NpOpt = 1,
+    backend: BackendOpt = "auto",
+    hostfile: HostfileOpt = None,
+):
+    """OpenAI-compatible HTTP server (/v1/models, /v1/completions, /v1/chat/completions); rank 0 listens."""
+    from .server import Service, follower_loop
+    from .server import serve as run_server
+    from .tokenizer import Tokenizer
+
+    if not 0 <= port <= 65535:
+        raise UserError(f"--port must be in [0, 65535], got {port}")
+    if max_tokens_cap < 1:
+        raise UserError(f"--max-tokens-cap must be >= 1, got {max_tokens_cap}")
+    if max_request_bytes < 1:
+        raise UserError(f"--max-request-bytes must be >= 1, got {max_request_bytes}")
+    if prefill_step is not None and prefill_step < 1:
+        raise UserError(f"--prefill-step must be >= 1, got {prefill_step}")
+    rank = _distribute(ctx, np_, backend, hostfile, model)
+    loaded = _load(model, dtype, rank)
+    tok = Tokenizer(loaded.model_dir, loaded.config)
+    if not rank.is_root:
+        follower_loop(loaded.model, tok, rank.group, prefill_step)
+        return
+    model_id = model if model is not None else loaded.model_dir.name
+    svc = Service(loaded.model, tok, str(model_id), group=rank.group, max_tokens_cap=max_tokens_cap,
+                  max_request_bytes=max_request_bytes, prefill_step=prefill_step)
+    run_server(svc, host, port)
+
+
 def main():
     app()
 
