@@ -71,6 +71,15 @@ class Tokenizer:
             eos_ids.add(self._tok.token_to_id(eos_tok))
         self.eos_ids = sorted(eos_ids)
         self.vocab_size = self._tok.get_vocab_size()
+        # A tokenizer from another model: ids past the embedding table would
+        # fail mid-run (or index garbage); refuse up front. Fewer tokens than
+        # the vocabulary is normal (padded embedding tables).
+        model_vocab = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+        if model_vocab and self.vocab_size > int(model_vocab):
+            raise UserError(
+                f"{path}: the tokenizer has {self.vocab_size} tokens but the model's vocabulary is "
+                f"{model_vocab}: tokenizer and checkpoint do not match"
+            )
 
     # -- text <-> ids --------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:

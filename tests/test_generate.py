@@ -565,3 +565,18 @@ def test_np2_divergent_ranks_abort_with_one_clear_error(tmp_path):
     errors = [line for line in p.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and "ranks diverged after" in errors[0], p.stderr
     assert "Traceback" not in p.stderr
+
+
+def test_tokenizer_larger_than_the_vocabulary_is_refused(tmp_path):
+    import shutil
+
+    from mlxcel_dist.loader import default_model_dir
+
+    d = tmp_path / "m"
+    shutil.copytree(default_model_dir(), d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["vocab_size"] = 100  # the tokenizer has 512 tokens
+    (d / "config.json").write_text(json.dumps(cfg))
+    r = CliRunner().invoke(app, ["generate", str(d), "-n", "2"])
+    assert r.exit_code == 2, r.output
+    assert "the tokenizer has 512 tokens but the model's vocabulary is 100" in r.output
