@@ -60,6 +60,21 @@ def resolve_model_dir(model: str | os.PathLike | None) -> Path:
     return _download(s)
 
 
+def _rich_tqdm():
+    """A rich progress bar for Hub downloads (tqdm's rich front end), on
+    stderr; None (the hub's default bars) if it is unavailable."""
+    try:
+        import warnings
+
+        from tqdm import TqdmExperimentalWarning
+        from tqdm.rich import tqdm_rich
+
+        warnings.filterwarnings("ignore", category=TqdmExperimentalWarning)
+        return tqdm_rich
+    except ImportError:
+        return None
+
+
 def _download(repo_id: str) -> Path:
     try:
         from huggingface_hub import snapshot_download
@@ -67,7 +82,7 @@ def _download(repo_id: str) -> Path:
     except ImportError:  # pragma: no cover - a declared dependency
         raise UserError("huggingface-hub is not installed; pass a local MODEL directory") from None
     try:
-        return Path(snapshot_download(repo_id, allow_patterns=HUB_PATTERNS))
+        return Path(snapshot_download(repo_id, allow_patterns=HUB_PATTERNS, tqdm_class=_rich_tqdm()))
     except Exception as e:  # the hub raises many types; all mean the same to a user
         offline = os.environ.get("HF_HUB_OFFLINE") not in (None, "", "0")
         hint = (
