@@ -14,6 +14,7 @@ from ..errors import UserError
 MODEL_REMAP = {
     "gemma3": "gemma3",  # multimodal checkpoint: its text tower
     "gemma3_text": "gemma3",
+    "ministral": "mistral",  # the mistral decoder with layer_types
 }
 _NOT_MODELS = {"base"}
 
@@ -23,10 +24,9 @@ def _files() -> set[str]:
 
 
 def supported() -> list[str]:
+    # Every file serves its own model_type, plus the remapped ones.
     files = _files()
-    names = {t for t, f in MODEL_REMAP.items() if f in files}
-    names |= {f for f in files if f not in MODEL_REMAP.values() or f in MODEL_REMAP}
-    return sorted(names)
+    return sorted(files | {t for t, f in MODEL_REMAP.items() if f in files})
 
 
 def get_model_module(model_type):

@@ -3,7 +3,9 @@ windows EVERY layer (transformers 5.24 MistralModel builds one sliding mask for
 all layers; mlx-lm ignores the window altogether). A null window means full
 attention everywhere. A config.json that also has a `layer_types` key is what
 transformers' AutoConfig loads as `ministral` (Ministral-8B ships as model_type
-mistral), so then `layer_types` decides per layer, as it does there.
+mistral), so then `layer_types` decides per layer, as it does there. The same
+file serves `ministral` (transformers 5.24 MinistralConfig: same defaults, same
+decoder, `layer_types` per layer; it requires head_dim).
 
 Hidden states [B, L, hidden]; q [B, n_heads, L, head_dim], k/v [B, n_kv_heads,
 L, head_dim] (per-rank counts under tensor parallelism). No biases; head_dim
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 
 
 from ..blocks import Attention, MLP, PreNormBlock
+from ..errors import UserError
 from ..layers import RMSNorm, activation
 from ..rope import RoPE
 from .base import SLIDING, BaseModelArgs, CausalLM, DecoderStack, derive_layer_types, single_rope_params
@@ -47,6 +50,9 @@ class ModelArgs(BaseModelArgs):
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         if self.head_dim is None:
+            if self.model_type == "ministral":
+                # MinistralConfig keeps head_dim None and transformers then fails to build the model.
+                raise UserError("ministral config.json needs head_dim")
             self.head_dim = self.hidden_size // self.num_attention_heads
         # Without layer_types every layer slides when a window is set.
         self.layer_types = derive_layer_types(self.layer_types, self.num_hidden_layers, self.sliding_window)
