@@ -372,7 +372,7 @@ def logit_match(
     if np_ > 1 or hostfile is not None:
         from .launcher import launch
 
-        with tempfile.TemporaryDirectory(prefix="mlxcel-match-", dir=".") as tmp:
+        with tempfile.TemporaryDirectory(prefix="mlxcel-match-") as tmp:
             out = Path(tmp).resolve() / "tp.npz"
             argv = ["modes", str(model_dir.resolve()), "--tokens", ",".join(map(str, ids.tolist())), "--out", str(out)]
             if dtype:
