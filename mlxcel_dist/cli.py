@@ -41,6 +41,10 @@ HostfileOpt = Annotated[
 DtypeOpt = Annotated[
     Optional[str], typer.Option("--dtype", help="Compute dtype (float32, bfloat16, float16); default: the checkpoint's.")
 ]
+StallOpt = Annotated[
+    float,
+    typer.Option("--stall-timeout", help="Stop the job when a rank sends no heartbeat for this many seconds (a stopped or cut-off rank); 0 = never."),
+]
 PrefillStepOpt = Annotated[
     Optional[int], typer.Option("--prefill-step", help="Feed the prompt through the cache in chunks of this many tokens.")
 ]
@@ -132,7 +136,8 @@ def _distribute(ctx: typer.Context, np_: int, backend: str, hostfile: Optional[P
     from .loader import check_shardable
 
     check_shardable(model, np_)
-    code = launch(_argv_from_ctx(ctx), np_, backend, str(hostfile) if hostfile else None)
+    code = launch(_argv_from_ctx(ctx), np_, backend, str(hostfile) if hostfile else None,
+                  stall_timeout=ctx.params.get("stall_timeout", 30.0))
     raise typer.Exit(code)
 
 
@@ -170,6 +175,7 @@ def logits(
     np_: NpOpt = 1,
     backend: BackendOpt = "auto",
     hostfile: HostfileOpt = None,
+    stall_timeout: StallOpt = 30.0,
 ):
     """Write the logits of every position of a token sequence."""
     import numpy as np
@@ -226,6 +232,7 @@ def generate(
     np_: NpOpt = 1,
     backend: BackendOpt = "auto",
     hostfile: HostfileOpt = None,
+    stall_timeout: StallOpt = 30.0,
 ):
     """Generate text, streamed to stdout; speed to stderr."""
     import time
@@ -306,6 +313,7 @@ def modes(
     np_: NpOpt = 1,
     backend: BackendOpt = "auto",
     hostfile: HostfileOpt = None,
+    stall_timeout: StallOpt = 30.0,
 ):
     """Logits of one sequence in every feeding mode (the harness's rank job)."""
     import numpy as np
@@ -336,6 +344,7 @@ def logit_match(
     np_: NpOpt = 2,
     backend: BackendOpt = "auto",
     hostfile: HostfileOpt = None,
+    stall_timeout: StallOpt = 30.0,
 ):
     """Compare N-rank logits with single-process logits (and a reference) in every mode."""
     import tempfile
@@ -378,7 +387,8 @@ def logit_match(
             if dtype:
                 argv += ["--dtype", dtype]
             check_shardable(model_dir, np_)
-            code = launch(argv, np_, backend, str(hostfile) if hostfile else None)
+            code = launch(argv, np_, backend, str(hostfile) if hostfile else None,
+                          stall_timeout=stall_timeout)
             if code != 0:
                 raise UserError(f"the {np_}-rank run failed (exit code {code})")
             with np.load(out) as z:
@@ -503,6 +513,7 @@ def serve(
     np_: NpOpt = 1,
     backend: BackendOpt = "auto",
     hostfile: HostfileOpt = None,
+    stall_timeout: StallOpt = 30.0,
 ):
     """OpenAI-compatible HTTP server (/v1/models, /v1/completions, /v1/chat/completions); rank 0 listens."""
     from .server import Service, follower_loop

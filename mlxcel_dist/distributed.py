@@ -244,6 +244,9 @@ def _rank_main() -> None:
     import runpy
     import traceback
 
+    from .watchdog import start_rank_watchdog
+
+    start_rank_watchdog()  # heartbeats to the launcher; exit if orphaned
     args = sys.argv[1:]
     if len(args) < 2 or args[0] not in ("-m", "--script"):
         print("usage: python -c RANK_BOOTSTRAP (-m MODULE | --script PATH) [ARGS...]",

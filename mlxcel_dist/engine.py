@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 import mlx.core as mx
 import numpy as np
 
+from . import faults
 from .errors import UserError
 from .sampling import SEED_LIMIT, Sampler, SamplingParams
 
@@ -199,6 +200,7 @@ class TokenGenerator:
         self.eos = set(int(e) for e in eos_ids)
         self.prefill_step = prefill_step
         self.guard = RankAgreement(group, check_every)
+        self.rank = group.rank() if group is not None else 0
         self.stats = GenStats(prompt_tokens=len(self.prompt))
         self._t_decode = None
 
@@ -210,6 +212,7 @@ class TokenGenerator:
         context = self.prompt.tolist()
         cache = self.model.make_cache()
         t0 = time.perf_counter()
+        faults.at("prefill", self.rank)
         step = self.prefill_step or len(self.prompt)
         for i in range(0, len(self.prompt), step):
             logits = self.model(mx.array(self.prompt[i : i + step])[None], cache)
@@ -229,6 +232,8 @@ class TokenGenerator:
             if stats.generated >= self.max_tokens:
                 stats.finish_reason = "length"
                 return
+            if stats.generated == 2:
+                faults.at("decode", self.rank)
             logits = self.model(mx.array([[tok]]), cache)
 
     def finish(self) -> GenStats:

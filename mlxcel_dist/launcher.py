@@ -68,6 +68,7 @@ from pathlib import Path
 from .distributed import BACKENDS, ENV_BACKEND, ENV_RANK, ENV_WORLD, RANK_BOOTSTRAP
 from .errors import UserError
 from .hostfile import Host, HostfileInfo, assign_ranks, read_hostfile, total_slots
+from .watchdog import DEFAULT_STALL_TIMEOUT_S, ENV_HEARTBEAT, HeartbeatMonitor, advertise_address
 
 __all__ = [
     "launch",
@@ -85,6 +86,8 @@ DEFAULT_RING_PORT = 32323
 DEFAULT_NCCL_PORT = 12345
 DEFAULT_JACCL_PORT = 32323
 GRACE_S = 3.0  # between SIGINT -> SIGTERM -> SIGKILL
+EXIT_STALLED = 124  # like timeout(1)
+CAUSE_WINDOW_S = 0.5  # after the first failure, exits gathered before naming the cause
 
 _PKG_ROOT = str(Path(__file__).resolve().parent.parent)
 
@@ -477,8 +480,13 @@ class _Interrupted(Exception):
 
 
 class _Supervisor:
-    def __init__(self, grace: float) -> None:
+    def __init__(self, grace: float, monitor: HeartbeatMonitor | None = None,
+                 stall_timeout: float = 0.0, n_ranks: int = 0, local_ranks: bool = True) -> None:
         self.grace = grace
+        self.monitor = monitor
+        self.stall_timeout = stall_timeout
+        self.n_ranks = n_ranks
+        self.local_ranks = local_ranks  # ranks' pids are this machine's
         self.procs: list[_Proc] = []
         self.wake = threading.Event()
         self.signals: list[int] = []
@@ -605,13 +613,53 @@ class _Supervisor:
             for t in p.threads:
                 t.join(timeout=2.0)
 
+    def _stop_stalled(self, rank: int, silent: float) -> int:
+        """A rank went quiet: kill it (a stopped process only dies of
+        SIGKILL), then the rest of the job."""
+        _say(f"rank {rank} stopped making progress: no heartbeat for {silent:.0f} s "
+             f"(--stall-timeout {self.stall_timeout:g}); stopping the job")
+        pid = self.monitor.pids.get(rank) if self.monitor is not None else None
+        if pid is not None and self.local_ranks:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        for p in self.procs:
+            p.muted = True  # the others' "peer lost" noise hides the cause
+        self.stop_all(signal.SIGTERM)
+        self.join_output()
+        return EXIT_STALLED
+
+    def _root_cause(self, first: tuple[_Proc, int]) -> tuple[_Proc, int]:
+        """The exit to blame. A killed rank's peers see the lost connection
+        and exit with an error, sometimes before the kill is reaped here; so
+        gather the exits of the next moment and prefer a death by SIGKILL,
+        then by another signal, then the first error."""
+        deadline = time.monotonic() + CAUSE_WINDOW_S
+        while time.monotonic() < deadline and len(self.exits) < len(self.procs):
+            self.wake.clear()
+            self.wake.wait(0.02)
+        with self._exit_lock:
+            exits = [(p, rc) for p, rc in self.exits if rc != 0]
+
+        def rank(item):
+            rc = item[1]
+            return 0 if rc == -signal.SIGKILL else 1 if rc < 0 else 2
+
+        return min(exits, key=rank) if exits else first
+
     def supervise(self, describe_failure=None) -> int:
         """Wait for the job. Returns 0, the first failing process's code
         (128+N for signal N), or 128+signal when we were interrupted."""
         failed: tuple[_Proc, int] | None = None
+        stalled: tuple[int, float] | None = None
         while True:
             if self.signals:
                 break
+            if self.monitor is not None and self.stall_timeout > 0:
+                stalled = self.monitor.stalled(self.n_ranks, self.stall_timeout)
+                if stalled is not None:
+                    break
             with self._exit_lock:
                 exits = list(self.exits)
             # In exit order: a rank that fails takes its peers down with it
@@ -621,6 +669,10 @@ class _Supervisor:
                 break
             self.wake.clear()
             self.wake.wait(0.1)
+        if failed is not None and not self.signals:
+            failed = self._root_cause(failed)
+        if stalled is not None and not self.signals:
+            return self._stop_stalled(*stalled)
         if failed is not None:
             for p in self.procs:
                 if p is not failed[0]:
@@ -743,19 +795,26 @@ def launch(
     mpi_args: Sequence[str] | None = None,
     verbose: bool = False,
     grace: float = GRACE_S,
+    stall_timeout: float = DEFAULT_STALL_TIMEOUT_S,
 ) -> int:
     """Run ``np`` ranks of ``python -m module *argv`` (``python script *argv``
     when ``script`` is given) over ``backend`` and return the job's exit code.
 
     ``hostfile``: OpenMPI text or MLX JSON; without it every rank runs here.
     ``env``: extra variables for every rank. ``mpi_args``: extra mpirun
-    arguments (default: shlex-split ``$MLXCEL_MPI_ARGS``).
+    arguments (default: shlex-split ``$MLXCEL_MPI_ARGS``). ``stall_timeout``:
+    a rank silent (no heartbeat) this long stops the job with exit 124
+    (0 = never).
     Bad input raises UserError.
     """
     if isinstance(np, bool) or not isinstance(np, int):
         raise UserError(f"the number of ranks must be an integer, not {np!r}")
     if np < 1:
         raise UserError(f"the number of ranks must be at least 1, not {np}")
+    if not isinstance(stall_timeout, (int, float)) or stall_timeout < 0 or stall_timeout != stall_timeout:
+        raise UserError(f"the stall timeout must be >= 0 seconds (0 = off), not {stall_timeout!r}")
+    if 0 < stall_timeout < 3 * 1.0:
+        raise UserError(f"a stall timeout of {stall_timeout:g} s is shorter than 3 heartbeats (3 s)")
     if backend not in BACKEND_CHOICES:
         raise UserError(
             f"unknown backend {backend!r} (choose from {', '.join(BACKEND_CHOICES)})"
@@ -788,6 +847,22 @@ def launch(
 
     rank_cmd = _rank_command(python, module, script, argv)
 
+    if single_node:
+        monitor = HeartbeatMonitor("127.0.0.1")
+    else:
+        # Remote ranks report back to this machine's address on the route to
+        # them; the token keeps anyone else's datagrams out.
+        first_remote = next(h for h in placement if h is not None and not h.is_local)
+        monitor = HeartbeatMonitor("0.0.0.0", advertise_address(first_remote.address))
+    try:
+        return _launch_job(np, backend, argv, rank_cmd, info, placement, single_node, python,
+                           env, mpi_args, verbose, grace, monitor, stall_timeout)
+    finally:
+        monitor.close()
+
+
+def _launch_job(np, backend, argv, rank_cmd, info, placement, single_node, python, env, mpi_args,
+                verbose, grace, monitor, stall_timeout) -> int:
     base_env = dict(os.environ)
     job_env: dict[str, str] = {}
     if info is not None:
@@ -796,6 +871,9 @@ def launch(
         job_env.update({str(k): str(v) for k, v in env.items()})
     job_env[ENV_WORLD] = str(np)
     job_env[ENV_BACKEND] = backend
+    job_env[ENV_HEARTBEAT] = monitor.env_value
+    watch = dict(monitor=monitor, stall_timeout=float(stall_timeout), n_ranks=np,
+                 local_ranks=single_node)
     base_env.update(job_env)
     _with_pythonpath(base_env)
     job_env["PYTHONPATH"] = base_env["PYTHONPATH"]
@@ -809,14 +887,14 @@ def launch(
     if np == 1 and single_node:
         # One rank needs no backend plumbing (and no mpirun).
         specs = [_RankSpec(0, None, {ENV_RANK: "0"})]
-        return _launch_processes(specs, rank_cmd, base_env, job_env, True, verbose, grace)
+        return _launch_processes(specs, rank_cmd, base_env, job_env, True, verbose, grace, watch)
 
     if backend == "mpi":
         return _launch_mpi(np, rank_cmd, base_env, job_env, placement, single_node,
-                           python, list(mpi_args), verbose, grace)
+                           python, list(mpi_args), verbose, grace, watch)
 
     specs = _rank_specs(backend, np, placement, single_node, info)
-    return _launch_processes(specs, rank_cmd, base_env, job_env, single_node, verbose, grace)
+    return _launch_processes(specs, rank_cmd, base_env, job_env, single_node, verbose, grace, watch)
 
 
 def _rank_specs(backend: str, np: int, placement: list[Host | None], single_node: bool,
@@ -927,10 +1005,10 @@ def _wait_listening(ports: list[int], sup: "_Supervisor", timeout: float) -> Non
 
 def _launch_processes(specs: list[_RankSpec], rank_cmd: list[str], base_env: dict[str, str],
                       job_env: dict[str, str], single_node: bool, verbose: bool,
-                      grace: float) -> int:
+                      grace: float, watch: dict) -> int:
     """ring / nccl / jaccl: one process per rank, local or over ssh."""
     tmpdir = tempfile.mkdtemp(prefix="mlxcel-dist-")
-    sup = _Supervisor(grace)
+    sup = _Supervisor(grace, **watch)
     cwd = os.getcwd()
     try:
         # Write the per-job files once (identical for every rank).
@@ -984,7 +1062,7 @@ def _launch_processes(specs: list[_RankSpec], rank_cmd: list[str], base_env: dic
 
 def _launch_mpi(np: int, rank_cmd: list[str], base_env: dict[str, str], job_env: dict[str, str],
                 placement: list[Host | None], single_node: bool, python: str,
-                mpi_args: list[str], verbose: bool, grace: float) -> int:
+                mpi_args: list[str], verbose: bool, grace: float, watch: dict) -> int:
     mpirun = find_mpirun(python)
     if mpirun is None:
         raise UserError(
@@ -1031,7 +1109,7 @@ def _launch_mpi(np: int, rank_cmd: list[str], base_env: dict[str, str], job_env:
     )
     if verbose:
         _say(shlex.join(cmd))
-    sup = _Supervisor(grace)
+    sup = _Supervisor(grace, **watch)
     filt = _MpirunStderr()
 
     def describe(_proc: _Proc, rc: int) -> str:

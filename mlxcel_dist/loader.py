@@ -193,6 +193,9 @@ def load_model(model: str | os.PathLike | None, dtype: str | None = None, group=
         if method
         else None
     )
+    from . import faults
+
+    faults.at("load", group.rank() if group is not None else 0)
     load_weights(m, refs, target, progress=progress, unexpected_hint=hint)
     m.eval()
     return Loaded(m, config, model_dir, target, group)

@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 from mlxcel_dist.cli import app
 
 from reference_cases import FIXTURES, FP32_REL_TOL, compare
+from testproc import run_cmd
 
 runner = CliRunner()
 GQA = FIXTURES / "gemma3" / "gqa_fp32"
@@ -129,7 +130,7 @@ def test_bad_options(args, message, ids_file, tmp_path):
 def test_console_script_error_has_no_traceback(tmp_path):
     exe = Path(sys.executable).parent / "mlxcel-dist"
     cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "mlxcel_dist.cli"]
-    p = subprocess.run(cmd + ["info", str(tmp_path / "missing")], capture_output=True, text=True, timeout=120)
+    p = run_cmd(cmd + ["info", str(tmp_path / "missing")], timeout=120)
     assert p.returncode == 2
     assert p.stderr.strip().startswith("error: ") and "Traceback" not in p.stderr
     assert p.stderr.strip().count("\n") == 0

@@ -30,6 +30,7 @@ from mlxcel_dist.sampling import (
     process_logits,
 )
 from mlxcel_dist.tokenizer import StopStrings, StreamDecoder, Tokenizer, render_chat_template
+from testproc import run_cmd
 
 runner = CliRunner()
 TINY = default_model_dir()
@@ -534,7 +535,7 @@ def _cli():
 
 
 def _generate(cwd, *args, env=None):
-    return subprocess.run(_cli() + ["generate", *map(str, args)], capture_output=True, text=True, timeout=300,
+    return run_cmd(_cli() + ["generate", *map(str, args)], timeout=300,
                           cwd=cwd, env=env)
 
 

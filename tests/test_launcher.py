@@ -24,6 +24,7 @@ from mlxcel_dist.launcher import (
     launch,
     ssh_command,
 )
+from testproc import run_cmd
 
 ROOT = Path(__file__).resolve().parent.parent
 HELPER = str(ROOT / "tests" / "helpers" / "allsum_rank.py")
@@ -447,16 +448,16 @@ CHECK_HOSTS = str(ROOT / "launch" / "check-hosts.py")
 def test_check_hosts(fake_ssh, tmp_path):
     hf = tmp_path / "hosts"
     hf.write_text("localhost slots=2\nfakehost-c\n")
-    p = subprocess.run([sys.executable, CHECK_HOSTS, str(hf), "--model", str(tmp_path)],
-                       capture_output=True, text=True, timeout=120)
+    p = run_cmd([sys.executable, CHECK_HOSTS, str(hf), "--model", str(tmp_path)],
+                       timeout=120)
     assert p.returncode == 0, p.stdout + p.stderr
     lines = p.stdout.splitlines()
     assert lines[0].split()[:3] == ["host", "ssh", "python"]
     assert any(x.startswith("fakehost-c") and x.rstrip().endswith("ok") for x in lines)
 
     hf.write_text("localhost\ndownhost\n")
-    p = subprocess.run([sys.executable, CHECK_HOSTS, str(hf), "--model", str(tmp_path / "nope")],
-                       capture_output=True, text=True, timeout=120)
+    p = run_cmd([sys.executable, CHECK_HOSTS, str(hf), "--model", str(tmp_path / "nope")],
+                       timeout=120)
     assert p.returncode == 1
     assert "Connection refused" in p.stdout and "no " in p.stdout
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from mlxcel_dist.launcher import find_mpirun
+from testproc import run_cmd
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL = ROOT / "models" / "gemma3-tiny"
@@ -176,8 +177,7 @@ def server(request):
 
 
 def _generate(model_dir, *args) -> str:
-    p = subprocess.run([*CLI, "generate", str(model_dir), *args], cwd=ROOT, capture_output=True, text=True,
-                       timeout=120)
+    p = run_cmd([*CLI, "generate", str(model_dir), *args], cwd=ROOT, timeout=120)
     assert p.returncode == 0, p.stderr
     assert p.stdout.endswith("\n")
     return p.stdout[:-1]

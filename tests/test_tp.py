@@ -15,6 +15,7 @@ from mlxcel_dist.launcher import find_mpirun, launch
 from mlxcel_dist.loader import check_shardable, load_model
 
 from reference_cases import FIXTURES, case_id, cases
+from testproc import run_cmd
 
 HELPER = Path(__file__).parent / "helpers" / "tp_cases.py"
 CASES = cases()
@@ -102,10 +103,10 @@ def test_logit_match_fails_on_a_wrong_shard(tmp_path):
     # must make the harness report a mismatch and exit 1.
     d = FIXTURES / "gemma3" / "gqa_fp32"
     env = dict(__import__("os").environ, MLXCEL_DIST_INJECT_FAULT="wrong-kv-slice")
-    p = subprocess.run(
+    p = run_cmd(
         [sys.executable, "-m", "mlxcel_dist.cli", "logit-match", str(d), "--np", "2", "--backend", "mpi",
          "--reference", str(d / "reference.npz")],
-        capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path,
+        env=env, timeout=300, cwd=tmp_path,
     )
     assert p.returncode == 1, p.stdout + p.stderr
     assert "np2 vs np1" in p.stdout and "NO" in p.stdout
@@ -114,8 +115,8 @@ def test_logit_match_fails_on_a_wrong_shard(tmp_path):
 
 
 def test_logit_match_passes_on_default_model(tmp_path):
-    p = subprocess.run([sys.executable, "-m", "mlxcel_dist.cli", "logit-match", "--np", "2"],
-                       capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    p = run_cmd([sys.executable, "-m", "mlxcel_dist.cli", "logit-match", "--np", "2"],
+                       timeout=300, cwd=tmp_path)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "np2 vs np1" in p.stdout and " NO" not in p.stdout
 

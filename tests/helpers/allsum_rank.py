@@ -5,6 +5,7 @@ n(n+1)/2, print one line. Options:
 
   --fail-rank R --code C   rank R exits with code C right after init
   --kill-rank R            rank R kills itself with SIGKILL after init
+  --stop-rank R            rank R stops itself with SIGSTOP after init (a hung rank)
   --sleep S                every rank sleeps S seconds before exiting
   --no-init                skip init (to test launching alone)
   --spam N                 every rank prints N long numbered lines to stdout
@@ -25,6 +26,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--fail-rank", type=int, default=-1)
     ap.add_argument("--kill-rank", type=int, default=-1)
+    ap.add_argument("--stop-rank", type=int, default=-1)
     ap.add_argument("--code", type=int, default=3)
     ap.add_argument("--sleep", type=float, default=0.0)
     ap.add_argument("--no-init", action="store_true")
@@ -54,6 +56,8 @@ def main() -> int:
         return args.code
     if r == args.kill_rank:
         os.kill(os.getpid(), signal.SIGKILL)
+    if r == args.stop_rank:
+        os.kill(os.getpid(), signal.SIGSTOP)
 
     total = mx.distributed.all_sum(mx.array([float(r + 1)]), group=group)
     mx.eval(total)

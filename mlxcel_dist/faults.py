@@ -1,0 +1,29 @@
+"""Test hooks that make a rank fail for real at a chosen moment.
+
+``MLXCEL_DIST_INJECT_FAULT=ACTION:RANK:PHASE`` with ACTION ``kill`` (SIGKILL)
+or ``stop`` (SIGSTOP, a hung rank), RANK the rank that does it, and PHASE one
+of ``load`` (before the first tensor is read), ``prefill`` (before the
+prompt's forward pass) or ``decode`` (before the second decode step). The
+other values of the variable (``wrong-kv-slice``, ``sampler-seed``) are
+numerical faults read where they apply. Unset, this costs one dict lookup.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+ENV = "MLXCEL_DIST_INJECT_FAULT"
+PHASES = ("load", "prefill", "decode")
+_ACTIONS = {"kill": signal.SIGKILL, "stop": getattr(signal, "SIGSTOP", None)}
+
+
+def at(phase: str, rank: int) -> None:
+    spec = os.environ.get(ENV)
+    if not spec or spec.count(":") != 2:
+        return
+    action, r, p = spec.split(":")
+    sig = _ACTIONS.get(action)
+    if sig is None or p != phase or not r.isdigit() or int(r) != rank:
+        return
+    os.kill(os.getpid(), sig)

@@ -1,0 +1,155 @@
+"""Liveness between the launcher and its ranks (stdlib only: a rank starts
+this before it imports anything heavy).
+
+Ranks -> launcher: each rank's daemon thread sends a UDP heartbeat,
+``"<token> <rank> <pid>"``, every ``INTERVAL_S`` to the address in
+``MLXCEL_DIST_HEARTBEAT`` (``host:port:token``). MLX and numpy release the GIL
+while they compute and Python threads switch every few ms, so a rank that is
+loading, downloading or in a long prefill keeps beating; only a rank that is
+stopped (SIGSTOP, a frozen host) or cut off from the launcher goes quiet. The
+launcher's :class:`HeartbeatMonitor` names the first rank silent for the stall
+timeout and the job is stopped. A collective stuck on a silent peer does not
+silence the waiting ranks, so the rank named is the one that stopped.
+
+Launcher -> ranks: the same thread ends the rank when its parent (the
+launcher, mpirun's daemon, or sshd) is gone, so a launcher killed with
+SIGKILL leaves no rank behind blocked in a collective.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+import threading
+import time
+
+ENV_HEARTBEAT = "MLXCEL_DIST_HEARTBEAT"
+INTERVAL_S = 1.0
+DEFAULT_STALL_TIMEOUT_S = 30.0
+EXIT_ORPHANED = 75  # a rank whose launcher is gone (nobody reads this code)
+
+
+def rank_from_env() -> int | None:
+    for k in ("MLXCEL_DIST_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK"):
+        v = os.environ.get(k, "").strip()
+        if v.isdigit():
+            return int(v)
+    return None
+
+
+def _parse_target(value: str) -> tuple[str, int, str] | None:
+    try:
+        host, port, token = value.rsplit(":", 2)
+        return host.strip("[]"), int(port), token
+    except ValueError:
+        return None
+
+
+def start_rank_watchdog() -> threading.Thread | None:
+    """Start the heartbeat / orphan thread of a launched rank (idempotent)."""
+    if getattr(start_rank_watchdog, "_thread", None) is not None:
+        return start_rank_watchdog._thread  # type: ignore[attr-defined]
+    target = _parse_target(os.environ.get(ENV_HEARTBEAT, ""))
+    rank = rank_from_env()
+    parent = os.getppid()
+    sock = None
+    addr = None
+    if target is not None and rank is not None:
+        try:
+            infos = socket.getaddrinfo(target[0], target[1], type=socket.SOCK_DGRAM)
+            family, _, _, _, addr = infos[0]
+            sock = socket.socket(family, socket.SOCK_DGRAM)
+        except OSError:
+            sock = None
+    message = f"{target[2]} {rank} {os.getpid()}".encode() if sock is not None else b""
+
+    def run() -> None:
+        while True:
+            if os.getppid() != parent:
+                # Orphaned: whoever started us is gone and nobody will read
+                # our output or stop us; peers blocked on us die the same way.
+                os._exit(EXIT_ORPHANED)
+            if sock is not None:
+                try:
+                    sock.sendto(message, addr)
+                except OSError:
+                    pass
+            time.sleep(INTERVAL_S)
+
+    t = threading.Thread(target=run, name="mlxcel-dist-heartbeat", daemon=True)
+    t.start()
+    start_rank_watchdog._thread = t  # type: ignore[attr-defined]
+    return t
+
+
+class HeartbeatMonitor:
+    """The launcher's end: one UDP socket, one thread recording when each
+    rank was last heard from. Datagrams without the job's token are ignored."""
+
+    def __init__(self, bind_host: str = "127.0.0.1", advertise_host: str | None = None) -> None:
+        family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
+        self.sock = socket.socket(family, socket.SOCK_DGRAM)
+        self.sock.bind((bind_host, 0))
+        self.port = self.sock.getsockname()[1]
+        self.token = secrets.token_hex(16)
+        self.advertise = advertise_host or bind_host
+        self.last: dict[int, float] = {}
+        self.pids: dict[int, int] = {}
+        self.started = time.monotonic()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="mlxcel-dist-heartbeats", daemon=True)
+        self._thread.start()
+
+    @property
+    def env_value(self) -> str:
+        host = f"[{self.advertise}]" if ":" in self.advertise else self.advertise
+        return f"{host}:{self.port}:{self.token}"
+
+    def _run(self) -> None:
+        tok = self.token.encode()
+        while not self._closed:
+            try:
+                data, _ = self.sock.recvfrom(256)
+            except OSError:
+                return
+            parts = data.split()
+            if len(parts) != 3 or parts[0] != tok:
+                continue
+            try:
+                rank, pid = int(parts[1]), int(parts[2])
+            except ValueError:
+                continue
+            self.last[rank] = time.monotonic()
+            self.pids[rank] = pid
+
+    def stalled(self, n_ranks: int, timeout: float) -> tuple[int, float] | None:
+        """(rank, seconds silent) of the rank silent longest past ``timeout``
+        (counted from the job's start for a rank not yet heard from)."""
+        now = time.monotonic()
+        worst = None
+        for r in range(n_ranks):
+            silent = now - self.last.get(r, self.started)
+            if silent > timeout and (worst is None or silent > worst[1]):
+                worst = (r, silent)
+        return worst
+
+    def close(self) -> None:
+        self._closed = True
+        try:
+            self.sock.close()
+        except OSError:  # pragma: no cover
+            pass
+
+
+def advertise_address(remote_host: str) -> str:
+    """This machine's address as the given remote host would reach it (the
+    source address of a route to it; no packet is sent)."""
+    try:
+        infos = socket.getaddrinfo(remote_host, 9, type=socket.SOCK_DGRAM)
+        family, _, _, _, addr = infos[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect(addr)
+            return s.getsockname()[0]
+    except OSError:
+        return socket.gethostname()

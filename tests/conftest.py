@@ -1,0 +1,203 @@
+"""Suite-wide guards: no test may hang the run, leak processes, or fail
+without saying what state the machine was in.
+
+- Every test gets a hard time limit (MLXCEL_TEST_TIMEOUT, default 600 s).
+  When it expires, every process this pytest started (ranks, mpirun, servers,
+  whatever session they moved to) is SIGKILLed, so a blocked wait returns and
+  the test fails instead of stalling CI until its own limit.
+- At the end, processes the tests left behind are killed and counted.
+- The first failure carries a diagnostics section (open files, threads, child
+  processes, memory, disk, whether the checkout is still readable), and the
+  terminal summary repeats it, so a failure on another machine tells why.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import threading
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TEST_TIMEOUT = float(os.environ.get("MLXCEL_TEST_TIMEOUT", "600"))
+
+_state = {"first_failure": None, "leftovers": 0}
+
+# Every process started under this pytest inherits the marker, so one that
+# was orphaned (its launcher killed, reparented to init) is still found.
+_MARKER = f"MLXCEL_TEST_OWNER={os.getpid()}".encode()
+os.environ["MLXCEL_TEST_OWNER"] = str(os.getpid())
+
+
+# --------------------------------------------------------------------------- #
+# process tree
+# --------------------------------------------------------------------------- #
+
+
+def _proc_table() -> dict[int, tuple[int, int]]:
+    """pid -> (ppid, session id) for every live process (Linux /proc)."""
+    rows = {}
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return rows
+    for d in proc.iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            f = (d / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if f[0] != "Z":
+            rows[int(d.name)] = (int(f[1]), int(f[3]))
+    return rows
+
+
+def descendants(root: int | None = None) -> list[int]:
+    """Every live process below ``root`` (default: this pytest), plus every
+    member of a session one of them leads (mpirun's ranks, once reparented)."""
+    root = os.getpid() if root is None else root
+    rows = _proc_table()
+    found: set[int] = set()
+    frontier = [root]
+    while frontier:
+        parent = frontier.pop()
+        for pid, (ppid, _sid) in rows.items():
+            if ppid == parent and pid not in found:
+                found.add(pid)
+                frontier.append(pid)
+    sessions = {pid for pid in found if rows.get(pid, (0, 0))[1] == pid}
+    found |= {pid for pid, (_p, sid) in rows.items() if sid in sessions}
+    if root == os.getpid():
+        for pid in rows:
+            if pid not in found and pid != root:
+                try:
+                    env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                except OSError:
+                    continue
+                if _MARKER in env:
+                    found.add(pid)
+    found.discard(root)
+    return sorted(found)
+
+
+def kill_descendants() -> int:
+    pids = descendants()
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    return len(pids)
+
+
+# --------------------------------------------------------------------------- #
+# diagnostics
+# --------------------------------------------------------------------------- #
+
+
+def diagnostics() -> str:
+    def count(path: str) -> str:
+        try:
+            return str(len(os.listdir(path)))
+        except OSError as e:
+            return f"? ({e.strerror})"
+
+    lines = [
+        f"open fds={count('/proc/self/fd')} threads={threading.active_count()} "
+        f"(os tasks={count('/proc/self/task')}) child processes={len(descendants())}",
+    ]
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        nproc = resource.getrlimit(resource.RLIMIT_NPROC)
+        lines.append(f"limits: nofile={soft}/{hard} nproc={nproc[0]}/{nproc[1]}")
+    except (ImportError, ValueError, OSError):
+        pass
+    try:
+        mem = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+        lines.append(f"memory: available={mem['MemAvailable'].strip()} total={mem['MemTotal'].strip()}")
+    except (OSError, KeyError, ValueError):
+        pass
+    for p in (ROOT, Path("/tmp")):
+        try:
+            du = shutil.disk_usage(p)
+            lines.append(f"disk {p}: {du.free / 2**30:.1f} GiB free of {du.total / 2**30:.1f}")
+        except OSError as e:
+            lines.append(f"disk {p}: {e}")
+    probe = ROOT / "tests" / "fixtures"
+    try:
+        n = sum(1 for _ in probe.glob("*/*/config.json"))
+        lines.append(f"checkout readable: {n} fixture configs under {probe}")
+    except OSError as e:
+        lines.append(f"checkout NOT readable: {e}")
+    try:
+        load = Path("/proc/loadavg").read_text().split()[:3]
+        lines.append(f"load average: {' '.join(load)}")
+    except OSError:
+        pass
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- #
+# hooks
+# --------------------------------------------------------------------------- #
+
+
+class TestTimeout(Exception):
+    pass
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    use_alarm = (
+        TEST_TIMEOUT > 0
+        and hasattr(signal, "SIGALRM")
+        and threading.current_thread() is threading.main_thread()
+    )
+    if not use_alarm:
+        yield
+        return
+
+    def expired(_signum, _frame):
+        n = kill_descendants()
+        raise TestTimeout(
+            f"{item.nodeid} ran past {TEST_TIMEOUT:.0f} s (MLXCEL_TEST_TIMEOUT); "
+            f"killed {n} child process(es)\n{diagnostics()}"
+        )
+
+    old = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, TEST_TIMEOUT)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed and _state["first_failure"] is None:
+        text = diagnostics()
+        _state["first_failure"] = (item.nodeid, report.when, text)
+        report.sections.append(("diagnostics at the first failure", text))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    _state["leftovers"] = kill_descendants()
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    tr = terminalreporter
+    if _state["leftovers"]:
+        tr.write_line(f"conftest: killed {_state['leftovers']} process(es) the tests left running")
+    if _state["first_failure"] is not None:
+        nodeid, when, text = _state["first_failure"]
+        tr.write_sep("-", f"diagnostics at the first failure ({nodeid}, {when})")
+        for line in text.splitlines():
+            tr.write_line(line)
