@@ -237,6 +237,11 @@ def _exit_code(code) -> int:
     return 1
 
 
+def _is_transport_error(msg: str) -> bool:
+    """MLX's backends prefix their errors: "[ring] ...", "[mpi] ...", ..."""
+    return any(msg.startswith(f"[{b}]") for b in BACKENDS)
+
+
 def _rank_main() -> None:
     """Run ``-m module`` or ``--script path`` with the remaining arguments as
     ``__main__`` (as ``python -m module args`` would) and turn every failing
@@ -265,6 +270,16 @@ def _rank_main() -> None:
         code = _exit_code(e.code)
     except KeyboardInterrupt:
         code = 130
+    except RuntimeError as e:
+        first = (str(e).strip().splitlines() or [""])[0]
+        if _is_transport_error(first):
+            # A peer died or the link broke: the launcher names the cause;
+            # this rank's traceback would only bury it.
+            print(f"error: rank {rank()} lost its connection to the other ranks: {first}",
+                  file=sys.stderr)
+        else:
+            traceback.print_exc()
+        code = 1
     except BaseException:  # noqa: BLE001 - report like the interpreter would
         traceback.print_exc()
         code = 1

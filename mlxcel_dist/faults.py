@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 ENV = "MLXCEL_DIST_INJECT_FAULT"
 PHASES = ("load", "prefill", "decode")
@@ -26,4 +27,8 @@ def at(phase: str, rank: int) -> None:
     sig = _ACTIONS.get(action)
     if sig is None or p != phase or not r.isdigit() or int(r) != rank:
         return
+    stamp = os.environ.get(ENV + "_STAMP")
+    if stamp:  # when the fault happened, for tests that time the reaction
+        with open(stamp, "w", encoding="ascii") as f:
+            f.write(repr(time.time()))
     os.kill(os.getpid(), sig)

@@ -68,7 +68,14 @@ from pathlib import Path
 from .distributed import BACKENDS, ENV_BACKEND, ENV_RANK, ENV_WORLD, RANK_BOOTSTRAP
 from .errors import UserError
 from .hostfile import Host, HostfileInfo, assign_ranks, read_hostfile, total_slots
-from .watchdog import DEFAULT_STALL_TIMEOUT_S, ENV_HEARTBEAT, HeartbeatMonitor, advertise_address
+from .watchdog import (
+    DEFAULT_STALL_TIMEOUT_S,
+    ENV_HEARTBEAT,
+    ENV_LAUNCHER,
+    HeartbeatMonitor,
+    advertise_address,
+    launcher_identity,
+)
 
 __all__ = [
     "launch",
@@ -315,6 +322,13 @@ def _write_stream(stream, data: bytes) -> None:
             pass
 
 
+# MLX's backends log every failed socket operation once a peer is gone
+# ("[ring] Socket 6 was closed by the peer" x10 per rank). The launcher names
+# the rank that failed; these lines are shown with --verbose only.
+_TRANSPORT_NOISE = re.compile(rb"^(?:\[rank \d+\] )?\[(?:ring|jaccl)\] ")
+_show_transport = False
+
+
 def _pump_lines(fd: int, prefix: bytes, transform=None, proc=None) -> None:
     """Copy a pipe to our stderr a whole line at a time (never half a line
     of one rank inside a line of another), each line prefixed. ``transform``
@@ -332,8 +346,10 @@ def _pump_lines(fd: int, prefix: bytes, transform=None, proc=None) -> None:
         out = []
         for m in _LINE_RE.finditer(pending):
             line = prefix + m.group(0)
-            out.append(transform(line) if transform is not None else line)
             pos = m.end()
+            if not _show_transport and _TRANSPORT_NOISE.match(line):
+                continue
+            out.append(transform(line) if transform is not None else line)
         pending = pending[pos:]
         data = b"".join(out)
         if data and not (proc is not None and proc.muted):
@@ -635,6 +651,9 @@ class _Supervisor:
         and exit with an error, sometimes before the kill is reaped here; so
         gather the exits of the next moment and prefer a death by SIGKILL,
         then by another signal, then the first error."""
+        for p in self.procs:
+            # whatever else fails meanwhile is most likely the lost connection
+            p.muted = p is not first[0]
         deadline = time.monotonic() + CAUSE_WINDOW_S
         while time.monotonic() < deadline and len(self.exits) < len(self.procs):
             self.wake.clear()
@@ -846,6 +865,8 @@ def launch(
             _say(f"backend auto -> {backend}")
 
     rank_cmd = _rank_command(python, module, script, argv)
+    global _show_transport
+    _show_transport = verbose
 
     if single_node:
         monitor = HeartbeatMonitor("127.0.0.1")
@@ -872,6 +893,7 @@ def _launch_job(np, backend, argv, rank_cmd, info, placement, single_node, pytho
     job_env[ENV_WORLD] = str(np)
     job_env[ENV_BACKEND] = backend
     job_env[ENV_HEARTBEAT] = monitor.env_value
+    job_env[ENV_LAUNCHER] = launcher_identity()
     watch = dict(monitor=monitor, stall_timeout=float(stall_timeout), n_ranks=np,
                  local_ranks=single_node)
     base_env.update(job_env)

@@ -25,6 +25,7 @@ import threading
 import time
 
 ENV_HEARTBEAT = "MLXCEL_DIST_HEARTBEAT"
+ENV_LAUNCHER = "MLXCEL_DIST_LAUNCHER"  # "host:pid:start" of the launcher process
 INTERVAL_S = 1.0
 DEFAULT_STALL_TIMEOUT_S = 30.0
 EXIT_ORPHANED = 75  # a rank whose launcher is gone (nobody reads this code)
@@ -36,6 +37,40 @@ def rank_from_env() -> int | None:
         if v.isdigit():
             return int(v)
     return None
+
+
+def _start_time(pid: int) -> str:
+    """The process's start time in clock ticks (Linux), to tell a pid reused
+    by another process from the one we knew; "" where /proc is missing."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return ""
+
+
+def launcher_identity() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}:{_start_time(os.getpid())}"
+
+
+def _launcher_alive(identity: str) -> bool:
+    """False only when the launcher ran on this host and is gone."""
+    try:
+        host, pid_s, start = identity.rsplit(":", 2)
+        pid = int(pid_s)
+    except ValueError:
+        return True
+    if host != socket.gethostname():
+        return True  # another host's: its ssh or mpirun ends us
+    if start:
+        return _start_time(pid) == start
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        pass
+    return True
 
 
 def _parse_target(value: str) -> tuple[str, int, str] | None:
@@ -53,6 +88,7 @@ def start_rank_watchdog() -> threading.Thread | None:
     target = _parse_target(os.environ.get(ENV_HEARTBEAT, ""))
     rank = rank_from_env()
     parent = os.getppid()
+    launcher = os.environ.get(ENV_LAUNCHER, "")
     sock = None
     addr = None
     if target is not None and rank is not None:
@@ -66,9 +102,10 @@ def start_rank_watchdog() -> threading.Thread | None:
 
     def run() -> None:
         while True:
-            if os.getppid() != parent:
-                # Orphaned: whoever started us is gone and nobody will read
-                # our output or stop us; peers blocked on us die the same way.
+            if os.getppid() != parent or (launcher and not _launcher_alive(launcher)):
+                # Orphaned: whoever started us is gone (under mpirun: the
+                # launcher above mpirun) and nobody will read our output or
+                # stop us; peers blocked on us end the same way.
                 os._exit(EXIT_ORPHANED)
             if sock is not None:
                 try:

@@ -6,6 +6,7 @@ n(n+1)/2, print one line. Options:
   --fail-rank R --code C   rank R exits with code C right after init
   --kill-rank R            rank R kills itself with SIGKILL after init
   --stop-rank R            rank R stops itself with SIGSTOP after init (a hung rank)
+  --busy S                 every rank computes (matmuls in MLX) for S seconds first
   --sleep S                every rank sleeps S seconds before exiting
   --no-init                skip init (to test launching alone)
   --spam N                 every rank prints N long numbered lines to stdout
@@ -27,6 +28,7 @@ def main() -> int:
     ap.add_argument("--fail-rank", type=int, default=-1)
     ap.add_argument("--kill-rank", type=int, default=-1)
     ap.add_argument("--stop-rank", type=int, default=-1)
+    ap.add_argument("--busy", type=float, default=0.0)
     ap.add_argument("--code", type=int, default=3)
     ap.add_argument("--sleep", type=float, default=0.0)
     ap.add_argument("--no-init", action="store_true")
@@ -58,6 +60,12 @@ def main() -> int:
         os.kill(os.getpid(), signal.SIGKILL)
     if r == args.stop_rank:
         os.kill(os.getpid(), signal.SIGSTOP)
+    t_end = time.monotonic() + args.busy
+    a = mx.random.normal((512, 512), key=mx.random.key(r))
+    while time.monotonic() < t_end:
+        for _ in range(8):
+            a = (a @ a) / 512.0
+        mx.eval(a)  # one long graph per eval, GIL released inside
 
     total = mx.distributed.all_sum(mx.array([float(r + 1)]), group=group)
     mx.eval(total)
