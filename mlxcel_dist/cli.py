@@ -127,7 +127,9 @@ def _distribute(ctx: typer.Context, np_: int, backend: str, hostfile: Optional[P
     if os.environ.get("MLXCEL_DIST_WORLD"):  # we are a launched rank
         from . import distributed
 
-        return Rank(distributed.init_from_env())
+        group = distributed.init_from_env()
+        distributed.check_cluster(group, model)
+        return Rank(group)
     if np_ < 1:
         raise UserError(f"--np must be >= 1, got {np_}")
     if np_ == 1 and hostfile is None:

@@ -196,6 +196,71 @@ def barrier(group=None) -> None:
         )
 
 
+def _model_present(model) -> bool:
+    """Whether this host can load ``model``: the embedded default, an existing
+    path, or a Hub id (each host downloads its own)."""
+    if model is None:
+        return True
+    m = str(model)
+    if os.path.exists(m):
+        return True
+    looks_like_path = m.startswith(("/", ".", "~")) or os.sep in m.strip("/").replace("/", "", 1)
+    return not looks_like_path and m.count("/") == 1
+
+
+def check_cluster(group, model=None) -> None:
+    """Before loading: every rank must run the same mlx and mlxcel-dist and
+    be able to reach the model. One all_sum of a small table (a row per rank:
+    host, versions, model flag); every rank raises the same one-line error, so
+    rank 0 alone reports it."""
+    import socket
+
+    import mlx.core as mx
+    import numpy as np
+
+    from . import __version__
+
+    if group is None or group.size() == 1:
+        return
+    width = 96
+    versions = f"mlx {mx.__version__}, mlxcel-dist {__version__}"
+    present = _model_present(model)
+    fault = os.environ.get("MLXCEL_DIST_INJECT_FAULT", "")
+    if fault == f"version:{group.rank()}":  # test hook: this rank runs another version
+        versions = f"mlx 0.0.0, mlxcel-dist {__version__}"
+    if fault == f"nomodel:{group.rank()}":  # test hook: the model is missing here
+        present = False
+    row = np.zeros((group.size(), 2 * width + 1), dtype=np.int32)
+    for j, text in enumerate((socket.gethostname(), versions)):
+        raw = text.encode()[:width]
+        row[group.rank(), j * width : j * width + len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+    row[group.rank(), -1] = 1 if present else 0
+    table = np.array(mx.distributed.all_sum(mx.array(row), group=group))
+
+    def text(r, j):
+        return bytes(table[r, j * width : (j + 1) * width].astype(np.uint8)).rstrip(b"\0").decode(errors="replace")
+
+    hosts = [text(r, 0) for r in range(group.size())]
+    seen = [text(r, 1) for r in range(group.size())]
+    if len(set(seen)) > 1:
+        by_version: dict[str, list[int]] = {}
+        for r, v in enumerate(seen):
+            by_version.setdefault(v, []).append(r)
+        parts = [f"rank(s) {', '.join(map(str, rs))} ({', '.join(sorted({hosts[r] for r in rs}))}) run {v}"
+                 for v, rs in by_version.items()]
+        err = UserError("ranks run different versions: " + "; ".join(parts)
+                        + " (install the same versions on every host)")
+        err.collective = True
+        raise err
+    missing = [r for r in range(group.size()) if table[r, -1] == 0]
+    if missing:
+        where = ", ".join(f"rank {r} ({hosts[r]})" for r in missing)
+        name = "the embedded default model" if model is None else f"model {model}"
+        err = UserError(f"{name} not found on {where} (copy it to the same path on every host)")
+        err.collective = True
+        raise err
+
+
 # --------------------------------------------------------------------------- #
 # Rank entry point
 # --------------------------------------------------------------------------- #

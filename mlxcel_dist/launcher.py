@@ -94,6 +94,7 @@ DEFAULT_NCCL_PORT = 12345
 DEFAULT_JACCL_PORT = 32323
 GRACE_S = 3.0  # between SIGINT -> SIGTERM -> SIGKILL
 EXIT_STALLED = 124  # like timeout(1)
+USAGE_EXIT = 2  # a rank's UserError: bad input, already reported by the rank
 CAUSE_WINDOW_S = 0.5  # after the first failure, exits gathered before naming the cause
 
 _PKG_ROOT = str(Path(__file__).resolve().parent.parent)
@@ -719,7 +720,8 @@ class _Supervisor:
                 msg = f"{proc.label} {how}"
                 if others:
                     msg += f"; stopped the other {len(others)} rank(s)"
-            _say(msg)
+            if code != USAGE_EXIT:
+                _say(msg)  # exit 2: the rank already printed its one "error: ..." line
             return code if code != 0 else 1
 
         self.sweep()

@@ -96,3 +96,18 @@ def test_bad_stall_timeout_is_one_line(tmp_path):
     p = run_cmd([*CLI, "generate", "--np", "2", "--stall-timeout", "1"], timeout=60, cwd=tmp_path)
     assert p.returncode == 2
     assert p.stderr.startswith("error: ") and p.stderr.count("\n") == 1 and "3 heartbeats" in p.stderr
+
+
+@pytest.mark.parametrize("fault, words", [
+    ("version:1", "ranks run different versions: rank(s) 0 ("),
+    ("nomodel:1", "the embedded default model not found on rank 1 ("),
+])
+def test_cluster_check_before_loading(tmp_path, fault, words):
+    # one rank reports another mlx version / no model: one error line from
+    # rank 0, exit 2, before any weights are read
+    env = dict(os.environ, MLXCEL_DIST_INJECT_FAULT=fault)
+    p = run_cmd([*CLI, "generate", "--np", "2", "-n", "4"], env=env, timeout=120, cwd=tmp_path)
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.startswith("error: " + words), p.stderr
+    assert p.stderr.count("\n") == 1 and p.stdout == "", p.stderr
+    assert descendants() == []
