@@ -754,6 +754,39 @@ def _remote_script(env: Mapping[str, str], files: Mapping[str, str], cmd: Sequen
     return "; ".join(parts)
 
 
+def _preflight_hosts(hosts: Sequence[Host], timeout: float = 10.0) -> None:
+    """Reach every remote host over ssh once (in parallel) before starting
+    anything, so a host that does not resolve or answer is one clear error
+    instead of a rank (or an mpirun daemon) failing mid-start."""
+    names = list(dict.fromkeys(h.name for h in hosts))
+    failures: dict[str, str] = {}
+
+    def probe(name: str) -> None:
+        cmd = ["ssh", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={int(timeout)}", name, "true"]
+        try:
+            p = subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, timeout=timeout + 5)
+        except FileNotFoundError:
+            failures[name] = "no ssh client on this machine"
+            return
+        except subprocess.TimeoutExpired:
+            failures[name] = f"no answer within {timeout + 5:g} s"
+            return
+        if p.returncode != 0:
+            lines = [x for x in p.stderr.decode(errors="replace").splitlines() if x.strip()]
+            failures[name] = lines[-1].strip() if lines else f"ssh exited with code {p.returncode}"
+
+    threads = [threading.Thread(target=probe, args=(n,), daemon=True) for n in names]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if failures:
+        name = next(n for n in names if n in failures)
+        more = f" (and {len(failures) - 1} more host(s))" if len(failures) > 1 else ""
+        raise UserError(f"cannot reach host {name} over ssh: {failures[name]}{more}")
+
+
 def ssh_command(host: Host, env: Mapping[str, str], files: Mapping[str, str],
                 cmd: Sequence[str], cwd: str) -> list[str]:
     """argv that starts one rank on ``host`` over ssh. ``-tt`` gives the
@@ -860,6 +893,9 @@ def launch(
     else:
         placement = [None] * np
         single_node = True
+
+    if not single_node:
+        _preflight_hosts([h for h in placement if h is not None and not h.is_local])
 
     if backend == "auto":
         backend = default_backend(single_node, info, python)

@@ -96,6 +96,9 @@ def start_rank_watchdog() -> threading.Thread | None:
             infos = socket.getaddrinfo(target[0], target[1], type=socket.SOCK_DGRAM)
             family, _, _, _, addr = infos[0]
             sock = socket.socket(family, socket.SOCK_DGRAM)
+            # connected: bound to the route's source address (loopback for a
+            # single-node job), never to every interface
+            sock.connect(addr)
         except OSError:
             sock = None
     message = f"{target[2]} {rank} {os.getpid()}".encode() if sock is not None else b""
@@ -109,7 +112,7 @@ def start_rank_watchdog() -> threading.Thread | None:
                 os._exit(EXIT_ORPHANED)
             if sock is not None:
                 try:
-                    sock.sendto(message, addr)
+                    sock.send(message)
                 except OSError:
                     pass
             time.sleep(INTERVAL_S)

@@ -4,6 +4,7 @@ over ring and MPI on this machine (loopback only)."""
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -439,7 +440,28 @@ def test_multi_host_ring_over_ssh(capfd, fake_ssh, tmp_path, monkeypatch):
     assert rc == 0, err
     assert out.replace("\r", "") == "allsum ok rank=0 size=2 sum=3 backend=ring\n"
     assert "[rank 1] allsum ok rank=1 size=2" in err
-    assert sorted(fake_ssh.read_text().split()) == ["fakehost-a", "fakehost-b"]
+    # each host: one reachability probe, then its rank
+    assert sorted(fake_ssh.read_text().split()) == ["fakehost-a", "fakehost-a", "fakehost-b", "fakehost-b"]
+
+
+def test_host_that_does_not_answer_is_one_error(fake_ssh, tmp_path):
+    hf = tmp_path / "hosts"
+    hf.write_text("localhost slots=1\ndownhost-1\n")
+    with pytest.raises(UserError, match=r"^cannot reach host downhost-1 over ssh: ssh: connect to host "
+                                        r"downhost-1 port 22: Connection refused$"):
+        launch([], 2, "ring", hostfile=str(hf), script=HELPER)
+
+
+@pytest.mark.skipif(shutil.which("ssh") is None, reason="no ssh client")
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_host_that_does_not_resolve_is_one_error(tmp_path, backend):
+    # the real ssh client; .invalid never resolves (RFC 2606)
+    hf = tmp_path / "hosts"
+    hf.write_text("localhost slots=1\nnohost.invalid\n")
+    p = run_cmd([sys.executable, "-m", "mlxcel_dist.cli", "generate", "--np", "2", "--hostfile", str(hf),
+                 "--backend", backend], timeout=60, cwd=tmp_path)
+    assert p.returncode == 2
+    assert p.stderr.startswith("error: cannot reach host nohost.invalid over ssh: ") and p.stderr.count("\n") == 1, p.stderr
 
 
 CHECK_HOSTS = str(ROOT / "launch" / "check-hosts.py")

@@ -1,0 +1,122 @@
+"""Nothing listens beyond loopback on one machine, nothing but the job talks
+to the launcher, and nothing from a checkpoint ever runs."""
+
+import json
+import os
+import shutil
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from conftest import descendants
+from mlxcel_dist.cli import app
+from mlxcel_dist.launcher import launch
+from mlxcel_dist.loader import default_model_dir, load_model
+from mlxcel_dist.watchdog import HeartbeatMonitor
+
+ROOT = Path(__file__).resolve().parent.parent
+HELPER = str(ROOT / "tests" / "helpers" / "allsum_rank.py")
+
+
+def _listening(pids):
+    """(ip, port) of every TCP socket in LISTEN state and every bound UDP
+    socket that one of ``pids`` holds (Linux /proc)."""
+    inodes = set()
+    for pid in pids:
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+        except OSError:
+            continue
+    found = set()
+    for table, listen_only in (("tcp", True), ("tcp6", True), ("udp", False), ("udp6", False)):
+        try:
+            rows = Path(f"/proc/net/{table}").read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            f = row.split()
+            if f[9] in inodes and (not listen_only or f[3] == "0A"):
+                ip_hex, port_hex = f[1].split(":")
+                ip = socket.inet_ntop(socket.AF_INET, bytes.fromhex(ip_hex)[::-1]) if len(ip_hex) == 8 else ip_hex
+                found.add((ip, int(port_hex, 16)))
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="needs Linux /proc")
+def test_single_node_ring_job_listens_on_loopback_only(capfd):
+    seen = set()
+    result = {}
+    t = threading.Thread(target=lambda: result.setdefault(
+        "rc", launch(["--sleep", "4"], 2, "ring", script=HELPER)))
+    t.start()
+    deadline = time.monotonic() + 30
+    while t.is_alive() and time.monotonic() < deadline:
+        seen |= _listening(descendants() + [os.getpid()])
+        time.sleep(0.2)
+    t.join()
+    assert result["rc"] == 0, capfd.readouterr().err
+    assert seen, "found no socket of the job to check"
+    assert all(ip == "127.0.0.1" for ip, _ in seen), seen
+
+
+def test_heartbeats_without_the_job_token_are_ignored():
+    mon = HeartbeatMonitor("127.0.0.1")
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.sendto(b"0" * 32 + b" 0 1234", ("127.0.0.1", mon.port))  # wrong token
+            s.sendto(b"garbage", ("127.0.0.1", mon.port))
+            s.sendto(f"{mon.token} 1 4321".encode(), ("127.0.0.1", mon.port))
+        deadline = time.monotonic() + 5
+        while 1 not in mon.last and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert mon.pids == {1: 4321}
+    finally:
+        mon.close()
+
+
+def test_checkpoint_code_never_runs(tmp_path):
+    # transformers would import modeling_*.py / tokenization_*.py named by
+    # auto_map with trust_remote_code; we never import anything from a checkpoint
+    d = tmp_path / "model"
+    shutil.copytree(default_model_dir(), d)
+    marker = tmp_path / "pwned"
+    payload = f"open({str(marker)!r}, 'w').write('ran')\n"
+    for name in ("modeling_evil.py", "configuration_evil.py", "tokenization_evil.py", "__init__.py"):
+        (d / name).write_text(payload)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["auto_map"] = {"AutoConfig": "configuration_evil.EvilConfig",
+                       "AutoModelForCausalLM": "modeling_evil.EvilModel"}
+    (d / "config.json").write_text(json.dumps(cfg))
+    tcfg = json.loads((d / "tokenizer_config.json").read_text())
+    tcfg["auto_map"] = {"AutoTokenizer": ["tokenization_evil.EvilTokenizer", None]}
+    (d / "tokenizer_config.json").write_text(json.dumps(tcfg))
+    r = CliRunner().invoke(app, ["generate", str(d), "-n", "3"])
+    assert r.exit_code == 0, r.output
+    load_model(d)
+    assert not marker.exists()
+
+
+def test_pickle_weights_are_never_loaded(tmp_path):
+    d = tmp_path / "model"
+    shutil.copytree(default_model_dir(), d)
+    (d / "model.safetensors").unlink()
+    (d / "pytorch_model.bin").write_bytes(b"\x80\x04K\x01.")  # a pickle
+    r = CliRunner().invoke(app, ["info", str(d)])
+    assert r.exit_code == 2
+    assert "only pickle weights (.bin/.pt) found; mlxcel-dist reads safetensors only" in r.output
+
+
+def test_serve_defaults_to_loopback():
+    import inspect
+
+    from mlxcel_dist import cli
+
+    default = inspect.signature(cli.serve).parameters["host"].default
+    assert default == "127.0.0.1"
