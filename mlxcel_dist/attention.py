@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .masks import create_causal_mask, create_causal_mask_with_window_full
+from .masks import CAUSAL, create_causal_mask, create_causal_mask_with_window_full
 
 
 def causal_attention(
@@ -24,7 +24,8 @@ def causal_attention(
 ) -> mx.array:
     """Causal attention, windowed when `window` is set (0 or None: plain causal).
 
-    `mask` (boolean [L, S], True = attend) is normally built once per forward
+    `mask` (boolean [L, S], True = attend, or "causal" for plain causal with
+    the queries aligned to the last keys) is normally built once per forward
     by the model; without it the mask is derived here from L and S:
     - one query past the window: attend the trailing `window` keys only;
     - several queries: the full-width (windowed) mask over all S keys. K/V are
@@ -42,6 +43,13 @@ def causal_attention(
             mask = create_causal_mask_with_window_full(L, S - L, window)
         else:
             mask = create_causal_mask(L, S - L)
+    elif isinstance(mask, str):
+        if mask != CAUSAL:
+            raise ValueError(f"unknown mask mode {mask!r}")
+        if L == 1:
+            mask = None  # one query sees every key it is given
+        elif softcap is not None:
+            mask = create_causal_mask(L, S - L)  # the explicit path needs the array
     elif mask.shape[-1] != S:
         raise ValueError(f"mask covers {mask.shape[-1]} keys but attention got {S}")
 

@@ -23,11 +23,19 @@ Which builder applies:
   axis always equals the keys attention receives.
 
 No builder ever returns a row that is all False.
+
+`layer_masks` (what models call once per forward) returns the string
+``"causal"`` instead of an array whenever the mask would be plain causal (a
+global layer, or a sliding layer whose keys all lie within the window): the
+fused attention kernel then applies it without reading a mask array, and
+without building one per forward.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
+
+CAUSAL = "causal"  # plain causal, queries aligned to the last keys (mx.fast SDPA's mode)
 
 
 def _positions(size: int, offset: int, num_keys: int):
@@ -110,8 +118,8 @@ def layer_masks(L: int, cache, layer_types: list, window: int | None) -> dict:
     for kind in kinds:
         c = cache[layer_types.index(kind)] if cache is not None else None
         offset = c.sliding_offset if c is not None else 0
-        if kind == "sliding_attention":
+        if kind == "sliding_attention" and window and offset + L > window:
             masks[kind] = create_sliding_window_prefill_mask(L, offset, window)
         else:
-            masks[kind] = create_causal_mask(L, offset)
+            masks[kind] = CAUSAL  # every key it receives is visible causally
     return masks
