@@ -754,6 +754,35 @@ def _remote_script(env: Mapping[str, str], files: Mapping[str, str], cmd: Sequen
     return "; ".join(parts)
 
 
+@functools.lru_cache(maxsize=None)
+def _ssh_hostname(name: str) -> str:
+    """The address ssh would connect to for ``name`` (its HostName from
+    ~/.ssh/config and friends, via ``ssh -G``), else ``name``."""
+    try:
+        out = subprocess.run(["ssh", "-G", name], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return name
+    for line in out.splitlines():
+        key, _, value = line.partition(" ")
+        if key == "hostname" and value.strip():
+            return value.strip()
+    return name
+
+
+def _host_ip(h: Host) -> str:
+    """An IP the ring backend can listen on / connect to for a hostfile host
+    without "ips": MLX's ring parses numeric addresses only."""
+    target = _ssh_hostname(h.address)
+    try:
+        infos = socket.getaddrinfo(target, None, type=socket.SOCK_STREAM)
+    except OSError:
+        raise UserError(
+            f"ring: cannot resolve host {h.name!r} to an address (give its \"ips\" in an MLX JSON hostfile)"
+        ) from None
+    v4 = [i[4][0] for i in infos if i[0] == socket.AF_INET]
+    return v4[0] if v4 else infos[0][4][0]
+
+
 def _preflight_hosts(hosts: Sequence[Host], timeout: float = 10.0) -> None:
     """Reach every remote host over ssh once (in parallel) before starting
     anything, so a host that does not resolve or answer is one clear error
@@ -972,7 +1001,7 @@ def _rank_specs(backend: str, np: int, placement: list[Host | None], single_node
             for h in placement:
                 assert h is not None
                 addrs = []
-                for ip in (h.ips or [h.address]):
+                for ip in (h.ips or [_host_ip(h)]):
                     addrs.append(f"{ip}:{port}")
                     port += 1
                 nodes.append(addrs)

@@ -6,6 +6,7 @@ n(n+1)/2, print one line. Options:
   --fail-rank R --code C   rank R exits with code C right after init
   --kill-rank R            rank R kills itself with SIGKILL after init
   --stop-rank R            rank R stops itself with SIGSTOP after init (a hung rank)
+  --print-host             every rank prints its host name
   --busy S                 every rank computes (matmuls in MLX) for S seconds first
   --sleep S                every rank sleeps S seconds before exiting
   --no-init                skip init (to test launching alone)
@@ -29,6 +30,7 @@ def main() -> int:
     ap.add_argument("--kill-rank", type=int, default=-1)
     ap.add_argument("--stop-rank", type=int, default=-1)
     ap.add_argument("--busy", type=float, default=0.0)
+    ap.add_argument("--print-host", action="store_true")
     ap.add_argument("--code", type=int, default=3)
     ap.add_argument("--sleep", type=float, default=0.0)
     ap.add_argument("--no-init", action="store_true")
@@ -82,6 +84,10 @@ def main() -> int:
         print(" done")
     for i in range(args.spam):
         print(f"spam rank={r} line={i} " + "x" * 300)
+    if args.print_host:
+        import socket
+
+        print(f"rank={r} host={socket.gethostname()}")
     print(f"allsum ok rank={r} size={n} sum={got:g} backend={os.environ['MLXCEL_DIST_BACKEND']}")
     time.sleep(args.sleep)
     return 0
