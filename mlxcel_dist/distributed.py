@@ -114,7 +114,7 @@ def init_from_env():
 
     _line_buffer_output()
     hint = _HINTS[backend]
-    if world == 1:
+    if world == 1 and backend != "nccl":
         # Nothing to connect: a singleton group, without touching the named
         # backend (MLX's MPI backend refuses a 1-process world after MPI_Init
         # and never finalizes, which makes mpirun report a failure). The ring

@@ -973,8 +973,9 @@ def _launch_job(np, backend, argv, rank_cmd, info, placement, single_node, pytho
     if mpi_args is None:
         mpi_args = shlex.split(os.environ.get("MLXCEL_MPI_ARGS", ""))
 
-    if np == 1 and single_node:
-        # One rank needs no backend plumbing (and no mpirun).
+    if np == 1 and single_node and backend != "nccl":
+        # One rank needs no backend plumbing (and no mpirun). NCCL at size 1
+        # is a real one-GPU communicator: it goes through its plumbing below.
         specs = [_RankSpec(0, None, {ENV_RANK: "0"})]
         return _launch_processes(specs, rank_cmd, base_env, job_env, True, verbose, grace, watch)
 

@@ -501,6 +501,19 @@ def test_nccl_rank_env(monkeypatch):
     assert [s.env["CUDA_VISIBLE_DEVICES"] for s in specs] == ["3", "5"]
 
 
+def test_nccl_at_one_rank_is_a_real_nccl_group(capfd):
+    # --backend nccl --np 1 forms a one-GPU NCCL communicator (it is how the
+    # NCCL path runs on a single-GPU machine); without CUDA, one clear error
+    import mlx.core as mx
+
+    rc, out, err, _ = run(capfd, [], 1, "nccl")
+    if mx.distributed.is_available("nccl"):
+        assert rc == 0 and "allsum ok rank=0 size=1 sum=1 backend=nccl" in out, err
+    else:
+        assert rc == 2
+        assert "error: this mlx build has no nccl backend" in err, err
+
+
 def test_jaccl_rank_env(tmp_path):
     from mlxcel_dist.hostfile import read_hostfile
 
