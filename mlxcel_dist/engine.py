@@ -137,7 +137,11 @@ class RankAgreement:
             self.check()
 
     def check(self) -> None:
-        rows = gather_per_rank(self.group, [self.count, self.checksum, self.last], dtype=mx.int32).astype(np.int64)
+        rows = gather_per_rank(self.group, [self.count, self.checksum, self.last], dtype=mx.int32)
+        self._verdict(rows)
+
+    def _verdict(self, rows) -> None:
+        rows = np.asarray(rows).astype(np.int64)
         self.checked = self.count
         self.checks += 1
         if (rows != rows[0]).any():
@@ -147,6 +151,42 @@ class RankAgreement:
                 "same token from bit-identical logits with the same seed (mixed host types or a "
                 "non-deterministic backend break that)"
             )
+
+    # The pipelined decode loop (TokenGenerator) schedules the check of a
+    # token before the host has read it: `pending_rows` builds the same
+    # gathered [size, 3] matrix on the device from the lazy id, and `commit`
+    # records the id once read and judges the matrix read with it.
+
+    def due(self) -> bool:
+        """Whether the next id triggers a check."""
+        return bool(self.every) and self.count + 1 - self.checked >= self.every
+
+    def pending_rows(self, tok: mx.array) -> mx.array | None:
+        """The lazy all_sum of the check the next id `tok` (a lazy int32
+        scalar, not read yet) triggers: row r = rank r's (count, checksum, last
+        id) after it. None when no check is due or with one rank (no
+        collective; `commit` then checks on the host, as `add`)."""
+        if self.group is None or self.group.size() == 1 or not self.due():
+            return None
+        size, rank = self.group.size(), self.group.rank()
+        t = tok.reshape(1).astype(mx.int64)
+        # (checksum * MUL + tok + 1) % MOD, with the host part folded first: < 2^32, exact in int64.
+        base = mx.array([(self.checksum * self.MUL + 1) % self.MOD], mx.int64)
+        row = mx.concatenate([mx.array([self.count + 1], mx.int64), (base + t) % self.MOD, t]).astype(mx.int32)
+        mine = (mx.arange(size) == rank)[:, None]
+        mat = mx.where(mine, row[None], mx.zeros((size, 3), mx.int32))
+        return mx.distributed.all_sum(mat, group=self.group)
+
+    def commit(self, tok_id: int, rows=None) -> None:
+        """Record an id read from the device; `rows` is its `pending_rows`
+        matrix, read in the same sync (None: as `add`)."""
+        if rows is None:
+            self.add(tok_id)
+            return
+        self.count += 1
+        self.checksum = (self.checksum * self.MUL + int(tok_id) + 1) % self.MOD
+        self.last = int(tok_id)
+        self._verdict(rows)
 
     def finish(self) -> None:
         if self.checked != self.count or self.checks == 0:
@@ -181,11 +221,36 @@ def _fault_seed(params: SamplingParams, group) -> SamplingParams:
     return params
 
 
+DEFAULT_PREFILL_STEP = 512
+
+
+def _cache_state(cache) -> list:
+    return [c.state for c in cache] if cache else []
+
+
 class TokenGenerator:
     """Iterating yields generated ids (each already agreed on, per the guard's
     schedule) until EOS or `max_tokens`; a caller may also stop early (stop
     strings). Call `finish()` afterwards, on every rank: it runs the final
-    agreement check and returns GenStats."""
+    agreement check and returns GenStats.
+
+    Prefill: all prompt tokens but the last go through the cache in chunks of
+    `prefill_step` (default DEFAULT_PREFILL_STEP), evaluating only the cache
+    (the output head never runs on them: its result is never evaluated), so a
+    long prompt costs memory linear in its length (masks and scores
+    [chunk, keys]) and a sliding layer's keys stay capped; the last prompt
+    token then goes through the decode path, whose logits give the first id.
+
+    Decode is pipelined as mlx-lm's generate_step: the forward pass for token
+    n+1 (from the lazy id n) is built and handed to `mx.async_eval` before the
+    host reads id n, so graph building overlaps the device's work, and the one
+    host sync per token reads the id together with its agreement check (built
+    on the device from the same lazy id, scheduled before the next forward
+    pass). Every rank therefore always issues the next step's collectives,
+    also after EOS (one step of wasted work, like mlx-lm), and takes every
+    decision after reading agreed ids, so collectives stay paired. Single-token
+    steps need no mask (models/base.py `layer_masks`).
+    """
 
     def __init__(self, model, prompt_ids, max_tokens: int, sampling: SamplingParams | None = None,
                  eos_ids=(), prefill_step: int | None = None, group=None, check_every: int = 1):
@@ -198,11 +263,20 @@ class TokenGenerator:
         self.max_tokens = max_tokens
         self.sampler = Sampler(_fault_seed(sampling or SamplingParams(), group))
         self.eos = set(int(e) for e in eos_ids)
-        self.prefill_step = prefill_step
+        self.prefill_step = prefill_step or DEFAULT_PREFILL_STEP
         self.guard = RankAgreement(group, check_every)
         self.rank = group.rank() if group is not None else 0
         self.stats = GenStats(prompt_tokens=len(self.prompt))
         self._t_decode = None
+
+    def _prefill(self, cache) -> mx.array:
+        """Feed the prompt; the lazy logits [V] of its last position."""
+        prompt, step = self.prompt, self.prefill_step
+        last = len(prompt) - 1
+        for i in range(0, last, step):
+            self.model(mx.array(prompt[i : min(i + step, last)])[None], cache)
+            mx.eval(_cache_state(cache))
+        return self.model(mx.array(prompt[last:])[None], cache)[0, -1]
 
     def __iter__(self):
         stats = self.stats
@@ -213,18 +287,29 @@ class TokenGenerator:
         cache = self.model.make_cache()
         t0 = time.perf_counter()
         faults.at("prefill", self.rank)
-        step = self.prefill_step or len(self.prompt)
-        for i in range(0, len(self.prompt), step):
-            logits = self.model(mx.array(self.prompt[i : i + step])[None], cache)
+        y = self.sampler.sample(self._prefill(cache), context)
+        mx.async_eval(y)
         while True:
-            tok = self.sampler(logits[0, -1], context)
+            # y: the lazy id of generated token n, scheduled, not read yet.
+            n = stats.generated + 1
+            rows = self.guard.pending_rows(y)
+            packed = y.reshape(1) if rows is None else mx.concatenate([y.reshape(1), rows.reshape(-1)])
+            mx.async_eval(packed)  # the check runs before the next forward pass
+            if n < self.max_tokens:
+                if n == 2:
+                    faults.at("decode", self.rank)
+                logits = self.model(y.reshape(1, 1), cache)[0, -1]
+                next_y = self.sampler.sample(logits, context, pending=y)
+                mx.async_eval(next_y)
+            got = np.array(packed)  # the one host sync of this token
+            tok = int(got[0])
             if self._t_decode is None:
                 self._t_decode = time.perf_counter()
                 stats.prefill_s = self._t_decode - t0
             stats.generated += 1
             stats.tokens.append(tok)
             context.append(tok)
-            self.guard.add(tok)
+            self.guard.commit(tok, None if rows is None else got[1:].reshape(-1, 3))
             if tok in self.eos:
                 stats.finish_reason = "eos"
                 return
@@ -232,9 +317,7 @@ class TokenGenerator:
             if stats.generated >= self.max_tokens:
                 stats.finish_reason = "length"
                 return
-            if stats.generated == 2:
-                faults.at("decode", self.rank)
-            logits = self.model(mx.array([[tok]]), cache)
+            y = next_y
 
     def finish(self) -> GenStats:
         self.guard.finish()

@@ -113,18 +113,28 @@ class SamplingParams:
 NEG_INF = float("-inf")
 
 
-def apply_repetition_penalty(logits: mx.array, context, penalty: float, context_size: int = 0) -> mx.array:
+def apply_repetition_penalty(logits: mx.array, context, penalty: float, context_size: int = 0,
+                             pending: mx.array | None = None) -> mx.array:
     """transformers' RepetitionPenaltyLogitsProcessor over the distinct ids of
-    `context` (its last `context_size` ids when > 0)."""
-    if penalty == 1.0 or len(context) == 0:
+    `context` (its last `context_size` ids when > 0).
+
+    `pending`: one more id at the end of the context that the host has not
+    read yet (a lazy scalar; the decode loop samples step n+1 before it reads
+    token n). It joins the penalised set on the device, so the result is the
+    same as with that id appended to `context`."""
+    if penalty == 1.0 or (len(context) == 0 and pending is None):
         return logits
     ids = np.asarray(context, dtype=np.int64)
     if context_size > 0:
-        ids = ids[-context_size:]
+        keep = context_size - (pending is not None)  # the pending id takes one slot of the window
+        ids = ids[max(0, len(ids) - keep):] if keep > 0 else ids[:0]
     mask = np.zeros(logits.shape[-1], dtype=bool)
     mask[ids] = True
+    seen = mx.array(mask)
+    if pending is not None:
+        seen = mx.logical_or(seen, mx.arange(logits.shape[-1]) == pending.astype(mx.int32))
     penalized = mx.where(logits < 0, logits * penalty, logits / penalty)
-    return mx.where(mx.array(mask), penalized, logits)
+    return mx.where(seen, penalized, logits)
 
 
 def apply_top_k(logits: mx.array, k: int) -> mx.array:
@@ -160,12 +170,13 @@ def apply_min_p(logits: mx.array, min_p: float) -> mx.array:
     return mx.where(probs < min_p * top, NEG_INF, logits)
 
 
-def process_logits(logits: mx.array, context, params: SamplingParams) -> mx.array:
+def process_logits(logits: mx.array, context, params: SamplingParams, pending: mx.array | None = None) -> mx.array:
     """float32 logits of the distribution a token is drawn from (the warped
     scores of transformers' sampling), in the documented order. At temp 0 only
-    the repetition penalty applies (greedy takes the argmax of this)."""
+    the repetition penalty applies (greedy takes the argmax of this).
+    `pending`: a not-yet-read last context id (see apply_repetition_penalty)."""
     x = logits.astype(mx.float32)
-    x = apply_repetition_penalty(x, context, params.repetition_penalty, params.repetition_context_size)
+    x = apply_repetition_penalty(x, context, params.repetition_penalty, params.repetition_context_size, pending)
     if params.greedy:
         return x
     if params.temp != 1.0:
@@ -178,7 +189,9 @@ def process_logits(logits: mx.array, context, params: SamplingParams) -> mx.arra
 
 class Sampler:
     """The deterministic sampler every rank runs (see the module docstring):
-    `sampler(logits [V], context ids) -> token id`."""
+    `sampler(logits [V], context ids) -> token id`; `sample` is the same draw
+    as a lazy int32 scalar (no host sync), for a decode loop that schedules
+    the next step before it reads this one."""
 
     def __init__(self, params: SamplingParams):
         self.params = params.validate()
@@ -190,10 +203,13 @@ class Sampler:
         self.draws += 1
         return sub
 
-    def __call__(self, logits: mx.array, context) -> int:
-        x = process_logits(logits, context, self.params)
+    def sample(self, logits: mx.array, context, pending: mx.array | None = None) -> mx.array:
+        x = process_logits(logits, context, self.params, pending)
         if self.params.greedy:
             tok = mx.argmax(x, axis=-1)
         else:
             tok = mx.random.categorical(x, axis=-1, key=self.next_key())
-        return int(tok.item())
+        return tok.astype(mx.int32)
+
+    def __call__(self, logits: mx.array, context) -> int:
+        return int(self.sample(logits, context).item())
