@@ -776,9 +776,7 @@ def _host_ip(h: Host) -> str:
     try:
         infos = socket.getaddrinfo(target, None, type=socket.SOCK_STREAM)
     except OSError:
-        raise UserError(
-            f"ring: cannot resolve host {h.name!r} to an address (give its \"ips\" in an MLX JSON hostfile)"
-        ) from None
+        return h.address  # unresolvable here: the ssh probe will name it
     v4 = [i[4][0] for i in infos if i[0] == socket.AF_INET]
     return v4[0] if v4 else infos[0][4][0]
 
@@ -923,9 +921,6 @@ def launch(
         placement = [None] * np
         single_node = True
 
-    if not single_node:
-        _preflight_hosts([h for h in placement if h is not None and not h.is_local])
-
     if backend == "auto":
         backend = default_backend(single_node, info, python)
         if verbose:
@@ -979,11 +974,17 @@ def _launch_job(np, backend, argv, rank_cmd, info, placement, single_node, pytho
         specs = [_RankSpec(0, None, {ENV_RANK: "0"})]
         return _launch_processes(specs, rank_cmd, base_env, job_env, True, verbose, grace, watch)
 
+    # Validate everything first: the ssh probe is the first packet a job sends.
+    remote = [h for h in placement if h is not None and not h.is_local]
     if backend == "mpi":
+        if find_mpirun(python) is not None and remote:
+            _preflight_hosts(remote)
         return _launch_mpi(np, rank_cmd, base_env, job_env, placement, single_node,
                            python, list(mpi_args), verbose, grace, watch)
 
     specs = _rank_specs(backend, np, placement, single_node, info)
+    if remote:
+        _preflight_hosts(remote)
     return _launch_processes(specs, rank_cmd, base_env, job_env, single_node, verbose, grace, watch)
 
 
