@@ -542,6 +542,54 @@ def serve(
     run_server(svc, host, port)
 
 
+@app.command()
+@_handle_errors
+def bench(
+    ctx: typer.Context,
+    model: ModelArg = None,
+    prompt_tokens: Annotated[int, typer.Option("--prompt-tokens", help="Prompt length (random token ids, seeded).")] = 128,
+    gen_tokens: Annotated[int, typer.Option("--gen-tokens", help="Tokens to generate (greedy, EOS ignored).")] = 48,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON line (rank 0) instead of a table.")] = False,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the random prompt ids.")] = 0,
+    check_every: Annotated[int, typer.Option("--check-every", help="Rank-agreement check every N tokens, as generate (0 = only at the end).")] = 1,
+    warmup: Annotated[bool, typer.Option("--warmup/--no-warmup", help="One short untimed generation first.")] = True,
+    prefill_step: PrefillStepOpt = None,
+    dtype: DtypeOpt = None,
+    np_: NpOpt = 1,
+    backend: BackendOpt = "auto",
+    hostfile: HostfileOpt = None,
+    stall_timeout: StallOpt = 30.0,
+):
+    """Prefill/decode speed, time to first token, peak memory per rank, all_sums per token."""
+    import json
+    import time
+
+    from .bench import format_table, run_bench
+
+    if prompt_tokens < 1:
+        raise UserError(f"--prompt-tokens must be >= 1, got {prompt_tokens}")
+    if gen_tokens < 1:
+        raise UserError(f"--gen-tokens must be >= 1, got {gen_tokens}")
+    if check_every < 0:
+        raise UserError(f"--check-every must be >= 0 (0 = only at the end), got {check_every}")
+    if prefill_step is not None and prefill_step < 1:
+        raise UserError(f"--prefill-step must be >= 1, got {prefill_step}")
+    rank = _distribute(ctx, np_, backend, hostfile, model)
+    t0 = time.perf_counter()
+    loaded = _load(model, dtype, rank)
+    load_s = time.perf_counter() - t0
+    result = run_bench(loaded.model, prompt_tokens, gen_tokens, group=rank.group, prefill_step=prefill_step,
+                       seed=seed, check_every=check_every, warmup=warmup)
+    if rank.is_root:
+        result = {"model": str(loaded.model_dir), "backend": os.environ.get("MLXCEL_DIST_BACKEND", "none"),
+                  "load_s": load_s, **result}
+        if as_json:
+            print(json.dumps(result), flush=True)
+        else:
+            print(f"model  {result['model']} (backend {result['backend']})")
+            print(format_table(result), flush=True)
+
+
 def main():
     app()
 

@@ -1,0 +1,207 @@
+"""`mlxcel-dist bench`: prefill and decode speed, time to first token, peak
+memory and collective traffic of one generation, on random token ids (seeded,
+so no tokenizer is needed and every rank and every run feeds the same ids).
+
+Every rank runs `run_bench` (the same generation loop as `generate`:
+engine.TokenGenerator, greedy, EOS ignored so exactly `gen_tokens` ids come
+out); rank 0 reports.
+
+- warm-up: one short generation first (weights paged in, buffers allocated),
+  then the peak-memory counter is reset; the timed run follows.
+- ttft_s: prompt fed (chunked prefill) until the first id is read on the host;
+  prefill_tok_s = prompt_tokens / ttft_s.
+- decode_tok_s: (gen_tokens - 1) / the time from the first id to the last.
+- peak_mem_gb: mx.get_peak_memory() of the timed run (resident weights + KV
+  cache + activations), the max over ranks (per rank in peak_mem_gb_per_rank);
+  weights_gb: MLX active memory after loading (max over ranks).
+- all_sums_per_token / all_sum_bytes_per_token: measured. Every
+  `mx.distributed.all_sum` built during the timed run is counted (the model's
+  sharded layers and the rank-agreement guard call it at graph-building time,
+  so the wrapper sees every collective each rank issues) with its payload
+  bytes (the array's nbytes); those of the single-token forward passes
+  (each generated id costs one: the last prompt token's, then one per decoded
+  id) and of the guard's per-token checks are divided by the generated count
+  (the guard's final check at the end of a generation is end_all_sums).
+  all_sums_per_token_plan is what the sharding plan predicts (`plan_all_sums`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import mlx.core as mx
+import numpy as np
+
+from .engine import TokenGenerator, gather_per_rank, vocab_size
+from .errors import UserError
+from .sampling import SamplingParams
+
+GB = 1e9
+
+
+def prompt_ids(vocab: int, n: int, seed: int = 0) -> np.ndarray:
+    """`n` seeded random token ids in [0, vocab) (benchmarks/compare_mlx_lm.py feeds mlx-lm the same)."""
+    return np.random.default_rng(seed).integers(0, vocab, size=n).astype(np.int32)
+
+
+class CollectiveCounter:
+    """Counts `mx.distributed.all_sum` calls (and payload bytes) while active,
+    split by whether a single-token forward pass of `model` issued them."""
+
+    def __init__(self):
+        self.phase = "other"
+        self.calls = {"decode": 0, "other": 0, "prefill": 0, "end": 0}
+        self.bytes = {"decode": 0, "other": 0, "prefill": 0, "end": 0}
+        self.decode_steps = 0
+
+    @contextlib.contextmanager
+    def active(self):
+        orig = mx.distributed.all_sum
+
+        def counted(x, *args, **kwargs):
+            self.calls[self.phase] += 1
+            self.bytes[self.phase] += x.nbytes
+            return orig(x, *args, **kwargs)
+
+        mx.distributed.all_sum = counted
+        try:
+            yield self
+        finally:
+            mx.distributed.all_sum = orig
+
+    def wrap(self, model):
+        """A callable with the model's interface that tags its collectives."""
+        counter = self
+
+        class Counted:
+            def __init__(self):
+                self.args = model.args
+
+            def make_cache(self):
+                return model.make_cache()
+
+            def __call__(self, inputs, cache=None):
+                single = inputs.shape[1] == 1
+                counter.phase = "decode" if single else "prefill"
+                counter.decode_steps += single
+                try:
+                    return model(inputs, cache)
+                finally:
+                    counter.phase = "other"
+
+        return Counted()
+
+
+def plan_all_sums(model, check_every: int = 1, size: int = 1) -> tuple[float, float]:
+    """(all_sums, payload bytes) per generated token that the sharding plan
+    predicts for one single-token forward pass plus the guard: one per
+    sharded-to-all projection (o_proj, down_proj; [1, 1, out] in its dtype),
+    one per OLMo-3-style q/k norm statistic ([1, 1, 2] float32), one per
+    sharded MoE block ([1, 1, hidden]), and the rank-agreement check
+    ([size, 3] int32) every `check_every` tokens. Zero at one rank."""
+    from mlx.nn.layers.distributed import QuantizedShardedToAllLinear, ShardedToAllLinear
+
+    if size <= 1:
+        return 0, 0
+    calls = nbytes = 0
+    for _, m in model.named_modules():
+        if isinstance(m, (ShardedToAllLinear, QuantizedShardedToAllLinear)):
+            # A quantized layer's output is in its scales' dtype.
+            dt = (m.scales if isinstance(m, QuantizedShardedToAllLinear) else m.weight).dtype
+            calls += 1
+            nbytes += m.weight.shape[0] * dt.size
+        elif getattr(m, "norm_group", None) is not None:  # olmo3: q and k sums of squares, float32
+            calls += 1
+            nbytes += 2 * 4
+        elif getattr(m, "group", None) is not None and hasattr(m, "gate_up_proj"):  # shard.shard_moe
+            calls += 1
+            nbytes += m.down_proj.shape[-1] * m.down_proj.dtype.size
+    if check_every:
+        calls += 1 / check_every
+        nbytes += size * 3 * 4 / check_every
+    return calls, nbytes
+
+
+def _weights_dtype(model) -> str:
+    from mlx.utils import tree_flatten
+
+    kinds = sorted({str(v.dtype).split(".")[-1] for _, v in tree_flatten(model.parameters())
+                    if mx.issubdtype(v.dtype, mx.floating)})
+    return ",".join(kinds)
+
+
+def run_bench(model, prompt_tokens: int, gen_tokens: int, *, group=None, prefill_step: int | None = None,
+              seed: int = 0, check_every: int = 1, warmup: bool = True) -> dict:
+    """One warm-up and one timed generation; the result dict (same on every rank)."""
+    if prompt_tokens < 1:
+        raise UserError(f"--prompt-tokens must be >= 1, got {prompt_tokens}")
+    if gen_tokens < 1:
+        raise UserError(f"--gen-tokens must be >= 1, got {gen_tokens}")
+    if prefill_step is not None and prefill_step < 1:
+        raise UserError(f"--prefill-step must be >= 1, got {prefill_step}")
+    size = group.size() if group is not None else 1
+    weights_gb = mx.get_active_memory() / GB
+    ids = prompt_ids(vocab_size(model), prompt_tokens, seed)
+    greedy = SamplingParams()
+    if warmup:
+        warm = TokenGenerator(model, ids[: min(prompt_tokens, 32)], min(gen_tokens, 4), greedy, eos_ids=(),
+                              prefill_step=prefill_step, group=group, check_every=check_every)
+        for _ in warm:
+            pass
+        warm.finish()
+    mx.synchronize()
+    mx.reset_peak_memory()
+    counter = CollectiveCounter()
+    with counter.active():
+        gen = TokenGenerator(counter.wrap(model), ids, gen_tokens, greedy, eos_ids=(), prefill_step=prefill_step,
+                             group=group, check_every=check_every)
+        for _ in gen:
+            pass
+        counter.phase = "end"  # the final agreement check, once per generation
+        stats = gen.finish()
+    mx.synchronize()
+    peak = mx.get_peak_memory() / GB
+    per_rank = gather_per_rank(group, [peak, weights_gb], dtype=mx.float32)
+    n = stats.generated
+    plan_calls, plan_bytes = plan_all_sums(model, check_every, size)
+    ttft = stats.prefill_s
+    return {
+        "np": size,
+        "prompt_tokens": prompt_tokens,
+        "gen_tokens": n,
+        "prefill_step": gen.prefill_step,
+        "dtype": _weights_dtype(model),
+        "prefill_tok_s": prompt_tokens / ttft if ttft else 0.0,
+        "decode_tok_s": stats.decode_tok_s,
+        "ttft_s": ttft,
+        "decode_ms_per_token": 1e3 * stats.decode_s / (n - 1) if n > 1 else 0.0,
+        "peak_mem_gb": float(per_rank[:, 0].max()),
+        "peak_mem_gb_per_rank": [float(v) for v in per_rank[:, 0]],
+        "weights_gb": float(per_rank[:, 1].max()),
+        "all_sums_per_token": (counter.calls["decode"] + counter.calls["other"]) / n,
+        "all_sum_bytes_per_token": (counter.bytes["decode"] + counter.bytes["other"]) / n,
+        "all_sums_per_token_plan": plan_calls,
+        "all_sum_bytes_per_token_plan": plan_bytes,
+        "decode_steps": counter.decode_steps,
+        "end_all_sums": counter.calls["end"],
+        "agreement_checks": stats.checks,
+        "check_every": check_every,
+    }
+
+
+def format_table(r: dict) -> str:
+    rows = [
+        ("ranks", f"{r['np']}"),
+        ("dtype", r["dtype"]),
+        ("prompt / generated", f"{r['prompt_tokens']} / {r['gen_tokens']} tokens (prefill step {r['prefill_step']})"),
+        ("prefill", f"{r['prefill_tok_s']:.1f} tok/s"),
+        ("time to first token", f"{r['ttft_s']:.3f} s"),
+        ("decode", f"{r['decode_tok_s']:.2f} tok/s ({r['decode_ms_per_token']:.1f} ms/token)"),
+        ("peak memory", f"{r['peak_mem_gb']:.3f} GB (max over ranks; per rank "
+                        f"{', '.join(f'{v:.3f}' for v in r['peak_mem_gb_per_rank'])}); weights {r['weights_gb']:.3f} GB"),
+        ("all_sum per token", f"{r['all_sums_per_token']:g} calls, {r['all_sum_bytes_per_token']:g} bytes "
+                              f"(plan: {r['all_sums_per_token_plan']}, {r['all_sum_bytes_per_token_plan']} bytes)"),
+    ]
+    w = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)
