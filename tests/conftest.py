@@ -1,7 +1,9 @@
 """Suite-wide guards: no test may hang the run, leak processes, or fail
 without saying what state the machine was in.
 
-- Every test gets a hard time limit (MLXCEL_TEST_TIMEOUT, default 600 s).
+- Every test's setup and call get a hard time limit (MLXCEL_TEST_TIMEOUT,
+  default 600 s), and the whole run a budget (MLXCEL_TEST_BUDGET, default
+  3600 s) past which it stops with a summary instead of being cut off.
   When it expires, every process this pytest started (ranks, mpirun, servers,
   whatever session they moved to) is SIGKILLed, so a blocked wait returns and
   the test fails instead of stalling CI until its own limit.
@@ -17,12 +19,15 @@ import os
 import shutil
 import signal
 import threading
+import time
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 TEST_TIMEOUT = float(os.environ.get("MLXCEL_TEST_TIMEOUT", "600"))
+SESSION_BUDGET = float(os.environ.get("MLXCEL_TEST_BUDGET", "3600"))
+_START = time.monotonic()
 
 _state = {"first_failure": None, "leftovers": 0}
 
@@ -151,8 +156,9 @@ class TestTimeout(Exception):
     pass
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_call(item):
+def _guarded(item, phase):
+    """Run one phase (setup: module fixtures start TP jobs; call) under the
+    hard time limit."""
     use_alarm = (
         TEST_TIMEOUT > 0
         and hasattr(signal, "SIGALRM")
@@ -165,7 +171,7 @@ def pytest_runtest_call(item):
     def expired(_signum, _frame):
         n = kill_descendants()
         raise TestTimeout(
-            f"{item.nodeid} ran past {TEST_TIMEOUT:.0f} s (MLXCEL_TEST_TIMEOUT); "
+            f"{item.nodeid} ({phase}) ran past {TEST_TIMEOUT:.0f} s (MLXCEL_TEST_TIMEOUT); "
             f"killed {n} child process(es)\n{diagnostics()}"
         )
 
@@ -176,6 +182,21 @@ def pytest_runtest_call(item):
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    # CI stops a run at 90 min and then shows no summary: stop earlier, with one
+    elapsed = time.monotonic() - _START
+    if SESSION_BUDGET > 0 and elapsed > SESSION_BUDGET:
+        pytest.exit(f"the suite ran past MLXCEL_TEST_BUDGET={SESSION_BUDGET:.0f} s before "
+                    f"{item.nodeid}\n{diagnostics()}", returncode=1)
+    yield from _guarded(item, "setup")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    yield from _guarded(item, "call")
 
 
 @pytest.hookimpl(hookwrapper=True)
