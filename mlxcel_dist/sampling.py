@@ -36,7 +36,8 @@ sequence of draws depends only on the seed and on how many tokens were drawn.
 Rank agreement (the invariant tensor parallelism relies on): every rank runs
 this same deterministic sampler, with the same parameters and seed, on the
 same logits — after a TP forward's final all_sum every rank holds the same
-hidden state and computes the replicated norm and lm_head on it, so the
+hidden state, computes the replicated norm and its vocabulary slice of the
+head on it, and one all_gather gives every rank the same slices, so the
 logits are bit-identical on every rank of one machine type. Hence every rank
 draws the same token, feeds the same token to its next forward, and makes the
 same stop decision (EOS, stop strings, length), without any communication.

@@ -195,6 +195,31 @@ def shard_layers(layers, group, attn="self_attn", mlp="mlp") -> None:
         shard_mlp(getattr(layer, mlp), group)
 
 
+def vocab_parallel_logits(layer: nn.Module, h: mx.array, group) -> mx.array:
+    """Logits [B, L, V] of an output head (`nn.Linear`, or an embedding used
+    as one; quantized or not) whose work is split by vocabulary: rank r
+    multiplies h by rows [r*V/N, (r+1)*V/N) of the (whole, replicated) weight,
+    the same rows the full product would compute, and one all_gather of the
+    [V/N, B*L] slices gives every rank the full logits. N must divide V."""
+    n, r = group.size(), group.rank()
+    quantized = isinstance(layer, (nn.QuantizedLinear, nn.QuantizedEmbedding))
+    V = (layer.scales if quantized else layer.weight).shape[0]
+    per = V // n
+    rows = slice(r * per, (r + 1) * per)
+    if quantized:
+        biases = layer.get("biases")
+        part = mx.quantized_matmul(h, layer.weight[rows], scales=layer.scales[rows],
+                                   biases=None if biases is None else biases[rows], transpose=True,
+                                   group_size=layer.group_size, bits=layer.bits, mode=layer.mode)
+    else:
+        part = h @ layer.weight[rows].T
+    if "bias" in layer:
+        part = part + layer.bias[rows]
+    B, L, _ = part.shape
+    full = mx.distributed.all_gather(part.reshape(B * L, per).T, group=group)  # [V, B*L], rank order
+    return full.T.reshape(B, L, V)
+
+
 def collect_plan(model: nn.Module) -> dict:
     """Full parameter name -> (axis, ranges) for every sharded parameter."""
     plan = {}

@@ -19,7 +19,7 @@ import mlx.nn as nn
 from ..cache import make_layer_caches
 from ..errors import UserError
 from ..masks import layer_masks
-from ..shard import shard_layers
+from ..shard import shard_layers, vocab_parallel_logits
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
@@ -175,10 +175,25 @@ class CausalLM(nn.Module):
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
     def __call__(self, inputs, cache=None):
-        h = self.model(inputs, cache)
-        if self.args.tie_word_embeddings:
-            return self.model.embed_tokens.as_linear(h)
-        return self.lm_head(h)
+        return self.head(self.model(inputs, cache))
+
+    def head(self, h):
+        """Logits of the final hidden states h [B, L, hidden]. After
+        `shard_head` each rank computes only its vocabulary slice from the
+        (replicated) head weights and one all_gather joins the slices: the
+        same logits on every rank for 1/N of the head's work."""
+        layer = self.model.embed_tokens if self.args.tie_word_embeddings else self.lm_head
+        group = self.__dict__.get("head_group")
+        if group is not None:
+            return vocab_parallel_logits(layer, h, group)
+        return layer.as_linear(h) if self.args.tie_word_embeddings else layer(h)
+
+    def shard_head(self, group):
+        """Split the output head's work by vocabulary (`head`) when the ranks
+        divide it; the weights stay whole on every rank (tied embeddings
+        need every row for the input lookup)."""
+        if group.size() > 1 and self.args.vocab_size % group.size() == 0:
+            self.head_group = group
 
     @property
     def layers(self):
@@ -202,3 +217,4 @@ class CausalLM(nn.Module):
 
     def shard(self, group):
         shard_layers(self.layers, group)
+        self.shard_head(group)

@@ -245,3 +245,4 @@ class Model(CausalLM):
         for layer in self.layers:
             shard_attention(layer.self_attn, group)
             shard_moe(layer.mlp, group)
+        self.shard_head(group)
