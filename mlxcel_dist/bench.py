@@ -22,7 +22,8 @@ out); rank 0 reports.
   (each generated id costs one: the last prompt token's, then one per decoded
   id) and of the guard's per-token checks are divided by the generated count
   (the guard's final check at the end of a generation is end_all_sums).
-  all_sums_per_token_plan is what the sharding plan predicts (`plan_all_sums`).
+  The same for all_gather (the vocabulary-split output head); the *_plan keys
+  are what the sharding plan predicts (`plan_collectives`).
 """
 
 from __future__ import annotations
@@ -45,30 +46,43 @@ def prompt_ids(vocab: int, n: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, vocab, size=n).astype(np.int32)
 
 
+OPS = ("all_sum", "all_gather")
+
+
 class CollectiveCounter:
-    """Counts `mx.distributed.all_sum` calls (and payload bytes) while active,
-    split by whether a single-token forward pass of `model` issued them."""
+    """Counts `mx.distributed.all_sum` / `all_gather` calls and payload bytes
+    (each rank's input array) while active, by phase: "decode" inside a
+    single-token forward pass of the wrapped model, "prefill" inside a longer
+    one, "other" outside (the agreement checks), "end" (set by the caller)."""
 
     def __init__(self):
         self.phase = "other"
-        self.calls = {"decode": 0, "other": 0, "prefill": 0, "end": 0}
-        self.bytes = {"decode": 0, "other": 0, "prefill": 0, "end": 0}
+        self.calls: dict = {}
+        self.bytes: dict = {}
         self.decode_steps = 0
+
+    def count(self, op: str, *phases: str) -> tuple[int, int]:
+        return (sum(self.calls.get((op, p), 0) for p in phases), sum(self.bytes.get((op, p), 0) for p in phases))
 
     @contextlib.contextmanager
     def active(self):
-        orig = mx.distributed.all_sum
+        origs = {op: getattr(mx.distributed, op) for op in OPS}
 
-        def counted(x, *args, **kwargs):
-            self.calls[self.phase] += 1
-            self.bytes[self.phase] += x.nbytes
-            return orig(x, *args, **kwargs)
+        def counted(op):
+            def call(x, *args, **kwargs):
+                key = (op, self.phase)
+                self.calls[key] = self.calls.get(key, 0) + 1
+                self.bytes[key] = self.bytes.get(key, 0) + x.nbytes
+                return origs[op](x, *args, **kwargs)
+            return call
 
-        mx.distributed.all_sum = counted
+        for op in OPS:
+            setattr(mx.distributed, op, counted(op))
         try:
             yield self
         finally:
-            mx.distributed.all_sum = orig
+            for op, f in origs.items():
+                setattr(mx.distributed, op, f)
 
     def wrap(self, model):
         """A callable with the model's interface that tags its collectives."""
@@ -93,34 +107,41 @@ class CollectiveCounter:
         return Counted()
 
 
-def plan_all_sums(model, check_every: int = 1, size: int = 1) -> tuple[float, float]:
-    """(all_sums, payload bytes) per generated token that the sharding plan
-    predicts for one single-token forward pass plus the guard: one per
-    sharded-to-all projection (o_proj, down_proj; [1, 1, out] in its dtype),
-    one per OLMo-3-style q/k norm statistic ([1, 1, 2] float32), one per
-    sharded MoE block ([1, 1, hidden]), and the rank-agreement check
-    ([size, 3] int32) every `check_every` tokens. Zero at one rank."""
+def plan_collectives(model, check_every: int = 1, size: int = 1) -> dict:
+    """Collectives per generated token that the sharding plan predicts for one
+    single-token forward pass plus the guard, {op: (calls, payload bytes)}:
+    all_sum: one per sharded-to-all projection (o_proj, down_proj; [1, 1, out]
+    in its dtype), one per OLMo-3-style q/k norm statistic ([1, 1, 2]
+    float32), one per sharded MoE block ([1, 1, hidden]), and the
+    rank-agreement check ([size, 3] int32) every `check_every` tokens;
+    all_gather: the vocabulary-split output head ([V/N, 1] in the logits'
+    dtype). Nothing at one rank."""
     from mlx.nn.layers.distributed import QuantizedShardedToAllLinear, ShardedToAllLinear
 
+    plan = {"all_sum": [0, 0], "all_gather": [0, 0]}
     if size <= 1:
-        return 0, 0
-    calls = nbytes = 0
+        return {op: tuple(v) for op, v in plan.items()}
+    s = plan["all_sum"]
     for _, m in model.named_modules():
         if isinstance(m, (ShardedToAllLinear, QuantizedShardedToAllLinear)):
             # A quantized layer's output is in its scales' dtype.
             dt = (m.scales if isinstance(m, QuantizedShardedToAllLinear) else m.weight).dtype
-            calls += 1
-            nbytes += m.weight.shape[0] * dt.size
+            s[0] += 1
+            s[1] += m.weight.shape[0] * dt.size
         elif getattr(m, "norm_group", None) is not None:  # olmo3: q and k sums of squares, float32
-            calls += 1
-            nbytes += 2 * 4
+            s[0] += 1
+            s[1] += 2 * 4
         elif getattr(m, "group", None) is not None and hasattr(m, "gate_up_proj"):  # shard.shard_moe
-            calls += 1
-            nbytes += m.down_proj.shape[-1] * m.down_proj.dtype.size
+            s[0] += 1
+            s[1] += m.down_proj.shape[-1] * m.down_proj.dtype.size
     if check_every:
-        calls += 1 / check_every
-        nbytes += size * 3 * 4 / check_every
-    return calls, nbytes
+        s[0] += 1 / check_every
+        s[1] += size * 3 * 4 / check_every
+    if model.__dict__.get("head_group") is not None:
+        head = model.model.embed_tokens if model.args.tie_word_embeddings else model.lm_head
+        dt = (head.scales if "scales" in head else head.weight).dtype
+        plan["all_gather"] = [1, model.args.vocab_size // size * dt.size]
+    return {op: tuple(v) for op, v in plan.items()}
 
 
 def _weights_dtype(model) -> str:
@@ -164,9 +185,9 @@ def run_bench(model, prompt_tokens: int, gen_tokens: int, *, group=None, prefill
     peak = mx.get_peak_memory() / GB
     per_rank = gather_per_rank(group, [peak, weights_gb], dtype=mx.float32)
     n = stats.generated
-    plan_calls, plan_bytes = plan_all_sums(model, check_every, size)
+    plan = plan_collectives(model, check_every, size)
     ttft = stats.prefill_s
-    return {
+    out = {
         "np": size,
         "prompt_tokens": prompt_tokens,
         "gen_tokens": n,
@@ -179,15 +200,19 @@ def run_bench(model, prompt_tokens: int, gen_tokens: int, *, group=None, prefill
         "peak_mem_gb": float(per_rank[:, 0].max()),
         "peak_mem_gb_per_rank": [float(v) for v in per_rank[:, 0]],
         "weights_gb": float(per_rank[:, 1].max()),
-        "all_sums_per_token": (counter.calls["decode"] + counter.calls["other"]) / n,
-        "all_sum_bytes_per_token": (counter.bytes["decode"] + counter.bytes["other"]) / n,
-        "all_sums_per_token_plan": plan_calls,
-        "all_sum_bytes_per_token_plan": plan_bytes,
+    }
+    for op in OPS:
+        calls, nbytes = counter.count(op, "decode", "other")
+        out[f"{op}s_per_token"] = calls / n
+        out[f"{op}_bytes_per_token"] = nbytes / n
+        out[f"{op}s_per_token_plan"], out[f"{op}_bytes_per_token_plan"] = plan[op]
+    out.update({
         "decode_steps": counter.decode_steps,
-        "end_all_sums": counter.calls["end"],
+        "end_all_sums": counter.count("all_sum", "end")[0],
         "agreement_checks": stats.checks,
         "check_every": check_every,
-    }
+    })
+    return out
 
 
 def format_table(r: dict) -> str:
@@ -201,7 +226,10 @@ def format_table(r: dict) -> str:
         ("peak memory", f"{r['peak_mem_gb']:.3f} GB (max over ranks; per rank "
                         f"{', '.join(f'{v:.3f}' for v in r['peak_mem_gb_per_rank'])}); weights {r['weights_gb']:.3f} GB"),
         ("all_sum per token", f"{r['all_sums_per_token']:g} calls, {r['all_sum_bytes_per_token']:g} bytes "
-                              f"(plan: {r['all_sums_per_token_plan']}, {r['all_sum_bytes_per_token_plan']} bytes)"),
+                              f"(plan: {r['all_sums_per_token_plan']:g}, {r['all_sum_bytes_per_token_plan']:g} bytes)"),
+        ("all_gather per token", f"{r['all_gathers_per_token']:g} calls, {r['all_gather_bytes_per_token']:g} bytes "
+                                 f"(plan: {r['all_gathers_per_token_plan']:g}, "
+                                 f"{r['all_gather_bytes_per_token_plan']:g} bytes)"),
     ]
     w = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)

@@ -1,7 +1,8 @@
 """`mlxcel-dist bench`: one JSON line with positive numbers at np 1 and np 2,
-and the all_sums it counts per decoded token equal what the sharding plan
-predicts (model collectives, OLMo 3's q/k norm statistic, MoE blocks, the
-rank-agreement check). No timing assertions."""
+and the collectives it counts per decoded token equal what the sharding plan
+predicts (all_sums: o/down projections, OLMo 3's q/k norm statistic, MoE
+blocks, the rank-agreement check; all_gather: the vocabulary-split head).
+No timing assertions."""
 
 import json
 import sys
@@ -65,6 +66,9 @@ def test_bench_json_np2_counts_the_plan():
     assert r["all_sums_per_token"] == r["all_sums_per_token_plan"] == 4 * 2 + 1
     assert r["all_sum_bytes_per_token"] == r["all_sum_bytes_per_token_plan"] == 8 * 128 * 4 + 2 * 3 * 4
     assert r["agreement_checks"] == 6 and r["end_all_sums"] == 0
+    # the output head split by vocabulary (512 / 2 rows): one all_gather of [256, 1] float32
+    assert r["all_gathers_per_token"] == r["all_gathers_per_token_plan"] == 1
+    assert r["all_gather_bytes_per_token"] == r["all_gather_bytes_per_token_plan"] == 256 * 4
 
 
 @pytest.mark.parametrize("case,extra,calls", [
@@ -77,3 +81,5 @@ def test_all_sums_per_token_match_the_sharding_plan(case, extra, calls):
     r = bench_np2(FIXTURES / case, *extra, "--no-warmup")
     assert r["all_sums_per_token"] == r["all_sums_per_token_plan"] == calls
     assert r["all_sum_bytes_per_token"] == r["all_sum_bytes_per_token_plan"]
+    assert r["all_gathers_per_token"] == r["all_gathers_per_token_plan"] == 1
+    assert r["all_gather_bytes_per_token"] == r["all_gather_bytes_per_token_plan"]
