@@ -136,6 +136,7 @@ def main() -> None:
     ap.add_argument("--small", action="store_true")
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--nccl", action="store_true")
+    ap.add_argument("--cross", action="store_true")
     a = ap.parse_args()
     info = {"device": str(mx.default_device()), "mlx": mx.__version__, "python": platform.python_version()}
     _stub_transformers()
@@ -169,7 +170,10 @@ def main() -> None:
 
     rows = []
     for rep in range(a.repeat):
-        for name, fn, m in (("mlx-lm", time_mlx_lm, theirs), ("ours", time_ours, ours)):
+        runs = [("mlx-lm", time_mlx_lm, theirs), ("ours", time_ours, ours)]
+        if a.cross:  # which half makes a difference: the model or the generation loop
+            runs += [("our model, mlx-lm loop", time_mlx_lm, ours), ("mlx-lm model, our loop", time_ours, theirs)]
+        for name, fn, m in runs:
             mx.clear_cache()
             pf, dc, toks = fn(m, prompt, a.gen)
             rows.append({"rep": rep, "impl": name, "prefill_tok_s": round(pf, 1), "decode_tok_s": round(dc, 2),

@@ -18,6 +18,7 @@ import mlx.nn as nn
 
 from .attention import causal_attention
 from .errors import UserError
+from .layers import gated_fp32
 
 
 class Attention(nn.Module):
@@ -112,8 +113,7 @@ class MLP(nn.Module):
         self.act = act
 
     def __call__(self, x):
-        g = self.gate_proj(x)
-        return self.down_proj(self.act(g.astype(mx.float32)).astype(x.dtype) * self.up_proj(x))
+        return self.down_proj(gated_fp32(self.act)(self.gate_proj(x), self.up_proj(x)))
 
 
 class PreNormBlock(nn.Module):

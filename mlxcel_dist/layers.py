@@ -10,10 +10,27 @@ weight array, not per call (it is not a parameter: the name starts with _).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import mlx.core as mx
 import mlx.nn as nn
+
+
+def _fp32_weight(module: nn.Module, plus_one: bool = False, name: str = "weight") -> mx.array:
+    """The module's weight in fp32 (1 + w for Gemma), computed once per weight
+    array rather than as two extra kernels per call. Cached under a name that
+    starts with "_", which MLX never counts as a parameter."""
+    w = module[name]
+    key = f"_{name}_fp32"
+    cached = module.get(key)
+    if cached is None or module.get(f"_{name}_src") is not w:
+        cached = w.astype(mx.float32)
+        if plus_one:
+            cached = 1.0 + cached
+        module[key] = cached
+        module[f"_{name}_src"] = w
+    return cached
 
 
 class RMSNorm(nn.Module):
@@ -38,10 +55,7 @@ class GemmaRMSNorm(nn.Module):
         self.eps = eps
 
     def __call__(self, x: mx.array) -> mx.array:
-        if self.__dict__.get("_src") is not self.weight:
-            self._w1 = 1.0 + self.weight.astype(mx.float32)
-            self._src = self.weight
-        return mx.fast.rms_norm(x, self._w1, self.eps).astype(x.dtype)
+        return mx.fast.rms_norm(x, _fp32_weight(self, plus_one=True), self.eps).astype(x.dtype)
 
 
 @mx.compile
@@ -58,6 +72,19 @@ ACTIVATIONS = {
     "silu": nn.silu,
     "swish": nn.silu,
 }
+
+
+@functools.lru_cache(maxsize=None)
+def gated_fp32(act):
+    """act(g) * u with the activation in fp32, rounded once to u's dtype, as
+    torch's kernels do for half inputs; compiled into one kernel (the casts,
+    the activation and the product are all elementwise)."""
+
+    @mx.compile
+    def f(g: mx.array, u: mx.array) -> mx.array:
+        return act(g.astype(mx.float32)).astype(u.dtype) * u
+
+    return f
 
 
 def activation(name: str):
@@ -78,7 +105,7 @@ class RMSNormFP32Scale(nn.Module):
         self.eps = eps
 
     def __call__(self, x: mx.array) -> mx.array:
-        return mx.fast.rms_norm(x, self.weight.astype(mx.float32), self.eps).astype(x.dtype)
+        return mx.fast.rms_norm(x, _fp32_weight(self), self.eps).astype(x.dtype)
 
 
 class LayerNorm(nn.Module):
@@ -93,5 +120,5 @@ class LayerNorm(nn.Module):
         self.eps = eps
 
     def __call__(self, x: mx.array) -> mx.array:
-        b = self.bias.astype(mx.float32) if "bias" in self else None
-        return mx.fast.layer_norm(x, self.weight.astype(mx.float32), b, self.eps).astype(x.dtype)
+        b = _fp32_weight(self, name="bias") if "bias" in self else None
+        return mx.fast.layer_norm(x, _fp32_weight(self), b, self.eps).astype(x.dtype)
