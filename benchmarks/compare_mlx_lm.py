@@ -21,7 +21,8 @@ generation first, then the peak-memory counter is reset:
 
 Trials are interleaved (mlx-lm, np 1, np 2 mpi, np 2 ring, then again) so
 that load from elsewhere on a shared machine hits all alike; the table shows
-medians. "other load" is the CPU (in cores) that processes outside the run
+medians (with the range over trials), and ratios are taken within each trial
+(runs back to back), then their median and range. "other load" is the CPU (in cores) that processes outside the run
 used during it (from /proc/stat, minus the run's own CPU time): on a 2-core
 machine anything above ~0.1 distorts the np 2 numbers most.
 """
@@ -206,21 +207,35 @@ def main() -> int:
     for name, _ in configs:
         vals = {k: med(name, k) for k in keys}
         summary[name] = vals
-        cells = ["-" if vals[k] is None else format(vals[k], f) for k, f in zip(keys, fmts)]
+        cells = []
+        for k, f in zip(keys, fmts):
+            if vals[k] is None:
+                cells.append("-")
+                continue
+            cell = format(vals[k], f)
+            if k in ("prefill_tok_s", "decode_tok_s") and args.trials > 1:
+                xs = [r[k] for r in runs[name]]
+                cell += f" ({format(min(xs), f)}-{format(max(xs), f)})"
+            cells.append(cell)
         print(f"| {name} | " + " | ".join(cells) + " |")
 
-    d = lambda n: summary[n]["decode_tok_s"]  # noqa: E731
+    # Ratios within each trial (the runs of one trial ran back to back), then
+    # their median and range over trials.
+    def paired(a, b, key):
+        xs = [ra[key] / rb[key] for ra, rb in zip(runs[a], runs[b])]
+        return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+
     tp = [n for n, _ in configs if n.startswith(f"ours np{args.np}")]
-    ratios = {"ours np1 / mlx-lm decode": d("ours np1") / d("mlx-lm"),
-              "ours np1 / mlx-lm prefill": summary["ours np1"]["prefill_tok_s"] / summary["mlx-lm"]["prefill_tok_s"]}
+    ratios = {"ours np1 / mlx-lm decode": paired("ours np1", "mlx-lm", "decode_tok_s"),
+              "ours np1 / mlx-lm prefill": paired("ours np1", "mlx-lm", "prefill_tok_s"),
+              "ours np1 / mlx-lm peak memory": paired("ours np1", "mlx-lm", "peak_mem_gb")}
     if tp:
-        best = max(tp, key=d)
-        ratios[f"{best} / ours np1 decode"] = d(best) / d("ours np1")
-        ratios[f"{best} / ours np1 prefill"] = summary[best]["prefill_tok_s"] / summary["ours np1"]["prefill_tok_s"]
-        ratios[f"{best} / ours np1 peak memory"] = summary[best]["peak_mem_gb"] / summary["ours np1"]["peak_mem_gb"]
-    print()
+        best = max(tp, key=lambda n: summary[n]["decode_tok_s"])
+        for key, what in (("decode_tok_s", "decode"), ("prefill_tok_s", "prefill"), ("peak_mem_gb", "peak memory")):
+            ratios[f"{best} / ours np1 {what}"] = paired(best, "ours np1", key)
+    print(f"\nratios (per trial, median and range over {args.trials} trial(s)):")
     for k, v in ratios.items():
-        print(f"{k}: {v:.2f}x")
+        print(f"{k}: {v['median']:.2f}x ({v['min']:.2f}-{v['max']:.2f})")
     if args.json:
         Path(args.json).write_text(json.dumps({"machine": info, "model": str(model), "args": vars(args),
                                                "runs": runs, "median": summary, "ratios": ratios}, indent=1))
