@@ -93,10 +93,10 @@ def build_mlx_lm(cfg: dict, weights):
     return model
 
 
-def time_ours(model, prompt, gen):
+def time_ours(model, prompt, gen, prefill_step=None):
     from mlxcel_dist.engine import TokenGenerator
 
-    g = TokenGenerator(model, prompt, gen)
+    g = TokenGenerator(model, prompt, gen, prefill_step=prefill_step)
     out = list(g)
     s = g.finish()
     return s.prefill_tok_s, s.decode_tok_s, out
@@ -137,6 +137,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--nccl", action="store_true")
     ap.add_argument("--cross", action="store_true")
+    ap.add_argument("--our-prefill-step", type=int, default=0, help="also time ours with this prefill chunk")
     a = ap.parse_args()
     info = {"device": str(mx.default_device()), "mlx": mx.__version__, "python": platform.python_version()}
     _stub_transformers()
@@ -171,6 +172,9 @@ def main() -> None:
     rows = []
     for rep in range(a.repeat):
         runs = [("mlx-lm", time_mlx_lm, theirs), ("ours", time_ours, ours)]
+        if a.our_prefill_step:
+            runs.append((f"ours, prefill step {a.our_prefill_step}",
+                         lambda m, p, g: time_ours(m, p, g, a.our_prefill_step), ours))
         if a.cross:  # which half makes a difference: the model or the generation loop
             runs += [("our model, mlx-lm loop", time_mlx_lm, ours), ("mlx-lm model, our loop", time_ours, theirs)]
         for name, fn, m in runs:
