@@ -152,15 +152,18 @@ def _weights_dtype(model) -> str:
     return ",".join(kinds)
 
 
-def run_bench(model, prompt_tokens: int, gen_tokens: int, *, group=None, prefill_step: int | None = None,
-              seed: int = 0, check_every: int = 1, warmup: bool = True) -> dict:
-    """One warm-up and one timed generation; the result dict (same on every rank)."""
+def check_lengths(prompt_tokens: int, gen_tokens: int) -> None:
+    """The bench's own options (TokenGenerator checks the shared ones)."""
     if prompt_tokens < 1:
         raise UserError(f"--prompt-tokens must be >= 1, got {prompt_tokens}")
     if gen_tokens < 1:
         raise UserError(f"--gen-tokens must be >= 1, got {gen_tokens}")
-    if prefill_step is not None and prefill_step < 1:
-        raise UserError(f"--prefill-step must be >= 1, got {prefill_step}")
+
+
+def run_bench(model, prompt_tokens: int, gen_tokens: int, *, group=None, prefill_step: int | None = None,
+              seed: int = 0, check_every: int = 1, warmup: bool = True) -> dict:
+    """One warm-up and one timed generation; the result dict (same on every rank)."""
+    check_lengths(prompt_tokens, gen_tokens)
     size = group.size() if group is not None else 1
     weights_gb = mx.get_active_memory() / GB
     ids = prompt_ids(vocab_size(model), prompt_tokens, seed)

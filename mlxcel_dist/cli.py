@@ -45,8 +45,11 @@ StallOpt = Annotated[
     float,
     typer.Option("--stall-timeout", help="Stop the job when a rank sends no heartbeat for this many seconds (a stopped or cut-off rank); 0 = never."),
 ]
+# 512: engine.DEFAULT_PREFILL_STEP (not imported here: it would load mlx for --help)
 PrefillStepOpt = Annotated[
-    Optional[int], typer.Option("--prefill-step", help="Feed the prompt through the cache in chunks of this many tokens.")
+    Optional[int],
+    typer.Option("--prefill-step", help="Feed the prompt through the cache in chunks of this many tokens "
+                 "(default: 512 when generating; logits: one pass)."),
 ]
 
 
@@ -141,6 +144,15 @@ def _distribute(ctx: typer.Context, np_: int, backend: str, hostfile: Optional[P
     code = launch(_argv_from_ctx(ctx), np_, backend, str(hostfile) if hostfile else None,
                   stall_timeout=ctx.params.get("stall_timeout", 30.0))
     raise typer.Exit(code)
+
+
+def _check_generation_options(check_every: int, prefill_step: Optional[int]) -> None:
+    """Options of the generation loop, checked before any rank is launched
+    (the loop checks them again, for library callers)."""
+    if check_every < 0:
+        raise UserError(f"--check-every must be >= 0 (0 = only at the end), got {check_every}")
+    if prefill_step is not None and prefill_step < 1:
+        raise UserError(f"--prefill-step must be >= 1, got {prefill_step}")
 
 
 def _load(model, dtype, rank: Rank):
@@ -248,10 +260,7 @@ def generate(
                               repetition_context_size=repetition_context_size, seed=seed).validate()
     if max_tokens < 0:
         raise UserError(f"--max-tokens must be >= 0, got {max_tokens}")
-    if check_every < 0:
-        raise UserError(f"--check-every must be >= 0 (0 = only at the end), got {check_every}")
-    if prefill_step is not None and prefill_step < 1:
-        raise UserError(f"--prefill-step must be >= 1, got {prefill_step}")
+    _check_generation_options(check_every, prefill_step)
     stops = list(stop or [])
     StopStrings(stops)
     if not os.environ.get("MLXCEL_DIST_WORLD"):
@@ -564,16 +573,10 @@ def bench(
     import json
     import time
 
-    from .bench import format_table, run_bench
+    from .bench import check_lengths, format_table, run_bench
 
-    if prompt_tokens < 1:
-        raise UserError(f"--prompt-tokens must be >= 1, got {prompt_tokens}")
-    if gen_tokens < 1:
-        raise UserError(f"--gen-tokens must be >= 1, got {gen_tokens}")
-    if check_every < 0:
-        raise UserError(f"--check-every must be >= 0 (0 = only at the end), got {check_every}")
-    if prefill_step is not None and prefill_step < 1:
-        raise UserError(f"--prefill-step must be >= 1, got {prefill_step}")
+    check_lengths(prompt_tokens, gen_tokens)
+    _check_generation_options(check_every, prefill_step)
     rank = _distribute(ctx, np_, backend, hostfile, model)
     t0 = time.perf_counter()
     loaded = _load(model, dtype, rank)

@@ -161,11 +161,10 @@ def rank() -> int:
     else 0 for a plain single process."""
     if _group is not None:
         return _group.rank()
-    for var in (ENV_RANK, "MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK"):
-        v = os.environ.get(var, "").strip()
-        if v.isdigit():
-            return int(v)
-    return 0
+    from .watchdog import env_rank
+
+    r = env_rank()
+    return 0 if r is None else r
 
 
 def world_size() -> int:

@@ -129,10 +129,13 @@ class RankAgreement:
         self.checked = 0  # count at the last check
         self.checks = 0
 
-    def add(self, tok_id: int) -> None:
+    def _record(self, tok_id: int) -> None:
         self.count += 1
         self.checksum = (self.checksum * self.MUL + int(tok_id) + 1) % self.MOD
         self.last = int(tok_id)
+
+    def add(self, tok_id: int) -> None:
+        self._record(tok_id)
         if self.every and self.count - self.checked >= self.every:
             self.check()
 
@@ -187,9 +190,7 @@ class RankAgreement:
         if rows is None:
             self.add(tok_id)
             return
-        self.count += 1
-        self.checksum = (self.checksum * self.MUL + int(tok_id) + 1) % self.MOD
-        self.last = int(tok_id)
+        self._record(tok_id)
         self._verdict(rows)
 
     def finish(self) -> None:

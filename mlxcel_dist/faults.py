@@ -15,7 +15,6 @@ import signal
 import time
 
 ENV = "MLXCEL_DIST_INJECT_FAULT"
-PHASES = ("load", "prefill", "decode")
 _ACTIONS = {"kill": signal.SIGKILL, "stop": getattr(signal, "SIGSTOP", None)}
 
 

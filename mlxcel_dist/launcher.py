@@ -68,6 +68,7 @@ from pathlib import Path
 from .distributed import BACKENDS, ENV_BACKEND, ENV_RANK, ENV_WORLD, RANK_BOOTSTRAP
 from .errors import UserError
 from .hostfile import Host, HostfileInfo, assign_ranks, read_hostfile, total_slots
+from .watchdog import INTERVAL_S as HEARTBEAT_S
 from .watchdog import (
     DEFAULT_STALL_TIMEOUT_S,
     ENV_HEARTBEAT,
@@ -327,10 +328,9 @@ def _write_stream(stream, data: bytes) -> None:
 # ("[ring] Socket 6 was closed by the peer" x10 per rank). The launcher names
 # the rank that failed; these lines are shown with --verbose only.
 _TRANSPORT_NOISE = re.compile(rb"^(?:\[rank \d+\] )?\[(?:ring|jaccl)\] ")
-_show_transport = False
 
 
-def _pump_lines(fd: int, prefix: bytes, transform=None, proc=None) -> None:
+def _pump_lines(fd: int, prefix: bytes, transform=None, proc=None, show_transport: bool = False) -> None:
     """Copy a pipe to our stderr a whole line at a time (never half a line
     of one rank inside a line of another), each line prefixed. ``transform``
     (line -> bytes to write) may hold lines back or drop them."""
@@ -348,7 +348,7 @@ def _pump_lines(fd: int, prefix: bytes, transform=None, proc=None) -> None:
         for m in _LINE_RE.finditer(pending):
             line = prefix + m.group(0)
             pos = m.end()
-            if not _show_transport and _TRANSPORT_NOISE.match(line):
+            if not show_transport and _TRANSPORT_NOISE.match(line):
                 continue
             out.append(transform(line) if transform is not None else line)
         pending = pending[pos:]
@@ -498,8 +498,10 @@ class _Interrupted(Exception):
 
 class _Supervisor:
     def __init__(self, grace: float, monitor: HeartbeatMonitor | None = None,
-                 stall_timeout: float = 0.0, n_ranks: int = 0, local_ranks: bool = True) -> None:
+                 stall_timeout: float = 0.0, n_ranks: int = 0, local_ranks: bool = True,
+                 show_transport: bool = False) -> None:
         self.grace = grace
+        self.show_transport = show_transport  # MLX's "[ring] ..." lines (--verbose)
         self.monitor = monitor
         self.stall_timeout = stall_timeout
         self.n_ranks = n_ranks
@@ -567,7 +569,7 @@ class _Supervisor:
             pipe.close()
             t = threading.Thread(
                 target=_pump_lines,
-                args=(fd, prefix or b"", pipe_stderr_filter, proc),
+                args=(fd, prefix or b"", pipe_stderr_filter, proc, self.show_transport),
                 name=f"mlxcel-dist-pump-{label}",
                 daemon=True,
             )
@@ -754,6 +756,11 @@ def _remote_script(env: Mapping[str, str], files: Mapping[str, str], cmd: Sequen
     return "; ".join(parts)
 
 
+SSH_CONNECT_TIMEOUT_S = 10
+# Never prompt (a rank cannot answer), give up on a silent host.
+SSH_OPTIONS = ("-o", "BatchMode=yes", "-o", f"ConnectTimeout={SSH_CONNECT_TIMEOUT_S}")
+
+
 @functools.lru_cache(maxsize=None)
 def _ssh_hostname(name: str) -> str:
     """The address ssh would connect to for ``name`` (its HostName from
@@ -781,7 +788,7 @@ def _host_ip(h: Host) -> str:
     return v4[0] if v4 else infos[0][4][0]
 
 
-def _preflight_hosts(hosts: Sequence[Host], timeout: float = 10.0) -> None:
+def _preflight_hosts(hosts: Sequence[Host], timeout: float = SSH_CONNECT_TIMEOUT_S + 5) -> None:
     """Reach every remote host over ssh once (in parallel) before starting
     anything, so a host that does not resolve or answer is one clear error
     instead of a rank (or an mpirun daemon) failing mid-start."""
@@ -789,15 +796,15 @@ def _preflight_hosts(hosts: Sequence[Host], timeout: float = 10.0) -> None:
     failures: dict[str, str] = {}
 
     def probe(name: str) -> None:
-        cmd = ["ssh", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={int(timeout)}", name, "true"]
+        cmd = ["ssh", *SSH_OPTIONS, name, "true"]
         try:
             p = subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.PIPE, timeout=timeout + 5)
+                               stderr=subprocess.PIPE, timeout=timeout)
         except FileNotFoundError:
             failures[name] = "no ssh client on this machine"
             return
         except subprocess.TimeoutExpired:
-            failures[name] = f"no answer within {timeout + 5:g} s"
+            failures[name] = f"no answer within {timeout:g} s"
             return
         if p.returncode != 0:
             lines = [x for x in p.stderr.decode(errors="replace").splitlines() if x.strip()]
@@ -819,9 +826,7 @@ def ssh_command(host: Host, env: Mapping[str, str], files: Mapping[str, str],
     """argv that starts one rank on ``host`` over ssh. ``-tt`` gives the
     remote command a terminal so that ending the local ssh hangs it up."""
     return [
-        "ssh", "-tt",
-        "-o", "BatchMode=yes",
-        "-o", "ConnectTimeout=10",
+        "ssh", "-tt", *SSH_OPTIONS,
         "-o", "LogLevel=QUIET",
         host.name,
         _remote_script(env, files, cmd, cwd),
@@ -894,8 +899,9 @@ def launch(
         raise UserError(f"the number of ranks must be at least 1, not {np}")
     if not isinstance(stall_timeout, (int, float)) or stall_timeout < 0 or stall_timeout != stall_timeout:
         raise UserError(f"the stall timeout must be >= 0 seconds (0 = off), not {stall_timeout!r}")
-    if 0 < stall_timeout < 3 * 1.0:
-        raise UserError(f"a stall timeout of {stall_timeout:g} s is shorter than 3 heartbeats (3 s)")
+    if 0 < stall_timeout < 3 * HEARTBEAT_S:
+        raise UserError(f"a stall timeout of {stall_timeout:g} s is shorter than 3 heartbeats "
+                        f"({3 * HEARTBEAT_S:g} s)")
     if backend not in BACKEND_CHOICES:
         raise UserError(
             f"unknown backend {backend!r} (choose from {', '.join(BACKEND_CHOICES)})"
@@ -927,9 +933,6 @@ def launch(
             _say(f"backend auto -> {backend}")
 
     rank_cmd = _rank_command(python, module, script, argv)
-    global _show_transport
-    _show_transport = verbose
-
     if single_node:
         monitor = HeartbeatMonitor("127.0.0.1")
     else:
@@ -957,7 +960,7 @@ def _launch_job(np, backend, argv, rank_cmd, info, placement, single_node, pytho
     job_env[ENV_HEARTBEAT] = monitor.env_value
     job_env[ENV_LAUNCHER] = launcher_identity()
     watch = dict(monitor=monitor, stall_timeout=float(stall_timeout), n_ranks=np,
-                 local_ranks=single_node)
+                 local_ranks=single_node, show_transport=verbose)
     base_env.update(job_env)
     _with_pythonpath(base_env)
     job_env["PYTHONPATH"] = base_env["PYTHONPATH"]

@@ -31,9 +31,14 @@ DEFAULT_STALL_TIMEOUT_S = 30.0
 EXIT_ORPHANED = 75  # a rank whose launcher is gone (nobody reads this code)
 
 
-def rank_from_env() -> int | None:
-    for k in ("MLXCEL_DIST_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK"):
-        v = os.environ.get(k, "").strip()
+def env_rank() -> int | None:
+    """The rank the launch environment gives this process (ours, the ring's,
+    or MPI's variables), or None when it gives none. distributed.rank() uses
+    it; it lives here because this module must not import distributed.py:
+    when it did, MPI ranks exited without MPI_Finalize (prterun: "exiting
+    improperly"), seen in tests/test_launcher.py::test_allsum_job."""
+    for var in ("MLXCEL_DIST_RANK", "MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK"):
+        v = os.environ.get(var, "").strip()
         if v.isdigit():
             return int(v)
     return None
@@ -86,7 +91,7 @@ def start_rank_watchdog() -> threading.Thread | None:
     if getattr(start_rank_watchdog, "_thread", None) is not None:
         return start_rank_watchdog._thread  # type: ignore[attr-defined]
     target = _parse_target(os.environ.get(ENV_HEARTBEAT, ""))
-    rank = rank_from_env()
+    rank = env_rank()
     parent = os.getppid()
     launcher = os.environ.get(ENV_LAUNCHER, "")
     sock = None

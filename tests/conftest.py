@@ -24,6 +24,8 @@ from pathlib import Path
 
 import pytest
 
+from testproc import OWNER_ENV, descendants, kill_descendants
+
 ROOT = Path(__file__).resolve().parent.parent
 TEST_TIMEOUT = float(os.environ.get("MLXCEL_TEST_TIMEOUT", "600"))
 SESSION_BUDGET = float(os.environ.get("MLXCEL_TEST_BUDGET", "3600"))
@@ -33,69 +35,7 @@ _state = {"first_failure": None, "leftovers": 0}
 
 # Every process started under this pytest inherits the marker, so one that
 # was orphaned (its launcher killed, reparented to init) is still found.
-_MARKER = f"MLXCEL_TEST_OWNER={os.getpid()}".encode()
-os.environ["MLXCEL_TEST_OWNER"] = str(os.getpid())
-
-
-# --------------------------------------------------------------------------- #
-# process tree
-# --------------------------------------------------------------------------- #
-
-
-def _proc_table() -> dict[int, tuple[int, int]]:
-    """pid -> (ppid, session id) for every live process (Linux /proc)."""
-    rows = {}
-    proc = Path("/proc")
-    if not proc.is_dir():
-        return rows
-    for d in proc.iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            f = (d / "stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if f[0] != "Z":
-            rows[int(d.name)] = (int(f[1]), int(f[3]))
-    return rows
-
-
-def descendants(root: int | None = None) -> list[int]:
-    """Every live process below ``root`` (default: this pytest), plus every
-    member of a session one of them leads (mpirun's ranks, once reparented)."""
-    root = os.getpid() if root is None else root
-    rows = _proc_table()
-    found: set[int] = set()
-    frontier = [root]
-    while frontier:
-        parent = frontier.pop()
-        for pid, (ppid, _sid) in rows.items():
-            if ppid == parent and pid not in found:
-                found.add(pid)
-                frontier.append(pid)
-    sessions = {pid for pid in found if rows.get(pid, (0, 0))[1] == pid}
-    found |= {pid for pid, (_p, sid) in rows.items() if sid in sessions}
-    if root == os.getpid():
-        for pid in rows:
-            if pid not in found and pid != root:
-                try:
-                    env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-                except OSError:
-                    continue
-                if _MARKER in env:
-                    found.add(pid)
-    found.discard(root)
-    return sorted(found)
-
-
-def kill_descendants() -> int:
-    pids = descendants()
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
-    return len(pids)
+os.environ[OWNER_ENV] = str(os.getpid())
 
 
 # --------------------------------------------------------------------------- #

@@ -13,9 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import descendants
 from mlxcel_dist.launcher import find_mpirun, launch
-from testproc import run_cmd
+from testproc import alive, descendants, run_cmd
 
 ROOT = Path(__file__).resolve().parent.parent
 HELPER = str(ROOT / "tests" / "helpers" / "allsum_rank.py")
@@ -79,17 +78,10 @@ def test_launcher_killed_leaves_no_rank_behind(backend):
     p.kill()  # SIGKILL: the launcher gets no chance to clean up
     p.wait(timeout=10)
     deadline = time.monotonic() + 5
-    while any(Path(f"/proc/{r}").exists() and _state(r) != "Z" for r in ranks) and time.monotonic() < deadline:
+    while alive(ranks) and time.monotonic() < deadline:
         time.sleep(0.05)
-    left = [r for r in ranks if Path(f"/proc/{r}").exists() and _state(r) != "Z"]
+    left = alive(ranks)
     assert left == [], f"ranks still running 5 s after the launcher died: {left}"
-
-
-def _state(pid):
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return "Z"
 
 
 def test_bad_stall_timeout_is_one_line(tmp_path):

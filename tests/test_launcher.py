@@ -25,7 +25,7 @@ from mlxcel_dist.launcher import (
     launch,
     ssh_command,
 )
-from testproc import run_cmd
+from testproc import alive, descendants, run_cmd
 
 ROOT = Path(__file__).resolve().parent.parent
 HELPER = str(ROOT / "tests" / "helpers" / "allsum_rank.py")
@@ -326,37 +326,6 @@ def test_killed_rank_named(capfd):
     assert dt < 20
 
 
-def _descendants(pid):
-    rows = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                f = (d / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            rows.append((int(d.name), f[0], int(f[1]), int(f[3])))
-    kids, changed = {pid}, True
-    while changed:
-        changed = False
-        for p, _state, ppid, sid in rows:
-            if (ppid in kids or sid in kids) and p not in kids:
-                kids.add(p)
-                changed = True
-    return kids - {pid}
-
-
-def _alive(pids):
-    alive = []
-    for p in pids:
-        try:
-            state = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if state != "Z":
-            alive.append(p)
-    return alive
-
-
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="needs /proc to find leftovers")
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_sigint_stops_every_rank(backend):
@@ -367,7 +336,7 @@ def test_sigint_stops_every_rank(backend):
     # rank 0 prints once the all_sum worked: everyone is up
     line = p.stdout.readline()
     assert line.startswith(b"allsum ok rank=0"), (line, p.stderr.read() if p.poll() is not None else b"")
-    kids = _descendants(p.pid)
+    kids = descendants(p.pid)
     assert len(kids) >= 2
     t0 = time.monotonic()
     p.send_signal(signal.SIGINT)
@@ -375,9 +344,9 @@ def test_sigint_stops_every_rank(backend):
     assert p.returncode == 130
     assert time.monotonic() - t0 < 10
     deadline = time.monotonic() + 5
-    while _alive(kids) and time.monotonic() < deadline:
+    while alive(kids) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert _alive(kids) == []
+    assert alive(kids) == []
 
 
 # --------------------------------------------------------------------------- #

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from conftest import descendants
 from mlxcel_dist.cli import app
 from mlxcel_dist.launcher import launch
 from mlxcel_dist.loader import default_model_dir, load_model
 from mlxcel_dist.watchdog import HeartbeatMonitor
+from testproc import descendants
 
 ROOT = Path(__file__).resolve().parent.parent
 HELPER = str(ROOT / "tests" / "helpers" / "allsum_rank.py")

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from mlxcel_dist.launcher import find_mpirun
-from testproc import run_cmd
+from testproc import alive, descendants, run_cmd
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL = ROOT / "models" / "gemma3-tiny"
@@ -45,32 +45,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _descendants(pid: int) -> set[int]:
-    """pid's descendants, from /proc (empty where there is no /proc)."""
-    children: dict[int, list[int]] = {}
-    for d in Path("/proc").glob("[0-9]*"):
-        try:
-            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        children.setdefault(ppid, []).append(int(d.name))
-    out, todo = set(), [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            if c not in out:
-                out.add(c)
-                todo.append(c)
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 class Server:
@@ -108,7 +82,7 @@ class Server:
         pytest.fail(f"server not ready after {READY_S}s:\n{self.output()}")
 
     def stop(self) -> int | None:
-        family = _descendants(self.proc.pid)
+        family = descendants(self.proc.pid)
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -118,9 +92,9 @@ class Server:
                 self.proc.wait(timeout=10)
         self.log.close()
         deadline = time.monotonic() + 10
-        while any(map(_alive, family)) and time.monotonic() < deadline:
+        while alive(family) and time.monotonic() < deadline:
             time.sleep(0.1)
-        left = sorted(p for p in family if _alive(p))
+        left = alive(family)
         if left:  # the launcher must not leave ranks behind
             for pid in left:
                 os.kill(pid, signal.SIGKILL)
