@@ -93,10 +93,10 @@ def build_mlx_lm(cfg: dict, weights):
     return model
 
 
-def time_ours(model, prompt, gen, prefill_step=None):
+def time_ours(model, prompt, gen, prefill_step=None, compiled=True):
     from mlxcel_dist.engine import TokenGenerator
 
-    g = TokenGenerator(model, prompt, gen, prefill_step=prefill_step)
+    g = TokenGenerator(model, prompt, gen, prefill_step=prefill_step, compiled=compiled)
     out = list(g)
     s = g.finish()
     return s.prefill_tok_s, s.decode_tok_s, out
@@ -138,6 +138,7 @@ def main() -> None:
     ap.add_argument("--nccl", action="store_true")
     ap.add_argument("--cross", action="store_true")
     ap.add_argument("--our-prefill-step", type=int, default=0, help="also time ours with this prefill chunk")
+    ap.add_argument("--eager", action="store_true", help="also time ours with eager (uncompiled) decode steps")
     a = ap.parse_args()
     info = {"device": str(mx.default_device()), "mlx": mx.__version__, "python": platform.python_version()}
     _stub_transformers()
@@ -175,6 +176,8 @@ def main() -> None:
         if a.our_prefill_step:
             runs.append((f"ours, prefill step {a.our_prefill_step}",
                          lambda m, p, g: time_ours(m, p, g, a.our_prefill_step), ours))
+        if a.eager:
+            runs.append(("ours, eager steps", lambda m, p, g: time_ours(m, p, g, compiled=False), ours))
         if a.cross:  # which half makes a difference: the model or the generation loop
             runs += [("our model, mlx-lm loop", time_mlx_lm, ours), ("mlx-lm model, our loop", time_ours, theirs)]
         for name, fn, m in runs:

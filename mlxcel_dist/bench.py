@@ -15,15 +15,21 @@ out); rank 0 reports.
   cache + activations), the max over ranks (per rank in peak_mem_gb_per_rank);
   weights_gb: MLX active memory after loading (max over ranks).
 - all_sums_per_token / all_sum_bytes_per_token: measured. Every
-  `mx.distributed.all_sum` built during the timed run is counted (the model's
-  sharded layers and the rank-agreement guard call it at graph-building time,
-  so the wrapper sees every collective each rank issues) with its payload
-  bytes (the array's nbytes); those of the single-token forward passes
-  (each generated id costs one: the last prompt token's, then one per decoded
-  id) and of the guard's per-token checks are divided by the generated count
-  (the guard's final check at the end of a generation is end_all_sums).
-  The same for all_gather (the vocabulary-split output head); the *_plan keys
-  are what the sharding plan predicts (`plan_collectives`).
+  `mx.distributed.all_sum` built is counted (the model's sharded layers and
+  the rank-agreement guard call it at graph-building time) with its payload
+  bytes (the array's nbytes), by phase. A decode step's collectives are
+  counted when its graph is built: a compiled step (decode.py) builds it once
+  per buffer shape and replays it, so its count per build is its count per
+  token (each generated id costs one single-token step: the last prompt
+  token's, then one per decoded id); the warm-up and the timed run share one
+  wrapper, so the timed run replays the warm-up's builds. The guard's
+  per-token checks of the timed run are divided by the generated count (its
+  final check at the end of a generation is end_all_sums). The same for
+  all_gather (the vocabulary-split output head); the *_plan keys are what the
+  sharding plan predicts (`plan_collectives`).
+- compiled: decode steps compiled (default) or eager (`--no-compile`);
+  decode_graphs: how many single-token step graphs were built (warm-up
+  included): once per buffer shape when compiled, once per step when eager.
 """
 
 from __future__ import annotations
@@ -60,6 +66,10 @@ class CollectiveCounter:
         self.calls: dict = {}
         self.bytes: dict = {}
         self.decode_steps = 0
+
+    def reset(self, *phases: str) -> None:
+        for key in [k for k in self.calls if k[1] in phases]:
+            del self.calls[key], self.bytes[key]
 
     def count(self, op: str, *phases: str) -> tuple[int, int]:
         return (sum(self.calls.get((op, p), 0) for p in phases), sum(self.bytes.get((op, p), 0) for p in phases))
@@ -161,25 +171,28 @@ def check_lengths(prompt_tokens: int, gen_tokens: int) -> None:
 
 
 def run_bench(model, prompt_tokens: int, gen_tokens: int, *, group=None, prefill_step: int | None = None,
-              seed: int = 0, check_every: int = 1, warmup: bool = True) -> dict:
+              seed: int = 0, check_every: int = 1, warmup: bool = True, compiled: bool = True) -> dict:
     """One warm-up and one timed generation; the result dict (same on every rank)."""
     check_lengths(prompt_tokens, gen_tokens)
     size = group.size() if group is not None else 1
     weights_gb = mx.get_active_memory() / GB
     ids = prompt_ids(vocab_size(model), prompt_tokens, seed)
     greedy = SamplingParams()
-    if warmup:
-        warm = TokenGenerator(model, ids[: min(prompt_tokens, 32)], min(gen_tokens, 4), greedy, eos_ids=(),
-                              prefill_step=prefill_step, group=group, check_every=check_every)
-        for _ in warm:
-            pass
-        warm.finish()
-    mx.synchronize()
-    mx.reset_peak_memory()
     counter = CollectiveCounter()
+    counted = counter.wrap(model)  # one wrapper for both runs: the timed one reuses the warm-up's traces
     with counter.active():
-        gen = TokenGenerator(counter.wrap(model), ids, gen_tokens, greedy, eos_ids=(), prefill_step=prefill_step,
-                             group=group, check_every=check_every)
+        if warmup:
+            warm = TokenGenerator(counted, ids[: min(prompt_tokens, 32)], min(gen_tokens, 4), greedy, eos_ids=(),
+                                  prefill_step=prefill_step, group=group, check_every=check_every,
+                                  compiled=compiled)
+            for _ in warm:
+                pass
+            warm.finish()
+        counter.reset("other", "end", "prefill")  # the guard's and prefill's counts: the timed run's only
+        mx.synchronize()
+        mx.reset_peak_memory()
+        gen = TokenGenerator(counted, ids, gen_tokens, greedy, eos_ids=(), prefill_step=prefill_step,
+                             group=group, check_every=check_every, compiled=compiled)
         for _ in gen:
             pass
         counter.phase = "end"  # the final agreement check, once per generation
@@ -204,13 +217,17 @@ def run_bench(model, prompt_tokens: int, gen_tokens: int, *, group=None, prefill
         "peak_mem_gb_per_rank": [float(v) for v in per_rank[:, 0]],
         "weights_gb": float(per_rank[:, 1].max()),
     }
+    steps = max(counter.decode_steps, 1)
     for op in OPS:
-        calls, nbytes = counter.count(op, "decode", "other")
-        out[f"{op}s_per_token"] = calls / n
-        out[f"{op}_bytes_per_token"] = nbytes / n
+        # a decode step's graph (counted per trace: a compiled step replays it) + the guard's per token
+        calls, nbytes = counter.count(op, "decode")
+        g_calls, g_bytes = counter.count(op, "other")
+        out[f"{op}s_per_token"] = calls / steps + g_calls / n
+        out[f"{op}_bytes_per_token"] = nbytes / steps + g_bytes / n
         out[f"{op}s_per_token_plan"], out[f"{op}_bytes_per_token_plan"] = plan[op]
     out.update({
-        "decode_steps": counter.decode_steps,
+        "compiled": compiled,
+        "decode_graphs": counter.decode_steps,
         "end_all_sums": counter.count("all_sum", "end")[0],
         "agreement_checks": stats.checks,
         "check_every": check_every,

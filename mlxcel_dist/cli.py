@@ -45,11 +45,11 @@ StallOpt = Annotated[
     float,
     typer.Option("--stall-timeout", help="Stop the job when a rank sends no heartbeat for this many seconds (a stopped or cut-off rank); 0 = never."),
 ]
-# 512: engine.DEFAULT_PREFILL_STEP (not imported here: it would load mlx for --help)
+# 2048: engine.DEFAULT_PREFILL_STEP (not imported here: it would load mlx for --help)
 PrefillStepOpt = Annotated[
     Optional[int],
     typer.Option("--prefill-step", help="Feed the prompt through the cache in chunks of this many tokens "
-                 "(default: 512 when generating; logits: one pass)."),
+                 "(default: 2048 when generating; logits: one pass)."),
 ]
 
 
@@ -562,6 +562,7 @@ def bench(
     seed: Annotated[int, typer.Option("--seed", help="Seed of the random prompt ids.")] = 0,
     check_every: Annotated[int, typer.Option("--check-every", help="Rank-agreement check every N tokens, as generate (0 = only at the end).")] = 1,
     warmup: Annotated[bool, typer.Option("--warmup/--no-warmup", help="One short untimed generation first.")] = True,
+    compiled: Annotated[bool, typer.Option("--compile/--no-compile", help="Compiled decode steps (the default, as generate), or eager ones for comparison.")] = True,
     prefill_step: PrefillStepOpt = None,
     dtype: DtypeOpt = None,
     np_: NpOpt = 1,
@@ -582,7 +583,7 @@ def bench(
     loaded = _load(model, dtype, rank)
     load_s = time.perf_counter() - t0
     result = run_bench(loaded.model, prompt_tokens, gen_tokens, group=rank.group, prefill_step=prefill_step,
-                       seed=seed, check_every=check_every, warmup=warmup)
+                       seed=seed, check_every=check_every, warmup=warmup, compiled=compiled)
     if rank.is_root:
         result = {"model": str(loaded.model_dir), "backend": os.environ.get("MLXCEL_DIST_BACKEND", "none"),
                   "load_s": load_s, **result}

@@ -107,12 +107,17 @@ def layer_masks(L: int, cache, layer_types: list, window: int | None) -> dict:
     """One mask per attention kind for L new tokens, built once per forward
     (before any layer updates its cache).
 
-    A single decode token needs none: full layers see every cached key and a
-    sliding layer's rotating cache hands it exactly its window. `cache` is the
-    per-layer cache list (or None for a cache-less pass).
+    A single decode token on the growing caches needs none: full layers see
+    every cached key and a sliding layer's rotating cache hands it exactly its
+    window. On decode.StaticCache buffers it is the cache's `valid_mask()`
+    (the slots written so far). `cache` is the per-layer cache list (or None
+    for a cache-less pass).
     """
     kinds = set(layer_types)
     if L == 1:
+        if cache is not None and hasattr(cache[0], "valid_mask"):
+            # decode.StaticCache: fixed buffers, the unwritten slots hidden
+            return {kind: cache[layer_types.index(kind)].valid_mask() for kind in kinds}
         return {kind: None for kind in kinds}
     masks = {}
     for kind in kinds:

@@ -31,7 +31,10 @@ def check_numbers(r: dict, np_: int) -> None:
         assert isinstance(r[k], float) and r[k] > 0, (k, r[k])
     assert r["np"] == np_ and len(r["peak_mem_gb_per_rank"]) == np_
     assert r["peak_mem_gb"] == max(r["peak_mem_gb_per_rank"])
-    assert r["gen_tokens"] == 6 and r["decode_steps"] == 6  # one single-token forward per generated id
+    assert r["gen_tokens"] == 6
+    # one single-token step per generated id (4 in the warm-up): a compiled
+    # step's graph is built once and replayed, an eager one's every step
+    assert r["decode_graphs"] == (1 if r["compiled"] else 4 + 6)
 
 
 def bench_np2(*args, timeout=120) -> dict:
@@ -58,11 +61,14 @@ def test_bench_table_and_bad_input():
     assert r.exit_code == 2 and "--gen-tokens must be >= 1" in r.output
 
 
-def test_bench_json_np2_counts_the_plan():
+@pytest.mark.parametrize("mode", ["--compile", "--no-compile"])
+def test_bench_json_np2_counts_the_plan(mode):
     # gemma3-tiny: 4 layers, hidden 128, float32: o_proj + down_proj per
     # layer ([1, 1, 128] float32 each) + the per-token agreement check ([2, 3] int32).
-    r = bench_np2()
+    # Eager steps are counted as they run; a compiled one when its graph is built.
+    r = bench_np2(mode)
     check_numbers(r, 2)
+    assert r["compiled"] == (mode == "--compile")
     assert r["all_sums_per_token"] == r["all_sums_per_token_plan"] == 4 * 2 + 1
     assert r["all_sum_bytes_per_token"] == r["all_sum_bytes_per_token_plan"] == 8 * 128 * 4 + 2 * 3 * 4
     assert r["agreement_checks"] == 6 and r["end_all_sums"] == 0

@@ -1,7 +1,8 @@
 """The decode hot path (engine.TokenGenerator): the pipelined loop draws what
 a plain one-step-at-a-time loop draws (sampling with a repetition penalty
 whose last context id is still on the device), chunked prefill gives the same
-ids as one chunk on a prompt several windows long, decode steps build no mask,
+ids as one chunk on a prompt several windows long, compiled decode steps are
+traced once and give the eager caches' logits,
 and the device-side agreement row equals the host's."""
 
 from types import SimpleNamespace
@@ -10,7 +11,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxcel_dist.engine import RankAgreement, TokenGenerator
+from mlxcel_dist.engine import RankAgreement, TokenGenerator, sequence_logits
 from mlxcel_dist.loader import default_model_dir, load_model
 from mlxcel_dist.sampling import Sampler, SamplingParams, apply_repetition_penalty
 
@@ -75,17 +76,57 @@ def test_chunked_prefill_gives_the_ids_of_one_chunk():
         assert list(TokenGenerator(model, prompt, 8, prefill_step=step)) == one, step
 
 
-def test_decode_steps_build_no_mask(tiny, monkeypatch):
+def test_decode_steps_are_traced_once(monkeypatch):
+    # The compiled step's graph (its masks included) is built on the host once
+    # per buffer shape, not once per token; the eager step builds it per token.
+    # (A fresh model: a model's traces are kept for its later generations.)
+    tiny = load_model(default_model_dir()).model
     stack = tiny.model
     seen = []
     orig = stack.masks
     monkeypatch.setattr(stack, "masks", lambda L, cache: seen.append((L, m := orig(L, cache))) or m)
-    gen = TokenGenerator(tiny, np.arange(4, 44), 12, prefill_step=16)
-    ids = list(gen)
-    assert len(ids) == 12
-    # 39 prompt tokens in chunks of 16, then one single-token step per generated id
+    compiled = list(TokenGenerator(tiny, np.arange(4, 44), 12, prefill_step=16))
+    # 39 prompt tokens in chunks of 16, then one trace for all 12 single-token steps
+    assert [L for L, _ in seen] == [16, 16, 7, 1]
+    seen.clear()
+    eager = list(TokenGenerator(tiny, np.arange(4, 44), 12, prefill_step=16, compiled=False))
     assert [L for L, _ in seen] == [16, 16, 7] + [1] * 12
-    assert all(m is None for L, ms in seen if L == 1 for m in ms.values())
+    assert compiled == eager
+    seen.clear()
+    assert list(TokenGenerator(tiny, np.arange(4, 44), 12, prefill_step=16)) == compiled
+    assert [L for L, _ in seen] == [16, 16, 7]  # the same shapes again: the kept trace
+
+
+def eager_logits(model, ids, start):
+    """Logits of ids[start:], one token at a time through the growing eager caches."""
+    cache = model.make_cache()
+    model(mx.array(ids[:start])[None], cache)
+    return np.stack([np.array(model(mx.array([[int(t)]]), cache)[0, -1].astype(mx.float32)) for t in ids[start:]])
+
+
+STATIC_CASES = ["gemma3/gqa_fp32", "gemma3/softcap_fp32", "gemma3/gqa_bf16", "gemma2/gqa_fp32", "gpt_oss/gqa_fp32",
+                "gpt_oss/gqa_bf16", "ministral3/gqa_window_fp32", "olmo3/gqa_fp32", "cohere2/gqa_fp32",
+                "exaone4/gqa_fp32", "qwen3/sliding_fp32", "mistral/gqa_fp32", "llama/gqa_fp32"]
+
+
+@pytest.mark.parametrize("case", STATIC_CASES)
+@pytest.mark.parametrize("start", [1, 5, 23])
+def test_static_decode_matches_the_eager_caches(case, start, monkeypatch):
+    # Buffers of 8 slots: decode crosses several regrowths (a retrace each) and
+    # wraps the sliding layers' rings (windows 8 and 16), from prompts shorter
+    # and longer than the window.
+    import mlxcel_dist.decode as decode
+
+    monkeypatch.setattr(decode, "STEP", 8)
+    d = FIXTURES / case
+    model = load_model(d).model
+    ids = np.load(d / "reference.npz")["ids"]
+    assert len(ids) - start > 3 * 8, len(ids)
+    want = eager_logits(model, ids, start)
+    for compiled in (True, False):
+        got = sequence_logits(model, ids, decode_from=start, compiled=compiled)[start:]
+        # the same keys in another buffer layout: equal up to summation order
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max(), err_msg=f"{case} {compiled}")
 
 
 def test_device_agreement_row_is_the_host_row(monkeypatch):

@@ -90,7 +90,7 @@ class Ministral3Attention(Attention):
 
     def position(self, q, k, offset: int):
         q, k = super().position(q, k, offset)
-        pos = mx.arange(offset, offset + q.shape[2]).astype(mx.float32)
+        pos = (offset + mx.arange(q.shape[2])).astype(mx.float32)  # offset: int or array (decode.py)
         scale = 1.0 + self.beta * mx.log(1.0 + mx.floor(pos / self.original_max))
         # [L] -> [L, 1]: one factor per query row of [B, heads, L, D].
         return q * scale[:, None].astype(q.dtype), k
