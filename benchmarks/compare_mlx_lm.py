@@ -144,7 +144,7 @@ def main() -> int:
     ap.add_argument("--model", help="checkpoint directory (default: build the ~200M random bf16 gemma3)")
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--gen-tokens", type=int, default=48)
-    ap.add_argument("--prefill-step", type=int, default=512)
+    ap.add_argument("--prefill-step", type=int, default=2048, help="both sides (mlx-lm's default and ours)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--trials", type=int, default=2)
     ap.add_argument("--backends", default="mpi,ring", help="np 2 backends (comma-separated)")

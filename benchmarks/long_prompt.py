@@ -11,7 +11,7 @@ engine.TokenGenerator on T seeded random ids for one generated token (the
 whole prompt through the cache, then the first decode step), record the peak
 (mx.get_peak_memory) and the time.
 
-Chunked (prefill step S, default 512), the largest arrays are the full
+Chunked (prefill step S, default engine.DEFAULT_PREFILL_STEP = 2048), the largest arrays are the full
 layer's scores [heads, S, T] and mask, and its KV cache [T, kv_heads, 64]
 x 2: all linear in T, while the sliding layer's cache and masks stay capped
 at the window. One pass builds [T, T] masks and scores: quadratic.
@@ -60,7 +60,7 @@ def measure(model, T: int, step: int) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--lengths", default="4096,8192,16384,32768")
-    ap.add_argument("--prefill-step", type=int, default=512)
+    ap.add_argument("--prefill-step", type=int, default=2048, help="chunk size (the engine default)")
     ap.add_argument("--one-pass", default="1024,2048,4096", help="lengths also run in one pass ('' = none)")
     args = ap.parse_args()
 

@@ -111,7 +111,7 @@ class DecodeStep:
 
     def start(self, cache, pos: int) -> list:
         """Move an eager cache holding `pos` tokens into static buffers sized
-        for token `pos`. A cache of other kinds (or none) is kept as it is and
+        for token `pos` (the eager cache is emptied: it is not used again). A cache of other kinds (or none) is kept as it is and
         stepped eagerly: the static layout covers KV caches only."""
         self.state.clear()
         self.pos = pos
@@ -138,6 +138,8 @@ class DecodeStep:
             bv[..., slots, :] = v
             self.state[f"k{i}"], self.state[f"v{i}"] = bk, bv
             self.views.append(StaticCache(self.state, i, window))
+        for c in cache:  # taken over: the eager buffers go once the static ones are built
+            c.keys = c.values = None
         return self.views
 
     def _reserve(self) -> None:
