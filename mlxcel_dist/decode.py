@@ -111,8 +111,9 @@ class DecodeStep:
 
     def start(self, cache, pos: int) -> list:
         """Move an eager cache holding `pos` tokens into static buffers sized
-        for token `pos` (the eager cache is emptied: it is not used again). A cache of other kinds (or none) is kept as it is and
-        stepped eagerly: the static layout covers KV caches only."""
+        for token `pos` (the eager cache is emptied: it is not used again).
+        A cache of other kinds (or none) is kept as it is and stepped
+        eagerly: the static layout covers KV caches only."""
         self.state.clear()
         self.pos = pos
         if cache is None or not all(isinstance(c, (KVCache, RotatingKVCache)) for c in cache):
@@ -155,10 +156,11 @@ class DecodeStep:
                     s[name] = mx.concatenate([a, pad], axis=2)
 
     def __call__(self, y: mx.array) -> mx.array:
-        self.pos += 1
         if not self.static:
+            self.pos += 1
             return self.model(y, self.views)[0, -1]
-        self._reserve()
+        self._reserve()  # room for slot self.pos, the token fed now
+        self.pos += 1
         return self._fn(y)
 
 
