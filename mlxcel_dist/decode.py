@@ -143,6 +143,14 @@ class DecodeStep:
             c.keys = c.values = None
         return self.views
 
+    def release(self) -> None:
+        """Drop the KV buffers (the model keeps this object between
+        generations, e.g. in `serve`; an idle model should not hold the last
+        request's cache)."""
+        self.state.clear()
+        self.views = []
+        self.static = False
+
     def _reserve(self) -> None:
         # Grow every buffer that cannot hold slot `pos`: full layers always
         # need pos < S; sliding ones until they reach the window.

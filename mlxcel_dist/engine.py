@@ -66,6 +66,7 @@ def sequence_logits(model, ids, decode_from: int | None = None, prefill_step: in
         decode.start(cache, pos)
         for j in range(pos, T):
             out.append(np.array(decode(mx.array(ids[j : j + 1])[None])[None].astype(mx.float32)))
+        decode.release()
     return np.concatenate(out, axis=0)
 
 
@@ -281,6 +282,7 @@ class TokenGenerator:
         self.guard = RankAgreement(group, check_every)
         self.rank = group.rank() if group is not None else 0
         self.compiled = compiled
+        self.decode = None  # decode.DecodeStep, from the end of the prefill on
         self.stats = GenStats(prompt_tokens=len(self.prompt))
         self._t_decode = None
 
@@ -341,6 +343,8 @@ class TokenGenerator:
             y = next_y
 
     def finish(self) -> GenStats:
+        if self.decode is not None:
+            self.decode.release()
         self.guard.finish()
         if self._t_decode is not None:
             self.stats.decode_s = time.perf_counter() - self._t_decode

@@ -97,6 +97,19 @@ def test_decode_steps_are_traced_once(monkeypatch):
     assert [L for L, _ in seen] == [16, 16, 7]  # the same shapes again: the kept trace
 
 
+def test_finished_generation_leaves_no_kv_buffers(tiny):
+    # the DecodeStep stays on the model between generations (serve); its buffers do not
+    from mlxcel_dist.decode import decode_step_for
+
+    gen = TokenGenerator(tiny, np.arange(4, 30), 5)
+    list(gen)
+    assert len(decode_step_for(tiny).state) > 0  # the last step's buffers, until finish
+    gen.finish()
+    assert len(decode_step_for(tiny).state) == 0 and decode_step_for(tiny).views == []
+    sequence_logits(tiny, np.arange(4, 30), decode_from=20)
+    assert len(decode_step_for(tiny).state) == 0
+
+
 def eager_logits(model, ids, start):
     """Logits of ids[start:], one token at a time through the growing eager caches."""
     cache = model.make_cache()
