@@ -372,6 +372,7 @@ class _MpirunStderr:
     and remembers which rank failed and how. Other boxes pass through."""
 
     _RULE = re.compile(rb"^-{20,}\s*$")
+    _TRAILING_RULE = re.compile(rb"-{20,}\s*$")
 
     def __init__(self) -> None:
         self.rank: int | None = None
@@ -380,6 +381,11 @@ class _MpirunStderr:
         self._box: list[bytes] | None = None
 
     def __call__(self, line: bytes) -> bytes:
+        m = self._TRAILING_RULE.search(line)
+        if m and m.start() > 0 and self._box is None:
+            # A rank's last line that lost its newline to the box that
+            # followed it (seen once in CI): the text, then the box's rule.
+            return line[: m.start()] + b"\n" + self(line[m.start() :])
         if self._RULE.match(line):
             if self._box is None:
                 self._box = [line]

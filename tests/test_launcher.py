@@ -196,6 +196,11 @@ def test_mpirun_stderr_filter():
     assert b"".join(f(x) for x in re.findall(rb"[^\n]*\n", box4)) == b""
     assert (f.rank, f.code) == (2, 5)
 
+    f = _MpirunStderr()  # a rank's last line without its newline, the box glued to it (seen in CI)
+    glued = b"error: ranks run different versions" + box5
+    assert b"".join(f(x) for x in re.findall(rb"[^\n]*\n", glued)) == b"error: ranks run different versions\n"
+    assert (f.rank, f.code) == (3, 7)
+
     f = _MpirunStderr()  # other boxes pass through untouched
     other = b"-" * 30 + b"\nsome other warning\n" + b"-" * 30 + b"\n"
     assert b"".join(f(x) for x in re.findall(rb"[^\n]*\n", other)) == other
