@@ -156,8 +156,11 @@ class DecodeStep:
         # need pos < S; sliding ones until they reach the window.
         for view in self.views:
             i, s = view.index, self.state
+            size = s[f"k{i}"].shape[2]
+            if self.pos < size or (view.window and size >= view.window):
+                continue  # slot pos exists, or a full ring
             want = _size(self.pos + 1, view.window)
-            if want > s[f"k{i}"].shape[2]:
+            if want > size:
                 for name in (f"k{i}", f"v{i}"):
                     a = s[name]
                     pad = mx.zeros((*a.shape[:2], want - a.shape[2], a.shape[3]), a.dtype)

@@ -97,6 +97,18 @@ def test_decode_steps_are_traced_once(monkeypatch):
     assert [L for L, _ in seen] == [16, 16, 7]  # the same shapes again: the kept trace
 
 
+def test_buffers_grow_only_when_full(monkeypatch):
+    # Prompt 1024: the buffer is sized for 1024 + a quarter (1280); the decode
+    # steps after it fit, so one trace serves them all (a regrowth would retrace).
+    tiny = load_model(default_model_dir()).model
+    sizes = []
+    orig = tiny.model.masks
+    monkeypatch.setattr(tiny.model, "masks", lambda L, cache: (L == 1 and sizes.append(
+        max(c.size for c in cache))) or orig(L, cache))
+    list(TokenGenerator(tiny, np.arange(1024) % 500, 8))
+    assert sizes == [1280]
+
+
 def test_finished_generation_leaves_no_kv_buffers(tiny):
     # the DecodeStep stays on the model between generations (serve); its buffers do not
     from mlxcel_dist.decode import decode_step_for
