@@ -65,7 +65,7 @@ class CollectiveCounter:
         self.phase = "other"
         self.calls: dict = {}
         self.bytes: dict = {}
-        self.decode_steps = 0
+        self.decode_graphs = 0  # single-token forwards built (compiled: once per trace)
 
     def reset(self, *phases: str) -> None:
         for key in [k for k in self.calls if k[1] in phases]:
@@ -108,7 +108,7 @@ class CollectiveCounter:
             def __call__(self, inputs, cache=None):
                 single = inputs.shape[1] == 1
                 counter.phase = "decode" if single else "prefill"
-                counter.decode_steps += single
+                counter.decode_graphs += single
                 try:
                     return model(inputs, cache)
                 finally:
@@ -217,17 +217,17 @@ def run_bench(model, prompt_tokens: int, gen_tokens: int, *, group=None, prefill
         "peak_mem_gb_per_rank": [float(v) for v in per_rank[:, 0]],
         "weights_gb": float(per_rank[:, 1].max()),
     }
-    steps = max(counter.decode_steps, 1)
+    graphs = max(counter.decode_graphs, 1)
     for op in OPS:
         # a decode step's graph (counted per trace: a compiled step replays it) + the guard's per token
         calls, nbytes = counter.count(op, "decode")
         g_calls, g_bytes = counter.count(op, "other")
-        out[f"{op}s_per_token"] = calls / steps + g_calls / n
-        out[f"{op}_bytes_per_token"] = nbytes / steps + g_bytes / n
+        out[f"{op}s_per_token"] = calls / graphs + g_calls / n
+        out[f"{op}_bytes_per_token"] = nbytes / graphs + g_bytes / n
         out[f"{op}s_per_token_plan"], out[f"{op}_bytes_per_token_plan"] = plan[op]
     out.update({
         "compiled": compiled,
-        "decode_graphs": counter.decode_steps,
+        "decode_graphs": counter.decode_graphs,
         "end_all_sums": counter.count("all_sum", "end")[0],
         "agreement_checks": stats.checks,
         "check_every": check_every,

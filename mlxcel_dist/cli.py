@@ -18,6 +18,7 @@ from typing import Annotated, Optional
 import typer
 
 from .errors import UserError
+from .watchdog import DEFAULT_STALL_TIMEOUT_S
 
 app = typer.Typer(
     add_completion=False,
@@ -142,7 +143,7 @@ def _distribute(ctx: typer.Context, np_: int, backend: str, hostfile: Optional[P
 
     check_shardable(model, np_)
     code = launch(_argv_from_ctx(ctx), np_, backend, str(hostfile) if hostfile else None,
-                  stall_timeout=ctx.params.get("stall_timeout", 30.0))
+                  stall_timeout=ctx.params.get("stall_timeout", DEFAULT_STALL_TIMEOUT_S))
     raise typer.Exit(code)
 
 
@@ -189,7 +190,7 @@ def logits(
     np_: NpOpt = 1,
     backend: BackendOpt = "auto",
     hostfile: HostfileOpt = None,
-    stall_timeout: StallOpt = 30.0,
+    stall_timeout: StallOpt = DEFAULT_STALL_TIMEOUT_S,
 ):
     """Write the logits of every position of a token sequence."""
     import numpy as np
@@ -246,7 +247,7 @@ def generate(
     np_: NpOpt = 1,
     backend: BackendOpt = "auto",
     hostfile: HostfileOpt = None,
-    stall_timeout: StallOpt = 30.0,
+    stall_timeout: StallOpt = DEFAULT_STALL_TIMEOUT_S,
 ):
     """Generate text, streamed to stdout; speed to stderr."""
     import time
@@ -324,7 +325,7 @@ def modes(
     np_: NpOpt = 1,
     backend: BackendOpt = "auto",
     hostfile: HostfileOpt = None,
-    stall_timeout: StallOpt = 30.0,
+    stall_timeout: StallOpt = DEFAULT_STALL_TIMEOUT_S,
 ):
     """Logits of one sequence in every feeding mode (the harness's rank job)."""
     import numpy as np
@@ -355,7 +356,7 @@ def logit_match(
     np_: NpOpt = 2,
     backend: BackendOpt = "auto",
     hostfile: HostfileOpt = None,
-    stall_timeout: StallOpt = 30.0,
+    stall_timeout: StallOpt = DEFAULT_STALL_TIMEOUT_S,
 ):
     """Compare N-rank logits with single-process logits (and a reference) in every mode."""
     import tempfile
@@ -524,7 +525,7 @@ def serve(
     np_: NpOpt = 1,
     backend: BackendOpt = "auto",
     hostfile: HostfileOpt = None,
-    stall_timeout: StallOpt = 30.0,
+    stall_timeout: StallOpt = DEFAULT_STALL_TIMEOUT_S,
 ):
     """OpenAI-compatible HTTP server (/v1/models, /v1/completions, /v1/chat/completions); rank 0 listens."""
     from .server import Service, follower_loop
@@ -568,7 +569,7 @@ def bench(
     np_: NpOpt = 1,
     backend: BackendOpt = "auto",
     hostfile: HostfileOpt = None,
-    stall_timeout: StallOpt = 30.0,
+    stall_timeout: StallOpt = DEFAULT_STALL_TIMEOUT_S,
 ):
     """Prefill/decode speed, time to first token, peak memory per rank, all_sums per token."""
     import json

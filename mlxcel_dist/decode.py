@@ -26,7 +26,7 @@ next call traces again for the new shapes (a trace per growth; mx.compile
 keeps the traces, so later generations of the same lengths reuse them).
 The fused kernels a trace needs are compiled once per machine (MLX caches
 them on disk under its temp dir): the first decode step ever ran ~2.5 s
-longer on the 2-core CPU for a 12-layer model and ~28 s on the H200 for a
+longer on the 2-core CPU for a 12-layer model and 23-29 s on the H200 for a
 48-layer one; later processes pay only the trace. Collectives
 of sharded layers (all_sum, all_gather) are part of the traced graph.
 """
@@ -97,7 +97,6 @@ class DecodeStep:
 
     def __init__(self, model, compiled: bool = True):
         self.model = model
-        self.compiled = compiled
         self.state = DecodeState()
         self.views: list = []
         self.static = False
@@ -178,7 +177,7 @@ class DecodeStep:
 def _size(n: int, window: int | None) -> int:
     """Buffer length for n tokens: n plus a quarter, rounded up to a multiple
     of STEP (at most the window). Geometric growth keeps the retraces few on
-    long generations (each costs a trace of the whole model: ~0.4 s for 48
+    long generations (each costs a trace of the whole model: ~0.4 s, estimated, for 48
     layers on the H200) while the padding attention scans stays < n / 4 + STEP."""
     size = _round_up(n + n // 4, STEP)
     return min(size, window) if window else size

@@ -198,13 +198,14 @@ def barrier(group=None) -> None:
 def _model_present(model) -> bool:
     """Whether this host can load ``model``: the embedded default, an existing
     path, or a Hub id (each host downloads its own)."""
+    from pathlib import Path
+
+    from .loader import looks_like_repo_id
+
     if model is None:
         return True
     m = str(model)
-    if os.path.exists(m):
-        return True
-    looks_like_path = m.startswith(("/", ".", "~")) or os.sep in m.strip("/").replace("/", "", 1)
-    return not looks_like_path and m.count("/") == 1
+    return Path(m).expanduser().exists() or looks_like_repo_id(m)
 
 
 def check_cluster(group, model=None) -> None:

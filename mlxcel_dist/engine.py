@@ -262,8 +262,9 @@ class TokenGenerator:
     on the device from the same lazy id, scheduled before the next forward
     pass). Every rank therefore always issues the next step's collectives,
     also after EOS (one step of wasted work, like mlx-lm), and takes every
-    decision after reading agreed ids, so collectives stay paired. Single-token
-    steps need no mask (models/base.py `layer_masks`).
+    decision after reading agreed ids, so collectives stay paired. The
+    single-token steps run through `decode.DecodeStep`: one compiled graph on
+    static KV buffers (eager with `compiled=False`).
     """
 
     def __init__(self, model, prompt_ids, max_tokens: int, sampling: SamplingParams | None = None,

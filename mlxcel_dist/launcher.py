@@ -95,7 +95,7 @@ DEFAULT_NCCL_PORT = 12345
 DEFAULT_JACCL_PORT = 32323
 GRACE_S = 3.0  # between SIGINT -> SIGTERM -> SIGKILL
 EXIT_STALLED = 124  # like timeout(1)
-USAGE_EXIT = 2  # a rank's UserError: bad input, already reported by the rank
+USAGE_EXIT = UserError.exit_code  # a rank's UserError: bad input, already reported by the rank
 CAUSE_WINDOW_S = 0.5  # after the first failure, exits gathered before naming the cause
 
 _PKG_ROOT = str(Path(__file__).resolve().parent.parent)
@@ -660,9 +660,12 @@ class _Supervisor:
         and exit with an error, sometimes before the kill is reaped here; so
         gather the exits of the next moment and prefer a death by SIGKILL,
         then by another signal, then the first error."""
+        # A collective error (exit 2 on every rank) is printed by rank 0 alone:
+        # its line is the cause even when another rank's exit is seen first.
+        speaker = self.procs[0] if first[1] == USAGE_EXIT else None
         for p in self.procs:
             # whatever else fails meanwhile is most likely the lost connection
-            p.muted = p is not first[0]
+            p.muted = p is not first[0] and p is not speaker
         deadline = time.monotonic() + CAUSE_WINDOW_S
         while time.monotonic() < deadline and len(self.exits) < len(self.procs):
             self.wake.clear()
@@ -671,8 +674,9 @@ class _Supervisor:
             exits = [(p, rc) for p, rc in self.exits if rc != 0]
 
         def rank(item):
-            rc = item[1]
-            return 0 if rc == -signal.SIGKILL else 1 if rc < 0 else 2
+            p, rc = item
+            how = 0 if rc == -signal.SIGKILL else 1 if rc < 0 else 2
+            return how, 0 if p is speaker and rc == USAGE_EXIT else 1
 
         return min(exits, key=rank) if exits else first
 
@@ -945,7 +949,8 @@ def launch(
         # Remote ranks report back to this machine's address on the route to
         # them; the token keeps anyone else's datagrams out.
         first_remote = next(h for h in placement if h is not None and not h.is_local)
-        monitor = HeartbeatMonitor("0.0.0.0", advertise_address(first_remote.address))
+        remote_ip = first_remote.ips[0] if first_remote.ips else _host_ip(first_remote)
+        monitor = HeartbeatMonitor("0.0.0.0", advertise_address(remote_ip))
     try:
         return _launch_job(np, backend, argv, rank_cmd, info, placement, single_node, python,
                            env, mpi_args, verbose, grace, monitor, stall_timeout)

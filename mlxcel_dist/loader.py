@@ -45,6 +45,12 @@ def default_model_dir() -> Path:
     raise UserError("the embedded default model is not installed; pass a MODEL path")
 
 
+def looks_like_repo_id(s: str) -> bool:
+    """Whether MODEL (not an existing path) names a Hugging Face repo: one
+    "owner/name" pair, not a relative or absolute path."""
+    return s.count("/") == 1 and not s.startswith((".", "/", "~")) and all(s.split("/"))
+
+
 def resolve_model_dir(model: str | os.PathLike | None) -> Path:
     if model is None or str(model) == "":
         return default_model_dir()
@@ -54,8 +60,7 @@ def resolve_model_dir(model: str | os.PathLike | None) -> Path:
             raise UserError(f"{p}: MODEL must be a checkpoint directory, not a file")
         return p
     s = str(model)
-    looks_like_repo = s.count("/") == 1 and not s.startswith((".", "/", "~")) and all(s.split("/"))
-    if not looks_like_repo:
+    if not looks_like_repo_id(s):
         raise UserError(f"{s}: no such model directory")
     return _download(s)
 

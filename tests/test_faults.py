@@ -103,3 +103,15 @@ def test_cluster_check_before_loading(tmp_path, fault, words):
     assert p.stderr.startswith("error: " + words), p.stderr
     assert p.stderr.count("\n") == 1 and p.stdout == "", p.stderr
     assert descendants() == []
+
+
+def test_cluster_check_sees_models_as_the_loader_does(tmp_path, monkeypatch):
+    # the same MODEL strings count as present on a rank as the loader accepts
+    from mlxcel_dist.distributed import _model_present
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "ckpt").mkdir()
+    assert _model_present("~/ckpt") and _model_present(str(tmp_path / "ckpt"))
+    assert _model_present("owner/name") and _model_present(None)  # a Hub id: each host downloads it
+    for missing in ("~/nope", "./nope", "/nope/x", "a/b/c", "owner/"):
+        assert not _model_present(missing), missing

@@ -171,6 +171,16 @@ def test_auto_backend(monkeypatch):
     assert launcher.default_backend(True) == "nccl"
 
 
+def test_collective_error_line_kept_when_another_rank_exits_first(capfd):
+    # Every rank exits 2, rank 0 last and the only one to print: its line is
+    # the job's one message, not dropped as "noise after the first failure".
+    rc = launch(["--collective-error"], 2, "ring", script=HELPER)
+    err = capfd.readouterr().err
+    assert rc == 2, err
+    assert err.count("error: every rank agrees this failed") == 1, err
+    assert "mlxcel-dist:" not in err, err  # exit 2: no second line from the launcher
+
+
 def test_mpirun_stderr_filter():
     f = _MpirunStderr()
     box5 = (

@@ -12,6 +12,8 @@ n(n+1)/2, print one line. Options:
   --no-init                skip init (to test launching alone)
   --spam N                 every rank prints N long numbered lines to stdout
   --stream                 rank 0 prints "partial" (no newline), waits 2 s, then " done"
+  --collective-error       every rank exits 2 as after an error all raise together;
+                           only rank 0 prints it, 0.3 s after the others exit
 """
 
 import argparse
@@ -36,6 +38,7 @@ def main() -> int:
     ap.add_argument("--no-init", action="store_true")
     ap.add_argument("--spam", type=int, default=0)
     ap.add_argument("--stream", action="store_true")
+    ap.add_argument("--collective-error", action="store_true")
     args = ap.parse_args()
 
     if args.no_init:
@@ -55,6 +58,11 @@ def main() -> int:
     import mlx.core as mx
 
     r, n = group.rank(), group.size()
+    if args.collective_error:
+        if r == 0:
+            time.sleep(0.3)
+            print("error: every rank agrees this failed", file=sys.stderr, flush=True)
+        return 2
     if r == args.fail_rank:
         print(f"rank {r} failing on purpose", file=sys.stderr)
         return args.code
