@@ -131,10 +131,16 @@ def gather_mm(x: mx.array, w: mx.array, indices: mx.array) -> mx.array:
 
     MLX's CPU gather_mm is float32-only (0.32): there, half-precision inputs
     are multiplied in fp32 and rounded once, as a half matmul with fp32
-    accumulation does (and as torch's bf16 CPU matmul does)."""
+    accumulation does (and as torch's bf16 CPU matmul does). Only the routed
+    experts are cast when the rows route to fewer (expert, row) pairs than
+    there are experts (decode: k of E), not the whole [E, K, M] tensor."""
     if x.dtype == mx.float32 or mx.default_device() == mx.gpu:
         return mx.gather_mm(x, w, rhs_indices=indices)
-    return mx.gather_mm(x.astype(mx.float32), w.astype(mx.float32), rhs_indices=indices).astype(x.dtype)
+    x32 = x.astype(mx.float32)
+    if indices.size < w.shape[0]:
+        # [..., k, K, M]: the routed experts' weights, gathered, then cast
+        return (x32 @ w[indices].astype(mx.float32)).astype(x.dtype)
+    return mx.gather_mm(x32, w.astype(mx.float32), rhs_indices=indices).astype(x.dtype)
 
 
 class Experts(nn.Module):
