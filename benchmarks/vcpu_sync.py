@@ -91,6 +91,8 @@ def main():
     ap.add_argument("--shape", default="3584,1024", help="M,K of the weight (default: the benchmark model's MLP)")
     a = ap.parse_args()
     shape = tuple(int(v) for v in a.shape.split(","))
+    if not hasattr(os, "sched_setaffinity"):
+        raise SystemExit("error: needs CPU pinning (os.sched_setaffinity: Linux)")
     if len(os.sched_getaffinity(0)) < 2:
         raise SystemExit("error: needs 2 CPUs")
     rows = {m: [] for m in ("solo", "independent", "lock-step", "lock-step-sleep")}

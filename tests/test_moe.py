@@ -32,5 +32,7 @@ def test_routed_cast_equals_whole_cast(rows, k):
     assert got.dtype == mx.bfloat16
     assert np.array_equal(np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32)))
     # the fp32 products, rounded once: within a bf16 rounding of float64
-    ref = np.einsum("rk,rjkm->rjm", np.array(x.astype(mx.float32))[:, 0, 0], np.array(w.astype(mx.float32))[np.array(indices)])
+    x64 = np.array(x.astype(mx.float32))[:, 0, 0]  # [rows, K]
+    w64 = np.array(w.astype(mx.float32))[np.array(indices)]  # [rows, k, K, M]
+    ref = np.einsum("rk,rjkm->rjm", x64, w64)
     np.testing.assert_allclose(np.array(got.astype(mx.float32))[:, :, 0], ref, rtol=2**-8, atol=1e-6)
