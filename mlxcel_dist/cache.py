@@ -55,6 +55,11 @@ class KVCache:
         self.returned = self.offset
         return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
 
+    def temporal(self) -> tuple[mx.array, mx.array]:
+        """The keys and values held, in position order (what decode.py moves
+        into its static buffers)."""
+        return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
+
     @property
     def state(self):
         if self.keys is None:
@@ -87,6 +92,11 @@ class RotatingKVCache:
         if self._idx < self.offset:  # wrapped
             return mx.concatenate([x[..., self._idx :, :], x[..., : self._idx, :]], axis=2)
         return x[..., : self._idx, :]
+
+    def temporal(self) -> tuple[mx.array, mx.array]:
+        """The keys and values held (up to the window, or a whole prefill),
+        oldest first."""
+        return self._temporal_order(self.keys), self._temporal_order(self.values)
 
     def _update_concat(self, keys, values):
         if self.keys is None:

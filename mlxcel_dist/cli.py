@@ -147,15 +147,6 @@ def _distribute(ctx: typer.Context, np_: int, backend: str, hostfile: Optional[P
     raise typer.Exit(code)
 
 
-def _check_generation_options(check_every: int, prefill_step: Optional[int]) -> None:
-    """Options of the generation loop, checked before any rank is launched
-    (the loop checks them again, for library callers)."""
-    if check_every < 0:
-        raise UserError(f"--check-every must be >= 0 (0 = only at the end), got {check_every}")
-    if prefill_step is not None and prefill_step < 1:
-        raise UserError(f"--prefill-step must be >= 1, got {prefill_step}")
-
-
 def _load(model, dtype, rank: Rank):
     """Load this rank's shard; rank 0 shows a progress bar on stderr."""
     from .loader import load_model
@@ -252,16 +243,14 @@ def generate(
     """Generate text, streamed to stdout; speed to stderr."""
     import time
 
-    from .engine import generate_text, rank_resources
+    from .engine import check_generation_options, generate_text, rank_resources
     from .loader import resolve_model_dir
     from .sampling import SamplingParams
     from .tokenizer import StopStrings, Tokenizer
 
     sampling = SamplingParams(temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
                               repetition_context_size=repetition_context_size, seed=seed).validate()
-    if max_tokens < 0:
-        raise UserError(f"--max-tokens must be >= 0, got {max_tokens}")
-    _check_generation_options(check_every, prefill_step)
+    check_generation_options(max_tokens, check_every, prefill_step)  # before any rank is launched
     stops = list(stop or [])
     StopStrings(stops)
     if not os.environ.get("MLXCEL_DIST_WORLD"):
@@ -528,6 +517,7 @@ def serve(
     stall_timeout: StallOpt = DEFAULT_STALL_TIMEOUT_S,
 ):
     """OpenAI-compatible HTTP server (/v1/models, /v1/completions, /v1/chat/completions); rank 0 listens."""
+    from .engine import check_generation_options
     from .server import Service, follower_loop
     from .server import serve as run_server
     from .tokenizer import Tokenizer
@@ -538,8 +528,7 @@ def serve(
         raise UserError(f"--max-tokens-cap must be >= 1, got {max_tokens_cap}")
     if max_request_bytes < 1:
         raise UserError(f"--max-request-bytes must be >= 1, got {max_request_bytes}")
-    if prefill_step is not None and prefill_step < 1:
-        raise UserError(f"--prefill-step must be >= 1, got {prefill_step}")
+    check_generation_options(prefill_step=prefill_step)
     rank = _distribute(ctx, np_, backend, hostfile, model)
     loaded = _load(model, dtype, rank)
     tok = Tokenizer(loaded.model_dir, loaded.config)
@@ -576,9 +565,10 @@ def bench(
     import time
 
     from .bench import check_lengths, format_table, run_bench
+    from .engine import check_generation_options
 
     check_lengths(prompt_tokens, gen_tokens)
-    _check_generation_options(check_every, prefill_step)
+    check_generation_options(check_every=check_every, prefill_step=prefill_step)
     rank = _distribute(ctx, np_, backend, hostfile, model)
     t0 = time.perf_counter()
     loaded = _load(model, dtype, rank)

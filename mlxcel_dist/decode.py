@@ -80,13 +80,6 @@ class DecodeState(dict):
     that mx.compile can take it as the step's captured inputs and outputs."""
 
 
-def _temporal(cache) -> tuple[mx.array, mx.array]:
-    """An eager cache's keys/values in position order (all it holds)."""
-    if isinstance(cache, RotatingKVCache):
-        return cache._temporal_order(cache.keys), cache._temporal_order(cache.values)
-    return cache.keys[..., : cache.offset, :], cache.values[..., : cache.offset, :]
-
-
 class DecodeStep:
     """Compiled single-token steps for one model. `start(cache)` takes over an
     eager cache after the prompt (its `offset` tokens) and returns the
@@ -126,7 +119,7 @@ class DecodeStep:
             if c.keys is None:
                 raise ValueError("DecodeStep.start needs a cache holding at least one token")
             size = _size(pos + 1, window)
-            k, v = _temporal(c)
+            k, v = c.temporal()
             n = min(k.shape[2], size)
             k, v = k[..., k.shape[2] - n :, :], v[..., v.shape[2] - n :, :]
             B, H, _, Dk = k.shape

@@ -32,6 +32,19 @@ def check_tokens(ids, vocab_size: int) -> np.ndarray:
     return ids.astype(np.int32)
 
 
+def check_generation_options(max_tokens: int | None = None, check_every: int | None = None,
+                             prefill_step: int | None = None) -> None:
+    """The generation options' ranges (None: not given). The CLI calls this
+    before any rank is launched; the loop's classes call it for library
+    callers."""
+    if max_tokens is not None and max_tokens < 0:
+        raise UserError(f"--max-tokens must be >= 0, got {max_tokens}")
+    if check_every is not None and check_every < 0:
+        raise UserError(f"--check-every must be >= 0 (0 = only at the end), got {check_every}")
+    if prefill_step is not None and prefill_step < 1:
+        raise UserError(f"--prefill-step must be >= 1, got {prefill_step}")
+
+
 def vocab_size(model) -> int:
     return model.args.vocab_size
 
@@ -50,8 +63,7 @@ def sequence_logits(model, ids, decode_from: int | None = None, prefill_step: in
     end = T if decode_from is None else decode_from
     if not 1 <= end <= T:
         raise UserError(f"--decode-from must be in [1, {T}] for {T} tokens, got {decode_from}")
-    if prefill_step is not None and prefill_step < 1:
-        raise UserError(f"--prefill-step must be >= 1, got {prefill_step}")
+    check_generation_options(prefill_step=prefill_step)
     step = prefill_step or end
     cache = model.make_cache()
     out = []
@@ -64,9 +76,11 @@ def sequence_logits(model, ids, decode_from: int | None = None, prefill_step: in
     if pos < T:
         decode = decode_step_for(model, compiled)
         decode.start(cache, pos)
-        for j in range(pos, T):
-            out.append(np.array(decode(mx.array(ids[j : j + 1])[None])[None].astype(mx.float32)))
-        decode.release()
+        try:
+            for j in range(pos, T):
+                out.append(np.array(decode(mx.array(ids[j : j + 1])[None])[None].astype(mx.float32)))
+        finally:  # the model keeps its DecodeStep, not its buffers
+            decode.release()
     return np.concatenate(out, axis=0)
 
 
@@ -128,8 +142,7 @@ class RankAgreement:
     MUL = 1_000_003
 
     def __init__(self, group=None, every: int = 1):
-        if every < 0:
-            raise UserError(f"--check-every must be >= 0 (0 = only at the end), got {every}")
+        check_generation_options(check_every=every)
         self.group = group
         self.every = every
         self.count = 0
@@ -271,10 +284,7 @@ class TokenGenerator:
                  eos_ids=(), prefill_step: int | None = None, group=None, check_every: int = 1,
                  compiled: bool = True):
         self.prompt = check_tokens(prompt_ids, vocab_size(model))
-        if max_tokens < 0:
-            raise UserError(f"--max-tokens must be >= 0, got {max_tokens}")
-        if prefill_step is not None and prefill_step < 1:
-            raise UserError(f"--prefill-step must be >= 1, got {prefill_step}")
+        check_generation_options(max_tokens, check_every, prefill_step)
         self.model = model
         self.max_tokens = max_tokens
         self.sampler = Sampler(_fault_seed(sampling or SamplingParams(), group))

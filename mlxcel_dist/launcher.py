@@ -68,11 +68,11 @@ from pathlib import Path
 from .distributed import BACKENDS, ENV_BACKEND, ENV_RANK, ENV_WORLD, RANK_BOOTSTRAP
 from .errors import UserError
 from .hostfile import Host, HostfileInfo, assign_ranks, read_hostfile, total_slots
-from .watchdog import INTERVAL_S as HEARTBEAT_S
 from .watchdog import (
     DEFAULT_STALL_TIMEOUT_S,
     ENV_HEARTBEAT,
     ENV_LAUNCHER,
+    INTERVAL_S as HEARTBEAT_S,
     HeartbeatMonitor,
     advertise_address,
     launcher_identity,

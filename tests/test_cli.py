@@ -127,6 +127,15 @@ def test_bad_options(args, message, ids_file, tmp_path):
     assert message in r.output
 
 
+def test_prefill_step_help_names_the_engine_default():
+    # the help text spells the default out (cli.py must not import mlx for --help)
+    from mlxcel_dist.engine import DEFAULT_PREFILL_STEP
+
+    r = runner.invoke(app, ["generate", "--help"], env={"COLUMNS": "300"})
+    assert r.exit_code == 0
+    assert f"(default: {DEFAULT_PREFILL_STEP} when generating; logits: one pass)" in r.output
+
+
 def test_console_script_error_has_no_traceback(tmp_path):
     exe = Path(sys.executable).parent / "mlxcel-dist"
     cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "mlxcel_dist.cli"]
