@@ -6,12 +6,15 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from mlxcel_dist.attention import causal_attention
 from mlxcel_dist.cache import KVCache, RotatingKVCache
 from mlxcel_dist.masks import (
+    CAUSAL,
     create_causal_mask,
     create_causal_mask_with_window,
     create_causal_mask_with_window_full,
     create_sliding_window_prefill_mask,
+    layer_masks,
 )
 
 
@@ -62,12 +65,40 @@ def test_capped_mask_is_trailing_window_and_refuses_long_prefill():
         assert m.any(axis=1).all()
 
 
-def test_capping_a_long_prefill_would_leave_empty_rows():
+@pytest.mark.parametrize("size,kept,window", [(10, 0, 4), (9, 0, 1), (20, 0, 8), (7, 3, 4), (12, 7, 8)])
+def test_long_prefill_attends_every_row_through_project_code(size, kept, window):
     # Why the capped form is refused past the window: the first queries of a
-    # prefill longer than the window see none of the trailing `window` keys.
-    size, window = 10, 4
-    trailing = dense(size, 0, size, window)[:, -window:]
-    assert not trailing.any(axis=1).all()
+    # prefill longer than the window would see none of the trailing `window`
+    # keys (an all -inf row: NaN). What models use instead must give every
+    # query exactly its window. Checked through the project's own path:
+    # layer_masks on a sliding cache that returned `kept` earlier keys, then
+    # causal_attention with that mask and with the mask it derives itself.
+    # Zero queries make the scores equal, so a query's output is the mean of
+    # the one-hot values of the keys it attends: nonzero exactly there.
+    cache = RotatingKVCache(window)
+    if kept:
+        cache.update_and_fetch(*_kv(range(kept)))  # kept < window: it keeps them all
+    assert cache.sliding_offset == kept
+    types = ["full_attention", "sliding_attention"]
+    masks = layer_masks(size, [KVCache(), cache], types, window)
+    assert masks["full_attention"] == CAUSAL
+    mask = masks["sliding_attention"]
+    assert not isinstance(mask, str), "a long sliding prefill needs a windowed mask"
+    S = kept + size
+    assert mask.shape == (size, S)
+    q = mx.zeros((1, 2, size, 4))
+    k = mx.zeros((1, 1, S, 4))
+    v = mx.eye(S)[None, None]  # [1, 1, S, S]: value of key j is one-hot j
+    positions = np.arange(S)
+    for m in (mask, None):
+        out = np.array(causal_attention(q, k, v, 1.0, window, mask=m))  # [1, 2, size, S]
+        assert np.isfinite(out).all(), "a query row attended no key"
+        for qi in range(size):
+            qp = kept + qi
+            want = (positions <= qp) & (positions > qp - window)
+            for h in range(2):
+                np.testing.assert_array_equal(out[0, h, qi] > 0, want)
+                np.testing.assert_allclose(out[0, h, qi][want], 1 / want.sum(), rtol=1e-6)
 
 
 def test_selector_regimes():
