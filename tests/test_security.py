@@ -3,10 +3,15 @@ to the launcher, and nothing from a checkpoint ever runs."""
 
 import json
 import os
+import re
 import shutil
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -115,10 +120,46 @@ def test_pickle_weights_are_never_loaded(tmp_path):
     assert "only pickle weights (.bin/.pt) found; mlxcel-dist reads safetensors only" in r.output
 
 
-def test_serve_defaults_to_loopback():
-    import inspect
+def _own_non_loopback_ip():
+    # The address this host would send from (a UDP connect sends nothing).
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("192.0.2.1", 9))  # TEST-NET-1: routed, never reached
+            ip = s.getsockname()[0]
+    except OSError:
+        return None
+    return None if ip.startswith("127.") else ip
 
-    from mlxcel_dist import cli
 
-    default = inspect.signature(cli.serve).parameters["host"].default
-    assert default == "127.0.0.1"
+def test_serve_defaults_to_loopback(tmp_path):
+    # `serve` without --host, run as a user runs it: the HTTP socket it opens
+    # is bound to 127.0.0.1 only, and this host's other address refuses it.
+    log = tmp_path / "serve.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "mlxcel_dist.cli", "serve", "--port", "0"], cwd=ROOT,
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline, m = time.monotonic() + 90, None
+        while m is None and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+            m = re.search(r"^serve: .* on http://(\S+):(\d+)/v1", log.read_text(), re.M)
+        assert m, f"serve did not come up (rc {proc.poll()}):\n{log.read_text()}"
+        host, port = m.group(1), int(m.group(2))
+        assert host == "127.0.0.1", log.read_text()
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=10) as r:
+            assert r.status == 200
+        if Path("/proc/net/tcp").exists():
+            bound = _listening([proc.pid, *descendants(proc.pid)])
+            assert ("127.0.0.1", port) in bound and all(ip == "127.0.0.1" for ip, _ in bound), bound
+        other = _own_non_loopback_ip()
+        if other is not None:
+            with pytest.raises(OSError):
+                socket.create_connection((other, port), timeout=5).close()
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)  # the session this test started
+                proc.wait(timeout=10)
