@@ -63,11 +63,11 @@ def _threads() -> int:
 def worker(args) -> int:
     import mlx.core as mx
 
-    from mlxcel_dist.distributed import barrier, init_from_env
+    from mlxcel_dist.distributed import init_from_env
 
     group = init_from_env()
-    n = group.size() if group is not None else 1
-    r = group.rank() if group is not None else 0
+    n = group.size()
+    r = group.rank()
     H, F, L = args.hidden, args.inter, args.layers
     dt = getattr(mx, args.dtype)
     res: dict = {"np": n, "backend": os.environ.get("MLXCEL_DIST_BACKEND", "none")}
@@ -76,14 +76,14 @@ def worker(args) -> int:
     if n > 1:
         x = mx.ones((1, 1, H), dtype=mx.float32)
         for _ in range(50):
-            mx.eval(mx.distributed.all_sum(x, group=group))
-        barrier(group)
+            mx.eval(group.all_sum(x))
+        group.barrier()
         times = []
         c0 = _rusage()
         t_all = time.perf_counter()
         for _ in range(args.iters):
             t = time.perf_counter()
-            mx.eval(mx.distributed.all_sum(x, group=group))
+            mx.eval(group.all_sum(x))
             times.append(time.perf_counter() - t)
         wall = time.perf_counter() - t_all
         c1 = _rusage()
@@ -111,12 +111,12 @@ def worker(args) -> int:
         for i in range(L):
             a = (h @ Wqkv[i])[..., : H // n] @ Wo[i]
             if comm:
-                a = mx.distributed.all_sum(a, group=group)
+                a = group.all_sum(a)
             h = h + a
             u = h @ Wup[i]
             b = (u[..., : F // n] * u[..., F // n:]) @ Wdn[i]
             if comm:
-                b = mx.distributed.all_sum(b, group=group)
+                b = group.all_sum(b)
             h = h + b
         return h
 
@@ -126,8 +126,8 @@ def worker(args) -> int:
         for _ in range(3):
             for _name, comm in variants:
                 mx.eval(step(h0, comm))
-        if group is not None and n > 1:
-            barrier(group)
+        if n > 1:
+            group.barrier()
         # Alternate the variants step by step, so that load from elsewhere on
         # the machine hits both alike; their difference is the all_sums' cost.
         spent = {name: 0.0 for name, _ in variants}

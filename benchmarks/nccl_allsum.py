@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 def worker(a) -> None:
     import mlx.core as mx
 
-    from mlxcel_dist.distributed import barrier, init_from_env
+    from mlxcel_dist.distributed import init_from_env
 
     group = init_from_env()
     dt = getattr(mx, a.dtype)
@@ -44,7 +44,7 @@ def worker(a) -> None:
         for _ in range(a.chain):
             if mm:
                 x = x @ w
-            x = mx.distributed.all_sum(x, group=group) * half
+            x = group.all_sum(x) * half
         return x
 
     compiled = mx.compile(chain)
@@ -54,13 +54,13 @@ def worker(a) -> None:
     def timed(label, fn, n, per):
         for _ in range(3):
             mx.eval(fn())
-        barrier(group)
+        group.barrier()
         t = time.perf_counter()
         for _ in range(n):
             mx.eval(fn())
         res[label] = round(1e6 * (time.perf_counter() - t) / (n * per), 1)
 
-    timed("one_us", lambda: mx.distributed.all_sum(x, group=group), a.iters, 1)
+    timed("one_us", lambda: group.all_sum(x), a.iters, 1)
     timed("chain_us", lambda: chain(x), a.reps, a.chain)
     timed("chain_compiled_us", lambda: compiled(x), a.reps, a.chain)
     timed("chain_matmul_us", lambda: chain(x, True), a.reps, a.chain)

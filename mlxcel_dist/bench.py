@@ -40,7 +40,8 @@ import time
 import mlx.core as mx
 import numpy as np
 
-from .engine import TokenGenerator, gather_per_rank, vocab_size
+from .collectives import SINGLE, Group
+from .engine import TokenGenerator, vocab_size
 from .errors import UserError
 from .sampling import SamplingParams
 
@@ -101,6 +102,7 @@ class CollectiveCounter:
         class Counted:
             def __init__(self):
                 self.args = model.args
+                self.decode_step = None  # its own compiled step: the traces count the wrapper's phases
 
             def make_cache(self):
                 return model.make_cache()
@@ -118,39 +120,17 @@ class CollectiveCounter:
 
 
 def plan_collectives(model, check_every: int = 1, size: int = 1) -> dict:
-    """Collectives per generated token that the sharding plan predicts for one
-    single-token forward pass plus the guard, {op: (calls, payload bytes)}:
-    all_sum: one per sharded-to-all projection (o_proj, down_proj; [1, 1, out]
-    in its dtype), one per OLMo-3-style q/k norm statistic ([1, 1, 2]
-    float32), one per sharded MoE block ([1, 1, hidden]), and the
-    rank-agreement check ([size, 3] int32) every `check_every` tokens;
-    all_gather: the vocabulary-split output head ([V/N, 1] in the logits'
-    dtype). Nothing at one rank."""
-    from mlx.nn.layers.distributed import QuantizedShardedToAllLinear, ShardedToAllLinear
-
-    plan = {"all_sum": [0, 0], "all_gather": [0, 0]}
+    """Collectives per generated token that the sharding plan predicts, {op:
+    (calls, payload bytes)}: one single-token forward pass (what the model
+    says it issues: `collectives_per_token`, the model contract) plus the
+    rank-agreement check ([size, 3] int32) every `check_every` tokens.
+    Nothing at one rank."""
     if size <= 1:
-        return {op: tuple(v) for op, v in plan.items()}
-    s = plan["all_sum"]
-    for _, m in model.named_modules():
-        if isinstance(m, (ShardedToAllLinear, QuantizedShardedToAllLinear)):
-            # A quantized layer's output is in its scales' dtype.
-            dt = (m.scales if isinstance(m, QuantizedShardedToAllLinear) else m.weight).dtype
-            s[0] += 1
-            s[1] += m.weight.shape[0] * dt.size
-        elif getattr(m, "norm_group", None) is not None:  # olmo3: q and k sums of squares, float32
-            s[0] += 1
-            s[1] += 2 * 4
-        elif getattr(m, "group", None) is not None and hasattr(m, "gate_up_proj"):  # shard.shard_moe
-            s[0] += 1
-            s[1] += m.down_proj.shape[-1] * m.down_proj.dtype.size
+        return {op: (0, 0) for op in OPS}
+    plan = {op: list(model.collectives_per_token().get(op, (0, 0))) for op in OPS}
     if check_every:
-        s[0] += 1 / check_every
-        s[1] += size * 3 * 4 / check_every
-    if model.__dict__.get("head_group") is not None:
-        head = model.model.embed_tokens if model.args.tie_word_embeddings else model.lm_head
-        dt = (head.scales if "scales" in head else head.weight).dtype
-        plan["all_gather"] = [1, model.args.vocab_size // size * dt.size]
+        plan["all_sum"][0] += 1 / check_every
+        plan["all_sum"][1] += size * 3 * 4 / check_every
     return {op: tuple(v) for op, v in plan.items()}
 
 
@@ -170,11 +150,11 @@ def check_lengths(prompt_tokens: int, gen_tokens: int) -> None:
         raise UserError(f"--gen-tokens must be >= 1, got {gen_tokens}")
 
 
-def run_bench(model, prompt_tokens: int, gen_tokens: int, *, group=None, prefill_step: int | None = None,
+def run_bench(model, prompt_tokens: int, gen_tokens: int, *, group: Group = SINGLE, prefill_step: int | None = None,
               seed: int = 0, check_every: int = 1, warmup: bool = True, compiled: bool = True) -> dict:
     """One warm-up and one timed generation; the result dict (same on every rank)."""
     check_lengths(prompt_tokens, gen_tokens)
-    size = group.size() if group is not None else 1
+    size = group.size()
     weights_gb = mx.get_active_memory() / GB
     ids = prompt_ids(vocab_size(model), prompt_tokens, seed)
     greedy = SamplingParams()
@@ -199,7 +179,7 @@ def run_bench(model, prompt_tokens: int, gen_tokens: int, *, group=None, prefill
         stats = gen.finish()
     mx.synchronize()
     peak = mx.get_peak_memory() / GB
-    per_rank = gather_per_rank(group, [peak, weights_gb], dtype=mx.float32)
+    per_rank = group.gather_rows([peak, weights_gb])
     n = stats.generated
     plan = plan_collectives(model, check_every, size)
     ttft = stats.prefill_s

@@ -1,4 +1,13 @@
-"""Key/value caches.
+"""Per-layer caches and the protocol they follow (`LayerCache`).
+
+Every cache kind answers, for its layer: which mask L new tokens need
+(`mask(L)`, built once per forward, before any layer updates its cache: a
+layer's cache state before the update decides its mask), what it holds
+(`offset` tokens seen; `temporal()`, its keys/values oldest first), the keys
+a query may see (`window`, None for all) and whether `decode.DecodeStep` may
+move it into static buffers (`static_kv`). `masks.layer_masks` asks the first
+cache of each attention kind; `decode.py` asks `static_kv` and `window`.
+The layer kinds (`SLIDING`, `FULL`) are named here, once.
 
 Keys and values are [B, kv_heads, S, head_dim] (kv_heads per rank under TP).
 `update_and_fetch(k, v)` appends n new tokens and returns the keys/values that
@@ -21,9 +30,50 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from .masks import CAUSAL, create_sliding_window_prefill_mask
 
-class KVCache:
-    step = 256  # grow the buffer in steps so decode does not copy every token
+SLIDING = "sliding_attention"
+FULL = "full_attention"
+LAYER_KINDS = (SLIDING, FULL)
+
+
+class LayerCache:
+    """The protocol: what every layer's cache says about itself.
+
+    - `offset`: tokens seen so far (the next token's position);
+    - `window`: how many keys a query may see (None: every key);
+    - `static_kv`: True when `temporal()` hands over keys/values that
+      `decode.DecodeStep` can move into static buffers (other kinds, e.g.
+      recurrent state, are stepped eagerly);
+    - `mask(L)`: the mask L new tokens need on this layer: None (a single
+      token sees exactly what the cache returns), `masks.CAUSAL`, or a bool
+      array [L, keys returned]. Called before the update.
+    - `update_and_fetch(keys, values)`, `state` (arrays to evaluate).
+    """
+
+    window: int | None = None
+    static_kv = False
+    offset = 0
+    reads_layer: int | None = None  # a SharedKVCache: the layer whose KV it reads
+    last = None  # (keys, values, offset before) of the latest update_and_fetch
+
+    def mask(self, L: int):
+        raise NotImplementedError
+
+    def temporal(self) -> tuple[mx.array, mx.array]:
+        raise NotImplementedError
+
+    def release(self) -> None:
+        """Drop what it holds (decode.py has taken it over)."""
+
+    @property
+    def state(self) -> list:
+        return []
+
+
+class KVCache(LayerCache):
+    step = 256
+    static_kv = True  # grow the buffer in steps so decode does not copy every token
 
     def __init__(self):
         self.keys = None
@@ -34,6 +84,10 @@ class KVCache:
     @property
     def sliding_offset(self) -> int:
         return self.offset
+
+    def mask(self, L: int):
+        # Every cached key is earlier than every new token: plain causal.
+        return None if L == 1 else CAUSAL
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         n = keys.shape[2]
@@ -53,12 +107,17 @@ class KVCache:
         self.values[..., prev : prev + n, :] = values
         self.offset += n
         self.returned = self.offset
-        return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
+        k, v = self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
+        self.last = (k, v, prev)
+        return k, v
 
     def temporal(self) -> tuple[mx.array, mx.array]:
         """The keys and values held, in position order (what decode.py moves
         into its static buffers)."""
         return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
+
+    def release(self) -> None:
+        self.keys = self.values = self.last = None
 
     @property
     def state(self):
@@ -67,8 +126,9 @@ class KVCache:
         return [self.keys, self.values]
 
 
-class RotatingKVCache:
+class RotatingKVCache(LayerCache):
     step = 256
+    static_kv = True
 
     def __init__(self, max_size: int):
         if max_size < 1:
@@ -81,9 +141,23 @@ class RotatingKVCache:
         self.returned = 0
 
     @property
+    def window(self) -> int:
+        return self.max_size
+
+    @property
     def sliding_offset(self) -> int:
         """Earlier keys the next update returns, for any update size."""
         return min(self.offset, self.max_size - 1)
+
+    def mask(self, L: int):
+        """A single token: none (the ring returns exactly the window). Keys
+        that all lie within the window: plain causal. Else the windowed
+        prefill mask over the `sliding_offset + L` keys the update returns."""
+        if L == 1:
+            return None
+        if self.sliding_offset + L <= self.max_size:
+            return CAUSAL
+        return create_sliding_window_prefill_mask(L, self.sliding_offset, self.max_size)
 
     def _temporal_order(self, x: mx.array) -> mx.array:
         # Rearrange the ring buffer so the oldest key comes first.
@@ -146,13 +220,18 @@ class RotatingKVCache:
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         expected = self.sliding_offset + keys.shape[2]
+        prev = self.offset
         if keys.shape[2] == 1:
             k, v = self._update_in_place(keys, values)
         else:
             k, v = self._update_concat(keys, values)
         self.returned = k.shape[2]
         assert self.returned == expected, (self.returned, expected)
+        self.last = (k, v, prev)
         return k, v
+
+    def release(self) -> None:
+        self.keys = self.values = self.last = None
 
     @property
     def state(self):
@@ -161,6 +240,42 @@ class RotatingKVCache:
         return [self.keys, self.values]
 
 
+class SharedKVCache(LayerCache):
+    """The cache of a layer that reads another layer's keys/values (Gemma 3n
+    and Gemma 4's last layers reuse the KV of the last earlier layer of their
+    kind). It holds nothing: `fetch()` returns what the source layer's cache
+    returned in this forward (the source runs first), `offset` is the source's
+    offset before that update (this layer's queries sit at the same
+    positions), and `mask(L)` is the source's (asked before any update, as
+    every mask). A model without a cache must still make caches for a
+    forward, since this is how the KV travels between the two layers.
+    Decode steps build its static counterpart on the source's buffers
+    (`reads_layer`)."""
+
+    static_kv = True  # decode.py re-points it at the source's static buffers
+
+    def __init__(self, source: LayerCache, reads_layer: int):
+        self.source, self.reads_layer = source, reads_layer
+
+    @property
+    def window(self):
+        return self.source.window
+
+    @property
+    def offset(self):
+        last = self.source.last
+        return self.source.offset if last is None else last[2]
+
+    def mask(self, L: int):
+        return self.source.mask(L)
+
+    def fetch(self) -> tuple[mx.array, mx.array]:
+        if self.source.last is None:
+            raise RuntimeError(f"layer {self.reads_layer}'s cache has not been updated in this forward")
+        k, v, _ = self.source.last
+        return k, v
+
+
 def make_layer_caches(layer_types: list, window: int | None) -> list:
     """A RotatingKVCache(window) per sliding layer, a KVCache per full layer."""
-    return [RotatingKVCache(window) if kind == "sliding_attention" else KVCache() for kind in layer_types]
+    return [RotatingKVCache(window) if kind == SLIDING else KVCache() for kind in layer_types]

@@ -17,6 +17,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from .collectives import CollectiveError
 from .errors import UserError
 from .watchdog import DEFAULT_STALL_TIMEOUT_S
 
@@ -60,7 +61,7 @@ def _handle_errors(fn):
         try:
             return fn(*args, **kwargs)
         except UserError as e:
-            if not (getattr(e, "collective", False) and _is_other_rank()):
+            if not (isinstance(e, CollectiveError) and _is_other_rank()):
                 _err(f"error: {e}")
             raise typer.Exit(e.exit_code) from None
         except KeyboardInterrupt:
@@ -77,7 +78,7 @@ def _is_other_rank() -> bool:
         return False
     from . import distributed
 
-    return distributed.rank() != 0
+    return not distributed.world().is_root
 
 
 def _err(msg: str) -> None:
@@ -110,21 +111,9 @@ def _opt_value(opt: str, v) -> str:
     return f"{opt}={v}" if opt.startswith("--") else f"{opt}{v}"
 
 
-class Rank:
-    """Where this process stands: single process, or one rank of a group."""
-
-    def __init__(self, group=None):
-        self.group = group
-        self.rank = group.rank() if group is not None else 0
-        self.size = group.size() if group is not None else 1
-
-    @property
-    def is_root(self) -> bool:
-        return self.rank == 0
-
-
-def _distribute(ctx: typer.Context, np_: int, backend: str, hostfile: Optional[Path], model=None) -> Rank:
-    """Launch ranks (and exit with the job's code) or join the group.
+def _distribute(ctx: typer.Context, np_: int, backend: str, hostfile: Optional[Path], model=None):
+    """Launch ranks (and exit with the job's code) or join the group: the
+    `collectives.Group` of this process (`SINGLE` when it runs alone).
 
     Before launching, the model is sharded on paper for every rank, so a rank
     count its heads cannot take fails here, once."""
@@ -133,11 +122,13 @@ def _distribute(ctx: typer.Context, np_: int, backend: str, hostfile: Optional[P
 
         group = distributed.init_from_env()
         distributed.check_cluster(group, model)
-        return Rank(group)
+        return group
     if np_ < 1:
         raise UserError(f"--np must be >= 1, got {np_}")
     if np_ == 1 and hostfile is None:
-        return Rank(None)
+        from .collectives import SINGLE
+
+        return SINGLE
     from .launcher import launch
     from .loader import check_shardable
 
@@ -147,12 +138,12 @@ def _distribute(ctx: typer.Context, np_: int, backend: str, hostfile: Optional[P
     raise typer.Exit(code)
 
 
-def _load(model, dtype, rank: Rank):
+def _load(model, dtype, group):
     """Load this rank's shard; rank 0 shows a progress bar on stderr."""
     from .loader import load_model
 
-    if not rank.is_root:
-        return load_model(model, dtype=dtype, group=rank.group)
+    if not group.is_root:
+        return load_model(model, dtype=dtype, group=group)
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
@@ -160,7 +151,7 @@ def _load(model, dtype, rank: Rank):
     with Progress(TextColumn("loading"), BarColumn(), MofNCompleteColumn(), console=console,
                   transient=True, disable=not console.is_terminal) as bar:
         task = bar.add_task("load", total=None)
-        loaded = load_model(model, dtype=dtype, group=rank.group,
+        loaded = load_model(model, dtype=dtype, group=group,
                             progress=lambda i, n: bar.update(task, completed=i, total=n))
     return loaded
 
@@ -189,15 +180,15 @@ def logits(
     from .engine import sequence_logits
 
     ids = _read_tokens(tokens_file)
-    rank = _distribute(ctx, np_, backend, hostfile, model)
-    loaded = _load(model, dtype, rank)
+    group = _distribute(ctx, np_, backend, hostfile, model)
+    loaded = _load(model, dtype, group)
     result = sequence_logits(loaded.model, ids, decode_from=decode_from, prefill_step=prefill_step)
-    if rank.is_root:
+    if group.is_root:
         try:
             np.save(out, result)
         except OSError as e:
             raise UserError(f"cannot write {out}: {e.strerror}") from None
-        _err(f"wrote {out} {list(result.shape)} float32 (np {rank.size})")
+        _err(f"wrote {out} {list(result.shape)} float32 (np {group.size()})")
 
 
 def _read_tokens(path: Path):
@@ -257,18 +248,18 @@ def generate(
         # Prompt problems (no chat template, a template that refuses the
         # conversation) fail here once, before any rank is launched.
         Tokenizer(resolve_model_dir(model)).prompt_ids(prompt, chat=chat, system=system)
-    rank = _distribute(ctx, np_, backend, hostfile, model)
+    group = _distribute(ctx, np_, backend, hostfile, model)
     t0 = time.perf_counter()
-    loaded = _load(model, dtype, rank)
+    loaded = _load(model, dtype, group)
     load_s = time.perf_counter() - t0
     tok = Tokenizer(loaded.model_dir, loaded.config)
     ids = tok.prompt_ids(prompt, chat=chat, system=system)
-    if rank.is_root and verbose:
+    if group.is_root and verbose:
         _err(f"prompt {len(ids)} tokens{' (chat template: ' + tok.chat_template()[1] + ')' if chat else ''}; "
-             f"sampling: {sampling.describe()}; EOS ids {tok.eos_ids}; stop strings {stops}; np {rank.size}")
+             f"sampling: {sampling.describe()}; EOS ids {tok.eos_ids}; stop strings {stops}; np {group.size()}")
     gen = generate_text(loaded.model, tok, ids, max_tokens, sampling, stop=stops, prefill_step=prefill_step,
-                        group=rank.group, check_every=check_every)
-    if rank.is_root and not chat:
+                        group=group, check_every=check_every)
+    if group.is_root and not chat:
         sys.stdout.write(prompt)
         sys.stdout.flush()
     while True:
@@ -278,24 +269,24 @@ def generate(
             stats = done.value
             break
         except UserError:
-            if rank.is_root:  # end the partial line before the error line
+            if group.is_root:  # end the partial line before the error line
                 sys.stdout.write("\n")
                 sys.stdout.flush()
             raise
-        if rank.is_root:
+        if group.is_root:
             sys.stdout.write(text)
             sys.stdout.flush()
-    resources = rank_resources(rank.group, load_s) if verbose else None
-    if rank.is_root:
+    resources = rank_resources(group, load_s) if verbose else None
+    if group.is_root:
         sys.stdout.write("\n")
         sys.stdout.flush()
         _err(
             f"prompt {stats.prompt_tokens} tok, {stats.prefill_tok_s:.1f} tok/s | "
-            f"generated {stats.generated} tok, {stats.decode_tok_s:.1f} tok/s | np {rank.size}"
+            f"generated {stats.generated} tok, {stats.decode_tok_s:.1f} tok/s | np {group.size()}"
         )
         if verbose:
             why = {"eos": "EOS", "length": "--max-tokens", "stop": f"stop string {stats.stop!r}"}[stats.finish_reason]
-            agreed = (f"ranks agreed at {stats.checks} check(s)" if rank.size > 1
+            agreed = (f"ranks agreed at {stats.checks} check(s)" if group.size() > 1
                       else "1 rank: the rank-agreement check is a no-op")
             _err(f"finished by {why}; {agreed}")
             _err(f"{'rank':>4} {'load s':>8} {'MLX peak MiB':>13} {'peak RSS MiB':>13}")
@@ -325,10 +316,10 @@ def modes(
         ids = np.array([int(t) for t in tokens.split(",")], np.int64)
     except ValueError:
         raise UserError("--tokens must be comma-separated integers") from None
-    rank = _distribute(ctx, np_, backend, hostfile, model)
-    loaded = _load(model, dtype, rank)
+    group = _distribute(ctx, np_, backend, hostfile, model)
+    loaded = _load(model, dtype, group)
     result = all_mode_logits(loaded.model, ids)
-    if rank.is_root:
+    if group.is_root:
         np.savez(out, **result)
 
 
@@ -529,14 +520,14 @@ def serve(
     if max_request_bytes < 1:
         raise UserError(f"--max-request-bytes must be >= 1, got {max_request_bytes}")
     check_generation_options(prefill_step=prefill_step)
-    rank = _distribute(ctx, np_, backend, hostfile, model)
-    loaded = _load(model, dtype, rank)
+    group = _distribute(ctx, np_, backend, hostfile, model)
+    loaded = _load(model, dtype, group)
     tok = Tokenizer(loaded.model_dir, loaded.config)
-    if not rank.is_root:
-        follower_loop(loaded.model, tok, rank.group, prefill_step)
+    if not group.is_root:
+        follower_loop(loaded.model, tok, group, prefill_step)
         return
     model_id = model if model is not None else loaded.model_dir.name
-    svc = Service(loaded.model, tok, str(model_id), group=rank.group, max_tokens_cap=max_tokens_cap,
+    svc = Service(loaded.model, tok, str(model_id), group=group, max_tokens_cap=max_tokens_cap,
                   max_request_bytes=max_request_bytes, prefill_step=prefill_step)
     run_server(svc, host, port)
 
@@ -569,13 +560,13 @@ def bench(
 
     check_lengths(prompt_tokens, gen_tokens)
     check_generation_options(check_every=check_every, prefill_step=prefill_step)
-    rank = _distribute(ctx, np_, backend, hostfile, model)
+    group = _distribute(ctx, np_, backend, hostfile, model)
     t0 = time.perf_counter()
-    loaded = _load(model, dtype, rank)
+    loaded = _load(model, dtype, group)
     load_s = time.perf_counter() - t0
-    result = run_bench(loaded.model, prompt_tokens, gen_tokens, group=rank.group, prefill_step=prefill_step,
+    result = run_bench(loaded.model, prompt_tokens, gen_tokens, group=group, prefill_step=prefill_step,
                        seed=seed, check_every=check_every, warmup=warmup, compiled=compiled)
-    if rank.is_root:
+    if group.is_root:
         result = {"model": str(loaded.model_dir), "backend": os.environ.get("MLXCEL_DIST_BACKEND", "none"),
                   "load_s": load_s, **result}
         if as_json:

@@ -16,7 +16,7 @@ the step runs on `StaticCache`s instead of the growing `cache.KVCache` /
   once S == window it is a ring holding exactly the window);
 - the mask is `arange(S) <= pos` for both kinds (unwritten slots are hidden;
   a full ring is all visible), built once per step per attention kind by
-  `masks.layer_masks`; RoPE takes `pos` as its offset.
+  `masks.layer_masks` from `StaticCache.mask`; RoPE takes `pos` as its offset.
 
 Slots past the mask hold zeros and get zero weight, so a step's logits are
 those of the eager decode path (tests/test_decode.py compares them, and the
@@ -36,7 +36,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from .cache import KVCache, RotatingKVCache
+from .cache import LayerCache, SharedKVCache
 
 STEP = 256  # buffer granularity (see _size)
 
@@ -45,32 +45,40 @@ def _round_up(n: int, step: int) -> int:
     return ((n + step - 1) // step) * step
 
 
-class StaticCache:
-    """One layer's view of a `DecodeState`: the cache interface the model's
-    attention uses (`offset`, `update_and_fetch`) with `pos` as an array."""
+class StaticCache(LayerCache):
+    """One layer's view of a `DecodeState`: the cache protocol the model's
+    attention uses (`offset`, `mask`, `update_and_fetch`) with `pos` as an
+    array."""
 
     def __init__(self, state: "DecodeState", index: int, window: int | None):
-        self.state, self.index, self.window = state, index, window
+        self.buffers, self.index, self.window = state, index, window
+
+    @property
+    def state(self) -> list:
+        return [self.buffers[f"k{self.index}"], self.buffers[f"v{self.index}"]]
 
     @property
     def offset(self) -> mx.array:
-        return self.state["pos"]
+        return self.buffers["pos"]
 
     @property
     def size(self) -> int:
-        return self.state[f"k{self.index}"].shape[2]
+        return self.buffers[f"k{self.index}"].shape[2]
 
-    def valid_mask(self) -> mx.array:
-        """[1, S] bool: the slots this step's query may see."""
-        return (mx.arange(self.size) <= self.state["pos"])[None]
+    def mask(self, L: int) -> mx.array:
+        """[1, S] bool: the slots this step's query may see (the written ones;
+        a full ring is all visible)."""
+        assert L == 1, "static buffers take one token per step"
+        return (mx.arange(self.size) <= self.buffers["pos"])[None]
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
-        s, i = self.state, self.index
+        s, i = self.buffers, self.index
         pos = s["pos"]
         slot = pos % self.size if self.window else pos
         start = slot.reshape(1)
         s[f"k{i}"] = mx.slice_update(s[f"k{i}"], keys, start, axes=(2,))
         s[f"v{i}"] = mx.slice_update(s[f"v{i}"], values, start, axes=(2,))
+        self.last = (s[f"k{i}"], s[f"v{i}"], pos)  # what a SharedKVCache on this layer reads
         return s[f"k{i}"], s[f"v{i}"]
 
 
@@ -88,35 +96,41 @@ class DecodeStep:
     made once per model and reused by later generations (a trace per buffer
     shape, as mx.compile caches them)."""
 
-    def __init__(self, model, compiled: bool = True):
+    def __init__(self, model):
         self.model = model
         self.state = DecodeState()
         self.views: list = []
         self.static = False
+        self.compiled = True
         self.pos = 0  # host copy of state["pos"]
-        self._fn = mx.compile(self._step, inputs=self.state, outputs=self.state) if compiled else self._step
+        self._compiled = mx.compile(self._step, inputs=self.state, outputs=self.state)
 
     def _step(self, y: mx.array) -> mx.array:
         logits = self.model(y, self.views)[0, -1]
         self.state["pos"] = self.state["pos"] + 1
         return logits
 
-    def start(self, cache, pos: int) -> list:
+    def start(self, cache, pos: int, compiled: bool = True) -> list:
         """Move an eager cache holding `pos` tokens into static buffers sized
-        for token `pos` (the eager cache is emptied: it is not used again).
-        A cache of other kinds (or none) is kept as it is and stepped
+        for token `pos` (the eager cache is emptied: it is not used again);
+        the steps run compiled, or eagerly on the same buffers. A cache that
+        is not all `static_kv` (or none) is kept as it is and stepped
         eagerly: the static layout covers KV caches only."""
         self.state.clear()
         self.pos = pos
-        if cache is None or not all(isinstance(c, (KVCache, RotatingKVCache)) for c in cache):
+        self.compiled = compiled
+        if cache is None or not all(c.static_kv for c in cache):
             self.views, self.static = cache, False
             return cache
         self.static = True
         self.state["pos"] = mx.array(pos, mx.int32)
         self.views = []
         for i, c in enumerate(cache):
-            window = c.max_size if isinstance(c, RotatingKVCache) else None
-            if c.keys is None:
+            if c.reads_layer is not None:  # no buffers of its own: it reads its source's
+                self.views.append(SharedKVCache(self.views[c.reads_layer], c.reads_layer))
+                continue
+            window = c.window
+            if c.offset == 0:
                 raise ValueError("DecodeStep.start needs a cache holding at least one token")
             size = _size(pos + 1, window)
             k, v = c.temporal()
@@ -132,7 +146,7 @@ class DecodeStep:
             self.state[f"k{i}"], self.state[f"v{i}"] = bk, bv
             self.views.append(StaticCache(self.state, i, window))
         for c in cache:  # taken over: the eager buffers go once the static ones are built
-            c.keys = c.values = None
+            c.release()
         return self.views
 
     def release(self) -> None:
@@ -147,6 +161,8 @@ class DecodeStep:
         # Grow every buffer that cannot hold slot `pos`: full layers always
         # need pos < S; sliding ones until they reach the window.
         for view in self.views:
+            if view.reads_layer is not None:
+                continue  # a SharedKVCache: its source's buffers grow
             i, s = view.index, self.state
             size = s[f"k{i}"].shape[2]
             if self.pos < size or (view.window and size >= view.window):
@@ -164,7 +180,7 @@ class DecodeStep:
             return self.model(y, self.views)[0, -1]
         self._reserve()  # room for slot self.pos, the token fed now
         self.pos += 1
-        return self._fn(y)
+        return self._compiled(y) if self.compiled else self._step(y)
 
 
 def _size(n: int, window: int | None) -> int:
@@ -176,12 +192,10 @@ def _size(n: int, window: int | None) -> int:
     return min(size, window) if window else size
 
 
-def decode_step_for(model, compiled: bool = True) -> DecodeStep:
-    """The model's DecodeStep (made on first use, kept on the model object so
-    that its traces are reused by later generations)."""
-    key = "_mlxcel_decode_step" if compiled else "_mlxcel_decode_step_eager"
-    step = model.__dict__.get(key)
-    if step is None:
-        step = DecodeStep(model, compiled)
-        model.__dict__[key] = step
-    return step
+def decode_step_for(model) -> DecodeStep:
+    """The model's DecodeStep: made on first use and kept in the model's
+    `decode_step` attribute (the model contract, models/base.py), so that
+    its traces are reused by later generations."""
+    if model.decode_step is None:
+        model.decode_step = DecodeStep(model)
+    return model.decode_step

@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import sys
 
+from .collectives import SINGLE, CollectiveError, Group
 from .errors import UserError
 
 ENV_WORLD = "MLXCEL_DIST_WORLD"
@@ -31,7 +32,7 @@ ENV_RANK = "MLXCEL_DIST_RANK"
 
 BACKENDS = ("ring", "mpi", "nccl", "jaccl")
 
-_group = None  # the initialised mx.distributed.Group, once init_from_env ran
+_group: Group | None = None  # the joined group, once init_from_env ran
 
 _HINTS = {
     "mpi": (
@@ -91,9 +92,10 @@ def _line_buffer_output() -> None:
                 pass
 
 
-def init_from_env():
-    """Initialise the launched backend; return its group, or None when this
-    process was not started as a rank (``MLXCEL_DIST_WORLD`` unset).
+def init_from_env() -> Group:
+    """Join the launched backend and return its group (`collectives.Group`),
+    or `collectives.SINGLE` when this process was not started as a rank
+    (``MLXCEL_DIST_WORLD`` unset).
 
     Raises UserError when the backend cannot start or its group is not the
     launched size. Calling it again returns the same group.
@@ -101,7 +103,7 @@ def init_from_env():
     global _group
     world = launched_world()
     if world is None:
-        return None
+        return SINGLE
     if _group is not None:
         return _group
     backend = os.environ.get(ENV_BACKEND, "").strip()
@@ -119,21 +121,21 @@ def init_from_env():
         # backend (MLX's MPI backend refuses a 1-process world after MPI_Init
         # and never finalizes, which makes mpirun report a failure). The ring
         # backend, unconfigured, yields the singleton group.
-        group = mx.distributed.init(strict=False, backend="ring")
+        raw = mx.distributed.init(strict=False, backend="ring")
     else:
         if not mx.distributed.is_available(backend):
             raise UserError(
                 f"this mlx build has no {backend} backend ({hint})"
             )
         try:
-            group = mx.distributed.init(strict=True, backend=backend)
+            raw = mx.distributed.init(strict=True, backend=backend)
         except (RuntimeError, ValueError) as e:
             first = (str(e).strip().splitlines() or [type(e).__name__])[0]
             extra = f"; {_mpi_detail()}" if backend == "mpi" else ""
             raise UserError(
                 f"cannot start the {backend} backend for {world} ranks: {first}{extra} ({hint})"
             ) from None
-    size = group.size()
+    size = raw.size()
     if size != world:
         extra = f"; {_mpi_detail()}" if backend == "mpi" else ""
         raise UserError(
@@ -141,58 +143,27 @@ def init_from_env():
             f"launched{extra} ({hint})"
         )
     expected_rank = os.environ.get(ENV_RANK, "").strip()
-    if expected_rank and expected_rank != str(group.rank()):
+    if expected_rank and expected_rank != str(raw.rank()):
         raise UserError(
             f"launched as rank {expected_rank} but the {backend} backend made this "
-            f"process rank {group.rank()}"
+            f"process rank {raw.rank()}"
         )
-    _group = group
-    return group
-
-
-def group():
-    """The group made by :func:`init_from_env`, or None."""
+    _group = Group(raw)
     return _group
 
 
-def rank() -> int:
-    """This process's rank: from the initialised group, else from the launch
-    environment (``MLXCEL_DIST_RANK``, ``MLX_RANK``, or MPI's rank variables),
-    else 0 for a plain single process."""
+def world() -> Group:
+    """This process's place in the job: the group once :func:`init_from_env`
+    joined it; before that, a launched rank's place read from the launch
+    environment (``MLXCEL_DIST_RANK``, ``MLX_RANK`` or MPI's variables; a
+    planned group, no collective runs); a plain process: `SINGLE`."""
     if _group is not None:
-        return _group.rank()
+        return _group
+    size = launched_world() or 1
     from .watchdog import env_rank
 
-    r = env_rank()
-    return 0 if r is None else r
-
-
-def world_size() -> int:
-    """Ranks in the job: the group's size, else the launched size, else 1."""
-    if _group is not None:
-        return _group.size()
-    return launched_world() or 1
-
-
-def is_rank0() -> bool:
-    return rank() == 0
-
-
-def barrier(group=None) -> None:
-    """Block until every rank of ``group`` (default: the launched group) gets
-    here: an all_sum of one scalar, evaluated. Also checks the collective
-    works: the sum must equal the group size."""
-    import mlx.core as mx
-
-    g = group if group is not None else _group
-    if g is None or g.size() == 1:
-        return
-    total = mx.distributed.all_sum(mx.array(1, dtype=mx.int32), group=g)
-    mx.eval(total)
-    if int(total.item()) != g.size():
-        raise RuntimeError(
-            f"barrier all_sum gave {int(total.item())}, expected {g.size()}"
-        )
+    r = env_rank() or 0
+    return Group.planned(size, r if 0 <= r < size else 0)
 
 
 def _model_present(model) -> bool:
@@ -208,34 +179,29 @@ def _model_present(model) -> bool:
     return Path(m).expanduser().exists() or looks_like_repo_id(m)
 
 
-def check_cluster(group, model=None) -> None:
+def check_cluster(group: Group, model=None) -> None:
     """Before loading: every rank must run the same mlx and mlxcel-dist and
-    be able to reach the model. One all_sum of a small table (a row per rank:
-    host, versions, model flag); every rank raises the same one-line error, so
-    rank 0 alone reports it."""
+    be able to reach the model. One gather of a small table (a row per rank:
+    host, versions, model flag); every rank raises the same one-line
+    CollectiveError, so rank 0 alone reports it."""
     import socket
 
     import mlx.core as mx
     import numpy as np
 
-    from . import __version__
+    from . import __version__, faults
 
-    if group is None or group.size() == 1:
+    if group.single:
         return
     width = 96
-    versions = f"mlx {mx.__version__}, mlxcel-dist {__version__}"
-    present = _model_present(model)
-    fault = os.environ.get("MLXCEL_DIST_INJECT_FAULT", "")
-    if fault == f"version:{group.rank()}":  # test hook: this rank runs another version
-        versions = f"mlx 0.0.0, mlxcel-dist {__version__}"
-    if fault == f"nomodel:{group.rank()}":  # test hook: the model is missing here
-        present = False
-    row = np.zeros((group.size(), 2 * width + 1), dtype=np.int32)
+    versions = faults.versions(f"mlx {mx.__version__}, mlxcel-dist {__version__}", group.rank())
+    present = faults.model_present(_model_present(model), group.rank())
+    row = np.zeros(2 * width + 1, dtype=np.int32)
     for j, text in enumerate((socket.gethostname(), versions)):
         raw = text.encode()[:width]
-        row[group.rank(), j * width : j * width + len(raw)] = np.frombuffer(raw, dtype=np.uint8)
-    row[group.rank(), -1] = 1 if present else 0
-    table = np.array(mx.distributed.all_sum(mx.array(row), group=group))
+        row[j * width : j * width + len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+    row[-1] = 1 if present else 0
+    table = group.gather_rows(row, dtype=np.int32).astype(np.int64)
 
     def text(r, j):
         return bytes(table[r, j * width : (j + 1) * width].astype(np.uint8)).rstrip(b"\0").decode(errors="replace")
@@ -248,17 +214,13 @@ def check_cluster(group, model=None) -> None:
             by_version.setdefault(v, []).append(r)
         parts = [f"rank(s) {', '.join(map(str, rs))} ({', '.join(sorted({hosts[r] for r in rs}))}) run {v}"
                  for v, rs in by_version.items()]
-        err = UserError("ranks run different versions: " + "; ".join(parts)
-                        + " (install the same versions on every host)")
-        err.collective = True
-        raise err
+        raise CollectiveError("ranks run different versions: " + "; ".join(parts)
+                              + " (install the same versions on every host)")
     missing = [r for r in range(group.size()) if table[r, -1] == 0]
     if missing:
         where = ", ".join(f"rank {r} ({hosts[r]})" for r in missing)
         name = "the embedded default model" if model is None else f"model {model}"
-        err = UserError(f"{name} not found on {where} (copy it to the same path on every host)")
-        err.collective = True
-        raise err
+        raise CollectiveError(f"{name} not found on {where} (copy it to the same path on every host)")
 
 
 # --------------------------------------------------------------------------- #
@@ -340,7 +302,7 @@ def _rank_main() -> None:
         if _is_transport_error(first):
             # A peer died or the link broke: the launcher names the cause;
             # this rank's traceback would only bury it.
-            print(f"error: rank {rank()} lost its connection to the other ranks: {first}",
+            print(f"error: rank {world().rank()} lost its connection to the other ranks: {first}",
                   file=sys.stderr)
         else:
             traceback.print_exc()

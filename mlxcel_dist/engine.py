@@ -7,17 +7,17 @@ sharded layers do the collectives); only rank 0 reports.
 
 from __future__ import annotations
 
-import os
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 import numpy as np
 
 from . import faults
+from .collectives import SINGLE, CollectiveError, Group
 from .decode import decode_step_for
 from .errors import UserError
-from .sampling import SEED_LIMIT, Sampler, SamplingParams
+from .sampling import Sampler, SamplingParams
 
 
 def check_tokens(ids, vocab_size: int) -> np.ndarray:
@@ -74,8 +74,8 @@ def sequence_logits(model, ids, decode_from: int | None = None, prefill_step: in
         out.append(np.array(logits[0].astype(mx.float32)))
         pos += n
     if pos < T:
-        decode = decode_step_for(model, compiled)
-        decode.start(cache, pos)
+        decode = decode_step_for(model)
+        decode.start(cache, pos, compiled)
         try:
             for j in range(pos, T):
                 out.append(np.array(decode(mx.array(ids[j : j + 1])[None])[None].astype(mx.float32)))
@@ -93,27 +93,11 @@ def sequence_logits(model, ids, decode_from: int | None = None, prefill_step: in
 # issue the same collectives in the same order.
 
 
-class RanksDiverged(UserError):
+class RanksDiverged(CollectiveError):
     """Ranks sampled different tokens: the TP job cannot go on. Raised on
     every rank at once (they share the verdict), so only rank 0 reports it."""
 
     exit_code = 3
-    collective = True
-
-
-def gather_per_rank(group, row, dtype=mx.float32) -> np.ndarray:
-    """Every rank's `row` (a short vector) as a [size, len(row)] array, on every
-    rank, with one all_sum: rank r fills row r of a zero matrix. Without a
-    group (or with one rank) no collective runs."""
-    np_dtype = {mx.int32: np.int32, mx.float32: np.float32}[dtype]
-    row = np.asarray(row, dtype=np_dtype)
-    size = group.size() if group is not None else 1
-    rank = group.rank() if group is not None else 0
-    mat = np.zeros((size, row.size), dtype=np_dtype)
-    mat[rank] = row
-    if size > 1:
-        mat = np.array(mx.distributed.all_sum(mx.array(mat), group=group))
-    return mat.astype(np.float64)
 
 
 class RankAgreement:
@@ -141,7 +125,7 @@ class RankAgreement:
     MOD = 2**31 - 1
     MUL = 1_000_003
 
-    def __init__(self, group=None, every: int = 1):
+    def __init__(self, group: Group = SINGLE, every: int = 1):
         check_generation_options(check_every=every)
         self.group = group
         self.every = every
@@ -162,12 +146,7 @@ class RankAgreement:
             self.check()
 
     def check(self) -> None:
-        if self.group is None or self.group.size() == 1:  # one rank agrees with itself: no gather
-            self.checked = self.count
-            self.checks += 1
-            return
-        rows = gather_per_rank(self.group, [self.count, self.checksum, self.last], dtype=mx.int32)
-        self._verdict(rows)
+        self._verdict(self.group.gather_rows([self.count, self.checksum, self.last], dtype=np.int32))
 
     def _verdict(self, rows) -> None:
         rows = np.asarray(rows).astype(np.int64)
@@ -195,16 +174,13 @@ class RankAgreement:
         scalar, not read yet) triggers: row r = rank r's (count, checksum, last
         id) after it. None when no check is due or with one rank (no
         collective; `commit` then checks on the host, as `add`)."""
-        if self.group is None or self.group.size() == 1 or not self.due():
+        if self.group.single or not self.due():
             return None
-        size, rank = self.group.size(), self.group.rank()
         t = tok.reshape(1).astype(mx.int64)
         # (checksum * MUL + tok + 1) % MOD, with the host part folded first: < 2^32, exact in int64.
         base = mx.array([(self.checksum * self.MUL + 1) % self.MOD], mx.int64)
         row = mx.concatenate([mx.array([self.count + 1], mx.int64), (base + t) % self.MOD, t]).astype(mx.int32)
-        mine = (mx.arange(size) == rank)[:, None]
-        mat = mx.where(mine, row[None], mx.zeros((size, 3), mx.int32))
-        return mx.distributed.all_sum(mat, group=self.group)
+        return self.group.gather_rows_lazy(row)
 
     def commit(self, tok_id: int, rows=None) -> None:
         """Record an id read from the device; `rows` is its `pending_rows`
@@ -240,14 +216,6 @@ class GenStats:
         return (self.generated - 1) / self.decode_s if self.decode_s and self.generated > 1 else 0.0
 
 
-def _fault_seed(params: SamplingParams, group) -> SamplingParams:
-    # Test hook: the last rank samples with another seed (breaks the invariant).
-    if (os.environ.get("MLXCEL_DIST_INJECT_FAULT") == "sampler-seed" and group is not None
-            and group.rank() == group.size() - 1):
-        return replace(params, seed=(params.seed + 1) % SEED_LIMIT)
-    return params
-
-
 DEFAULT_PREFILL_STEP = 2048  # as mlx-lm; on the H200 1.10x its prefill vs 0.94x at 512 (docs/benchmarks.md)
 
 
@@ -281,17 +249,17 @@ class TokenGenerator:
     """
 
     def __init__(self, model, prompt_ids, max_tokens: int, sampling: SamplingParams | None = None,
-                 eos_ids=(), prefill_step: int | None = None, group=None, check_every: int = 1,
+                 eos_ids=(), prefill_step: int | None = None, group: Group = SINGLE, check_every: int = 1,
                  compiled: bool = True):
         self.prompt = check_tokens(prompt_ids, vocab_size(model))
         check_generation_options(max_tokens, check_every, prefill_step)
         self.model = model
         self.max_tokens = max_tokens
-        self.sampler = Sampler(_fault_seed(sampling or SamplingParams(), group))
+        self.sampler = Sampler(faults.sampling(sampling or SamplingParams(), group))
         self.eos = set(int(e) for e in eos_ids)
         self.prefill_step = prefill_step or DEFAULT_PREFILL_STEP
         self.guard = RankAgreement(group, check_every)
-        self.rank = group.rank() if group is not None else 0
+        self.rank = group.rank()
         self.compiled = compiled
         self.decode = None  # decode.DecodeStep, from the end of the prefill on
         self.stats = GenStats(prompt_tokens=len(self.prompt))
@@ -304,12 +272,12 @@ class TokenGenerator:
         for i in range(0, last, step):
             self.model(mx.array(prompt[i : min(i + step, last)])[None], cache)
             mx.eval(_cache_state(cache))
-        self.decode = decode_step_for(self.model, self.compiled)
+        self.decode = decode_step_for(self.model)
         if last == 0:  # nothing cached yet: the one prompt token goes the eager way
             logits = self.model(mx.array(prompt[:1])[None], cache)[0, -1]
-            self.decode.start(cache, 1)
+            self.decode.start(cache, 1, self.compiled)
             return logits
-        self.decode.start(cache, last)
+        self.decode.start(cache, last, self.compiled)
         return self.decode(mx.array(prompt[last:])[None])
 
     def __iter__(self):
@@ -364,7 +332,7 @@ class TokenGenerator:
 
 
 def generate_tokens(model, prompt_ids, max_tokens: int, sampling: SamplingParams | None = None, eos_ids=(),
-                    prefill_step: int | None = None, group=None, check_every: int = 1):
+                    prefill_step: int | None = None, group: Group = SINGLE, check_every: int = 1):
     """Yield generated ids (EOS is not yielded); returns GenStats via
     StopIteration.value."""
     gen = TokenGenerator(model, prompt_ids, max_tokens, sampling, eos_ids, prefill_step, group, check_every)
@@ -373,7 +341,7 @@ def generate_tokens(model, prompt_ids, max_tokens: int, sampling: SamplingParams
 
 
 def generate_text(model, tokenizer, prompt_ids, max_tokens: int, sampling: SamplingParams | None = None,
-                  stop=(), eos_ids=None, prefill_step: int | None = None, group=None, check_every: int = 1,
+                  stop=(), eos_ids=None, prefill_step: int | None = None, group: Group = SINGLE, check_every: int = 1,
                   context_tokens: int = 4):
     """Yield text chunks as they become final; returns GenStats via
     StopIteration.value.
@@ -407,7 +375,7 @@ def generate_text(model, tokenizer, prompt_ids, max_tokens: int, sampling: Sampl
     return stats
 
 
-def rank_resources(group, load_s: float) -> np.ndarray:
+def rank_resources(group: Group, load_s: float) -> np.ndarray:
     """[size, 3] on every rank: load seconds, MLX peak memory (MiB), peak RSS
     (MiB) of each rank, gathered with one all_sum."""
     import resource
@@ -415,4 +383,4 @@ def rank_resources(group, load_s: float) -> np.ndarray:
 
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     rss_mib = rss / 2**20 if sys.platform == "darwin" else rss / 2**10  # bytes on macOS, KiB on Linux
-    return gather_per_rank(group, [load_s, mx.get_peak_memory() / 2**20, rss_mib], dtype=mx.float32)
+    return group.gather_rows([load_s, mx.get_peak_memory() / 2**20, rss_mib])

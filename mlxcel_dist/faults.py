@@ -1,11 +1,20 @@
-"""Test hooks that make a rank fail for real at a chosen moment.
+"""Test hooks that make a rank fail for real; the only reader of the
+``MLXCEL_DIST_INJECT_FAULT`` variable. Unset, each hook costs one dict lookup
+and hands its value back unchanged.
 
-``MLXCEL_DIST_INJECT_FAULT=ACTION:RANK:PHASE`` with ACTION ``kill`` (SIGKILL)
-or ``stop`` (SIGSTOP, a hung rank), RANK the rank that does it, and PHASE one
-of ``load`` (before the first tensor is read), ``prefill`` (before the
-prompt's forward pass) or ``decode`` (before the second decode step). The
-other values of the variable (``wrong-kv-slice``, ``sampler-seed``) are
-numerical faults read where they apply. Unset, this costs one dict lookup.
+Process faults, ``ACTION:RANK:PHASE`` (:func:`at`): ACTION ``kill`` (SIGKILL)
+or ``stop`` (SIGSTOP, a hung rank), RANK the rank that does it, PHASE one of
+``load`` (before the first tensor is read), ``prefill`` (before the prompt's
+forward pass) or ``decode`` (before the second decode step).
+``MLXCEL_DIST_INJECT_FAULT_STAMP`` names a file that gets the time of the fault.
+
+Wrong-data faults, each read by one hook that takes the true value and
+returns the faulted one:
+
+- ``wrong-kv-slice``: the last rank takes the wrong KV heads (:func:`kv_heads`);
+- ``sampler-seed``: the last rank samples with another seed (:func:`sampling`);
+- ``version:RANK``: that rank reports another mlx version (:func:`versions`);
+- ``nomodel:RANK``: that rank does not find the model (:func:`model_present`).
 """
 
 from __future__ import annotations
@@ -18,8 +27,13 @@ ENV = "MLXCEL_DIST_INJECT_FAULT"
 _ACTIONS = {"kill": signal.SIGKILL, "stop": getattr(signal, "SIGSTOP", None)}
 
 
+def _spec() -> str:
+    return os.environ.get(ENV, "")
+
+
 def at(phase: str, rank: int) -> None:
-    spec = os.environ.get(ENV)
+    """Kill or stop this process here when the variable names this phase and rank."""
+    spec = _spec()
     if not spec or spec.count(":") != 2:
         return
     action, r, p = spec.split(":")
@@ -31,3 +45,40 @@ def at(phase: str, rank: int) -> None:
         with open(stamp, "w", encoding="ascii") as f:
             f.write(repr(time.time()))
     os.kill(os.getpid(), sig)
+
+
+def _last_rank(name: str, group) -> bool:
+    return _spec() == name and group.rank() == group.size() - 1
+
+
+def kv_heads(kv: tuple[int, int], total_kv_heads: int, group) -> tuple[int, int]:
+    """This rank's KV head range; shifted by one head on the last rank under
+    ``wrong-kv-slice`` (the harness must catch the bad shard)."""
+    if not _last_rank("wrong-kv-slice", group):
+        return kv
+    kv0, kv1 = kv
+    start = (kv0 + 1) % total_kv_heads
+    return start, start + (kv1 - kv0)
+
+
+def sampling(params, group):
+    """The sampling parameters; another seed on the last rank under ``sampler-seed``."""
+    if not _last_rank("sampler-seed", group):
+        return params
+    from dataclasses import replace
+
+    from .sampling import SEED_LIMIT
+
+    return replace(params, seed=(params.seed + 1) % SEED_LIMIT)
+
+
+def versions(text: str, rank: int) -> str:
+    """The versions this rank reports to the cluster check (``version:RANK``: an old mlx)."""
+    if _spec() != f"version:{rank}":
+        return text
+    return "mlx 0.0.0, " + text.split(", ", 1)[-1]
+
+
+def model_present(present: bool, rank: int) -> bool:
+    """Whether this rank finds the model (``nomodel:RANK``: it does not)."""
+    return False if _spec() == f"nomodel:{rank}" else present

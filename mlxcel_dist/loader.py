@@ -17,6 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from .collectives import SINGLE, Group
 from .errors import UserError
 from .models import get_model_module
 from .quant import foreign_quant_method, quantize_model, read_quantization
@@ -135,27 +136,13 @@ class Loaded:
     config: dict
     model_dir: Path
     dtype: object
-    group: object = None
+    group: Group = SINGLE
 
 
 def build_model(config: dict):
     module = get_model_module(config.get("model_type"))
     args = module.ModelArgs.from_dict(config)
     return module.Model(args)
-
-
-class _PlannedGroup:
-    """Stands in for rank r of an n-rank group so a model can be sharded on
-    paper (parameters stay lazy) before any process is launched."""
-
-    def __init__(self, n: int, r: int):
-        self._n, self._r = n, r
-
-    def size(self):
-        return self._n
-
-    def rank(self):
-        return self._r
 
 
 def check_shardable(model: str | os.PathLike | None, np_: int) -> None:
@@ -170,7 +157,7 @@ def check_shardable(model: str | os.PathLike | None, np_: int) -> None:
     refs = open_checkpoint(model_dir) if read_quantization(config) is not None else None
     for r in range(np_):
         m, _ = _build_for_checkpoint(config, refs)
-        m.shard(_PlannedGroup(np_, r))
+        m.shard(Group.planned(np_, r))  # on paper: parameters stay lazy
 
 
 def _build_for_checkpoint(config: dict, raw_refs: dict | None):
@@ -184,11 +171,12 @@ def _build_for_checkpoint(config: dict, raw_refs: dict | None):
     return m, refs
 
 
-def load_model(model: str | os.PathLike | None, dtype: str | None = None, group=None, progress=None) -> Loaded:
+def load_model(model: str | os.PathLike | None, dtype: str | None = None, group: Group = SINGLE,
+               progress=None) -> Loaded:
     model_dir = resolve_model_dir(model)
     config = read_config(model_dir)
     m, refs = _build_for_checkpoint(config, open_checkpoint(model_dir))
-    if group is not None and group.size() > 1:
+    if not group.single:
         m.shard(group)
     target = parse_dtype(dtype) or config_dtype(config)
     method = foreign_quant_method(config)
@@ -200,7 +188,7 @@ def load_model(model: str | os.PathLike | None, dtype: str | None = None, group=
     )
     from . import faults
 
-    faults.at("load", group.rank() if group is not None else 0)
+    faults.at("load", group.rank())
     load_weights(m, refs, target, progress=progress, unexpected_hint=hint)
     m.eval()
     return Loaded(m, config, model_dir, target, group)

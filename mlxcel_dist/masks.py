@@ -24,11 +24,12 @@ Which builder applies:
 
 No builder ever returns a row that is all False.
 
-`layer_masks` (what models call once per forward) returns the string
-``"causal"`` instead of an array whenever the mask would be plain causal (a
-global layer, or a sliding layer whose keys all lie within the window): the
-fused attention kernel then applies it without reading a mask array, and
-without building one per forward.
+`layer_masks` (what models call once per forward) asks each attention kind's
+cache for its mask (the caches own which builder applies: cache.py). They
+return the string ``"causal"`` instead of an array whenever the mask would be
+plain causal (a global layer, or a sliding layer whose keys all lie within
+the window): the fused attention kernel then applies it without reading a
+mask array, and without building one per forward.
 """
 
 from __future__ import annotations
@@ -105,26 +106,15 @@ def create_sliding_window_prefill_mask(size: int, sliding_offset: int, window: i
 
 def layer_masks(L: int, cache, layer_types: list, window: int | None) -> dict:
     """One mask per attention kind for L new tokens, built once per forward
-    (before any layer updates its cache).
+    (before any layer updates its cache): each kind's first cache says which
+    (`cache.LayerCache.mask`). `cache` is the per-layer cache list, or None
+    for a cache-less pass, which needs what fresh caches would."""
+    if cache is None:
+        from .cache import make_layer_caches
 
-    A single decode token on the growing caches needs none: full layers see
-    every cached key and a sliding layer's rotating cache hands it exactly its
-    window. On decode.StaticCache buffers it is the cache's `valid_mask()`
-    (the slots written so far). `cache` is the per-layer cache list (or None
-    for a cache-less pass).
-    """
-    kinds = set(layer_types)
-    if L == 1:
-        if cache is not None and hasattr(cache[0], "valid_mask"):
-            # decode.StaticCache: fixed buffers, the unwritten slots hidden
-            return {kind: cache[layer_types.index(kind)].valid_mask() for kind in kinds}
-        return {kind: None for kind in kinds}
+        cache = make_layer_caches(layer_types, window)
     masks = {}
-    for kind in kinds:
-        c = cache[layer_types.index(kind)] if cache is not None else None
-        offset = c.sliding_offset if c is not None else 0
-        if kind == "sliding_attention" and window and offset + L > window:
-            masks[kind] = create_sliding_window_prefill_mask(L, offset, window)
-        else:
-            masks[kind] = CAUSAL  # every key it receives is visible causally
+    for kind, c in zip(layer_types, cache):
+        if kind not in masks:
+            masks[kind] = c.mask(L)
     return masks

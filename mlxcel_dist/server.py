@@ -37,6 +37,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
 
+from .collectives import SINGLE, Group
 from .errors import UserError
 from .sampling import SEED_LIMIT, SamplingParams
 
@@ -89,24 +90,14 @@ def decode(header: np.ndarray, payload: np.ndarray) -> GenRequest | None:
     return GenRequest(payload[:n_ids].tolist(), max_tokens, sampling, stop)
 
 
-def _all_sum(group, arr: np.ndarray) -> np.ndarray:
-    import mlx.core as mx
-
-    return np.array(mx.distributed.all_sum(mx.array(arr), group=group))
-
-
-def exchange(group, req: GenRequest | None = None) -> GenRequest | None:
+def exchange(group: Group, req: GenRequest | None = None) -> GenRequest | None:
     """Rank 0 passes `req` (None = shutdown); every rank gets the decoded
-    request back (rank 0 too, so all ranks use bit-identical values)."""
-    is_root = group is None or group.rank() == 0
-    header, payload = encode(req) if is_root else (np.zeros(HEADER_INTS, np.int32), None)
-    if group is not None and group.size() > 1:
-        header = _all_sum(group, header if is_root else np.zeros(HEADER_INTS, np.int32))
-        n = int(header[2]) + int(header[3]) if int(header[1]) == KIND_JOB else 0
-        if n:
-            payload = _all_sum(group, payload if is_root else np.zeros(n, np.int32))
-        else:
-            payload = np.zeros(0, np.int32)
+    request back (rank 0 too, so all ranks use bit-identical values). Two
+    broadcasts: the fixed-size header, then the payload it sizes."""
+    header, payload = encode(req) if group.is_root else (None, None)
+    header = group.broadcast(header, (HEADER_INTS,))
+    n = int(header[2]) + int(header[3]) if int(header[1]) == KIND_JOB else 0
+    payload = group.broadcast(payload, (n,)) if n else np.zeros(0, np.int32)
     return decode(header, payload)
 
 
@@ -146,7 +137,7 @@ def _stops(body) -> list[str]:
 class Service:
     """Rank 0's state: the model, the tokenizer, the job queue."""
 
-    def __init__(self, model, tokenizer, model_id: str, group=None, max_tokens_cap: int = 4096,
+    def __init__(self, model, tokenizer, model_id: str, group: Group = SINGLE, max_tokens_cap: int = 4096,
                  max_request_bytes: int = 1_000_000, prefill_step=None, vocab_size: int | None = None):
         self.model = model
         self.tok = tokenizer
@@ -275,7 +266,7 @@ class Service:
                     break
                 req = exchange(self.group, job.req)
                 try:
-                    run_generation(self, req, job.events.put)
+                    run_generation(self.model, self.tok, self.group, self.prefill_step, req, job.events.put)
                 except RanksDiverged as e:  # raised on every rank: they have all left
                     diverged = True
                     job.events.put(("error", str(e)))
@@ -308,14 +299,12 @@ class Job:
         self.events: queue.Queue = queue.Queue()  # ("text", s) ... then ("done", stats) or ("error", msg)
 
 
-def run_generation(svc_or_model, req: GenRequest, emit=None) -> None:
+def run_generation(model, tok, group: Group, prefill_step, req: GenRequest, emit=None) -> None:
     """Every rank: the same generation; rank 0 passes `emit` for its events."""
     from .engine import generate_text
 
-    model, tok, group, step = (svc_or_model.model, svc_or_model.tok, svc_or_model.group,
-                               svc_or_model.prefill_step)
     gen = generate_text(model, tok, req.prompt_ids, req.max_tokens, req.sampling, stop=req.stop,
-                        prefill_step=step, group=group)
+                        prefill_step=prefill_step, group=group)
     while True:
         try:
             text = next(gen)
@@ -327,7 +316,7 @@ def run_generation(svc_or_model, req: GenRequest, emit=None) -> None:
             emit(("text", text))
 
 
-def follower_loop(model, tok, group, prefill_step=None) -> None:
+def follower_loop(model, tok, group: Group, prefill_step=None) -> None:
     """Ranks other than 0: run every job rank 0 hands out until shutdown.
     Signals are left to rank 0, which sends the shutdown message."""
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -335,17 +324,11 @@ def follower_loop(model, tok, group, prefill_step=None) -> None:
             signal.signal(sig, lambda *_: None)
         except ValueError:  # pragma: no cover - not the main thread
             pass
-
-    class _S:
-        pass
-
-    s = _S()
-    s.model, s.tok, s.group, s.prefill_step = model, tok, group, prefill_step
     while True:
         req = exchange(group)
         if req is None:
             return
-        run_generation(s, req)
+        run_generation(model, tok, group, prefill_step, req)
 
 
 # HTTP ---------------------------------------------------------------------------
@@ -539,7 +522,7 @@ def serve(svc: Service, host: str, port: int) -> None:
     thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.2}, daemon=True)
     thread.start()
     h, p = httpd.server_address[:2]
-    print(f"serve: {svc.model_id} on http://{h}:{p}/v1 (np {svc.group.size() if svc.group else 1})",
+    print(f"serve: {svc.model_id} on http://{h}:{p}/v1 (np {svc.group.size()})",
           file=sys.stderr, flush=True)
     try:
         svc.loop()

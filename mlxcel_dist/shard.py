@@ -18,8 +18,6 @@ slice in packed words and in scale groups, which must cut whole groups).
 
 from __future__ import annotations
 
-import os
-
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.nn.layers.distributed import (
@@ -29,6 +27,8 @@ from mlx.nn.layers.distributed import (
     ShardedToAllLinear,
 )
 
+from . import faults
+from .collectives import Group
 from .errors import UserError
 from .quant import quantized_col_ranges
 
@@ -51,7 +51,7 @@ def _slice(w: mx.array, axis: int, ranges) -> mx.array:
     return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=axis)
 
 
-def _sharded(linear: nn.Module, kind: str, ranges, group, name: str = "layer") -> nn.Module:
+def _sharded(linear: nn.Module, kind: str, ranges, group: Group, name: str = "layer") -> nn.Module:
     """Swap `linear` for an AllToShardedLinear (kind "rows": output slice) or a
     ShardedToAllLinear (kind "cols": input slice) holding only `ranges`
     (logical rows / input columns). A QuantizedLinear becomes the quantized
@@ -64,7 +64,7 @@ def _sharded(linear: nn.Module, kind: str, ranges, group, name: str = "layer") -
     # The constructors want evenly divisible dims; shapes are replaced below
     # (replicated KV heads are not an even split of the output).
     if kind == "rows":
-        layer = AllToShardedLinear(in_dims, n, bias=has_bias, group=group)
+        layer = AllToShardedLinear(in_dims, n, bias=has_bias, group=group.mlx)
         layer.weight = _slice(linear.weight, 0, ranges)
         if has_bias:
             layer.bias = _slice(linear.bias, 0, ranges)
@@ -72,7 +72,7 @@ def _sharded(linear: nn.Module, kind: str, ranges, group, name: str = "layer") -
         if has_bias:
             spec["bias"] = (0, ranges)
     else:
-        layer = ShardedToAllLinear(n, out_dims, bias=has_bias, group=group)
+        layer = ShardedToAllLinear(n, out_dims, bias=has_bias, group=group.mlx)
         layer.weight = _slice(linear.weight, 1, ranges)
         if has_bias:
             layer.bias = linear.bias  # added once, after the all_sum
@@ -100,14 +100,14 @@ def _sharded_quantized(linear: nn.QuantizedLinear, kind: str, ranges, group, nam
     # Placeholder shapes (lazy, never evaluated) that the constructors accept;
     # the real slices replace them below.
     if kind == "rows":
-        layer = QuantizedAllToShardedLinear(in_dims, n, bias=has_bias, group=group, **q)
+        layer = QuantizedAllToShardedLinear(in_dims, n, bias=has_bias, group=group.mlx, **q)
         names = ["weight", "scales"] + ["biases"] * has_biases + ["bias"] * has_bias
         spec = {p: (0, ranges) for p in names}
         for p in names:
             setattr(layer, p, _slice(linear[p], 0, ranges))
     else:
         packed, groups = quantized_col_ranges(ranges, gs, bits, f"{n} ranks cannot split {name} ({in_dims} inputs)")
-        layer = QuantizedShardedToAllLinear(n * gs, out_dims, bias=has_bias, group=group, **q)
+        layer = QuantizedShardedToAllLinear(n * gs, out_dims, bias=has_bias, group=group.mlx, **q)
         spec = {"weight": (1, packed), "scales": (1, groups)}
         if has_biases:
             spec["biases"] = (1, groups)
@@ -143,22 +143,18 @@ def head_ranges(total_heads: int, total_kv_heads: int, n: int, r: int):
     return (q0, q1), (kv0, kv1)
 
 
-def shard_attention(attn: nn.Module, group) -> None:
+def shard_attention(attn: nn.Module, group: Group) -> None:
     """Shard q/k/v/o projections of a standard attention block in place.
 
     Needs `total_num_heads`, `total_num_kv_heads`, `head_dim`, and q_proj,
     k_proj, v_proj, o_proj; per-head parameters named in `attn.per_head_params`
     (e.g. attention sinks) are sliced with their heads.
     """
-    n, r = group.size(), group.rank()
-    if n == 1:
+    if group.single:
         return
-    (q0, q1), (kv0, kv1) = head_ranges(attn.total_num_heads, attn.total_num_kv_heads, n, r)
+    (q0, q1), kv = head_ranges(attn.total_num_heads, attn.total_num_kv_heads, group.size(), group.rank())
+    kv0, kv1 = faults.kv_heads(kv, attn.total_num_kv_heads, group)
     D = attn.head_dim
-    if os.environ.get("MLXCEL_DIST_INJECT_FAULT") == "wrong-kv-slice" and r == n - 1:
-        # Test hook: the last rank takes the wrong KV heads, so the harness
-        # can prove it catches a bad shard.
-        kv0, kv1 = (kv0 + 1) % attn.total_num_kv_heads, (kv0 + 1) % attn.total_num_kv_heads + (kv1 - kv0)
     attn.q_proj = _sharded(attn.q_proj, "rows", [(q0 * D, q1 * D)], group)
     attn.k_proj = _sharded(attn.k_proj, "rows", [(kv0 * D, kv1 * D)], group)
     attn.v_proj = _sharded(attn.v_proj, "rows", [(kv0 * D, kv1 * D)], group)
@@ -173,11 +169,11 @@ def shard_attention(attn: nn.Module, group) -> None:
     attn.num_kv_heads = kv1 - kv0
 
 
-def shard_mlp(mlp: nn.Module, group, up=("gate_proj", "up_proj"), down="down_proj") -> None:
+def shard_mlp(mlp: nn.Module, group: Group, up=("gate_proj", "up_proj"), down="down_proj") -> None:
     """Column-shard the up projections and row-shard the down projection."""
-    n, r = group.size(), group.rank()
-    if n == 1:
+    if group.single:
         return
+    n, r = group.size(), group.rank()
     inter = getattr(mlp, up[0]).weight.shape[0]
     if inter % n:
         raise UserError(f"{n} ranks cannot split the MLP's intermediate size {inter}")
@@ -188,14 +184,14 @@ def shard_mlp(mlp: nn.Module, group, up=("gate_proj", "up_proj"), down="down_pro
     setattr(mlp, down, _sharded(getattr(mlp, down), "cols", rng, group, down))
 
 
-def shard_layers(layers, group, attn="self_attn", mlp="mlp") -> None:
+def shard_layers(layers, group: Group, attn="self_attn", mlp="mlp") -> None:
     """The common decoder: shard each layer's attention and gated MLP."""
     for layer in layers:
         shard_attention(getattr(layer, attn), group)
         shard_mlp(getattr(layer, mlp), group)
 
 
-def vocab_parallel_logits(layer: nn.Module, h: mx.array, group) -> mx.array:
+def vocab_parallel_logits(layer: nn.Module, h: mx.array, group: Group) -> mx.array:
     """Logits [B, L, V] of an output head (`nn.Linear`, or an embedding used
     as one; quantized or not) whose work is split by vocabulary: rank r
     multiplies h by rows [r*V/N, (r+1)*V/N) of the (whole, replicated) weight,
@@ -216,8 +212,22 @@ def vocab_parallel_logits(layer: nn.Module, h: mx.array, group) -> mx.array:
     if "bias" in layer:
         part = part + layer.bias[rows]
     B, L, _ = part.shape
-    full = mx.distributed.all_gather(part.reshape(B * L, per).T, group=group)  # [V, B*L], rank order
+    full = group.all_gather(part.reshape(B * L, per).T)  # [V, B*L], rank order
     return full.T.reshape(B, L, V)
+
+
+def plan_sharded_linears(model: nn.Module) -> tuple[int, int]:
+    """(all_sums, payload bytes) of one single-token forward through the
+    sharded-to-all projections this module helped swap in (o_proj,
+    down_proj, ...): one all_sum of [1, 1, out] each, in the layer's output
+    dtype (a quantized layer's: its scales')."""
+    calls = nbytes = 0
+    for _, m in model.named_modules():
+        if isinstance(m, (ShardedToAllLinear, QuantizedShardedToAllLinear)):
+            dt = (m.scales if isinstance(m, QuantizedShardedToAllLinear) else m.weight).dtype
+            calls += 1
+            nbytes += m.weight.shape[0] * dt.size
+    return calls, nbytes
 
 
 def collect_plan(model: nn.Module) -> dict:
@@ -245,7 +255,7 @@ def shard_head_vector(module: nn.Module, name: str, heads: tuple, head_dim: int)
     module.shard_spec = ShardSpec(slices)
 
 
-def shard_moe(moe: nn.Module, group, experts: str = "experts") -> None:
+def shard_moe(moe: nn.Module, group: Group, experts: str = "experts") -> None:
     """Tensor-parallel mixture of experts: the router (any other child of
     `moe`) stays replicated, so every rank routes every token alike; each
     expert is split by its intermediate dimension I, rank r keeping slice
@@ -260,9 +270,9 @@ def shard_moe(moe: nn.Module, group, experts: str = "experts") -> None:
     attribute, set here: one all_sum per block) and adds the down bias once,
     after the sum.
     """
-    n, r = group.size(), group.rank()
-    if n == 1:
+    if group.single:
         return
+    n, r = group.size(), group.rank()
     ex = getattr(moe, experts)
     inter = ex.down_proj.shape[1]
     if ex.gate_up_proj.shape[2] != 2 * inter:

@@ -11,11 +11,13 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from mlxcel_dist.collectives import SINGLE, Group
 from mlxcel_dist.engine import RankAgreement, TokenGenerator, sequence_logits
 from mlxcel_dist.loader import default_model_dir, load_model
+from mlxcel_dist.models import MODEL_REMAP, supported
 from mlxcel_dist.sampling import Sampler, SamplingParams, apply_repetition_penalty
 
-from reference_cases import FIXTURES
+from reference_cases import FIXTURES, case_id, cases
 
 
 @pytest.fixture(scope="module")
@@ -129,9 +131,16 @@ def eager_logits(model, ids, start):
     return np.stack([np.array(model(mx.array([[int(t)]]), cache)[0, -1].astype(mx.float32)) for t in ids[start:]])
 
 
-STATIC_CASES = ["gemma3/gqa_fp32", "gemma3/softcap_fp32", "gemma3/gqa_bf16", "gemma2/gqa_fp32", "gpt_oss/gqa_fp32",
-                "gpt_oss/gqa_bf16", "ministral3/gqa_window_fp32", "olmo3/gqa_fp32", "cohere2/gqa_fp32",
-                "exaone4/gqa_fp32", "qwen3/sliding_fp32", "mistral/gqa_fp32", "llama/gqa_fp32"]
+# Every reference case of every registered family: a new family's fixtures
+# are covered here without a hand edit.
+STATIC_CASES = [case_id(d) for d in cases() if d.parent.name in supported()]
+
+
+def test_every_registered_model_type_has_reference_fixtures():
+    # A model_type is covered by its own fixtures or by those of the file it maps to.
+    families = {d.parent.name for d in cases()}
+    missing = [t for t in supported() if t not in families and MODEL_REMAP.get(t, t) not in families]
+    assert not missing, f"registered model_types without tests/fixtures/<family>/: {missing}"
 
 
 @pytest.mark.parametrize("case", STATIC_CASES)
@@ -158,9 +167,9 @@ def test_device_agreement_row_is_the_host_row(monkeypatch):
     # A 2-rank group seen from rank 0, the all_sum an identity: row 0 is
     # what this rank contributes, computed on the device from the lazy id.
     monkeypatch.setattr(mx.distributed, "all_sum", lambda x, group=None: x)
-    group = SimpleNamespace(size=lambda: 2, rank=lambda: 0)
+    group = Group(SimpleNamespace(size=lambda: 2, rank=lambda: 0))
     g = RankAgreement(group, every=1)
-    host = RankAgreement(None, every=1)
+    host = RankAgreement(SINGLE, every=1)
     for tok in [5, 0, 262143, 17, 2**20, 3] * 5:
         rows = np.array(g.pending_rows(mx.array(tok, mx.int32)))
         host.add(tok)

@@ -17,7 +17,8 @@ import pytest
 from typer.testing import CliRunner
 
 from mlxcel_dist.cli import app
-from mlxcel_dist.engine import RankAgreement, generate_text, generate_tokens, gather_per_rank
+from mlxcel_dist.collectives import SINGLE
+from mlxcel_dist.engine import RankAgreement, generate_text, generate_tokens
 from mlxcel_dist.errors import UserError
 from mlxcel_dist.loader import default_model_dir
 from mlxcel_dist.sampling import (
@@ -309,6 +310,7 @@ class Scripted:
         self.script = list(script)
         self.args = SimpleNamespace(vocab_size=vocab)
         self.calls = 0
+        self.decode_step = None  # the model contract's slot (decode.decode_step_for)
 
     def make_cache(self):
         return None
@@ -370,14 +372,14 @@ def test_generation_streams_utf8_whole_and_respects_max_tokens(tok):
 
 def test_rank_agreement_guard_runs_at_np1():
     # One rank: the check runs its code path without a collective and passes.
-    g = RankAgreement(None, every=4)
+    g = RankAgreement(SINGLE, every=4)
     for t in range(10):
         g.add(t)
     g.finish()
     assert g.checks == 3 and g.checked == 10
-    assert gather_per_rank(None, [1, 2]).tolist() == [[1.0, 2.0]]
+    assert SINGLE.gather_rows([1, 2]).tolist() == [[1.0, 2.0]]
     with pytest.raises(UserError, match="--check-every must be >= 0"):
-        RankAgreement(None, every=-1)
+        RankAgreement(SINGLE, every=-1)
 
 
 def test_generate_tokens_counts_checks(tok):

@@ -1,9 +1,10 @@
-"""What every model file shares: config parsing and the per-layer kinds.
+"""What every model file shares: the model contract, config parsing and
+the per-layer kinds.
 
 A model file defines `ModelArgs(BaseModelArgs)` whose fields are config.json
-keys, `Model(args)` with `__call__(inputs [B, L] int32, cache=None) ->
-logits [B, L, vocab]`, `make_cache()`, `sanitize(weights)` (pure dict -> dict
-over weight names) and `shard(group)`.
+keys and a `Model(args)` that fulfils `LanguageModel` (below): `__call__`,
+`make_cache`, `masks`, `sanitize`, `shard`, `collectives_per_token` and the
+`decode_step` slot. `CausalLM` fulfils it for the usual decoder.
 
 The decoder-stack loop (`run_layers`) and the `Model` wrapper around it
 (`CausalLM`: output head, `layers`, `make_cache`, `sanitize`, `shard`) are
@@ -13,16 +14,50 @@ shared here; what a family does differently stays explicit in its own file.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, Protocol
 
+import mlx.core as mx
 import mlx.nn as nn
 
-from ..cache import make_layer_caches
+from ..cache import FULL, SLIDING, make_layer_caches
+from ..collectives import SINGLE, Group
 from ..errors import UserError
 from ..masks import layer_masks
-from ..shard import shard_layers, vocab_parallel_logits
+from ..shard import plan_sharded_linears, shard_layers, vocab_parallel_logits
 
-SLIDING = "sliding_attention"
-FULL = "full_attention"
+__all__ = ["FULL", "SLIDING", "LanguageModel", "BaseModelArgs", "CausalLM", "DecoderStack"]
+
+
+class LanguageModel(Protocol):
+    """What the engine, the loader, decode.py and bench ask of a model.
+
+    - `args`: the ModelArgs (at least `vocab_size`; `layer_types`);
+    - `__call__(inputs [B, L] int32, cache=None) -> logits [B, L, vocab]`;
+    - `make_cache()`: one `cache.LayerCache` per layer (or None: no cache);
+    - `masks(L, cache)`: one mask per attention kind for L new tokens;
+    - `sanitize(weights)`: pure dict -> dict over checkpoint names;
+    - `shard(group)`: tensor parallelism applied after construction;
+    - `collectives_per_token()`: {op: (calls, payload bytes)} that one
+      single-token forward issues on this rank (bench checks its counts
+      against it);
+    - `decode_step`: None until `decode.decode_step_for` keeps the model's
+      compiled decode step there.
+    """
+
+    args: Any
+    decode_step: Any
+
+    def __call__(self, inputs: mx.array, cache=None) -> mx.array: ...
+
+    def make_cache(self) -> list | None: ...
+
+    def masks(self, L: int, cache) -> dict: ...
+
+    def sanitize(self, weights: dict) -> dict: ...
+
+    def shard(self, group: Group) -> None: ...
+
+    def collectives_per_token(self) -> dict: ...
 
 
 @dataclasses.dataclass
@@ -173,6 +208,11 @@ class CausalLM(nn.Module):
         self.model = model
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.head_group = SINGLE  # shard_head: the group that splits the head's vocabulary
+        self.decode_step = None  # decode.decode_step_for keeps the compiled step here
+
+    def masks(self, L: int, cache) -> dict:
+        return self.model.masks(L, cache)
 
     def __call__(self, inputs, cache=None):
         return self.head(self.model(inputs, cache))
@@ -182,18 +222,33 @@ class CausalLM(nn.Module):
         `shard_head` each rank computes only its vocabulary slice from the
         (replicated) head weights and one all_gather joins the slices: the
         same logits on every rank for 1/N of the head's work."""
-        layer = self.model.embed_tokens if self.args.tie_word_embeddings else self.lm_head
-        group = self.__dict__.get("head_group")
-        if group is not None:
-            return vocab_parallel_logits(layer, h, group)
+        layer = self.head_layer
+        if not self.head_group.single:
+            return vocab_parallel_logits(layer, h, self.head_group)
         return layer.as_linear(h) if self.args.tie_word_embeddings else layer(h)
 
-    def shard_head(self, group):
+    @property
+    def head_layer(self) -> nn.Module:
+        return self.model.embed_tokens if self.args.tie_word_embeddings else self.lm_head
+
+    def shard_head(self, group: Group):
         """Split the output head's work by vocabulary (`head`) when the ranks
         divide it; the weights stay whole on every rank (tied embeddings
         need every row for the input lookup)."""
-        if group.size() > 1 and self.args.vocab_size % group.size() == 0:
+        if not group.single and self.args.vocab_size % group.size() == 0:
             self.head_group = group
+
+    def collectives_per_token(self) -> dict:
+        """{op: (calls, payload bytes)} of one single-token forward on this
+        rank: an all_sum per sharded-to-all projection (`shard.
+        plan_sharded_linears`) and the vocabulary-split head's all_gather
+        ([V/N, 1] in the head's dtype). Families that add collectives extend it."""
+        plan = {"all_sum": plan_sharded_linears(self), "all_gather": (0, 0)}
+        if not self.head_group.single:
+            head = self.head_layer
+            dt = (head.scales if "scales" in head else head.weight).dtype
+            plan["all_gather"] = (1, self.args.vocab_size // self.head_group.size() * dt.size)
+        return plan
 
     @property
     def layers(self):
@@ -215,6 +270,6 @@ class CausalLM(nn.Module):
             out[name] = w
         return out
 
-    def shard(self, group):
+    def shard(self, group: Group):
         shard_layers(self.layers, group)
         self.shard_head(group)

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.nn.layers.distributed import sum_gradients
 
 from ..blocks import Attention, PreNormBlock
+from ..collectives import SINGLE
 from ..errors import UserError
 from ..layers import RMSNormFP32Scale
 from ..rope import RoPE
@@ -161,12 +161,10 @@ class Experts(nn.Module):
         self.gate_up_proj_bias = mx.zeros((num_experts, 2 * intermediate_size))
         self.down_proj = mx.zeros((num_experts, intermediate_size, hidden_size))
         self.down_proj_bias = mx.zeros((num_experts, hidden_size))
-        self.group = None  # set by shard_moe when the intermediate dim is split
+        self.group = SINGLE  # shard_moe sets the job's group when the intermediate dim is split
 
     def __call__(self, x, indices, weights):
         # x [N, hidden]; indices [N, k] expert ids; weights [N, k] routing weights
-        if self.group is not None:
-            x = sum_gradients(self.group)(x)  # identity forward, as AllToShardedLinear
         xe = x[:, None, None, :]  # [N, 1, 1, hidden]: one row per (token, chosen expert)
         gu = gather_mm(xe, self.gate_up_proj, indices)  # [N, k, 1, 2I]
         gu = gu + self.gate_up_proj_bias[indices][:, :, None, :]
@@ -174,8 +172,7 @@ class Experts(nn.Module):
         out = gather_mm(h, self.down_proj, indices).squeeze(-2)  # [N, k, hidden]
         w = weights[..., None].astype(out.dtype)  # [N, k, 1]
         y = (out * w).sum(axis=1)  # [N, hidden]
-        if self.group is not None:
-            y = mx.distributed.all_sum(y, group=self.group)
+        y = self.group.all_sum(y)  # partial sums of this rank's slice of each expert
         return y + (self.down_proj_bias[indices] * w).sum(axis=1)
 
 
@@ -252,3 +249,15 @@ class Model(CausalLM):
             shard_attention(layer.self_attn, group)
             shard_moe(layer.mlp, group)
         self.shard_head(group)
+
+    def collectives_per_token(self) -> dict:
+        """The usual ones plus, per sharded MoE block, the experts' partial
+        sums ([1, hidden] in the experts' dtype)."""
+        plan = super().collectives_per_token()
+        calls, nbytes = plan["all_sum"]
+        for layer in self.layers:
+            ex = layer.mlp.experts
+            if not ex.group.single:
+                calls += 1
+                nbytes += ex.down_proj.shape[-1] * ex.down_proj.dtype.size
+        return {**plan, "all_sum": (calls, nbytes)}

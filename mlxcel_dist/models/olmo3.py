@@ -22,6 +22,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..blocks import MLP, Attention
+from ..collectives import SINGLE
 from ..errors import UserError
 from ..layers import RMSNormFP32Scale, activation
 from ..rope import RoPE
@@ -104,7 +105,7 @@ class Olmo3Attention(Attention):
         )
         self.q_norm = RMSNormFP32Scale(args.num_attention_heads * args.head_dim, args.rms_norm_eps)
         self.k_norm = RMSNormFP32Scale(args.num_key_value_heads * args.head_dim, args.rms_norm_eps)
-        self.norm_group = None
+        self.norm_group = SINGLE  # Model.shard sets the job's group
         self.kv_replicas = 1  # ranks holding each KV head (> 1 when KV heads are replicated)
 
     def _whole_norm(self, q, k):
@@ -112,8 +113,7 @@ class Olmo3Attention(Attention):
         qf, kf = q.astype(mx.float32), k.astype(mx.float32)
         # Sums of squares of this rank's heads: [B, L, 2] (q, k).
         ssq = mx.concatenate([(qf * qf).sum(-1, keepdims=True), (kf * kf).sum(-1, keepdims=True)], axis=-1)
-        if self.norm_group is not None:
-            ssq = mx.distributed.all_sum(ssq, group=self.norm_group)
+        ssq = self.norm_group.all_sum(ssq)
         D = self.head_dim
         # A replicated KV head is summed once per rank holding it: count it as often.
         count = mx.array([self.total_num_heads * D, self.total_num_kv_heads * D * self.kv_replicas], mx.float32)
@@ -158,9 +158,9 @@ class Model(CausalLM):
 
     def shard(self, group):
         super().shard(group)
-        n, r = group.size(), group.rank()
-        if n == 1:
+        if group.single:
             return
+        n, r = group.size(), group.rank()
         for layer in self.layers:
             attn = layer.self_attn
             (q0, q1), (kv0, kv1) = head_ranges(attn.total_num_heads, attn.total_num_kv_heads, n, r)
@@ -168,3 +168,10 @@ class Model(CausalLM):
             shard_head_vector(attn.k_norm, "weight", (kv0, kv1), attn.head_dim)
             attn.norm_group = group
             attn.kv_replicas = max(1, n // attn.total_num_kv_heads)
+
+    def collectives_per_token(self) -> dict:
+        """The usual ones plus, per layer, the q/k sums of squares ([1, 1, 2] float32)."""
+        plan = super().collectives_per_token()
+        n = sum(not layer.self_attn.norm_group.single for layer in self.layers)
+        calls, nbytes = plan["all_sum"]
+        return {**plan, "all_sum": (calls + n, nbytes + n * 2 * 4)}

@@ -22,7 +22,7 @@ import signal
 import sys
 import time
 
-from mlxcel_dist.distributed import barrier, init_from_env, rank
+from mlxcel_dist.distributed import init_from_env, launched_world, world
 from mlxcel_dist.errors import UserError
 
 
@@ -42,17 +42,17 @@ def main() -> int:
     args = ap.parse_args()
 
     if args.no_init:
-        print(f"rank {rank()} pid {os.getpid()} up", flush=True)
+        print(f"rank {world().rank()} pid {os.getpid()} up", flush=True)
         time.sleep(args.sleep)
         return 0
 
+    if launched_world() is None:
+        print("error: not launched (MLXCEL_DIST_WORLD unset)", file=sys.stderr)
+        return 2
     try:
         group = init_from_env()
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
-    if group is None:
-        print("error: not launched (MLXCEL_DIST_WORLD unset)", file=sys.stderr)
         return 2
 
     import mlx.core as mx
@@ -77,14 +77,14 @@ def main() -> int:
             a = (a @ a) / 512.0
         mx.eval(a)  # one long graph per eval, GIL released inside
 
-    total = mx.distributed.all_sum(mx.array([float(r + 1)]), group=group)
+    total = group.all_sum(mx.array([float(r + 1)]))
     mx.eval(total)
     want = n * (n + 1) / 2
     got = total.item()
     if got != want:
         print(f"error: rank {r}: all_sum gave {got}, expected {want}", file=sys.stderr)
         return 1
-    barrier(group)
+    group.barrier()
     if args.stream and r == 0:
         sys.stdout.write("partial")
         sys.stdout.flush()

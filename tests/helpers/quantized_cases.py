@@ -21,7 +21,7 @@ from mlxcel_dist.loader import load_model
 def main():
     out = Path(sys.argv[1])
     group = distributed.init_from_env()
-    r = group.rank() if group is not None else 0
+    r = group.rank()
     args = sys.argv[2:]
     for i, (d, ids_file) in enumerate(zip(args[::2], args[1::2])):
         ids = np.load(ids_file)["ids"]

@@ -20,7 +20,7 @@ def main():
     group = distributed.init_from_env()
     m = load_model(model_dir, group=group).model
     held = sum(v.nbytes for _, v in tree_flatten(m.parameters()))
-    r = group.rank() if group is not None else 0
+    r = group.rank()
     (out / f"rank{r}.json").write_text(json.dumps({"read": weights.bytes_read, "held": held}))
 
 

@@ -22,7 +22,7 @@ def main():
         ids = np.load(d / "reference.npz")["ids"]
         model = load_model(d, group=group).model
         result = all_mode_logits(model, ids)
-        if group is None or group.rank() == 0:
+        if group.is_root:
             np.savez(out / f"{d.parent.name}__{d.name}.npz", **result)
 
 
