@@ -173,6 +173,42 @@ def test_chain_matches_transformers_logits_processors(params):
     np.testing.assert_array_equal(ours[m], ref[m])  # same float32 operations: bit-identical
 
 
+# transformers' generate, recorded (scripts/make_transformers_fixtures.py): the
+# comparison above without torch, on transformers' own processor list and order
+HF_FIXTURES = Path(__file__).parent / "fixtures" / "transformers"
+HF_SAMPLING = json.loads((HF_FIXTURES / "sampling.json").read_text())["cases"]
+
+
+@pytest.fixture(scope="module")
+def hf_sampling():
+    with np.load(HF_FIXTURES / "sampling.npz") as z:
+        return {k: z[k] for k in z.files}
+
+
+@pytest.mark.parametrize("case", HF_SAMPLING, ids=lambda c: c["name"])
+def test_sampling_matches_recorded_transformers_generate(hf_sampling, case):
+    i, params = case["index"], SamplingParams(**case["params"])
+    x = mx.array(hf_sampling[f"logits_{i}"])
+    scores = hf_sampling[f"scores_{i}"]
+    context = hf_sampling[f"context_{i}"].tolist()
+    sampler = Sampler(params)
+    for step, want in enumerate(scores):
+        # the same float32 operations: bit-identical, -inf where transformers removed a token
+        np.testing.assert_array_equal(np.array(process_logits(x, context, params)), want)
+        # the decode loop's form: the last id not yet read back from the device
+        pending = process_logits(x, context[:-1], params, pending=mx.array(context[-1], dtype=mx.int32))
+        np.testing.assert_array_equal(np.array(pending), want)
+        if params.greedy:
+            token = int(hf_sampling[f"tokens_{i}"][step])
+            assert sampler(x, context) == token  # the token transformers chose
+            context.append(token)
+        else:
+            drawn = {sampler(x, context) for _ in range(50)}
+            assert drawn <= kept(want), "drew a token transformers removed"
+            assert len(drawn) > 1 or len(kept(want)) == 1, "always the same token from several"
+    assert len(scores) == case["steps"]
+
+
 def test_greedy_is_argmax_after_repetition_penalty():
     x = np.array([1.0, 3.0, 2.9, -1.0], np.float32)
     assert Sampler(SamplingParams())(mx.array(x), []) == 1
@@ -447,6 +483,65 @@ def test_chat_template_matches_transformers(chat_ckpt, conv, gen_prompt):
     assert ours.render_chat(conv, add_generation_prompt=gen_prompt) == want
     want_ids = ref.apply_chat_template(conv, add_generation_prompt=gen_prompt, tokenize=True, return_dict=False)
     assert ours.chat_ids(conv, add_generation_prompt=gen_prompt) == list(want_ids)
+
+
+# apply_chat_template, recorded (scripts/make_transformers_fixtures.py): the
+# comparison above without transformers, over more templates and conversations
+HF_CHAT = json.loads((HF_FIXTURES / "chat_templates.json").read_text())
+
+
+def _hf_chat_ckpt(d, layout):
+    """A copy of the embedded model whose tokenizer carries the templates as
+    the recording script laid them out."""
+    templates = HF_CHAT["templates"]
+    shutil.copytree(TINY, d)
+    tc = json.loads((d / "tokenizer_config.json").read_text())
+    t = layout.get("tokenizer_config")
+    if isinstance(t, str):
+        tc["chat_template"] = templates[t]
+    elif isinstance(t, list):
+        tc["chat_template"] = [{"name": n, "template": templates[src]} for n, src in t]
+    (d / "tokenizer_config.json").write_text(json.dumps(tc))
+    if "chat_template.jinja" in layout:
+        (d / "chat_template.jinja").write_text(templates[layout["chat_template.jinja"]])
+    return d
+
+
+@pytest.fixture(scope="module")
+def hf_chat_tokenizers(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf_chat")
+    return {name: Tokenizer(_hf_chat_ckpt(root / name, {"tokenizer_config": name})) for name in HF_CHAT["templates"]}
+
+
+def test_recorded_chat_cases_include_this_files_template():
+    assert HF_CHAT["templates"]["test"] == TEMPLATE
+    assert list(HF_CHAT["conversations"].values())[:3] == CONVERSATIONS
+    assert {c["template"] for c in HF_CHAT["cases"]} == set(HF_CHAT["templates"])
+    assert any("error" in c for c in HF_CHAT["cases"])
+
+
+@pytest.mark.parametrize("case", HF_CHAT["cases"], ids=lambda c: "{template}-{conversation}-{add_generation_prompt}"
+                         .format(**c))
+def test_chat_template_matches_recorded_transformers(hf_chat_tokenizers, case):
+    t = hf_chat_tokenizers[case["template"]]
+    conv, gen = HF_CHAT["conversations"][case["conversation"]], case["add_generation_prompt"]
+    if "error" in case:  # transformers refused it: so do we, with the template's message
+        with pytest.raises(UserError) as e:
+            t.render_chat(conv, add_generation_prompt=gen)
+        assert case["error"] in str(e.value)
+        return
+    assert t.render_chat(conv, add_generation_prompt=gen) == case["text"]
+    assert t.chat_ids(conv, add_generation_prompt=gen) == case["ids"]
+
+
+@pytest.mark.parametrize("name", list(HF_CHAT["layouts"]))
+def test_chat_template_source_matches_recorded_transformers(tmp_path, name):
+    # which template a checkpoint with several uses
+    case = HF_CHAT["layouts"][name]
+    t = Tokenizer(_hf_chat_ckpt(tmp_path / name, case["files"]))
+    conv = HF_CHAT["conversations"]["multi_turn"]
+    assert t.render_chat(conv) == case["text"]
+    assert t.chat_ids(conv) == case["ids"]
 
 
 def test_chat_template_jinja_file_wins(chat_ckpt):
