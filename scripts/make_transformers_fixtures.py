@@ -3,7 +3,8 @@
 so tests/test_generate.py checks the project against it without torch
 (CI has none).
 
-Run from the repository root (needs torch and transformers, `pip install -e ".[dev]"`):
+Run from the repository root (needs torch and transformers: `pip install -e ".[reference]"`;
+recorded with torch 2.13.0 CPU and transformers 5.24.0):
 
     python scripts/make_transformers_fixtures.py
 
