@@ -34,6 +34,7 @@ from .masks import CAUSAL, create_sliding_window_prefill_mask
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
+RECURRENT = "recurrent"  # a recurrent layer's kind (recurrent_gemma): state, no keys
 LAYER_KINDS = (SLIDING, FULL)
 
 
@@ -279,3 +280,36 @@ class SharedKVCache(LayerCache):
 def make_layer_caches(layer_types: list, window: int | None) -> list:
     """A RotatingKVCache(window) per sliding layer, a KVCache per full layer."""
     return [RotatingKVCache(window) if kind == SLIDING else KVCache() for kind in layer_types]
+
+
+class RecurrentCache(LayerCache):
+    """A recurrent layer's state across chunks and decode steps (RecurrentGemma's
+    RG-LRU block): `conv_state` [B, conv1d_width - 1, channels] holds the last
+    inputs of the causal depthwise conv1d (compute dtype), `lru_state`
+    [B, channels] the linear recurrence's hidden state (float32, as the
+    reference accumulates). The layer reads both with `fetch()` and writes them
+    back with `update(conv_state, lru_state, n)`; `offset` counts the tokens
+    seen (position 0 resets the recurrence). No keys, so no mask, and it stays
+    eager in decode (`static_kv` False)."""
+
+    def __init__(self):
+        self.conv_state = None
+        self.lru_state = None
+        self.offset = 0
+
+    def mask(self, L: int):
+        return None  # recurrent layers take no mask
+
+    def fetch(self):
+        return self.conv_state, self.lru_state
+
+    def update(self, conv_state: mx.array, lru_state: mx.array, n: int) -> None:
+        self.conv_state, self.lru_state = conv_state, lru_state
+        self.offset += n
+
+    def release(self) -> None:
+        self.conv_state = self.lru_state = None
+
+    @property
+    def state(self):
+        return [] if self.conv_state is None else [self.conv_state, self.lru_state]

@@ -289,3 +289,38 @@ def shard_moe(moe: nn.Module, group: Group, experts: str = "experts") -> None:
         {"gate_up_proj": (2, pairs), "gate_up_proj_bias": (1, pairs), "down_proj": (1, [(i0, i1)])}
     )
     ex.group = group
+
+
+def shard_recurrent_block(block: nn.Module, group: Group) -> None:
+    """Tensor-parallel RG-LRU recurrent block (RecurrentGemma): the recurrence
+    and its gates are block-diagonal per head (`block.rg_lru.num_heads` blocks
+    of `block_width` channels), so rank r keeps heads [r*H/N, (r+1)*H/N) and
+    their channels c in [h0*bw, h1*bw): the rows of linear_x / linear_y (with
+    their biases), the depthwise conv1d's channels (`conv_1d.weight`
+    [C, 1, width], `conv_1d.bias`), `rg_lru.recurrent_param` [C] and the
+    per-head gate weights [H, bw, bw] / biases [H, bw]. Each rank's conv and
+    LRU state covers its channels only; linear_out is sharded-to-all (one
+    all_sum, its bias added once after it)."""
+    if group.single:
+        return
+    n, r = group.size(), group.rank()
+    lru = block.rg_lru
+    H, bw = lru.num_heads, lru.block_width
+    if H % n:
+        raise UserError(f"{n} ranks cannot split the recurrent block's {H} heads")
+    h0, h1 = r * H // n, (r + 1) * H // n
+    chans = [(h0 * bw, h1 * bw)]
+    block.linear_x = _sharded(block.linear_x, "rows", chans, group)
+    block.linear_y = _sharded(block.linear_y, "rows", chans, group)
+    block.linear_out = _sharded(block.linear_out, "cols", chans, group, "linear_out")
+    conv = block.conv_1d
+    conv.weight, conv.bias = _slice(conv.weight, 0, chans), _slice(conv.bias, 0, chans)
+    conv.shard_spec = ShardSpec({"weight": (0, chans), "bias": (0, chans)})
+    heads = [(h0, h1)]
+    spec = {"recurrent_param": (0, chans)}
+    for name in ("input_gate_weight", "input_gate_bias", "recurrent_gate_weight", "recurrent_gate_bias"):
+        spec[name] = (0, heads)
+    for name, (axis, rng) in spec.items():
+        setattr(lru, name, _slice(getattr(lru, name), axis, rng))
+    lru.shard_spec = ShardSpec(spec)
+    lru.num_heads = h1 - h0
