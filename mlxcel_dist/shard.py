@@ -324,3 +324,56 @@ def shard_recurrent_block(block: nn.Module, group: Group) -> None:
         setattr(lru, name, _slice(getattr(lru, name), axis, rng))
     lru.shard_spec = ShardSpec(spec)
     lru.num_heads = h1 - h0
+
+
+def _slice_linear_in_place(linear: nn.Module, kind: str, ranges, name: str) -> None:
+    """Slice a Linear / QuantizedLinear in place (its class kept, so it issues
+    no collective): "rows" keeps output rows `ranges` (weight, scales, biases,
+    bias), "cols" keeps input columns `ranges` (for a quantized layer, the
+    packed words and scale groups, whole groups only). Attaches its ShardSpec."""
+    quantized = isinstance(linear, nn.QuantizedLinear)
+    if kind == "rows":
+        names = ["weight", "bias"] + (["scales", "biases"] if quantized else [])
+        spec = {p: (0, ranges) for p in names if linear.get(p) is not None}
+    else:
+        if "bias" in linear:
+            raise UserError(f"{name} has a bias: a split down projection cannot add it once without a collective")
+        if quantized:
+            in_dims = linear.weight.shape[1] * 32 // linear.bits
+            packed, groups = quantized_col_ranges(
+                ranges, linear.group_size, linear.bits, f"cannot split {name} ({in_dims} inputs)"
+            )
+            spec = {"weight": (1, packed), "scales": (1, groups)}
+            if linear.get("biases") is not None:
+                spec["biases"] = (1, groups)
+        else:
+            spec = {"weight": (1, ranges)}
+    for p, (axis, rng) in spec.items():
+        setattr(linear, p, _slice(linear[p], axis, rng))
+    linear.shard_spec = ShardSpec(spec)
+
+
+def shard_expert_mlps(mlps, group: Group, up=("gate_proj", "up_proj"), down="down_proj") -> None:
+    """Split gated MLPs that sit inside one mixture-of-experts block (each
+    routed expert kept as its own module with gate/up/down Linears, as
+    checkpoints that store `experts.N.*` have them; a shared expert) by their
+    intermediate dimension, as `shard_mlp` does, but WITHOUT a collective of
+    their own: the layers stay (Quantized)Linear and only their weights are
+    sliced (gate/up output rows, down input columns [r*I/N, (r+1)*I/N)). The
+    block sums its combined partial output over `group` once (one all_sum per
+    block, not one per expert) and counts it in `collectives_per_token`. A
+    down projection with a bias is refused (it would be added N times)."""
+    if group.single:
+        return
+    n, r = group.size(), group.rank()
+    for mlp in mlps:
+        first = getattr(mlp, up[0])
+        inter = first.scales.shape[0] if isinstance(first, nn.QuantizedLinear) else first.weight.shape[0]
+        if inter % n:
+            raise UserError(f"{n} ranks cannot split an expert's intermediate size {inter}")
+        per = inter // n
+        rng = [(r * per, (r + 1) * per)]
+        for name in up:
+            _slice_linear_in_place(getattr(mlp, name), "rows", rng, name)
+        _slice_linear_in_place(getattr(mlp, down), "cols", rng, down)
+
