@@ -131,3 +131,162 @@ class PreNormBlock(nn.Module):
     def __call__(self, x, mask=None, cache=None):
         h = x + self.self_attn(self.input_layernorm(x), mask, cache)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+
+# --------------------------------------------------------------------------- Gemma 4 pieces
+# (Gemma 4 and the models built on its backbone: attention with q/k/v norms,
+# proportional partial RoPE, k == v, shared KV; its router and fused experts.)
+
+
+class ProportionalRoPE:
+    """transformers' "proportional" RoPE (Gemma 4's full layers): of the
+    head_dim/2 rotate-half pairs (i, i + head_dim/2), the first
+    int(partial_rotary_factor * head_dim / 2) rotate with inverse frequency
+    theta^(-2i / head_dim) / factor (exponents over the WHOLE head_dim, not
+    the rotated part); the rest do not rotate (inverse frequency 0, an
+    infinite wavelength for mx.fast.rope: cos 1, sin 0, exactly x)."""
+
+    def __init__(self, head_dim: int, params: dict):
+        import numpy as np
+
+        base = float(params.get("rope_theta", 10_000.0))
+        factor = float(params.get("factor", 1.0) or 1.0)
+        angles = int(float(params.get("partial_rotary_factor", 1.0)) * head_dim // 2)
+        exps = np.arange(0, 2 * angles, 2).astype(np.float32) / np.float32(head_dim)
+        # torch's float32 pow is correctly rounded: raise in float64, round once
+        pw = (np.float64(np.float32(base)) ** exps.astype(np.float64)).astype(np.float32)
+        inv = np.zeros(head_dim // 2, np.float32)
+        inv[:angles] = np.float32(1.0) / pw
+        inv = (inv / np.float32(factor)).astype(np.float32)
+        with np.errstate(divide="ignore"):
+            self._freqs = mx.array((1.0 / inv.astype(np.float64)).astype(np.float32))  # inf: no rotation
+        self.dims, self.angles, self.params = head_dim, angles, dict(params)
+
+    def __call__(self, x: mx.array, offset=0) -> mx.array:
+        return mx.fast.rope(x, self.dims, traditional=False, base=None, scale=1.0, offset=offset, freqs=self._freqs)
+
+    def describe(self) -> str:
+        p = self.params
+        return f"proportional theta {p.get('rope_theta')}, {self.angles} of {self.dims // 2} pairs rotated"
+
+
+class Gemma4Attention(nn.Module):
+    """Gemma 4 attention: scale 1 (`scale`), q and k RMS-normed per head (w *
+    x), v normed without a weight; `k_eq_v`: no v_proj, v is the raw k
+    projection (before k_norm); `reads_kv`: no k/v projections at all, the
+    keys/values are another layer's (its cache is a `cache.SharedKVCache`).
+    Attribute contract of `shard.shard_attention` (`shard.shard_attention_present`
+    shards all three forms)."""
+
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, *, window=None,
+                 rope=None, eps: float = 1e-6, bias: bool = False, k_eq_v: bool = False, reads_kv: bool = False,
+                 scale: float = 1.0):  # fmt: skip
+        super().__init__()
+        from .layers import RMSNormFP32Scale
+
+        if num_kv_heads < 1 or num_heads % num_kv_heads:
+            raise UserError(f"{num_heads} attention heads are not a multiple of {num_kv_heads} KV heads")
+        self.total_num_heads = self.num_heads = num_heads
+        self.total_num_kv_heads = self.num_kv_heads = num_kv_heads
+        self.head_dim, self.scale, self.window, self.rope, self.eps = head_dim, scale, window, rope, eps
+        self.k_eq_v, self.reads_kv = k_eq_v, reads_kv
+        self.per_head_params = ()
+        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=bias)
+        self.q_norm = RMSNormFP32Scale(head_dim, eps)
+        if not reads_kv:
+            self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
+            if not k_eq_v:
+                self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
+            self.k_norm = RMSNormFP32Scale(head_dim, eps)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
+
+    def __call__(self, x, mask=None, cache=None):
+        B, L, _ = x.shape
+        offset = cache.offset if cache is not None else 0
+        # [B, L, heads * D] -> [B, heads, L, D]
+        q = self.q_norm(self.q_proj(x).reshape(B, L, self.num_heads, self.head_dim)).transpose(0, 2, 1, 3)
+        q = self.rope(q, offset)
+        if self.reads_kv:
+            k, v = cache.fetch()
+        else:
+            k = self.k_proj(x).reshape(B, L, self.num_kv_heads, self.head_dim)
+            v = self.v_proj(x).reshape(B, L, self.num_kv_heads, self.head_dim) if "v_proj" in self else k
+            k = self.rope(self.k_norm(k).transpose(0, 2, 1, 3), offset)
+            v = mx.fast.rms_norm(v, None, self.eps).transpose(0, 2, 1, 3)  # weightless, fp32 inside
+            if cache is not None:
+                k, v = cache.update_and_fetch(k, v)
+        out = causal_attention(q, k, v, self.scale, self.window, mask=mask)
+        # [B, heads, L, D] -> [B, L, heads * D]
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+def _scaled(x: mx.array, s: float) -> mx.array:
+    # a tensor times a python float: torch multiplies in fp32 and rounds once
+    return (x.astype(mx.float32) * s).astype(x.dtype)
+
+
+class Gemma4Router(nn.Module):
+    """Gemma 4's router over x [N, hidden]: weightless RMS norm, times `scale`
+    [hidden] and hidden^-0.5, `proj` to E scores, softmax (fp32), top-k,
+    renormalised over the k, times `per_expert_scale` [E] of the chosen.
+    Returns (indices [N, k], weights [N, k] float32). Replicated under TP."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, eps: float = 1e-6):
+        super().__init__()
+        self.top_k, self.eps, self.root = top_k, eps, hidden_size**-0.5
+        self.proj = nn.Linear(hidden_size, num_experts, bias=False)
+        self.scale = mx.ones((hidden_size,))
+        self.per_expert_scale = mx.ones((num_experts,))
+
+    def __call__(self, x):
+        h = _scaled(mx.fast.rms_norm(x, None, self.eps) * self.scale.astype(x.dtype), self.root)
+        probs = mx.softmax(self.proj(h).astype(mx.float32), axis=-1)  # [N, E]
+        k = self.top_k
+        # the k largest (their order does not matter: the sum over experts is order-free)
+        idx = mx.argpartition(-probs, kth=k - 1, axis=-1)[:, :k]  # [N, k]
+        w = mx.take_along_axis(probs, idx, axis=-1)
+        w = w / w.sum(axis=-1, keepdims=True)
+        return idx, w * self.per_expert_scale[idx].astype(mx.float32)
+
+
+def gather_mm_any(x: mx.array, w: mx.array, indices: mx.array) -> mx.array:
+    """x [..., 1, K] @ w[indices] ([E, K, M] gathered per row) -> [..., 1, M].
+    MLX's CPU gather_mm is float32-only: there half inputs multiply in fp32
+    and round once (as a half matmul with fp32 accumulation does); only the
+    routed experts are cast when fewer (row, expert) pairs than experts."""
+    if x.dtype == mx.float32 or mx.default_device() == mx.gpu:
+        return mx.gather_mm(x, w, rhs_indices=indices)
+    x32 = x.astype(mx.float32)
+    if indices.size < w.shape[0]:
+        return (x32 @ w[indices].astype(mx.float32)).astype(x.dtype)
+    return mx.gather_mm(x32, w.astype(mx.float32), rhs_indices=indices).astype(x.dtype)
+
+
+class SplitGateExperts(nn.Module):
+    """E gated experts in transformers' Linear layout: `gate_up_proj` [E, 2I,
+    hidden] (gate rows, then up rows), `down_proj` [E, hidden, I];
+    out = sum_k w_k * down_e(act(gate_e x) * up_e x) over each token's k
+    experts (`mx.gather_mm`: tokens * k expert matmuls, never tokens * E).
+    Under TP (`shard.shard_fused_gate_up_experts`) this rank holds slice
+    [i0, i1) of every expert's intermediate dimension; the partial sums are
+    summed over `group` (one all_sum per block)."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, act: Callable):
+        super().__init__()
+        from .collectives import SINGLE
+
+        self.gate_up_proj = mx.zeros((num_experts, 2 * intermediate_size, hidden_size))
+        self.down_proj = mx.zeros((num_experts, hidden_size, intermediate_size))
+        self.act = act
+        self.group = SINGLE
+
+    def __call__(self, x, indices, weights):
+        # x [N, hidden]; indices [N, k]; weights [N, k] (float32)
+        xe = x[:, None, None, :]  # [N, 1, 1, hidden]: one row per (token, chosen expert)
+        gu = gather_mm_any(xe, self.gate_up_proj.swapaxes(-1, -2), indices)  # [N, k, 1, 2I]
+        half = gu.shape[-1] // 2
+        h = gated_fp32(self.act)(gu[..., :half], gu[..., half:])  # [N, k, 1, I]
+        out = gather_mm_any(h, self.down_proj.swapaxes(-1, -2), indices).squeeze(-2)  # [N, k, hidden]
+        # weights are float32: the product rounds once to the hidden dtype (torch's promotion)
+        y = (out.astype(mx.float32) * weights[..., None]).astype(out.dtype).sum(axis=1)  # [N, hidden]
+        return self.group.all_sum(y)

@@ -377,3 +377,53 @@ def shard_expert_mlps(mlps, group: Group, up=("gate_proj", "up_proj"), down="dow
             _slice_linear_in_place(getattr(mlp, name), "rows", rng, name)
         _slice_linear_in_place(getattr(mlp, down), "cols", rng, down)
 
+
+def shard_attention_present(attn: nn.Module, group: Group) -> None:
+    """Shard an attention block that lacks some of k_proj / v_proj (Gemma 4:
+    full layers with k == v have no v_proj, KV-shared layers neither k_proj
+    nor v_proj and read their source layer's keys/values, split by the same
+    `head_ranges`): q_proj / o_proj, the projections present and
+    `per_head_params` as `shard_attention` does; `num_kv_heads` becomes this
+    rank's KV-head count either way."""
+    if group.single:
+        return
+    (q0, q1), kv = head_ranges(attn.total_num_heads, attn.total_num_kv_heads, group.size(), group.rank())
+    kv0, kv1 = faults.kv_heads(kv, attn.total_num_kv_heads, group)
+    D = attn.head_dim
+    attn.q_proj = _sharded(attn.q_proj, "rows", [(q0 * D, q1 * D)], group)
+    for name in ("k_proj", "v_proj"):
+        if name in attn:
+            setattr(attn, name, _sharded(getattr(attn, name), "rows", [(kv0 * D, kv1 * D)], group))
+    attn.o_proj = _sharded(attn.o_proj, "cols", [(q0 * D, q1 * D)], group, "o_proj")
+    per_head = {}
+    for name in getattr(attn, "per_head_params", ()):
+        setattr(attn, name, _slice(getattr(attn, name), 0, [(q0, q1)]))
+        per_head[name] = (0, [(q0, q1)])
+    if per_head:
+        attn.shard_spec = ShardSpec(per_head)
+    attn.num_heads = q1 - q0
+    attn.num_kv_heads = kv1 - kv0
+
+
+def shard_fused_gate_up_experts(ex: nn.Module, group: Group) -> None:
+    """Split stacked experts in transformers' Linear layout with gate and up
+    fused as two halves (Gemma 4: `gate_up_proj` [E, 2I, hidden], rows
+    [0, I) gate and [I, 2I) up; `down_proj` [E, hidden, I]) by their
+    intermediate dimension: rank r keeps gate rows [i0, i1) and up rows
+    [I + i0, I + i1) (still gate half then up half) and down columns
+    [i0, i1). No collective here: the experts module sums its partial output
+    over `group` (its `group` attribute, set here: one all_sum per block)."""
+    if group.single:
+        return
+    n, r = group.size(), group.rank()
+    inter = ex.down_proj.shape[2]
+    if ex.gate_up_proj.shape[1] != 2 * inter:
+        raise UserError(f"expert gate_up_proj has {ex.gate_up_proj.shape[1]} rows, expected 2 x {inter}")
+    if inter % n:
+        raise UserError(f"{n} ranks cannot split the experts' intermediate size {inter}")
+    i0, i1 = r * inter // n, (r + 1) * inter // n
+    halves = [(i0, i1), (inter + i0, inter + i1)]
+    ex.gate_up_proj = _slice(ex.gate_up_proj, 1, halves)
+    ex.down_proj = _slice(ex.down_proj, 2, [(i0, i1)])
+    ex.shard_spec = ShardSpec({"gate_up_proj": (1, halves), "down_proj": (2, [(i0, i1)])})
+    ex.group = group

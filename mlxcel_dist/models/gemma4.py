@@ -1,0 +1,371 @@
+"""Gemma 4 text model (`gemma4_text`, and the text model of multimodal `gemma4`).
+
+Hidden states [B, L, hidden]; q [B, n_heads, L, head_dim], k/v [B,
+n_kv_heads, L, head_dim] (per-rank counts under tensor parallelism), where
+head_dim and n_kv_heads are the layer's own: full layers have theirs
+(`global_head_dim`, `num_global_key_value_heads`, or transformers 5.24's
+`per_layer_config`). Per-layer inputs (PLE) [B, L, num_layers, P].
+
+What is Gemma 4's own (blocks.Gemma4Attention, blocks.Gemma4Router,
+blocks.SplitGateExperts, blocks.ProportionalRoPE):
+- RMSNorms scale by w (not 1 + w); attention scale 1 with q/k norms and a
+  weightless norm on v; on full layers with `attention_k_eq_v` v is the raw
+  k projection (before k_norm), v-normed;
+- full layers use "proportional" partial RoPE (rotated pairs (i, i + D/2)
+  for the first partial * D/2 frequencies, exponents over the whole D);
+- every layer ends by multiplying by its `layer_scalar`;
+- PLE: a [V_ple, layers * P] table (scaled by sqrt(P)) plus a projection of
+  the embeddings (scaled by hidden^-0.5, RMS-normed per layer), summed and
+  scaled by 2^-0.5; each layer gates it with its output (gate, act, *,
+  projection, norm) and adds it to the residual;
+- KV sharing: the last `num_kv_shared_layers` layers read the keys/values of
+  the last earlier layer of their kind (cache.SharedKVCache; they have no
+  k/v projections) and, with `use_double_wide_mlp`, a twice-wide MLP;
+- MoE variant: experts beside the dense MLP, each branch with its own
+  post-norm, then the shared post-norm; router on the un-normed residual;
+- final logit softcap (the multimodal class applies it too).
+
+Tensor parallelism: attention heads and both MLP branches split as usual,
+each branch summed (all_sum) before its own post-norm: the dense MLP's
+down_proj and the experts' partial sums (experts split on their
+intermediate dimension, router replicated). PLE tables and projections,
+norms and layer scalars are replicated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..blocks import MLP, Gemma4Attention, Gemma4Router, ProportionalRoPE, SplitGateExperts
+from ..cache import SharedKVCache, make_layer_caches
+from ..errors import UserError
+from ..layers import RMSNormFP32Scale, activation, gated_fp32
+from ..rope import RoPE
+from ..shard import shard_attention_present, shard_fused_gate_up_experts, shard_mlp
+from .base import FULL, SLIDING, BaseModelArgs, CausalLM, DecoderStack, derive_layer_types
+
+_MULTIMODAL_DROP = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.",
+                    "vision_tower.", "audio_tower.", "embed_vision.", "embed_audio.")
+
+
+@dataclass
+class ModelArgs(BaseModelArgs):
+    model_type: str = "gemma4_text"
+    vocab_size: int = 262_144
+    hidden_size: int = 2304
+    intermediate_size: int = 9216
+    num_hidden_layers: int = 30
+    num_attention_heads: int = 8
+    num_key_value_heads: int = 4
+    head_dim: int = 256
+    hidden_activation: str = "gelu_pytorch_tanh"
+    max_position_embeddings: int = 131_072
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = True
+    rope_parameters: dict | None = None
+    attention_bias: bool = False
+    sliding_window: int = 512
+    layer_types: list | None = None
+    final_logit_softcapping: float | None = None
+    use_bidirectional_attention: str | None = None
+    vocab_size_per_layer_input: int = 262_144
+    hidden_size_per_layer_input: int | None = 256
+    attention_k_eq_v: bool = False
+    num_kv_shared_layers: int = 0
+    enable_moe_block: bool = False
+    use_double_wide_mlp: bool = False
+    num_experts: int | None = None
+    top_k_experts: int | None = None
+    moe_intermediate_size: int | None = None
+    # the full layers' overrides: the published checkpoints' keys, or transformers 5.24's per_layer_config
+    global_head_dim: int = 512
+    num_global_key_value_heads: int | None = None
+    per_layer_config: dict | None = None
+
+    @classmethod
+    def from_dict(cls, params: dict):
+        # Multimodal checkpoints nest the text model under text_config.
+        if isinstance(params.get("text_config"), dict):
+            text = dict(params["text_config"])
+            if "tie_word_embeddings" in params and "tie_word_embeddings" not in text:
+                text["tie_word_embeddings"] = params["tie_word_embeddings"]
+            params = text
+        return super().from_dict(params)
+
+    def __post_init__(self):
+        if self.use_bidirectional_attention == "all":
+            raise UserError("gemma4 with use_bidirectional_attention 'all' (an encoder) is not supported")
+        if self.layer_types is None:
+            types = derive_layer_types(None, self.num_hidden_layers, self.sliding_window, 6)
+        else:
+            types = derive_layer_types(self.layer_types, self.num_hidden_layers, self.sliding_window)
+        types[-1] = FULL  # transformers forces the last layer to full attention (with a warning)
+        self.layer_types = types
+        self.layer_heads = self._layer_heads()  # per layer: (head_dim, num_key_value_heads)
+        self.kv_source = self._kv_sources()  # per layer: the layer whose KV it reads, or None
+        self.rope = self._rope_per_kind()
+        if not self.hidden_size_per_layer_input:
+            self.hidden_size_per_layer_input = 0
+        if self.enable_moe_block:
+            if not (self.num_experts and self.top_k_experts and self.moe_intermediate_size):
+                raise UserError("gemma4 enable_moe_block needs num_experts, top_k_experts and moe_intermediate_size")
+            if not 1 <= self.top_k_experts <= self.num_experts:
+                raise UserError(f"gemma4 top_k_experts {self.top_k_experts} must be in 1..{self.num_experts}")
+
+    def _layer_heads(self) -> list:
+        if self.per_layer_config is not None:
+            over = {}
+            for key, val in self.per_layer_config.items():
+                try:
+                    i = int(key)
+                except (TypeError, ValueError):
+                    raise UserError(f"gemma4 per_layer_config key {key!r} is not a layer index") from None
+                bad = sorted(set(val) - {"head_dim", "num_key_value_heads"})
+                if bad or not 0 <= i < self.num_hidden_layers:
+                    raise UserError(f"gemma4 per_layer_config[{key}] overrides {bad or 'a missing layer'}: unsupported")
+                over[i] = val
+        else:
+            full = {"head_dim": self.global_head_dim}
+            if self.attention_k_eq_v and self.num_global_key_value_heads is not None:
+                full["num_key_value_heads"] = self.num_global_key_value_heads
+            over = {i: full for i, t in enumerate(self.layer_types) if t == FULL}
+        heads = [
+            (int(over.get(i, {}).get("head_dim", self.head_dim)),
+             int(over.get(i, {}).get("num_key_value_heads", self.num_key_value_heads)))
+            for i in range(self.num_hidden_layers)
+        ]
+        for kind in set(self.layer_types):
+            # transformers builds one RoPE per kind from the kind's first layer
+            if len({h for h, t in zip(heads, self.layer_types) if t == kind}) > 1:
+                raise UserError(f"gemma4 per_layer_config gives {kind} layers different head shapes: unsupported")
+        return heads
+
+    def _kv_sources(self) -> list:
+        n, shared = self.num_hidden_layers, self.num_kv_shared_layers or 0
+        if not 0 <= shared < n:
+            raise UserError(f"gemma4 num_kv_shared_layers {shared} must be in 0..{n - 1}")
+        first = n - shared
+        sources = [None] * n
+        for i in range(first, n):
+            kind = self.layer_types[i]
+            earlier = [j for j in range(first) if self.layer_types[j] == kind]
+            if not earlier:
+                raise UserError(f"gemma4 layer {i} shares the KV of a {kind} layer, but no earlier layer is one")
+            sources[i] = earlier[-1]
+        return sources
+
+    def _rope_per_kind(self) -> dict:
+        rp = self.rope_parameters or {
+            SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
+            FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0},
+        }
+        out = {}
+        for kind in set(self.layer_types):
+            p = rp.get(kind)
+            if not isinstance(p, dict):
+                raise UserError(f"gemma4 config rope_parameters has no entry for {kind}")
+            p = dict(p)
+            p.setdefault("rope_type", "default")
+            p.setdefault("rope_theta", 10_000.0)
+            if p["rope_type"] not in ("default", "proportional"):
+                raise UserError(f"gemma4 rope_type {p['rope_type']!r} is not supported (default, proportional)")
+            out[kind] = p
+        return out
+
+    def is_shared(self, i: int) -> bool:
+        return self.kv_source[i] is not None
+
+
+def _rope_for(args: ModelArgs, kind: str, head_dim: int):
+    p = args.rope[kind]
+    if p["rope_type"] == "proportional":
+        return ProportionalRoPE(head_dim, p)
+    # transformers' default RoPE for Gemma 4 ignores partial_rotary_factor
+    return RoPE(head_dim, {"rope_type": "default", "rope_theta": p["rope_theta"]})
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, i: int):
+        super().__init__()
+        kind = args.layer_types[i]
+        head_dim, kv_heads = args.layer_heads[i]
+        eps = args.rms_norm_eps
+        H = args.hidden_size
+
+        def norm(d):
+            return RMSNormFP32Scale(d, eps)
+
+        self.self_attn = Gemma4Attention(
+            H, args.num_attention_heads, kv_heads, head_dim,
+            window=args.sliding_window if kind == SLIDING else None,
+            rope=_rope_for(args, kind, head_dim),
+            eps=eps,
+            bias=args.attention_bias,
+            k_eq_v=args.attention_k_eq_v and kind == FULL,
+            reads_kv=args.is_shared(i),
+        )  # fmt: skip
+        act = activation(args.hidden_activation)
+        wide = 2 if args.use_double_wide_mlp and args.is_shared(i) else 1
+        self.mlp = MLP(H, args.intermediate_size * wide, act)
+        self.input_layernorm = norm(H)
+        self.post_attention_layernorm = norm(H)
+        self.pre_feedforward_layernorm = norm(H)
+        self.post_feedforward_layernorm = norm(H)
+        self.layer_scalar = mx.ones((1,))
+        P = args.hidden_size_per_layer_input
+        if P:
+            self.act = act
+            self.per_layer_input_gate = nn.Linear(H, P, bias=False)
+            self.per_layer_projection = nn.Linear(P, H, bias=False)
+            self.post_per_layer_input_norm = norm(H)
+        if args.enable_moe_block:
+            self.router = Gemma4Router(H, args.num_experts, args.top_k_experts, eps)
+            self.experts = SplitGateExperts(args.num_experts, H, args.moe_intermediate_size, act)
+            self.post_feedforward_layernorm_1 = norm(H)
+            self.post_feedforward_layernorm_2 = norm(H)
+            self.pre_feedforward_layernorm_2 = norm(H)
+
+    def __call__(self, x, mask=None, cache=None, per_layer_input=None):
+        h = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), mask, cache))
+        m = self.mlp(self.pre_feedforward_layernorm(h))
+        if "experts" in self:
+            m = self.post_feedforward_layernorm_1(m)
+            B, L, D = h.shape
+            flat = h.reshape(B * L, D)  # [N, hidden]: the router reads the residual, not a normed copy
+            idx, w = self.router(flat)
+            e = self.experts(self.pre_feedforward_layernorm_2(flat), idx, w).reshape(B, L, D)
+            m = m + self.post_feedforward_layernorm_2(e)
+        h = h + self.post_feedforward_layernorm(m)
+        if per_layer_input is not None:
+            g = gated_fp32(self.act)(self.per_layer_input_gate(h), per_layer_input)
+            h = h + self.post_per_layer_input_norm(self.per_layer_projection(g))
+        return h * self.layer_scalar.astype(h.dtype)
+
+
+def _scale(x, s: float):
+    # A tensor times a python float: torch multiplies in fp32 and rounds once.
+    return (x.astype(mx.float32) * s).astype(x.dtype)
+
+
+class Gemma4TextModel(DecoderStack):
+    def __init__(self, args: ModelArgs):
+        super().__init__(args)
+        self.layers = [DecoderLayer(args, i) for i in range(args.num_hidden_layers)]
+        self.norm = RMSNormFP32Scale(args.hidden_size, args.rms_norm_eps)
+        P, n = args.hidden_size_per_layer_input, args.num_hidden_layers
+        if P:
+            self.embed_tokens_per_layer = nn.Embedding(args.vocab_size_per_layer_input, n * P)
+            self.per_layer_model_projection = nn.Linear(args.hidden_size, n * P, bias=False)
+            self.per_layer_projection_norm = RMSNormFP32Scale(P, args.rms_norm_eps)
+
+    def embed(self, inputs):
+        h = self.embed_tokens(inputs)
+        # sqrt(hidden) rounded once to fp32, then to the compute dtype (as the reference).
+        return h * mx.array(self.args.hidden_size**0.5, mx.float32).astype(h.dtype)
+
+    def per_layer_inputs(self, inputs, h):
+        """[B, L, layers, P]: the token's PLE row (scaled by sqrt(P)) and the
+        normed projection of its embedding h, summed, times 2^-0.5."""
+        a = self.args
+        P, n = a.hidden_size_per_layer_input, a.num_hidden_layers
+        B, L = inputs.shape
+        tok = self.embed_tokens_per_layer(inputs)
+        tok = tok * mx.array(P**0.5, mx.float32).astype(tok.dtype)
+        proj = _scale(self.per_layer_model_projection(h), a.hidden_size**-0.5)
+        proj = self.per_layer_projection_norm(proj.reshape(B, L, n, P))  # [B, L, layers, P]
+        return _scale(proj + tok.reshape(B, L, n, P), 2.0**-0.5)
+
+    def __call__(self, inputs, cache=None):
+        if cache is None:
+            cache = self.make_cache()  # shared-KV layers get their keys through the caches
+        h = self.embed(inputs)
+        ple = self.per_layer_inputs(inputs, h) if self.args.hidden_size_per_layer_input else None
+        masks = self.masks(inputs.shape[1], cache)
+        for i, (layer, kind, c) in enumerate(zip(self.layers, self.args.layer_types, cache)):
+            h = layer(h, masks[kind], c, None if ple is None else ple[:, :, i, :])
+        return self.norm(h)
+
+    def make_cache(self) -> list:
+        a = self.args
+        caches = make_layer_caches(a.layer_types, a.sliding_window)
+        for i, src in enumerate(a.kv_source):
+            if src is not None:
+                caches[i] = SharedKVCache(caches[src], src)
+        return caches
+
+
+class Model(CausalLM):
+    def __init__(self, args: ModelArgs):
+        super().__init__(args, Gemma4TextModel(args))
+
+    def __call__(self, inputs, cache=None):
+        logits = super().__call__(inputs, cache)
+        cap = self.args.final_logit_softcapping
+        if cap:
+            logits = mx.tanh(logits / cap) * cap
+        return logits
+
+    def make_cache(self):
+        return self.model.make_cache()
+
+    def describe_layers(self) -> list[str]:
+        a = self.args
+        out = []
+        for i, (kind, layer) in enumerate(zip(a.layer_types, self.layers)):
+            attn = layer.self_attn
+            what = f"sliding (window {attn.window})" if kind == SLIDING else "full"
+            parts = [what, f"head_dim {attn.head_dim}, {attn.total_num_kv_heads} KV heads", attn.rope.describe()]
+            if a.kv_source[i] is not None:
+                parts.append(f"shared-KV (reads layer {a.kv_source[i]})")
+            elif attn.k_eq_v:
+                parts.append("k = v")
+            if a.enable_moe_block:
+                parts.append(f"MoE {a.num_experts} experts top-{a.top_k_experts} + dense MLP")
+            if a.use_double_wide_mlp and a.kv_source[i] is not None:
+                parts.append("double-wide MLP")
+            out.append(f"{i}: " + ", ".join(parts))
+        return out
+
+    def sanitize(self, weights: dict) -> dict:
+        """Map multimodal names onto the text model; drop the vision/audio
+        towers and embedders, the k/v projections and norms a checkpoint may
+        hold for shared-KV layers (transformers ignores them), and (in the
+        shared sanitize) a stored copy of the tied output head."""
+        shared = {f"model.layers.{i}.self_attn.{p}." for i, s in enumerate(self.args.kv_source) if s is not None
+                  for p in ("k_proj", "v_proj", "k_norm", "v_norm")}  # fmt: skip
+        out = {}
+        for name, w in weights.items():
+            if name.startswith(_MULTIMODAL_DROP):
+                continue
+            for old, new in (("model.language_model.", "model."), ("language_model.model.", "model."),
+                             ("language_model.lm_head.", "lm_head.")):  # fmt: skip
+                if name.startswith(old):
+                    name = new + name[len(old) :]
+                    break
+            if name.rsplit(".", 1)[0] + "." in shared:
+                continue
+            out[name] = w
+        return super().sanitize(out)
+
+    def shard(self, group):
+        for layer in self.layers:
+            shard_attention_present(layer.self_attn, group)  # k = v and shared-KV layers lack k/v projections
+            shard_mlp(layer.mlp, group)
+            if "experts" in layer:
+                shard_fused_gate_up_experts(layer.experts, group)
+        self.shard_head(group)
+
+    def collectives_per_token(self) -> dict:
+        """The usual ones plus, per sharded MoE block, the experts' partial
+        sums ([1, hidden] in the experts' dtype)."""
+        plan = super().collectives_per_token()
+        calls, nbytes = plan["all_sum"]
+        for layer in self.layers:
+            if "experts" in layer and not layer.experts.group.single:
+                ex = layer.experts
+                calls += 1
+                nbytes += ex.down_proj.shape[1] * ex.down_proj.dtype.size
+        return {**plan, "all_sum": (calls, nbytes)}
