@@ -427,3 +427,25 @@ def shard_fused_gate_up_experts(ex: nn.Module, group: Group) -> None:
     ex.down_proj = _slice(ex.down_proj, 2, [(i0, i1)])
     ex.shard_spec = ShardSpec({"gate_up_proj": (1, halves), "down_proj": (2, [(i0, i1)])})
     ex.group = group
+
+
+def shard_query_attention(attn: nn.Module, group: Group) -> None:
+    """Shard an attention block that has no k/v projections of its own (it
+    reads another layer's keys/values, e.g. Gemma 3n's KV-shared layers):
+    q_proj / o_proj (and `per_head_params`) as `shard_attention` does; its
+    `num_kv_heads` becomes the KV-head range its source layer keeps on this
+    rank (the same config, so the same `head_ranges`)."""
+    if group.single:
+        return
+    (q0, q1), (kv0, kv1) = head_ranges(attn.total_num_heads, attn.total_num_kv_heads, group.size(), group.rank())
+    D = attn.head_dim
+    attn.q_proj = _sharded(attn.q_proj, "rows", [(q0 * D, q1 * D)], group)
+    attn.o_proj = _sharded(attn.o_proj, "cols", [(q0 * D, q1 * D)], group, "o_proj")
+    per_head = {}
+    for name in getattr(attn, "per_head_params", ()):
+        setattr(attn, name, _slice(getattr(attn, name), 0, [(q0, q1)]))
+        per_head[name] = (0, [(q0, q1)])
+    if per_head:
+        attn.shard_spec = ShardSpec(per_head)
+    attn.num_heads = q1 - q0
+    attn.num_kv_heads = kv1 - kv0
