@@ -25,8 +25,25 @@ app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
     help="Tensor-parallel LLM inference across MLX ranks.",
 )
+
+
+def _version(value: bool):
+    if value:
+        from . import __version__
+
+        print(f"mlxcel-dist {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[Optional[bool], typer.Option("--version", callback=_version, is_eager=True,
+                                                    help="Print the version and exit.")] = None,
+):
+    """Tensor-parallel LLM inference across MLX ranks."""
 
 # Shared options -------------------------------------------------------------
 ModelArg = Annotated[
@@ -35,6 +52,9 @@ ModelArg = Annotated[
                    show_default=False),
 ]
 RequiredModelArg = Annotated[str, typer.Argument(help="Checkpoint directory or Hugging Face repo id.")]
+# mlx-lm's spelling, --model MODEL, beside the positional MODEL (one of them, or both alike)
+ModelOpt = Annotated[Optional[str], typer.Option("--model", help="The same as MODEL (mlx-lm's spelling).",
+                                                 show_default=False)]
 NpOpt = Annotated[int, typer.Option("--np", help="Number of ranks (tensor-parallel degree).")]
 BackendOpt = Annotated[str, typer.Option("--backend", help="Distributed backend: auto, ring, mpi, nccl, jaccl.")]
 HostfileOpt = Annotated[
@@ -50,7 +70,8 @@ StallOpt = Annotated[
 # 2048: engine.DEFAULT_PREFILL_STEP (not imported here: it would load mlx for --help)
 PrefillStepOpt = Annotated[
     Optional[int],
-    typer.Option("--prefill-step", help="Feed the prompt through the cache in chunks of this many tokens "
+    typer.Option("--prefill-step", "--prefill-step-size",
+                 help="Feed the prompt through the cache in chunks of this many tokens "
                  "(default: 2048 when generating; logits: one pass)."),
 ]
 
@@ -96,7 +117,7 @@ def _argv_from_ctx(ctx: typer.Context) -> list[str]:
         elif getattr(p, "is_flag", False):
             if v and p.opts:
                 argv.append(p.opts[0])
-            elif not v and p.secondary_opts:
+            elif v is False and p.secondary_opts:  # None: not given (an auto default)
                 argv.append(p.secondary_opts[0])
         elif isinstance(v, (list, tuple)):  # repeatable option
             for item in v:
@@ -177,9 +198,19 @@ def logits(
     """Write the logits of every position of a token sequence."""
     import numpy as np
 
-    from .engine import sequence_logits
+    from .engine import check_tokens, sequence_logits
+    from .loader import context_length, model_args, read_config, resolve_model_dir
 
     ids = _read_tokens(tokens_file)
+    _check_out(out)
+    config = read_config(resolve_model_dir(model))
+    try:  # before any rank is launched, naming the file
+        check_tokens(ids, model_args(config).vocab_size)
+        limit = context_length(config)
+        if limit is not None and len(ids) > limit:
+            raise UserError(f"{len(ids)} tokens, more than the model's context of {limit} (max_position_embeddings)")
+    except UserError as e:
+        raise UserError(f"{tokens_file}: {e}") from None
     group = _distribute(ctx, np_, backend, hostfile, model)
     loaded = _load(model, dtype, group)
     result = sequence_logits(loaded.model, ids, decode_from=decode_from, prefill_step=prefill_step)
@@ -189,6 +220,15 @@ def logits(
         except OSError as e:
             raise UserError(f"cannot write {out}: {e.strerror}") from None
         _err(f"wrote {out} {list(result.shape)} float32 (np {group.size()})")
+
+
+def _check_out(out: Path) -> None:
+    """An output file's folder must exist and be writable before any work."""
+    parent = out.expanduser().resolve().parent
+    if not parent.is_dir():
+        raise UserError(f"cannot write {out}: no such directory {parent}")
+    if not os.access(parent, os.W_OK):
+        raise UserError(f"cannot write {out}: {parent} is not writable")
 
 
 def _read_tokens(path: Path):
@@ -210,20 +250,22 @@ def _read_tokens(path: Path):
 def generate(
     ctx: typer.Context,
     model: ModelArg = None,
-    prompt: Annotated[str, typer.Option("--prompt", "-p", help="Prompt text (with --chat: the user message).")] = "The sea",
-    max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", help="Most tokens to generate.")] = 64,
+    model_opt: ModelOpt = None,
+    prompt: Annotated[str, typer.Option("--prompt", "-p", help="Prompt text ('-' reads it from stdin); with a chat template: the user message.")] = "The sea",
+    max_tokens: Annotated[int, typer.Option("--max-tokens", "-m", "-n", help="Most tokens to generate.")] = 64,
     temp: Annotated[float, typer.Option("--temp", help="Sampling temperature (0 = greedy).")] = 0.0,
     top_k: Annotated[int, typer.Option("--top-k", help="Sample from the k most likely tokens (0 = off).")] = 0,
     top_p: Annotated[float, typer.Option("--top-p", help="Nucleus sampling: smallest set with this much probability, in (0, 1] (1 = off).")] = 1.0,
     min_p: Annotated[float, typer.Option("--min-p", help="Drop tokens below min-p x the top probability, in [0, 1] (0 = off).")] = 0.0,
     repetition_penalty: Annotated[float, typer.Option("--repetition-penalty", help="Divide positive / multiply negative logits of tokens already in the context (1 = off).")] = 1.0,
     repetition_context_size: Annotated[int, typer.Option("--repetition-context-size", help="Penalise only the last N ids of the context (0 = all of it).")] = 0,
-    seed: Annotated[int, typer.Option("--seed", help="Random seed (the same on every rank).")] = 0,
+    seed: Annotated[Optional[int], typer.Option("--seed", help="Random seed, the same on every rank (default: a random one; --verbose prints it).", show_default=False)] = None,
     stop: Annotated[Optional[list[str]], typer.Option("--stop", help="Stop at the first occurrence of this text, not printed (repeatable).")] = None,
-    chat: Annotated[bool, typer.Option("--chat", help="Render the prompt as a user turn through the checkpoint's chat template.")] = False,
-    system: Annotated[Optional[str], typer.Option("--system", help="System prompt (with --chat).")] = None,
+    chat: Annotated[Optional[bool], typer.Option("--chat/--ignore-chat-template", help="Render the prompt as a user turn through the chat template (default: when the checkpoint has one), or use it as plain text.", show_default=False)] = None,
+    chat_template: Annotated[Optional[str], typer.Option("--chat-template", help="A chat template (jinja text, or a file holding it) instead of the checkpoint's.")] = None,
+    system: Annotated[Optional[str], typer.Option("--system-prompt", "--system", help="System prompt (a chat-template turn).")] = None,
     check_every: Annotated[int, typer.Option("--check-every", help="Ranks compare a checksum of the generated ids every N tokens and at the end (0 = only at the end).")] = 1,
-    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Per-rank load time and peak memory, sampling settings, EOS ids (stderr).")] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Per-rank load time and peak memory, sampling settings and seed, EOS ids (stderr).")] = False,
     prefill_step: PrefillStepOpt = None,
     dtype: DtypeOpt = None,
     np_: NpOpt = 1,
@@ -234,32 +276,61 @@ def generate(
     """Generate text, streamed to stdout; speed to stderr."""
     import time
 
-    from .engine import check_generation_options, generate_text, rank_resources
-    from .loader import resolve_model_dir
+    from .engine import check_context, check_generation_options, generate_text, rank_resources
+    from .loader import context_length, read_config, resolve_model_dir
     from .sampling import SamplingParams
     from .tokenizer import StopStrings, Tokenizer
 
+    model = _pick_model(model, model_opt)
+    launched = bool(os.environ.get("MLXCEL_DIST_WORLD"))
+    if not launched:
+        # Decided once, here: every rank gets the same text and seed through its argv.
+        if prompt == "-":
+            prompt = _read_stdin_text()
+        if seed is None:
+            import secrets
+
+            from .sampling import SEED_LIMIT
+
+            seed = secrets.randbelow(SEED_LIMIT)
+        ctx.params.update(prompt=prompt, seed=seed, model=model, model_opt=None)
+    for name, value in (("--prompt", prompt), ("--system-prompt", system), ("--chat-template", chat_template),
+                        *(("--stop", s) for s in stop or ())):
+        _check_text(name, value)
     sampling = SamplingParams(temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
                               repetition_context_size=repetition_context_size, seed=seed).validate()
     check_generation_options(max_tokens, check_every, prefill_step)  # before any rank is launched
     stops = list(stop or [])
     StopStrings(stops)
-    if not os.environ.get("MLXCEL_DIST_WORLD"):
-        # Prompt problems (no chat template, a template that refuses the
-        # conversation) fail here once, before any rank is launched.
-        Tokenizer(resolve_model_dir(model)).prompt_ids(prompt, chat=chat, system=system)
+    if not launched:
+        # Checkpoint and prompt problems (no config, no tokenizer, a chat
+        # template that refuses the conversation, a prompt past the model's
+        # context) fail here once, before any rank is launched.
+        model_dir = resolve_model_dir(model)
+        config = read_config(model_dir)
+        tok = Tokenizer(model_dir, config, chat_template=_template_text(chat_template))
+        check_context(len(tok.prompt_ids(prompt, chat=chat, system=system)), max_tokens, context_length(config))
     group = _distribute(ctx, np_, backend, hostfile, model)
     t0 = time.perf_counter()
     loaded = _load(model, dtype, group)
     load_s = time.perf_counter() - t0
-    tok = Tokenizer(loaded.model_dir, loaded.config)
+    tok = Tokenizer(loaded.model_dir, loaded.config, chat_template=_template_text(chat_template))
+    use_chat = tok.use_chat(chat)
     ids = tok.prompt_ids(prompt, chat=chat, system=system)
+    check_context(len(ids), max_tokens, context_length(loaded.config))
     if group.is_root and verbose:
-        _err(f"prompt {len(ids)} tokens{' (chat template: ' + tok.chat_template()[1] + ')' if chat else ''}; "
-             f"sampling: {sampling.describe()}; EOS ids {tok.eos_ids}; stop strings {stops}; np {group.size()}")
+        how = f"chat template: {tok.chat_template()[1]}" if use_chat else "plain text"
+        seeded = "" if "seed" in sampling.describe() else f" (seed {seed}, unused)"
+        _err(f"prompt {len(ids)} tokens ({how}); sampling: {sampling.describe()}{seeded}; "
+             f"EOS ids {tok.eos_ids}; stop strings {stops}; np {group.size()}")
+
+    def compiling():  # rank 0, on a timer thread: the first step of a new decode graph is slow
+        _err("compiling kernels for this model's decode step (the first run of this configuration on "
+             "this machine; MLX caches them for later runs)...")
+
     gen = generate_text(loaded.model, tok, ids, max_tokens, sampling, stop=stops, prefill_step=prefill_step,
-                        group=group, check_every=check_every)
-    if group.is_root and not chat:
+                        group=group, check_every=check_every, on_compile=compiling if group.is_root else None)
+    if group.is_root and not use_chat:
         sys.stdout.write(prompt)
         sys.stdout.flush()
     while True:
@@ -280,8 +351,12 @@ def generate(
     if group.is_root:
         sys.stdout.write("\n")
         sys.stdout.flush()
+        prompt_speed = (f"{stats.prefill_tok_s:.1f} tok/s" if stats.prefill_timed_tokens
+                        else "speed not measured")
+        compiled = (f" (+ {stats.compile_s:.1f} s building the decode graph, cached for later runs)"
+                    if stats.compile_s >= 1.0 else "")
         _err(
-            f"prompt {stats.prompt_tokens} tok, {stats.prefill_tok_s:.1f} tok/s | "
+            f"prompt {stats.prompt_tokens} tok, {prompt_speed}{compiled} | "
             f"generated {stats.generated} tok, {stats.decode_tok_s:.1f} tok/s | np {group.size()}"
         )
         if verbose:
@@ -292,6 +367,40 @@ def generate(
             _err(f"{'rank':>4} {'load s':>8} {'MLX peak MiB':>13} {'peak RSS MiB':>13}")
             for r, (ls, peak, rss) in enumerate(resources):
                 _err(f"{r:>4} {ls:8.2f} {peak:13.1f} {rss:13.1f}")
+
+
+def _read_stdin_text() -> str:
+    """`--prompt -`: the prompt from stdin, strict UTF-8."""
+    data = sys.stdin.buffer.read()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"the prompt on stdin is not valid UTF-8 (byte {data[e.start]:#04x} at offset {e.start})") from None
+
+
+def _check_text(name: str, value: Optional[str]) -> None:
+    """Text from the command line must be valid UTF-8 (Python hands invalid
+    bytes over as lone surrogates, which no tokenizer takes)."""
+    if value is None:
+        return
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raw = value[e.start].encode("utf-8", "surrogateescape")
+        raise UserError(f"{name} is not valid UTF-8 (byte {raw[0]:#04x} at character {e.start})") from None
+
+
+def _template_text(chat_template: Optional[str]) -> Optional[str]:
+    """--chat-template: the jinja text itself, or a file that holds it."""
+    if chat_template is None:
+        return None
+    p = Path(chat_template).expanduser()
+    if "{" not in chat_template and p.is_file():
+        try:
+            return p.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise UserError(f"--chat-template {p}: cannot read it ({e})") from None
+    return chat_template
 
 
 @app.command(hidden=True)
@@ -328,6 +437,7 @@ def modes(
 def logit_match(
     ctx: typer.Context,
     model: ModelArg = None,
+    model_opt: ModelOpt = None,
     reference: Annotated[
         Optional[Path], typer.Option("--reference", help="npz with ids and logits (e.g. from transformers).")
     ] = None,
@@ -346,6 +456,7 @@ def logit_match(
     from .harness import all_mode_logits, compare, default_tokens, model_window, rel_tol_for
     from .loader import check_shardable, load_model, resolve_model_dir
 
+    model = _pick_model(model, model_opt)
     if np_ < 1:
         raise UserError(f"--np must be >= 1, got {np_}")
     model_dir = resolve_model_dir(model)
@@ -421,19 +532,23 @@ def _read_reference(path: Path) -> dict:
 
 @app.command()
 @_handle_errors
-def info(model: ModelArg = None):
+def info(model: ModelArg = None, model_opt: ModelOpt = None):
     """Config summary, per-layer attention kind, parameter count."""
     import numpy as np
 
     from .loader import build_model, read_config, resolve_model_dir
     from .weights import open_checkpoint
 
-    model_dir = resolve_model_dir(model)
+    from mlx.utils import tree_flatten
+
+    model_dir = resolve_model_dir(_pick_model(model, model_opt))
     config = read_config(model_dir)
     m = build_model(config)
     a = m.args
     refs = m.sanitize(open_checkpoint(model_dir))
-    n_params = sum(int(np.prod(r.shape)) for r in refs.values())
+    # The model as built (unquantized, lazy: nothing is read) has the logical
+    # shapes; stored packed 4-bit words or scales would miscount them.
+    n_params = sum(int(np.prod(p.shape)) for _, p in tree_flatten(m.parameters()))
     dtypes = sorted({r.dtype for r in refs.values()})
     print(f"model       {model_dir}")
     print(f"model_type  {config.get('model_type')} -> {a.model_type}")
@@ -500,6 +615,11 @@ def serve(
     port: Annotated[int, typer.Option("--port", help="TCP port to listen on (0 = any free port).")] = 8080,
     max_tokens_cap: Annotated[int, typer.Option("--max-tokens-cap", help="Largest max_tokens a request may ask for.")] = 4096,
     max_request_bytes: Annotated[int, typer.Option("--max-request-bytes", help="Largest request body accepted (bytes).")] = 1_000_000,
+    max_tokens: Annotated[Optional[int], typer.Option("--max-tokens", "-n", help="Default max_tokens of a request that gives none (default: 512 for chat, as mlx-lm; 16 for completions, as OpenAI).", show_default=False)] = None,
+    temp: Annotated[float, typer.Option("--temp", help="Default temperature of a request that gives none (OpenAI's 1; mlx-lm's server: 0).")] = 1.0,
+    top_p: Annotated[float, typer.Option("--top-p", help="Default top_p, in (0, 1] (1 = off).")] = 1.0,
+    top_k: Annotated[int, typer.Option("--top-k", help="Default top_k (0 = off).")] = 0,
+    min_p: Annotated[float, typer.Option("--min-p", help="Default min_p, in [0, 1] (0 = off).")] = 0.0,
     prefill_step: PrefillStepOpt = None,
     dtype: DtypeOpt = None,
     np_: NpOpt = 1,
@@ -507,9 +627,10 @@ def serve(
     hostfile: HostfileOpt = None,
     stall_timeout: StallOpt = DEFAULT_STALL_TIMEOUT_S,
 ):
-    """OpenAI-compatible HTTP server (/v1/models, /v1/completions, /v1/chat/completions); rank 0 listens."""
+    """OpenAI-compatible HTTP server (/v1/models, /v1/completions, /v1/chat/completions, /health); rank 0 listens."""
     from .engine import check_generation_options
-    from .server import Service, follower_loop
+    from .sampling import SamplingParams
+    from .server import Defaults, Service, context_limit, follower_loop
     from .server import serve as run_server
     from .tokenizer import Tokenizer
 
@@ -519,7 +640,11 @@ def serve(
         raise UserError(f"--max-tokens-cap must be >= 1, got {max_tokens_cap}")
     if max_request_bytes < 1:
         raise UserError(f"--max-request-bytes must be >= 1, got {max_request_bytes}")
-    check_generation_options(prefill_step=prefill_step)
+    check_generation_options(max_tokens=max_tokens, prefill_step=prefill_step)
+    if max_tokens is not None and max_tokens > max_tokens_cap:
+        raise UserError(f"--max-tokens ({max_tokens}) must be <= --max-tokens-cap ({max_tokens_cap})")
+    SamplingParams(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p).validate()
+    defaults = Defaults(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, max_tokens=max_tokens)
     group = _distribute(ctx, np_, backend, hostfile, model)
     loaded = _load(model, dtype, group)
     tok = Tokenizer(loaded.model_dir, loaded.config)
@@ -528,7 +653,8 @@ def serve(
         return
     model_id = model if model is not None else loaded.model_dir.name
     svc = Service(loaded.model, tok, str(model_id), group=group, max_tokens_cap=max_tokens_cap,
-                  max_request_bytes=max_request_bytes, prefill_step=prefill_step)
+                  max_request_bytes=max_request_bytes, prefill_step=prefill_step,
+                  context_length=context_limit(loaded.config), defaults=defaults)
     run_server(svc, host, port)
 
 
@@ -537,6 +663,7 @@ def serve(
 def bench(
     ctx: typer.Context,
     model: ModelArg = None,
+    model_opt: ModelOpt = None,
     prompt_tokens: Annotated[int, typer.Option("--prompt-tokens", help="Prompt length (random token ids, seeded).")] = 128,
     gen_tokens: Annotated[int, typer.Option("--gen-tokens", help="Tokens to generate (greedy, EOS ignored).")] = 48,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON line (rank 0) instead of a table.")] = False,
@@ -558,6 +685,8 @@ def bench(
     from .bench import check_lengths, format_table, run_bench
     from .engine import check_generation_options
 
+    model = _pick_model(model, model_opt)
+    ctx.params.update(model=model, model_opt=None)
     check_lengths(prompt_tokens, gen_tokens)
     check_generation_options(check_every=check_every, prefill_step=prefill_step)
     group = _distribute(ctx, np_, backend, hostfile, model)
@@ -576,8 +705,31 @@ def bench(
             print(format_table(result), flush=True)
 
 
+def _pick_model(model: Optional[str], model_opt: Optional[str]) -> Optional[str]:
+    """MODEL or --model (mlx-lm's spelling); both only when they agree."""
+    if model is not None and model_opt is not None and model != model_opt:
+        raise UserError(f"MODEL {model!r} and --model {model_opt!r} differ: give one")
+    return model if model is not None else model_opt
+
+
 def main():
-    app()
+    """The console entry point: usage errors are one `error:` line, exit 2
+    (click's own form is a multi-line box)."""
+    try:
+        from typer._click import exceptions as click_exceptions  # newer typer vendors click
+    except ImportError:  # pragma: no cover - typer on the click package
+        from click import exceptions as click_exceptions
+
+    try:
+        rv = app(standalone_mode=False)
+    except click_exceptions.ClickException as e:
+        if e.format_message():  # (no arguments at all: the help was the answer)
+            _err(f"error: {e.format_message()}")
+        sys.exit(e.exit_code)
+    except click_exceptions.Abort:
+        _err("interrupted")
+        sys.exit(130)
+    sys.exit(rv if isinstance(rv, int) else 0)
 
 
 if __name__ == "__main__":

@@ -41,6 +41,25 @@ COPY_PATTERNS = (
 MAX_FILE_BYTES = 5 << 30  # mlx-lm's shard size
 
 
+def mlx_lm_compatible(config: dict) -> dict:
+    """The config with what mlx-lm (0.32) needs to run it as we do, where its
+    reading differs: gemma3 layers' kinds come from `sliding_window_pattern`
+    alone (default 6; a 4-layer model then fails at cache[5]), so write the
+    period of `layer_types` when the layers follow one (every P-th full). Our
+    loader and transformers read `layer_types` first, so nothing else changes."""
+    config = json.loads(json.dumps(config))
+    for c in (config, config.get("text_config")):
+        if not isinstance(c, dict) or c.get("model_type") not in ("gemma3", "gemma3_text"):
+            continue
+        types = c.get("layer_types")
+        if not isinstance(types, list) or "full_attention" not in types:
+            continue
+        p = types.index("full_attention") + 1
+        if all((t == "full_attention") == ((i + 1) % p == 0) for i, t in enumerate(types)):
+            c["sliding_window_pattern"] = p
+    return config
+
+
 def _set_dtype(config: dict, name: str) -> None:
     """Record the new storage dtype wherever the config names one
     (transformers 5 `dtype`, 4 `torch_dtype`, also under text_config)."""
@@ -99,7 +118,7 @@ def convert_checkpoint(
     quantized = quantize_for_export(m, q.group_size, q.bits, q.mode) if q else []
     weights = dict(tree_flatten(m.parameters()))
 
-    new_config = json.loads(json.dumps(config))
+    new_config = mlx_lm_compatible(config)
     if dtype is not None:
         _set_dtype(new_config, dtype)
     if q is not None:

@@ -102,10 +102,12 @@ class DecodeStep:
         self.views: list = []
         self.static = False
         self.compiled = True
+        self.traces = 0  # graphs built by mx.compile (the Python step runs only while tracing)
         self.pos = 0  # host copy of state["pos"]
         self._compiled = mx.compile(self._step, inputs=self.state, outputs=self.state)
 
     def _step(self, y: mx.array) -> mx.array:
+        self.traces += self.compiled
         logits = self.model(y, self.views)[0, -1]
         self.state["pos"] = self.state["pos"] + 1
         return logits

@@ -17,7 +17,7 @@ from . import faults
 from .collectives import SINGLE, CollectiveError, Group
 from .decode import decode_step_for
 from .errors import UserError
-from .sampling import Sampler, SamplingParams
+from .sampling import Sampler, SamplingParams, apply_repetition_penalty
 
 
 def check_tokens(ids, vocab_size: int) -> np.ndarray:
@@ -30,6 +30,17 @@ def check_tokens(ids, vocab_size: int) -> np.ndarray:
     if bad.size:
         raise UserError(f"token id {int(bad[0])} is outside the vocabulary [0, {vocab_size})")
     return ids.astype(np.int32)
+
+
+def check_context(prompt_tokens: int, max_tokens: int, limit: int | None) -> None:
+    """Refuse a prompt plus completion longer than the model's context
+    (`max_position_embeddings`; None: the config sets none)."""
+    if limit is not None and prompt_tokens + max_tokens > limit:
+        raise UserError(
+            f"the prompt ({prompt_tokens} tokens) plus --max-tokens ({max_tokens}) is {prompt_tokens + max_tokens} "
+            f"tokens, more than the model's context of {limit} (max_position_embeddings): shorten the prompt or "
+            "lower --max-tokens"
+        )
 
 
 def check_generation_options(max_tokens: int | None = None, check_every: int | None = None,
@@ -200,22 +211,31 @@ class RankAgreement:
 class GenStats:
     prompt_tokens: int = 0
     generated: int = 0
-    prefill_s: float = 0.0
+    prefill_s: float = 0.0  # the prompt until its first generated id, less compile_s
+    compile_s: float = 0.0  # a first step that built a new decode graph (trace + kernel compile)
+    prefill_timed_tokens: int = 0  # prompt tokens prefill_s covers (all, or all but the compiled step's)
     decode_s: float = 0.0
     tokens: list = field(default_factory=list)
     finish_reason: str = ""  # "eos" | "stop" | "length"
     stop: str | None = None  # the stop string that ended generation
     checks: int = 0  # rank-agreement checks run
+    # with the logprobs option: (logprob, [(id, logprob), ...] best first) per generated id
+    logprobs: list = field(default_factory=list)
 
     @property
     def prefill_tok_s(self):
-        return self.prompt_tokens / self.prefill_s if self.prefill_s else 0.0
+        return self.prefill_timed_tokens / self.prefill_s if self.prefill_s and self.prefill_timed_tokens else 0.0
+
+    @property
+    def ttft_s(self) -> float:
+        return self.prefill_s + self.compile_s
 
     @property
     def decode_tok_s(self):
         return (self.generated - 1) / self.decode_s if self.decode_s and self.generated > 1 else 0.0
 
 
+COMPILE_NOTICE_S = 1.0  # a first decode step slower than this is announced (on_compile)
 DEFAULT_PREFILL_STEP = 2048  # as mlx-lm; on the H200 1.10x its prefill vs 0.94x at 512 (docs/benchmarks.md)
 
 
@@ -250,7 +270,7 @@ class TokenGenerator:
 
     def __init__(self, model, prompt_ids, max_tokens: int, sampling: SamplingParams | None = None,
                  eos_ids=(), prefill_step: int | None = None, group: Group = SINGLE, check_every: int = 1,
-                 compiled: bool = True):
+                 compiled: bool = True, on_compile=None, logprobs: int | None = None):
         self.prompt = check_tokens(prompt_ids, vocab_size(model))
         check_generation_options(max_tokens, check_every, prefill_step)
         self.model = model
@@ -263,7 +283,20 @@ class TokenGenerator:
         self.compiled = compiled
         self.decode = None  # decode.DecodeStep, from the end of the prefill on
         self.stats = GenStats(prompt_tokens=len(self.prompt))
+        if logprobs is not None and (isinstance(logprobs, bool) or logprobs < 0):
+            raise UserError(f'logprobs must be None or an integer >= 0, got {logprobs}')
+        # None: off (nothing extra is built). k >= 0: the log-probability of
+        # each generated id and the k most likely ids (stats.logprobs).
+        self.logprobs = logprobs
         self._t_decode = None
+        # The first step of a new decode graph compiles kernels (seconds to a
+        # minute the first time on a machine): `on_compile()` runs (on a timer
+        # thread) when that takes longer than COMPILE_NOTICE_S, and the time is
+        # reported as compile_s, not as prompt speed.
+        self.on_compile = on_compile
+        self._t_chunks = None
+        self._notice = None
+        self._compiling = False
 
     def _prefill(self, cache) -> mx.array:
         """Feed the prompt; the lazy logits [V] of its last position."""
@@ -273,12 +306,57 @@ class TokenGenerator:
             self.model(mx.array(prompt[i : min(i + step, last)])[None], cache)
             mx.eval(_cache_state(cache))
         self.decode = decode_step_for(self.model)
+        self._t_chunks, traces = time.perf_counter(), self.decode.traces
         if last == 0:  # nothing cached yet: the one prompt token goes the eager way
             logits = self.model(mx.array(prompt[:1])[None], cache)[0, -1]
             self.decode.start(cache, 1, self.compiled)
             return logits
         self.decode.start(cache, last, self.compiled)
-        return self.decode(mx.array(prompt[last:])[None])
+        logits = self.decode(mx.array(prompt[last:])[None])
+        if self.decode.traces > traces:  # a new graph: its kernels compile when it first runs
+            self._compiling = True
+            if self.on_compile is not None:
+                import threading
+
+                self._notice = threading.Timer(COMPILE_NOTICE_S, self.on_compile)
+                self._notice.daemon = True
+                self._notice.start()
+        return logits
+
+
+    def _logprobs(self, logits, context, pending, tok) -> tuple:
+        """Lazy (logprob of the drawn id `tok` [1], top-k ids, their logprobs)
+        when the logprobs option is on; () when off, so nothing is built.
+
+        Which distribution: the log-softmax of the model's logits after the
+        repetition penalty and before temperature, top-k, top-p and min-p.
+        That is mlx-lm's (generate_step: logits processors, then
+        `logits - logsumexp(logits)`, then the sampler), and with no
+        repetition penalty (the default) it is the model's own distribution,
+        what OpenAI's API and vLLM (its default raw_logprobs) return: the
+        values do not change with the temperature or the filters. Every rank
+        computes the same values from bit-identical logits (no collective)."""
+        if self.logprobs is None:
+            return ()
+        p = self.sampler.params
+        x = apply_repetition_penalty(logits.reshape(-1).astype(mx.float32), context, p.repetition_penalty,
+                                     p.repetition_context_size, pending)
+        lp = x - mx.logsumexp(x, axis=-1, keepdims=True)
+        chosen = mx.take(lp, tok.reshape(1).astype(mx.int32))
+        k = min(self.logprobs, lp.shape[-1])
+        if k == 0:
+            return (chosen,)
+        ids = mx.argpartition(-lp, kth=k - 1)[:k]
+        return (chosen, ids, mx.take(lp, ids))
+
+    @staticmethod
+    def _read_logprobs(lp) -> tuple:
+        chosen = float(np.array(lp[0])[0])
+        if len(lp) == 1:
+            return chosen, []
+        ids, vals = np.array(lp[1]), np.array(lp[2])
+        order = np.argsort(-vals, kind="stable")
+        return chosen, [(int(ids[i]), float(vals[i])) for i in order]
 
     def __iter__(self):
         stats = self.stats
@@ -289,8 +367,10 @@ class TokenGenerator:
         cache = self.model.make_cache()
         t0 = time.perf_counter()
         faults.at("prefill", self.rank)
-        y = self.sampler.sample(self._prefill(cache), context)
-        mx.async_eval(y)
+        logits = self._prefill(cache)
+        y = self.sampler.sample(logits, context)
+        lp = self._logprobs(logits, context, None, y)  # () when off
+        mx.async_eval(y, *lp)
         while True:
             # y: the lazy id of generated token n, scheduled, not read yet.
             n = stats.generated + 1
@@ -302,14 +382,25 @@ class TokenGenerator:
                     faults.at("decode", self.rank)
                 logits = self.decode(y.reshape(1, 1))
                 next_y = self.sampler.sample(logits, context, pending=y)
-                mx.async_eval(next_y)
+                next_lp = self._logprobs(logits, context, y, next_y)
+                mx.async_eval(next_y, *next_lp)
             got = np.array(packed)  # the one host sync of this token
             tok = int(got[0])
             if self._t_decode is None:
                 self._t_decode = time.perf_counter()
-                stats.prefill_s = self._t_decode - t0
+                if self._notice is not None:
+                    self._notice.cancel()
+                if self._compiling:  # the last prompt token's step built the graph: time it apart
+                    stats.compile_s = self._t_decode - self._t_chunks
+                    stats.prefill_s = self._t_chunks - t0
+                    stats.prefill_timed_tokens = len(self.prompt) - 1
+                else:
+                    stats.prefill_s = self._t_decode - t0
+                    stats.prefill_timed_tokens = len(self.prompt)
             stats.generated += 1
             stats.tokens.append(tok)
+            if lp:  # computed with the id, so already there
+                stats.logprobs.append(self._read_logprobs(lp))
             context.append(tok)
             self.guard.commit(tok, None if rows is None else got[1:].reshape(-1, 3))
             if tok in self.eos:
@@ -319,7 +410,7 @@ class TokenGenerator:
             if stats.generated >= self.max_tokens:
                 stats.finish_reason = "length"
                 return
-            y = next_y
+            y, lp = next_y, next_lp
 
     def finish(self) -> GenStats:
         if self.decode is not None:
@@ -342,7 +433,8 @@ def generate_tokens(model, prompt_ids, max_tokens: int, sampling: SamplingParams
 
 def generate_text(model, tokenizer, prompt_ids, max_tokens: int, sampling: SamplingParams | None = None,
                   stop=(), eos_ids=None, prefill_step: int | None = None, group: Group = SINGLE, check_every: int = 1,
-                  context_tokens: int = 4):
+                  context_tokens: int = 4, on_compile=None,
+                  logprobs: int | None = None, on_token=None):
     """Yield text chunks as they become final; returns GenStats via
     StopIteration.value.
 
@@ -351,14 +443,22 @@ def generate_text(model, tokenizer, prompt_ids, max_tokens: int, sampling: Sampl
     yielded only when it is whole UTF-8 and cannot be the start of a stop
     string. The prompt's last `context_tokens` ids are the detokenizer's left
     context (never yielded). Every rank must run this, not only the one that
-    prints: stop strings decide when generation ends."""
+    prints: stop strings decide when generation ends.
+
+    `logprobs` (None = off): TokenGenerator's option; `on_token(id, entry)`
+    is called for each generated id (EOS excepted) before the text it
+    completes is yielded, `entry` being its (logprob, top) or None."""
     from .tokenizer import StopStrings, StreamDecoder
 
     stopper = StopStrings(stop)
     gen = TokenGenerator(model, prompt_ids, max_tokens, sampling,
-                         tokenizer.eos_ids if eos_ids is None else eos_ids, prefill_step, group, check_every)
+                         tokenizer.eos_ids if eos_ids is None else eos_ids, prefill_step, group, check_every,
+                         on_compile=on_compile,
+                         logprobs=logprobs)
     decoder = StreamDecoder(tokenizer, context=list(prompt_ids)[-context_tokens:] if context_tokens else ())
     for tok in gen:
+        if on_token is not None:
+            on_token(tok, gen.stats.logprobs[-1] if logprobs is not None else None)
         text = stopper.feed(decoder.add(tok))
         if text:
             yield text

@@ -139,6 +139,18 @@ class Loaded:
     group: Group = SINGLE
 
 
+def model_args(config: dict):
+    """The family's ModelArgs for this config (no model built)."""
+    return get_model_module(config.get("model_type")).ModelArgs.from_dict(config)
+
+
+def context_length(config: dict) -> int | None:
+    """The model's context (`max_position_embeddings` as its ModelArgs read
+    it, a multimodal config's text_config included); None when it sets none."""
+    n = getattr(model_args(config), "max_position_embeddings", None)
+    return int(n) if n else None
+
+
 def build_model(config: dict):
     module = get_model_module(config.get("model_type"))
     args = module.ModelArgs.from_dict(config)
@@ -176,6 +188,7 @@ def load_model(model: str | os.PathLike | None, dtype: str | None = None, group:
     model_dir = resolve_model_dir(model)
     config = read_config(model_dir)
     m, refs = _build_for_checkpoint(config, open_checkpoint(model_dir))
+    full_shapes = {name: tuple(p.shape) for name, p in tree_flatten(m.parameters())}  # before sharding
     if not group.single:
         m.shard(group)
     target = parse_dtype(dtype) or config_dtype(config)
@@ -189,15 +202,18 @@ def load_model(model: str | os.PathLike | None, dtype: str | None = None, group:
     from . import faults
 
     faults.at("load", group.rank())
-    load_weights(m, refs, target, progress=progress, unexpected_hint=hint)
+    load_weights(m, refs, target, progress=progress, unexpected_hint=hint, full_shapes=full_shapes)
     m.eval()
     return Loaded(m, config, model_dir, target, group)
 
 
-def load_weights(model: nn.Module, refs: dict, dtype=None, progress=None, unexpected_hint: str | None = None) -> None:
+def load_weights(model: nn.Module, refs: dict, dtype=None, progress=None, unexpected_hint: str | None = None,
+                 full_shapes: dict | None = None) -> None:
     """Strict: every parameter must come from the checkpoint with the right
     shape, and every checkpoint tensor must be used. Reads only this rank's slice.
-    `unexpected_hint` is added to the error about unexpected tensors."""
+    `unexpected_hint` is added to the error about unexpected tensors;
+    `full_shapes` (name -> the unsharded model's shape) names the shape a
+    tensor should have when it is too small for this rank's slice."""
     expected = dict(tree_flatten(model.parameters()))
     missing = sorted(expected.keys() - refs.keys())
     unexpected = sorted(refs.keys() - expected.keys())
@@ -219,7 +235,9 @@ def load_weights(model: nn.Module, refs: dict, dtype=None, progress=None, unexpe
         ref, param = refs[name], expected[name]
         axis, ranges = plan.get(name, (None, None))
         if axis is not None and (axis >= len(ref.shape) or ranges[-1][1] > ref.shape[axis]):
-            raise UserError(f"tensor {name!r} has shape {list(ref.shape)}, too small for this rank's slice")
+            want = f"expected {list(full_shapes[name])}" if full_shapes and name in full_shapes else \
+                f"this rank's slice needs [{ranges[0][0]}, {ranges[-1][1]}) of axis {axis}"
+            raise UserError(f"tensor {name!r} has shape {list(ref.shape)}, {want}")
         shape = ref.sliced_shape(axis, ranges)
         if shape != tuple(param.shape):
             full = list(param.shape)

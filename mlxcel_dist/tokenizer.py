@@ -39,10 +39,12 @@ def _ids(v) -> list[int]:
 
 
 class Tokenizer:
-    def __init__(self, model_dir: Path, config: dict | None = None):
+    def __init__(self, model_dir: Path, config: dict | None = None, chat_template: str | None = None):
+        """`chat_template`: jinja text used instead of the checkpoint's (--chat-template)."""
         from tokenizers import Tokenizer as HFTokenizer
 
         self.model_dir = Path(model_dir)
+        self.template_override = chat_template
         path = self.model_dir / "tokenizer.json"
         if not path.exists():
             raise UserError(f"{model_dir}: no tokenizer.json (text commands need one; `logits` takes token ids)")
@@ -97,6 +99,8 @@ class Tokenizer:
         """(template source, where it came from). As transformers: a
         chat_template.jinja next to the tokenizer wins over tokenizer_config.json's
         `chat_template` (a string, or a list of named templates: "default")."""
+        if self.template_override is not None:
+            return self.template_override, "--chat-template"
         f = self.model_dir / CHAT_TEMPLATE_FILE
         if f.exists():
             try:
@@ -115,8 +119,20 @@ class Tokenizer:
             return t, where
         raise UserError(
             f"{self.model_dir}: this checkpoint has no chat template (no {CHAT_TEMPLATE_FILE} and no "
-            "chat_template in tokenizer_config.json); drop --chat to use the prompt as plain text"
+            "chat_template in tokenizer_config.json); give one with --chat-template, or drop --chat to use the "
+            "prompt as plain text"
         )
+
+    def has_chat_template(self) -> bool:
+        if self.template_override is not None or (self.model_dir / CHAT_TEMPLATE_FILE).exists():
+            return True
+        t = self.config.get("chat_template")
+        return bool(t) and (isinstance(t, str) or isinstance(t, list))
+
+    def use_chat(self, chat: bool | None) -> bool:
+        """Whether a prompt goes through the chat template: as asked (--chat /
+        --ignore-chat-template), else when there is one (mlx-lm's default)."""
+        return self.has_chat_template() if chat is None else chat
 
     def special_tokens_map(self) -> dict[str, str]:
         out = {}
@@ -138,12 +154,16 @@ class Tokenizer:
         added (the template writes its own BOS)."""
         return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
 
-    def prompt_ids(self, prompt: str, chat: bool = False, system: str | None = None) -> list[int]:
+    def prompt_ids(self, prompt: str, chat: bool | None = None, system: str | None = None) -> list[int]:
         """The generation prompt: plain text (BOS added as the tokenizer says),
         or with `chat` one user turn (after an optional system turn) rendered
-        through the chat template with the generation prompt."""
+        through the chat template with the generation prompt. `chat` None:
+        the template when the checkpoint has one (`use_chat`)."""
+        chat = self.use_chat(chat)
         if system is not None and not chat:
-            raise UserError("--system needs --chat (the system prompt is a chat-template turn)")
+            raise UserError("--system-prompt is a chat-template turn, but the prompt is used as plain text "
+                            "(the checkpoint has no chat template, or --ignore-chat-template): give "
+                            "--chat-template, or drop --system-prompt")
         if chat:
             messages = ([{"role": "system", "content": system}] if system is not None else [])
             messages.append({"role": "user", "content": prompt})

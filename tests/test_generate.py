@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import subprocess
+import re
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -40,8 +41,8 @@ GREEDY_SEA = ("The sea is calm today. The sky is clear and the sun is warm. Ther
               "It is a good day to go out in a boat.")
 
 
-def run(*args):
-    return runner.invoke(app, [str(a) for a in args])
+def run(*args, input=None):
+    return runner.invoke(app, [str(a) for a in args], input=input)
 
 
 @pytest.fixture(scope="module")
@@ -453,10 +454,16 @@ CONVERSATIONS = [
 ]
 
 
+def _no_template_copy(d):
+    """A copy of the embedded model without its chat template."""
+    shutil.copytree(TINY, d)
+    (d / "chat_template.jinja").unlink()
+    return d
+
+
 @pytest.fixture
 def chat_ckpt(tmp_path):
-    d = tmp_path / "chat"
-    shutil.copytree(TINY, d)
+    d = _no_template_copy(tmp_path / "chat")
     tc = json.loads((d / "tokenizer_config.json").read_text())
     tc["chat_template"] = TEMPLATE
     (d / "tokenizer_config.json").write_text(json.dumps(tc))
@@ -494,7 +501,7 @@ def _hf_chat_ckpt(d, layout):
     """A copy of the embedded model whose tokenizer carries the templates as
     the recording script laid them out."""
     templates = HF_CHAT["templates"]
-    shutil.copytree(TINY, d)
+    _no_template_copy(d)
     tc = json.loads((d / "tokenizer_config.json").read_text())
     t = layout.get("tokenizer_config")
     if isinstance(t, str):
@@ -551,13 +558,27 @@ def test_chat_template_jinja_file_wins(chat_ckpt):
     assert t.chat_template()[1].endswith("chat_template.jinja")
 
 
-def test_chat_template_errors():
+def test_chat_template_errors(tmp_path):
     with pytest.raises(UserError, match="syntax error"):
         render_chat_template("{% if %}", [])
+    bare = Tokenizer(_no_template_copy(tmp_path / "bare"))
     with pytest.raises(UserError, match="has no chat template"):
-        Tokenizer(TINY).prompt_ids("Hi", chat=True)
-    with pytest.raises(UserError, match="--system needs --chat"):
-        Tokenizer(TINY).prompt_ids("Hi", system="x")
+        bare.prompt_ids("Hi", chat=True)
+    for tok, chat in ((bare, None), (Tokenizer(TINY), False)):
+        with pytest.raises(UserError, match="--system-prompt is a chat-template turn"):
+            tok.prompt_ids("Hi", chat=chat, system="x")
+
+
+def test_chat_template_is_the_default_when_there_is_one(tmp_path):
+    # mlx-lm's habit: the checkpoint's template unless --ignore-chat-template;
+    # plain text without one; --chat-template supplies one.
+    tiny, bare = Tokenizer(TINY), Tokenizer(_no_template_copy(tmp_path / "bare"))
+    assert tiny.use_chat(None) and not bare.use_chat(None) and not tiny.use_chat(False)
+    assert tiny.prompt_ids("The sea") == tiny.chat_ids([{"role": "user", "content": "The sea"}])
+    assert bare.prompt_ids("The sea") == bare.encode("The sea")
+    own = Tokenizer(bare.model_dir, chat_template="{{ bos_token }}Q: {{ messages[-1]['content'] }}\nA:")
+    assert own.use_chat(None) and own.chat_template()[1] == "--chat-template"
+    assert own.prompt_ids("Hi") == own.encode("Q: Hi\nA:")
 
 
 def test_eos_ids_are_the_union_of_every_source(tmp_path):
@@ -572,13 +593,54 @@ def test_eos_ids_are_the_union_of_every_source(tmp_path):
 
 # The generate command -----------------------------------------------------------------
 def test_generate_greedy_default_model():
-    r = run("generate", "-n", "40")
+    r = run("generate", "-n", "40", "--ignore-chat-template")
     assert r.exit_code == 0, r.output
     assert r.stdout.startswith(GREEDY_SEA[:100])
+    # Through the embedded model's chat template (the default): the same
+    # continuation (its template is the text itself), the prompt not echoed.
+    chat = run("generate", "-n", "40", "--verbose")
+    assert chat.exit_code == 0, chat.output
+    assert chat.stdout.startswith(GREEDY_SEA[len("The sea"):100]) and "chat template: " in chat.stderr
+
+
+def test_generate_mlx_lm_spellings(tmp_path):
+    # --model, -m, --system-prompt, --prefill-step-size, -p - (stdin), -h, --version
+    r = run("generate", "--model", str(TINY), "-m", "12", "--ignore-chat-template", "--prefill-step-size", "2",
+            "-p", "-", input="The sea")
+    assert r.exit_code == 0, r.output
+    assert r.stdout.startswith(GREEDY_SEA[:30])
+    r = run("generate", "-m", "3", "--system-prompt", "Be brief.", "-p", "Hi", "--verbose")
+    assert r.exit_code == 0 and "chat template: " in r.stderr, r.output
+    assert run("generate", str(TINY), "--model", "other").stderr.startswith("error: MODEL")
+    assert "Usage" in run("generate", "-h").stdout
+    assert run("--version").stdout.startswith("mlxcel-dist ")
+
+
+def test_generate_seed_is_random_unless_given():
+    args = ["generate", "-n", "24", "--temp", "1.5", "--ignore-chat-template", "--verbose"]
+    runs = [run(*args) for _ in range(3)]
+    seeds = [re.search(r"seed (\d+)", r.stderr).group(1) for r in runs]
+    assert all(r.exit_code == 0 for r in runs) and len(set(seeds)) == 3, [r.stderr for r in runs]
+    again = run(*args, "--seed", seeds[0])  # the seed --verbose printed reproduces the text
+    assert again.stdout == runs[0].stdout
+
+
+def test_generate_refuses_text_that_is_not_utf8_and_prompts_past_the_context():
+    import subprocess
+
+    bad = subprocess.run([sys.executable, "-m", "mlxcel_dist.cli", "generate", "-p", "-"], input=b"\xffThe sea",
+                         capture_output=True, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.decode().splitlines() == [
+        "error: the prompt on stdin is not valid UTF-8 (byte 0xff at offset 0)"]
+    arg = subprocess.run([sys.executable, "-m", "mlxcel_dist.cli", "generate", "-p", b"\xfe abc"],
+                         capture_output=True, timeout=120)
+    assert arg.returncode == 2 and b"--prompt is not valid UTF-8 (byte 0xfe" in arg.stderr
+    long = run("generate", "-p", "The sea is calm. " * 120, "-m", "64")
+    assert long.exit_code == 2 and "more than the model's context of 512" in long.stderr, long.output
 
 
 def test_generate_stop_string_and_verbose():
-    r = run("generate", "-n", "60", "--stop", "sky", "--stop", "zzz", "--verbose")
+    r = run("generate", "-n", "60", "--stop", "sky", "--stop", "zzz", "--verbose", "--ignore-chat-template")
     assert r.exit_code == 0, r.output
     assert r.stdout == "The sea is calm today. The \n"
     assert "finished by stop string 'sky'" in r.stderr
@@ -597,6 +659,8 @@ def test_generate_chat(chat_ckpt):
     r = run("generate", chat_ckpt, "--chat", "--system", "Be brief.", "-p", "Hi", "-n", "5", "--verbose")
     assert r.exit_code == 0, r.output
     assert "chat template: " in r.stderr and "<|user|>" not in r.stdout
+    bare = run("generate", _no_template_copy(chat_ckpt.parent / "bare"), "--chat", "-p", "Hi")
+    assert bare.exit_code == 2 and "has no chat template" in bare.stderr
 
 
 @pytest.mark.parametrize(
@@ -613,8 +677,8 @@ def test_generate_chat(chat_ckpt):
         (["--max-tokens", "-1"], "--max-tokens must be >= 0"),
         (["--check-every", "-1"], "--check-every must be >= 0"),
         (["--stop", ""], "--stop must not be empty"),
-        (["--chat"], "has no chat template"),
-        (["--system", "x"], "--system needs --chat"),
+        (["--ignore-chat-template", "--system", "x"], "--system-prompt is a chat-template turn"),
+        (["--chat-template", "{% if %}"], "syntax error"),
         (["--np", "2", "--temp", "-1"], "--temp must be >= 0"),  # refused before launching
     ],
 )
@@ -637,11 +701,11 @@ def _generate(cwd, *args, env=None):
 
 
 def test_np2_prints_the_same_text_as_np1(tmp_path):
-    args = ["-p", "The sea", "-n", "120"]
+    args = ["-p", "The sea", "-n", "120"]  # through the embedded model's chat template (the default)
     one = _generate(tmp_path, *args)
     two = _generate(tmp_path, *args, "--np", "2", "--backend", "mpi")
     assert one.returncode == 0 and two.returncode == 0, one.stderr + two.stderr
-    assert one.stdout.startswith(GREEDY_SEA)
+    assert one.stdout.startswith(GREEDY_SEA[len("The sea"):])
     assert two.stdout == one.stdout
 
 

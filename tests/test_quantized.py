@@ -362,3 +362,29 @@ def test_mlx_lm_loads_our_checkpoints_to_the_same_logits(work, single, np2, name
         for what, logits in (("np1", single[name][mode]), ("np2", np2[name]["logits"][mode])):
             r = compare(logits, ref, FP32_REL_TOL)
             assert r["ok"], (what, mode, r)
+
+
+@needs_mlx_lm
+@pytest.mark.parametrize("quantized", [False, True], ids=["default", "convert-q4"])
+def test_mlx_lm_runs_the_default_model_and_its_conversion(tmp_path, quantized):
+    # mlx-lm 0.32 reads gemma3's layer kinds from sliding_window_pattern alone
+    # (a 4-layer model with the default 6 failed at cache[5]): the embedded
+    # model's config and convert's output carry it, and mlx-lm's greedy
+    # tokens are ours.
+    from mlx_lm import load
+    from mlx_lm.generate import generate_step
+
+    from mlxcel_dist.engine import TokenGenerator
+    from mlxcel_dist.loader import default_model_dir
+
+    src = default_model_dir()
+    if quantized:
+        src = convert_checkpoint(src, tmp_path / "q4", quantize=True)["out"]
+    assert json.loads((Path(src) / "config.json").read_text())["sliding_window_pattern"] == 4
+    theirs_model, _ = load(str(src))
+    from mlxcel_dist.tokenizer import Tokenizer
+
+    prompt = np.array(Tokenizer(default_model_dir()).encode("The sea is"), np.int32)
+    theirs = [int(t) for t, _ in zip((t for t, _ in generate_step(mx.array(prompt), theirs_model)), range(12))]
+    ours = list(TokenGenerator(load_model(src).model, prompt, 12))
+    assert theirs[: len(ours)] == ours and len(ours) >= 8
