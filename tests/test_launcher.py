@@ -14,11 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from mlxcel_dist import distributed, launcher
+from mlxcel_dist import backends, distributed
+from mlxcel_dist.backends import Job
+from mlxcel_dist.backends import MpirunStderr as _MpirunStderr
+from mlxcel_dist.collectives import SINGLE
 from mlxcel_dist.errors import UserError
 from mlxcel_dist.hostfile import Host
 from mlxcel_dist.launcher import (
-    _MpirunStderr,
     build_mpirun_command,
     find_libmpi,
     find_mpirun,
@@ -161,14 +163,14 @@ def test_ssh_command_quotes_everything():
 
 
 def test_auto_backend(monkeypatch):
-    monkeypatch.setattr(launcher, "_cuda_available", lambda: False)
-    monkeypatch.setattr(launcher, "find_mpirun", lambda python=None: "/x/bin/mpirun")
-    monkeypatch.setattr(launcher, "find_libmpi", lambda m: "/x/lib/libmpi.so.40")
-    assert launcher.default_backend(True) == "mpi"
-    monkeypatch.setattr(launcher, "find_mpirun", lambda python=None: None)
-    assert launcher.default_backend(True) == "ring"
-    monkeypatch.setattr(launcher, "_cuda_available", lambda: True)
-    assert launcher.default_backend(True) == "nccl"
+    monkeypatch.setattr(backends, "_cuda_available", lambda: False)
+    monkeypatch.setattr(backends, "find_mpirun", lambda python=None: "/x/bin/mpirun")
+    monkeypatch.setattr(backends, "find_libmpi", lambda m: "/x/lib/libmpi.so.40")
+    assert backends.default_backend(True) == "mpi"
+    monkeypatch.setattr(backends, "find_mpirun", lambda python=None: None)
+    assert backends.default_backend(True) == "ring"
+    monkeypatch.setattr(backends, "_cuda_available", lambda: True)
+    assert backends.default_backend(True) == "nccl"
 
 
 def test_collective_error_line_kept_when_another_rank_exits_first(capfd):
@@ -223,8 +225,9 @@ def test_mpirun_stderr_filter():
 
 def test_init_from_env_not_launched(monkeypatch):
     monkeypatch.delenv("MLXCEL_DIST_WORLD", raising=False)
-    assert distributed.init_from_env() is None
-    assert distributed.rank() == 0 and distributed.is_rank0() and distributed.world_size() == 1
+    assert distributed.init_from_env() is SINGLE
+    w = distributed.world()
+    assert w.rank() == 0 and w.is_root and w.size() == 1
 
 
 @pytest.mark.parametrize("world, backend, words", [
@@ -265,7 +268,7 @@ def test_size_mismatch_refused_unit(monkeypatch):
     msg = str(e.value)
     assert "group of 1 rank(s) but 2 were launched" in msg
     assert "MLX_MPI_LIBNAME" in msg and "does not exist" in msg
-    assert distributed.group() is None
+    assert distributed._group is None
 
 
 def test_size_mismatch_refused_real(tmp_path):
@@ -475,13 +478,13 @@ def test_check_hosts(fake_ssh, tmp_path):
 
 def test_nccl_rank_env(monkeypatch):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    specs = launcher._rank_specs("nccl", 2, [None, None], True, None)
+    specs = backends.get("nccl").rank_specs(Job.local(2))
     assert [s.env["CUDA_VISIBLE_DEVICES"] for s in specs] == ["0", "1"]
     for r, s in enumerate(specs):
         assert s.env["MLX_RANK"] == str(r) and s.env["MLX_WORLD_SIZE"] == "2"
         assert s.env["NCCL_HOST_IP"] == "127.0.0.1" and s.env["NCCL_PORT"].isdigit()
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
-    specs = launcher._rank_specs("nccl", 2, [None, None], True, None)
+    specs = backends.get("nccl").rank_specs(Job.local(2))
     assert [s.env["CUDA_VISIBLE_DEVICES"] for s in specs] == ["3", "5"]
 
 
@@ -506,7 +509,7 @@ def test_jaccl_rank_env(tmp_path):
     hf.write_text(json.dumps([{"ssh": "m1", "ips": ["10.0.0.1"], "rdma": rdma[0]},
                               {"ssh": "m2", "ips": ["10.0.0.2"], "rdma": rdma[1]}]))
     info = read_hostfile(hf)
-    specs = launcher._rank_specs("jaccl", 2, info.hosts, False, info)
+    specs = backends.get("jaccl").rank_specs(Job(2, info.hosts, info))
     for r, s in enumerate(specs):
         assert s.env["MLX_RANK"] == str(r)
         assert s.env["MLX_JACCL_COORDINATOR"].startswith("10.0.0.1:")
@@ -520,7 +523,7 @@ def test_multi_host_ring_hostfile_json(tmp_path, monkeypatch):
     hf = tmp_path / "h.txt"
     hf.write_text("mac1 slots=2\nmac2\n")
     info = read_hostfile(hf)
-    specs = launcher._rank_specs("ring", 3, assign_ranks(info.hosts, 3), False, info)
+    specs = backends.get("ring").rank_specs(Job(3, assign_ranks(info.hosts, 3), info))
     assert json.loads(specs[0].files["MLX_HOSTFILE"]) == [
         ["mac1:40000"], ["mac1:40001"], ["mac2:40002"]
     ]
