@@ -313,3 +313,67 @@ class RecurrentCache(LayerCache):
     @property
     def state(self):
         return [] if self.conv_state is None else [self.conv_state, self.lru_state]
+
+
+class ConvKVCache(LayerCache):
+    """A KV cache (`KVCache` or `RotatingKVCache`, `kv`) plus the state of a
+    short causal conv over keys and values along the sequence (Baichuan-M1):
+    `conv_state` = (keys, values) [B, conv_window - 1, kv_heads, head_dim], the
+    last conv_window - 1 tokens' k/v BEFORE the conv (zeros before the first
+    token, as the reference's zero padding), so a chunk or a decode step
+    convolves exactly as the one pass does. The mask, offset, window and what
+    attention sees are the wrapped cache's; kv_heads are per rank under TP.
+    The conv state is not a static buffer: stepped eagerly (`static_kv` False)."""
+
+    def __init__(self, kv: LayerCache, conv_window: int):
+        self.kv = kv
+        self.conv_window = conv_window
+        self.conv_state = None
+
+    @property
+    def offset(self):
+        return self.kv.offset
+
+    @property
+    def window(self):
+        return self.kv.window
+
+    @property
+    def sliding_offset(self) -> int:
+        return self.kv.sliding_offset
+
+    @property
+    def returned(self) -> int:
+        return self.kv.returned
+
+    @property
+    def last(self):
+        return self.kv.last
+
+    def mask(self, L: int):
+        return self.kv.mask(L)
+
+    def fetch_conv(self, like: mx.array) -> tuple[mx.array, mx.array]:
+        """The conv state for new k/v shaped like `like` [B, n, kv_heads, D]."""
+        if self.conv_state is None:
+            B, _, H, D = like.shape
+            z = mx.zeros((B, self.conv_window - 1, H, D), like.dtype)
+            return z, z
+        return self.conv_state
+
+    def update_conv(self, keys: mx.array, values: mx.array) -> None:
+        self.conv_state = (keys, values)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        return self.kv.update_and_fetch(keys, values)
+
+    def temporal(self) -> tuple[mx.array, mx.array]:
+        return self.kv.temporal()
+
+    def release(self) -> None:
+        self.kv.release()
+        self.conv_state = None
+
+    @property
+    def state(self):
+        return self.kv.state + ([] if self.conv_state is None else list(self.conv_state))

@@ -449,3 +449,30 @@ def shard_query_attention(attn: nn.Module, group: Group) -> None:
         attn.shard_spec = ShardSpec(per_head)
     attn.num_heads = q1 - q0
     attn.num_kv_heads = kv1 - kv0
+
+
+def shard_packed_attention(attn: nn.Module, group: Group, packed: str = "W_pack", per_kv_head=()) -> None:
+    """Shard an attention whose q, k and v come from ONE fused projection
+    (Baichuan's `W_pack`, rows [q (H*D); k (KV*D); v (KV*D)]): rank r keeps
+    its q heads and their KV heads as `shard_attention` does, i.e. three row
+    ranges of the fused weight (one per segment), so its output is again
+    [q; k; v] with the per-rank counts; o_proj is sharded-to-all (one
+    all_sum). `per_kv_head` lists (name, axis) of parameters with one entry
+    per KV head along `axis` (e.g. a conv kernel per KV head), sliced with
+    the KV heads. Needs `total_num_heads`, `total_num_kv_heads`, `head_dim`."""
+    if group.single:
+        return
+    H, KV, D = attn.total_num_heads, attn.total_num_kv_heads, attn.head_dim
+    (q0, q1), kv = head_ranges(H, KV, group.size(), group.rank())
+    kv0, kv1 = faults.kv_heads(kv, KV, group)
+    rows = [(q0 * D, q1 * D), ((H + kv0) * D, (H + kv1) * D), ((H + KV + kv0) * D, (H + KV + kv1) * D)]
+    setattr(attn, packed, _sharded(getattr(attn, packed), "rows", rows, group))
+    attn.o_proj = _sharded(attn.o_proj, "cols", [(q0 * D, q1 * D)], group, "o_proj")
+    spec = {}
+    for name, axis in per_kv_head:
+        setattr(attn, name, _slice(getattr(attn, name), axis, [(kv0, kv1)]))
+        spec[name] = (axis, [(kv0, kv1)])
+    if spec:
+        attn.shard_spec = ShardSpec(spec)
+    attn.num_heads = q1 - q0
+    attn.num_kv_heads = kv1 - kv0
