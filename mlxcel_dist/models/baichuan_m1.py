@@ -92,6 +92,7 @@ class ModelArgs(BaseModelArgs):
         if self.head_dim is not None and self.head_dim != self.heads(FULL)[2]:
             # The original ignores head_dim and uses hidden / heads.
             raise UserError(f"baichuan_m1 config head_dim {self.head_dim} != hidden_size / num_attention_heads")
+        self.head_dim = self.heads(FULL)[2]  # the full layers'; sliding layers: hidden / num_swa_attention_heads
         swa = set(self.sliding_window_layers)
         self.layer_types = [SLIDING if i in swa else FULL for i in range(self.num_hidden_layers)]
 
