@@ -476,3 +476,26 @@ def shard_packed_attention(attn: nn.Module, group: Group, packed: str = "W_pack"
         attn.shard_spec = ShardSpec(spec)
     attn.num_heads = q1 - q0
     attn.num_kv_heads = kv1 - kv0
+
+
+def shard_stacked_experts(moe: nn.Module, group: Group, up=("gate_proj", "up_proj"), down="down_proj") -> None:
+    """Split stacked expert projections by the intermediate dimension I, with
+    no collective of their own: `moe.<up>.weight` [E, I, hidden] keep rows
+    [r*I/N, (r+1)*I/N) of axis 1, `moe.<down>.weight` [E, hidden, I] the same
+    range of axis 2 (the hub layout of e.g. Step-3.5: `moe.gate_proj.weight`).
+    Every other child of `moe` (the router) stays replicated, so every rank
+    routes alike; the block sums its partial output over the group once (and
+    counts that all_sum in `collectives_per_token`)."""
+    if group.single:
+        return
+    n, r = group.size(), group.rank()
+    inter = getattr(moe, up[0]).weight.shape[1]
+    if inter % n:
+        raise UserError(f"{n} ranks cannot split the experts' intermediate size {inter}")
+    rng = [(r * inter // n, (r + 1) * inter // n)]
+    for name, axis in [(u, 1) for u in up] + [(down, 2)]:
+        stack = getattr(moe, name)
+        if stack.weight.shape[axis] != inter:
+            raise UserError(f"expert {name} has {stack.weight.shape[axis]} intermediate rows, expected {inter}")
+        stack.weight = _slice(stack.weight, axis, rng)
+        stack.shard_spec = ShardSpec({"weight": (axis, rng)})
