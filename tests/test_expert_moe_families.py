@@ -144,3 +144,11 @@ def test_exaone_moe_correction_bias_only_chooses():
     chosen = w > 0
     expect = scores * chosen / (scores * chosen).sum(-1, keepdims=True) * m.args.routed_scaling_factor
     np.testing.assert_allclose(w, expect, rtol=1e-6)
+
+
+def test_exaone_moe_reads_the_transformers4_rope_form():
+    # ExaoneMoeConfig turns rope_theta + rope_scaling into rope_parameters (checked on 5.24).
+    c = config("exaone_moe", "gqa_fp32")
+    c.pop("rope_parameters")
+    c.update(rope_theta=5e5, rope_scaling={"rope_type": "linear", "factor": 2.0})
+    assert build_model(c).args.rope == {"rope_type": "linear", "factor": 2.0, "rope_theta": 5e5}

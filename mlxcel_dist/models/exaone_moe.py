@@ -72,6 +72,7 @@ class ModelArgs(BaseModelArgs):
     rms_norm_eps: float = 1e-5
     tie_word_embeddings: bool = False
     rope_theta: float | None = None
+    rope_scaling: dict | None = None  # the transformers-4 form, read as transformers 5 does
     rope_parameters: dict | None = None
     sliding_window: int | None = 4096
     sliding_window_pattern: str | int | None = 4
@@ -100,7 +101,9 @@ class ModelArgs(BaseModelArgs):
         self.mlp_layer_types = list(mlp)
         if SPARSE in mlp:
             self._check_routing()
-        self.rope = single_rope_params(self.rope_parameters, None, self.rope_theta, self.max_position_embeddings)
+        self.rope = single_rope_params(
+            self.rope_parameters, self.rope_scaling, self.rope_theta, self.max_position_embeddings
+        )
 
     def _pattern_layer_types(self) -> list | None:
         """layer_types as given; else every P-th layer global for an int
