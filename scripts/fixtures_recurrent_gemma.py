@@ -31,12 +31,14 @@ from fixture_lib import (
     Readme,
     Rule,
     anything,
+    bf16_vs_fp32,
     endswith,
     is_embedding,
     is_matrix,
     is_norm_vector,
     npz_keys,
     run,
+    t4_config,
 )
 
 INIT = dict(embed_std=0.2, linear_std=0.25, norm_center=0.0, norm_std=0.3, other_std=0.1,
@@ -80,6 +82,15 @@ def bf16_unrounded_scale(m) -> None:
     m.model.normalizer = torch.tensor(m.config.hidden_size**0.5, dtype=torch.float32)
 
 
+def t4_form(cfg: dict) -> dict:
+    """The transformers-4 form real checkpoints (google/recurrentgemma-*) use:
+    top-level rope_theta and partial_rotary_factor, no head_dim (derived),
+    embeddings_scale_by_sqrt_dim (transformers 5 ignores it: it always scales)."""
+    rp = cfg["rope_parameters"]
+    return t4_config(cfg, drop=("head_dim",), version="4.40.0", partial_rotary_factor=rp["partial_rotary_factor"],
+                     embeddings_scale_by_sqrt_dim=True)
+
+
 ABLATIONS = {"no_window": no_window, "no_recurrence": no_recurrence, "no_conv_history": no_conv}
 
 CASES = [
@@ -90,6 +101,7 @@ CASES = [
         T=72,
         config=dict(num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=1,
                     rope_parameters={"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.5}),
+        t4=t4_form,
         ablations=ABLATIONS,
     ),
     dict(
@@ -105,7 +117,25 @@ CASES = [
                     block_types=["attention", "recurrent"], attention_bias=True, tie_word_embeddings=False,
                     logits_soft_cap=8.0,
                     rope_parameters={"rope_type": "default", "rope_theta": 50_000.0, "partial_rotary_factor": 0.5}),
+        t4=t4_form,
         ablations={**ABLATIONS, "unrounded_embed_scale": bf16_unrounded_scale},
+    ),
+    dict(
+        name="mqa_bf16",
+        description=(
+            "4 q heads / 1 KV head, hidden 48, lru_width 48, 4 layers (r,r,a,r), bfloat16 weights and forward "
+            "(gates and conv in bf16, the scan in fp32 as transformers); window 16, T=56"
+        ),
+        seed=15003,
+        dtype=torch.bfloat16,
+        # At linear_std 0.25 the recurrence amplifies rounding so much that transformers' own bf16 run is
+        # 6.6e-2 of the logit scale from its fp32 run (no test could tell a right bf16 run from a wrong one);
+        # at 0.15 it is ~1e-2, as the other families' bf16 fixtures.
+        init=dict(linear_std=0.15),
+        T=56,
+        config=dict(hidden_size=48, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=1,
+                    rope_parameters={"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.5}),
+        ablations=ABLATIONS,
     ),
 ]
 
@@ -118,7 +148,11 @@ FAMILY = Family(
     common=COMMON,
     init=INIT,
     init_rules=INIT_RULES,
-    info_fields=(npz_keys,),
+    info_fields=(npz_keys, bf16_vs_fp32),
+    ablate_in_fp32=True,
+    t4_fields=("rope_parameters_loaded", "layer_types_loaded", "logits_max_abs_diff"),
+    t4_note="config_t4.json: the same model in the transformers-4 config form real checkpoints use; loads to "
+    "identical logits",
     min_ablation=0.001,
     readme=Readme(
         title="RecurrentGemma",

@@ -94,6 +94,12 @@ class ModelArgs(BaseModelArgs):
         return params
 
 
+def _fp32(fn, x):
+    # torch's half-precision kernels compute in fp32 and round once; MLX's
+    # bf16 sigmoid/softplus round differently (up to 1 ulp on ~1/3 of the values).
+    return fn(x.astype(mx.float32)).astype(x.dtype)
+
+
 class Conv1d(nn.Module):
     """Causal depthwise conv1d over [B, L, C] with the checkpoint's layout:
     weight [C, 1, width], bias [C]. out[t] = bias + sum_k w[k] x[t - width + 1 + k],
@@ -110,8 +116,10 @@ class Conv1d(nn.Module):
         if state is None:
             state = mx.zeros((B, W - 1, C), x.dtype)
         xp = mx.concatenate([state, x], axis=1)  # [B, W - 1 + L, C]
-        w = self.weight[:, 0, :].T  # [W, C]
-        out = self.bias + sum(xp[:, k : k + L, :] * w[k] for k in range(W))
+        # Accumulate in fp32 and round once, as torch's conv kernel does for half inputs.
+        w = self.weight[:, 0, :].T.astype(mx.float32)  # [W, C]
+        xf = xp.astype(mx.float32)
+        out = self.bias.astype(mx.float32) + sum(xf[:, k : k + L, :] * w[k] for k in range(W))
         return out.astype(x.dtype), xp[:, L:, :]
 
 
@@ -132,15 +140,16 @@ class Rglru(nn.Module):
 
     def _gate(self, xh, w, b, shape):
         # xh [H, B*L, bw] @ w [H, bw, bw] (x @ W, as torch.baddbmm) -> [B, L, C]
-        res = (xh @ w + b[:, None, :]).transpose(1, 0, 2).reshape(shape)
-        return mx.sigmoid(res)
+        # addmm: the bias joins the product before the one rounding (torch.baddbmm)
+        res = mx.addmm(b[:, None, :], xh, w).transpose(1, 0, 2).reshape(shape)
+        return _fp32(mx.sigmoid, res)
 
     def __call__(self, x, offset: int, state=None):
         B, L, C = x.shape
         xh = x.reshape(B * L, self.num_heads, self.block_width).transpose(1, 0, 2)  # [H, B*L, bw]
         input_gate = self._gate(xh, self.input_gate_weight, self.input_gate_bias, x.shape)
         recurrent_gate = self._gate(xh, self.recurrent_gate_weight, self.recurrent_gate_bias, x.shape)
-        log_a = -8.0 * recurrent_gate * nn.softplus(self.recurrent_param)
+        log_a = -8.0 * recurrent_gate * _fp32(nn.softplus, self.recurrent_param)
         a = mx.exp(log_a)
         a_square = mx.exp(2 * log_a)
         gated = x * input_gate
@@ -174,7 +183,8 @@ class RecurrentBlock(nn.Module):
     def __call__(self, x, mask=None, cache=None):
         conv_state, lru_state = cache.fetch() if cache is not None else (None, None)
         offset = cache.offset if cache is not None else 0
-        y = self.act(self.linear_y(x))
+        y = self.linear_y(x)
+        y = _fp32(self.act, y)
         xb, conv_state = self.conv_1d(self.linear_x(x), conv_state)
         xb, lru_state = self.rg_lru(xb, offset, lru_state)
         if cache is not None:
