@@ -22,7 +22,20 @@ from __future__ import annotations
 import sys
 
 import torch
-from transformers import Gemma3nForCausalLM, Gemma3nTextConfig
+from transformers import (
+    Gemma3nAudioConfig,
+    Gemma3nConfig,
+    Gemma3nForCausalLM,
+    Gemma3nForConditionalGeneration,
+    Gemma3nTextConfig,
+    Gemma3nVisionConfig,
+)
+from transformers.models.gemma3n.modeling_gemma3n import (
+    Gemma3nModel,
+    Gemma3nMultimodalEmbedder,
+    Gemma3nPreTrainedModel,
+    Gemma3nTextModel,
+)
 
 from fixture_lib import (
     FULL,
@@ -31,6 +44,8 @@ from fixture_lib import (
     Family,
     Rule,
     anything,
+    config_kwargs,
+    default_config,
     endswith,
     is_embedding,
     is_matrix,
@@ -126,6 +141,62 @@ ABLATIONS = {
     "no_final_softcap": no_final_softcap,
 }
 
+class TowerlessGemma3nModel(Gemma3nModel):
+    """transformers' Gemma3nModel without its vision tower (timm, not installed
+    here) and audio tower: one-weight stand-ins keep their names in the
+    checkpoint (for sanitize to drop). Gemma3nModel.forward runs unchanged:
+    with token ids only it never calls the towers."""
+
+    def __init__(self, config):
+        Gemma3nPreTrainedModel.__init__(self, config)
+        self.vision_tower = torch.nn.Linear(4, 4, bias=False)
+        self.vocab_size = config.text_config.vocab_size
+        self.language_model = Gemma3nTextModel(config.text_config)
+        self.vocab_size_per_layer_input = config.text_config.vocab_size_per_layer_input
+        self.audio_tower = torch.nn.Linear(4, 4, bias=False)
+        self.embed_vision = Gemma3nMultimodalEmbedder(config.vision_config, config.text_config)
+        self.embed_audio = Gemma3nMultimodalEmbedder(config.audio_config, config.text_config)
+        self.post_init()
+
+
+class TowerlessGemma3nForConditionalGeneration(Gemma3nForConditionalGeneration):
+    """Gemma3nForConditionalGeneration (its forward and head unchanged) over TowerlessGemma3nModel."""
+
+    def __init__(self, config):
+        Gemma3nPreTrainedModel.__init__(self, config)
+        self.model = TowerlessGemma3nModel(config)
+        self.lm_head = torch.nn.Linear(config.text_config.hidden_size, config.text_config.vocab_size, bias=False)
+        self.post_init()
+
+
+def build_config(family, case):
+    if not case.get("multimodal"):
+        return default_config(family, case)
+    kw = config_kwargs(family, case)
+    vision, audio = kw.pop("vision_config"), kw.pop("audio_config")
+    cfg = Gemma3nConfig(
+        text_config=Gemma3nTextConfig(**kw).to_dict(),
+        vision_config=Gemma3nVisionConfig(**vision).to_dict(),
+        audio_config=Gemma3nAudioConfig(**audio).to_dict(),
+    )
+    cfg._attn_implementation = "eager"
+    return cfg
+
+
+def multimodal_ids_as_text(m) -> None:
+    """No id in the vision/audio ranges goes through its embedder."""
+    m.model.embed_vision.vocab_offset = 10**6
+    m.model.embed_audio.vocab_offset = 10**6
+
+
+def no_window_text(m) -> None:
+    m.config.text_config.sliding_window = 1_000_000
+
+
+def as_conditional_generation(cfg: dict) -> dict:
+    return {**cfg, "architectures": ["Gemma3nForConditionalGeneration"]}
+
+
 CASES = [
     dict(
         name="gqa_fp32",
@@ -178,6 +249,39 @@ CASES = [
         ),
         ablations={k: v for k, v in ABLATIONS.items() if k != "no_final_softcap"},
     ),
+    dict(
+        name="multimodal_fp32",
+        description=(
+            "Gemma3nForConditionalGeneration's text path (model_type gemma3n, text_config): 4 q / 2 kv heads, "
+            "5 layers (s,s,f | s,f shared), window 8, vision ids 200-207 and audio ids 208-215 through their "
+            "embedders, towers dropped"
+        ),
+        seed=7003,
+        T=48,
+        multimodal=True,
+        model_cls=TowerlessGemma3nForConditionalGeneration,
+        edit_config=as_conditional_generation,
+        config=dict(
+            vocab_size=216,
+            num_hidden_layers=5,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=64,
+            sliding_window=8,
+            layer_types=[SLIDING, SLIDING, FULL, SLIDING, FULL],
+            num_kv_shared_layers=2,
+            activation_sparsity_pattern=[0.95, 0.0, 0.9, 0.0, 0.0],
+            final_logit_softcapping=12.0,
+            rope_parameters=rope_by_kind(1_000_000.0, 10_000.0),
+            vision_config=dict(hidden_size=24, vocab_size=8, vocab_offset=200, rms_norm_eps=1e-6),
+            audio_config=dict(hidden_size=20, vocab_size=8, vocab_offset=208, rms_norm_eps=1e-6),
+        ),
+        notes=[
+            "transformers' Gemma3nForConditionalGeneration.forward / Gemma3nModel.forward unchanged; its vision "
+            "tower (timm) and audio tower are one-weight stand-ins (token ids never reach them)"
+        ],
+        ablations={"multimodal_ids_as_text": multimodal_ids_as_text, "no_sliding_window": no_window_text},
+    ),
 ]
 
 
@@ -189,6 +293,7 @@ FAMILY = Family(
     CASES,
     common=COMMON,
     init=INIT,
+    build_config=build_config,
     **{**GEMMA2_STYLE, "init_rules": RULES},
 )
 
