@@ -230,6 +230,20 @@ CASES = [
         },
     ),
     dict(
+        name="dense_bf16",
+        description="dense_fp32's shapes and features with bfloat16 weights (saved as bf16), forward in bf16; T=48.",
+        seed=4004,
+        T=48,
+        dtype=torch.bfloat16,
+        # other weights (smaller projections, larger embeddings): at dense_fp32's, transformers' own bf16 run is
+        # 11% of the logit scale from the fp32 answer and a sharded run's separately rounded partial sums move
+        # it 3.5% (np 2), more than two correct bf16 runs may differ (8 ulps); here 1.6% (as gemma3's 1.5%)
+        init=dict(linear_std=0.12, qk_norm_mean=0.5, qk_norm_std=0.15, norm_std=0.3, norm_mean=1.0, embed_std=0.5),
+        model_cls=with_layer_scalars(Gemma4ForCausalLM),
+        config=dict(DENSE),
+        ablations={"no_sliding_window": no_window, "no_ple": no_ple},
+    ),
+    dict(
         name="multimodal_fp32",
         description=(
             "Gemma4ForConditionalGeneration (model_type gemma4) with a tiny vision tower; text model as "

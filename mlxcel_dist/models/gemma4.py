@@ -326,6 +326,8 @@ class Model(CausalLM):
                 parts.append(f"MoE {a.num_experts} experts top-{a.top_k_experts} + dense MLP")
             if a.use_double_wide_mlp and a.kv_source[i] is not None:
                 parts.append("double-wide MLP")
+            if a.hidden_size_per_layer_input:
+                parts.append(f"per-layer input {a.hidden_size_per_layer_input}")
             out.append(f"{i}: " + ", ".join(parts))
         return out
 
