@@ -28,15 +28,12 @@ Cases:
   rope_theta / partial_rotary_factors lists padded by num_nextn_predict_layers,
   num_attention_groups, moe_num_experts, moe_top_k), which transformers reads
   to the same model;
-
-No multimodal (step3p7) case: transformers 5.24 saves
-Step3p7ForConditionalGeneration in the hub layout (its conversion mapping,
-reversed: text under model.layers.* with moe.* / share_expert.*, vision under
-vision_model.*) but does not read its own vision tensors back (all 26 vision
-tensors differ after a save/load round trip), which fixture_lib's round-trip
-check refuses. tests/test_step3p5.py wraps hub_layout_fp32 in the multimodal
-config form (text_config, vision tensors) and checks our logits against its
-reference.
+- `multimodal_fp32`: Step3p7ForConditionalGeneration (model_type step3p7);
+  transformers saves its text tensors in the hub layout itself (its conversion
+  mapping, reversed). It does not read its own vision tensors back (all of
+  them differ after a save/load round trip), so the model here has no vision
+  tower (`Step3p7TextOnly`) and hub-named vision tensors are added to the
+  file afterwards; reference = text-only forward.
 """
 
 from __future__ import annotations
@@ -49,9 +46,12 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.models.step3p7.configuration_step3p7 import (
+    Step3p7Config,
     Step3p7TextConfig,
+    Step3p7VisionConfig,
 )
 from transformers.models.step3p7.modeling_step3p7 import (
+    Step3p7ForConditionalGeneration,
     Step3p7PreTrainedModel,
     Step3p7TextModel,
     Step3p7TopKRouter,
@@ -65,6 +65,8 @@ from fixture_lib import (
     Readme,
     Rule,
     anything,
+    config_kwargs,
+    default_config,
     is_embedding,
     is_matrix,
     npz_keys,
@@ -98,6 +100,21 @@ class Step3p5ForCausalLM(Step3p7PreTrainedModel):
     def forward(self, input_ids=None, use_cache=False, **kwargs):
         h = self.model(input_ids=input_ids, use_cache=use_cache, **kwargs).last_hidden_state
         return CausalLMOutputWithPast(logits=self.lm_head(h))
+
+
+class Step3p7TextOnly(Step3p7ForConditionalGeneration):
+    """The multimodal model (model_type step3p7) without its vision tower and
+    projector: transformers 5.24 saves those in the hub layout but does not read
+    them back (all vision tensors differ after a save/load round trip), which
+    the round-trip check refuses; the reference is a text-only forward, which
+    never runs them. `to_hub_layout` adds hub-named vision tensors to the file
+    afterwards, as a real checkpoint has them."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        del self.model.vision_model
+        del self.model.multi_modal_projector
+        _router_bias_params(self)
 
 
 INIT = dict(embed_std=0.2, linear_std=0.15, head_std=0.3, norm_std=0.3, router_bias_std=0.3, other_std=0.1)
@@ -194,6 +211,13 @@ def full_theta_on_sliding(m) -> None:
     rot.sliding_attention_inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
 
 
+def undo_linear_rope(factor: float):
+    def ablation(m) -> None:  # linear scaling divides the full layers' inv_freq by factor
+        _text(m).rotary_emb.full_attention_inv_freq.mul_(factor)
+
+    return ablation
+
+
 ABLATIONS = {
     "no_sliding_window": no_window,
     "no_head_gate": no_head_gate,
@@ -221,6 +245,8 @@ def to_hub_layout(ctx) -> list[str]:
     computed from transformers' names): gate_up_proj [E, 2I, H] split into
     moe.gate_proj / moe.up_proj, the other MoE tensors renamed, two tensors of
     an MTP layer (index num_hidden_layers) added."""
+    if ctx.case.get("vision"):
+        return add_vision_tensors(ctx)
     if not ctx.case.get("hub_layout"):
         return []
     sd = load_file(ctx.st_path)
@@ -250,6 +276,26 @@ def to_hub_layout(ctx) -> list[str]:
         "mlp.experts.down_proj -> moe.down_proj.weight, mlp.gate.weight -> moe.gate.weight, "
         "mlp.gate.e_score_correction_bias -> moe.router_bias, mlp.shared_experts.* -> share_expert.*; "
         f"plus model.layers.{mtp}.enorm.weight / eh_proj.weight (an MTP layer, not part of the decoder)"
+    ]
+
+
+def add_vision_tensors(ctx) -> list[str]:
+    """A few vision-tower / projector tensors under the hub's names (random:
+    the text-only reference never reads them)."""
+    sd = load_file(ctx.st_path)
+    gen = torch.Generator().manual_seed(ctx.case["seed"])
+    v = ctx.case["vision"]["hidden_size"]
+    p = ctx.case["vision"]["patch_size"]
+    text = ctx.reloaded.config.text_config.hidden_size
+    sd["vision_model.conv1.weight"] = torch.randn(v, 3, p, p, generator=gen)
+    sd["vision_model.ln_pre.weight"] = torch.randn(v, generator=gen)
+    sd["vit_large_projector.weight"] = torch.randn(text, 4 * v, generator=gen)
+    save_file(dict(sorted(sd.items())), ctx.st_path, metadata={"format": "pt"})
+    os.chmod(ctx.st_path, 0o644)
+    return [
+        "text tensors as transformers saved them (its step3p7 conversion mapping, reversed: the hub layout); "
+        "vision_model.conv1.weight, vision_model.ln_pre.weight, vit_large_projector.weight added afterwards "
+        "(random, hub names) as a real checkpoint has its vision tower; reference = text-only forward"
     ]
 
 
@@ -294,6 +340,7 @@ def by_kind(types, full, sliding):
 S, F = SLIDING, FULL
 TYPES_A = [S, F, S, F, S]
 TYPES_B = [S, F, S, F]
+TYPES_C = [F, S, S, F]
 
 CASES = [
     dict(
@@ -347,7 +394,45 @@ CASES = [
         edit_config=hub_config,
         ablations=ABLATIONS,
     ),
+    dict(
+        name="multimodal_fp32",
+        description=(
+            "Step3p7ForConditionalGeneration (step3p7; saved by transformers in the hub layout, vision tensors "
+            "added); 4 layers f,s,s,f (sparse, dense, sparse, sparse); full 8 q heads, sliding 4, 1 KV head; "
+            "window 8; linear RoPE x2 + partial 0.5 on full layers; T=48"
+        ),
+        seed=16003,
+        T=48,
+        model_cls=Step3p7TextOnly,
+        config=dict(
+            num_hidden_layers=4,
+            num_attention_heads=8,
+            num_sliding_attention_heads=4,
+            num_key_value_heads=1,
+            sliding_window=8,
+            layer_types=TYPES_C,
+            mlp_layer_types=["sparse", "dense", "sparse", "sparse"],
+            rope_theta=by_kind(TYPES_C, 20_000.0, 10_000.0),
+            partial_rotary_factors=by_kind(TYPES_C, 0.5, 1.0),
+            rope_scaling={"rope_type": "linear", "factor": 2.0},
+            swiglu_limits=[0.3, None, None, 0.3],
+            swiglu_limits_shared=[0.3, 0.3, None, None],
+            moe_router_scaling_factor=2.0,
+        ),
+        vision=dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14),
+        ablations={**ABLATIONS, "no_linear_rope_scaling": undo_linear_rope(2.0)},
+    ),
 ]
+
+
+def build_config(family: Family, case: dict):
+    if "vision" not in case:
+        return default_config(family, case)
+    text = Step3p7TextConfig(**config_kwargs(family, case))
+    vision = Step3p7VisionConfig(**case["vision"])
+    cfg = Step3p7Config(text_config=text.to_dict(), vision_config=vision.to_dict())
+    cfg._attn_implementation = "eager"
+    return cfg
 
 
 def router_margin(ctx) -> dict:
@@ -382,6 +467,7 @@ FAMILY = Family(
     common=COMMON,
     init=INIT,
     init_rules=INIT_RULES,
+    build_config=build_config,
     extra_outputs=to_hub_layout,
     # The reloaded model (the reference) and the in-memory one differ by ~1.4e-6
     # (7e-7 of the logit std; same state dict, same strides), so that check is off.

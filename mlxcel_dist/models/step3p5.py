@@ -441,9 +441,11 @@ class Model(CausalLM):
         a = self.args
         out = []
         for line, layer, heads in zip(describe_layers(self), self.layers, a.heads):
+            dims = layer.self_attn.rope.dims
+            rotary = f", rotary {dims}/{a.head_dim} dims" if dims != a.head_dim else ""
             ffn = (f"moe {a.n_routed_experts} experts top-{a.num_experts_per_tok} + shared expert"
                    if layer.sparse else "dense mlp")
-            out.append(f"{line}, {heads} heads, head gate, {ffn}")
+            out.append(f"{line}{rotary}, {heads} heads, head gate, {ffn}")
         return out
 
     def sanitize(self, weights: dict) -> dict:
