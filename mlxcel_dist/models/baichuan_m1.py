@@ -131,10 +131,12 @@ class Attention(nn.Module):
         L = x.shape[1]
         ext = mx.concatenate([state, x], axis=1) if w > 1 else x  # [B, w-1+L, KV, D]
         taps = kernel.reshape(-1, w).astype(x.dtype)  # [KV, w]
-        out = ext[:, 0:L] * taps[:, 0, None]
+        # The reference's products round to the compute dtype, its sum over the
+        # taps accumulates in fp32 and rounds once (the same in fp32).
+        out = (ext[:, 0:L] * taps[:, 0, None]).astype(mx.float32)
         for j in range(1, w):
-            out = out + ext[:, j : j + L] * taps[:, j, None]
-        return out, ext[:, ext.shape[1] - (w - 1) :]
+            out = out + (ext[:, j : j + L] * taps[:, j, None]).astype(mx.float32)
+        return out.astype(x.dtype), ext[:, ext.shape[1] - (w - 1) :]
 
     def __call__(self, x, mask=None, cache=None):
         B, L, _ = x.shape
