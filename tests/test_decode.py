@@ -177,3 +177,35 @@ def test_device_agreement_row_is_the_host_row(monkeypatch):
         g.count, g.checksum, g.last, g.checked = host.count, host.checksum, host.last, host.count
     g2 = RankAgreement(group, every=3)
     assert g2.pending_rows(mx.array(1, mx.int32)) is None  # no check due at the first id
+
+
+def test_first_step_of_a_new_graph_is_announced_and_timed_apart(monkeypatch):
+    # The last prompt token's step builds (and compiles) the decode graph: the
+    # generator announces it (on_compile, from a timer; here a timer that
+    # fires at once) and reports its time as compile_s, not prompt speed. The
+    # same shapes again reuse the graph: nothing announced, every token timed.
+    import mlxcel_dist.engine as engine
+
+    class FiresAtOnce:
+        def __init__(self, _delay, fn):
+            self.fn, self.daemon = fn, False
+
+        def start(self):
+            self.fn()
+
+        def cancel(self):
+            pass
+
+    monkeypatch.setattr(engine.threading, "Timer", FiresAtOnce)
+    model = load_model(default_model_dir()).model  # fresh: no graph traced yet
+    prompt = np.arange(4, 11)
+    calls = []
+    first = TokenGenerator(model, prompt, 4, on_compile=lambda: calls.append(1))
+    list(first)
+    s1 = first.finish()
+    assert calls == [1] and s1.compile_s > 0 and s1.prefill_timed_tokens == len(prompt) - 1
+    assert s1.ttft_s == s1.prefill_s + s1.compile_s
+    again = TokenGenerator(model, prompt, 4, on_compile=lambda: calls.append(2))
+    list(again)
+    s2 = again.finish()
+    assert calls == [1] and s2.compile_s == 0 and s2.prefill_timed_tokens == len(prompt)
