@@ -451,10 +451,12 @@ def generate_text(model, tokenizer, prompt_ids, max_tokens: int, sampling: Sampl
     from .tokenizer import StopStrings, StreamDecoder
 
     stopper = StopStrings(stop)
-    gen = TokenGenerator(model, prompt_ids, max_tokens, sampling,
-                         tokenizer.eos_ids if eos_ids is None else eos_ids, prefill_step, group, check_every,
-                         on_compile=on_compile,
-                         logprobs=logprobs)
+    eos = tokenizer.eos_ids if eos_ids is None else eos_ids
+    if callable(getattr(model, "generate_ids", None)):  # the model's own generation loop (HookGenerator)
+        gen = HookGenerator(model, prompt_ids, max_tokens, sampling, eos, group, check_every, logprobs)
+    else:
+        gen = TokenGenerator(model, prompt_ids, max_tokens, sampling, eos, prefill_step, group, check_every,
+                             on_compile=on_compile, logprobs=logprobs)
     decoder = StreamDecoder(tokenizer, context=list(prompt_ids)[-context_tokens:] if context_tokens else ())
     for tok in gen:
         if on_token is not None:
@@ -484,3 +486,47 @@ def rank_resources(group: Group, load_s: float) -> np.ndarray:
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     rss_mib = rss / 2**20 if sys.platform == "darwin" else rss / 2**10  # bytes on macOS, KiB on Linux
     return group.gather_rows([load_s, mx.get_peak_memory() / 2**20, rss_mib])
+
+
+class HookGenerator:
+    """TokenGenerator's interface (iterate, then `finish()`) over a model's
+    own generation loop: a model with `generate_ids(prompt_ids, max_tokens,
+    sampling, eos_ids, group)` (an iterator of ids, EOS not yielded; e.g.
+    DiffusionGemma's block diffusion, which is no token-by-token decode)
+    generates through it. Every rank runs it; the ids go through the same
+    rank-agreement guard as TokenGenerator's."""
+
+    def __init__(self, model, prompt_ids, max_tokens: int, sampling: SamplingParams | None = None,
+                 eos_ids=(), group: Group = SINGLE, check_every: int = 1, logprobs: int | None = None):
+        self.prompt = check_tokens(prompt_ids, vocab_size(model))
+        check_generation_options(max_tokens, check_every)
+        if logprobs is not None:
+            raise UserError(f"logprobs are not available for {model.args.model_type} (its own generation loop)")
+        self.model, self.max_tokens, self.group = model, max_tokens, group
+        self.sampling = sampling or SamplingParams()
+        self.eos = tuple(int(e) for e in eos_ids)
+        self.guard = RankAgreement(group, check_every)
+        self.stats = GenStats(prompt_tokens=len(self.prompt))
+        self._t0 = None
+
+    def __iter__(self):
+        stats = self.stats
+        self._t0 = time.perf_counter()
+        for tok in self.model.generate_ids(self.prompt, self.max_tokens, self.sampling, self.eos, self.group):
+            if stats.generated == 0:
+                stats.prefill_s = time.perf_counter() - self._t0
+                stats.prefill_timed_tokens = len(self.prompt)
+            stats.generated += 1
+            stats.tokens.append(int(tok))
+            self.guard.add(int(tok))
+            yield int(tok)
+            if stats.generated >= self.max_tokens:
+                break
+        stats.finish_reason = "length" if stats.generated >= self.max_tokens else "eos"
+
+    def finish(self) -> GenStats:
+        self.guard.finish()
+        if self._t0 is not None:
+            self.stats.decode_s = max(time.perf_counter() - self._t0 - self.stats.prefill_s, 0.0)
+        self.stats.checks = self.guard.checks
+        return self.stats

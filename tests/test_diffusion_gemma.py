@@ -153,3 +153,35 @@ def test_sanitize_drops_the_vision_tower_and_tied_encoder_copies():
         "model.decoder.norm.weight": 2,
     }
     assert m.sanitize(w) == {"model.encoder.language_model.layers.0.layer_scalar": 1, "model.decoder.norm.weight": 2}
+
+
+def test_generate_text_runs_the_models_own_loop():
+    # engine.generate_text takes a model's generate_ids (HookGenerator) over the
+    # token-by-token TokenGenerator: the CLI's generate runs block diffusion.
+    from mlxcel_dist.engine import generate_text
+    from mlxcel_dist.sampling import SamplingParams
+
+    class Tok:  # ids as text, one character per id
+        eos_ids = [1]
+
+        @staticmethod
+        def decode(ids):
+            return "".join(chr(0x100 + int(i)) for i in ids)
+
+    d = FIXTURES / "diffusion_gemma" / "moe_fp32"
+    model = load_model(d).model
+    prompt = np.load(d / "reference.npz")["gen_prompt"]
+    sampling = SamplingParams(seed=3).validate()
+    gen = generate_text(model, Tok, prompt, 10, sampling, context_tokens=0)
+    chunks = []
+    while True:
+        try:
+            chunks.append(next(gen))
+        except StopIteration as done:
+            stats = done.value
+            break
+    want = list(model.generate_ids(prompt, 10, sampling, eos_ids=[1]))
+    assert stats.tokens == want and "".join(chunks) == Tok.decode(want)
+    assert stats.finish_reason == ("length" if len(want) == 10 else "eos") and stats.checks >= 1
+    with pytest.raises(UserError, match="logprobs"):
+        next(generate_text(model, Tok, prompt, 4, sampling, logprobs=2))
