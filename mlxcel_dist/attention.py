@@ -69,6 +69,8 @@ def _attention_softcap(q, k, v, scale, softcap, mask, sinks):
     scores = mx.tanh(scores / softcap) * softcap
     scores = scores.astype(mx.float32)
     if mask is not None:
+        if mask.ndim == 4:  # per-row [B, 1, L, S] (batch.py): add the rep axis of the grouped scores
+            mask = mask[:, :, None]
         scores = mx.where(mask, scores, mx.array(-mx.inf, mx.float32))
     if sinks is not None:
         s = sinks.astype(mx.float32).reshape(1, Hkv, rep, 1, 1)

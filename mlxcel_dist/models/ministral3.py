@@ -90,10 +90,11 @@ class Ministral3Attention(Attention):
 
     def position(self, q, k, offset: int):
         q, k = super().position(q, k, offset)
-        pos = (offset + mx.arange(q.shape[2])).astype(mx.float32)  # offset: int or array (decode.py)
+        # offset: an int, a scalar array (decode.py) or one per row [B] (batch.py)
+        pos = (mx.array(offset).reshape(-1, 1) + mx.arange(q.shape[2])).astype(mx.float32)  # [1 or B, L]
         scale = 1.0 + self.beta * mx.log(1.0 + mx.floor(pos / self.original_max))
-        # [L] -> [L, 1]: one factor per query row of [B, heads, L, D].
-        return q * scale[:, None].astype(q.dtype), k
+        # [1 or B, L] -> [1 or B, 1, L, 1]: one factor per query row of [B, heads, L, D].
+        return q * scale[:, None, :, None].astype(q.dtype), k
 
 
 class DecoderLayer(PreNormBlock):

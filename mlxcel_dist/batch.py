@@ -1,0 +1,285 @@
+"""Batched decoding: many sequences, each at its own position, one forward
+per step (what `serve` runs for concurrent requests).
+
+Layout. Every layer's keys/values live in static buffers [C, kv_heads, S, D]
+shared by the batch: row b holds one sequence, `pos[b]` (int32 [C]) is the
+position of the token row b feeds in this step. As in decode.py (whose
+single-sequence steps this generalises), a full layer writes slot `pos[b]`
+and a sliding layer slot `pos[b] % S` of a buffer that grows to exactly the
+window and is then a ring; the mask of row b is `arange(S) <= pos[b]`
+([C, 1, 1, S]), RoPE takes the per-row offsets `pos`. Rows are written with
+one scatter per layer (`mx.put_along_axis`), so rows never see each other.
+
+Rows. A request is prefilled alone through the model's own caches (chunked,
+exact as `generate`), then its keys/values move into a free row (the last
+prompt token is that row's first input). `C` (the buffer's row count) is a
+power of two that covers the active rows: a step over 3 sequences computes 4
+rows, and a finished row is filled by moving the last one into it, so the
+active rows are always [0, n). Each step is one `mx.compile`d graph per
+(C, S), reused as rows come and go.
+
+Exactness: each row is computed by the same operations as a lone sequence
+(the matmuls batch rows; a row's values do not depend on the others), so
+greedy text is the same alone or batched (tests/test_batch.py).
+
+Models whose caches are not all `static_kv` (recurrent or conv state) are
+stepped row by row on their own caches: the same results, without batching.
+
+Under TP every rank runs the same steps on the same rows (the scheduler on
+rank 0 decides, server.py shares its decisions): the collectives are per
+step, not per sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import numpy as np
+
+from .cache import LayerCache, SharedKVCache
+from .decode import STEP, _round_up
+from .engine import DEFAULT_PREFILL_STEP, check_tokens, vocab_size
+from .sampling import Sampler, SamplingParams
+
+
+class RowCache(LayerCache):
+    """One layer's view of the batch buffers (the cache protocol, with
+    `offset` the per-row positions [C])."""
+
+    def __init__(self, buffers: dict, index: int, window: int | None):
+        self.buffers, self.index, self.window = buffers, index, window
+
+    @property
+    def offset(self) -> mx.array:
+        return self.buffers["pos"]
+
+    @property
+    def size(self) -> int:
+        return self.buffers[f"k{self.index}"].shape[2]
+
+    @property
+    def state(self) -> list:
+        return [self.buffers[f"k{self.index}"], self.buffers[f"v{self.index}"]]
+
+    def mask(self, L: int) -> mx.array:
+        """[C, 1, 1, S]: row b sees the slots it has written."""
+        assert L == 1, "batch rows take one token per step"
+        pos = self.buffers["pos"]
+        return (mx.arange(self.size)[None, :] <= pos[:, None])[:, None, None, :]
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        b, i = self.buffers, self.index
+        pos = b["pos"]
+        slot = pos % self.size if self.window else pos
+        C, H, _, Dk = keys.shape
+        idx = mx.broadcast_to(slot.reshape(C, 1, 1, 1), (C, H, 1, Dk))
+        b[f"k{i}"] = mx.put_along_axis(b[f"k{i}"], idx, keys, axis=2)
+        idx = mx.broadcast_to(slot.reshape(C, 1, 1, 1), (C, H, 1, values.shape[3]))
+        b[f"v{i}"] = mx.put_along_axis(b[f"v{i}"], idx, values, axis=2)
+        self.last = (b[f"k{i}"], b[f"v{i}"], pos)
+        return b[f"k{i}"], b[f"v{i}"]
+
+
+@dataclass
+class Row:
+    """One sequence in the batch."""
+
+    rid: object
+    sampler: Sampler
+    context: list  # prompt + generated ids (the repetition penalty's context)
+    pos: int  # position of the token this row feeds next
+    token: int  # the token it feeds next
+    eager_cache: list | None = None  # models that cannot batch: their own cache
+    generated: list = field(default_factory=list)
+
+
+class BatchEngine:
+    """Rows that decode together. `add` prefills a request and gives it a
+    row; `step` feeds every row's next token in one forward and returns
+    {rid: sampled id}; `remove` frees a row. Every rank of a TP job makes the
+    same calls in the same order."""
+
+    def __init__(self, model, prefill_step: int | None = None, compiled: bool = True):
+        self.model = model
+        self.prefill_step = prefill_step or DEFAULT_PREFILL_STEP
+        self.rows: list[Row] = []
+        self.buffers: dict = {}
+        self.views: list = []
+        self.static: bool | None = None  # decided at the first add (the cache kinds)
+        self.windows: list = []
+        self.reads: list = []
+        self._compiled = mx.compile(self._forward, inputs=self.buffers, outputs=self.buffers) if compiled else None
+        self.traces = 0
+        self._size = 0
+
+    # -- rows --------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def _capacity(self) -> int:
+        return self.buffers[f"k{self._first}"].shape[0] if self.buffers else 0
+
+    def _slots(self) -> int:
+        """The nominal buffer length (full layers'; sliding ones stop at their window)."""
+        return self._size if self.buffers else 0
+
+    def add(self, rid, prompt_ids, sampling: SamplingParams | None = None) -> None:
+        """Prefill `prompt_ids` (all but the last token) alone, then move its
+        keys/values into a new row whose next input is the last prompt token."""
+        prompt = check_tokens(prompt_ids, vocab_size(self.model))
+        cache = self.model.make_cache()
+        last = len(prompt) - 1
+        for i in range(0, last, self.prefill_step):
+            self.model(mx.array(prompt[i : min(i + self.prefill_step, last)])[None], cache)
+            mx.eval([c.state for c in cache] if cache else [])
+        if self.static is None:
+            self.static = cache is not None and all(c.static_kv for c in cache)
+            if self.static:
+                self._learn_layout(cache if last > 0 else None, prompt[:1])
+        row = Row(rid, Sampler(sampling or SamplingParams()), prompt.tolist(), last, int(prompt[last]))
+        if not self.static:
+            row.eager_cache = cache
+            self.rows.append(row)
+            return
+        self._reserve(len(self.rows) + 1, last + 1)
+        b = len(self.rows)
+        self.rows.append(row)
+        for i, c in enumerate(cache):
+            if self.reads[i] is not None or last == 0:
+                continue
+            S = self.buffers[f"k{i}"].shape[2]  # this layer's (a sliding one stops at its window)
+            k, v = c.temporal()
+            n = min(k.shape[2], S)
+            k, v = k[..., k.shape[2] - n :, :], v[..., v.shape[2] - n :, :]
+            slots = mx.array(np.arange(last - n, last) % S)
+            for name, x in ((f"k{i}", k), (f"v{i}", v)):
+                buf = self.buffers[name]
+                row_buf = buf[b : b + 1]
+                row_buf[..., slots, :] = x
+                buf[b : b + 1] = row_buf
+                self.buffers[name] = buf
+            c.release()
+        self._sync_pos()
+
+    def remove(self, rid) -> None:
+        """Free `rid`'s row: the last row moves into it (rows stay [0, n))."""
+        b = next(i for i, r in enumerate(self.rows) if r.rid == rid)
+        last = len(self.rows) - 1
+        if self.static and b != last:
+            for name in list(self.buffers):
+                if name == "pos":
+                    continue
+                buf = self.buffers[name]
+                buf[b : b + 1] = buf[last : last + 1]
+                self.buffers[name] = buf
+        self.rows[b] = self.rows[last]
+        self.rows.pop()
+        if self.static:
+            self._sync_pos()
+            if not self.rows:
+                self.release()
+
+    def release(self) -> None:
+        """Drop the buffers (no rows left)."""
+        self.buffers.clear()
+        self.views = []
+
+    def _sync_pos(self) -> None:
+        C = self._capacity()
+        pos = [r.pos for r in self.rows] + [0] * (C - len(self.rows))
+        self.buffers["pos"] = mx.array(pos, mx.int32)
+
+    def _reserve(self, n_rows: int, max_pos: int) -> None:
+        """Buffers with at least `n_rows` rows (a power of two) and slot
+        `max_pos` for every layer (full layers: pos < S; sliding: up to the
+        window, then a ring)."""
+        C, S = self._capacity(), self._slots()
+        want_c = max(C, 1 << (n_rows - 1).bit_length())
+        need = max_pos + 1
+        want_s = S if S >= need else _round_up(need + need // 4, STEP)
+        if self.buffers and want_c == C and want_s == S:
+            return
+        self._size = want_s
+        new = {}
+        first = None
+        for i, (window, reads) in enumerate(zip(self.windows, self.reads)):
+            if reads is not None:
+                continue
+            first = i if first is None else first
+            s = min(want_s, window) if window else want_s
+            for name in (f"k{i}", f"v{i}"):
+                old = self.buffers.get(name)
+                if old is None:
+                    shape = self._kv_shape(i, name)
+                else:
+                    shape = old.shape
+                buf = mx.zeros((want_c, shape[1], s, shape[3]), self._dtypes[name])
+                if old is not None:
+                    # A sliding buffer already at the window keeps its ring; a
+                    # growing one is in temporal order: copy the slots held.
+                    keep = min(old.shape[2], s)
+                    buf[: old.shape[0], :, :keep, :] = old[:, :, :keep, :]
+                new[name] = buf
+        self.buffers.clear()
+        self.buffers.update(new)
+        self.views = []
+        for i, (window, reads) in enumerate(zip(self.windows, self.reads)):
+            if reads is None:
+                self.views.append(RowCache(self.buffers, i, window))
+            else:
+                self.views.append(SharedKVCache(self.views[reads], reads))
+        self._sync_pos()
+
+    def _learn_layout(self, cache, probe) -> None:
+        """Per-layer window, KV source and K/V shapes and dtypes, from a
+        prefilled cache (or a one-token probe forward when the prompt had
+        nothing to prefill)."""
+        if cache is None:
+            cache = self.model.make_cache()
+            self.model(mx.array(probe)[None], cache)
+        self.windows = [c.window for c in cache]
+        self.reads = [c.reads_layer for c in cache]
+        self._first = next(i for i, r in enumerate(self.reads) if r is None)
+        self._shapes, self._dtypes = {}, {}
+        for i, c in enumerate(cache):
+            if self.reads[i] is None:
+                for name, x in zip((f"k{i}", f"v{i}"), c.temporal()):
+                    self._shapes[name], self._dtypes[name] = x.shape, x.dtype
+
+    def _kv_shape(self, i: int, name: str):
+        return self._shapes[name]
+
+    def _kv_dtype(self, i: int):
+        return self._dtypes[f"k{i}"]
+
+    # -- steps -------------------------------------------------------------
+    def _forward(self, tokens: mx.array) -> mx.array:
+        self.traces += 1
+        logits = self.model(tokens, self.views)[:, -1]
+        self.buffers["pos"] = self.buffers["pos"] + 1
+        return logits
+
+    def step(self) -> dict:
+        """One token for every row: {rid: sampled id} (read from the device)."""
+        if not self.rows:
+            return {}
+        if not self.static:
+            rows = [self.model(mx.array([[r.token]]), r.eager_cache)[0, -1] for r in self.rows]
+        else:
+            n = len(self.rows)
+            self._reserve(n, max(r.pos for r in self.rows))
+            C = self._capacity()
+            tokens = mx.array([[r.token] for r in self.rows] + [[0]] * (C - n), mx.int32)
+            logits = self._compiled(tokens) if self._compiled is not None else self._forward(tokens)
+            rows = [logits[b] for b in range(n)]
+        # every row's sampler on its own logits; one host read for the step
+        ids = mx.stack([r.sampler.sample(x, r.context) for r, x in zip(self.rows, rows)])
+        out = {}
+        for r, tok in zip(self.rows, np.array(ids).tolist()):
+            r.context.append(tok)
+            r.generated.append(tok)
+            r.pos += 1
+            r.token = tok
+            out[r.rid] = tok
+        return out

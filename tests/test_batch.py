@@ -1,0 +1,89 @@
+"""Batched decoding (batch.BatchEngine): a request's tokens are the same
+whether it runs alone or beside others that join and leave, for every
+registered family (static buffers, or row-by-row for recurrent/conv caches),
+greedy and seeded sampling alike."""
+
+import numpy as np
+import pytest
+
+from mlxcel_dist.batch import BatchEngine
+from mlxcel_dist.engine import TokenGenerator
+from mlxcel_dist.loader import default_model_dir, load_model
+from mlxcel_dist.models import supported
+from mlxcel_dist.sampling import SamplingParams
+
+from reference_cases import case_id, cases
+
+# One case per registered family (its first fp32 case), plus the embedded model.
+FAMILY_CASES = {}
+for d in cases():
+    if d.parent.name in supported() and "fp32" in d.name:
+        FAMILY_CASES.setdefault(d.parent.name, d)
+CASES = [default_model_dir()] + list(FAMILY_CASES.values())
+
+
+def _ids(d):
+    return "default" if d == default_model_dir() else case_id(d)
+
+
+@pytest.fixture(autouse=True)
+def small_buffers(monkeypatch):
+    # Buffers of 8 slots: the steps cross regrowths and sliding rings wrap.
+    import mlxcel_dist.batch as batch
+    import mlxcel_dist.decode as decode
+
+    monkeypatch.setattr(decode, "STEP", 8)
+    monkeypatch.setattr(batch, "STEP", 8)
+
+
+def _run_batched(model, prompts, params, n, joins):
+    """Rows join at the steps in `joins` (request i at joins[i]) and leave
+    after n tokens; returns each request's ids."""
+    eng = BatchEngine(model)
+    got = {i: [] for i in range(len(prompts))}
+    step = 0
+    while True:
+        for i, at in enumerate(joins):
+            if at == step:
+                eng.add(i, prompts[i], params[i])
+        out = eng.step()
+        for rid, tok in out.items():
+            got[rid].append(tok)
+            if len(got[rid]) == n:
+                eng.remove(rid)
+        step += 1
+        if not len(eng) and step > max(joins):
+            return got, eng
+
+
+@pytest.mark.parametrize("d", CASES, ids=_ids)
+def test_batched_rows_decode_as_they_would_alone(d):
+    model = load_model(d).model
+    V = model.args.vocab_size
+    rng = np.random.default_rng(0)
+    # a one-token prompt, short ones, and prompts past the sliding window
+    prompts = [rng.integers(3, V, k) for k in (5, 1, 40, 17, 70)]
+    params = [SamplingParams(), SamplingParams(), SamplingParams(temp=0.9, top_k=20, seed=7),
+              SamplingParams(repetition_penalty=1.3), SamplingParams(temp=1.1, top_p=0.9, seed=3)]
+    n = 20
+    alone = [list(TokenGenerator(model, p, n, s, eos_ids=())) for p, s in zip(prompts, params)]
+    got, eng = _run_batched(model, prompts, params, n, joins=[0, 0, 3, 7, 9])
+    assert [got[i] for i in range(len(prompts))] == alone
+    if eng.static:
+        assert eng.buffers == {}  # the last row's removal dropped the buffers
+        # a few graphs (per row count and buffer length), not one per step
+        assert 1 <= eng.traces < 12
+
+
+def test_rows_that_cannot_batch_step_one_by_one():
+    # Recurrent / conv state is not static KV: those families step each row on
+    # its own cache (the same tokens, no batching).
+    recurrent = [d for name, d in FAMILY_CASES.items() if name in ("recurrent_gemma", "baichuan_m1")]
+    if not recurrent:
+        pytest.skip("no recurrent-state family registered")
+    model = load_model(recurrent[0]).model
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, model.args.vocab_size, k) for k in (4, 9)]
+    got, eng = _run_batched(model, prompts, [SamplingParams()] * 2, 6, joins=[0, 2])
+    assert eng.static is False
+    assert [got[0], got[1]] == [list(TokenGenerator(model, p, 6, eos_ids=())) for p in prompts]
