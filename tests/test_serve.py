@@ -2,8 +2,10 @@
 np 2 through the CLI's MPI launch) on a free loopback port; requests go over
 plain urllib (and the `openai` client when it is installed)."""
 
+import functools
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -15,6 +17,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from mlxcel_dist.launcher import find_mpirun
@@ -48,13 +51,13 @@ def _free_port() -> int:
 
 
 class Server:
-    def __init__(self, model_dir, np_, tmp, extra=()):
+    def __init__(self, model_dir, np_, tmp, extra=(), backend="mpi"):
         self.port = _free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log = open(tmp / f"serve-np{np_}.log", "w+")
         args = [*CLI, "serve", str(model_dir), "--port", str(self.port), "--np", str(np_), *extra]
         if np_ > 1:
-            args += ["--backend", "mpi"]
+            args += ["--backend", backend]
         self.proc = subprocess.Popen(args, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
         try:
@@ -160,10 +163,13 @@ def _generate(model_dir, *args) -> str:
 @pytest.fixture(scope="module")
 def expected(model_dir):
     """`mlxcel-dist generate` output (np 1) for the prompts the tests send."""
+    # a generate that uses the chat template by default (as mlx-lm) takes the prompt as text with this flag
+    raw = run_cmd([*CLI, "generate", "--help"], cwd=ROOT, timeout=60, env={**os.environ, "COLUMNS": "300"})
+    plain = ["--ignore-chat-template"] if "--ignore-chat-template" in raw.stdout else []
     return {
-        "greedy": _generate(model_dir, "-p", PROMPT, "-n", str(N))[len(PROMPT):],
+        "greedy": _generate(model_dir, *plain, "-p", PROMPT, "-n", str(N))[len(PROMPT):],
         "chat": _generate(model_dir, "--chat", "-p", "Hello there", "-n", str(N)),
-        "sampled": _generate(model_dir, "-p", PROMPT, "-n", str(N), "--temp", "0.9", "--top-k", "40",
+        "sampled": _generate(model_dir, *plain, "-p", PROMPT, "-n", str(N), "--temp", "0.9", "--top-k", "40",
                              "--top-p", "0.95", "--min-p", "0.02", "--seed", "7")[len(PROMPT):],
     }
 
@@ -256,6 +262,15 @@ def test_concurrent_requests_all_answered(server, expected):
     ("/v1/completions", b'{"prompt": "x", "stop": [""]}', "'stop' must be"),
     ("/v1/completions", b'{"prompt": [99999999]}', "outside the vocabulary"),
     ("/v1/chat/completions", b'{"messages": [{"content": "x"}]}', "'role'"),
+    # item 7: bytes that are not UTF-8, and text the tokenizer cannot take (was "TextInputSequence must be str")
+    ("/v1/completions", b'{"prompt": "caf\xe9"}', "not valid UTF-8: byte 0xe9 at offset"),
+    ("/v1/completions", b'{"prompt": "a\\ud800b"}', "'prompt' is not valid Unicode text"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\udfff"}]}',
+     "messages[0].content is not valid Unicode text"),
+    ("/v1/chat/completions",
+     b'{"messages": [{"role": "system", "content": "x\\ud83d"}, {"role": "user", "content": "y"}]}',
+     "messages[0].content is not valid Unicode text"),
+    ("/v1/completions", b'{"prompt": "x", "stop": ["\\ud800"]}', "'stop' is not valid Unicode text"),
 ])
 def test_bad_requests_are_400_and_server_keeps_running(server1, path, raw, message):
     status, ctype, data = server1.post(path, None, raw=raw)
@@ -294,3 +309,384 @@ def test_openai_client(server, expected):
     assert text == expected["chat"]
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model="m", prompt=PROMPT, max_tokens=N, temperature=-2)
+
+
+# Issue 14: the first hour with `serve` ------------------------------------------
+# Each item is a check run against a live server; the tests below run them on
+# the embedded model (np 1, and np 2 where the ranks are involved) and on a
+# 4-bit converted copy of it.
+
+CONTEXT = 512  # the embedded model's max_position_embeddings
+PLAIN_CHAT = {"messages": [{"role": "user", "content": "Hello there"}], "max_tokens": N, "temperature": 0}
+
+
+@functools.lru_cache(maxsize=None)
+def _loaded(model_dir: str):
+    from mlxcel_dist.loader import load_model
+    from mlxcel_dist.tokenizer import Tokenizer
+
+    m = load_model(model_dir)
+    return m.model, Tokenizer(m.model_dir, m.config)
+
+
+def _reference_logprobs(model_dir, prompt_ids):
+    """(greedy ids, [len(ids), V] log-softmax of the model's logits at each
+    of them), computed in this process with the library."""
+    from mlxcel_dist.engine import generate_tokens, sequence_logits
+
+    model, _ = _loaded(str(model_dir))
+    ids = list(generate_tokens(model, prompt_ids, N))
+    logits = sequence_logits(model, list(prompt_ids) + ids).astype(np.float64)
+    rows = logits[len(prompt_ids) - 1:len(prompt_ids) - 1 + len(ids)]
+    m = rows.max(-1, keepdims=True)
+    return ids, rows - m - np.log(np.exp(rows - m).sum(-1, keepdims=True))
+
+
+def _post_json(server, path, body):
+    status, ctype, data = server.post(path, body)
+    assert ctype.startswith("application/json"), (status, data)
+    return status, json.loads(data)
+
+
+def check_paths_and_health(server):
+    for path in ("/completions", "/chat/completions"):
+        v1 = server.json("/v1" + path, GREEDY if path == "/completions" else PLAIN_CHAT)
+        bare = server.json(path, GREEDY if path == "/completions" else PLAIN_CHAT)
+        assert v1["choices"] == bare["choices"] and bare["choices"][0]
+    with urllib.request.urlopen(server.base + "/health", timeout=10) as r:
+        assert r.status == 200 and json.loads(r.read()) == {"status": "ok"}
+    with urllib.request.urlopen(server.base + "/models", timeout=10) as r:
+        assert json.loads(r.read())["data"]
+
+
+def check_logprobs(server, model_dir):
+    from mlxcel_dist.server import TokenPieces
+
+    _, tok = _loaded(str(model_dir))
+    pieces = TokenPieces(tok)
+    ids, ref = _reference_logprobs(model_dir, tok.encode(PROMPT))
+    want = [ref[j, i] for j, i in enumerate(ids)]
+
+    # completions: logprobs: k
+    r = server.json("/v1/completions", {**GREEDY, "logprobs": 3})
+    c = r["choices"][0]
+    lp = c["logprobs"]
+    assert lp["tokens"] == [pieces(i)[0] for i in ids]
+    assert "".join(lp["tokens"]) == c["text"]
+    np.testing.assert_allclose(lp["token_logprobs"], want, atol=2e-4)
+    assert lp["text_offset"] == [sum(map(len, lp["tokens"][:j])) for j in range(len(ids))]
+    for j, top in enumerate(lp["top_logprobs"]):
+        np.testing.assert_allclose(sorted(top.values(), reverse=True), np.sort(ref[j])[::-1][:3], atol=2e-4)
+        assert max(top.values()) == lp["token_logprobs"][j]  # greedy: the drawn token is the top one
+    # the same in stream chunks, each with the tokens of its text
+    chunks = server.stream("/v1/completions", {**GREEDY, "logprobs": 3})
+    got = [ch["choices"][0]["logprobs"] for ch in chunks if ch["choices"][0]["logprobs"]]
+    for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        assert [x for g in got for x in g[key]] == lp[key]
+    for ch in chunks:
+        if ch["choices"][0]["logprobs"] and ch["choices"][0]["finish_reason"] is None:
+            assert "".join(ch["choices"][0]["logprobs"]["tokens"]) == ch["choices"][0]["text"]
+    # the model's distribution, before temperature and filters (as mlx-lm, OpenAI): top_k 1 draws
+    # the greedy tokens at any temperature, and their logprobs do not move
+    hot = server.json("/v1/completions", {**GREEDY, "temperature": 5.0, "top_k": 1, "seed": 3, "logprobs": 3})
+    assert hot["choices"][0]["logprobs"] == lp
+    # off: null
+    assert server.json("/v1/completions", GREEDY)["choices"][0]["logprobs"] is None
+
+    # chat: logprobs: true, top_logprobs: k
+    r = server.json("/v1/chat/completions", {**PLAIN_CHAT, "logprobs": True, "top_logprobs": 2})
+    c = r["choices"][0]
+    content = c["logprobs"]["content"]
+    eos = c["finish_reason"] == "stop"  # EOS counts as a completion token but is not text
+    assert len(content) == r["usage"]["completion_tokens"] - eos > 0
+    assert "".join(e["token"] for e in content) == c["message"]["content"]
+    for e in content:
+        assert bytes(e["bytes"]).decode() == e["token"]
+        assert len(e["top_logprobs"]) == 2 and e["top_logprobs"][0]["logprob"] == e["logprob"]
+        assert e["top_logprobs"][0]["logprob"] >= e["top_logprobs"][1]["logprob"]
+    chunks = server.stream("/v1/chat/completions", {**PLAIN_CHAT, "logprobs": True, "top_logprobs": 2})
+    assert [e for ch in chunks if ch["choices"][0]["logprobs"] for e in ch["choices"][0]["logprobs"]["content"]] \
+        == content
+    r = server.json("/v1/chat/completions", {**PLAIN_CHAT, "logprobs": True})
+    assert [(e["token"], e["logprob"], e["top_logprobs"]) for e in r["choices"][0]["logprobs"]["content"]] \
+        == [(e["token"], e["logprob"], []) for e in content]
+    assert server.json("/v1/chat/completions", PLAIN_CHAT)["choices"][0]["logprobs"] is None
+    # bad settings: 400 naming the field
+    for path, body, param in [
+        ("/v1/chat/completions", {**PLAIN_CHAT, "logprobs": 3}, "logprobs"),
+        ("/v1/chat/completions", {**PLAIN_CHAT, "top_logprobs": 2}, "top_logprobs"),
+        ("/v1/chat/completions", {**PLAIN_CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ("/v1/completions", {**GREEDY, "logprobs": -1}, "logprobs"),
+    ]:
+        status, err = _post_json(server, path, body)
+        assert status == 400 and err["error"]["param"] == param, err
+
+
+UNSUPPORTED_CASES = [
+    ("/v1/completions", "echo", True),
+    ("/v1/completions", "suffix", "and so on"),
+    ("/v1/completions", "best_of", 3),
+    ("/v1/completions", "n", 2),
+    ("/v1/chat/completions", "n", 2),
+    ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+    ("/v1/chat/completions", "tool_choice", "required"),
+    ("/v1/chat/completions", "functions", [{"name": "f", "parameters": {}}]),
+    ("/v1/chat/completions", "function_call", {"name": "f"}),
+    ("/v1/chat/completions", "logit_bias", {"50": 10}),
+    ("/v1/chat/completions", "presence_penalty", 0.5),
+    ("/v1/completions", "frequency_penalty", 1),
+    ("/v1/chat/completions", "response_format", {"type": "json_object"}),
+]
+NEUTRAL_FIELDS = {"n": 1, "echo": False, "tools": [], "tool_choice": "none", "logit_bias": {},
+                  "presence_penalty": 0, "frequency_penalty": 0.0, "response_format": {"type": "text"},
+                  "user": "someone", "parallel_tool_calls": False}
+
+
+def check_unsupported(server):
+    for path, name, value in UNSUPPORTED_CASES:
+        body = {**(GREEDY if path == "/v1/completions" else PLAIN_CHAT), name: value}
+        status, err = _post_json(server, path, body)
+        assert status == 400, (name, err)
+        e = err["error"]
+        assert e["param"] == name and f"'{name}' is not supported" in e["message"], e
+        assert e["type"] == "invalid_request_error" and e["code"] == "unsupported_parameter"
+    # the neutral values (what clients send by default) are fine
+    r = server.json("/v1/completions", {**GREEDY, **NEUTRAL_FIELDS})
+    assert r["choices"][0]["text"]
+
+
+def check_context(server):
+    P = server.json("/v1/completions", {**GREEDY, "max_tokens": 1})["usage"]["prompt_tokens"]
+    for path, body, p, c in [
+        ("/v1/completions", {**GREEDY, "max_tokens": CONTEXT - P + 1}, P, CONTEXT - P + 1),
+        ("/v1/completions", {"prompt": [5] * 600, "temperature": 0}, 600, 16),  # completions' default 16
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "sea " * 600}], "max_tokens": 5},
+         None, 5),
+    ]:
+        status, err = _post_json(server, path, body)
+        assert status == 400, err
+        e = err["error"]
+        assert e["type"] == "invalid_request_error" and e["code"] == "context_length_exceeded", e
+        m = re.fullmatch(
+            rf"This model's maximum context length is {CONTEXT} tokens\. However, you requested (\d+) tokens "
+            rf"\((\d+) in the messages, {c} in the completion\)\. Please reduce the length of the messages or "
+            r"completion\.", e["message"])
+        assert m, e["message"]
+        assert int(m.group(1)) == int(m.group(2)) + c and (p is None or int(m.group(2)) == p)
+    # exactly the context is fine; a request without max_tokens gets what fits (not a 400)
+    r = server.json("/v1/completions", {**GREEDY, "max_tokens": CONTEXT - P, "stop": ["\n"]})
+    assert r["usage"]["prompt_tokens"] + r["usage"]["completion_tokens"] <= CONTEXT
+    r = server.json("/v1/chat/completions", {"messages": [{"role": "user", "content": "sea " * 200}],
+                                             "temperature": 0})
+    assert r["usage"]["prompt_tokens"] + r["usage"]["completion_tokens"] <= CONTEXT
+    assert server.json("/v1/completions", GREEDY)["choices"][0]["text"]
+
+
+def check_plain_chat(server):
+    """A checkpoint without a chat template: chat requests are rendered as
+    mlx-lm's server renders them (its convert_chat), not refused."""
+    from mlxcel_dist.server import convert_chat
+
+    for msgs in (PLAIN_CHAT["messages"],
+                 [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"},
+                  {"role": "assistant", "content": "Hi."}, {"role": "user", "content": "The sea?"}]):
+        text = convert_chat(msgs)
+        assert text.endswith("ASSISTANT:")
+        chat = server.json("/v1/chat/completions", {**PLAIN_CHAT, "messages": msgs})
+        plain = server.json("/v1/completions", {**GREEDY, "prompt": text})
+        assert chat["choices"][0]["message"]["content"] == plain["choices"][0]["text"] != ""
+        assert chat["usage"] == plain["usage"]
+
+
+def _long_context_copy(src, dst):
+    """A copy whose config allows 8192 positions, so that a generation runs long
+    enough to be interrupted (the text past 512 tokens does not matter)."""
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["max_position_embeddings"] = 8192
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def check_shutdown_during_stream(model_dir, np_, tmp):
+    """SIGTERM while a stream runs and another request waits: the stream ends
+    with an SSE error chunk and [DONE], the waiting request gets a 503 JSON
+    error, and the server (every rank) exits promptly and cleanly."""
+    # ring: the launcher's own processes, whose last lines (serve: stopped) are not lost as mpirun's are
+    s = Server(_long_context_copy(model_dir, tmp / "long"), np_, tmp, extra=["--max-tokens-cap", "8000"],
+               backend="ring")
+    events, started, waited = [], threading.Event(), {}
+
+    def stream():
+        data = json.dumps({"prompt": PROMPT, "max_tokens": 8000, "temperature": 0, "stream": True}).encode()
+        req = urllib.request.Request(s.base + "/v1/completions", data=data,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            for line in r:
+                if line.strip():
+                    events.append(line.decode().strip())
+                    if len(events) >= 3:
+                        started.set()
+
+    def waiting():
+        waited["r"] = s.post("/v1/completions", {**GREEDY, "max_tokens": 5})
+
+    t1 = threading.Thread(target=stream)
+    t1.start()
+    try:
+        assert started.wait(60), s.output()
+        t2 = threading.Thread(target=waiting)
+        t2.start()
+        time.sleep(0.3)  # queued behind the stream
+        t0 = time.monotonic()
+        s.proc.send_signal(signal.SIGTERM)
+        t1.join(30)
+        t2.join(30)
+        assert not t1.is_alive() and not t2.is_alive(), "a client hangs after SIGTERM"
+        s.proc.wait(timeout=30)
+        took = time.monotonic() - t0
+    finally:
+        out = s.output()
+        rc = s.stop()
+    assert events[-1] == "data: [DONE]", events[-3:]
+    err = json.loads(events[-2][len("data: "):])
+    assert "error" in err, (len(events), events[-3:], out)
+    assert "shutting down" in err["error"]["message"] and err["error"]["type"] == "server_error", err
+    assert all("choices" in json.loads(e[len("data: "):]) for e in events[:-2])
+    assert len(events) < 1000  # cut short, not run to its 8000 tokens
+    status, ctype, data = waited["r"]
+    assert status == 503 and ctype.startswith("application/json"), (status, data)
+    assert "shutting down" in json.loads(data)["error"]["message"]
+    assert took < 15, f"the server took {took:.1f}s to stop:\n{out}"
+    print(f"np {np_}: rc {rc}, stopped in {took:.2f}s, {len(events)} events")
+    assert "serve: stopped" in out and "killed" not in out, out
+    for r in range(1, np_):  # every other rank left on the shutdown message (not by the launcher's SIGKILL)
+        assert f"serve: rank {r} stopped" in out, out
+    assert rc in ((0,) if np_ == 1 else (0, 128 + signal.SIGTERM)), out
+
+
+def test_paths_without_v1_and_health(server1):
+    check_paths_and_health(server1)
+
+
+def test_logprobs(server, model_dir):
+    check_logprobs(server, model_dir)
+
+
+def test_unsupported_fields_are_400(server1):
+    check_unsupported(server1)
+
+
+def test_context_length(server):
+    check_context(server)
+
+
+def _strip_chat_template(d):
+    """Make checkpoint `d` one without a chat template (the file, or tokenizer_config.json's entry)."""
+    (d / "chat_template.jinja").unlink(missing_ok=True)
+    tc = d / "tokenizer_config.json"
+    if tc.exists():
+        cfg = json.loads(tc.read_text())
+        cfg.pop("chat_template", None)
+        tc.write_text(json.dumps(cfg))
+    return d
+
+
+@pytest.fixture(scope="module")
+def plain_server(tmp_path_factory):
+    """The embedded model without a chat template, with default sampling flags."""
+    tmp = tmp_path_factory.mktemp("plain")
+    d = tmp / "gemma3-tiny-plain"
+    shutil.copytree(DEFAULT_MODEL, d)
+    s = Server(_strip_chat_template(d), 1, tmp,
+               extra=["--temp", "0", "--max-tokens", "7", "--top-p", "0.9", "--min-p", "0.01"])
+    yield s
+    assert s.stop() == 0
+
+
+def test_no_chat_template_renders_plain(plain_server):
+    check_plain_chat(plain_server)
+
+
+def test_default_sampling_flags(plain_server, expected):
+    r = plain_server.json("/v1/completions", {"prompt": PROMPT})  # --temp 0, --max-tokens 7
+    assert r["usage"]["completion_tokens"] == 7
+    assert expected["greedy"].startswith(r["choices"][0]["text"]) and r["choices"][0]["text"]
+    r = plain_server.json("/v1/chat/completions", {"messages": PLAIN_CHAT["messages"]})
+    assert r["usage"]["completion_tokens"] <= 7
+    # a request overrides every default
+    body = {"prompt": PROMPT, "max_tokens": N, "temperature": 0.9, "top_k": 40, "top_p": 0.95, "min_p": 0.02,
+            "seed": 7}
+    assert plain_server.json("/v1/completions", body)["choices"][0]["text"] == expected["sampled"]
+
+
+def test_chat_default_max_tokens_is_512(model_dir):
+    """Without max_tokens a chat request may generate 512 tokens (mlx-lm's
+    default), not --max-tokens-cap; completions keep OpenAI's 16."""
+    from mlxcel_dist.server import Service
+
+    _, tok = _loaded(str(model_dir))
+    svc = Service(None, tok, "m", vocab_size=512, context_length=100_000)
+    assert svc.parse({"messages": PLAIN_CHAT["messages"]}, chat=True)[0].max_tokens == 512
+    assert svc.parse({"prompt": PROMPT}, chat=False)[0].max_tokens == 16
+    svc.context_length = CONTEXT
+    req, _ = svc.parse({"messages": PLAIN_CHAT["messages"]}, chat=True)
+    assert req.max_tokens == CONTEXT - len(req.prompt_ids)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--max-tokens", "10", "--max-tokens-cap", "5"], "--max-tokens (10) must be <= --max-tokens-cap (5)"),
+    (["--top-p", "0"], "--top-p must be in (0, 1]"),
+    (["--temp", "-1"], "--temp must be >= 0"),
+])
+def test_bad_default_flags(flags, message):
+    p = run_cmd([*CLI, "serve", "--port", "0", *flags], cwd=ROOT, timeout=60)
+    assert p.returncode == 2 and message in p.stderr, p.stderr
+
+
+@pytest.mark.parametrize("np_", [1, 2], ids=["np1", "np2"])
+def test_shutdown_during_stream(model_dir, np_, tmp_path):
+    if np_ > 1 and find_mpirun() is None:
+        pytest.fail("mpirun not found")
+    check_shutdown_during_stream(model_dir, np_, tmp_path)
+
+
+# The same items on a 4-bit converted copy of the embedded model.
+@pytest.fixture(scope="module")
+def q4_dir(tmp_path_factory):
+    from mlxcel_dist.loader import default_model_dir
+
+    d = tmp_path_factory.mktemp("q4") / "gemma3-tiny-4bit"
+    p = run_cmd([*CLI, "convert", str(default_model_dir()), str(d), "--quantize"], cwd=ROOT, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert json.loads((d / "config.json").read_text())["quantization"]["bits"] == 4
+    return _strip_chat_template(d)  # for check_plain_chat
+
+
+def test_q4_checkpoint_np1(q4_dir, tmp_path):
+    s = Server(q4_dir, 1, tmp_path)
+    try:
+        check_paths_and_health(s)
+        check_logprobs(s, q4_dir)
+        check_unsupported(s)
+        check_context(s)
+        check_plain_chat(s)
+        for raw, message in [(b'{"prompt": "\xff"}', "not valid UTF-8"),
+                             (b'{"prompt": "\\ud800"}', "not valid Unicode text")]:
+            status, _, data = s.post("/v1/completions", None, raw=raw)
+            assert status == 400 and message in json.loads(data)["error"]["message"]
+    finally:
+        assert s.stop() == 0
+
+
+def test_q4_checkpoint_np2(q4_dir, tmp_path):
+    if find_mpirun() is None:
+        pytest.fail("mpirun not found")
+    s = Server(q4_dir, 2, tmp_path)
+    try:
+        check_logprobs(s, q4_dir)
+        check_context(s)
+    finally:
+        assert s.stop() in (0, 128 + signal.SIGTERM)
+    (tmp_path / "shutdown").mkdir()
+    check_shutdown_during_stream(q4_dir, 2, tmp_path / "shutdown")
