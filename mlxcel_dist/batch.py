@@ -100,8 +100,11 @@ class BatchEngine:
     {rid: sampled id}; `remove` frees a row. Every rank of a TP job makes the
     same calls in the same order."""
 
-    def __init__(self, model, prefill_step: int | None = None, compiled: bool = True):
+    def __init__(self, model, prefill_step: int | None = None, compiled: bool = True, prompt_cache=None):
+        """`prompt_cache`: a prompt_cache.PromptCache that requests' prompts
+        (and finished rows' whole sequences) are kept in and reused from."""
         self.model = model
+        self.prompt_cache = prompt_cache
         self.prefill_step = prefill_step or DEFAULT_PREFILL_STEP
         self.rows: list[Row] = []
         self.buffers: dict = {}
@@ -128,11 +131,17 @@ class BatchEngine:
         """Prefill `prompt_ids` (all but the last token) alone, then move its
         keys/values into a new row whose next input is the last prompt token."""
         prompt = check_tokens(prompt_ids, vocab_size(self.model))
-        cache = self.model.make_cache()
         last = len(prompt) - 1
-        for i in range(0, last, self.prefill_step):
+        start, cache = 0, None
+        if self.prompt_cache is not None:
+            start, cache = self.prompt_cache.lookup(prompt, self.model.make_cache)
+        if cache is None:
+            cache = self.model.make_cache()
+        for i in range(start, last, self.prefill_step):
             self.model(mx.array(prompt[i : min(i + self.prefill_step, last)])[None], cache)
             mx.eval([c.state for c in cache] if cache else [])
+        if self.prompt_cache is not None and start < last:
+            self.prompt_cache.store(prompt[:last], cache)
         if self.static is None:
             self.static = cache is not None and all(c.static_kv for c in cache)
             if self.static:
@@ -163,8 +172,11 @@ class BatchEngine:
         self._sync_pos()
 
     def remove(self, rid) -> None:
-        """Free `rid`'s row: the last row moves into it (rows stay [0, n))."""
+        """Free `rid`'s row (kept in the prompt cache when there is one): the
+        last row moves into it (rows stay [0, n))."""
         b = next(i for i, r in enumerate(self.rows) if r.rid == rid)
+        if self.prompt_cache is not None:
+            self._keep(b)
         last = len(self.rows) - 1
         if self.static and b != last:
             for name in list(self.buffers):
@@ -179,6 +191,24 @@ class BatchEngine:
             self._sync_pos()
             if not self.rows:
                 self.release()
+
+    def _keep(self, b: int) -> None:
+        """Store row b's keys/values of the tokens it has fed, oldest first."""
+        r = self.rows[b]
+        seen = r.context[: r.pos]
+        if not self.static:
+            self.prompt_cache.store(seen, r.eager_cache)
+            return
+        layers = []
+        for i, (window, reads) in enumerate(zip(self.windows, self.reads)):
+            if reads is not None:
+                layers.append(None)
+                continue
+            S = self.buffers[f"k{i}"].shape[2]
+            n = min(r.pos, S)
+            slots = mx.array(np.arange(r.pos - n, r.pos) % S)
+            layers.append(tuple(self.buffers[f"{x}{i}"][b : b + 1][:, :, slots, :] for x in "kv"))
+        self.prompt_cache.store_layers(seen, layers, self.windows)
 
     def release(self) -> None:
         """Drop the buffers (no rows left)."""

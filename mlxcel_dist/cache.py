@@ -67,6 +67,11 @@ class LayerCache:
     def release(self) -> None:
         """Drop what it holds (decode.py has taken it over)."""
 
+    def restore(self, keys: mx.array, values: mx.array, offset: int) -> None:
+        """Hold `keys`/`values` (oldest first), the last ones of `offset`
+        tokens seen (prompt_cache.py reuses a prefix this way)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot be restored")
+
     @property
     def state(self) -> list:
         return []
@@ -119,6 +124,11 @@ class KVCache(LayerCache):
 
     def release(self) -> None:
         self.keys = self.values = self.last = None
+
+    def restore(self, keys: mx.array, values: mx.array, offset: int) -> None:
+        self.keys, self.values, self.offset = keys, values, offset
+        self._idx = keys.shape[2]  # in temporal order (RotatingKVCache's bookkeeping)
+        self.returned = 0
 
     @property
     def state(self):
@@ -233,6 +243,11 @@ class RotatingKVCache(LayerCache):
 
     def release(self) -> None:
         self.keys = self.values = self.last = None
+
+    def restore(self, keys: mx.array, values: mx.array, offset: int) -> None:
+        self.keys, self.values, self.offset = keys, values, offset
+        self._idx = keys.shape[2]  # in temporal order (RotatingKVCache's bookkeeping)
+        self.returned = 0
 
     @property
     def state(self):

@@ -87,3 +87,62 @@ def test_rows_that_cannot_batch_step_one_by_one():
     got, eng = _run_batched(model, prompts, [SamplingParams()] * 2, 6, joins=[0, 2])
     assert eng.static is False
     assert [got[0], got[1]] == [list(TokenGenerator(model, p, 6, eos_ids=())) for p in prompts]
+
+
+@pytest.mark.parametrize("d", [default_model_dir()] + [FAMILY_CASES[f] for f in ("gemma2", "gemma4", "llama")
+                                                       if f in FAMILY_CASES], ids=_ids)
+def test_prompt_cache_reuses_a_prefix_and_changes_nothing(d):
+    # Multi-turn chat resends the conversation: the second request's prompt
+    # starts with the first's prompt and reply; it reuses their keys/values
+    # (sliding layers included: prompts past the window) and gives the tokens
+    # it gives alone.
+    from mlxcel_dist.prompt_cache import PromptCache
+
+    model = load_model(d).model
+    V = model.args.vocab_size
+    rng = np.random.default_rng(2)
+    first = rng.integers(3, V, 45)
+    pc = PromptCache()
+    eng = BatchEngine(model, prompt_cache=pc)
+    eng.add("a", first)
+    reply = [eng.step()["a"] for _ in range(6)]
+    eng.remove("a")  # kept: first + reply[:-1] (the tokens fed)
+    second = np.concatenate([first, reply, rng.integers(3, V, 9)])
+    eng.add("b", second)
+    got = [eng.step()["b"] for _ in range(8)]
+    eng.remove("b")
+    assert pc.hits == 1 and pc.misses == 1
+    assert got == list(TokenGenerator(model, second, 8, eos_ids=()))
+    # the same prompt again: everything but its last token comes from the cache
+    eng.add("c", second)
+    assert [eng.step()["c"] for _ in range(8)] == got and pc.hits == 2
+
+
+def test_prompt_cache_evicts_least_recently_used_within_its_bytes():
+    from mlxcel_dist.prompt_cache import PromptCache
+
+    model = load_model(default_model_dir()).model
+    probe = PromptCache()
+    probe.store([5] * 10, _prefilled(model, [5] * 10))
+    per_entry = probe.nbytes
+    pc = PromptCache(max_entries=10, max_bytes=2 * per_entry)
+    for t in (5, 6, 7):
+        pc.store([t] * 10, _prefilled(model, [t] * 10))
+    assert list(pc.entries) == [(6,) * 10, (7,) * 10] and pc.nbytes == 2 * per_entry
+    k, cache = pc.lookup([6] * 10 + [1], model.make_cache)  # 6 becomes the most recent
+    assert k == 10 and cache[0].offset == 10
+    pc.store([8] * 10, _prefilled(model, [8] * 10))
+    assert list(pc.entries) == [(6,) * 10, (8,) * 10]
+    assert pc.lookup([7] * 11, model.make_cache) == (0, None)
+    small = PromptCache(max_entries=1)
+    small.store([1, 2], _prefilled(model, [1, 2]))
+    small.store([3, 4], _prefilled(model, [3, 4]))
+    assert list(small.entries) == [(3, 4)]
+
+
+def _prefilled(model, tokens):
+    import mlx.core as mx
+
+    cache = model.make_cache()
+    model(mx.array(tokens)[None], cache)
+    return cache
