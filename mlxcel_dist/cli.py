@@ -17,6 +17,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from . import backends
 from .collectives import CollectiveError
 from .errors import UserError
 from .watchdog import DEFAULT_STALL_TIMEOUT_S
@@ -56,7 +57,7 @@ RequiredModelArg = Annotated[str, typer.Argument(help="Checkpoint directory or H
 ModelOpt = Annotated[Optional[str], typer.Option("--model", help="The same as MODEL (mlx-lm's spelling).",
                                                  show_default=False)]
 NpOpt = Annotated[int, typer.Option("--np", help="Number of ranks (tensor-parallel degree).")]
-BackendOpt = Annotated[str, typer.Option("--backend", help="Distributed backend: auto, ring, mpi, nccl, jaccl.")]
+BackendOpt = Annotated[str, typer.Option("--backend", help=f"Distributed backend: auto, {', '.join(backends.names())}.")]
 HostfileOpt = Annotated[
     Optional[Path], typer.Option("--hostfile", help="OpenMPI or MLX JSON hostfile for multi-host runs.")
 ]
@@ -103,6 +104,17 @@ def _is_other_rank() -> bool:
 
 
 def _err(msg: str) -> None:
+    """A line for stderr. Rank 0 under a launcher whose command relays
+    stdout and stderr separately (mpirun, which can reorder them) sends it
+    along its stdout, marked, and the launcher puts it on stderr in order
+    (distributed.REPORT_MARKER)."""
+    if os.environ.get("MLXCEL_DIST_REPORTS_ON_STDOUT") == "1":
+        from . import distributed
+
+        if distributed.world().is_root:
+            sys.stdout.write(f"{distributed.REPORT_MARKER}{msg}\n")
+            sys.stdout.flush()
+            return
     print(msg, file=sys.stderr, flush=True)
 
 
@@ -146,6 +158,7 @@ def _distribute(ctx: typer.Context, np_: int, backend: str, hostfile: Optional[P
         return group
     if np_ < 1:
         raise UserError(f"--np must be >= 1, got {np_}")
+    backends.check_choice(backend)
     if np_ == 1 and hostfile is None:
         from .collectives import SINGLE
 
@@ -330,9 +343,9 @@ def generate(
 
     gen = generate_text(loaded.model, tok, ids, max_tokens, sampling, stop=stops, prefill_step=prefill_step,
                         group=group, check_every=check_every, on_compile=compiling if group.is_root else None)
-    if group.is_root and not use_chat:
-        sys.stdout.write(prompt)
-        sys.stdout.flush()
+    # The echoed prompt goes out with the first text: until then stdout holds
+    # no partial line that a progress line on stderr could land inside.
+    echo = prompt if group.is_root and not use_chat else ""
     while True:
         try:
             text = next(gen)
@@ -340,16 +353,17 @@ def generate(
             stats = done.value
             break
         except UserError:
-            if group.is_root:  # end the partial line before the error line
+            if group.is_root and echo is None:  # end the partial line before the error line
                 sys.stdout.write("\n")
                 sys.stdout.flush()
             raise
         if group.is_root:
-            sys.stdout.write(text)
+            sys.stdout.write((echo or "") + text)
             sys.stdout.flush()
+            echo = None
     resources = rank_resources(group, load_s) if verbose else None
     if group.is_root:
-        sys.stdout.write("\n")
+        sys.stdout.write((echo or "") + "\n")
         sys.stdout.flush()
         prompt_speed = (f"{stats.prefill_tok_s:.1f} tok/s" if stats.prefill_timed_tokens
                         else "speed not measured")
@@ -726,7 +740,7 @@ def main():
         if e.format_message():  # (no arguments at all: the help was the answer)
             _err(f"error: {e.format_message()}")
         sys.exit(e.exit_code)
-    except click_exceptions.Abort:
+    except (typer.Abort, KeyboardInterrupt, EOFError):
         _err("interrupted")
         sys.exit(130)
     sys.exit(rv if isinstance(rv, int) else 0)
