@@ -241,14 +241,15 @@ def _limits(values, n: int, name: str) -> list:
 
 
 def clamped_swiglu(gate: mx.array, up: mx.array, limit: float | None) -> mx.array:
-    """silu(gate).clamp(max=limit) * up.clamp(-limit, limit), in fp32, cast once
-    (the clamp on gate follows the activation, as transformers does)."""
-    g = nn.silu(gate.astype(mx.float32))
-    u = up.astype(mx.float32)
+    """silu(gate).clamp(max=limit) * up.clamp(-limit, limit), rounded where
+    transformers rounds: the activation runs in fp32 and rounds once to the
+    input dtype, the clamps and the product are in that dtype (the clamp on
+    gate follows the activation)."""
+    g = nn.silu(gate.astype(mx.float32)).astype(gate.dtype)
     if limit is not None:
-        g = mx.minimum(g, limit)
-        u = mx.clip(u, -limit, limit)
-    return (g * u).astype(up.dtype)
+        g = mx.minimum(g, mx.array(limit, g.dtype))
+        up = mx.clip(up, mx.array(-limit, up.dtype), mx.array(limit, up.dtype))
+    return g * up
 
 
 class ClampedMLP(nn.Module):
