@@ -291,41 +291,6 @@ def shard_moe(moe: nn.Module, group: Group, experts: str = "experts") -> None:
     ex.group = group
 
 
-def shard_recurrent_block(block: nn.Module, group: Group) -> None:
-    """Tensor-parallel RG-LRU recurrent block (RecurrentGemma): the recurrence
-    and its gates are block-diagonal per head (`block.rg_lru.num_heads` blocks
-    of `block_width` channels), so rank r keeps heads [r*H/N, (r+1)*H/N) and
-    their channels c in [h0*bw, h1*bw): the rows of linear_x / linear_y (with
-    their biases), the depthwise conv1d's channels (`conv_1d.weight`
-    [C, 1, width], `conv_1d.bias`), `rg_lru.recurrent_param` [C] and the
-    per-head gate weights [H, bw, bw] / biases [H, bw]. Each rank's conv and
-    LRU state covers its channels only; linear_out is sharded-to-all (one
-    all_sum, its bias added once after it)."""
-    if group.single:
-        return
-    n, r = group.size(), group.rank()
-    lru = block.rg_lru
-    H, bw = lru.num_heads, lru.block_width
-    if H % n:
-        raise UserError(f"{n} ranks cannot split the recurrent block's {H} heads")
-    h0, h1 = r * H // n, (r + 1) * H // n
-    chans = [(h0 * bw, h1 * bw)]
-    block.linear_x = _sharded(block.linear_x, "rows", chans, group)
-    block.linear_y = _sharded(block.linear_y, "rows", chans, group)
-    block.linear_out = _sharded(block.linear_out, "cols", chans, group, "linear_out")
-    conv = block.conv_1d
-    conv.weight, conv.bias = _slice(conv.weight, 0, chans), _slice(conv.bias, 0, chans)
-    conv.shard_spec = ShardSpec({"weight": (0, chans), "bias": (0, chans)})
-    heads = [(h0, h1)]
-    spec = {"recurrent_param": (0, chans)}
-    for name in ("input_gate_weight", "input_gate_bias", "recurrent_gate_weight", "recurrent_gate_bias"):
-        spec[name] = (0, heads)
-    for name, (axis, rng) in spec.items():
-        setattr(lru, name, _slice(getattr(lru, name), axis, rng))
-    lru.shard_spec = ShardSpec(spec)
-    lru.num_heads = h1 - h0
-
-
 def _slice_linear_in_place(linear: nn.Module, kind: str, ranges, name: str) -> None:
     """Slice a Linear / QuantizedLinear in place (its class kept, so it issues
     no collective): "rows" keeps output rows `ranges` (weight, scales, biases,
@@ -376,6 +341,86 @@ def shard_expert_mlps(mlps, group: Group, up=("gate_proj", "up_proj"), down="dow
         for name in up:
             _slice_linear_in_place(getattr(mlp, name), "rows", rng, name)
         _slice_linear_in_place(getattr(mlp, down), "cols", rng, down)
+
+
+def shard_recurrent_block(block: nn.Module, group: Group) -> None:
+    """Tensor-parallel RG-LRU recurrent block (RecurrentGemma): the recurrence
+    and its gates are block-diagonal per head (`block.rg_lru.num_heads` blocks
+    of `block_width` channels), so rank r keeps heads [r*H/N, (r+1)*H/N) and
+    their channels c in [h0*bw, h1*bw): the rows of linear_x / linear_y (with
+    their biases), the depthwise conv1d's channels (`conv_1d.weight`
+    [C, 1, width], `conv_1d.bias`), `rg_lru.recurrent_param` [C] and the
+    per-head gate weights [H, bw, bw] / biases [H, bw]. Each rank's conv and
+    LRU state covers its channels only; linear_out is sharded-to-all (one
+    all_sum, its bias added once after it)."""
+    if group.single:
+        return
+    n, r = group.size(), group.rank()
+    lru = block.rg_lru
+    H, bw = lru.num_heads, lru.block_width
+    if H % n:
+        raise UserError(f"{n} ranks cannot split the recurrent block's {H} heads")
+    h0, h1 = r * H // n, (r + 1) * H // n
+    chans = [(h0 * bw, h1 * bw)]
+    block.linear_x = _sharded(block.linear_x, "rows", chans, group)
+    block.linear_y = _sharded(block.linear_y, "rows", chans, group)
+    block.linear_out = _sharded(block.linear_out, "cols", chans, group, "linear_out")
+    conv = block.conv_1d
+    conv.weight, conv.bias = _slice(conv.weight, 0, chans), _slice(conv.bias, 0, chans)
+    conv.shard_spec = ShardSpec({"weight": (0, chans), "bias": (0, chans)})
+    heads = [(h0, h1)]
+    spec = {"recurrent_param": (0, chans)}
+    for name in ("input_gate_weight", "input_gate_bias", "recurrent_gate_weight", "recurrent_gate_bias"):
+        spec[name] = (0, heads)
+    for name, (axis, rng) in spec.items():
+        setattr(lru, name, _slice(getattr(lru, name), axis, rng))
+    lru.shard_spec = ShardSpec(spec)
+    lru.num_heads = h1 - h0
+
+
+def shard_stacked_experts(moe: nn.Module, group: Group, up=("gate_proj", "up_proj"), down="down_proj") -> None:
+    """Split stacked expert projections by the intermediate dimension I, with
+    no collective of their own: `moe.<up>.weight` [E, I, hidden] keep rows
+    [r*I/N, (r+1)*I/N) of axis 1, `moe.<down>.weight` [E, hidden, I] the same
+    range of axis 2 (the hub layout of e.g. Step-3.5: `moe.gate_proj.weight`).
+    Every other child of `moe` (the router) stays replicated, so every rank
+    routes alike; the block sums its partial output over the group once (and
+    counts that all_sum in `collectives_per_token`)."""
+    if group.single:
+        return
+    n, r = group.size(), group.rank()
+    inter = getattr(moe, up[0]).weight.shape[1]
+    if inter % n:
+        raise UserError(f"{n} ranks cannot split the experts' intermediate size {inter}")
+    rng = [(r * inter // n, (r + 1) * inter // n)]
+    for name, axis in [(u, 1) for u in up] + [(down, 2)]:
+        stack = getattr(moe, name)
+        if stack.weight.shape[axis] != inter:
+            raise UserError(f"expert {name} has {stack.weight.shape[axis]} intermediate rows, expected {inter}")
+        stack.weight = _slice(stack.weight, axis, rng)
+        stack.shard_spec = ShardSpec({"weight": (axis, rng)})
+
+
+def shard_query_attention(attn: nn.Module, group: Group) -> None:
+    """Shard an attention block that has no k/v projections of its own (it
+    reads another layer's keys/values, e.g. Gemma 3n's KV-shared layers):
+    q_proj / o_proj (and `per_head_params`) as `shard_attention` does; its
+    `num_kv_heads` becomes the KV-head range its source layer keeps on this
+    rank (the same config, so the same `head_ranges`)."""
+    if group.single:
+        return
+    (q0, q1), (kv0, kv1) = head_ranges(attn.total_num_heads, attn.total_num_kv_heads, group.size(), group.rank())
+    D = attn.head_dim
+    attn.q_proj = _sharded(attn.q_proj, "rows", [(q0 * D, q1 * D)], group)
+    attn.o_proj = _sharded(attn.o_proj, "cols", [(q0 * D, q1 * D)], group, "o_proj")
+    per_head = {}
+    for name in getattr(attn, "per_head_params", ()):
+        setattr(attn, name, _slice(getattr(attn, name), 0, [(q0, q1)]))
+        per_head[name] = (0, [(q0, q1)])
+    if per_head:
+        attn.shard_spec = ShardSpec(per_head)
+    attn.num_heads = q1 - q0
+    attn.num_kv_heads = kv1 - kv0
 
 
 def shard_attention_present(attn: nn.Module, group: Group) -> None:
@@ -429,28 +474,6 @@ def shard_fused_gate_up_experts(ex: nn.Module, group: Group) -> None:
     ex.group = group
 
 
-def shard_query_attention(attn: nn.Module, group: Group) -> None:
-    """Shard an attention block that has no k/v projections of its own (it
-    reads another layer's keys/values, e.g. Gemma 3n's KV-shared layers):
-    q_proj / o_proj (and `per_head_params`) as `shard_attention` does; its
-    `num_kv_heads` becomes the KV-head range its source layer keeps on this
-    rank (the same config, so the same `head_ranges`)."""
-    if group.single:
-        return
-    (q0, q1), (kv0, kv1) = head_ranges(attn.total_num_heads, attn.total_num_kv_heads, group.size(), group.rank())
-    D = attn.head_dim
-    attn.q_proj = _sharded(attn.q_proj, "rows", [(q0 * D, q1 * D)], group)
-    attn.o_proj = _sharded(attn.o_proj, "cols", [(q0 * D, q1 * D)], group, "o_proj")
-    per_head = {}
-    for name in getattr(attn, "per_head_params", ()):
-        setattr(attn, name, _slice(getattr(attn, name), 0, [(q0, q1)]))
-        per_head[name] = (0, [(q0, q1)])
-    if per_head:
-        attn.shard_spec = ShardSpec(per_head)
-    attn.num_heads = q1 - q0
-    attn.num_kv_heads = kv1 - kv0
-
-
 def shard_packed_attention(attn: nn.Module, group: Group, packed: str = "W_pack", per_kv_head=()) -> None:
     """Shard an attention whose q, k and v come from ONE fused projection
     (Baichuan's `W_pack`, rows [q (H*D); k (KV*D); v (KV*D)]): rank r keeps
@@ -476,26 +499,3 @@ def shard_packed_attention(attn: nn.Module, group: Group, packed: str = "W_pack"
         attn.shard_spec = ShardSpec(spec)
     attn.num_heads = q1 - q0
     attn.num_kv_heads = kv1 - kv0
-
-
-def shard_stacked_experts(moe: nn.Module, group: Group, up=("gate_proj", "up_proj"), down="down_proj") -> None:
-    """Split stacked expert projections by the intermediate dimension I, with
-    no collective of their own: `moe.<up>.weight` [E, I, hidden] keep rows
-    [r*I/N, (r+1)*I/N) of axis 1, `moe.<down>.weight` [E, hidden, I] the same
-    range of axis 2 (the hub layout of e.g. Step-3.5: `moe.gate_proj.weight`).
-    Every other child of `moe` (the router) stays replicated, so every rank
-    routes alike; the block sums its partial output over the group once (and
-    counts that all_sum in `collectives_per_token`)."""
-    if group.single:
-        return
-    n, r = group.size(), group.rank()
-    inter = getattr(moe, up[0]).weight.shape[1]
-    if inter % n:
-        raise UserError(f"{n} ranks cannot split the experts' intermediate size {inter}")
-    rng = [(r * inter // n, (r + 1) * inter // n)]
-    for name, axis in [(u, 1) for u in up] + [(down, 2)]:
-        stack = getattr(moe, name)
-        if stack.weight.shape[axis] != inter:
-            raise UserError(f"expert {name} has {stack.weight.shape[axis]} intermediate rows, expected {inter}")
-        stack.weight = _slice(stack.weight, axis, rng)
-        stack.shard_spec = ShardSpec({"weight": (axis, rng)})
