@@ -89,16 +89,30 @@ class Attention(nn.Module):
             return q, k
         return self.rope(q, offset), self.rope(k, offset)
 
-    def __call__(self, x, mask=None, cache=None):
-        B, L, _ = x.shape
+    # A forward is qkv -> attend -> out. Split decode (decode.DecodeStep)
+    # runs qkv and out inside compiled segments and `attend` between them,
+    # on the written prefix of the static buffers (no mask: the fused kernels).
+
+    def qkv(self, x, cache=None):
+        """q, and k/v after RoPE and the cache update (the whole cache)."""
         q, k, v = self.project(x)
         q, k = self.position(q, k, cache.offset if cache is not None else 0)
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
+        return q, k, v
+
+    def attend(self, q, k, v, mask=None):
         sinks = self.sinks if "sinks" in self else None
-        out = causal_attention(q, k, v, self.scale, self.window, softcap=self.softcap, sinks=sinks, mask=mask)
+        return causal_attention(q, k, v, self.scale, self.window, softcap=self.softcap, sinks=sinks, mask=mask)
+
+    def out(self, o):
         # [B, heads, L, D] -> [B, L, heads * D]
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        B, _, L, _ = o.shape
+        return self.o_proj(o.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+    def __call__(self, x, mask=None, cache=None):
+        q, k, v = self.qkv(x, cache)
+        return self.out(self.attend(q, k, v, mask))
 
 
 class MLP(nn.Module):
@@ -130,6 +144,14 @@ class PreNormBlock(nn.Module):
 
     def __call__(self, x, mask=None, cache=None):
         h = x + self.self_attn(self.input_layernorm(x), mask, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+    # split decode (decode.DecodeStep): pre -> self_attn.attend -> post
+    def pre(self, x, cache):
+        return (x, *self.self_attn.qkv(self.input_layernorm(x), cache))
+
+    def post(self, x, o):
+        h = x + self.self_attn.out(o)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -175,8 +197,7 @@ class Gemma4Attention(nn.Module):
     x), v normed without a weight; `k_eq_v`: no v_proj, v is the raw k
     projection (before k_norm); `reads_kv`: no k/v projections at all, the
     keys/values are another layer's (its cache is a `cache.SharedKVCache`).
-    Attribute contract of `shard.shard_attention` (`shard.shard_attention_present`
-    shards all three forms)."""
+    Attribute contract of `shard.shard_attention` (which shards all three forms)."""
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, *, window=None,
                  rope=None, eps: float = 1e-6, bias: bool = False, k_eq_v: bool = False, reads_kv: bool = False,

@@ -146,9 +146,10 @@ def head_ranges(total_heads: int, total_kv_heads: int, n: int, r: int):
 def shard_attention(attn: nn.Module, group: Group) -> None:
     """Shard q/k/v/o projections of a standard attention block in place.
 
-    Needs `total_num_heads`, `total_num_kv_heads`, `head_dim`, and q_proj,
-    k_proj, v_proj, o_proj; per-head parameters named in `attn.per_head_params`
-    (e.g. attention sinks) are sliced with their heads.
+    Needs `total_num_heads`, `total_num_kv_heads`, `head_dim`, q_proj and
+    o_proj, and k_proj / v_proj where the block has them (blocks without
+    them: k = v, or a layer reading another's KV); per-head parameters named
+    in `attn.per_head_params` (e.g. attention sinks) are sliced with their heads.
     """
     if group.single:
         return
@@ -156,8 +157,12 @@ def shard_attention(attn: nn.Module, group: Group) -> None:
     kv0, kv1 = faults.kv_heads(kv, attn.total_num_kv_heads, group)
     D = attn.head_dim
     attn.q_proj = _sharded(attn.q_proj, "rows", [(q0 * D, q1 * D)], group)
-    attn.k_proj = _sharded(attn.k_proj, "rows", [(kv0 * D, kv1 * D)], group)
-    attn.v_proj = _sharded(attn.v_proj, "rows", [(kv0 * D, kv1 * D)], group)
+    # k/v where the block has them (Gemma 4's k = v layers have no v_proj; a
+    # layer reading another's KV has neither, and its num_kv_heads becomes
+    # the range its source keeps on this rank: the same head_ranges)
+    for name in ("k_proj", "v_proj"):
+        if name in attn:
+            setattr(attn, name, _sharded(getattr(attn, name), "rows", [(kv0 * D, kv1 * D)], group))
     attn.o_proj = _sharded(attn.o_proj, "cols", [(q0 * D, q1 * D)], group, "o_proj")
     per_head = {}
     for name in getattr(attn, "per_head_params", ()):
@@ -399,55 +404,6 @@ def shard_stacked_experts(moe: nn.Module, group: Group, up=("gate_proj", "up_pro
             raise UserError(f"expert {name} has {stack.weight.shape[axis]} intermediate rows, expected {inter}")
         stack.weight = _slice(stack.weight, axis, rng)
         stack.shard_spec = ShardSpec({"weight": (axis, rng)})
-
-
-def shard_query_attention(attn: nn.Module, group: Group) -> None:
-    """Shard an attention block that has no k/v projections of its own (it
-    reads another layer's keys/values, e.g. Gemma 3n's KV-shared layers):
-    q_proj / o_proj (and `per_head_params`) as `shard_attention` does; its
-    `num_kv_heads` becomes the KV-head range its source layer keeps on this
-    rank (the same config, so the same `head_ranges`)."""
-    if group.single:
-        return
-    (q0, q1), (kv0, kv1) = head_ranges(attn.total_num_heads, attn.total_num_kv_heads, group.size(), group.rank())
-    D = attn.head_dim
-    attn.q_proj = _sharded(attn.q_proj, "rows", [(q0 * D, q1 * D)], group)
-    attn.o_proj = _sharded(attn.o_proj, "cols", [(q0 * D, q1 * D)], group, "o_proj")
-    per_head = {}
-    for name in getattr(attn, "per_head_params", ()):
-        setattr(attn, name, _slice(getattr(attn, name), 0, [(q0, q1)]))
-        per_head[name] = (0, [(q0, q1)])
-    if per_head:
-        attn.shard_spec = ShardSpec(per_head)
-    attn.num_heads = q1 - q0
-    attn.num_kv_heads = kv1 - kv0
-
-
-def shard_attention_present(attn: nn.Module, group: Group) -> None:
-    """Shard an attention block that lacks some of k_proj / v_proj (Gemma 4:
-    full layers with k == v have no v_proj, KV-shared layers neither k_proj
-    nor v_proj and read their source layer's keys/values, split by the same
-    `head_ranges`): q_proj / o_proj, the projections present and
-    `per_head_params` as `shard_attention` does; `num_kv_heads` becomes this
-    rank's KV-head count either way."""
-    if group.single:
-        return
-    (q0, q1), kv = head_ranges(attn.total_num_heads, attn.total_num_kv_heads, group.size(), group.rank())
-    kv0, kv1 = faults.kv_heads(kv, attn.total_num_kv_heads, group)
-    D = attn.head_dim
-    attn.q_proj = _sharded(attn.q_proj, "rows", [(q0 * D, q1 * D)], group)
-    for name in ("k_proj", "v_proj"):
-        if name in attn:
-            setattr(attn, name, _sharded(getattr(attn, name), "rows", [(kv0 * D, kv1 * D)], group))
-    attn.o_proj = _sharded(attn.o_proj, "cols", [(q0 * D, q1 * D)], group, "o_proj")
-    per_head = {}
-    for name in getattr(attn, "per_head_params", ()):
-        setattr(attn, name, _slice(getattr(attn, name), 0, [(q0, q1)]))
-        per_head[name] = (0, [(q0, q1)])
-    if per_head:
-        attn.shard_spec = ShardSpec(per_head)
-    attn.num_heads = q1 - q0
-    attn.num_kv_heads = kv1 - kv0
 
 
 def shard_fused_gate_up_experts(ex: nn.Module, group: Group) -> None:

@@ -48,7 +48,7 @@ from ..cache import PrefixViewCache, make_layer_caches
 from ..errors import UserError
 from ..layers import RMSNormFP32Scale, activation, gated_fp32
 from ..rope import RoPE
-from ..shard import shard_attention_present, shard_fused_gate_up_experts, shard_mlp
+from ..shard import shard_attention, shard_fused_gate_up_experts, shard_mlp
 from .base import FULL, SLIDING, BaseModelArgs, CausalLM, DecoderStack, derive_layer_types
 
 _DROP = ("model.encoder.vision_tower.", "model.encoder.embed_vision.")
@@ -514,7 +514,7 @@ class Model(CausalLM):
 
     def shard(self, group):
         for layer in self.layers:
-            shard_attention_present(layer.self_attn, group)
+            shard_attention(layer.self_attn, group)
             shard_mlp(layer.mlp, group)
             shard_fused_gate_up_experts(layer.experts, group)
         self.shard_head(group)

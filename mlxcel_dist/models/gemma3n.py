@@ -44,7 +44,7 @@ from ..errors import UserError
 from ..layers import RMSNormFP32Scale, activation
 from ..masks import layer_masks
 from ..rope import RoPE
-from ..shard import shard_attention, shard_mlp, shard_query_attention
+from ..shard import shard_attention, shard_mlp
 from .base import FULL, SLIDING, BaseModelArgs, CausalLM, derive_layer_types
 
 
@@ -469,7 +469,7 @@ class Model(CausalLM):
     def shard(self, group):
         for layer in self.layers:
             attn = layer.self_attn
-            (shard_query_attention if attn.reads_layer is not None else shard_attention)(attn, group)
+            shard_attention(attn, group)  # a KV-shared layer has only q/o to split
             shard_mlp(layer.mlp, group)
             layer.mlp.group = group
         self.shard_head(group)

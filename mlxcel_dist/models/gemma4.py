@@ -44,7 +44,7 @@ from ..cache import SharedKVCache, make_layer_caches
 from ..errors import UserError
 from ..layers import RMSNormFP32Scale, activation, gated_fp32
 from ..rope import RoPE
-from ..shard import shard_attention_present, shard_fused_gate_up_experts, shard_mlp
+from ..shard import shard_attention, shard_fused_gate_up_experts, shard_mlp
 from .base import FULL, SLIDING, BaseModelArgs, CausalLM, DecoderStack, derive_layer_types
 
 _MULTIMODAL_DROP = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.",
@@ -354,7 +354,7 @@ class Model(CausalLM):
 
     def shard(self, group):
         for layer in self.layers:
-            shard_attention_present(layer.self_attn, group)  # k = v and shared-KV layers lack k/v projections
+            shard_attention(layer.self_attn, group)  # k = v and shared-KV layers lack k/v projections
             shard_mlp(layer.mlp, group)
             if "experts" in layer:
                 shard_fused_gate_up_experts(layer.experts, group)
