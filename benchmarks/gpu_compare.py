@@ -9,6 +9,13 @@ mlx_lm.generate.generate_step). Also the share of the HBM roofline decode
 reaches (each token streams every weight once) and the NCCL backend at size 1.
 
     python benchmarks/gpu_compare.py [--prompt 2048] [--gen 128] [--small]
+    python benchmarks/gpu_compare.py --families llama,qwen3,mistral,gemma3,gpt_oss [--out results.jsonl]
+
+--families runs the per-family comparison in one process (8-12B shapes,
+FAMILIES below), one family after the other (its weights freed before the
+next); besides mlx-lm and ours it times "ours, whole-graph step" (the decode
+step as one compiled graph with masked attention, as before the split step)
+and measures the host time to build one decode step.
 
 On a machine without transformers (the GPU box has no package registry) a
 stub stands in for the one import mlx-lm's generate module makes of it; the
@@ -37,6 +44,31 @@ SMALL = dict(
     num_key_value_heads=4, head_dim=64, vocab_size=32768, sliding_window=128,
 )
 HBM_TB_S = 4.8  # H200 peak
+
+# 8-12B shapes per family (config.json keys; random weights)
+FAMILIES = {
+    "llama": dict(  # 11.3B: llama-2-13b's widths, 40 layers
+        model_type="llama", hidden_size=5120, intermediate_size=13824, num_hidden_layers=40,
+        num_attention_heads=40, num_key_value_heads=8, head_dim=128, vocab_size=32000, rope_theta=10000.0,
+        rms_norm_eps=1e-5, tie_word_embeddings=False, max_position_embeddings=4096),
+    "qwen3": dict(  # qwen3-8b
+        model_type="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936, rope_theta=1000000.0,
+        rms_norm_eps=1e-6, tie_word_embeddings=False, max_position_embeddings=40960),
+    "mistral": dict(  # mistral-nemo-12b
+        model_type="mistral", hidden_size=5120, intermediate_size=14336, num_hidden_layers=40,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=131072, rope_theta=1000000.0,
+        rms_norm_eps=1e-5, tie_word_embeddings=False, max_position_embeddings=131072, sliding_window=None),
+    "gemma3": None,  # config(GEMMA3_12B)
+    "gpt_oss": dict(  # gpt-oss-20b's layers, 12 of its 24 (10.8B total, 1.9B active per token)
+        model_type="gpt_oss", hidden_size=2880, intermediate_size=2880, num_hidden_layers=12,
+        num_attention_heads=64, num_key_value_heads=8, head_dim=64, vocab_size=201088, num_local_experts=32,
+        num_experts_per_tok=4, experts_per_token=4, sliding_window=128, rope_theta=150000.0, rms_norm_eps=1e-5,
+        rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                      "truncate": False, "original_max_position_embeddings": 4096},
+        layer_types=["sliding_attention", "full_attention"] * 6, attention_bias=True, swiglu_limit=7.0,
+        tie_word_embeddings=False, max_position_embeddings=131072),
+}
 
 
 def config(shape: dict) -> dict:
@@ -84,17 +116,59 @@ def build_ours(cfg: dict):
 
 def build_mlx_lm(cfg: dict, weights):
     _stub_transformers()
-    from mlx_lm.models import gemma3_text
+    from mlx_lm.utils import _get_classes
 
-    args = gemma3_text.ModelArgs.from_dict(cfg)
-    model = gemma3_text.Model(args)
-    model.load_weights(list(model.sanitize(dict(weights)).items()))  # the same arrays: no copy
+    model_class, args_class = _get_classes(cfg)
+    model = model_class(args_class.from_dict(cfg))
+    w = dict(weights)
+    if cfg["model_type"] == "gpt_oss":  # ours: x @ W experts ([E, in, out]); mlx-lm's: [E, out, in]
+        w = {(k + ".weight" if k.endswith(("experts.gate_up_proj", "experts.down_proj")) else k):
+             (v.swapaxes(-1, -2) if k.endswith(("experts.gate_up_proj", "experts.down_proj")) else v)
+             for k, v in w.items()}
+    model.load_weights(list(model.sanitize(w).items()))  # the same arrays: no copy (gpt_oss experts: copies)
     model.eval()
     return model
 
 
-def time_ours(model, prompt, gen, prefill_step=None, compiled=True):
+def active_params(cfg: dict, n_params: int) -> int:
+    """Parameters one decoded token reads (MoE: only the top-k experts' share)."""
+    if cfg.get("num_local_experts"):
+        E, k = cfg["num_local_experts"], cfg["num_experts_per_tok"]
+        per_expert = 3 * cfg["hidden_size"] * cfg["intermediate_size"]
+        return n_params - cfg["num_hidden_layers"] * (E - k) * per_expert
+    return n_params
+
+
+def host_build_ms(model, prompt, split: bool, steps: int = 16) -> dict:
+    """Host time to build one decode step (no evaluation inside the timing)
+    and the wall time per step with evaluation, on a 2048-token cache."""
+    from mlxcel_dist.decode import DecodeStep
+
+    cache = model.make_cache()
+    model(mx.array(prompt[:-1])[None], cache)
+    mx.eval([c.state for c in cache])
+    d = DecodeStep(model)
+    d.split = split and d.split
+    d.start(cache, len(prompt) - 1)
+    y = mx.array([[prompt[-1]]])
+    mx.eval(d(y))  # trace
+    t = time.perf_counter()
+    outs = [d(y) for _ in range(steps)]
+    build = (time.perf_counter() - t) / steps
+    mx.eval(outs)
+    t = time.perf_counter()
+    for _ in range(steps):
+        mx.eval(d(y))
+    synced = (time.perf_counter() - t) / steps
+    d.release()
+    return {"host_build_ms": round(build * 1e3, 3), "step_ms_synced": round(synced * 1e3, 3)}
+
+
+def time_ours(model, prompt, gen, prefill_step=None, compiled=True, step=None):
     from mlxcel_dist.engine import TokenGenerator
+
+    if step is not None:  # the DecodeStep to use (e.g. whole-graph vs split)
+        model.decode_step = step
 
     g = TokenGenerator(model, prompt, gen, prefill_step=prefill_step, compiled=compiled)
     out = list(g)
@@ -139,7 +213,11 @@ def main() -> None:
     ap.add_argument("--cross", action="store_true")
     ap.add_argument("--our-prefill-step", type=int, default=0, help="also time ours with this prefill chunk")
     ap.add_argument("--eager", action="store_true", help="also time ours with eager (uncompiled) decode steps")
+    ap.add_argument("--families", default="", help="comma-separated: " + ",".join(FAMILIES))
+    ap.add_argument("--out", default="", help="append every row (JSON lines) to this file")
     a = ap.parse_args()
+    if a.families:
+        return families_main(a)
     info = {"device": str(mx.default_device()), "mlx": mx.__version__, "python": platform.python_version()}
     _stub_transformers()
     try:
@@ -192,6 +270,94 @@ def main() -> None:
     info["ratio_decode"] = round(last["ours"]["decode_tok_s"] / last["mlx-lm"]["decode_tok_s"], 3)
     info["ratio_prefill"] = round(last["ours"]["prefill_tok_s"] / last["mlx-lm"]["prefill_tok_s"], 3)
     print(json.dumps(info), flush=True)
+
+
+def families_main(a) -> None:
+    import gc
+
+    from mlxcel_dist.decode import DecodeStep
+
+    def emit(row):
+        print(json.dumps(row), flush=True)
+        if a.out:
+            with open(a.out, "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+    _stub_transformers()
+    from mlx_lm._version import __version__ as mlx_lm_version
+
+    emit({"device": str(mx.default_device()), "mlx": mx.__version__, "mlx_lm": mlx_lm_version,
+          "prompt": a.prompt, "gen": a.gen, "repeat": a.repeat})
+    for fam in a.families.split(","):
+        t0 = time.perf_counter()
+        try:
+            cfg = config(SMALL if a.small else GEMMA3_12B) if fam == "gemma3" else dict(FAMILIES[fam])
+            if a.small and fam != "gemma3":
+                cfg.update(hidden_size=512, intermediate_size=1024, num_hidden_layers=4, vocab_size=4096,
+                           num_attention_heads=8, num_key_value_heads=4, head_dim=64)
+                if "layer_types" in cfg:
+                    cfg["layer_types"] = cfg["layer_types"][:4]
+            ours, weights = build_ours(cfg)
+            n_params = sum(w.size for _, w in weights)
+            active = active_params(cfg, n_params)
+            try:
+                theirs = build_mlx_lm(cfg, weights)
+            except Exception as e:  # noqa: BLE001 - time ours anyway
+                theirs = None
+                emit({"family": fam, "mlx_lm_build_failed": f"{type(e).__name__}: {e}"[:300]})
+            prompt = mx.random.randint(0, cfg["vocab_size"], (a.prompt,), key=mx.random.key(1)).tolist()
+            info = {"family": fam, "params_b": round(n_params / 1e9, 3), "active_b": round(active / 1e9, 3),
+                    "build_s": round(time.perf_counter() - t0, 1)}
+            if theirs is not None:
+                from mlxcel_dist.engine import sequence_logits
+                import numpy as np
+
+                try:
+                    short = prompt[:64]
+                    lo = sequence_logits(ours, short)
+                    lt = np.array(theirs(mx.array(short)[None])[0].astype(mx.float32))
+                    info["logits_max_rel_diff_vs_mlx_lm"] = round(float(np.abs(lo - lt).max() / np.abs(lt).max()), 5)
+                    info["argmax_agree"] = float((lo.argmax(-1) == lt.argmax(-1)).mean())
+                except Exception as e:  # noqa: BLE001 (CPU gather_mm: fp32 only)
+                    info["logits_check_failed"] = f"{type(e).__name__}: {e}"[:200]
+            split_step, whole_step = DecodeStep(ours), DecodeStep(ours)
+            whole_step.split = False
+            info["split_available"] = split_step.split
+            emit(info)
+            runs = [("ours", lambda m, p, g: time_ours(m, p, g, step=split_step), ours),
+                    ("ours, whole-graph step", lambda m, p, g: time_ours(m, p, g, step=whole_step), ours)]
+            if theirs is not None:
+                runs.insert(0, ("mlx-lm", time_mlx_lm, theirs))
+            rows = []
+            for rep in range(a.repeat):
+                for name, fn, m in runs:
+                    mx.clear_cache()
+                    pf, dc, toks = fn(m, prompt, a.gen)
+                    row = {"family": fam, "rep": rep, "impl": name, "prefill_tok_s": round(pf, 1),
+                           "decode_tok_s": round(dc, 2), "ms_per_token": round(1e3 / dc, 3) if dc else None,
+                           "roofline_share": round(dc * active * 2 / (HBM_TB_S * 1e12), 3),
+                           "first_tokens": toks[:6]}
+                    rows.append(row)
+                    emit(row)
+            for split in (True, False):
+                emit({"family": fam, "split": split, **host_build_ms(ours, prompt, split)})
+            summ = {"family": fam, "peak_mem_gb": round(mx.get_peak_memory() / 1e9, 1),
+                    "wall_s": round(time.perf_counter() - t0, 1)}
+            for rep in range(1, a.repeat):  # rep 0 is the warm-up (kernel compiles)
+                r = {x["impl"]: x for x in rows if x["rep"] == rep}
+                for name in r:
+                    if name != "ours":
+                        summ[f"rep{rep} ours/{name} decode"] = round(r["ours"]["decode_tok_s"] / r[name]["decode_tok_s"], 3)
+                        summ[f"rep{rep} ours/{name} prefill"] = round(r["ours"]["prefill_tok_s"] / r[name]["prefill_tok_s"], 3)
+            emit(summ)
+        except Exception as e:  # noqa: BLE001 - the next family still runs
+            import traceback
+
+            emit({"family": fam, "failed": traceback.format_exc()[-1500:]})
+        ours = theirs = weights = split_step = whole_step = None
+        gc.collect()
+        mx.clear_cache()
+        mx.reset_peak_memory()
 
 
 if __name__ == "__main__":

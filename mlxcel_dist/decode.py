@@ -105,6 +105,8 @@ class DecodeStep:
         self.traces = 0  # graphs built by mx.compile (the Python step runs only while tracing)
         self.pos = 0  # host copy of state["pos"]
         self._compiled = mx.compile(self._step, inputs=self.state, outputs=self.state)
+        self.split = splittable(model)  # compiled segments around the attention kernels (see _split_step)
+        self._segments = None
 
     def _step(self, y: mx.array) -> mx.array:
         self.traces += self.compiled
@@ -182,7 +184,72 @@ class DecodeStep:
             return self.model(y, self.views)[0, -1]
         self._reserve()  # room for slot self.pos, the token fed now
         self.pos += 1
+        if self.compiled and self.split:
+            return self._split_step(y)
         return self._compiled(y) if self.compiled else self._step(y)
+
+    # ------------------------------------------------------------------ split steps
+    # One compiled graph per step puts attention inside the graph, where the
+    # static buffers need a mask (arange(S) <= pos) and MLX's GPU backends then
+    # leave their fused decode-attention kernels for the unfused matmul /
+    # softmax form (MLX 0.32 CUDA: an array mask disables both the vector
+    # kernel and cuDNN). The split step keeps everything else compiled, in
+    # segments between the attention calls:
+    #   segment 0:   embed, layer 0's pre (norm, q/k/v, RoPE, cache write)
+    #   segment i:   layer i-1's post (o_proj, MLP, norms, collectives), layer i's pre
+    #   segment N:   layer N-1's post, final norm, head -> logits
+    # and runs each layer's attention eagerly on the written prefix of its
+    # buffers, k[..., :n, :] with n = min(pos + 1, S) (views, no copy), with no
+    # mask: what the fused kernels take (and what mlx-lm's decode feeds them).
+    # The same numbers as the masked form (the hidden slots have weight 0).
+
+    def _make_segments(self) -> list:
+        model = self.model
+        layers = model.layers
+        n = len(layers)
+        logits_of = getattr(model, "decode_logits", None) or (lambda h: model.head(model.model.norm(h)))
+
+        def view(i, pos, k, v):
+            st = DecodeState(pos=pos)
+            st[f"k{i}"], st[f"v{i}"] = k, v
+            return st, StaticCache(st, i, self.views[i].window)
+
+        def make(i):
+            def seg(*args):
+                self._traced = True  # the Python body runs only while mx.compile traces
+                if i == 0:
+                    y, pos, k, v = args
+                    h = model.model.embed(y)
+                else:
+                    x, o = args[:2]
+                    h = layers[i - 1].post(x, o)
+                    if i == n:
+                        return logits_of(h)[0, -1], args[2] + 1
+                    pos, k, v = args[2:]
+                st, c = view(i, pos, k, v)
+                x, q, _, _ = layers[i].pre(h, c)
+                return x, q, st[f"k{i}"], st[f"v{i}"]
+
+            return mx.compile(seg)
+
+        return [make(i) for i in range(n + 1)]
+
+    def _split_step(self, y: mx.array) -> mx.array:
+        if self._segments is None:
+            self._segments = self._make_segments()
+        segs, s, layers = self._segments, self.state, self.model.layers
+        pos = s["pos"]
+        p = self.pos - 1  # the position of the token fed now
+        self._traced = False
+        carry = (y,)
+        for i, layer in enumerate(layers):
+            x, q, k, v = segs[i](*carry, pos, s[f"k{i}"], s[f"v{i}"])
+            s[f"k{i}"], s[f"v{i}"] = k, v
+            m = min(p + 1, k.shape[2])
+            carry = (x, layer.self_attn.attend(q, k[..., :m, :], v[..., :m, :]))
+        logits, s["pos"] = segs[-1](*carry, pos)
+        self.traces += self._traced  # one count per step that built new graphs
+        return logits
 
 
 def _size(n: int, window: int | None) -> int:
@@ -192,6 +259,17 @@ def _size(n: int, window: int | None) -> int:
     layers on the H200) while the padding attention scans stays < n / 4 + STEP."""
     size = _round_up(n + n // 4, STEP)
     return min(size, window) if window else size
+
+
+def splittable(model) -> bool:
+    """Whether decode steps may run split (`DecodeStep._split_step`): the
+    model says so (`split_decode`) and every layer has `pre`/`post` and a
+    `self_attn` with `attend` (blocks.PreNormBlock and the layers built like it)."""
+    if not getattr(model, "split_decode", False):
+        return False
+    layers = getattr(model, "layers", None) or []
+    return all(hasattr(l, "pre") and hasattr(l, "post") and hasattr(getattr(l, "self_attn", None), "attend")
+               for l in layers)
 
 
 def decode_step_for(model) -> DecodeStep:

@@ -87,9 +87,13 @@ def test_decode_steps_are_traced_once(monkeypatch):
     seen = []
     orig = stack.masks
     monkeypatch.setattr(stack, "masks", lambda L, cache: seen.append((L, m := orig(L, cache))) or m)
+    from mlxcel_dist.decode import decode_step_for
+
     compiled = list(TokenGenerator(tiny, np.arange(4, 44), 12, prefill_step=16))
-    # 39 prompt tokens in chunks of 16, then one trace for all 12 single-token steps
-    assert [L for L, _ in seen] == [16, 16, 7, 1]
+    # 39 prompt tokens in chunks of 16, then one trace for all 12 single-token
+    # steps (a split step builds no mask; a whole-graph one builds it once)
+    assert [L for L, _ in seen if L > 1] == [16, 16, 7] and len(seen) <= 4
+    assert decode_step_for(tiny).traces == 1
     seen.clear()
     eager = list(TokenGenerator(tiny, np.arange(4, 44), 12, prefill_step=16, compiled=False))
     assert [L for L, _ in seen] == [16, 16, 7] + [1] * 12
@@ -97,18 +101,19 @@ def test_decode_steps_are_traced_once(monkeypatch):
     seen.clear()
     assert list(TokenGenerator(tiny, np.arange(4, 44), 12, prefill_step=16)) == compiled
     assert [L for L, _ in seen] == [16, 16, 7]  # the same shapes again: the kept trace
+    assert decode_step_for(tiny).traces == 1
 
 
 def test_buffers_grow_only_when_full(monkeypatch):
     # Prompt 1024: the buffer is sized for 1024 + a quarter (1280); the decode
     # steps after it fit, so one trace serves them all (a regrowth would retrace).
+    from mlxcel_dist.decode import decode_step_for
+
     tiny = load_model(default_model_dir()).model
-    sizes = []
-    orig = tiny.model.masks
-    monkeypatch.setattr(tiny.model, "masks", lambda L, cache: (L == 1 and sizes.append(
-        max(c.size for c in cache))) or orig(L, cache))
-    list(TokenGenerator(tiny, np.arange(1024) % 500, 8))
-    assert sizes == [1280]
+    list(TokenGenerator(tiny, np.arange(1024) % 500, 8))  # no finish(): the buffers stay
+    d = decode_step_for(tiny)
+    assert d.traces == 1
+    assert max(v.shape[2] for k, v in d.state.items() if k != "pos") == 1280  # (sliding layers: their window)
 
 
 def test_finished_generation_leaves_no_kv_buffers(tiny):

@@ -91,6 +91,14 @@ class DecoderLayer(nn.Module):
         h = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), mask, cache))
         return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
 
+    # split decode (decode.DecodeStep): pre -> self_attn.attend -> post
+    def pre(self, x, cache):
+        return (x, *self.self_attn.qkv(self.input_layernorm(x), cache))
+
+    def post(self, x, o):
+        h = x + self.post_attention_layernorm(self.self_attn.out(o))
+        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+
 
 class Gemma2Model(DecoderStack):
     def __init__(self, args: ModelArgs):
@@ -110,8 +118,16 @@ class Model(CausalLM):
     def __init__(self, args: ModelArgs):
         super().__init__(args, Gemma2Model(args))
 
+    split_decode = True  # decode.DecodeStep may run its layers' pre/attend/post split
+
     def __call__(self, inputs, cache=None):
-        logits = super().__call__(inputs, cache)
+        return self.softcap(super().__call__(inputs, cache))
+
+    def decode_logits(self, h):
+        """Logits of the final hidden state of a split decode step (as __call__ after its layers)."""
+        return self.softcap(self.head(self.model.norm(h)))
+
+    def softcap(self, logits):
         if self.args.final_logit_softcapping is not None:
             cap = self.args.final_logit_softcapping
             logits = mx.tanh(logits / cap) * cap

@@ -165,15 +165,45 @@ class Experts(nn.Module):
 
     def __call__(self, x, indices, weights):
         # x [N, hidden]; indices [N, k] expert ids; weights [N, k] routing weights
-        xe = x[:, None, None, :]  # [N, 1, 1, hidden]: one row per (token, chosen expert)
-        gu = gather_mm(xe, self.gate_up_proj, indices)  # [N, k, 1, 2I]
-        gu = gu + self.gate_up_proj_bias[indices][:, :, None, :]
-        h = clamped_swiglu(gu, self.alpha, self.limit)  # [N, k, 1, I]
-        out = gather_mm(h, self.down_proj, indices).squeeze(-2)  # [N, k, hidden]
+        if SORT_ROWS is not None and indices.size >= SORT_ROWS and (
+                x.dtype == mx.float32 or mx.default_device() == mx.gpu):
+            out = self._sorted(x, indices)
+        else:
+            xe = x[:, None, None, :]  # [N, 1, 1, hidden]: one row per (token, chosen expert)
+            gu = gather_mm(xe, self.gate_up_proj, indices)  # [N, k, 1, 2I]
+            gu = gu + self.gate_up_proj_bias[indices][:, :, None, :]
+            h = clamped_swiglu(gu, self.alpha, self.limit)  # [N, k, 1, I]
+            out = gather_mm(h, self.down_proj, indices).squeeze(-2)  # [N, k, hidden]
         w = weights[..., None].astype(out.dtype)  # [N, k, 1]
         y = (out * w).sum(axis=1)  # [N, hidden]
         y = self.group.all_sum(y)  # partial sums of this rank's slice of each expert
         return y + (self.down_proj_bias[indices] * w).sum(axis=1)
+
+
+    def _sorted(self, x, indices):
+        """The same products with the (token, expert) rows sorted by expert, so
+        that gather_mm multiplies each expert's rows as one block
+        (`sorted_indices`: on the GPU a grouped matmul instead of one
+        matrix-vector product per row), then put back in token order.
+        [N, k, hidden]. Used only from SORT_ROWS rows (off now, see there)."""
+        N, k = indices.shape
+        flat = indices.flatten()
+        order = mx.argsort(flat)
+        ids = flat[order]
+        xs = x[order // k][:, None, :]  # [N*k, 1, hidden]
+        gu = mx.gather_mm(xs, self.gate_up_proj, rhs_indices=ids, sorted_indices=True)  # [N*k, 1, 2I]
+        gu = gu + self.gate_up_proj_bias[ids][:, None, :]
+        h = clamped_swiglu(gu, self.alpha, self.limit)
+        out = mx.gather_mm(h, self.down_proj, rhs_indices=ids, sorted_indices=True)  # [N*k, 1, hidden]
+        return out[mx.argsort(order)].reshape(N, k, -1)
+
+
+# (token, expert) rows from which the experts' products run sorted by expert
+# (mlx-lm: 64). OFF: on the H200 (MLX 0.32.4 CUDA) the sorted path made
+# prefill 1.1-1.3x mlx-lm's (was 0.09x) but changed the results (greedy ids
+# differed from the unsorted path's; bit-identical on the CPU in fp32), so it
+# stays off until that is understood (docs/benchmarks.md, 2026-11-30).
+SORT_ROWS = None
 
 
 class MoE(nn.Module):
@@ -226,6 +256,8 @@ class GptOssModel(DecoderStack):
 
 
 class Model(CausalLM):
+    split_decode = True  # decode.DecodeStep may run its layers' pre/attend/post split
+
     def __init__(self, args: ModelArgs):
         super().__init__(args, GptOssModel(args))
 

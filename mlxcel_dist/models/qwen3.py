@@ -99,5 +99,7 @@ class Qwen3Model(DecoderStack):
 
 
 class Model(CausalLM):
+    split_decode = True  # decode.DecodeStep may run its layers' pre/attend/post split
+
     def __init__(self, args: ModelArgs):
         super().__init__(args, Qwen3Model(args))
