@@ -634,6 +634,10 @@ def serve(
     top_p: Annotated[float, typer.Option("--top-p", help="Default top_p, in (0, 1] (1 = off).")] = 1.0,
     top_k: Annotated[int, typer.Option("--top-k", help="Default top_k (0 = off).")] = 0,
     min_p: Annotated[float, typer.Option("--min-p", help="Default min_p, in [0, 1] (0 = off).")] = 0.0,
+    decode_concurrency: Annotated[int, typer.Option("--decode-concurrency", help="Requests decoded together, one forward per step (as mlx-lm's server).")] = 32,
+    prompt_concurrency: Annotated[int, typer.Option("--prompt-concurrency", help="Prompts prefilled between two decode steps, at most (as mlx-lm's server).")] = 8,
+    prompt_cache_size: Annotated[int, typer.Option("--prompt-cache-size", help="Prompt cache entries (KV of earlier prompts and replies, reused by a request that starts with one; 0 = off), as mlx-lm's server.")] = 10,
+    prompt_cache_bytes: Annotated[Optional[str], typer.Option("--prompt-cache-bytes", help="Prompt cache limit in bytes per rank (e.g. 2GB, 500M; default: no limit), as mlx-lm's server.", show_default=False)] = None,
     prefill_step: PrefillStepOpt = None,
     dtype: DtypeOpt = None,
     np_: NpOpt = 1,
@@ -644,7 +648,7 @@ def serve(
     """OpenAI-compatible HTTP server (/v1/models, /v1/completions, /v1/chat/completions, /health); rank 0 listens."""
     from .engine import check_generation_options
     from .sampling import SamplingParams
-    from .server import Defaults, Service, context_limit, follower_loop
+    from .server import Defaults, Service, batchable, context_limit, follower_batch_loop, follower_loop, parse_size
     from .server import serve as run_server
     from .tokenizer import Tokenizer
 
@@ -658,17 +662,29 @@ def serve(
     if max_tokens is not None and max_tokens > max_tokens_cap:
         raise UserError(f"--max-tokens ({max_tokens}) must be <= --max-tokens-cap ({max_tokens_cap})")
     SamplingParams(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p).validate()
+    if decode_concurrency < 1:
+        raise UserError(f"--decode-concurrency must be >= 1, got {decode_concurrency}")
+    if prompt_concurrency < 1:
+        raise UserError(f"--prompt-concurrency must be >= 1, got {prompt_concurrency}")
+    if prompt_cache_size < 0:
+        raise UserError(f"--prompt-cache-size must be >= 0, got {prompt_cache_size}")
+    cache_bytes = None if prompt_cache_bytes is None else parse_size(prompt_cache_bytes, "--prompt-cache-bytes")
     defaults = Defaults(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, max_tokens=max_tokens)
     group = _distribute(ctx, np_, backend, hostfile, model)
     loaded = _load(model, dtype, group)
     tok = Tokenizer(loaded.model_dir, loaded.config)
     if not group.is_root:
-        follower_loop(loaded.model, tok, group, prefill_step)
+        if batchable(loaded.model):
+            follower_batch_loop(loaded.model, group, prefill_step, prompt_cache_size, cache_bytes)
+        else:
+            follower_loop(loaded.model, tok, group, prefill_step)
         return
     model_id = model if model is not None else loaded.model_dir.name
     svc = Service(loaded.model, tok, str(model_id), group=group, max_tokens_cap=max_tokens_cap,
                   max_request_bytes=max_request_bytes, prefill_step=prefill_step,
-                  context_length=context_limit(loaded.config), defaults=defaults)
+                  context_length=context_limit(loaded.config), defaults=defaults,
+                  decode_concurrency=decode_concurrency, prompt_concurrency=prompt_concurrency,
+                  prompt_cache_size=prompt_cache_size, prompt_cache_bytes=cache_bytes)
     run_server(svc, host, port)
 
 

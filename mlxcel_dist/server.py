@@ -2,16 +2,22 @@
 
 Rank 0 runs a ``ThreadingHTTPServer``: handler threads parse and validate each
 request, tokenize its prompt (chat template included) and put a job into one
-queue. Rank 0's main thread takes jobs one at a time (queued, never dropped)
-and hands each to every rank with collectives only (:func:`exchange`), then
-all ranks run the same :func:`engine.generate_text`; rank 0 feeds the text to
-the waiting handler (all at once, or as SSE chunks with ``stream: true``).
-Other ranks loop in :func:`exchange` waiting for the next job; a shutdown
-message (sent by rank 0 on SIGINT/SIGTERM) ends them. At np 1 no collective
-runs.
+queue. Rank 0's main thread is the batch scheduler (:meth:`Service.loop_batched`,
+described at "Batched serving" below): it admits jobs into a
+``batch.BatchEngine`` between decode steps, shares each step's changes with
+the other ranks (which run :func:`follower_batch_loop`), detokenises each row
+and feeds the waiting handler (all at once, or as SSE chunks with ``stream:
+true``). At np 1 no collective runs.
 
-The hand-off (:func:`exchange`) is two all_sums in which rank 0 contributes
-the data and every other rank zeros (x + 0 = x, exact for integers):
+Models with their own generation loop (``generate_ids``) are served one job at
+a time (:meth:`Service.loop_sequential`, :func:`follower_loop`): each job is
+handed to every rank by :func:`exchange`, then all ranks run the same
+:func:`engine.generate_text`.
+
+The hand-off encoding (:func:`encode`; :func:`exchange` sends it as two
+all_sums in which rank 0 contributes the data and every other rank zeros,
+x + 0 = x, exact for integers; the batched path puts the same encoding in its
+step payload):
 
 1. a fixed-size int32 header: magic, kind (job/shutdown), prompt length,
    stop-strings byte count, max_tokens, top_k, repetition context size, the
@@ -22,7 +28,7 @@ the data and every other rank zeros (x + 0 = x, exact for integers):
 2. an int32 payload: the prompt ids, then the UTF-8 bytes of the stop strings
    (JSON list).
 
-Shutdown during a generation: every rank must stop at the same token (the
+Shutdown during a sequential generation: every rank must stop at the same token (the
 model's collectives pair up), so rank 0 cannot simply stop. Every
 CANCEL_EVERY generated tokens all ranks schedule one one-int all_sum of rank
 0's "stopping" flag (lazily, beside the decode steps) and read the one
@@ -36,11 +42,15 @@ each other rank prints ``serve: rank N stopped`` when it gets it.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import queue
+import os
 import re
+import select
 import signal
+import socket
 import sys
 import threading
 import time
@@ -65,6 +75,22 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat's top_logprobs
 CANCEL_EVERY = 4  # tokens between two shutdown checks when there are other ranks
 SHUTDOWN_MESSAGE = "the server is shutting down"
 SHUTDOWN_WAIT_S = 10.0  # at shutdown, how long rank 0 waits for handlers still answering
+KIND_STEP = 3
+KIND_IDLE = 4
+CONTROL_INTS = 4  # magic, kind, payload length, idle milliseconds
+IDLE_AFTER_S = 0.05
+IDLE_SLEEP_S = 0.3
+IDLE_MARGIN_S = 0.02
+POLL_S = 0.25  # a waiting handler checks its client's connection this often
+# After SIGTERM: a scheduler inside one step (collectives included) for longer
+# than max(STUCK_S, STUCK_STEPS x its recent step time) is stuck (a peer has
+# died). mpirun gives a rank ~0.25 s between SIGTERM and SIGKILL, so a step
+# already that long when the signal comes is judged at once.
+STUCK_S = 0.1
+STUCK_STEPS = 4
+DEFAULT_DECODE_CONCURRENCY = 32  # mlx-lm's --decode-concurrency
+DEFAULT_PROMPT_CONCURRENCY = 8  # mlx-lm's --prompt-concurrency
+DEFAULT_PROMPT_CACHE_SIZE = 10  # mlx-lm's --prompt-cache-size
 
 
 # Requests shared by all ranks --------------------------------------------------
@@ -314,8 +340,20 @@ class Service:
 
     def __init__(self, model, tokenizer, model_id: str, group: Group = SINGLE, max_tokens_cap: int = 4096,
                  max_request_bytes: int = 1_000_000, prefill_step=None, vocab_size: int | None = None,
-                 context_length: int | None = None, defaults: Defaults | None = None):
+                 context_length: int | None = None, defaults: Defaults | None = None,
+                 decode_concurrency: int = DEFAULT_DECODE_CONCURRENCY,
+                 prompt_concurrency: int = DEFAULT_PROMPT_CONCURRENCY,
+                 prompt_cache_size: int = DEFAULT_PROMPT_CACHE_SIZE, prompt_cache_bytes: int | None = None):
         self.model = model
+        self.decode_concurrency = decode_concurrency
+        self.prompt_concurrency = prompt_concurrency
+        self.prompt_cache_size = prompt_cache_size
+        self.prompt_cache_bytes = prompt_cache_bytes
+        self.batched = batchable(model)
+        self.open_jobs: set = set()  # submitted, not answered yet (a stuck main thread fails them all)
+        self.loop_done = threading.Event()
+        self.busy_since = None  # when the scheduler entered its current step (None: between steps)
+        self.step_s = 0.0  # moving average of a step's time
         self.tok = tokenizer
         self.model_id = model_id
         self.group = group
@@ -484,8 +522,25 @@ class Service:
             if self.stopping.is_set():
                 raise BadRequest(SHUTDOWN_MESSAGE, status=503)
             job = Job(req)
+            self.open_jobs.add(job)
             self.jobs.put(job)
         return job
+
+    def closed(self, job: "Job") -> None:
+        """Its handler is done with it (answered, or the client went away)."""
+        job.cancelled.set()
+        with self.lock:
+            self.open_jobs.discard(job)
+
+    def fail_all(self, message: str, status: int) -> int:
+        """Answer every open job with an error (the main thread may be stuck
+        in a collective); returns how many."""
+        with self.lock:
+            self.stopping.set()
+            jobs, self.open_jobs = list(self.open_jobs), set()
+        for job in jobs:
+            job.events.put(("error", message, status))
+        return len(jobs)
 
     @contextmanager
     def answering(self):
@@ -504,8 +559,17 @@ class Service:
             return self.idle.wait_for(lambda: self.inflight == 0, timeout)
 
     def loop(self) -> None:
+        try:
+            if self.batched:
+                self.loop_batched()
+            else:
+                self.loop_sequential()
+        finally:
+            self.loop_done.set()
+
+    def loop_sequential(self) -> None:
         """Process jobs one at a time until stop(); then send shutdown to the
-        other ranks."""
+        other ranks (models with their own generation loop: no batching)."""
         from .engine import RanksDiverged
 
         diverged = False
@@ -554,10 +618,180 @@ class Service:
         self.stopping.set()
         self.jobs.put(None)
 
+    # -- batched (rank 0's scheduler) ----------------------------------------------
+    def loop_batched(self) -> None:
+        """Admit, step, detokenise and retire rows until stop(); every other
+        rank runs follower_batch_loop's mirror of the same engine calls."""
+        from .engine import GenStats, RankAgreement, RanksDiverged
+        from .tokenizer import StopStrings, StreamDecoder
+
+        group = self.group
+        eng = make_engine(self.model, self.prefill_step, self.prompt_cache_size, self.prompt_cache_bytes,
+                          logprobs=True)
+        self.engine = eng
+        guard = RankAgreement(group, every=0)
+        active: dict[int, Active] = {}
+        backlog: list = []  # jobs taken from the queue, not admitted yet
+        removals: list = []  # rows to free at the next step
+        outbox: list = []  # (job, event) of the last step: sent after the step's agreement verdict
+        next_rid = 0
+        idle = False  # the last sync was an IDLE note
+        idle_until = 0.0
+
+        def finish(rid, a, reason):
+            st = a.stats
+            st.finish_reason = reason
+            if reason != "stop":
+                tail = a.stopper.feed(a.decoder.flush()) + a.stopper.flush()
+                if tail:
+                    outbox.append((a.job, ("text", tail)))
+            outbox.append((a.job, ("done", st)))
+            removals.append(rid)
+            del active[rid]
+
+        def take(timeout=None) -> bool:
+            """Move queued jobs into the backlog (waiting up to `timeout` for
+            the first); False on the stop sentinel."""
+            try:
+                job = self.jobs.get(timeout=timeout) if timeout is not None else self.jobs.get_nowait()
+            except queue.Empty:
+                return True
+            while True:
+                if job is None:
+                    return False
+                backlog.append(job)
+                try:
+                    job = self.jobs.get_nowait()
+                except queue.Empty:
+                    return True
+
+        shutdown_sent = False
+        try:
+            while True:
+                take()
+                for rid in [rid for rid, a in active.items() if a.job.cancelled.is_set()]:
+                    removals.append(rid)  # the client went away: free its row now
+                    print(f"serve: client gone: row freed after {active[rid].stats.generated} of "
+                          f"{active[rid].job.req.max_tokens} tokens", file=sys.stderr, flush=True)
+                    del active[rid]
+                admissions = []
+                stopping = self.stopping.is_set()
+                if not stopping:
+                    keep = []
+                    for job in backlog:
+                        if job.cancelled.is_set():
+                            continue
+                        if job.req.max_tokens == 0:  # nothing to generate (TokenGenerator's answer)
+                            outbox.append((job, ("done", GenStats(prompt_tokens=len(job.req.prompt_ids),
+                                                                  finish_reason="length"))))
+                        elif (len(admissions) < self.prompt_concurrency
+                              and len(active) + len(admissions) < self.decode_concurrency):
+                            admissions.append((next_rid, job))
+                            next_rid = (next_rid + 1) % (1 << 30)
+                        else:
+                            keep.append(job)
+                    backlog[:] = keep
+                if stopping:
+                    kind = KIND_SHUTDOWN
+                elif active or admissions or removals or outbox:
+                    kind = KIND_STEP
+                else:  # nothing to run: wait for a request, then (other ranks) let them sleep
+                    if group.single:
+                        if not take(timeout=0.2):
+                            self.stopping.set()
+                        continue
+                    if idle:
+                        wait = idle_until - time.monotonic()
+                        if wait > 0 and not take(timeout=wait):
+                            self.stopping.set()
+                        if backlog or self.stopping.is_set() or time.monotonic() < idle_until:
+                            continue
+                    elif not take(timeout=IDLE_AFTER_S):
+                        self.stopping.set()
+                        continue
+                    elif backlog:
+                        continue
+                    kind = KIND_IDLE
+                if stopping:
+                    for a in active.values():
+                        outbox.append((a.job, ("error", SHUTDOWN_MESSAGE, 503)))
+                    for job in backlog:
+                        outbox.append((job, ("error", SHUTDOWN_MESSAGE, 503)))
+                    active.clear()
+                    backlog.clear()
+                payload = encode_changes(removals, [(rid, job.req) for rid, job in admissions]) \
+                    if kind == KIND_STEP and (removals or admissions) else np.zeros(0, np.int32)
+                idle_ms = int(IDLE_SLEEP_S * 1000) if kind == KIND_IDLE else 0
+                self.busy_since = t_step = time.monotonic()
+                sync_step(group, guard, [MAGIC, kind, len(payload), idle_ms])
+                shutdown_sent = kind == KIND_SHUTDOWN
+                for job, ev in outbox:  # the ids behind these events agree on every rank
+                    job.events.put(ev)
+                outbox.clear()
+                if kind == KIND_SHUTDOWN:
+                    return
+                idle = kind == KIND_IDLE
+                if idle:
+                    self.busy_since = None
+                    idle_until = time.monotonic() + IDLE_SLEEP_S
+                    continue
+                if len(payload):
+                    removals_, admits_ = decode_changes(group.broadcast(payload, (len(payload),)))
+                    for rid in removals_:
+                        eng.remove(rid)
+                    removals.clear()
+                    for (rid, req), (_, job) in zip(admits_, admissions):
+                        eng.add(rid, req.prompt_ids, req.sampling)
+                        if req.logprobs is not None:
+                            eng.want[rid] = req.logprobs
+                        ids = req.prompt_ids
+                        active[rid] = Active(job, StreamDecoder(self.tok, context=list(ids)[-4:]),
+                                             StopStrings(req.stop), GenStats(prompt_tokens=len(ids)),
+                                             set(self.tok.eos_ids))
+                out = eng.step()
+                self.busy_since = None
+                self.step_s = 0.9 * self.step_s + 0.1 * (time.monotonic() - t_step)
+                for rid, tok in out.items():
+                    guard._record(tok)
+                    a = active.get(rid)
+                    if a is None:  # pragma: no cover - every row belongs to an active request
+                        continue
+                    st = a.stats
+                    st.generated += 1
+                    st.tokens.append(tok)
+                    if tok in a.eos:
+                        finish(rid, a, "eos")
+                        continue
+                    if a.job.req.logprobs is not None:
+                        outbox.append((a.job, ("token", tok, eng.logprobs.get(rid))))
+                    text = a.stopper.feed(a.decoder.add(tok))
+                    if text:
+                        outbox.append((a.job, ("text", text)))
+                    if a.stopper.stopped is not None:
+                        st.stop = a.stopper.stopped
+                        finish(rid, a, "stop")
+                    elif st.generated >= a.job.req.max_tokens:
+                        finish(rid, a, "length")
+        except RanksDiverged as e:  # raised on every rank: they have all left
+            self.busy_since = None
+            self.fail_all(str(e), 500)
+            raise
+        except BaseException as e:  # the server goes down; every waiting client still gets an answer
+            self.busy_since = None
+            self.fail_all(f"generation failed: {type(e).__name__}: {e}", 500)
+            print(f"serve: rank 0 failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+            raise
+        else:
+            if not shutdown_sent:  # pragma: no cover - the loop returns after sending it
+                sync_step(group, guard, [MAGIC, KIND_SHUTDOWN, 0, 0])
+        finally:
+            self.fail_all(SHUTDOWN_MESSAGE, 503)  # whatever is still queued: answered, not dropped
+
 
 class Job:
     def __init__(self, req: GenRequest):
         self.req = req
+        self.cancelled = threading.Event()  # its client went away: the row is freed
         # ("token", id, (logprob, top)) with logprobs, ("text", s) ... then
         # ("done", stats) or ("error", message, http status)
         self.events: queue.Queue = queue.Queue()
@@ -633,6 +867,221 @@ def follower_loop(model, tok, group: Group, prefill_step=None) -> None:
             pass
         except UserError:  # refused on every rank alike (e.g. logprobs for a model with its own loop); rank 0 answers
             pass
+
+
+# Batched serving ---------------------------------------------------------------
+#
+# Rank 0's main thread is the scheduler; every rank runs `batch_loop`, the same
+# BatchEngine calls in the same order. One iteration:
+#
+# 1. one all_sum of a small int32 vector: rank 0's control header (magic, kind,
+#    payload length, idle time) plus every rank's rank-agreement row (count,
+#    checksum, last id of every id generated so far; row r from rank r), so
+#    the ids of the last step are checked on every rank at every step with no
+#    collective of their own; rank 0 sends the last step's text to the clients
+#    only after that verdict;
+# 2. only when the batch changes: a broadcast of the payload (the rows to
+#    remove, then each admitted request: its row id and the hand-off
+#    encoding of `encode`: prompt ids and bit-copied sampling values);
+# 3. removals, admissions (each prefilled alone, up to --prompt-concurrency),
+#    then one BatchEngine.step for every row (up to --decode-concurrency).
+#
+# Rank 0 detokenises each row (StreamDecoder, StopStrings, as
+# engine.generate_text) and decides when it ends (EOS, max_tokens, a stop
+# string, its client gone); the removal travels in the next step's payload, so
+# the other ranks never decide anything themselves.
+#
+# Idle: with no row and nothing queued for IDLE_AFTER_S, rank 0 sends an IDLE
+# note; the other ranks sleep IDLE_SLEEP_S - IDLE_MARGIN_S before they enter
+# the next collective (where MPI and ring spin), rank 0 enters it IDLE_SLEEP_S
+# after the note, or at once when a request comes (which then waits at most
+# IDLE_SLEEP_S for them). So an idle job spins about IDLE_MARGIN_S per
+# IDLE_SLEEP_S on each follower, and a first request after a quiet spell
+# starts at most IDLE_SLEEP_S late (0.3 s: under a typical prompt's prefill
+# plus a few tokens on a cluster; 0.02 s of margin absorbs a loaded host's
+# timer slack).
+
+
+
+def parse_size(text: str, flag: str) -> int:
+    """mlx-lm's sizes: a number with an optional M, MB, G or GB (decimal units)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([MG]B?)?\s*", text, re.IGNORECASE)
+    if not m:
+        raise UserError(f"{flag} must be a byte count like 500M or 2GB, got {text!r}")
+    unit = {"": 1, "M": 10**6, "G": 10**9}[(m.group(2) or "")[:1].upper()]
+    n = int(float(m.group(1)) * unit)
+    if n < 1:
+        raise UserError(f"{flag} must be >= 1 byte, got {text!r}")
+    return n
+
+
+def batchable(model) -> bool:
+    """Models with their own generation loop (generate_ids) are served one
+    request at a time; every other model through BatchEngine."""
+    return not callable(getattr(model, "generate_ids", None))
+
+
+def encode_changes(removals: list, admissions: list) -> np.ndarray:
+    """[n_remove, rid..., n_admit, (rid, header..., payload length, payload...)...]"""
+    parts = [np.array([len(removals), *removals], np.int32), np.array([len(admissions)], np.int32)]
+    for rid, req in admissions:
+        header, payload = encode(req)
+        parts += [np.array([rid], np.int32), header, np.array([len(payload)], np.int32), payload]
+    return np.concatenate(parts)
+
+
+def decode_changes(payload: np.ndarray) -> tuple[list, list]:
+    i = 0
+    n = int(payload[i])
+    removals = [int(x) for x in payload[i + 1 : i + 1 + n]]
+    i += 1 + n
+    admissions = []
+    for _ in range(int(payload[i])):
+        rid = int(payload[i + 1])
+        header = payload[i + 2 : i + 2 + HEADER_INTS]
+        m = int(payload[i + 2 + HEADER_INTS])
+        start = i + 3 + HEADER_INTS
+        admissions.append((rid, decode(header, payload[start : start + m])))
+        i = start + m - 1
+    return removals, admissions
+
+
+def sync_step(group: Group, guard, control=None) -> np.ndarray:
+    """Every rank: rank 0's control header (the others pass None) and the
+    rank-agreement verdict on every id generated so far, with one all_sum."""
+    import mlx.core as mx
+
+    n = group.size()
+    vec = np.zeros(CONTROL_INTS + 3 * n, np.int32)
+    if group.is_root:
+        vec[:CONTROL_INTS] = control
+    r = CONTROL_INTS + 3 * group.rank()
+    vec[r : r + 3] = [guard.count, guard.checksum, guard.last]
+    if not group.single:
+        vec = np.array(group.all_sum(mx.array(vec)))
+        guard._verdict(vec[CONTROL_INTS:].reshape(n, 3))  # RanksDiverged on every rank alike
+    if int(vec[0]) != MAGIC:
+        raise RuntimeError(f"serve: bad step header (magic {int(vec[0]):#x})")
+    return vec[:CONTROL_INTS]
+
+
+def make_engine(model, prefill_step, cache_size: int, cache_bytes: int | None, logprobs: bool = False):
+    from .batch import BatchEngine
+    from .prompt_cache import DEFAULT_MAX_BYTES, PromptCache
+
+    pc = PromptCache(cache_size, DEFAULT_MAX_BYTES if cache_bytes is None else cache_bytes) if cache_size else None
+    cls = _logprob_batch_class() if logprobs else BatchEngine
+    return cls(model, prefill_step, prompt_cache=pc)
+
+
+@functools.lru_cache(maxsize=None)
+def _logprob_batch_class():
+    from .batch import BatchEngine
+
+    class _LogprobBatch(BatchEngine):
+        """Rank 0's BatchEngine: also each requesting row's logprobs (no
+        collective: the other ranks need not compute them), with
+        TokenGenerator's definition (log-softmax after the repetition penalty,
+        before temperature and filters)."""
+
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            self.want: dict = {}  # rid -> k
+            self.logprobs: dict = {}  # rid -> (logprob, [(id, logprob), ...]) of the last step
+
+        def step(self) -> dict:
+            import mlx.core as mx
+
+            from .sampling import apply_repetition_penalty
+
+            if not self.rows:
+                return {}
+            if not self.static:
+                rows = [self.model(mx.array([[r.token]]), r.eager_cache)[0, -1] for r in self.rows]
+            else:
+                n = len(self.rows)
+                self._reserve(n, max(r.pos for r in self.rows))
+                C = self._capacity()
+                tokens = mx.array([[r.token] for r in self.rows] + [[0]] * (C - n), mx.int32)
+                logits = self._compiled(tokens) if self._compiled is not None else self._forward(tokens)
+                rows = [logits[b] for b in range(n)]
+            ids = [r.sampler.sample(x, r.context) for r, x in zip(self.rows, rows)]
+            lps = {}
+            for r, x, tok in zip(self.rows, rows, ids):
+                k = self.want.get(r.rid)
+                if k is None:
+                    continue
+                p = r.sampler.params
+                y = apply_repetition_penalty(x.reshape(-1).astype(mx.float32), r.context, p.repetition_penalty,
+                                             p.repetition_context_size, None)
+                lp = y - mx.logsumexp(y, axis=-1, keepdims=True)
+                k = min(k, lp.shape[-1])
+                top = mx.argpartition(-lp, kth=k - 1)[:k] if k else None
+                lps[r.rid] = (mx.take(lp, tok.reshape(1)), top, None if top is None else mx.take(lp, top))
+            ids = mx.stack(ids)
+            mx.eval(ids, *[x for v in lps.values() for x in v if x is not None])
+            self.logprobs = {}
+            for rid, (chosen, top, vals) in lps.items():
+                entries = []
+                if top is not None:
+                    top, vals = np.array(top), np.array(vals)
+                    entries = [(int(top[i]), float(vals[i])) for i in np.argsort(-vals, kind="stable")]
+                self.logprobs[rid] = (float(np.array(chosen)[0]), entries)
+            out = {}
+            for r, tok in zip(self.rows, np.array(ids).tolist()):
+                r.context.append(tok)
+                r.generated.append(tok)
+                r.pos += 1
+                r.token = tok
+                out[r.rid] = tok
+            return out
+
+        def remove(self, rid) -> None:
+            self.want.pop(rid, None)
+            super().remove(rid)
+
+    return _LogprobBatch
+
+
+@dataclass
+class Active:
+    """Rank 0's view of one row: its job, detokeniser, stop strings, counts."""
+
+    job: "Job"
+    decoder: object
+    stopper: object
+    stats: object
+    eos: set
+
+
+def follower_batch_loop(model, group: Group, prefill_step, cache_size: int, cache_bytes: int | None) -> None:
+    """Ranks other than 0 (batched models): the same engine calls as rank 0,
+    in the same order, until the shutdown message."""
+    from .engine import RankAgreement
+
+    for sig in (signal.SIGINT, signal.SIGTERM):  # rank 0 decides; its shutdown message ends this loop
+        try:
+            signal.signal(sig, lambda *_: None)
+        except ValueError:  # pragma: no cover - not the main thread
+            pass
+    eng = make_engine(model, prefill_step, cache_size, cache_bytes)
+    guard = RankAgreement(group, every=0)
+    while True:
+        _, kind, n, idle_ms = (int(x) for x in sync_step(group, guard))
+        if kind == KIND_SHUTDOWN:
+            print(f"serve: rank {group.rank()} stopped", file=sys.stderr, flush=True)
+            return
+        if kind == KIND_IDLE:
+            time.sleep(max(idle_ms / 1000 - IDLE_MARGIN_S, 0))
+            continue
+        if n:
+            removals, admissions = decode_changes(group.broadcast(None, (n,)))
+            for rid in removals:
+                eng.remove(rid)
+            for rid, req in admissions:
+                eng.add(rid, req.prompt_ids, req.sampling)
+        for tok in eng.step().values():
+            guard._record(tok)
 
 
 # HTTP ---------------------------------------------------------------------------
@@ -756,15 +1205,49 @@ def _make_handler(svc: Service):
                     self._error(e.status, str(e), param=e.param, code=e.code)
                     return
                 rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-                if stream:
-                    self._stream(job, rid, chat, body)
-                else:
-                    self._whole(job, rid, chat, req)
+                try:
+                    if stream:
+                        self._stream(job, rid, chat, body)
+                    else:
+                        self._whole(job, rid, chat, req)
+                finally:
+                    svc.closed(job)
+
+        _polled = 0.0
+
+        def _client_gone(self) -> bool:
+            """The client closed its connection (readable with nothing to read)."""
+            try:
+                r, _, _ = select.select([self.connection], [], [], 0)
+                return bool(r) and self.connection.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+            except BlockingIOError:
+                return False
+            except (OSError, ValueError):
+                return True
+
+        def _next_event(self, job):
+            """The job's next event; None once its client is gone (polled every
+            POLL_S while waiting): the scheduler then frees its row."""
+            while True:
+                now = time.monotonic()
+                if now - self._polled >= POLL_S:  # also while events flow (a non-stream answer writes nothing)
+                    self._polled = now
+                    if self._client_gone():
+                        job.cancelled.set()
+                        self.close_connection = True
+                        return None
+                try:
+                    return job.events.get(timeout=POLL_S)
+                except queue.Empty:
+                    pass
 
         def _whole(self, job, rid, chat, req):
             parts, entries = [], []
             while True:
-                kind, *v = job.events.get()
+                ev = self._next_event(job)
+                if ev is None:
+                    return
+                kind, *v = ev
                 if kind == "token":
                     entries.append(tuple(v))
                 elif kind == "text":
@@ -813,8 +1296,9 @@ def _make_handler(svc: Service):
                 try:
                     self.wfile.write(b"data: " + payload + b"\n\n")
                     self.wfile.flush()
-                except OSError:  # client went away: the generation still runs on every rank
+                except OSError:  # client went away: its row is freed at the next step
                     alive = False
+                    job.cancelled.set()
 
             def chunk(delta_or_text, finish=None, usage=None):
                 nonlocal offset
@@ -836,8 +1320,11 @@ def _make_handler(svc: Service):
 
             if chat:
                 chunk({"role": "assistant", "content": ""})
-            while True:
-                kind, *v = job.events.get()
+            while alive:
+                ev = self._next_event(job)
+                if ev is None:
+                    return
+                kind, *v = ev
                 if kind == "token":
                     pending.append(tuple(v))
                 elif kind == "text":
@@ -865,6 +1352,30 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
 
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.connections = 0
+        self.closed_all = threading.Condition()
+
+    def process_request(self, request, client_address):
+        with self.closed_all:
+            self.connections += 1
+        super().process_request(request, client_address)
+
+    def shutdown_request(self, request):
+        try:
+            super().shutdown_request(request)
+        finally:
+            with self.closed_all:
+                self.connections -= 1
+                self.closed_all.notify_all()
+
+    def wait_closed(self, timeout: float) -> bool:
+        """Until every connection is closed by its handler (a process that
+        exits first leaves the kernel to close it, which can reset it)."""
+        with self.closed_all:
+            return self.closed_all.wait_for(lambda: self.connections <= 0, timeout)
+
 
 def serve(svc: Service, host: str, port: int) -> None:
     """Rank 0: bind, serve in a thread, process jobs here until SIGINT/SIGTERM."""
@@ -881,6 +1392,15 @@ def serve(svc: Service, host: str, port: int) -> None:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         saved[sig] = signal.signal(sig, on_signal)
+    # The main thread may be blocked in a collective (C code) when another
+    # rank has died: Python handlers then never run. The C-level handler still
+    # writes the signal's number to the wakeup fd; this thread reads it, asks
+    # the loop to stop, and if the loop has not stopped within STUCK_S, fails
+    # every open request and ends the process.
+    rfd, wfd = os.pipe()
+    os.set_blocking(wfd, False)
+    saved_fd = signal.set_wakeup_fd(wfd, warn_on_full_buffer=False)
+    threading.Thread(target=_watch_signals, args=(svc, rfd, httpd), daemon=True).start()
     thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.2}, daemon=True)
     thread.start()
     h, p = httpd.server_address[:2]
@@ -895,8 +1415,38 @@ def serve(svc: Service, host: str, port: int) -> None:
         # every request was answered (or errored) by the loop; let the
         # handlers finish writing before the process (and its daemon threads) ends
         svc.wait_answered()
+        httpd.wait_closed(1.0)
         httpd.shutdown()
         httpd.server_close()
+        signal.set_wakeup_fd(saved_fd)
         for sig, old in saved.items():
             signal.signal(sig, old)
         print("serve: stopped", file=sys.stderr, flush=True)
+
+
+def _watch_signals(svc: Service, rfd: int, httpd: "_Server") -> None:
+    """Rank 0: see serve(). A signal's byte arrives here even while the main
+    thread sits in C code."""
+    while True:
+        try:
+            data = os.read(rfd, 64)
+        except OSError:  # pragma: no cover
+            return
+        if not data:
+            return
+        if not any(b in (signal.SIGINT, signal.SIGTERM) for b in data):
+            continue
+        svc.stop()
+        while not svc.loop_done.wait(0.01):
+            busy = svc.busy_since  # (the sequential loop of unbatched models never sets it)
+            if busy is not None and time.monotonic() - busy > max(STUCK_S, STUCK_STEPS * svc.step_s):
+                break
+        else:
+            return
+        n = svc.fail_all(f"{SHUTDOWN_MESSAGE}: the ranks did not stop (a rank has failed or is not responding)",
+                         503)
+        svc.wait_answered(1.0)
+        httpd.wait_closed(0.1)
+        print(f"serve: rank 0 stopped without the other ranks ({n} open request(s) answered with an error)",
+              file=sys.stderr, flush=True)
+        os._exit(1)

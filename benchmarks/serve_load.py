@@ -1,0 +1,219 @@
+"""Load test of OpenAI-compatible servers: `mlxcel-dist serve` (np 1, np 2)
+against `mlx_lm.server` (np 1, and np 2 under `mlx.launch --backend ring`)
+on one checkpoint.
+
+    python benchmarks/serve_load.py                      # 1 and 8 clients x 2 requests x 64 tokens
+    python benchmarks/serve_load.py --clients 1,4,16 --requests 3 --json out.json
+    python benchmarks/serve_load.py --servers ours-np1,mlx_lm-np1
+
+Without --model it writes a random-weight bf16 llama of ~25M parameters
+(hidden 512, 8 layers, 8 q / 4 KV heads of 64, MLP 1536) with the embedded
+model's tokenizer (512 tokens) under $MLXCEL_BENCH_CACHE or the system temp
+dir (reused; never committed).
+
+Per server: start it, wait until /v1/models answers, warm up (every client
+count's batch once, 8 tokens: graphs for each batch size get built), then for
+each client count N: N threads, each sending M streaming greedy
+/v1/completions requests one after another (distinct short prompts, 64
+tokens, `stream_options.include_usage`); aggregate tok/s = completion tokens
+of all requests / wall time of the round; TTFT = first text chunk; latency =
+the whole request. Servers run one after another (never two at once).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+
+LLAMA_24M = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
+                 num_key_value_heads=4, head_dim=64, vocab_size=512)
+
+
+def llama_checkpoint(seed: int = 0) -> Path:
+    import mlx.core as mx
+
+    c = LLAMA_24M
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **c, "rms_norm_eps": 1e-5,
+              "rope_theta": 10000.0, "max_position_embeddings": 4096, "tie_word_embeddings": False,
+              "torch_dtype": "bfloat16", "bos_token_id": 2, "eos_token_id": 1, "hidden_act": "silu"}
+    base = os.environ.get("MLXCEL_BENCH_CACHE") or os.path.join(tempfile.gettempdir(), "mlxcel-bench")
+    out = Path(base) / f"llama-serve-load-s{seed}"
+    if (out / "model.safetensors").exists() and json.loads((out / "config.json").read_text()) == config:
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    h, i, L, V = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"], c["vocab_size"]
+    q, kv = c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
+    shapes = {"model.embed_tokens.weight": (V, h), "model.norm.weight": (h,), "lm_head.weight": (V, h)}
+    for n in range(L):
+        p = f"model.layers.{n}."
+        shapes.update({p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+                       p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
+                       p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
+                       p + "mlp.down_proj.weight": (h, i), p + "input_layernorm.weight": (h,),
+                       p + "post_attention_layernorm.weight": (h,)})
+    key = mx.random.key(seed)
+    weights = {}
+    for name, shape in shapes.items():
+        if len(shape) == 1:
+            weights[name] = mx.ones(shape, dtype=mx.bfloat16)
+        else:
+            key, sub = mx.random.split(key)
+            weights[name] = (mx.random.normal(shape, key=sub) * 0.02).astype(mx.bfloat16)
+    mx.eval(weights)
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "pt"})
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(ROOT / "models" / "gemma3-tiny" / f, out / f)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    print(f"wrote {out} ({sum(math.prod(s) for s in shapes.values()) / 1e6:.1f}M parameters)", file=sys.stderr)
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_cmd(name: str, model: Path, port: int) -> list[str]:
+    ours = [sys.executable, "-m", "mlxcel_dist.cli", "serve", str(model), "--port", str(port)]
+    mlx_lm = [str(BIN / "mlx_lm.server"), "--model", str(model), "--port", str(port)]
+    return {
+        "ours-np1": ours,
+        "ours-np2": ours + ["--np", "2"],
+        "mlx_lm-np1": mlx_lm,
+        "mlx_lm-np2": [str(BIN / "mlx.launch"), "--backend", "ring", "-n", "2", *mlx_lm],
+    }[name]
+
+
+def post_stream(base: str, body: dict) -> tuple[int, float, float]:
+    """(completion tokens, ttft s, latency s) of one streaming request."""
+    data = json.dumps({**body, "stream": True, "stream_options": {"include_usage": True}}).encode()
+    req = urllib.request.Request(base + "/v1/completions", data=data, headers={"Content-Type": "application/json"})
+    t0 = time.perf_counter()
+    ttft, tokens, chunks = None, None, 0
+    with urllib.request.urlopen(req, timeout=600) as r:
+        for line in r:
+            line = line.strip()
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            d = json.loads(line[6:])
+            if d.get("usage"):
+                tokens = d["usage"]["completion_tokens"]
+            for c in d.get("choices") or []:
+                if c.get("text"):
+                    chunks += 1
+                    if ttft is None:
+                        ttft = time.perf_counter() - t0
+    return (chunks if tokens is None else tokens), (ttft or 0.0), time.perf_counter() - t0
+
+
+def run_round(base: str, clients: int, requests: int, tokens: int, tag: str) -> dict:
+    results, errors = [], []
+
+    def client(c):
+        for r in range(requests):
+            try:
+                results.append(post_stream(base, {"prompt": f"{tag} client {c} request {r}: the",
+                                                  "max_tokens": tokens, "temperature": 0}))
+            except Exception as e:  # noqa: BLE001 - reported
+                errors.append(repr(e))
+
+    threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    if errors:
+        raise RuntimeError(f"{len(errors)} request(s) failed: {errors[0]}")
+    toks = sum(r[0] for r in results)
+    ttfts = sorted(r[1] for r in results)
+    lats = sorted(r[2] for r in results)
+
+    def pct(xs, p):
+        return xs[min(len(xs) - 1, int(round(p * (len(xs) - 1))))]
+
+    return {"clients": clients, "requests": len(results), "tokens": toks, "wall_s": wall, "tok_s": toks / wall,
+            "ttft_p50": statistics.median(ttfts), "ttft_p95": pct(ttfts, 0.95),
+            "lat_p50": statistics.median(lats), "lat_p95": pct(lats, 0.95)}
+
+
+def bench_server(name: str, model: Path, clients: list[int], requests: int, tokens: int, log_dir: Path) -> list:
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    log = open(log_dir / f"{name}.log", "w+")
+    proc = subprocess.Popen(server_cmd(name, model, port), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                log.seek(0)
+                raise RuntimeError(f"{name} did not start:\n{log.read()[-2000:]}")
+            try:
+                with urllib.request.urlopen(base + "/v1/models", timeout=2):
+                    break
+            except OSError:
+                time.sleep(0.3)
+        for n in sorted(set(clients)):  # warm-up: each batch size once
+            run_round(base, n, 1, 8, "warm-up")
+        return [{"server": name, **run_round(base, n, requests, tokens, "timed")} for n in clients]
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        log.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", help="checkpoint directory (default: the random bf16 llama, ~25M)")
+    ap.add_argument("--clients", default="1,8", help="comma-separated client counts")
+    ap.add_argument("--requests", type=int, default=2, help="requests per client, one after another")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--servers", default="mlx_lm-np1,ours-np1,mlx_lm-np2,ours-np2")
+    ap.add_argument("--json", help="also write the rows here")
+    args = ap.parse_args()
+    model = Path(args.model) if args.model else llama_checkpoint()
+    clients = [int(x) for x in args.clients.split(",")]
+    log_dir = Path(tempfile.mkdtemp(prefix="serve-load-"))
+    rows = []
+    for name in args.servers.split(","):
+        try:
+            got = bench_server(name, model, clients, args.requests, args.tokens, log_dir)
+        except RuntimeError as e:
+            print(f"{name}: {e}", file=sys.stderr)
+            continue
+        rows += got
+        for r in got:
+            print(f"{r['server']:>11} {r['clients']:>3} clients: {r['tok_s']:7.1f} tok/s  TTFT p50 "
+                  f"{r['ttft_p50']:.3f}s p95 {r['ttft_p95']:.3f}s  latency p50 {r['lat_p50']:.2f}s "
+                  f"p95 {r['lat_p95']:.2f}s  ({r['requests']} requests, {r['tokens']} tokens)", flush=True)
+    print(f"logs: {log_dir}", file=sys.stderr)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()
