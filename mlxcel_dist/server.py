@@ -78,16 +78,20 @@ SHUTDOWN_WAIT_S = 10.0  # at shutdown, how long rank 0 waits for handlers still 
 KIND_STEP = 3
 KIND_IDLE = 4
 CONTROL_INTS = 4  # magic, kind, payload length, idle milliseconds
-IDLE_AFTER_S = 0.05
+IDLE_AFTER_S = 0.5  # a client's next request usually comes sooner: no idle delay between back-to-back requests
 IDLE_SLEEP_S = 0.3
 IDLE_MARGIN_S = 0.02
 POLL_S = 0.25  # a waiting handler checks its client's connection this often
-# After SIGTERM: a scheduler inside one step (collectives included) for longer
-# than max(STUCK_S, STUCK_STEPS x its recent step time) is stuck (a peer has
-# died). mpirun gives a rank ~0.25 s between SIGTERM and SIGKILL, so a step
-# already that long when the signal comes is judged at once.
+# After SIGTERM, the scheduler is judged stuck in a collective of a dead rank
+# when its current step (collectives included; admissions' prefills excepted)
+# had already run max(STUCK_S, STUCK_STEPS x its recent step time) when the
+# signal came (mpirun sends SIGTERM ~0.25 s after a rank dies and SIGKILL
+# ~0.25 s later: this must be quick), or runs on for max(STUCK_LATE_S,
+# 10 x STUCK_STEPS x the step time) after it (a slow but live step on a
+# loaded host must not be cut).
 STUCK_S = 0.1
 STUCK_STEPS = 4
+STUCK_LATE_S = 1.0
 DEFAULT_DECODE_CONCURRENCY = 32  # mlx-lm's --decode-concurrency
 DEFAULT_PROMPT_CONCURRENCY = 8  # mlx-lm's --prompt-concurrency
 DEFAULT_PROMPT_CACHE_SIZE = 10  # mlx-lm's --prompt-cache-size
@@ -680,6 +684,8 @@ class Service:
                     keep = []
                     for job in backlog:
                         if job.cancelled.is_set():
+                            print("serve: client gone: request dropped before it took a row", file=sys.stderr,
+                                  flush=True)
                             continue
                         if job.req.max_tokens == 0:  # nothing to generate (TokenGenerator's answer)
                             outbox.append((job, ("done", GenStats(prompt_tokens=len(job.req.prompt_ids),
@@ -740,6 +746,7 @@ class Service:
                     for rid in removals_:
                         eng.remove(rid)
                     removals.clear()
+                    self.busy_since = None  # prefills: as long as their prompts (never judged stuck)
                     for (rid, req), (_, job) in zip(admits_, admissions):
                         eng.add(rid, req.prompt_ids, req.sampling)
                         if req.logprobs is not None:
@@ -748,6 +755,9 @@ class Service:
                         active[rid] = Active(job, StreamDecoder(self.tok, context=list(ids)[-4:]),
                                              StopStrings(req.stop), GenStats(prompt_tokens=len(ids)),
                                              set(self.tok.eos_ids))
+                if admissions:
+                    t_step = time.monotonic()
+                self.busy_since = t_step
                 out = eng.step()
                 self.busy_since = None
                 self.step_s = 0.9 * self.step_s + 0.1 * (time.monotonic() - t_step)
@@ -891,7 +901,7 @@ def follower_loop(model, tok, group: Group, prefill_step=None) -> None:
 # string, its client gone); the removal travels in the next step's payload, so
 # the other ranks never decide anything themselves.
 #
-# Idle: with no row and nothing queued for IDLE_AFTER_S, rank 0 sends an IDLE
+# Idle: with no row and nothing queued for IDLE_AFTER_S (0.5 s), rank 0 sends an IDLE
 # note; the other ranks sleep IDLE_SLEEP_S - IDLE_MARGIN_S before they enter
 # the next collective (where MPI and ring spin), rank 0 enters it IDLE_SLEEP_S
 # after the note, or at once when a request comes (which then waits at most
@@ -1351,6 +1361,7 @@ def _make_handler(svc: Service):
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
+    request_queue_size = 128  # listen backlog (socketserver's 5 resets clients that connect at once)
 
     def __init__(self, *a, **kw):
         super().__init__(*a, **kw)
@@ -1436,15 +1447,20 @@ def _watch_signals(svc: Service, rfd: int, httpd: "_Server") -> None:
             return
         if not any(b in (signal.SIGINT, signal.SIGTERM) for b in data):
             continue
+        busy = svc.busy_since  # (the sequential loop of unbatched models never sets it)
         svc.stop()
-        while not svc.loop_done.wait(0.01):
-            busy = svc.busy_since  # (the sequential loop of unbatched models never sets it)
-            if busy is not None and time.monotonic() - busy > max(STUCK_S, STUCK_STEPS * svc.step_s):
-                break
-        else:
+        now = time.monotonic()
+        stuck = busy is not None and now - busy > max(STUCK_S, STUCK_STEPS * svc.step_s)
+        while not stuck and not svc.loop_done.wait(0.01):
+            busy = svc.busy_since
+            stuck = busy is not None and time.monotonic() - max(busy, now) > max(STUCK_LATE_S,
+                                                                                 10 * STUCK_STEPS * svc.step_s)
+        if not stuck:
             return
         n = svc.fail_all(f"{SHUTDOWN_MESSAGE}: the ranks did not stop (a rank has failed or is not responding)",
                          503)
+        if svc.loop_done.wait(STUCK_LATE_S):  # only slow after all: the main thread ends the job as usual
+            return
         svc.wait_answered(1.0)
         httpd.wait_closed(0.1)
         print(f"serve: rank 0 stopped without the other ranks ({n} open request(s) answered with an error)",

@@ -775,8 +775,10 @@ def test_disconnect_frees_the_row(model_dir, np_, tmp_path):
         time.sleep(1.0)
         sock.close()
         assert s.json("/v1/completions", {**GREEDY, "max_tokens": 3})["choices"][0]["text"]
-        freed = _freed_rows(s.output())
-        assert len(freed) == 2 and all(n < total for n, total in freed), s.output()
+        out = s.output()
+        freed = _freed_rows(out)  # (a request whose client left before it was admitted takes no row)
+        assert len(freed) + out.count("request dropped before it took a row") == 2, out
+        assert all(n < total for n, total in freed), out
     finally:
         s.stop()
 
@@ -796,7 +798,7 @@ def _cpu_seconds(pids) -> float:
 def test_idle_job_sleeps(server2):
     """The whole np 2 job (launcher, mpirun, both ranks) idle: under 10% of a core."""
     assert server2.json("/v1/completions", {**GREEDY, "max_tokens": 2})["choices"][0]["text"]
-    time.sleep(1.0)  # past the idle hand-over
+    time.sleep(1.5)  # past the idle hand-over (IDLE_AFTER_S)
     family = [server2.proc.pid] + descendants(server2.proc.pid)
     t0, c0 = time.monotonic(), _cpu_seconds(family)
     time.sleep(5.0)
@@ -847,7 +849,7 @@ def test_rank_killed_during_16_streams(model_dir, victim, backend, tmp_path):
             ends[i] = ("http", e.code, time.monotonic())
             return
         except (OSError, http.client.HTTPException) as e:  # the connection went away
-            ends[i] = ("closed", repr(e), time.monotonic())
+            ends[i] = ("closed", repr(e), time.monotonic(), lines[-3:])
             return
         finally:
             if len(lines) < 3:
@@ -876,8 +878,8 @@ def test_rank_killed_during_16_streams(model_dir, victim, backend, tmp_path):
     for e in ends:
         if victim == 0:
             assert e[0] in ("closed", "events"), e
-            if e[0] == "events":  # a stream cut off before its end: no [DONE]
-                assert e[1][-1] != "data: [DONE]", e
+            if e[0] == "events" and e[1][-1] == "data: [DONE]":  # a stream that had ended before (EOS)
+                assert json.loads(e[1][0][len("data: "):])["choices"][0]["finish_reason"] == "stop", e
         elif e[0] == "events":  # an error chunk and [DONE] (or a stream that had ended before: EOS)
             last = json.loads(e[1][0][len("data: "):])
             assert e[1][-1] == "data: [DONE]", e
