@@ -17,7 +17,10 @@ each client count N: N threads, each sending M streaming greedy
 /v1/completions requests one after another (distinct short prompts, 64
 tokens, `stream_options.include_usage`); aggregate tok/s = completion tokens
 of all requests / wall time of the round; TTFT = first text chunk; latency =
-the whole request. Servers run one after another (never two at once).
+the whole request; a connection reset before any answer (mlx_lm.server's
+listen backlog of 5 overflows at 16 clients) is retried and counted, its wait
+included. Servers run one after another (never two at once); `loadavg` is
+printed before each so that a loaded machine shows.
 """
 
 from __future__ import annotations
@@ -101,13 +104,27 @@ def server_cmd(name: str, model: Path, port: int) -> list[str]:
     }[name]
 
 
+RETRIES = []  # connections reset before any answer (a full listen backlog), retried
+
+
+def _open(req, attempts: int = 20):
+    for i in range(attempts):
+        try:
+            return urllib.request.urlopen(req, timeout=600)
+        except ConnectionResetError:
+            if i == attempts - 1:
+                raise
+            RETRIES.append(1)
+            time.sleep(0.05 * (i + 1))
+
+
 def post_stream(base: str, body: dict) -> tuple[int, float, float]:
     """(completion tokens, ttft s, latency s) of one streaming request."""
     data = json.dumps({**body, "stream": True, "stream_options": {"include_usage": True}}).encode()
     req = urllib.request.Request(base + "/v1/completions", data=data, headers={"Content-Type": "application/json"})
     t0 = time.perf_counter()
     ttft, tokens, chunks = None, None, 0
-    with urllib.request.urlopen(req, timeout=600) as r:
+    with _open(req) as r:
         for line in r:
             line = line.strip()
             if not line.startswith(b"data: ") or line == b"data: [DONE]":
@@ -150,7 +167,10 @@ def run_round(base: str, clients: int, requests: int, tokens: int, tag: str) -> 
     def pct(xs, p):
         return xs[min(len(xs) - 1, int(round(p * (len(xs) - 1))))]
 
+    retries = len(RETRIES)
+    RETRIES.clear()
     return {"clients": clients, "requests": len(results), "tokens": toks, "wall_s": wall, "tok_s": toks / wall,
+            "connect_retries": retries,
             "ttft_p50": statistics.median(ttfts), "ttft_p95": pct(ttfts, 0.95),
             "lat_p50": statistics.median(lats), "lat_p95": pct(lats, 0.95)}
 
@@ -200,6 +220,7 @@ def main() -> None:
     log_dir = Path(tempfile.mkdtemp(prefix="serve-load-"))
     rows = []
     for name in args.servers.split(","):
+        print(f"{name}: loadavg {open('/proc/loadavg').read().split()[:3]}", file=sys.stderr, flush=True)
         try:
             got = bench_server(name, model, clients, args.requests, args.tokens, log_dir)
         except RuntimeError as e:
@@ -209,7 +230,8 @@ def main() -> None:
         for r in got:
             print(f"{r['server']:>11} {r['clients']:>3} clients: {r['tok_s']:7.1f} tok/s  TTFT p50 "
                   f"{r['ttft_p50']:.3f}s p95 {r['ttft_p95']:.3f}s  latency p50 {r['lat_p50']:.2f}s "
-                  f"p95 {r['lat_p95']:.2f}s  ({r['requests']} requests, {r['tokens']} tokens)", flush=True)
+                  f"p95 {r['lat_p95']:.2f}s  ({r['requests']} requests, {r['tokens']} tokens, "
+                  f"{r['connect_retries']} connections reset and retried)", flush=True)
     print(f"logs: {log_dir}", file=sys.stderr)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
