@@ -145,6 +145,11 @@ class RankAgreement:
         self.last = -1
         self.checked = 0  # count at the last check
         self.checks = 0
+        # pending_rows' running (count, checksum) on the device, lazy int64 [2],
+        # and the host count it stands for (None: not made yet)
+        self._dev = None
+        self._dev_at = None
+        self._consts = None  # (1, MUL, MOD, this rank's row mask [size, 1], zeros [size, 3]) as arrays
 
     def _record(self, tok_id: int) -> None:
         self.count += 1
@@ -184,14 +189,33 @@ class RankAgreement:
         """The lazy all_sum of the check the next id `tok` (a lazy int32
         scalar, not read yet) triggers: row r = rank r's (count, checksum, last
         id) after it. None when no check is due or with one rank (no
-        collective; `commit` then checks on the host, as `add`)."""
-        if self.group.single or not self.due():
+        collective; `commit` then checks on the host, as `add`).
+
+        The count and checksum are carried on the device from token to token
+        (a lazy int64 [2], advanced from `tok` here), so no array is made from
+        host data per token: on MLX's CUDA backend such an array cost about 4
+        ms per token at np 2 on two H200s (docs/benchmarks.md, "np 2
+        timeline"). Call it once per generated id, before its `commit`."""
+        if self.group.single or not self.every:
             return None
+        due = self.due()
+        if self._consts is None:  # made once (Python scalars in ops would be arrays from host data too)
+            n = self.group.size()
+            mine = mx.arange(n) == mx.array(self.group.rank())
+            self._consts = (mx.array(1, mx.int64), mx.array(self.MUL, mx.int64), mx.array(self.MOD, mx.int64),
+                            mine[:, None], mx.zeros((n, 3), mx.int32))
+        one, mul, mod, mine, zeros = self._consts
         t = tok.reshape(1).astype(mx.int64)
-        # (checksum * MUL + tok + 1) % MOD, with the host part folded first: < 2^32, exact in int64.
-        base = mx.array([(self.checksum * self.MUL + 1) % self.MOD], mx.int64)
-        row = mx.concatenate([mx.array([self.count + 1], mx.int64), (base + t) % self.MOD, t]).astype(mx.int32)
-        return self.group.gather_rows_lazy(row)
+        if self._dev_at != self.count:  # first use (or ids recorded by `add` since): from the host record
+            self._dev = (mx.zeros((2,), mx.int64) if self.count == 0
+                         else mx.array([self.count, self.checksum], mx.int64))
+        # (checksum * MUL + tok + 1) % MOD: < 2^51 before the modulo, exact in int64
+        self._dev = mx.concatenate([self._dev[:1] + one, (self._dev[1:] * mul + t + one) % mod])
+        self._dev_at = self.count + 1
+        if not due:
+            return None
+        row = mx.concatenate([self._dev, t]).astype(mx.int32)
+        return self.group.all_sum(mx.where(mine, row[None], zeros))  # Group.gather_rows_lazy, from the cached parts
 
     def commit(self, tok_id: int, rows=None) -> None:
         """Record an id read from the device; `rows` is its `pending_rows`

@@ -1,0 +1,376 @@
+"""Where np 2's per-token time goes: decode, warm prefill and a per-step timeline.
+
+    python benchmarks/tp_timeline.py --np 1                      # one GPU, no launcher
+    python benchmarks/tp_timeline.py --np 2 --backend nccl       # two GPUs (ranks via the launcher)
+    MLX_USE_CUDA_GRAPHS=0 python benchmarks/tp_timeline.py --np 2 --backend nccl --quick
+
+A gemma3-12b-shaped bf16 model (gpu_compare.GEMMA3_12B, or --layers N of it)
+with random weights is built in memory on every rank and sharded there (each
+rank draws the same values for its shard's shape: timing only, the ranks
+agree on every id). Each rank writes one JSON object to --out-dir/rankR.json:
+
+- prefill_tok_s: warm prefills of --prompt tokens (TokenGenerator, 1 token);
+- decode_tok_s[ce]: TokenGenerator decode of --gen tokens with --check-every
+  ce, ce = 1 and 0 alternated (--rounds each);
+- steps: a DecodeStep on a --prompt-token cache, --steps steps per mode:
+  * build_ms: host time to build one step (Python, lazy),
+  * encode_ms: host time in mx.async_eval (MLX encodes and launches the
+    kernels and collectives of the step: CUDA graph build, NCCL capture),
+  * wait_ms: then until the step's logits are ready (mx.eval),
+  * t0/t_enc/t_done: wall-clock ns (time.time_ns: one clock for all ranks of
+    one host) of each step's start, end of encode and end of wait: rank skew;
+  * chained_ms: --steps steps built as one lazy chain (each fed the argmax of
+    the last) and evaluated once: the device's time per step with no host
+    sync between steps;
+  * segments: the split step with a host sync (mx.eval) after every compiled
+    segment and every attention call: per-piece wall time (launch + run +
+    sync), medians over steps, and the same pieces' encode-only time;
+- the same step modes with every collective replaced by a local stand-in
+  (all_sum -> x, all_gather -> x repeated): "nocoll" (numbers wrong, shapes
+  and every other kernel the same): the difference is what the collectives cost;
+- and with the whole-graph (unsplit, masked) step: "whole".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def _median(xs):
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if xs else None
+
+
+def build(cfg, group):
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from mlxcel_dist.loader import build_model
+
+    model = build_model(cfg)
+    if not group.single:
+        model.shard(group)
+    params = tree_flatten(model.parameters())
+    keys = mx.random.split(mx.random.key(0), len(params))
+    new = []
+    for i, (name, p) in enumerate(params):
+        new.append((name, (0.02 * mx.random.normal(p.shape, key=keys[i])).astype(mx.bfloat16)))
+        if i % 16 == 0:
+            mx.eval([x for _, x in new[-16:]])
+    model.load_weights(new)
+    mx.eval(model.parameters())
+    model.eval()
+    return model
+
+
+def step_modes(model, prompt, steps: int, split: bool, segments: bool) -> dict:
+    import mlx.core as mx
+
+    from mlxcel_dist.decode import DecodeStep
+
+    cache = model.make_cache()
+    for i in range(0, len(prompt) - 1, 2048):
+        model(mx.array(prompt[i : min(i + 2048, len(prompt) - 1)])[None], cache)
+        mx.eval([c.state for c in cache])
+    d = DecodeStep(model)
+    d.split = split and d.split
+    d.start(cache, len(prompt) - 1)
+    y = mx.array([[prompt[-1]]])
+    for _ in range(3):
+        mx.eval(d(y))  # trace, kernels
+    out = {"split": d.split}
+    b, e, w, t0, te, td = [], [], [], [], [], []
+    for _ in range(steps):
+        a0, n0 = time.perf_counter(), time.time_ns()
+        logits = d(y)
+        a1 = time.perf_counter()
+        mx.async_eval(logits)
+        a2, n2 = time.perf_counter(), time.time_ns()
+        mx.eval(logits)
+        a3, n3 = time.perf_counter(), time.time_ns()
+        b.append(a1 - a0), e.append(a2 - a1), w.append(a3 - a2), t0.append(n0), te.append(n2), td.append(n3)
+    out.update(build_ms=1e3 * _median(b), encode_ms=1e3 * _median(e), wait_ms=1e3 * _median(w),
+               synced_ms=1e3 * _median([x + y_ + z for x, y_, z in zip(b, e, w)]), t0=t0, t_enc=te, t_done=td)
+    # chained: one eval for all steps
+    mx.synchronize()
+    t = time.perf_counter()
+    tok = y
+    for _ in range(steps):
+        tok = mx.argmax(d(tok), axis=-1).astype(mx.int32).reshape(1, 1)
+    tb = time.perf_counter()
+    mx.eval(tok)
+    out["chained_ms"] = 1e3 * (time.perf_counter() - t) / steps
+    out["chained_build_ms"] = 1e3 * (tb - t) / steps
+    if segments and d.split:
+        out["segments"] = _segment_times(d, y, max(3, steps // 4))
+    d.release()
+    return out
+
+
+def _segment_times(d, y, steps: int) -> dict:
+    """The split step, piece by piece: encode-only (async_eval per piece, one
+    wait at the end) and synced (mx.eval per piece)."""
+    import mlx.core as mx
+
+    res = {}
+    for mode in ("encode", "synced"):
+        seg_t, att_t, total = [], [], []
+        for _ in range(steps):
+            d._reserve()
+            d.pos += 1
+            segs, s, layers = d._segments, d.state, d.model.layers
+            pos, p = s["pos"], d.pos - 1
+            st, at = [], []
+            t_start = time.perf_counter()
+            carry = (y,)
+            for i, layer in enumerate(layers):
+                t = time.perf_counter()
+                x, q, k, v = segs[i](*carry, pos, s[f"k{i}"], s[f"v{i}"])
+                (mx.async_eval if mode == "encode" else mx.eval)(x, q, k, v)
+                st.append(time.perf_counter() - t)
+                s[f"k{i}"], s[f"v{i}"] = k, v
+                m = min(p + 1, k.shape[2])
+                t = time.perf_counter()
+                o = layer.self_attn.attend(q, k[..., :m, :], v[..., :m, :])
+                (mx.async_eval if mode == "encode" else mx.eval)(o)
+                at.append(time.perf_counter() - t)
+                carry = (x, o)
+            t = time.perf_counter()
+            logits, s["pos"] = segs[-1](*carry, pos)
+            (mx.async_eval if mode == "encode" else mx.eval)(logits, s["pos"])
+            st.append(time.perf_counter() - t)
+            mx.eval(logits)
+            total.append(time.perf_counter() - t_start)
+            seg_t.append(st), att_t.append(at)
+        n = len(seg_t[0])
+        seg_med = [1e3 * _median([r[i] for r in seg_t]) for i in range(n)]
+        att_med = [1e3 * _median([r[i] for r in att_t]) for i in range(n - 1)]
+        res[mode] = {"total_ms": 1e3 * _median(total), "segments_sum_ms": sum(seg_med),
+                     "attention_sum_ms": sum(att_med), "segment_ms": [round(v, 4) for v in seg_med],
+                     "attention_ms": [round(v, 4) for v in att_med]}
+    return res
+
+
+def guard_cost(group, steps: int) -> dict:
+    """The agreement check alone, as the decode loop runs it: its lazy all_sum
+    on a ready id, async_eval (encode), then the host read (wait)."""
+    import mlx.core as mx
+    import numpy as np
+
+    from mlxcel_dist.engine import RankAgreement
+
+    g = RankAgreement(group, 1)
+    y = mx.array(5, mx.int32)
+    mx.eval(y)
+    e, w = [], []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        rows = g.pending_rows(y)
+        packed = mx.concatenate([y.reshape(1), rows.reshape(-1)])
+        mx.async_eval(packed)
+        t1 = time.perf_counter()
+        got = np.array(packed)
+        t2 = time.perf_counter()
+        g.commit(5, got[1:].reshape(-1, 3))
+        e.append(t1 - t0), w.append(t2 - t1)
+    return {"encode_ms": 1e3 * _median(e), "wait_ms": 1e3 * _median(w)}
+
+
+def old_pending_rows(self, tok):
+    """RankAgreement.pending_rows before the device-resident state (commit
+    bc14032): two int64 arrays made from host data per token."""
+    import mlx.core as mx
+
+    if self.group.single or not self.due():
+        return None
+    t = tok.reshape(1).astype(mx.int64)
+    base = mx.array([(self.checksum * self.MUL + 1) % self.MOD], mx.int64)
+    row = mx.concatenate([mx.array([self.count + 1], mx.int64), (base + t) % self.MOD, t]).astype(mx.int32)
+    return self.group.gather_rows_lazy(row)
+
+
+def guard_ab(model, prompt, gen, group, rounds, out):
+    """Decode tok/s with the agreement check off (ce 0), as before (old) and
+    as now (new), alternated."""
+    from mlxcel_dist.engine import RankAgreement, TokenGenerator
+
+    new = RankAgreement.pending_rows
+    res = {"ce0": [], "old": [], "new": []}
+    order = ["ce0", "old", "new"]
+    for r in range(rounds):
+        for v in order[r % 3:] + order[: r % 3]:
+            RankAgreement.pending_rows = old_pending_rows if v == "old" else new
+            group.barrier()
+            g = TokenGenerator(model, prompt, gen, group=group, check_every=0 if v == "ce0" else 1)
+            list(g)
+            res[v].append(round(g.finish().decode_tok_s, 2))
+    RankAgreement.pending_rows = new
+    out["guard_ab"] = res
+
+
+def host_array_stall(reps: int = 5) -> dict:
+    """Host time to make a tiny array from host data (and to async_eval an op
+    on it) while the GPU is busy with ~50 ms of queued matmuls, against idle."""
+    import mlx.core as mx
+
+    n = 8192 if mx.default_device() == mx.gpu else 256  # the CPU smoke run: small
+    w = (mx.random.normal((n, n)) / n**0.5).astype(mx.bfloat16)
+    mx.eval(w)
+    res = {}
+    for busy in (False, True):
+        mk, ev = [], []
+        for _ in range(reps):
+            if busy:
+                x = w
+                for _ in range(40):
+                    x = x @ w
+                mx.async_eval(x)
+            t0 = time.perf_counter()
+            a = mx.array([7, 8], mx.int64)
+            t1 = time.perf_counter()
+            mx.async_eval(a + 1)
+            t2 = time.perf_counter()
+            mx.synchronize()
+            mk.append(t1 - t0), ev.append(t2 - t1)
+        res["busy" if busy else "idle"] = {"make_ms": 1e3 * _median(mk), "async_eval_ms": 1e3 * _median(ev)}
+    return res
+
+
+def no_collectives(size: int) -> None:
+    import mlx.core as mx
+
+    mx.distributed.all_sum = lambda x, *a, **k: x
+    mx.distributed.all_gather = lambda x, *a, **k: mx.concatenate([x] * size, axis=0)
+
+
+def decode_rounds(model, prompt, gen, group, rounds, out):
+    import mlx.core as mx
+
+    from mlxcel_dist.engine import TokenGenerator
+
+    dec = {"1": [], "0": []}
+    checks = {}
+    for r in range(rounds):
+        for ce in (1, 0) if r % 2 == 0 else (0, 1):
+            group.barrier()
+            g = TokenGenerator(model, prompt, gen, group=group, check_every=ce)
+            list(g)
+            s = g.finish()
+            dec[str(ce)].append(round(s.decode_tok_s, 2))
+            checks[str(ce)] = s.checks
+    out["decode_tok_s"] = dec
+    out["checks"] = checks
+
+
+def worker(a) -> None:
+    import mlx.core as mx
+
+    from gpu_compare import GEMMA3_12B, SMALL, config
+    from mlxcel_dist.collectives import SINGLE
+    from mlxcel_dist.distributed import init_from_env
+    from mlxcel_dist.engine import TokenGenerator
+
+    group = init_from_env() if a.np > 1 else SINGLE
+    shape = dict(SMALL if a.small else GEMMA3_12B)
+    if a.layers:
+        shape["num_hidden_layers"] = a.layers
+    cfg = config(shape)
+    t = time.perf_counter()
+    model = build(cfg, group)
+    out = {"np": group.size(), "rank": group.rank(), "layers": shape["num_hidden_layers"],
+           "env": {k: v for k, v in os.environ.items() if k.startswith(("MLX_", "NCCL_"))},
+           "mlx": mx.__version__, "build_s": round(time.perf_counter() - t, 1),
+           "weights_gb": round(mx.get_active_memory() / 1e9, 2)}
+    prompt = mx.random.randint(0, cfg["vocab_size"], (a.prompt,), key=mx.random.key(1)).tolist()
+    t = time.perf_counter()
+    g = TokenGenerator(model, prompt, 4, group=group)  # warm-up: kernels compile, traces
+    list(g)
+    g.finish()
+    out["warmup_s"] = round(time.perf_counter() - t, 1)
+    if a.guard_ab:
+        out["stall"] = host_array_stall()
+        guard_ab(model, prompt, a.gen, group, a.rounds, out)
+        _write(a, group, out)
+        return
+    if not a.quick:
+        pre = []
+        for _ in range(a.rounds):
+            group.barrier()
+            g = TokenGenerator(model, prompt, 1, group=group)
+            list(g)
+            s = g.finish()
+            pre.append(round(s.prefill_tok_s))
+        out["prefill_tok_s"] = pre
+    decode_rounds(model, prompt, a.gen, group, a.rounds, out)
+    group.barrier()
+    out["split"] = step_modes(model, prompt, a.steps, True, True)
+    if not a.quick:
+        group.barrier()
+        out["whole"] = step_modes(model, prompt, a.steps, False, False)
+    if group.size() > 1:
+        group.barrier()
+        out["guard"] = guard_cost(group, a.steps)
+        group.barrier()
+        no_collectives(group.size())
+        model.decode_step = None
+        out["nocoll"] = step_modes(model, prompt, a.steps, True, not a.quick)
+    _write(a, group, out)
+
+
+def _write(a, group, out) -> None:
+    import mlx.core as mx
+
+    out["peak_gb"] = round(mx.get_peak_memory() / 1e9, 2)
+    Path(a.out_dir).mkdir(parents=True, exist_ok=True)
+    tag = a.tag or f"np{group.size()}"
+    (Path(a.out_dir) / f"{tag}-rank{group.rank()}.json").write_text(json.dumps(out))
+    if group.rank() == 0:
+        brief = {k: v for k, v in out.items() if k not in ("split", "whole", "nocoll")}
+        for m in ("split", "whole", "nocoll"):
+            if m in out:
+                o = out[m]
+                brief[m] = {k: round(o[k], 3) for k in ("build_ms", "encode_ms", "wait_ms", "synced_ms", "chained_ms",
+                                                       "chained_build_ms")}
+                if "segments" in o:
+                    brief[m]["seg"] = {md: {k: round(v, 3) for k, v in o["segments"][md].items() if k.endswith("_ms")
+                                            and not isinstance(v, list)} for md in o["segments"]}
+        print(tag, json.dumps(brief), flush=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--np", type=int, default=2)
+    ap.add_argument("--backend", default="nccl")
+    ap.add_argument("--layers", type=int, default=0, help="layers of the 12B shape (0: all 48)")
+    ap.add_argument("--prompt", type=int, default=2048)
+    ap.add_argument("--gen", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--small", action="store_true", help="gpu_compare.SMALL's shape (CPU smoke runs)")
+    ap.add_argument("--guard-ab", action="store_true", help="only: agreement check off / old / new, and the host-array stall")
+    ap.add_argument("--quick", action="store_true", help="decode rounds and the split step only")
+    ap.add_argument("--tag", default="")
+    ap.add_argument("--out-dir", default=os.environ.get("OUT", "/tmp/tp_timeline"))
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.worker or a.np == 1:
+        worker(a)
+        return 0
+    from mlxcel_dist.launcher import launch
+
+    args = ["--worker", "--np", str(a.np), "--backend", a.backend, "--layers", str(a.layers), "--prompt",
+            str(a.prompt), "--gen", str(a.gen), "--rounds", str(a.rounds), "--steps", str(a.steps), "--tag", a.tag,
+            "--out-dir", a.out_dir] + (["--quick"] if a.quick else []) + (["--small"] if a.small else []) + (["--guard-ab"] if a.guard_ab else [])
+    return launch(args, a.np, a.backend, script=__file__)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
