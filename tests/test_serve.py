@@ -960,3 +960,25 @@ def test_stuck_rank_then_sigterm_fails_every_stream(model_dir, backend, tmp_path
         assert "rank 0 stopped without the other ranks (4 open request(s)" in out, out
         assert rc != 0
     assert took < 30, out
+
+
+def test_prompt_cache_reuse_past_the_window_changes_nothing(server, model_dir):
+    """Multi-turn style: a prompt that starts with an earlier one (longer than
+    the sliding window of 32) reuses its cached keys/values; the greedy text
+    is the library's for the whole prompt, fresh (and again on a repeat)."""
+    from mlxcel_dist.engine import generate_text
+    from mlxcel_dist.sampling import SamplingParams
+
+    model, tok = _loaded(str(model_dir))
+    rng = np.random.default_rng(17)
+    first = [int(x) for x in rng.integers(3, 500, 45)]
+    second = first + [int(x) for x in rng.integers(3, 500, 9)]
+
+    def fresh(ids):
+        return "".join(generate_text(model, tok, ids, N, SamplingParams(temp=0.0)))
+
+    body = {"max_tokens": N, "temperature": 0}
+    assert _text(server, {**body, "prompt": first})["text"] == fresh(first)
+    want = fresh(second)
+    assert _text(server, {**body, "prompt": second})["text"] == want  # reuses `first`'s entry
+    assert _text(server, {**body, "prompt": second})["text"] == want  # reuses its own
