@@ -77,13 +77,22 @@ PrefillStepOpt = Annotated[
 ]
 
 
+COLLECTIVE_ERROR_GRACE_S = 2.0  # other ranks wait this long before exiting on a CollectiveError
+
+
 def _handle_errors(fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
         except UserError as e:
-            if not (isinstance(e, CollectiveError) and _is_other_rank()):
+            if isinstance(e, CollectiveError) and _is_other_rank():
+                # Every rank raised it; rank 0 reports. Leave it the time to:
+                # mpirun stops the whole job at the first rank that exits.
+                import time
+
+                time.sleep(COLLECTIVE_ERROR_GRACE_S)
+            else:
                 _err(f"error: {e}")
             raise typer.Exit(e.exit_code) from None
         except KeyboardInterrupt:

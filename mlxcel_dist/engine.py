@@ -7,6 +7,7 @@ sharded layers do the collectives); only rank 0 reports.
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -340,8 +341,6 @@ class TokenGenerator:
         if self.decode.traces > traces:  # a new graph: its kernels compile when it first runs
             self._compiling = True
             if self.on_compile is not None:
-                import threading
-
                 self._notice = threading.Timer(COMPILE_NOTICE_S, self.on_compile)
                 self._notice.daemon = True
                 self._notice.start()
