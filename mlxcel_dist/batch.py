@@ -304,12 +304,20 @@ class BatchEngine:
             logits = self._compiled(tokens) if self._compiled is not None else self._forward(tokens)
             rows = [logits[b] for b in range(n)]
         # every row's sampler on its own logits; one host read for the step
-        ids = mx.stack([r.sampler.sample(x, r.context) for r, x in zip(self.rows, rows)])
+        ids = [r.sampler.sample(x, r.context) for r, x in zip(self.rows, rows)]
+        stacked = mx.stack(ids)
+        mx.eval(stacked, *self.step_extras(rows, ids))
         out = {}
-        for r, tok in zip(self.rows, np.array(ids).tolist()):
+        for r, tok in zip(self.rows, np.array(stacked).tolist()):
             r.context.append(tok)
             r.generated.append(tok)
             r.pos += 1
             r.token = tok
             out[r.rid] = tok
         return out
+
+    def step_extras(self, logits: list, ids: list) -> list:
+        """Lazy arrays a subclass wants read in the step's one host sync (e.g.
+        the server's per-row logprobs), from each row's logits and lazy id;
+        called before the rows' contexts take the new ids."""
+        return []

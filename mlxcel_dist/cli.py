@@ -634,6 +634,7 @@ def convert(
 def serve(
     ctx: typer.Context,
     model: ModelArg = None,
+    model_opt: ModelOpt = None,
     host: Annotated[str, typer.Option("--host", help="Address to listen on (rank 0).")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", help="TCP port to listen on (0 = any free port).")] = 8080,
     max_tokens_cap: Annotated[int, typer.Option("--max-tokens-cap", help="Largest max_tokens a request may ask for.")] = 4096,
@@ -655,6 +656,8 @@ def serve(
     stall_timeout: StallOpt = DEFAULT_STALL_TIMEOUT_S,
 ):
     """OpenAI-compatible HTTP server (/v1/models, /v1/completions, /v1/chat/completions, /health); rank 0 listens."""
+    model = _pick_model(model, model_opt)
+    ctx.params.update(model=model, model_opt=None)
     from .engine import check_generation_options
     from .sampling import SamplingParams
     from .server import Defaults, Service, batchable, context_limit, follower_batch_loop, follower_loop, parse_size

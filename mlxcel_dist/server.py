@@ -999,25 +999,13 @@ def _logprob_batch_class():
             self.want: dict = {}  # rid -> k
             self.logprobs: dict = {}  # rid -> (logprob, [(id, logprob), ...]) of the last step
 
-        def step(self) -> dict:
+        def step_extras(self, logits: list, ids: list) -> list:
             import mlx.core as mx
 
             from .sampling import apply_repetition_penalty
 
-            if not self.rows:
-                return {}
-            if not self.static:
-                rows = [self.model(mx.array([[r.token]]), r.eager_cache)[0, -1] for r in self.rows]
-            else:
-                n = len(self.rows)
-                self._reserve(n, max(r.pos for r in self.rows))
-                C = self._capacity()
-                tokens = mx.array([[r.token] for r in self.rows] + [[0]] * (C - n), mx.int32)
-                logits = self._compiled(tokens) if self._compiled is not None else self._forward(tokens)
-                rows = [logits[b] for b in range(n)]
-            ids = [r.sampler.sample(x, r.context) for r, x in zip(self.rows, rows)]
-            lps = {}
-            for r, x, tok in zip(self.rows, rows, ids):
+            self._lazy = {}
+            for r, x, tok in zip(self.rows, logits, ids):
                 k = self.want.get(r.rid)
                 if k is None:
                     continue
@@ -1027,23 +1015,19 @@ def _logprob_batch_class():
                 lp = y - mx.logsumexp(y, axis=-1, keepdims=True)
                 k = min(k, lp.shape[-1])
                 top = mx.argpartition(-lp, kth=k - 1)[:k] if k else None
-                lps[r.rid] = (mx.take(lp, tok.reshape(1)), top, None if top is None else mx.take(lp, top))
-            ids = mx.stack(ids)
-            mx.eval(ids, *[x for v in lps.values() for x in v if x is not None])
+                self._lazy[r.rid] = (mx.take(lp, tok.reshape(1)), top, None if top is None else mx.take(lp, top))
+            return [x for v in self._lazy.values() for x in v if x is not None]
+
+        def step(self) -> dict:
+            self._lazy = {}
+            out = super().step()
             self.logprobs = {}
-            for rid, (chosen, top, vals) in lps.items():
+            for rid, (chosen, top, vals) in self._lazy.items():
                 entries = []
                 if top is not None:
                     top, vals = np.array(top), np.array(vals)
                     entries = [(int(top[i]), float(vals[i])) for i in np.argsort(-vals, kind="stable")]
                 self.logprobs[rid] = (float(np.array(chosen)[0]), entries)
-            out = {}
-            for r, tok in zip(self.rows, np.array(ids).tolist()):
-                r.context.append(tok)
-                r.generated.append(tok)
-                r.pos += 1
-                r.token = tok
-                out[r.rid] = tok
             return out
 
         def remove(self, rid) -> None:

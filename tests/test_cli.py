@@ -218,3 +218,11 @@ def test_nccl_without_cuda_is_one_line(tmp_path):
         pytest.skip("this mlx has NCCL")
     r = run_cmd([sys.executable, "-m", "mlxcel_dist.cli", "generate", "--np", "2", "--backend", "nccl"], timeout=120)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "backend nccl" in r.stderr, r.stderr
+
+
+def test_model_option_spelling_is_accepted_by_every_model_command():
+    # mlx-lm spells MODEL as --model; both spellings name the same checkpoint
+    for cmd in ("generate", "info", "bench", "serve", "logit-match"):
+        assert "--model" in run(cmd, "--help").output, cmd
+    r = run("serve", str(TINY), "--model", str(GQA))
+    assert r.exit_code == 2 and "MODEL" in r.output and "differ" in r.output, r.output
