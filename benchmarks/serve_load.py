@@ -201,9 +201,35 @@ def bench_server(name: str, model: Path, clients: list[int], requests: int, toke
             try:
                 proc.wait(timeout=20)
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+                pass
+        # mlx.launch can exit on SIGTERM and leave its ranks running (seen:
+        # mlx_lm.server np 2 ranks spinning for an hour): end the whole
+        # session, and any process still serving this port.
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        _kill_port_servers(port)
+        proc.wait()
         log.close()
+
+
+def _kill_port_servers(port: int) -> None:
+    """SIGKILL every process whose command line serves `port` (Linux /proc)."""
+    me = os.getpid()
+    for pid in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if not pid.isdigit() or int(pid) == me:
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                args = f.read().split(b"\0")
+        except OSError:
+            continue
+        if b"--port" in args and str(port).encode() in args:
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except OSError:
+                pass
 
 
 def main() -> None:
