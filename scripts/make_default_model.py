@@ -69,6 +69,9 @@ LONG_PROMPT = (
 )
 
 
+
+CHAT_TEMPLATE = "{#- The embedded model is a base model trained on plain English text, with no\n    chat turns: its template is the conversation's text, one message per line\n    (the system prompt first), so a chat prompt reads as the text it was\n    trained on. -#}\n{{ bos_token }}\n{%- for message in messages -%}\n{%- if message['content'] is string -%}{{ message['content'] }}{%- else -%}{%- for part in message['content'] -%}{%- if part['type'] == 'text' -%}{{ part['text'] }}{%- endif -%}{%- endfor -%}{%- endif -%}\n{%- if not loop.last %}\n{% endif -%}\n{%- endfor -%}\n{%- if add_generation_prompt and messages and messages[-1]['role'] != 'assistant' -%}{%- endif -%}\n"
+
 def read_documents() -> list[str]:
     text = CORPUS.read_text(encoding="utf-8")
     docs = [d.strip() for d in text.split("\n\n") if d.strip()]
@@ -336,6 +339,9 @@ def main() -> int:
         model_max_length=model.config.max_position_embeddings,
     )
     tcfg_path.write_text(json.dumps(dict(sorted(tcfg.items())), indent=2) + "\n")
+    # A base model's chat template: the conversation's text (generate and
+    # serve apply a checkpoint's template by default, as mlx-lm).
+    (OUT / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     for extra in ("special_tokens_map.json", "chat_template.jinja"):
         if (OUT / extra).exists():
             (OUT / extra).unlink()
