@@ -275,9 +275,23 @@ class _Proc:
     def sid(self) -> int:
         return self.popen.pid
 
-    def signal_tree(self, sig: int) -> None:
+    def signal_tree(self, sig: int, members_first: float = 0.0) -> None:
         """Signal the process, its process group and every process left in
-        its session."""
+        its session. ``members_first``: signal the others in its session (the
+        ranks under mpirun) first and give them up to that long to exit
+        before the process itself: mpirun answers a SIGTERM by killing its
+        ranks at once, before rank 0 can answer its clients."""
+        if members_first > 0:
+            members = [pid for pid in _session_members(self.sid) if pid != self.popen.pid]
+            for pid in members:
+                try:
+                    os.kill(pid, sig)
+                except OSError:
+                    pass
+            deadline = time.monotonic() + members_first
+            while members and time.monotonic() < deadline:
+                members = [pid for pid in members if pid in _session_members(self.sid)]
+                time.sleep(0.02)
         if self.popen.poll() is None:
             try:
                 self.popen.send_signal(sig)
@@ -416,10 +430,10 @@ class _Supervisor:
         another signal meanwhile goes straight to SIGKILL."""
         n_signals = len(self.signals)
         ladder = [first] + ([signal.SIGTERM] if first != signal.SIGTERM else [])
-        for sig in ladder:
+        for i, sig in enumerate(ladder):
             for p in self.procs:
                 if p.popen.poll() is None:
-                    p.signal_tree(sig)
+                    p.signal_tree(sig, members_first=min(1.0, self.grace) if i == 0 else 0.0)
             if self._wait_all(self.grace, n_signals) or len(self.signals) > n_signals:
                 break
         self.sweep()
