@@ -19,6 +19,7 @@ import mlx.nn as nn
 from .attention import causal_attention
 from .errors import UserError
 from .layers import gated_fp32
+from .rope import RoPE
 
 
 class Attention(nn.Module):
@@ -311,3 +312,34 @@ class SplitGateExperts(nn.Module):
         # weights are float32: the product rounds once to the hidden dtype (torch's promotion)
         y = (out.astype(mx.float32) * weights[..., None]).astype(out.dtype).sum(axis=1)  # [N, hidden]
         return self.group.all_sum(y)
+
+
+def gemma4_rope_params(rope_parameters: dict | None, layer_types: list, family: str) -> dict:
+    """{layer kind: RoPE params} of a Gemma 4 backbone (gemma4, diffusion_gemma):
+    transformers' defaults (local theta 1e4; global "proportional", factor
+    0.25, theta 1e6) when the config gives none; only "default" and
+    "proportional" are supported (one UserError otherwise)."""
+    rp = rope_parameters or {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+        "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0},
+    }
+    out = {}
+    for kind in set(layer_types):
+        p = rp.get(kind)
+        if not isinstance(p, dict):
+            raise UserError(f"{family} config rope_parameters has no entry for {kind}")
+        p = dict(p)
+        p.setdefault("rope_type", "default")
+        p.setdefault("rope_theta", 10_000.0)
+        if p["rope_type"] not in ("default", "proportional"):
+            raise UserError(f"{family} rope_type {p['rope_type']!r} is not supported (default, proportional)")
+        out[kind] = p
+    return out
+
+
+def gemma4_rope(params: dict, head_dim: int):
+    """The RoPE of one Gemma 4 layer kind (`gemma4_rope_params`)."""
+    if params["rope_type"] == "proportional":
+        return ProportionalRoPE(head_dim, params)
+    # transformers' default RoPE for Gemma 4 ignores partial_rotary_factor
+    return RoPE(head_dim, {"rope_type": "default", "rope_theta": params["rope_theta"]})

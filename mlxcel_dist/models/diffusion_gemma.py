@@ -43,11 +43,10 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..blocks import MLP, Gemma4Attention, Gemma4Router, ProportionalRoPE, SplitGateExperts
+from ..blocks import MLP, Gemma4Attention, Gemma4Router, SplitGateExperts, gemma4_rope, gemma4_rope_params
 from ..cache import PrefixViewCache, make_layer_caches
 from ..errors import UserError
 from ..layers import RMSNormFP32Scale, activation, gated_fp32
-from ..rope import RoPE
 from ..shard import shard_attention, shard_fused_gate_up_experts, shard_mlp
 from .base import FULL, SLIDING, BaseModelArgs, CausalLM, DecoderStack, derive_layer_types
 
@@ -122,7 +121,7 @@ class ModelArgs(BaseModelArgs):
         types[-1] = FULL  # transformers forces the last layer to full attention
         self.layer_types = types
         self.layer_heads = self._layer_heads()
-        self.rope = self._rope_per_kind()
+        self.rope = gemma4_rope_params(self.rope_parameters, self.layer_types, "diffusion_gemma")
         eos = self.eos_token_id
         self.eos_ids = [] if eos is None else [int(e) for e in (eos if isinstance(eos, list) else [eos])]
 
@@ -154,32 +153,6 @@ class ModelArgs(BaseModelArgs):
                 raise UserError(f"diffusion_gemma gives {kind} layers different head shapes: unsupported")
         return heads
 
-    def _rope_per_kind(self) -> dict:
-        rp = self.rope_parameters or {
-            SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
-            FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0},
-        }
-        out = {}
-        for kind in set(self.layer_types):
-            p = rp.get(kind)
-            if not isinstance(p, dict):
-                raise UserError(f"diffusion_gemma config rope_parameters has no entry for {kind}")
-            p = dict(p)
-            p.setdefault("rope_type", "default")
-            p.setdefault("rope_theta", 10_000.0)
-            if p["rope_type"] not in ("default", "proportional"):
-                raise UserError(f"diffusion_gemma rope_type {p['rope_type']!r} is not supported")
-            out[kind] = p
-        return out
-
-
-def _rope_for(args: ModelArgs, kind: str, head_dim: int):
-    p = args.rope[kind]
-    if p["rope_type"] == "proportional":
-        return ProportionalRoPE(head_dim, p)
-    return RoPE(head_dim, {"rope_type": "default", "rope_theta": p["rope_theta"]})  # partial factor ignored
-
-
 class DecoderLayer(nn.Module):
     """A Gemma 4 MoE layer (weights shared by encoder and decoder); the caller
     gives the layer scalar of the pass (encoder's or decoder's)."""
@@ -192,7 +165,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = Gemma4Attention(
             H, args.num_attention_heads, kv_heads, head_dim,
             window=args.sliding_window if kind == SLIDING else None,
-            rope=_rope_for(args, kind, head_dim), eps=eps, bias=args.attention_bias,
+            rope=gemma4_rope(args.rope[kind], head_dim), eps=eps, bias=args.attention_bias,
             k_eq_v=kind == FULL,  # transformers builds v_proj on sliding layers only
         )  # fmt: skip
         act = activation(args.hidden_activation)

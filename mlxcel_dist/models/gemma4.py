@@ -39,11 +39,10 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..blocks import MLP, Gemma4Attention, Gemma4Router, ProportionalRoPE, SplitGateExperts
+from ..blocks import MLP, Gemma4Attention, Gemma4Router, SplitGateExperts, gemma4_rope, gemma4_rope_params
 from ..cache import SharedKVCache, make_layer_caches
 from ..errors import UserError
 from ..layers import RMSNormFP32Scale, activation, gated_fp32
-from ..rope import RoPE
 from ..shard import shard_attention, shard_fused_gate_up_experts, shard_mlp
 from .base import FULL, SLIDING, BaseModelArgs, CausalLM, DecoderStack, derive_layer_types
 
@@ -106,7 +105,7 @@ class ModelArgs(BaseModelArgs):
         self.layer_types = types
         self.layer_heads = self._layer_heads()  # per layer: (head_dim, num_key_value_heads)
         self.kv_source = self._kv_sources()  # per layer: the layer whose KV it reads, or None
-        self.rope = self._rope_per_kind()
+        self.rope = gemma4_rope_params(self.rope_parameters, self.layer_types, "gemma4")
         if not self.hidden_size_per_layer_input:
             self.hidden_size_per_layer_input = 0
         if self.enable_moe_block:
@@ -157,34 +156,8 @@ class ModelArgs(BaseModelArgs):
             sources[i] = earlier[-1]
         return sources
 
-    def _rope_per_kind(self) -> dict:
-        rp = self.rope_parameters or {
-            SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
-            FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0},
-        }
-        out = {}
-        for kind in set(self.layer_types):
-            p = rp.get(kind)
-            if not isinstance(p, dict):
-                raise UserError(f"gemma4 config rope_parameters has no entry for {kind}")
-            p = dict(p)
-            p.setdefault("rope_type", "default")
-            p.setdefault("rope_theta", 10_000.0)
-            if p["rope_type"] not in ("default", "proportional"):
-                raise UserError(f"gemma4 rope_type {p['rope_type']!r} is not supported (default, proportional)")
-            out[kind] = p
-        return out
-
     def is_shared(self, i: int) -> bool:
         return self.kv_source[i] is not None
-
-
-def _rope_for(args: ModelArgs, kind: str, head_dim: int):
-    p = args.rope[kind]
-    if p["rope_type"] == "proportional":
-        return ProportionalRoPE(head_dim, p)
-    # transformers' default RoPE for Gemma 4 ignores partial_rotary_factor
-    return RoPE(head_dim, {"rope_type": "default", "rope_theta": p["rope_theta"]})
 
 
 class DecoderLayer(nn.Module):
@@ -201,7 +174,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = Gemma4Attention(
             H, args.num_attention_heads, kv_heads, head_dim,
             window=args.sliding_window if kind == SLIDING else None,
-            rope=_rope_for(args, kind, head_dim),
+            rope=gemma4_rope(args.rope[kind], head_dim),
             eps=eps,
             bias=args.attention_bias,
             k_eq_v=args.attention_k_eq_v and kind == FULL,
