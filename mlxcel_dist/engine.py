@@ -89,8 +89,16 @@ def sequence_logits(model, ids, decode_from: int | None = None, prefill_step: in
         decode = decode_step_for(model)
         decode.start(cache, pos, compiled)
         try:
+            # The inputs are known, so step j+1 is launched before step j's
+            # logits are read: the host copy overlaps the device's next step.
+            pending = None
             for j in range(pos, T):
-                out.append(np.array(decode(mx.array(ids[j : j + 1])[None])[None].astype(mx.float32)))
+                nxt = decode(mx.array(ids[j : j + 1])[None])[None].astype(mx.float32)
+                mx.async_eval(nxt)
+                if pending is not None:
+                    out.append(np.array(pending))
+                pending = nxt
+            out.append(np.array(pending))
         finally:  # the model keeps its DecodeStep, not its buffers
             decode.release()
     return np.concatenate(out, axis=0)
