@@ -44,6 +44,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
+# gemma-3-27b's text shape (its query_pre_attn_scalar, 168, only scales q: timing is the same)
+GEMMA3_27B = dict(
+    hidden_size=5376, intermediate_size=21504, num_hidden_layers=62, num_attention_heads=32,
+    num_key_value_heads=16, head_dim=128, vocab_size=262208, sliding_window=1024,
+)
+
+
 def _median(xs):
     xs = sorted(xs)
     return xs[len(xs) // 2] if xs else None
@@ -244,6 +251,64 @@ def host_array_stall(reps: int = 5) -> dict:
     return res
 
 
+def prefill_profile(model, prompt, group, reps: int = 3) -> dict:
+    """A warm prefill of the prompt, one host sync after each layer's
+    attention half (norm, q/k/v, attention, o_proj, all_sum, post-norm,
+    residual) and each MLP half: which pieces halve at np 2 and which do not
+    (medians over reps, summed per kind of layer); also one all_sum of the
+    [1, L, hidden] activations alone (what each half's collective moves)."""
+    import mlx.core as mx
+
+    inner = model.model
+    kinds = inner.args.layer_types
+    L = len(prompt) - 1
+    x = mx.array(prompt[:L])[None]
+    runs = []
+    for r in range(reps + 1):  # rep 0: kernels compile
+        cache = model.make_cache()
+        group.barrier()
+        t0 = time.perf_counter()
+        h = inner.embed(x)
+        masks = inner.masks(L, cache)
+        mx.eval(h, *[m for m in masks.values() if isinstance(m, mx.array)])
+        t_embed = time.perf_counter() - t0
+        att, mlp = [], []
+        for layer, kind, c in zip(inner.layers, kinds, cache):
+            t = time.perf_counter()
+            a = layer.self_attn(layer.input_layernorm(h), masks[kind], c)
+            if hasattr(layer, "post_attention_layernorm"):
+                a = layer.post_attention_layernorm(a)
+            h1 = h + a
+            mx.eval(h1)
+            t1 = time.perf_counter()
+            pre = getattr(layer, "pre_feedforward_layernorm", None) or layer.post_attention_layernorm
+            m = layer.mlp(pre(h1))
+            post = getattr(layer, "post_feedforward_layernorm", None)
+            h = h1 + (post(m) if post is not None else m)
+            mx.eval(h)
+            att.append(t1 - t), mlp.append(time.perf_counter() - t1)
+        runs.append({"total": time.perf_counter() - t0, "embed": t_embed, "att": att, "mlp": mlp})
+    runs = runs[1:]
+    out = {"tokens": L, "total_ms": 1e3 * _median([r["total"] for r in runs]),
+           "embed_ms": 1e3 * _median([r["embed"] for r in runs])}
+    for kind in sorted(set(kinds)):
+        idx = [i for i, k in enumerate(kinds) if k == kind]
+        for part in ("att", "mlp"):
+            out[f"{kind}_{part}_ms"] = 1e3 * _median([sum(r[part][i] for i in idx) for r in runs])
+            out[f"{kind}_{part}_per_layer_ms"] = out[f"{kind}_{part}_ms"] / len(idx)
+    if not group.single:
+        y = mx.random.normal((1, L, inner.args.hidden_size)).astype(mx.bfloat16)
+        mx.eval(y)
+        ts = []
+        for _ in range(8):
+            group.barrier()
+            t = time.perf_counter()
+            mx.eval(group.all_sum(y))
+            ts.append(time.perf_counter() - t)
+        out["all_sum_ms"] = 1e3 * _median(ts[2:])
+    return out
+
+
 def no_collectives(size: int) -> None:
     import mlx.core as mx
 
@@ -279,7 +344,7 @@ def worker(a) -> None:
     from mlxcel_dist.engine import TokenGenerator
 
     group = init_from_env() if a.np > 1 else SINGLE
-    shape = dict(SMALL if a.small else GEMMA3_12B)
+    shape = dict(SMALL if a.small else GEMMA3_27B if a.shape == "27b" else GEMMA3_12B)
     if a.layers:
         shape["num_hidden_layers"] = a.layers
     cfg = config(shape)
@@ -300,6 +365,12 @@ def worker(a) -> None:
         guard_ab(model, prompt, a.gen, group, a.rounds, out)
         _write(a, group, out)
         return
+    if a.prefill_profile:
+        out["prefill_profile"] = prefill_profile(model, prompt, group)
+        print(f"rank {group.rank()} prefill profile", json.dumps(out["prefill_profile"]), flush=True)
+        if a.prefill_profile == "only":
+            _write(a, group, out)
+            return
     if not a.quick:
         pre = []
         for _ in range(a.rounds):
@@ -355,6 +426,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--small", action="store_true", help="gpu_compare.SMALL's shape (CPU smoke runs)")
+    ap.add_argument("--shape", choices=("12b", "27b"), default="12b", help="gemma3 12B- or 27B-shaped")
+    ap.add_argument("--prefill-profile", nargs="?", const="also", choices=("also", "only"), default=None,
+                    help="per-layer synced prefill timing (attention half, MLP half); 'only': nothing else")
     ap.add_argument("--guard-ab", action="store_true", help="only: agreement check off / old / new, and the host-array stall")
     ap.add_argument("--quick", action="store_true", help="decode rounds and the split step only")
     ap.add_argument("--tag", default="")
@@ -369,6 +443,7 @@ def main() -> int:
     args = ["--worker", "--np", str(a.np), "--backend", a.backend, "--layers", str(a.layers), "--prompt",
             str(a.prompt), "--gen", str(a.gen), "--rounds", str(a.rounds), "--steps", str(a.steps), "--tag", a.tag,
             "--out-dir", a.out_dir] + (["--quick"] if a.quick else []) + (["--small"] if a.small else []) + (["--guard-ab"] if a.guard_ab else [])
+    args += ["--shape", a.shape] + (["--prefill-profile", a.prefill_profile] if a.prefill_profile else [])
     return launch(args, a.np, a.backend, script=__file__)
 
 
