@@ -15,32 +15,34 @@ out); rank 0 reports.
   cache + activations), the max over ranks (per rank in peak_mem_gb_per_rank);
   weights_gb: MLX active memory after loading (max over ranks).
 - all_sums_per_token / all_sum_bytes_per_token: measured. Every
-  `mx.distributed.all_sum` built is counted (the model's sharded layers and
-  the rank-agreement guard call it at graph-building time) with its payload
-  bytes (the array's nbytes), by phase. A decode step's collectives are
-  counted when its graph is built: a compiled step (decode.py) builds it once
-  per buffer shape and replays it, so its count per build is its count per
-  token (each generated id costs one single-token step: the last prompt
-  token's, then one per decoded id); the warm-up and the timed run share one
-  wrapper, so the timed run replays the warm-up's builds. The guard's
-  per-token checks of the timed run are divided by the generated count (its
-  final check at the end of a generation is end_all_sums). The same for
-  all_gather (the vocabulary-split output head); the *_plan keys are what the
-  sharding plan predicts (`plan_collectives`).
+  `mx.distributed.all_sum` built is counted with its payload bytes (the
+  array's nbytes). A decode token's own collectives are counted on a probe:
+  one single-token forward of the model on a fresh cache, built and never
+  evaluated (the compiled split or whole-graph steps run the same layers, and
+  a compiled step builds its collectives only when it traces). The
+  rank-agreement guard's collectives are counted live during the timed run
+  and divided by the generated count (its final check at the end of a
+  generation is end_all_sums). The same for all_gather (the
+  vocabulary-split output head); the *_plan keys are what the sharding plan
+  predicts (`plan_collectives`).
+- The timed run is `generate`'s own loop on the model itself: compiled decode
+  steps run split (decode.DecodeStep) for the families that opt in, exactly
+  as in `generate` and `serve`.
 - compiled: decode steps compiled (default) or eager (`--no-compile`);
-  decode_graphs: how many single-token step graphs were built (warm-up
-  included): once per buffer shape when compiled, once per step when eager.
+  decode_graphs: single-token step graphs built (warm-up included): the
+  DecodeStep's traces when compiled (once per buffer shape), every step when
+  eager.
 """
 
 from __future__ import annotations
 
 import contextlib
-import time
 
 import mlx.core as mx
 import numpy as np
 
 from .collectives import SINGLE, Group
+from .decode import decode_step_for
 from .engine import TokenGenerator, vocab_size
 from .errors import UserError
 from .sampling import SamplingParams
@@ -58,15 +60,15 @@ OPS = ("all_sum", "all_gather")
 
 class CollectiveCounter:
     """Counts `mx.distributed.all_sum` / `all_gather` calls and payload bytes
-    (each rank's input array) while active, by phase: "decode" inside a
-    single-token forward pass of the wrapped model, "prefill" inside a longer
-    one, "other" outside (the agreement checks), "end" (set by the caller)."""
+    (each rank's input array) while active, by phase: "other" inside the
+    rank-agreement guard, "decode" during `probe_decode`, "end" (set by the
+    caller), "model" for everything else (the model's prefill and decode
+    steps as they trace or run: not reported)."""
 
     def __init__(self):
-        self.phase = "other"
+        self.phase = "model"
         self.calls: dict = {}
         self.bytes: dict = {}
-        self.decode_graphs = 0  # single-token forwards built (compiled: once per trace)
 
     def reset(self, *phases: str) -> None:
         for key in [k for k in self.calls if k[1] in phases]:
@@ -77,7 +79,10 @@ class CollectiveCounter:
 
     @contextlib.contextmanager
     def active(self):
+        from .engine import RankAgreement
+
         origs = {op: getattr(mx.distributed, op) for op in OPS}
+        guard = {name: getattr(RankAgreement, name) for name in ("pending_rows", "check")}
 
         def counted(op):
             def call(x, *args, **kwargs):
@@ -87,36 +92,36 @@ class CollectiveCounter:
                 return origs[op](x, *args, **kwargs)
             return call
 
+        def tagged(f):
+            def call(*args, **kwargs):
+                before = self.phase
+                self.phase = "other" if before == "model" else before
+                try:
+                    return f(*args, **kwargs)
+                finally:
+                    self.phase = before
+            return call
+
         for op in OPS:
             setattr(mx.distributed, op, counted(op))
+        for name, f in guard.items():
+            setattr(RankAgreement, name, tagged(f))
         try:
             yield self
         finally:
             for op, f in origs.items():
                 setattr(mx.distributed, op, f)
+            for name, f in guard.items():
+                setattr(RankAgreement, name, f)
 
-    def wrap(self, model):
-        """A callable with the model's interface that tags its collectives."""
-        counter = self
-
-        class Counted:
-            def __init__(self):
-                self.args = model.args
-                self.decode_step = None  # its own compiled step: the traces count the wrapper's phases
-
-            def make_cache(self):
-                return model.make_cache()
-
-            def __call__(self, inputs, cache=None):
-                single = inputs.shape[1] == 1
-                counter.phase = "decode" if single else "prefill"
-                counter.decode_graphs += single
-                try:
-                    return model(inputs, cache)
-                finally:
-                    counter.phase = "other"
-
-        return Counted()
+    def probe_decode(self, model) -> None:
+        """Count one decode token's collectives: a single-token forward on a
+        fresh cache, built lazily and dropped unevaluated."""
+        self.phase = "decode"
+        try:
+            model(mx.zeros((1, 1), mx.int32), model.make_cache())
+        finally:
+            self.phase = "model"
 
 
 def plan_collectives(model, check_every: int = 1, size: int = 1) -> dict:
@@ -159,24 +164,28 @@ def run_bench(model, prompt_tokens: int, gen_tokens: int, *, group: Group = SING
     ids = prompt_ids(vocab_size(model), prompt_tokens, seed)
     greedy = SamplingParams()
     counter = CollectiveCounter()
-    counted = counter.wrap(model)  # one wrapper for both runs: the timed one reuses the warm-up's traces
+    step = decode_step_for(model)  # generate's own decode step (split where the family opts in)
+    traces0 = step.traces
     with counter.active():
+        warm_steps = 0
         if warmup:
-            warm = TokenGenerator(counted, ids[: min(prompt_tokens, 32)], min(gen_tokens, 4), greedy, eos_ids=(),
+            warm = TokenGenerator(model, ids[: min(prompt_tokens, 32)], min(gen_tokens, 4), greedy, eos_ids=(),
                                   prefill_step=prefill_step, group=group, check_every=check_every,
                                   compiled=compiled)
             for _ in warm:
                 pass
-            warm.finish()
-        counter.reset("other", "end", "prefill")  # the guard's and prefill's counts: the timed run's only
+            warm_steps = warm.finish().generated
+        counter.reset("other", "end", "model")  # the guard's counts: the timed run's only
         mx.synchronize()
         mx.reset_peak_memory()
-        gen = TokenGenerator(counted, ids, gen_tokens, greedy, eos_ids=(), prefill_step=prefill_step,
+        gen = TokenGenerator(model, ids, gen_tokens, greedy, eos_ids=(), prefill_step=prefill_step,
                              group=group, check_every=check_every, compiled=compiled)
         for _ in gen:
             pass
         counter.phase = "end"  # the final agreement check, once per generation
         stats = gen.finish()
+        counter.phase = "model"
+        counter.probe_decode(model)
     mx.synchronize()
     peak = mx.get_peak_memory() / GB
     per_rank = group.gather_rows([peak, weights_gb])
@@ -197,17 +206,17 @@ def run_bench(model, prompt_tokens: int, gen_tokens: int, *, group: Group = SING
         "peak_mem_gb_per_rank": [float(v) for v in per_rank[:, 0]],
         "weights_gb": float(per_rank[:, 1].max()),
     }
-    graphs = max(counter.decode_graphs, 1)
     for op in OPS:
-        # a decode step's graph (counted per trace: a compiled step replays it) + the guard's per token
+        # one decode token's forward (the probe) + the guard's per token
         calls, nbytes = counter.count(op, "decode")
         g_calls, g_bytes = counter.count(op, "other")
-        out[f"{op}s_per_token"] = calls / graphs + g_calls / n
-        out[f"{op}_bytes_per_token"] = nbytes / graphs + g_bytes / n
+        out[f"{op}s_per_token"] = calls + g_calls / n
+        out[f"{op}_bytes_per_token"] = nbytes + g_bytes / n
         out[f"{op}s_per_token_plan"], out[f"{op}_bytes_per_token_plan"] = plan[op]
     out.update({
         "compiled": compiled,
-        "decode_graphs": counter.decode_graphs,
+        "decode_graphs": step.traces - traces0 if compiled else warm_steps + n,
+        "split_decode": bool(compiled and step.split),
         "end_all_sums": counter.count("all_sum", "end")[0],
         "agreement_checks": stats.checks,
         "check_every": check_every,
