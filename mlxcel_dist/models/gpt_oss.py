@@ -126,6 +126,13 @@ def clamped_swiglu(gate_up: mx.array, alpha: float, limit: float) -> mx.array:
     return ((up + 1) * glu).astype(gate_up.dtype)
 
 
+def native_gather_mm(x: mx.array) -> bool:
+    """Whether mx.gather_mm takes x's dtype as it is on this device (the GPU,
+    or fp32; the CPU's is fp32-only). benchmarks/step_primitives.py forces
+    True to count the GPU's graph on a CPU."""
+    return x.dtype == mx.float32 or mx.default_device() == mx.gpu
+
+
 def gather_mm(x: mx.array, w: mx.array, indices: mx.array) -> mx.array:
     """x [..., 1, K] @ w[indices] ([E, K, M] gathered per row) -> [..., 1, M].
 
@@ -134,7 +141,7 @@ def gather_mm(x: mx.array, w: mx.array, indices: mx.array) -> mx.array:
     accumulation does (and as torch's bf16 CPU matmul does). Only the routed
     experts are cast when the rows route to fewer (expert, row) pairs than
     there are experts (decode: k of E), not the whole [E, K, M] tensor."""
-    if x.dtype == mx.float32 or mx.default_device() == mx.gpu:
+    if native_gather_mm(x):
         return mx.gather_mm(x, w, rhs_indices=indices)
     x32 = x.astype(mx.float32)
     if indices.size < w.shape[0]:
@@ -165,8 +172,7 @@ class Experts(nn.Module):
 
     def __call__(self, x, indices, weights):
         # x [N, hidden]; indices [N, k] expert ids; weights [N, k] routing weights
-        if SORT_ROWS is not None and indices.size >= SORT_ROWS and (
-                x.dtype == mx.float32 or mx.default_device() == mx.gpu):
+        if SORT_ROWS is not None and indices.size >= SORT_ROWS and native_gather_mm(x):
             out = self._sorted(x, indices)
         else:
             xe = x[:, None, None, :]  # [N, 1, 1, hidden]: one row per (token, chosen expert)
