@@ -18,6 +18,17 @@ rows, and a finished row is filled by moving the last one into it, so the
 active rows are always [0, n). Each step is one `mx.compile`d graph per
 (C, S), reused as rows come and go.
 
+Steps are pipelined as engine.TokenGenerator's: `step` launches step n+1
+(`mx.async_eval`) with step n's lazy ids [n] as its input tokens before the
+host reads them, so one step is in flight between calls. A row removed
+between calls has already been fed its last read id by that step: the K/V
+it writes (exact: the id is real) goes into the prompt cache with the row;
+the id it samples for the row is never read. Rows
+added or removed only change where the next launch takes each row's input
+(the unread id, gathered into the new row order, or a host token) and `pos`.
+Each row's sampler counts its unread id as context (`Sampler.sample(...,
+pending=)`), so the ids are those of unpipelined steps.
+
 Exactness: each row is computed by the same operations as a lone sequence
 (the matmuls batch rows; a row's values do not depend on the others), so
 greedy text is the same alone or batched (tests/test_batch.py).
@@ -81,17 +92,26 @@ class RowCache(LayerCache):
         return b[f"k{i}"], b[f"v{i}"]
 
 
-@dataclass
+@dataclass(eq=False)
 class Row:
     """One sequence in the batch."""
 
     rid: object
     sampler: Sampler
     context: list  # prompt + generated ids (the repetition penalty's context)
-    pos: int  # position of the token this row feeds next
-    token: int  # the token it feeds next
+    pos: int  # position of the token this row feeds next (counting steps launched, read or not)
+    token: int  # the token it feeds next when no step in flight holds it (read ids, the prompt's last)
     eager_cache: list | None = None  # models that cannot batch: their own cache
     generated: list = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class _Flight:
+    """A launched step: the rows it fed (buffer order at launch) and their lazy ids [n]."""
+
+    rows: list
+    ids: mx.array
+    extras: object
 
 
 class BatchEngine:
@@ -100,9 +120,12 @@ class BatchEngine:
     {rid: sampled id}; `remove` frees a row. Every rank of a TP job makes the
     same calls in the same order."""
 
-    def __init__(self, model, prefill_step: int | None = None, compiled: bool = True, prompt_cache=None):
+    def __init__(self, model, prefill_step: int | None = None, compiled: bool = True, prompt_cache=None,
+                 pipelined: bool = True):
         """`prompt_cache`: a prompt_cache.PromptCache that requests' prompts
-        (and finished rows' whole sequences) are kept in and reused from."""
+        (and finished rows' whole sequences) are kept in and reused from.
+        `pipelined=False`: each step is read before the next is built (the
+        reference the pipelined steps are tested against)."""
         self.model = model
         self.prompt_cache = prompt_cache
         self.prefill_step = prefill_step or DEFAULT_PREFILL_STEP
@@ -115,6 +138,10 @@ class BatchEngine:
         self._compiled = mx.compile(self._forward, inputs=self.buffers, outputs=self.buffers) if compiled else None
         self.traces = 0
         self._size = 0
+        self.pipelined = pipelined
+        self._flights: list = []  # launched steps not read yet (at most one between `step` calls)
+        self._changed = False  # rows added/removed since the last launch
+        self.extras = []  # step_extras of the step read last
 
     # -- rows --------------------------------------------------------------
     def __len__(self) -> int:
@@ -147,6 +174,7 @@ class BatchEngine:
             if self.static:
                 self._learn_layout(cache if last > 0 else None, prompt[:1])
         row = Row(rid, Sampler(sampling or SamplingParams()), prompt.tolist(), last, int(prompt[last]))
+        self._changed = True
         if not self.static:
             row.eager_cache = cache
             self.rows.append(row)
@@ -187,15 +215,25 @@ class BatchEngine:
                 self.buffers[name] = buf
         self.rows[b] = self.rows[last]
         self.rows.pop()
+        self._changed = True
+        if not self.rows:
+            self._flights.clear()  # its work runs on, unread
         if self.static:
             self._sync_pos()
             if not self.rows:
                 self.release()
 
     def _keep(self, b: int) -> None:
-        """Store row b's keys/values of the tokens it has fed, oldest first."""
+        """Store row b's keys/values of the tokens it has fed, oldest first.
+        A step in flight feeds the row's last read id (its K/V is exact once
+        the step runs): that id is kept too; the id it samples is unread, so
+        it is never fed and never kept."""
         r = self.rows[b]
-        seen = r.context[: r.pos]
+        fed = r.pos
+        # One unread step at most: a ring slot it writes held a position
+        # older than the window of the `fed` tokens kept (so all are exact).
+        assert fed <= len(r.context), "a kept row may have one step in flight, not two"
+        seen = r.context[:fed]
         if not self.static:
             self.prompt_cache.store(seen, r.eager_cache)
             return
@@ -205,8 +243,8 @@ class BatchEngine:
                 layers.append(None)
                 continue
             S = self.buffers[f"k{i}"].shape[2]
-            n = min(r.pos, S)
-            slots = mx.array(np.arange(r.pos - n, r.pos) % S)
+            n = min(fed, S)
+            slots = mx.array(np.arange(fed - n, fed) % S)
             layers.append(tuple(self.buffers[f"{x}{i}"][b : b + 1][:, :, slots, :] for x in "kv"))
         self.prompt_cache.store_layers(seen, layers, self.windows)
 
@@ -284,40 +322,97 @@ class BatchEngine:
         return self._dtypes[f"k{i}"]
 
     # -- steps -------------------------------------------------------------
+    # Pipelined as engine.TokenGenerator: `step` launches step n+1 (async_eval)
+    # from step n's lazy ids before it reads them, so building a step overlaps
+    # the device's work on the last. After `step` one step is in flight; rows
+    # added or removed meanwhile only change which inputs the next launch takes.
+
     def _forward(self, tokens: mx.array) -> mx.array:
         self.traces += 1
         logits = self.model(tokens, self.views)[:, -1]
         self.buffers["pos"] = self.buffers["pos"] + 1
         return logits
 
-    def step(self) -> dict:
-        """One token for every row: {rid: sampled id} (read from the device)."""
+    def _inputs(self) -> tuple[mx.array, list]:
+        """Every row's next input as one lazy int32 [n] (the unread id of the
+        step in flight, else the row's host token) and, per row, that unread
+        id (the sampler counts it as context) or None."""
+        f = self._flights[-1] if self._flights else None
+        if f is not None and not self._changed:
+            return f.ids, [f.ids[b] for b in range(len(self.rows))]
+        at = {} if f is None else {id(r): b for b, r in enumerate(f.rows)}
+        host = [r.token for r in self.rows if id(r) not in at]
+        if not at:
+            return mx.array(host, mx.int32), [None] * len(self.rows)
+        idx, h = [], len(f.rows)
+        for r in self.rows:
+            idx.append(at[id(r)] if id(r) in at else h)
+            h += id(r) not in at
+        src = mx.concatenate([f.ids, mx.array(host, mx.int32)]) if host else f.ids
+        tokens = src[mx.array(idx, mx.int32)]
+        return tokens, [tokens[b] if id(r) in at else None for b, r in enumerate(self.rows)]
+
+    def launch(self) -> None:
+        """Build one step for every row and start it (no host read): each row
+        feeds its next token at its position `pos`."""
+        assert len(self._flights) <= 1, "a row's context may lack one unread id, not two"
         if not self.rows:
-            return {}
+            return
+        tokens, pending = self._inputs()
+        n = len(self.rows)
         if not self.static:
-            rows = [self.model(mx.array([[r.token]]), r.eager_cache)[0, -1] for r in self.rows]
+            rows = [self.model(tokens[b].reshape(1, 1), r.eager_cache)[0, -1] for b, r in enumerate(self.rows)]
         else:
-            n = len(self.rows)
             self._reserve(n, max(r.pos for r in self.rows))
             C = self._capacity()
-            tokens = mx.array([[r.token] for r in self.rows] + [[0]] * (C - n), mx.int32)
-            logits = self._compiled(tokens) if self._compiled is not None else self._forward(tokens)
+            x = (tokens if C == n else mx.concatenate([tokens, mx.zeros((C - n,), mx.int32)])).reshape(C, 1)
+            logits = self._compiled(x) if self._compiled is not None else self._forward(x)
             rows = [logits[b] for b in range(n)]
-        # every row's sampler on its own logits; one host read for the step
-        ids = [r.sampler.sample(x, r.context) for r, x in zip(self.rows, rows)]
+        # every row's sampler on its own logits, the unread id counted as context
+        ids = [r.sampler.sample(x, r.context, pending=p) for r, x, p in zip(self.rows, rows, pending)]
         stacked = mx.stack(ids)
-        mx.eval(stacked, *self.step_extras(rows, ids))
-        out = {}
-        for r, tok in zip(self.rows, np.array(stacked).tolist()):
-            r.context.append(tok)
-            r.generated.append(tok)
+        extras = self.step_extras(rows, ids, pending)
+        mx.async_eval(stacked, extras)
+        for r in self.rows:
             r.pos += 1
-            r.token = tok
-            out[r.rid] = tok
+        self._flights.append(_Flight(list(self.rows), stacked, extras))
+        self._changed = False
+
+    def collect(self) -> dict:
+        """Read the oldest step in flight (the one host sync): {rid: id} of
+        its rows still present; a removed row's id is dropped unseen."""
+        if not self._flights:
+            return {}
+        f = self._flights.pop(0)
+        got = np.array(f.ids).tolist()
+        self.extras = f.extras
+        present = {id(r) for r in self.rows}
+        out = {}
+        for r, tok in zip(f.rows, got):
+            if id(r) in present:
+                r.context.append(tok)
+                r.generated.append(tok)
+                r.token = tok
+                out[r.rid] = tok
         return out
 
-    def step_extras(self, logits: list, ids: list) -> list:
-        """Lazy arrays a subclass wants read in the step's one host sync (e.g.
-        the server's per-row logprobs), from each row's logits and lazy id;
-        called before the rows' contexts take the new ids."""
+    def step(self) -> dict:
+        """One token for every row: {rid: sampled id} (read from the device).
+        Pipelined, the next step is launched before this one is read, so a
+        row that the caller removes after this call has already been fed its
+        last id once more: that step's work for it is discarded."""
+        if not self.rows:
+            self._flights.clear()
+            return {}
+        if not self._flights:
+            self.launch()
+        if self.pipelined:
+            self.launch()
+        return self.collect()
+
+    def step_extras(self, logits: list, ids: list, pending: list):
+        """Lazy arrays (any tree of them) a subclass wants evaluated with a
+        step (e.g. the server's per-row logprobs), from each row's logits, its
+        lazy id and the unread id its context lacks (None: none); once the
+        step is read they are in `self.extras`."""
         return []

@@ -729,6 +729,8 @@ class Service:
                     if kind == KIND_STEP and (removals or admissions) else np.zeros(0, np.int32)
                 idle_ms = int(IDLE_SLEEP_S * 1000) if kind == KIND_IDLE else 0
                 self.busy_since = t_step = time.monotonic()
+                # Before step()'s next launch, so changes decided on the ids just read reach it (one step in flight);
+                # at np > 1 this all_sum waits behind that step (one stream), but after it every change is a step later.
                 sync_step(group, guard, [MAGIC, kind, len(payload), idle_ms])
                 shutdown_sent = kind == KIND_SHUTDOWN
                 for job, ev in outbox:  # the ids behind these events agree on every rank
@@ -894,7 +896,9 @@ def follower_loop(model, tok, group: Group, prefill_step=None) -> None:
 #    remove, then each admitted request: its row id and the hand-off
 #    encoding of `encode`: prompt ids and bit-copied sampling values);
 # 3. removals, admissions (each prefilled alone, up to --prompt-concurrency),
-#    then one BatchEngine.step for every row (up to --decode-concurrency).
+#    then one BatchEngine.step for every row (up to --decode-concurrency):
+#    pipelined, it launches the next step before it reads this one, so a row
+#    removed at 1. was fed once more; that step's id for it is never read.
 #
 # Rank 0 detokenises each row (StreamDecoder, StopStrings, as
 # engine.generate_text) and decides when it ends (EOS, max_tokens, a stop
@@ -999,35 +1003,37 @@ def _logprob_batch_class():
             self.want: dict = {}  # rid -> k
             self.logprobs: dict = {}  # rid -> (logprob, [(id, logprob), ...]) of the last step
 
-        def step_extras(self, logits: list, ids: list) -> list:
+        def step_extras(self, logits: list, ids: list, pending: list) -> dict:
             import mlx.core as mx
 
             from .sampling import apply_repetition_penalty
 
-            self._lazy = {}
-            for r, x, tok in zip(self.rows, logits, ids):
+            lazy = {}
+            for r, x, tok, prev in zip(self.rows, logits, ids, pending):
                 k = self.want.get(r.rid)
                 if k is None:
                     continue
                 p = r.sampler.params
+                # `prev`: the row's id still unread when this step was launched (pipelined)
                 y = apply_repetition_penalty(x.reshape(-1).astype(mx.float32), r.context, p.repetition_penalty,
-                                             p.repetition_context_size, None)
+                                             p.repetition_context_size, prev)
                 lp = y - mx.logsumexp(y, axis=-1, keepdims=True)
                 k = min(k, lp.shape[-1])
                 top = mx.argpartition(-lp, kth=k - 1)[:k] if k else None
-                self._lazy[r.rid] = (mx.take(lp, tok.reshape(1)), top, None if top is None else mx.take(lp, top))
-            return [x for v in self._lazy.values() for x in v if x is not None]
+                lazy[r.rid] = (mx.take(lp, tok.reshape(1)),) + (() if top is None else (top, mx.take(lp, top)))
+            return lazy
 
-        def step(self) -> dict:
-            self._lazy = {}
-            out = super().step()
+        def collect(self) -> dict:
+            out = super().collect()
             self.logprobs = {}
-            for rid, (chosen, top, vals) in self._lazy.items():
+            for rid, parts in (self.extras or {}).items():
+                if rid not in out:  # a removed row's unread step
+                    continue
                 entries = []
-                if top is not None:
-                    top, vals = np.array(top), np.array(vals)
+                if len(parts) > 1:
+                    top, vals = np.array(parts[1]), np.array(parts[2])
                     entries = [(int(top[i]), float(vals[i])) for i in np.argsort(-vals, kind="stable")]
-                self.logprobs[rid] = (float(np.array(chosen)[0]), entries)
+                self.logprobs[rid] = (float(np.array(parts[0])[0]), entries)
             return out
 
         def remove(self, rid) -> None:

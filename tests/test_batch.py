@@ -106,7 +106,7 @@ def test_prompt_cache_reuses_a_prefix_and_changes_nothing(d):
     eng = BatchEngine(model, prompt_cache=pc)
     eng.add("a", first)
     reply = [eng.step()["a"] for _ in range(6)]
-    eng.remove("a")  # kept: first + reply[:-1] (the tokens fed)
+    eng.remove("a")  # kept: first + reply (the tokens fed; the last by the step in flight)
     second = np.concatenate([first, reply, rng.integers(3, V, 9)])
     eng.add("b", second)
     got = [eng.step()["b"] for _ in range(8)]
@@ -138,6 +138,86 @@ def test_prompt_cache_evicts_least_recently_used_within_its_bytes():
     small.store([1, 2], _prefilled(model, [1, 2]))
     small.store([3, 4], _prefilled(model, [3, 4]))
     assert list(small.entries) == [(3, 4)]
+
+
+PIPELINE_CASES = [default_model_dir()] + [FAMILY_CASES[f] for f in ("gemma2", "qwen3", "gpt_oss")
+                                           if f in FAMILY_CASES]
+
+
+@pytest.mark.parametrize("d", PIPELINE_CASES, ids=_ids)
+def test_pipelined_steps_are_the_unpipelined_ones(d):
+    # Rows finish while the next step is in flight (each leaves after its own
+    # count, one as soon as it reads its first id) and a row joins beside the
+    # step in flight: every row's ids are those of unpipelined steps and of
+    # the request alone (seeded sampling, repetition penalty included), and
+    # a removed row's unread step never shows (no id, context or count).
+    model = load_model(d).model
+    V = model.args.vocab_size
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(3, V, k) for k in (30, 6, 21, 1)]
+    params = [SamplingParams(temp=0.8, seed=11), SamplingParams(repetition_penalty=1.4, repetition_context_size=5),
+              SamplingParams(), SamplingParams(temp=1.2, top_k=9, seed=5, repetition_penalty=1.2)]
+    lengths, joins = [12, 1, 7, 9], [0, 0, 0, 4]
+    alone = [list(TokenGenerator(model, p, n, s, eos_ids=())) for p, s, n in zip(prompts, params, lengths)]
+    for pipelined in (True, False):
+        eng = BatchEngine(model, pipelined=pipelined)
+        got, rows, step = {i: [] for i in range(4)}, {}, 0
+        while step <= max(joins) or len(eng):
+            for i, at in enumerate(joins):
+                if at == step:
+                    eng.add(i, prompts[i], params[i])
+                    rows[i] = eng.rows[-1]
+            for rid, tok in eng.step().items():
+                got[rid].append(tok)
+                if len(got[rid]) == lengths[rid]:
+                    eng.remove(rid)
+            step += 1
+        assert [got[i] for i in range(4)] == alone, pipelined
+        for i, r in rows.items():  # the extra step fed the last id; its own id was dropped
+            assert r.generated == alone[i] and r.context == list(prompts[i]) + alone[i]
+            assert r.pos == len(prompts[i]) - 1 + lengths[i] + pipelined
+
+
+@pytest.mark.parametrize("d", PIPELINE_CASES, ids=_ids)
+def test_a_row_removed_mid_pipeline_keeps_an_exact_entry(d):
+    # Row "a" leaves while a step is in flight (its sliding rings have
+    # wrapped: the in-flight step wrote over a slot of the ring). Its prompt
+    # cache entry is bit for bit the one unpipelined steps keep for the same
+    # tokens (there: one more step, whose id is never fed), and the row
+    # beside it decodes on unchanged; a later prompt reusing the entry gives
+    # the ids it gives alone.
+    from mlxcel_dist.prompt_cache import PromptCache
+
+    model = load_model(d).model
+    V = model.args.vocab_size
+    rng = np.random.default_rng(4)
+    pa, pb = rng.integers(3, V, 37), rng.integers(3, V, 12)
+    entries, beside = [], []
+    for pipelined in (True, False):
+        pc = PromptCache()
+        eng = BatchEngine(model, prompt_cache=pc, pipelined=pipelined)
+        eng.add("a", pa)
+        eng.add("b", pb, SamplingParams(temp=0.7, seed=2))
+        got = [eng.step() for _ in range(9 if pipelined else 10)]
+        reply = [s["a"] for s in got][:9]
+        eng.remove("a")
+        beside.append([s["b"] for s in got] + [eng.step()["b"] for _ in range(5 if pipelined else 4)])
+        key = tuple(int(t) for t in np.concatenate([pa, reply]))
+        assert key in pc.entries, pipelined
+        entries.append(pc.entries[key][0])
+        eng.remove("b")
+    assert beside[0] == beside[1]
+    for kp, ku in zip(*entries):
+        assert (kp is None) == (ku is None)
+        if kp is not None:
+            for x, y in zip(kp, ku):
+                assert x.shape == y.shape and np.array_equal(np.array(x), np.array(y))
+    follow = np.concatenate([pa, reply, rng.integers(3, V, 5)])
+    pc = PromptCache()
+    pc.store_layers(key, entries[0], [c.window for c in model.make_cache()])  # the pipelined entry
+    eng = BatchEngine(model, prompt_cache=pc)
+    eng.add("c", follow)
+    assert pc.hits == 1 and [eng.step()["c"] for _ in range(6)] == list(TokenGenerator(model, follow, 6, eos_ids=()))
 
 
 def _prefilled(model, tokens):
