@@ -195,12 +195,16 @@ class DecodeStep:
     # softmax form (MLX 0.32 CUDA: an array mask disables both the vector
     # kernel and cuDNN). The split step keeps everything else compiled, in
     # segments between the attention calls:
-    #   segment 0:   embed, layer 0's pre (norm, q/k/v, RoPE, cache write)
+    #   segment 0:   embed, layer 0's pre (norm, q/k/v, RoPE)
     #   segment i:   layer i-1's post (o_proj, MLP, norms, collectives), layer i's pre
     #   segment N:   layer N-1's post, final norm, head -> logits
-    # and runs each layer's attention eagerly on the written prefix of its
-    # buffers, k[..., :n, :] with n = min(pos + 1, S) (views, no copy), with no
-    # mask: what the fused kernels take (and what mlx-lm's decode feeds them).
+    # Between them, eagerly: the new key/value go to their slot of the layer's
+    # buffers (a slice update at the host's position: MLX's static
+    # SliceUpdate, one copy kernel in place, where the compiled step's
+    # position-as-array DynamicSliceUpdate costs MLX CUDA a second kernel to
+    # compute the offset), then the layer's attention on the written prefix
+    # k[..., :n, :] with n = min(pos + 1, S) (views, no copy), with no mask:
+    # what the fused kernels take (and what mlx-lm's decode feeds them).
     # The same numbers as the masked form (the hidden slots have weight 0).
 
     def _make_segments(self) -> list:
@@ -209,26 +213,20 @@ class DecodeStep:
         n = len(layers)
         logits_of = getattr(model, "decode_logits", None) or (lambda h: model.head(model.model.norm(h)))
 
-        def view(i, pos, k, v):
-            st = DecodeState(pos=pos)
-            st[f"k{i}"], st[f"v{i}"] = k, v
-            return st, StaticCache(st, i, self.views[i].window)
-
         def make(i):
             def seg(*args):
                 self._traced = True  # the Python body runs only while mx.compile traces
                 if i == 0:
-                    y, pos, k, v = args
+                    y, pos = args
                     h = model.model.embed(y)
                 else:
-                    x, o = args[:2]
+                    x, o, pos = args
                     h = layers[i - 1].post(x, o)
                     if i == n:
-                        return logits_of(h)[0, -1], args[2] + 1
-                    pos, k, v = args[2:]
-                st, c = view(i, pos, k, v)
+                        return logits_of(h)[0, -1], pos + 1
+                c = _NewKV(pos)
                 x, q, _, _ = layers[i].pre(h, c)
-                return x, q, st[f"k{i}"], st[f"v{i}"]
+                return x, q, *c.kv
 
             return mx.compile(seg)
 
@@ -243,13 +241,33 @@ class DecodeStep:
         self._traced = False
         carry = (y,)
         for i, layer in enumerate(layers):
-            x, q, k, v = segs[i](*carry, pos, s[f"k{i}"], s[f"v{i}"])
-            s[f"k{i}"], s[f"v{i}"] = k, v
-            m = min(p + 1, k.shape[2])
+            x, q, k_new, v_new = segs[i](*carry, pos)
+            # the state's arrays: an indexed assignment makes each the update of itself
+            # (the previous buffer is donated to it: written in place)
+            k, v = s[f"k{i}"], s[f"v{i}"]
+            S = k.shape[2]
+            slot = p % S if self.views[i].window else p  # as StaticCache.update_and_fetch
+            k[..., slot : slot + 1, :] = k_new
+            v[..., slot : slot + 1, :] = v_new
+            m = min(p + 1, S)
             carry = (x, layer.self_attn.attend(q, k[..., :m, :], v[..., :m, :]))
         logits, s["pos"] = segs[-1](*carry, pos)
         self.traces += self._traced  # one count per step that built new graphs
         return logits
+
+
+class _NewKV:
+    """A split segment's cache (`DecodeStep._split_step`): RoPE's offset is
+    the position array; `update_and_fetch` keeps the new key/value, which the
+    step writes to the static buffers outside the compiled segment."""
+
+    def __init__(self, pos: mx.array):
+        self.offset = pos
+        self.kv = None
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        self.kv = (keys, values)
+        return keys, values
 
 
 def _size(n: int, window: int | None) -> int:
