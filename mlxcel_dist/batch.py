@@ -10,9 +10,19 @@ window and is then a ring; the mask of row b is `arange(S) <= pos[b]`
 ([C, 1, 1, S]), RoPE takes the per-row offsets `pos`. Rows are written with
 one scatter per layer (`mx.put_along_axis`), so rows never see each other.
 
-Rows. A request is prefilled alone through the model's own caches (chunked,
-exact as `generate`), then its keys/values move into a free row (the last
-prompt token is that row's first input). `C` (the buffer's row count) is a
+Rows. A request's prompt (all but its last token, less a prompt-cache
+prefix) is prefilled, then its keys/values move into a free row (the last
+prompt token is that row's first input). Requests admitted together
+(`add_many`) are prefilled together when two or more have tokens to feed:
+one forward per chunk of `prefill_step` tokens per prompt over [B, chunk]
+(shorter chunks padded with id 0 after their end), each row at its own
+offset (RoPE) in `PrefillCache` buffers [B, kv_heads, R, D] where position
+p sits in slot p % R (full layers: R covers the longest prompt, slot =
+position; sliding: R = window + chunk, a ring), masks [B, 1, chunk, R] from
+each slot's position (`masks.create_rows_mask`: windowed per row, pad keys
+hidden from real queries, no all-masked row). A lone request is prefilled
+through the model's own caches (chunked, exact as `generate`), as are all
+of a model that cannot batch. `C` (the buffer's row count) is a
 power of two that covers the active rows: a step over 3 sequences computes 4
 rows, and a finished row is filled by moving the last one into it, so the
 active rows are always [0, n). Each step is one `mx.compile`d graph per
@@ -23,15 +33,17 @@ Steps are pipelined as engine.TokenGenerator's: `step` launches step n+1
 host reads them, so one step is in flight between calls. A row removed
 between calls has already been fed its last read id by that step: the K/V
 it writes (exact: the id is real) goes into the prompt cache with the row;
-the id it samples for the row is never read. Rows
-added or removed only change where the next launch takes each row's input
+the id it samples for the row is never read. Rows added or removed only
+change where the next launch takes each row's input
 (the unread id, gathered into the new row order, or a host token) and `pos`.
 Each row's sampler counts its unread id as context (`Sampler.sample(...,
 pending=)`), so the ids are those of unpipelined steps.
 
 Exactness: each row is computed by the same operations as a lone sequence
 (the matmuls batch rows; a row's values do not depend on the others), so
-greedy text is the same alone or batched (tests/test_batch.py).
+greedy text is the same alone or batched, prefilled alone or together
+(tests/test_batch.py compares ids, not logits: a batched matmul or a masked
+key axis longer than a row's need not round bit for bit as the lone one).
 
 Models whose caches are not all `static_kv` (recurrent or conv state) are
 stepped row by row on their own caches: the same results, without batching.
@@ -51,6 +63,7 @@ import numpy as np
 from .cache import LayerCache, SharedKVCache
 from .decode import STEP, _round_up
 from .engine import DEFAULT_PREFILL_STEP, check_tokens, vocab_size
+from .masks import create_rows_mask
 from .sampling import Sampler, SamplingParams
 
 
@@ -90,6 +103,52 @@ class RowCache(LayerCache):
         b[f"v{i}"] = mx.put_along_axis(b[f"v{i}"], idx, values, axis=2)
         self.last = (b[f"k{i}"], b[f"v{i}"], pos)
         return b[f"k{i}"], b[f"v{i}"]
+
+
+class PrefillCache(LayerCache):
+    """One layer's keys/values of B prompts prefilled together: [B, H, R, D],
+    row b's position p in slot p % R (R: the window plus a chunk on a sliding
+    layer, so a chunk never overwrites a key its queries see; the longest
+    prompt plus a chunk on a full layer, so slot = position). `offset` is the
+    chunk's first position per row ([B], for RoPE); the mask comes from each
+    slot's position after this chunk's writes (masks.create_rows_mask)."""
+
+    static_kv = True
+
+    def __init__(self, buffers: dict, index: int, window: int | None, ring: int):
+        self.buffers, self.index, self.window, self.ring = buffers, index, window, ring
+
+    @property
+    def offset(self) -> mx.array:
+        return self.buffers["offsets"]
+
+    def mask(self, L: int) -> mx.array:
+        # slot k holds the latest position p = k (mod R) below the chunk's end (pads included); p < 0: empty
+        end = self.buffers["end"].reshape(-1, 1)
+        k = mx.arange(self.ring)[None]
+        pos = end - 1 - (end - 1 - k) % self.ring
+        return create_rows_mask(L, self.buffers["offsets"], pos, self.window)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        b, i = self.buffers, self.index
+        B, H, L, _ = keys.shape
+        slots = ((b["offsets"].reshape(B, 1) + mx.arange(L)) % self.ring).reshape(B, 1, L, 1)
+        for name, x in ((f"k{i}", keys), (f"v{i}", values)):
+            b[name] = mx.put_along_axis(b[name], mx.broadcast_to(slots, (B, H, L, x.shape[3])), x, axis=2)
+        self.last = (b[f"k{i}"], b[f"v{i}"], b["offsets"])
+        return b[f"k{i}"], b[f"v{i}"]
+
+
+@dataclass(eq=False)
+class _Admit:
+    """A request on its way into a row: its prompt, the prompt-cache prefix."""
+
+    rid: object
+    prompt: np.ndarray
+    last: int  # its last prompt token's position (the row's first input)
+    sampling: SamplingParams | None
+    start: int  # prompt tokens the prompt cache supplies
+    cache: list | None  # their caches (None: a miss)
 
 
 @dataclass(eq=False)
@@ -155,38 +214,71 @@ class BatchEngine:
         return self._size if self.buffers else 0
 
     def add(self, rid, prompt_ids, sampling: SamplingParams | None = None) -> None:
-        """Prefill `prompt_ids` (all but the last token) alone, then move its
+        """Prefill `prompt_ids` (all but the last token), then move its
         keys/values into a new row whose next input is the last prompt token."""
-        prompt = check_tokens(prompt_ids, vocab_size(self.model))
-        last = len(prompt) - 1
-        start, cache = 0, None
-        if self.prompt_cache is not None:
-            start, cache = self.prompt_cache.lookup(prompt, self.model.make_cache)
+        self.add_many([(rid, prompt_ids, sampling)])
+
+    def add_many(self, requests) -> None:
+        """`add` for several (rid, prompt_ids, sampling) at once: the prompts
+        with tokens to prefill are prefilled together (`_prefill_together`,
+        one forward per chunk over all of them) when there are two or more and
+        the model's caches are all static KV; else each alone through the
+        model's own caches (chunked, exact as `generate`). Rows join in a
+        fixed order (every rank makes the same calls)."""
+        todo = []
+        for rid, prompt_ids, sampling in requests:
+            prompt = check_tokens(prompt_ids, vocab_size(self.model))
+            start, cache = 0, None
+            if self.prompt_cache is not None:
+                start, cache = self.prompt_cache.lookup(prompt, self.model.make_cache)
+            todo.append(_Admit(rid, prompt, len(prompt) - 1, sampling, start, cache))
+        if self.static is None:
+            fresh = self.model.make_cache()
+            self.static = bool(fresh) and all(c.static_kv for c in fresh)
+            if self.static:
+                self._learn_layout(None, todo[0].prompt[:1])
+        together = [a for a in todo if a.start < a.last] if self.static else []
+        if len(together) < 2:
+            together = []
+        for a in todo:
+            if not any(a is t for t in together):
+                self._add_alone(a)
+        if together:
+            self._prefill_together(together)
+
+    def _add_alone(self, a: "_Admit") -> None:
+        prompt, last, cache = a.prompt, a.last, a.cache
         if cache is None:
             cache = self.model.make_cache()
-        for i in range(start, last, self.prefill_step):
+        for i in range(a.start, last, self.prefill_step):
             self.model(mx.array(prompt[i : min(i + self.prefill_step, last)])[None], cache)
             mx.eval([c.state for c in cache] if cache else [])
-        if self.prompt_cache is not None and start < last:
+        if self.prompt_cache is not None and a.start < last:
             self.prompt_cache.store(prompt[:last], cache)
-        if self.static is None:
-            self.static = cache is not None and all(c.static_kv for c in cache)
-            if self.static:
-                self._learn_layout(cache if last > 0 else None, prompt[:1])
-        row = Row(rid, Sampler(sampling or SamplingParams()), prompt.tolist(), last, int(prompt[last]))
-        self._changed = True
+        row = Row(a.rid, Sampler(a.sampling or SamplingParams()), prompt.tolist(), last, int(prompt[last]))
         if not self.static:
             row.eager_cache = cache
             self.rows.append(row)
+            self._changed = True
             return
         self._reserve(len(self.rows) + 1, last + 1)
-        b = len(self.rows)
+        self._place(row, [None if self.reads[i] is not None or last == 0 else c.temporal()
+                          for i, c in enumerate(cache)])
+        for c in cache:
+            c.release()
+
+    def _place(self, row: "Row", kv: list) -> None:
+        """Append `row`, its keys/values per layer ((k, v) [1, H, n, D] of
+        positions up to row.pos, oldest first; None: nothing) moved into its
+        batch row (buffers already reserved)."""
+        b, last = len(self.rows), row.pos
         self.rows.append(row)
-        for i, c in enumerate(cache):
-            if self.reads[i] is not None or last == 0:
+        self._changed = True
+        for i, x in enumerate(kv):
+            if x is None:
                 continue
             S = self.buffers[f"k{i}"].shape[2]  # this layer's (a sliding one stops at its window)
-            k, v = c.temporal()
+            k, v = x
             n = min(k.shape[2], S)
             k, v = k[..., k.shape[2] - n :, :], v[..., v.shape[2] - n :, :]
             slots = mx.array(np.arange(last - n, last) % S)
@@ -196,8 +288,88 @@ class BatchEngine:
                 row_buf[..., slots, :] = x
                 buf[b : b + 1] = row_buf
                 self.buffers[name] = buf
-            c.release()
         self._sync_pos()
+
+    def _prefill_together(self, admits: list) -> None:
+        """Prefill several prompts in one forward per chunk of at most
+        `prefill_step` tokens per prompt (PrefillCache: per-row offsets and
+        masks), then move each into a row as `_add_alone` does.
+
+        Rows are sorted by tokens left (most first), so the prompts finished
+        after a chunk are the last rows: they move into the batch and the
+        prefill buffers keep the first rows. A shorter prompt's chunk is padded
+        with id 0 at the positions after its end; its pad keys are masked
+        from its real queries, land where its later tokens (or nothing it
+        keeps) go, and are finite (no query row is all masked)."""
+        admits = sorted(admits, key=lambda a: a.start - a.last)  # stable: ties keep their order
+        L = min(self.prefill_step, admits[0].last - admits[0].start)
+        T = max(a.last for a in admits) + L  # full layers: slot = position, pads included
+        rings = [None if r is not None else (T if w is None else min(w + L, T))
+                 for w, r in zip(self.windows, self.reads)]
+        B = len(admits)
+        bufs = {"offsets": None, "end": None}
+        for i, R in enumerate(rings):
+            if R is None:
+                continue
+            for name in (f"k{i}", f"v{i}"):
+                shape = self._shapes[name]
+                bufs[name] = mx.zeros((B, shape[1], R, shape[3]), self._dtypes[name])
+        for b, a in enumerate(admits):  # a prompt-cache prefix: its keys/values at their slots
+            if a.cache is None:
+                continue
+            for i, c in enumerate(a.cache):
+                if rings[i] is None:
+                    continue
+                k, v = c.temporal()
+                slots = mx.array(np.arange(a.start - k.shape[2], a.start) % rings[i])
+                for name, x in ((f"k{i}", k), (f"v{i}", v)):
+                    row_buf = bufs[name][b : b + 1]
+                    row_buf[..., slots, :] = x
+                    bufs[name][b : b + 1] = row_buf
+                c.release()
+        views = []
+        for i, R in enumerate(rings):
+            if R is None:
+                views.append(SharedKVCache(views[self.reads[i]], self.reads[i]))
+            else:
+                views.append(PrefillCache(bufs, i, self.windows[i], R))
+        self._reserve(len(self.rows) + B, max(a.last for a in admits) + 1)
+        offs = [a.start for a in admits]
+        while admits:
+            lens = [min(L, a.last - o) for a, o in zip(admits, offs)]
+            n = max(lens)
+            tokens = np.zeros((len(admits), n), np.int32)
+            for b, (a, o, m) in enumerate(zip(admits, offs, lens)):
+                tokens[b, :m] = a.prompt[o : o + m]
+            bufs["offsets"] = mx.array(offs, mx.int32)
+            bufs["end"] = bufs["offsets"] + n
+            self.model(mx.array(tokens), views)
+            mx.eval([x for name, x in bufs.items() if name[0] in "kv"])
+            offs = [o + m for o, m in zip(offs, lens)]
+            keep = sum(o < a.last for a, o in zip(admits, offs))  # the finished prompts are the last rows
+            for b in range(keep, len(admits)):
+                self._finish_prefill(admits[b], b, bufs, rings)
+            admits, offs = admits[:keep], offs[:keep]
+            for name in list(bufs):
+                if name[0] in "kv":
+                    bufs[name] = bufs[name][:keep]
+
+    def _finish_prefill(self, a: "_Admit", b: int, bufs: dict, rings: list) -> None:
+        """Row b of the prefill buffers holds prompt `a` up to a.last: keep it
+        in the prompt cache and move it into a batch row."""
+        kv = []
+        for i, R in enumerate(rings):
+            if R is None:
+                kv.append(None)
+                continue
+            w = self.windows[i]
+            n = a.last if w is None else min(a.last, w)  # a ring of w + chunk slots holds the last w
+            slots = mx.array(np.arange(a.last - n, a.last) % R)
+            kv.append(tuple(bufs[f"{x}{i}"][b : b + 1][:, :, slots, :] for x in "kv"))
+        if self.prompt_cache is not None:
+            self.prompt_cache.store_layers(a.prompt[: a.last], kv, self.windows)
+        self._place(Row(a.rid, Sampler(a.sampling or SamplingParams()), a.prompt.tolist(), a.last,
+                        int(a.prompt[a.last])), kv)
 
     def remove(self, rid) -> None:
         """Free `rid`'s row (kept in the prompt cache when there is one): the

@@ -24,6 +24,13 @@ Which builder applies:
 
 No builder ever returns a row that is all False.
 
+Rows at their own offsets (batch.py's prefill of several prompts together):
+`create_rows_mask(size, offsets, key_positions, window)` is [B, 1, size, K]
+for row b's queries at `offsets[b] + q` and the absolute position of each
+key slot per row (a ring's slots hold positions out of order; -1: a slot
+never written), with the same visibility rule; no row is all False as long
+as each query's own key is among the slots (it is written before attention).
+
 `layer_masks` (what models call once per forward) asks each attention kind's
 cache for its mask (the caches own which builder applies: cache.py). They
 return the string ``"causal"`` instead of an array whenever the mask would be
@@ -102,6 +109,23 @@ def create_sliding_window_prefill_mask(size: int, sliding_offset: int, window: i
     if sliding_offset + size <= window:
         return create_causal_mask_with_window(size, sliding_offset, window)
     return create_causal_mask_with_window_full(size, sliding_offset, window)
+
+
+def create_rows_mask(size: int, offsets: mx.array, key_positions: mx.array, window: int | None = None) -> mx.array:
+    """[B, 1, size, K]: row b's query q (position offsets[b] + q) sees key
+    slot k iff its position p = key_positions[b, k] (or [k], shared by the
+    rows) satisfies 0 <= p <= q_pos and, windowed, q_pos - window < p.
+    `offsets` int [B]; key positions int, -1 for a slot never written."""
+    if size < 1:
+        raise ValueError(f"mask needs size >= 1, got size={size}")
+    if window is not None and window < 1:
+        raise ValueError(f"sliding window must be >= 1, got {window}")
+    q = (offsets.reshape(-1, 1) + mx.arange(size))[:, :, None]  # [B, size, 1]
+    k = key_positions.reshape(-1, 1, key_positions.shape[-1])  # [B or 1, 1, K]
+    m = (k >= 0) & (k <= q)
+    if window is not None:
+        m = m & (k > q - window)
+    return m[:, None]
 
 
 def layer_masks(L: int, cache, layer_types: list, window: int | None) -> dict:

@@ -749,8 +749,8 @@ class Service:
                         eng.remove(rid)
                     removals.clear()
                     self.busy_since = None  # prefills: as long as their prompts (never judged stuck)
+                    eng.add_many([(rid, req.prompt_ids, req.sampling) for rid, req in admits_])  # prefilled together
                     for (rid, req), (_, job) in zip(admits_, admissions):
-                        eng.add(rid, req.prompt_ids, req.sampling)
                         if req.logprobs is not None:
                             eng.want[rid] = req.logprobs
                         ids = req.prompt_ids
@@ -895,7 +895,8 @@ def follower_loop(model, tok, group: Group, prefill_step=None) -> None:
 # 2. only when the batch changes: a broadcast of the payload (the rows to
 #    remove, then each admitted request: its row id and the hand-off
 #    encoding of `encode`: prompt ids and bit-copied sampling values);
-# 3. removals, admissions (each prefilled alone, up to --prompt-concurrency),
+# 3. removals, admissions (up to --prompt-concurrency, prefilled together by
+#    BatchEngine.add_many),
 #    then one BatchEngine.step for every row (up to --decode-concurrency):
 #    pipelined, it launches the next step before it reads this one, so a row
 #    removed at 1. was fed once more; that step's id for it is never read.
@@ -1078,8 +1079,7 @@ def follower_batch_loop(model, group: Group, prefill_step, cache_size: int, cach
             removals, admissions = decode_changes(group.broadcast(None, (n,)))
             for rid in removals:
                 eng.remove(rid)
-            for rid, req in admissions:
-                eng.add(rid, req.prompt_ids, req.sampling)
+            eng.add_many([(rid, req.prompt_ids, req.sampling) for rid, req in admissions])
         for tok in eng.step().values():
             guard._record(tok)
 

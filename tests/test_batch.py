@@ -220,6 +220,51 @@ def test_a_row_removed_mid_pipeline_keeps_an_exact_entry(d):
     assert pc.hits == 1 and [eng.step()["c"] for _ in range(6)] == list(TokenGenerator(model, follow, 6, eos_ids=()))
 
 
+@pytest.mark.parametrize("d", CASES, ids=_ids)
+def test_prompts_prefilled_together_decode_as_they_would_alone(d, monkeypatch):
+    # One add_many: prompts past the sliding window beside short ones (rows
+    # finish their prefill at different chunks), a one-token prompt, and a
+    # prompt-cache hit (its prefix past the window) beside misses; greedy and
+    # seeded sampling. Each request's ids are its ids alone.
+    from mlxcel_dist.prompt_cache import PromptCache
+
+    model = load_model(d).model
+    V = model.args.vocab_size
+    rng = np.random.default_rng(5)
+    kept = rng.integers(3, V, 30)
+    prompts = [rng.integers(3, V, k) for k in (70, 3, 1, 40, 17)]
+    prompts.append(np.concatenate([kept, rng.integers(3, V, 6)]))
+    params = [SamplingParams(), SamplingParams(temp=0.9, top_k=20, seed=7), SamplingParams(),
+              SamplingParams(repetition_penalty=1.3), SamplingParams(temp=1.1, top_p=0.9, seed=3), SamplingParams()]
+    n, step = 8, 16
+    alone = [list(TokenGenerator(model, p, n, s, eos_ids=(), prefill_step=step)) for p, s in zip(prompts, params)]
+    together = []
+    monkeypatch.setattr(BatchEngine, "_prefill_together",
+                        lambda self, admits, f=BatchEngine._prefill_together: together.append(len(admits))
+                        or f(self, admits))
+    pc = PromptCache()
+    eng = BatchEngine(model, prefill_step=step, prompt_cache=pc)
+    eng.add("kept", kept)  # keeps kept[:-1]: a prefix of the last prompt
+    eng.remove("kept")
+    eng.add_many([(i, p, s) for i, (p, s) in enumerate(zip(prompts, params))])
+    got = {i: [] for i in range(len(prompts))}
+    for _ in range(n):
+        for rid, tok in eng.step().items():
+            got[rid].append(tok)
+    assert [got[i] for i in range(len(prompts))] == alone
+    if eng.static:
+        assert together == [5] and pc.hits == 1  # all but the one-token prompt, together
+        # the longest prompt's entry, kept by the prefill together, reused alone
+        more = np.concatenate([prompts[0], rng.integers(3, V, 4)])
+        eng.add("more", more)
+        reply = []
+        while len(reply) < 4:  # the rows beside it: a step already in flight without it
+            reply += [tok for rid, tok in eng.step().items() if rid == "more"]
+        assert pc.hits == 2 and reply == list(TokenGenerator(model, more, 4))
+    else:
+        assert together == []
+
+
 def _prefilled(model, tokens):
     import mlx.core as mx
 

@@ -169,3 +169,41 @@ def test_kv_cache_returns_everything():
         pos += n
         assert list(np.array(keys[0, 0, :, 0]).astype(int)) == list(range(pos))
         assert cache.returned == pos
+
+
+def test_rows_mask_is_each_rows_mask_at_its_own_offset():
+    # batch.py's prefill of several prompts: key slot = position (a full
+    # layer), rows at different offsets; each row's mask is the single-offset
+    # builder's over the keys it has, and nothing past them.
+    from mlxcel_dist.masks import create_rows_mask
+
+    for size, window in [(s, w) for s in (1, 3, 8) for w in (None, 1, 4, 16)]:
+        offsets = [0, 5, 12, 1]
+        K = max(offsets) + size
+        m = np.array(create_rows_mask(size, mx.array(offsets), mx.arange(K), window))
+        assert m.shape == (len(offsets), 1, size, K)
+        for b, o in enumerate(offsets):
+            ref = create_causal_mask(size, o) if window is None else create_causal_mask_with_window_full(size, o, window)
+            np.testing.assert_array_equal(m[b, 0, :, : o + size], np.array(ref))
+            assert not m[b, 0, :, o + size :].any()
+            assert m[b, 0].any(axis=1).all()
+
+
+def test_rows_mask_on_a_ring_matches_definition():
+    # A sliding layer's prefill ring (window + chunk slots): slot k holds the
+    # latest position = k (mod R) before the chunk's end; -1 never written.
+    from mlxcel_dist.masks import create_rows_mask
+
+    window, size = 4, 3
+    R = window + size
+    offsets = np.array([0, 2, 9, 20])
+    end = offsets + size
+    k = np.arange(R)
+    pos = end[:, None] - 1 - (end[:, None] - 1 - k) % R
+    m = np.array(create_rows_mask(size, mx.array(offsets), mx.array(pos), window))
+    for b, o in enumerate(offsets):
+        for q in range(size):
+            qp = o + q
+            want = [p >= 0 and qp - window < p <= qp for p in pos[b]]
+            np.testing.assert_array_equal(m[b, 0, q], want)
+            assert m[b, 0, q].sum() == min(window, qp + 1)  # every key of its window, once
