@@ -125,7 +125,8 @@ def build_mlx_lm(cfg: dict, weights):
         w = {(k + ".weight" if k.endswith(("experts.gate_up_proj", "experts.down_proj")) else k):
              (v.swapaxes(-1, -2) if k.endswith(("experts.gate_up_proj", "experts.down_proj")) else v)
              for k, v in w.items()}
-    model.load_weights(list(model.sanitize(w).items()))  # the same arrays: no copy (gpt_oss experts: copies)
+    model.load_weights(list(model.sanitize(w).items()))  # the same arrays: no copy (gpt_oss experts: our
+    # [E, in, out] parameters are views of [E, out, in] arrays (Experts.relayout), mlx-lm's gate/up split copies)
     model.eval()
     return model
 
@@ -215,7 +216,13 @@ def main() -> None:
     ap.add_argument("--eager", action="store_true", help="also time ours with eager (uncompiled) decode steps")
     ap.add_argument("--families", default="", help="comma-separated: " + ",".join(FAMILIES))
     ap.add_argument("--out", default="", help="append every row (JSON lines) to this file")
+    ap.add_argument("--gpt-oss-sort-rows", type=int, default=0,
+                    help="set gpt_oss.SORT_ROWS for this run (experts' rows sorted by expert from N rows; 0: as committed)")
     a = ap.parse_args()
+    if a.gpt_oss_sort_rows:
+        from mlxcel_dist.models import gpt_oss
+
+        gpt_oss.SORT_ROWS = a.gpt_oss_sort_rows
     if a.families:
         return families_main(a)
     info = {"device": str(mx.default_device()), "mlx": mx.__version__, "python": platform.python_version()}
@@ -286,8 +293,10 @@ def families_main(a) -> None:
     _stub_transformers()
     from mlx_lm._version import __version__ as mlx_lm_version
 
+    from mlxcel_dist.models import gpt_oss
+
     emit({"device": str(mx.default_device()), "mlx": mx.__version__, "mlx_lm": mlx_lm_version,
-          "prompt": a.prompt, "gen": a.gen, "repeat": a.repeat})
+          "prompt": a.prompt, "gen": a.gen, "repeat": a.repeat, "gpt_oss_sort_rows": gpt_oss.SORT_ROWS})
     for fam in a.families.split(","):
         t0 = time.perf_counter()
         try:

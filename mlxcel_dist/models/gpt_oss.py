@@ -185,30 +185,58 @@ class Experts(nn.Module):
         y = self.group.all_sum(y)  # partial sums of this rank's slice of each expert
         return y + (self.down_proj_bias[indices] * w).sum(axis=1)
 
+    def relayout(self) -> None:
+        """Keep the expert matrices in mlx-lm's SwitchLinear layout: each
+        stored as [E, out, in] row-major, the parameter being its transposed
+        view, so `gate_up_proj` / `down_proj` keep transformers' names, shapes
+        ([E, in, out]) and values, but `mx.gather_mm(x, self.gate_up_proj,
+        ...)` is mlx-lm's `mx.gather_mm(x, weight.swapaxes(-1, -2), ...)`
+        stride for stride: the form mlx-lm runs MLX CUDA's kernels with. (MLX
+        0.32 CUDA: a transposed rhs takes gather_mv for one row per (token,
+        expert), a row-major one the general gather_mm; sorted rows take a
+        CUTLASS grouped GEMM, whose row-major-B instance gave wrong logits on
+        the H200, docs/benchmarks.md, and which mlx-lm only calls with a
+        column-major B.) Done once per loaded (or sharded) array
+        (`Model.load_weights`)."""
+        for name in ("gate_up_proj", "down_proj"):
+            w = self[name]
+            if self.get(f"_{name}_relaid") is w:
+                continue
+            w = mx.contiguous(w.swapaxes(-1, -2)).swapaxes(-1, -2)
+            self[name] = w
+            self[f"_{name}_relaid"] = w  # "_": never a parameter
 
     def _sorted(self, x, indices):
         """The same products with the (token, expert) rows sorted by expert, so
         that gather_mm multiplies each expert's rows as one block
         (`sorted_indices`: on the GPU a grouped matmul instead of one
         matrix-vector product per row), then put back in token order.
-        [N, k, hidden]. Used only from SORT_ROWS rows (off now, see there)."""
+        [N, k, hidden]. mlx-lm's SwitchGLU steps (`_gather_sort`, gather_mm
+        with sorted_indices=True on the transposed-view weights of
+        `relayout`, `_scatter_unsort`); on the CPU bit-identical to the
+        unsorted path (tests/test_moe.py). Used only from SORT_ROWS rows (off
+        now, see there)."""
         N, k = indices.shape
         flat = indices.flatten()
         order = mx.argsort(flat)
+        inv_order = mx.argsort(order)
         ids = flat[order]
         xs = x[order // k][:, None, :]  # [N*k, 1, hidden]
         gu = mx.gather_mm(xs, self.gate_up_proj, rhs_indices=ids, sorted_indices=True)  # [N*k, 1, 2I]
-        gu = gu + self.gate_up_proj_bias[ids][:, None, :]
+        gu = gu + mx.expand_dims(self.gate_up_proj_bias[ids], -2)
         h = clamped_swiglu(gu, self.alpha, self.limit)
         out = mx.gather_mm(h, self.down_proj, rhs_indices=ids, sorted_indices=True)  # [N*k, 1, hidden]
-        return out[mx.argsort(order)].reshape(N, k, -1)
+        return out[inv_order].reshape(N, k, -1)
 
 
 # (token, expert) rows from which the experts' products run sorted by expert
 # (mlx-lm: 64). OFF: on the H200 (MLX 0.32.4 CUDA) the sorted path made
 # prefill 1.1-1.3x mlx-lm's (was 0.09x) but changed the results (greedy ids
 # differed from the unsorted path's; bit-identical on the CPU in fp32), so it
-# stays off until that is understood (docs/benchmarks.md, 2026-11-30).
+# stays off until that is understood (docs/benchmarks.md, 2026-11-30). That
+# run passed row-major [E, in, out] weights; the experts now keep mlx-lm's
+# layout (`Experts.relayout`). benchmarks/gather_check.py tells on a GPU
+# whether this call form is right there; if it is, SORT_ROWS = 64 turns it on.
 SORT_ROWS = None
 
 
@@ -266,6 +294,17 @@ class Model(CausalLM):
 
     def __init__(self, args: ModelArgs):
         super().__init__(args, GptOssModel(args))
+
+    def load_weights(self, file_or_weights, strict: bool = True):
+        """nn.Module's (strict names and shapes as given), then each layer's
+        experts in mlx-lm's memory layout (`Experts.relayout`: the same
+        parameter names, shapes and values), one layer at a time so that
+        the old and new copies of one layer only are alive together."""
+        super().load_weights(file_or_weights, strict=strict)
+        for layer in self.layers:
+            layer.mlp.experts.relayout()
+            mx.eval(layer.mlp.experts.parameters())
+        return self
 
     def describe_layers(self) -> list[str]:
         a = self.args
