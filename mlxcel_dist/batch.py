@@ -13,8 +13,8 @@ one scatter per layer (`mx.put_along_axis`), so rows never see each other.
 Rows. A request's prompt (all but its last token, less a prompt-cache
 prefix) is prefilled, then its keys/values move into a free row (the last
 prompt token is that row's first input). Requests admitted together
-(`add_many`) are prefilled together when two or more have tokens to feed:
-one forward per chunk of `prefill_step` tokens per prompt over [B, chunk]
+(`add_many`) are prefilled together in groups of two or more whose padding
+stays within PAD_SLACK of their tokens (`_pad_groups`): one forward per chunk of `prefill_step` tokens per prompt over [B, chunk]
 (shorter chunks padded with id 0 after their end), each row at its own
 offset (RoPE) in `PrefillCache` buffers [B, kv_heads, R, D] where position
 p sits in slot p % R (full layers: R covers the longest prompt, slot =
@@ -37,7 +37,9 @@ the id it samples for the row is never read. Rows added or removed only
 change where the next launch takes each row's input
 (the unread id, gathered into the new row order, or a host token) and `pos`.
 Each row's sampler counts its unread id as context (`Sampler.sample(...,
-pending=)`), so the ids are those of unpipelined steps.
+pending=)`), so the ids are those of unpipelined steps. No step is launched
+once every row has had its `budget` (the caller's max_tokens) launched: a
+lone request's last id leaves nothing running behind it.
 
 Exactness: each row is computed by the same operations as a lone sequence
 (the matmuls batch rows; a row's values do not depend on the others), so
@@ -115,18 +117,19 @@ class PrefillCache(LayerCache):
 
     static_kv = True
 
-    def __init__(self, buffers: dict, index: int, window: int | None, ring: int):
-        self.buffers, self.index, self.window, self.ring = buffers, index, window, ring
+    def __init__(self, buffers: dict, index: int, window: int | None, ring: int, wraps: bool):
+        self.buffers, self.index, self.window, self.ring, self.wraps = buffers, index, window, ring, wraps
 
     @property
     def offset(self) -> mx.array:
         return self.buffers["offsets"]
 
     def mask(self, L: int) -> mx.array:
-        # slot k holds the latest position p = k (mod R) below the chunk's end (pads included); p < 0: empty
-        end = self.buffers["end"].reshape(-1, 1)
-        k = mx.arange(self.ring)[None]
-        pos = end - 1 - (end - 1 - k) % self.ring
+        if not self.wraps:  # slot = position: the slots up to this chunk's last end
+            pos = mx.arange(self.buffers["upto"])
+        else:  # slot k: the latest position = k (mod R) before the row's chunk end (pads included); < 0: empty
+            end = self.buffers["end"].reshape(-1, 1)
+            pos = end - 1 - (end - 1 - mx.arange(self.ring)[None]) % self.ring
         return create_rows_mask(L, self.buffers["offsets"], pos, self.window)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
@@ -135,8 +138,11 @@ class PrefillCache(LayerCache):
         slots = ((b["offsets"].reshape(B, 1) + mx.arange(L)) % self.ring).reshape(B, 1, L, 1)
         for name, x in ((f"k{i}", keys), (f"v{i}", values)):
             b[name] = mx.put_along_axis(b[name], mx.broadcast_to(slots, (B, H, L, x.shape[3])), x, axis=2)
-        self.last = (b[f"k{i}"], b[f"v{i}"], b["offsets"])
-        return b[f"k{i}"], b[f"v{i}"]
+        k, v = b[f"k{i}"], b[f"v{i}"]
+        if not self.wraps:  # attention over the keys written so far, not the whole buffer
+            k, v = k[:, :, : b["upto"]], v[:, :, : b["upto"]]
+        self.last = (k, v, b["offsets"])
+        return k, v
 
 
 @dataclass(eq=False)
@@ -149,6 +155,42 @@ class _Admit:
     sampling: SamplingParams | None
     start: int  # prompt tokens the prompt cache supplies
     cache: list | None  # their caches (None: a miss)
+    budget: int | None = None
+
+
+PAD_SLACK = 1.25  # prompts prefill together while the padded tokens stay within 25% of the real ones
+
+
+def _chunks(admits: list, L: int):
+    """The chunk schedule of prompts sorted by tokens left (most first):
+    per forward (each active row's offset, its tokens in the chunk, the
+    largest end); a row leaves after its last chunk, so the active rows are
+    always the first ones."""
+    offs = [a.start for a in admits]
+    while offs:
+        lens = [min(L, a.last - o) for a, o in zip(admits, offs)]
+        n = max(lens)
+        yield offs, lens, max(o + n for o in offs)
+        offs = [o + m for a, o, m in zip(admits, offs, lens) if o + m < a.last]
+
+
+def _pad_groups(admits: list, step: int) -> list:
+    """Prompts (sorted by tokens left) in groups prefilled together: a prompt
+    joins the group before it while the group's forwards, padded to their
+    longest chunk, cost at most PAD_SLACK x its real tokens (on a CPU the
+    padding is pure cost; a GPU gains by fewer, larger forwards)."""
+    admits = sorted(admits, key=lambda a: a.start - a.last)
+    groups = []
+    for a in admits:
+        g = groups[-1] + [a] if groups else None
+        if g is not None:
+            L = min(step, g[0].last - g[0].start)
+            padded = sum(len(offs) * max(lens) for offs, lens, _ in _chunks(g, L))
+            if padded <= PAD_SLACK * sum(x.last - x.start for x in g):
+                groups[-1] = g
+                continue
+        groups.append([a])
+    return groups
 
 
 @dataclass(eq=False)
@@ -162,6 +204,8 @@ class Row:
     token: int  # the token it feeds next when no step in flight holds it (read ids, the prompt's last)
     eager_cache: list | None = None  # models that cannot batch: their own cache
     generated: list = field(default_factory=list)
+    budget: int | None = None  # ids the caller will read at most (max_tokens): no step launched past it
+    launched: int = 0  # steps launched for it
 
 
 @dataclass(eq=False)
@@ -219,32 +263,33 @@ class BatchEngine:
         self.add_many([(rid, prompt_ids, sampling)])
 
     def add_many(self, requests) -> None:
-        """`add` for several (rid, prompt_ids, sampling) at once: the prompts
+        """`add` for several (rid, prompt_ids, sampling[, budget]) at once
+        (budget: the most ids the caller reads for it, e.g. max_tokens); the prompts
         with tokens to prefill are prefilled together (`_prefill_together`,
         one forward per chunk over all of them) when there are two or more and
         the model's caches are all static KV; else each alone through the
         model's own caches (chunked, exact as `generate`). Rows join in a
         fixed order (every rank makes the same calls)."""
         todo = []
-        for rid, prompt_ids, sampling in requests:
+        for rid, prompt_ids, sampling, *budget in requests:
             prompt = check_tokens(prompt_ids, vocab_size(self.model))
             start, cache = 0, None
             if self.prompt_cache is not None:
                 start, cache = self.prompt_cache.lookup(prompt, self.model.make_cache)
-            todo.append(_Admit(rid, prompt, len(prompt) - 1, sampling, start, cache))
+            todo.append(_Admit(rid, prompt, len(prompt) - 1, sampling, start, cache, budget[0] if budget else None))
         if self.static is None:
             fresh = self.model.make_cache()
             self.static = bool(fresh) and all(c.static_kv for c in fresh)
             if self.static:
                 self._learn_layout(None, todo[0].prompt[:1])
         together = [a for a in todo if a.start < a.last] if self.static else []
-        if len(together) < 2:
-            together = []
+        groups = _pad_groups(together, self.prefill_step)
+        together = [g for g in groups if len(g) > 1]
         for a in todo:
-            if not any(a is t for t in together):
+            if not any(a is t for g in together for t in g):
                 self._add_alone(a)
-        if together:
-            self._prefill_together(together)
+        for g in together:
+            self._prefill_together(g)
 
     def _add_alone(self, a: "_Admit") -> None:
         prompt, last, cache = a.prompt, a.last, a.cache
@@ -255,7 +300,8 @@ class BatchEngine:
             mx.eval([c.state for c in cache] if cache else [])
         if self.prompt_cache is not None and a.start < last:
             self.prompt_cache.store(prompt[:last], cache)
-        row = Row(a.rid, Sampler(a.sampling or SamplingParams()), prompt.tolist(), last, int(prompt[last]))
+        row = Row(a.rid, Sampler(a.sampling or SamplingParams()), prompt.tolist(), last, int(prompt[last]),
+                  budget=a.budget)
         if not self.static:
             row.eager_cache = cache
             self.rows.append(row)
@@ -303,11 +349,11 @@ class BatchEngine:
         keeps) go, and are finite (no query row is all masked)."""
         admits = sorted(admits, key=lambda a: a.start - a.last)  # stable: ties keep their order
         L = min(self.prefill_step, admits[0].last - admits[0].start)
-        T = max(a.last for a in admits) + L  # full layers: slot = position, pads included
+        T = max(end for _, _, end in _chunks(admits, L))  # slots written, pads included
         rings = [None if r is not None else (T if w is None else min(w + L, T))
                  for w, r in zip(self.windows, self.reads)]
         B = len(admits)
-        bufs = {"offsets": None, "end": None}
+        bufs = {"offsets": None, "end": None, "upto": 0}
         for i, R in enumerate(rings):
             if R is None:
                 continue
@@ -332,24 +378,20 @@ class BatchEngine:
             if R is None:
                 views.append(SharedKVCache(views[self.reads[i]], self.reads[i]))
             else:
-                views.append(PrefillCache(bufs, i, self.windows[i], R))
+                views.append(PrefillCache(bufs, i, self.windows[i], R, wraps=R < T))
         self._reserve(len(self.rows) + B, max(a.last for a in admits) + 1)
-        offs = [a.start for a in admits]
-        while admits:
-            lens = [min(L, a.last - o) for a, o in zip(admits, offs)]
+        for offs, lens, upto in _chunks(admits, L):
             n = max(lens)
-            tokens = np.zeros((len(admits), n), np.int32)
+            tokens = np.zeros((len(offs), n), np.int32)
             for b, (a, o, m) in enumerate(zip(admits, offs, lens)):
                 tokens[b, :m] = a.prompt[o : o + m]
             bufs["offsets"] = mx.array(offs, mx.int32)
-            bufs["end"] = bufs["offsets"] + n
+            bufs["end"], bufs["upto"] = bufs["offsets"] + n, upto
             self.model(mx.array(tokens), views)
             mx.eval([x for name, x in bufs.items() if name[0] in "kv"])
-            offs = [o + m for o, m in zip(offs, lens)]
-            keep = sum(o < a.last for a, o in zip(admits, offs))  # the finished prompts are the last rows
-            for b in range(keep, len(admits)):
+            keep = sum(o + m < a.last for a, o, m in zip(admits, offs, lens))  # the finished are the last rows
+            for b in range(keep, len(offs)):
                 self._finish_prefill(admits[b], b, bufs, rings)
-            admits, offs = admits[:keep], offs[:keep]
             for name in list(bufs):
                 if name[0] in "kv":
                     bufs[name] = bufs[name][:keep]
@@ -369,7 +411,7 @@ class BatchEngine:
         if self.prompt_cache is not None:
             self.prompt_cache.store_layers(a.prompt[: a.last], kv, self.windows)
         self._place(Row(a.rid, Sampler(a.sampling or SamplingParams()), a.prompt.tolist(), a.last,
-                        int(a.prompt[a.last])), kv)
+                        int(a.prompt[a.last]), budget=a.budget), kv)
 
     def remove(self, rid) -> None:
         """Free `rid`'s row (kept in the prompt cache when there is one): the
@@ -547,6 +589,7 @@ class BatchEngine:
         mx.async_eval(stacked, extras)
         for r in self.rows:
             r.pos += 1
+            r.launched += 1
         self._flights.append(_Flight(list(self.rows), stacked, extras))
         self._changed = False
 
@@ -578,7 +621,8 @@ class BatchEngine:
             return {}
         if not self._flights:
             self.launch()
-        if self.pipelined:
+        # no step past every row's budget: its work would only be discarded (a lone request's last id)
+        if self.pipelined and any(r.budget is None or r.launched < r.budget for r in self.rows):
             self.launch()
         return self.collect()
 

@@ -749,7 +749,7 @@ class Service:
                         eng.remove(rid)
                     removals.clear()
                     self.busy_since = None  # prefills: as long as their prompts (never judged stuck)
-                    eng.add_many([(rid, req.prompt_ids, req.sampling) for rid, req in admits_])  # prefilled together
+                    eng.add_many([(rid, req.prompt_ids, req.sampling, req.max_tokens) for rid, req in admits_])
                     for (rid, req), (_, job) in zip(admits_, admissions):
                         if req.logprobs is not None:
                             eng.want[rid] = req.logprobs
@@ -1079,7 +1079,7 @@ def follower_batch_loop(model, group: Group, prefill_step, cache_size: int, cach
             removals, admissions = decode_changes(group.broadcast(None, (n,)))
             for rid in removals:
                 eng.remove(rid)
-            eng.add_many([(rid, req.prompt_ids, req.sampling) for rid, req in admissions])
+            eng.add_many([(rid, req.prompt_ids, req.sampling, req.max_tokens) for rid, req in admissions])
         for tok in eng.step().values():
             guard._record(tok)
 

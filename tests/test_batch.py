@@ -178,6 +178,22 @@ def test_pipelined_steps_are_the_unpipelined_ones(d):
             assert r.pos == len(prompts[i]) - 1 + lengths[i] + pipelined
 
 
+def test_no_step_is_launched_past_every_rows_budget():
+    # A row's budget (the server's max_tokens): once every row has its last
+    # step launched, `step` reads it without launching one more (a lone
+    # request's wasted step would delay the next request's prefill).
+    model = load_model(default_model_dir()).model
+    rng = np.random.default_rng(6)
+    pa, pb = rng.integers(3, model.args.vocab_size, 9), rng.integers(3, model.args.vocab_size, 4)
+    eng = BatchEngine(model)
+    eng.add_many([("a", pa, None, 5), ("b", pb, None, 3)])
+    got = [eng.step() for _ in range(5)]
+    a, b = eng.rows
+    assert [s["a"] for s in got] == list(TokenGenerator(model, pa, 5, eos_ids=()))
+    assert a.launched == 5 and b.launched == 5  # "b" past its budget rides along with "a"
+    assert not eng._flights
+
+
 @pytest.mark.parametrize("d", PIPELINE_CASES, ids=_ids)
 def test_a_row_removed_mid_pipeline_keeps_an_exact_entry(d):
     # Row "a" leaves while a step is in flight (its sliding rings have
@@ -226,6 +242,7 @@ def test_prompts_prefilled_together_decode_as_they_would_alone(d, monkeypatch):
     # finish their prefill at different chunks), a one-token prompt, and a
     # prompt-cache hit (its prefix past the window) beside misses; greedy and
     # seeded sampling. Each request's ids are its ids alone.
+    import mlxcel_dist.batch as batch
     from mlxcel_dist.prompt_cache import PromptCache
 
     model = load_model(d).model
@@ -239,6 +256,7 @@ def test_prompts_prefilled_together_decode_as_they_would_alone(d, monkeypatch):
     n, step = 8, 16
     alone = [list(TokenGenerator(model, p, n, s, eos_ids=(), prefill_step=step)) for p, s in zip(prompts, params)]
     together = []
+    monkeypatch.setattr(batch, "PAD_SLACK", 100.0)  # one group however uneven: padding tested too
     monkeypatch.setattr(BatchEngine, "_prefill_together",
                         lambda self, admits, f=BatchEngine._prefill_together: together.append(len(admits))
                         or f(self, admits))
@@ -263,6 +281,23 @@ def test_prompts_prefilled_together_decode_as_they_would_alone(d, monkeypatch):
         assert pc.hits == 2 and reply == list(TokenGenerator(model, more, 4))
     else:
         assert together == []
+
+
+def test_prompts_group_while_their_padding_stays_small():
+    # Prompts prefill together while padding each chunk to its longest row
+    # costs at most PAD_SLACK x their tokens; a group of one goes alone.
+    from mlxcel_dist.batch import _Admit, _pad_groups
+
+    def admits(*left):
+        return [_Admit(i, None, n, None, 0, None) for i, n in enumerate(left)]
+
+    sizes = lambda groups: [[a.last for a in g] for g in groups]  # noqa: E731
+    assert sizes(_pad_groups(admits(300, 250, 200, 180, 150, 120, 100, 64), 2048)) == \
+        [[300, 250, 200], [180, 150, 120], [100, 64]]
+    assert sizes(_pad_groups(admits(20, 20, 20, 3), 2048)) == [[20, 20, 20], [3]]
+    # chunks of 16: the long prompts' unpadded chunks amortise a short one's padding
+    assert sizes(_pad_groups(admits(5, 70, 60), 16)) == [[70, 60, 5]]
+    assert sizes(_pad_groups(admits(5, 70), 2048)) == [[70], [5]]
 
 
 def _prefilled(model, tokens):
