@@ -95,7 +95,10 @@ def free_port() -> int:
 
 def server_cmd(name: str, model: Path, port: int) -> list[str]:
     ours = [sys.executable, "-m", "mlxcel_dist.cli", "serve", str(model), "--port", str(port)]
-    mlx_lm = [str(BIN / "mlx_lm.server"), "--model", str(model), "--port", str(port)]
+    # `python -m mlx_lm.server` where the console script is not installed (a PYTHONPATH-only setup)
+    script = BIN / "mlx_lm.server"
+    mlx_lm = ([str(script)] if script.exists() else [sys.executable, "-m", "mlx_lm.server"]) + [
+        "--model", str(model), "--port", str(port)]
     return {
         "ours-np1": ours,
         "ours-np2": ours + ["--np", "2"],

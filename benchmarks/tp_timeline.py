@@ -140,11 +140,15 @@ def _segment_times(d, y, steps: int) -> dict:
             carry = (y,)
             for i, layer in enumerate(layers):
                 t = time.perf_counter()
-                x, q, k, v = segs[i](*carry, pos, s[f"k{i}"], s[f"v{i}"])
+                x, q, k_new, v_new = segs[i](*carry, pos)
+                k, v = s[f"k{i}"], s[f"v{i}"]  # the new K/V to their slot, as DecodeStep._split_step
+                S = k.shape[2]
+                slot = p % S if d.views[i].window else p
+                k[..., slot : slot + 1, :] = k_new
+                v[..., slot : slot + 1, :] = v_new
                 (mx.async_eval if mode == "encode" else mx.eval)(x, q, k, v)
                 st.append(time.perf_counter() - t)
-                s[f"k{i}"], s[f"v{i}"] = k, v
-                m = min(p + 1, k.shape[2])
+                m = min(p + 1, S)
                 t = time.perf_counter()
                 o = layer.self_attn.attend(q, k[..., :m, :], v[..., :m, :])
                 (mx.async_eval if mode == "encode" else mx.eval)(o)

@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# The device runs of docs/benchmarks.md's 2026-11-30 second-session sections,
+# on nvidia-h200-x2 after MLX's CUDA wheel is staged (source .dev/setup2.sh).
+# One part per device call (each well inside the 10-minute limit):
+#
+#   bash benchmarks/h200_runs.sh compare   # issue 19: per-family one-GPU decode/prefill vs mlx-lm; gather_mm forms
+#   bash benchmarks/h200_runs.sh tp27      # issue 18: 27B-shaped np 1 / np 2 (CUDA graphs on, off), prefill profile
+#   bash benchmarks/h200_runs.sh serve     # issue 17: 12B-shaped serve load, ours np 1 / np 2, mlx_lm.server np 1
+#   bash benchmarks/h200_runs.sh match     # issue 18: logit-match --np 2 --backend nccl on the 12B-shaped checkpoint
+#
+# JSON and logs land in $OUT (at most 8 files come back).
+set -u
+O=${OUT:-/tmp/h200}
+mkdir -p "$O"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+nvidia-smi --query-gpu=index,name,clocks.sm,clocks.mem,memory.used --format=csv,noheader
+CKPT=${CKPT:-/tmp/ckpt/gemma3-12b}
+
+ckpt12b() {  # the 12B-shaped random bf16 checkpoint on disk (serve and match read it)
+  python3 - "$CKPT" <<'EOF'
+import sys, time
+sys.path.insert(0, "benchmarks")
+from gpu_compare import GEMMA3_12B
+from random_ckpt import gemma3_checkpoint
+t = time.perf_counter()
+p = gemma3_checkpoint(sys.argv[1], **GEMMA3_12B)
+print(f"checkpoint {p} ready in {time.perf_counter() - t:.0f} s", flush=True)
+EOF
+}
+
+case "${1:-}" in
+compare)
+  timeout 90 python3 benchmarks/gather_check.py 2>&1 | tee "$O/gather_check.txt" | grep -E "OK=|max|error" | tail -30
+  C() { timeout "$1" python3 benchmarks/gpu_compare.py --prompt 2048 --gen 128 --out "$O/compare.jsonl" "${@:2}" 2>&1 \
+        | grep -v "^\s*$" | tail -25; }
+  C 330 --families qwen3,mistral,llama,gemma3 --repeat 3
+  C 100 --families gpt_oss --repeat 2
+  C 100 --families gpt_oss --repeat 2 --gpt-oss-sort-rows 64
+  ;;
+tp27)
+  T() { local lim=$1; shift; timeout "$lim" python3 benchmarks/tp_timeline.py --out-dir "$O" --shape 27b "$@" 2>&1 \
+        | grep -v "^\s*$" | tail -3; }
+  T 170 --np 1 --quick --prefill-profile --steps 12 --tag np1
+  T 180 --np 2 --backend nccl --quick --prefill-profile --steps 12 --tag np2
+  MLX_USE_CUDA_GRAPHS=0 T 150 --np 2 --backend nccl --quick --steps 12 --tag np2-nographs
+  ls -la "$O"
+  ;;
+serve)
+  ckpt12b
+  timeout 480 python3 benchmarks/serve_load.py --model "$CKPT" --clients 1,4,16 --requests 2 --tokens 64 \
+    --servers ours-np1,mlx_lm-np1,ours-np2 --json "$O/serve.json" 2>&1 | tail -30
+  ;;
+match)
+  ckpt12b
+  /usr/bin/time -v timeout 560 python3 -m mlxcel_dist.cli logit-match "$CKPT" --np 2 --backend nccl 2>&1 \
+    | grep -v "^\s*$" | grep -v -E "^\s+(Average|Exit|Major|Minor|Voluntary|Involuntary|Swaps|File|Socket|Signals|Page|Percent|System|User)" \
+    | tail -25
+  ;;
+*)
+  echo "usage: $0 compare|tp27|serve|match" >&2
+  exit 2
+  ;;
+esac
