@@ -217,6 +217,10 @@ class _Flight:
     extras: object
 
 
+def _plain_greedy(params) -> bool:
+    return params.greedy and params.repetition_penalty == 1.0
+
+
 class BatchEngine:
     """Rows that decode together. `add` prefills a request and gives it a
     row; `step` feeds every row's next token in one forward and returns
@@ -582,9 +586,15 @@ class BatchEngine:
             x = (tokens if C == n else mx.concatenate([tokens, mx.zeros((C - n,), mx.int32)])).reshape(C, 1)
             logits = self._compiled(x) if self._compiled is not None else self._forward(x)
             rows = [logits[b] for b in range(n)]
-        # every row's sampler on its own logits, the unread id counted as context
-        ids = [r.sampler.sample(x, r.context, pending=p) for r, x, p in zip(self.rows, rows, pending)]
-        stacked = mx.stack(ids)
+        if self.static and all(_plain_greedy(r.sampler.params) for r in self.rows):
+            # every row greedy, no penalty: one argmax over the batch (the same ids as each
+            # row's Sampler: argmax of the same float32 values), not ~5 small ops per row
+            stacked = mx.argmax(logits[:n].astype(mx.float32), axis=-1).astype(mx.int32)
+            ids = [stacked[b] for b in range(n)]
+        else:
+            # every row's sampler on its own logits, the unread id counted as context
+            ids = [r.sampler.sample(x, r.context, pending=p) for r, x, p in zip(self.rows, rows, pending)]
+            stacked = mx.stack(ids)
         extras = self.step_extras(rows, ids, pending)
         mx.async_eval(stacked, extras)
         for r in self.rows:

@@ -178,6 +178,42 @@ def test_pipelined_steps_are_the_unpipelined_ones(d):
             assert r.pos == len(prompts[i]) - 1 + lengths[i] + pipelined
 
 
+@pytest.mark.parametrize("d", PIPELINE_CASES, ids=_ids)
+def test_all_greedy_rows_take_one_batched_argmax(d, monkeypatch):
+    # Every row greedy with no penalty: one argmax over the batch's logits
+    # (no per-row Sampler call), the same ids as each request alone; a row with
+    # a penalty joining sends the step back to the per-row samplers.
+    import mlxcel_dist.sampling as sampling
+
+    calls = []
+    orig = sampling.Sampler.sample
+    monkeypatch.setattr(sampling.Sampler, "sample", lambda self, *a, **k: calls.append(1) or orig(self, *a, **k))
+    model = load_model(d).model
+    rng = np.random.default_rng(8)
+    prompts = [rng.integers(3, model.args.vocab_size, k) for k in (17, 5, 26)]
+    params = [SamplingParams(), SamplingParams(), SamplingParams(repetition_penalty=1.3)]
+    n = 8
+    alone = [list(TokenGenerator(model, p, n, s, eos_ids=())) for p, s in zip(prompts, params)]
+    calls.clear()
+    eng = BatchEngine(model)
+    got = {i: [] for i in range(3)}
+    for i in (0, 1):
+        eng.add(i, prompts[i], params[i])
+    for _ in range(3):
+        for rid, tok in eng.step().items():
+            got[rid].append(tok)
+    if eng.static:
+        assert not calls  # the greedy rows' steps took the batched argmax
+    eng.add(2, prompts[2], params[2])
+    while len(eng):
+        for rid, tok in eng.step().items():
+            got[rid].append(tok)
+            if len(got[rid]) == n:
+                eng.remove(rid)
+    assert calls  # with the penalised row: per-row samplers
+    assert [got[i] for i in range(3)] == alone
+
+
 def test_no_step_is_launched_past_every_rows_budget():
     # A row's budget (the server's max_tokens): once every row has its last
     # step launched, `step` reads it without launching one more (a lone
