@@ -1,28 +1,32 @@
-"""Is `mx.gather_mm` with sorted rows right on this device? One run answers it.
+"""Is `mx.gather_mm` right on this device, sorted and unsorted, and is
+gpt_oss's expert block? One run answers it.
 
-gpt_oss's experts can run with their (token, expert) rows sorted by expert
-(`gpt_oss.SORT_ROWS`), which on MLX CUDA takes a grouped GEMM instead of one
-matrix-vector product per row (prefill 0.09x -> 1.1-1.3x of mlx-lm on an
-H200). A first GPU run of it gave wrong logits while the CPU was
-bit-identical (docs/benchmarks.md, issue 19). That run passed row-major
-[E, in, out] weights; mlx-lm stores [E, out, in] and passes the transposed
-view (`mx.gather_mm(x, weight.swapaxes(-1, -2), rhs_indices=idx,
-sorted_indices=True)`), and so does gpt_oss now (`Experts.relayout`).
+MLX CUDA's `mx.gather_mm` multiplies unsorted (token, expert) rows one
+matrix-vector product at a time (gpt_oss prefill on an H200 1.8k tok/s, 0.09x
+mlx-lm's). mlx-lm sorts the rows by expert and passes sorted_indices=True
+(a grouped GEMM). Measured on the H200 (MLX 0.32.4 CUDA, 2026-12): the
+sorted forms are WRONG (max err 1.8 against the dense reference, in both
+the row-major and mlx-lm's transposed-view call forms), the unsorted forms
+right. So gpt_oss does not use sorted gather_mm: its prefill groups the rows
+by expert and runs plain dense matmuls per expert (`gpt_oss.Experts._grouped`,
+from `gpt_oss.GROUP_ROWS` rows), decode stays on unsorted gather_mm.
 
 For each dtype and shape this prints, against a dense reference (per
 expert, plain fp32 matmuls of the same operands), the max error of:
 
-    rowmajor/unsorted   gather_mm(x[:, None, None], W [E, in, out] row-major, idx)          (gpt_oss before)
-    rowmajor/sorted     the same rows sorted by expert, sorted_indices=True                 (the run that failed)
-    mlx-lm/unsorted     gather_mm(x[:, None, None], Wt.swapaxes(-1, -2), idx), Wt [E, out, in]   (gpt_oss decode now)
-    mlx-lm/sorted       sorted rows, Wt.swapaxes(-1, -2), sorted_indices=True               (mlx-lm's SwitchGLU; gpt_oss's sorted path)
+    rowmajor/unsorted   gather_mm(x[:, None, None], W [E, in, out] row-major, idx)
+    rowmajor/sorted     the same rows sorted by expert, sorted_indices=True          (WRONG on MLX 0.32.4 CUDA)
+    mlx-lm/unsorted     gather_mm(x[:, None, None], Wt.swapaxes(-1, -2), idx), Wt [E, out, in]   (gpt_oss decode)
+    mlx-lm/sorted       sorted rows, Wt.swapaxes(-1, -2), sorted_indices=True        (mlx-lm's SwitchGLU; WRONG there)
 
 and, when mlxcel_dist imports, the whole gpt_oss expert block (`Experts`,
-relaid) with SORT_ROWS off and on against a dense fp32 block. "err" is max
-|out - ref| / max |ref|; a bf16 result should be within a few 2^-8, fp32
-within ~1e-3 (CUTLASS may use TF32); "WRONG" marks > 0.05 (rows mixed up,
-not rounding). Verdict lines at the end: SORTED_MLX_LM_FORM_OK tells whether
-turning SORT_ROWS on (`SORT_ROWS = 64`) is safe on this device.
+relaid as the model loads it) gathered and grouped against a dense fp32
+block, with the grouped block's time vs the gathered one's (--reps). "err"
+is max |out - ref| / max |ref|; a bf16 result should be within a few 2^-8,
+fp32 within ~1e-3 (the GPU may use TF32); "WRONG" marks > 0.05 (rows mixed
+up, not rounding). Verdict lines at the end: GPT_OSS_GROUPED_BLOCK_OK tells
+whether gpt_oss's prefill path is right on this device; the SORTED_* lines
+whether a future MLX fixed sorted gather_mm.
 
     python benchmarks/gather_check.py                     # GPU: every shape; CPU: the small ones, fp32 only
     python benchmarks/gather_check.py --shapes small --dtypes float32
@@ -133,8 +137,8 @@ def check_raw(dtype, shape, reps, results):
         print(json.dumps(row), flush=True)
 
 
-def check_block(dtype, shape, results):
-    """gpt_oss.Experts (relaid as the model loads it), SORT_ROWS off and on, vs a dense fp32 block."""
+def check_block(dtype, shape, reps, results):
+    """gpt_oss.Experts (relaid as the model loads it), gathered and grouped, vs a dense fp32 block."""
     try:
         sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         from mlxcel_dist.models import gpt_oss
@@ -165,32 +169,30 @@ def check_block(dtype, shape, results):
         sel = mx.array(np.nonzero(flat == e)[0])
         hd[sel] = hf[sel] @ down[int(e)]
     ref = ((hd.reshape(T, k, K) + ex.down_proj_bias.astype(mx.float32)[idx]) * w.astype(mx.float32)[..., None]).sum(1)
-    saved = gpt_oss.SORT_ROWS
     outs = {}
-    try:
-        for label, rows in (("off", None), ("on (64)", 64)):
-            gpt_oss.SORT_ROWS = rows
-            row = {"block": f"gpt_oss Experts, SORT_ROWS {label}", "dtype": str(dtype).split(".")[-1],
-                   "T,E,k,in,2I": [T, E, k, K, 2 * inter], "sorted path": rows is not None and T * k >= rows and gpt_oss.native_gather_mm(x)}
-            try:
-                outs[label] = ex(x, idx, w)
-                mx.eval(outs[label])
-                row["err"] = round(err(outs[label], ref), 6)
-                row["status"] = "WRONG" if row["err"] > WRONG else "ok"
-            except Exception as e:  # noqa: BLE001
-                row["status"] = f"unsupported: {type(e).__name__}: {str(e)[:100]}"
-            results.append(row)
-            print(json.dumps(row), flush=True)
-    finally:
-        gpt_oss.SORT_ROWS = saved
+    for label, grouped in (("gathered", False), ("grouped", True)):
+        row = {"block": f"gpt_oss Experts, {label}", "dtype": str(dtype).split(".")[-1],
+               "T,E,k,in,2I": [T, E, k, K, 2 * inter], "grouped": grouped,
+               "model would group": gpt_oss.use_grouped(T * k, T)}
+        try:
+            outs[label] = ex(x, idx, w, grouped=grouped)
+            mx.eval(outs[label])
+            row["err"] = round(err(outs[label], ref), 6)
+            row["status"] = "WRONG" if row["err"] > WRONG else "ok"
+            if reps:
+                row["ms"] = round(timed(lambda: ex(x, idx, w, grouped=grouped), reps), 3)
+        except Exception as e:  # noqa: BLE001
+            row["status"] = f"unsupported: {type(e).__name__}: {str(e)[:100]}"
+        results.append(row)
+        print(json.dumps(row), flush=True)
     if len(outs) == 2:
-        d = err(outs["on (64)"], np.array(outs["off"].astype(mx.float32)))
-        print(json.dumps({"block": "sorted vs unsorted", "dtype": str(dtype).split(".")[-1], "T": T,
+        d = err(outs["grouped"], np.array(outs["gathered"].astype(mx.float32)))
+        print(json.dumps({"block": "grouped vs gathered", "dtype": str(dtype).split(".")[-1], "T": T,
                           "rel_diff": round(d, 6), "bit_identical": d == 0.0}), flush=True)
 
 
 def main():
-    ap = argparse.ArgumentParser(description="sorted vs unsorted gather_mm against a dense reference")
+    ap = argparse.ArgumentParser(description="sorted vs unsorted gather_mm, gpt_oss's expert block, against dense references")
     on_gpu = mx.default_device() == mx.gpu
     ap.add_argument("--shapes", default="small,gpt_oss" if on_gpu else "small", help=",".join(SHAPES))
     ap.add_argument("--dtypes", default="bfloat16,float32" if on_gpu else "float32")
@@ -205,7 +207,7 @@ def main():
             for shape in SHAPES[group]:
                 check_raw(dtype, shape, a.reps, results)
                 if not a.no_block and shape[0] * shape[2] >= 64:
-                    check_block(dtype, shape, results)
+                    check_block(dtype, shape, a.reps, results)
     ran = [r for r in results if "err" in r]
     verdicts = {"mlx-lm/sorted": "SORTED_MLX_LM_FORM_OK", "rowmajor/sorted": "SORTED_ROWMAJOR_FORM_OK",
                 "mlx-lm/unsorted": "UNSORTED_MLX_LM_FORM_OK", "rowmajor/unsorted": "UNSORTED_ROWMAJOR_FORM_OK"}
@@ -214,10 +216,11 @@ def main():
         if rs:
             ok = all(r["status"] == "ok" for r in rs)
             print(f"{label}={ok} (max err {max(r['err'] for r in rs):.3g} over {len(rs)} cases)")
-    blocks = [r for r in ran if str(r.get("block", "")).startswith("gpt_oss") and r.get("sorted path")]
-    if blocks:
-        print(f"GPT_OSS_SORTED_BLOCK_OK={all(r['status'] == 'ok' for r in blocks)} "
-              f"(max err {max(r['err'] for r in blocks):.3g} over {len(blocks)} cases)")
+    for label, grouped in (("GPT_OSS_GATHERED_BLOCK_OK", False), ("GPT_OSS_GROUPED_BLOCK_OK", True)):
+        blocks = [r for r in ran if str(r.get("block", "")).startswith("gpt_oss") and r.get("grouped") is grouped]
+        if blocks:
+            print(f"{label}={all(r['status'] == 'ok' for r in blocks)} "
+                  f"(max err {max(r['err'] for r in blocks):.3g} over {len(blocks)} cases)")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,9 @@ reaches (each token streams every weight once) and the NCCL backend at size 1.
 FAMILIES below), one family after the other (its weights freed before the
 next); besides mlx-lm and ours it times "ours, whole-graph step" (the decode
 step as one compiled graph with masked attention, as before the split step)
-and measures the host time to build one decode step.
+and measures the host time to build one decode step; for gpt_oss also
+"ours, gathered experts" (prefill's experts through gather_mm, the path
+before `gpt_oss.GROUP_ROWS`; --gpt-oss-group-rows N sets it, 0: off).
 
 On a machine without transformers (the GPU box has no package registry) a
 stub stands in for the one import mlx-lm's generate module makes of it; the
@@ -216,13 +218,15 @@ def main() -> None:
     ap.add_argument("--eager", action="store_true", help="also time ours with eager (uncompiled) decode steps")
     ap.add_argument("--families", default="", help="comma-separated: " + ",".join(FAMILIES))
     ap.add_argument("--out", default="", help="append every row (JSON lines) to this file")
-    ap.add_argument("--gpt-oss-sort-rows", type=int, default=0,
-                    help="set gpt_oss.SORT_ROWS for this run (experts' rows sorted by expert from N rows; 0: as committed)")
+    ap.add_argument("--gpt-oss-group-rows", "--gpt-oss-sort-rows", dest="gpt_oss_group_rows", type=int, default=None,
+                    help="set gpt_oss.GROUP_ROWS for this run: prefill's experts grouped by expert (dense matmuls per "
+                         "expert) from N (token, expert) rows; 0: never (gather_mm, the path before); default: as "
+                         "committed. (--gpt-oss-sort-rows: its former name, when the fast path was sorted gather_mm)")
     a = ap.parse_args()
-    if a.gpt_oss_sort_rows:
+    if a.gpt_oss_group_rows is not None:
         from mlxcel_dist.models import gpt_oss
 
-        gpt_oss.SORT_ROWS = a.gpt_oss_sort_rows
+        gpt_oss.GROUP_ROWS = a.gpt_oss_group_rows or None
     if a.families:
         return families_main(a)
     info = {"device": str(mx.default_device()), "mlx": mx.__version__, "python": platform.python_version()}
@@ -296,7 +300,7 @@ def families_main(a) -> None:
     from mlxcel_dist.models import gpt_oss
 
     emit({"device": str(mx.default_device()), "mlx": mx.__version__, "mlx_lm": mlx_lm_version,
-          "prompt": a.prompt, "gen": a.gen, "repeat": a.repeat, "gpt_oss_sort_rows": gpt_oss.SORT_ROWS})
+          "prompt": a.prompt, "gen": a.gen, "repeat": a.repeat, "gpt_oss_group_rows": gpt_oss.GROUP_ROWS})
     for fam in a.families.split(","):
         t0 = time.perf_counter()
         try:
@@ -337,6 +341,15 @@ def families_main(a) -> None:
                     ("ours, whole-graph step", lambda m, p, g: time_ours(m, p, g, step=whole_step), ours)]
             if theirs is not None:
                 runs.insert(0, ("mlx-lm", time_mlx_lm, theirs))
+            if fam == "gpt_oss" and gpt_oss.GROUP_ROWS is not None:
+                def gathered(m, p, g):  # the prefill path before grouping: gather_mm for every row count
+                    saved, gpt_oss.GROUP_ROWS = gpt_oss.GROUP_ROWS, None
+                    try:
+                        return time_ours(m, p, g, step=split_step)
+                    finally:
+                        gpt_oss.GROUP_ROWS = saved
+
+                runs.append(("ours, gathered experts", gathered, ours))
             rows = []
             for rep in range(a.repeat):
                 for name, fn, m in runs:

@@ -150,14 +150,33 @@ def gather_mm(x: mx.array, w: mx.array, indices: mx.array) -> mx.array:
     return mx.gather_mm(x32, w.astype(mx.float32), rhs_indices=indices).astype(x.dtype)
 
 
+def dense_mm(x: mx.array, w: mx.array) -> mx.array:
+    """x [R, K] @ w [K, M] (one expert's matrix) -> [R, M], with
+    `gather_mm`'s dtype rule: in x's dtype where gather_mm takes it natively
+    (the GPU, or fp32), else multiplied in fp32 and rounded once (the CPU
+    with half weights: as `gather_mm` there, so both paths round alike)."""
+    if native_gather_mm(x):
+        return x @ w
+    return (x.astype(mx.float32) @ w.astype(mx.float32)).astype(x.dtype)
+
+
 class Experts(nn.Module):
     """E experts applied to the k experts each token was routed to.
 
-    Each token gathers only its k experts' weights (`mx.gather_mm`), so the
-    work is tokens * k expert matmuls, never tokens * E. Under tensor
-    parallelism (`shard.shard_moe`) this rank holds intermediate slice
-    [r*I/N, (r+1)*I/N) of every expert, so the partial down projections are
-    summed over ranks (`group`) before the down bias is added, once.
+    The work is tokens * k expert products, never tokens * E, in one of two
+    ways with the same results (bit for bit on the CPU in fp32,
+    tests/test_moe.py):
+    - gathered (decode, short inputs): `mx.gather_mm`, each (token, expert)
+      row multiplied by its expert's matrix (on MLX CUDA one matrix-vector
+      product per row, re-reading the expert's weights for each);
+    - grouped (`grouped=True`, prefill: `use_grouped`): the rows sorted by
+      expert and each expert's rows multiplied as one dense block by its
+      matrix (`_grouped`), so an expert's weights are read once per block.
+    Under tensor parallelism (`shard.shard_moe`) this rank holds intermediate
+    slice [r*I/N, (r+1)*I/N) of every expert, so the partial down projections
+    are summed over ranks (`group`) before the down bias is added, once.
+    (No quantized experts: the checkpoints' MXFP4 experts are refused,
+    `Model.sanitize`, and quant.py quantizes Linear/Embedding modules only.)
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, alpha: float, limit: float):
@@ -170,10 +189,10 @@ class Experts(nn.Module):
         self.down_proj_bias = mx.zeros((num_experts, hidden_size))
         self.group = SINGLE  # shard_moe sets the job's group when the intermediate dim is split
 
-    def __call__(self, x, indices, weights):
+    def __call__(self, x, indices, weights, grouped: bool = False):
         # x [N, hidden]; indices [N, k] expert ids; weights [N, k] routing weights
-        if SORT_ROWS is not None and indices.size >= SORT_ROWS and native_gather_mm(x):
-            out = self._sorted(x, indices)
+        if grouped:
+            out = self._grouped(x, indices)
         else:
             xe = x[:, None, None, :]  # [N, 1, 1, hidden]: one row per (token, chosen expert)
             gu = gather_mm(xe, self.gate_up_proj, indices)  # [N, k, 1, 2I]
@@ -191,12 +210,11 @@ class Experts(nn.Module):
         view, so `gate_up_proj` / `down_proj` keep transformers' names, shapes
         ([E, in, out]) and values, but `mx.gather_mm(x, self.gate_up_proj,
         ...)` is mlx-lm's `mx.gather_mm(x, weight.swapaxes(-1, -2), ...)`
-        stride for stride: the form mlx-lm runs MLX CUDA's kernels with. (MLX
-        0.32 CUDA: a transposed rhs takes gather_mv for one row per (token,
-        expert), a row-major one the general gather_mm; sorted rows take a
-        CUTLASS grouped GEMM, whose row-major-B instance gave wrong logits on
-        the H200, docs/benchmarks.md, and which mlx-lm only calls with a
-        column-major B.) Done once per loaded (or sharded) array
+        stride for stride (MLX 0.32 CUDA: a transposed rhs takes gather_mv
+        for one row per (token, expert), the kernel mlx-lm's decode runs),
+        and the grouped path's `x @ self.gate_up_proj[e]` multiplies by the
+        transposed view of a row-major [out, in] matrix, as nn.Linear's
+        `x @ W.T` does. Done once per loaded (or sharded) array
         (`Model.load_weights`)."""
         for name in ("gate_up_proj", "down_proj"):
             w = self[name]
@@ -206,38 +224,66 @@ class Experts(nn.Module):
             self[name] = w
             self[f"_{name}_relaid"] = w  # "_": never a parameter
 
-    def _sorted(self, x, indices):
-        """The same products with the (token, expert) rows sorted by expert, so
-        that gather_mm multiplies each expert's rows as one block
-        (`sorted_indices`: on the GPU a grouped matmul instead of one
-        matrix-vector product per row), then put back in token order.
-        [N, k, hidden]. mlx-lm's SwitchGLU steps (`_gather_sort`, gather_mm
-        with sorted_indices=True on the transposed-view weights of
-        `relayout`, `_scatter_unsort`); on the CPU bit-identical to the
-        unsorted path (tests/test_moe.py). Used only from SORT_ROWS rows (off
-        now, see there)."""
+    def _grouped(self, x, indices):
+        """The gathered path's products with the (token, expert) rows grouped
+        by expert: [N, k, hidden], in token order.
+
+        The N*k rows are sorted by expert (on the device, stably: the key
+        expert * N*k + row is unique), each expert's contiguous block of rows
+        goes through plain matmuls with its matrices (`self.gate_up_proj[e]`:
+        a view, no copy), and the rows are put back in token order (inverse
+        permutation). The gate/up bias, the clamped SwiGLU and the dtype
+        rules are the gathered path's, applied to the same rows (elementwise,
+        so the row order changes nothing), and the combine with the routing
+        weights is the caller's, unchanged.
+
+        ONE HOST SYNC PER CALL (per MoE layer of a prefill): the per-expert
+        row counts are read to the host to cut the blocks (the graph up to
+        this layer's router is evaluated there). Never used inside
+        mx.compile (decode steps are [B, 1]: `use_grouped` keeps them
+        gathered). Under tensor parallelism the routing is replicated, so
+        every rank reads the same counts and runs the same matmuls on its
+        slice of the experts. (MLX 0.32.4 CUDA's `gather_mm(...,
+        sorted_indices=True)`, mlx-lm's way to do this in one kernel, gives
+        wrong results on the H200: benchmarks/gather_check.py.)"""
         N, k = indices.shape
+        R, E = N * k, self.num_experts
         flat = indices.flatten()
-        order = mx.argsort(flat)
+        key_dtype = mx.uint32 if E * R < 2**32 else mx.uint64
+        key = flat.astype(key_dtype) * R + mx.arange(R, dtype=key_dtype)  # unique: any sort is stable
+        order = mx.argsort(key)
         inv_order = mx.argsort(order)
-        ids = flat[order]
-        xs = x[order // k][:, None, :]  # [N*k, 1, hidden]
-        gu = mx.gather_mm(xs, self.gate_up_proj, rhs_indices=ids, sorted_indices=True)  # [N*k, 1, 2I]
-        gu = gu + mx.expand_dims(self.gate_up_proj_bias[ids], -2)
-        h = clamped_swiglu(gu, self.alpha, self.limit)
-        out = mx.gather_mm(h, self.down_proj, rhs_indices=ids, sorted_indices=True)  # [N*k, 1, hidden]
+        counts = (flat[:, None] == mx.arange(E, dtype=flat.dtype)).sum(axis=0)  # [E] rows per expert
+        counts = counts.tolist()  # the host sync (see above)
+        ids = flat[order]  # [R] expert of each sorted row
+        xs = x[order // k]  # [R, hidden]: the token of each sorted row
+        blocks, start = [], 0
+        for e, n in enumerate(counts):
+            if n:
+                blocks.append((e, start, start + n))
+                start += n
+        gu = mx.concatenate([dense_mm(xs[a:b], self.gate_up_proj[e]) for e, a, b in blocks])  # [R, 2I]
+        gu = gu + self.gate_up_proj_bias[ids]
+        h = clamped_swiglu(gu, self.alpha, self.limit)  # [R, I]
+        out = mx.concatenate([dense_mm(h[a:b], self.down_proj[e]) for e, a, b in blocks])  # [R, hidden]
         return out[inv_order].reshape(N, k, -1)
 
 
-# (token, expert) rows from which the experts' products run sorted by expert
-# (mlx-lm: 64). OFF: on the H200 (MLX 0.32.4 CUDA) the sorted path made
-# prefill 1.1-1.3x mlx-lm's (was 0.09x) but changed the results (greedy ids
-# differed from the unsorted path's; bit-identical on the CPU in fp32), so it
-# stays off until that is understood (docs/benchmarks.md, 2026-11-30). That
-# run passed row-major [E, in, out] weights; the experts now keep mlx-lm's
-# layout (`Experts.relayout`). benchmarks/gather_check.py tells on a GPU
-# whether this call form is right there; if it is, SORT_ROWS = 64 turns it on.
-SORT_ROWS = None
+# (token, expert) rows from which a prefill's experts run grouped by expert
+# (`Experts._grouped`: dense matmuls per expert, one host sync per MoE layer)
+# instead of gathered (`gather_mm`, one matrix-vector product per row on the
+# GPU). None: always gathered. Decode steps (one token per sequence, run
+# inside mx.compile) stay gathered whatever this is (`use_grouped`).
+GROUP_ROWS = 64
+
+
+def use_grouped(rows: int, seq_len: int) -> bool:
+    """Whether an MoE block over `rows` (token, expert) rows of sequences of
+    `seq_len` tokens runs grouped: prefill (seq_len > 1) from GROUP_ROWS
+    rows. A decode step ([B, 1], possibly many rows in a batch) never does:
+    it runs inside mx.compile, where the grouped path's host read of the
+    per-expert counts is impossible."""
+    return GROUP_ROWS is not None and seq_len > 1 and rows >= GROUP_ROWS
 
 
 class MoE(nn.Module):
@@ -261,7 +307,7 @@ class MoE(nn.Module):
         idx = mx.argpartition(-logits, kth=k - 1, axis=-1)[:, :k]  # [N, k]
         top = mx.take_along_axis(logits, idx, axis=-1)
         w = mx.softmax(top.astype(mx.float32), axis=-1).astype(logits.dtype)  # [N, k]
-        return self.experts(x, idx, w).reshape(B, L, D)
+        return self.experts(x, idx, w, grouped=use_grouped(idx.size, L)).reshape(B, L, D)
 
 
 class DecoderLayer(PreNormBlock):
