@@ -9,6 +9,11 @@
 #   bash benchmarks/h200_runs.sh match     # issue 18: logit-match --np 2 --backend nccl on the 12B-shaped checkpoint
 #
 # JSON and logs land in $OUT (at most 8 files come back).
+#
+# Single-process runs pin CUDA_VISIBLE_DEVICES=0: on the two-GPU host they
+# failed intermittently otherwise (cudaMemcpy ... invalid argument after an
+# mlx-lm generation in the same process; docs/benchmarks.md). np 2 ranks get
+# one GPU each from the launcher, so those runs leave it unset.
 set -u
 O=${OUT:-/tmp/h200}
 mkdir -p "$O"
@@ -30,25 +35,28 @@ EOF
 
 case "${1:-}" in
 compare)
+  export CUDA_VISIBLE_DEVICES=0
   timeout 90 python3 benchmarks/gather_check.py 2>&1 | tee "$O/gather_check.txt" | grep -E "OK=|max|error" | tail -30
   C() { timeout "$1" python3 benchmarks/gpu_compare.py --prompt 2048 --gen 128 --out "$O/compare.jsonl" "${@:2}" 2>&1 \
         | grep -v "^\s*$" | tail -25; }
   C 330 --families qwen3,mistral,llama,gemma3 --repeat 3
   C 100 --families gpt_oss --repeat 2
-  C 100 --families gpt_oss --repeat 2 --gpt-oss-sort-rows 64
+  C 100 --families gpt_oss --repeat 2 --gpt-oss-group-rows 64
   ;;
 tp27)
   T() { local lim=$1; shift; timeout "$lim" python3 benchmarks/tp_timeline.py --out-dir "$O" --shape 27b "$@" 2>&1 \
         | grep -v "^\s*$" | tail -3; }
-  T 170 --np 1 --quick --prefill-profile --steps 12 --tag np1
+  CUDA_VISIBLE_DEVICES=0 T 170 --np 1 --quick --prefill-profile --steps 12 --tag np1
   T 180 --np 2 --backend nccl --quick --prefill-profile --steps 12 --tag np2
   MLX_USE_CUDA_GRAPHS=0 T 150 --np 2 --backend nccl --quick --steps 12 --tag np2-nographs
   ls -la "$O"
   ;;
 serve)
   ckpt12b
-  timeout 480 python3 benchmarks/serve_load.py --model "$CKPT" --clients 1,4,16 --requests 2 --tokens 64 \
-    --servers ours-np1,mlx_lm-np1,ours-np2 --json "$O/serve.json" 2>&1 | tail -30
+  CUDA_VISIBLE_DEVICES=0 timeout 300 python3 benchmarks/serve_load.py --model "$CKPT" --clients 1,4,16 --requests 2 \
+    --tokens 64 --servers ours-np1,mlx_lm-np1 --json "$O/serve_np1.json" 2>&1 | tail -12
+  timeout 200 python3 benchmarks/serve_load.py --model "$CKPT" --clients 1,4,16 --requests 2 --tokens 64 \
+    --servers ours-np2 --json "$O/serve_np2.json" 2>&1 | tail -6
   ;;
 match)
   ckpt12b
