@@ -21,6 +21,108 @@ from .errors import UserError
 from .layers import gated_fp32
 from .rope import RoPE
 
+# Fused projections: q/k/v of `Attention` and gate/up of `MLP` each run as one
+# matmul on their row-concatenated weights, the output split by slices (on an
+# H200, MLX CUDA decode is host-bound: a kernel per projection is the cost).
+# Off: the separate projections (tests compare both).
+FUSE_PROJECTIONS = True
+
+
+def _fusable_types():
+    from mlx.nn.layers.distributed import AllToShardedLinear, QuantizedAllToShardedLinear
+
+    return (nn.Linear, nn.QuantizedLinear, AllToShardedLinear, QuantizedAllToShardedLinear)
+
+
+def _fused_params(layers: list) -> tuple | None:
+    """The parameter names that one matmul over `layers` concatenates, or None
+    when they cannot run as one: all the same type (a Linear, a QuantizedLinear
+    or their all-to-sharded TP forms, whose forward is the same matmul), the
+    same dtypes, bias on all or none, for quantized the same bits / group size
+    / mode and scale biases on all or none."""
+    if any(l is None for l in layers):
+        return None
+    t = type(layers[0])
+    if t not in _fusable_types() or any(type(l) is not t for l in layers[1:]):
+        return None
+    has_bias = "bias" in layers[0]
+    if any(("bias" in l) != has_bias for l in layers):
+        return None
+    names = ["weight"]
+    if "scales" in layers[0]:  # quantized
+        q = lambda l: (l.bits, l.group_size, l.mode, l.get("biases") is not None)  # noqa: E731
+        if any(q(l) != q(layers[0]) for l in layers[1:]):
+            return None
+        names += ["scales"] + ["biases"] * (layers[0].get("biases") is not None)
+    names += ["bias"] * has_bias
+    for n in names:
+        if any(l[n].dtype != layers[0][n].dtype or l[n].ndim != layers[0][n].ndim for l in layers):
+            return None
+    return tuple(names)
+
+
+def fused_projection(module: nn.Module, names: tuple, key: str):
+    """x -> [out of each of `names`] as ONE matmul on their row-concatenated
+    weights, or None when they do not fuse (`_fused_params`) or
+    FUSE_PROJECTIONS is off.
+
+    Memory does not double: the concatenation is built once (and evaluated)
+    and stored under `key` (an underscore name, never a parameter); each
+    layer's own parameters are then replaced by row slices of it (views of
+    the same buffer), so parameter names and shapes stay the checkpoint's and
+    the separate buffers are freed. Built on first use, so after sharding
+    (per-rank shapes); rebuilt when any source array is replaced (a second
+    load, shard() after a forward), as `layers._fp32_weight` does: the cache
+    remembers the arrays it made the views into."""
+    if not FUSE_PROJECTIONS:
+        return None
+    layers = [module.get(n) for n in names]
+    cached = module.get(key)
+    if cached is not None:
+        srcs, fused, rows, params, layers0 = cached
+        if all(a is b for a, b in zip(layers, layers0)) and all(
+            l[p] is s for l, ls in zip(layers, srcs) for p, s in zip(params, ls)
+        ):
+            return _projector(layers[0], fused, rows, params)
+        module[key] = None  # stale: drop the old buffer before building anew
+    params = _fused_params(layers)
+    if params is None:
+        return None
+    fused = tuple(mx.concatenate([l[p] for l in layers], axis=0) for p in params)
+    rows = tuple(l["weight"].shape[0] for l in layers)
+    srcs, start = [], 0
+    for l, r in zip(layers, rows):
+        views = tuple(f[start : start + r] for f in fused)
+        for p, v in zip(params, views):
+            l[p] = v
+        srcs.append(views)
+        start += r
+    mx.eval(fused, srcs)  # the views now share the fused buffers; the old ones are free
+    module[key] = (tuple(srcs), fused, rows, params, tuple(layers))
+    return _projector(layers[0], fused, rows, params)
+
+
+def _projector(layer: nn.Module, fused: tuple, rows: tuple, params: tuple):
+    p = dict(zip(params, fused))
+
+    def project(x):
+        if "scales" in p:  # QuantizedLinear's forward
+            y = mx.quantized_matmul(x, p["weight"], scales=p["scales"], biases=p.get("biases"), transpose=True,
+                                    group_size=layer.group_size, bits=layer.bits, mode=layer.mode)
+            if "bias" in p:
+                y = y + p["bias"]
+        elif "bias" in p:  # nn.Linear's forward
+            y = mx.addmm(p["bias"], x, p["weight"].T)
+        else:
+            y = x @ p["weight"].T
+        outs, start = [], 0
+        for r in rows:
+            outs.append(y[..., start : start + r])
+            start += r
+        return outs
+
+    return project
+
 
 class Attention(nn.Module):
     """Causal GQA attention. Options cover the supported families:
@@ -77,10 +179,12 @@ class Attention(nn.Module):
 
     def project(self, x):
         B, L, _ = x.shape
+        fused = fused_projection(self, ("q_proj", "k_proj", "v_proj"), "_qkv_fused")
+        q, k, v = fused(x) if fused is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
         # [B, L, heads * D] -> [B, heads, L, D]
-        q = self.q_proj(x).reshape(B, L, self.num_heads, self.head_dim).transpose(0, 2, 1, 3)
-        k = self.k_proj(x).reshape(B, L, self.num_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
-        v = self.v_proj(x).reshape(B, L, self.num_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
+        q = q.reshape(B, L, self.num_heads, self.head_dim).transpose(0, 2, 1, 3)
+        k = k.reshape(B, L, self.num_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
+        v = v.reshape(B, L, self.num_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
         if "q_norm" in self:
             q, k = self.q_norm(q), self.k_norm(k)
         return q, k, v
@@ -128,7 +232,9 @@ class MLP(nn.Module):
         self.act = act
 
     def __call__(self, x):
-        return self.down_proj(gated_fp32(self.act)(self.gate_proj(x), self.up_proj(x)))
+        fused = fused_projection(self, ("gate_proj", "up_proj"), "_gate_up_fused")
+        g, u = fused(x) if fused is not None else (self.gate_proj(x), self.up_proj(x))
+        return self.down_proj(gated_fp32(self.act)(g, u))
 
 
 class PreNormBlock(nn.Module):
