@@ -218,10 +218,10 @@ def main() -> None:
     ap.add_argument("--eager", action="store_true", help="also time ours with eager (uncompiled) decode steps")
     ap.add_argument("--families", default="", help="comma-separated: " + ",".join(FAMILIES))
     ap.add_argument("--out", default="", help="append every row (JSON lines) to this file")
-    ap.add_argument("--gpt-oss-group-rows", "--gpt-oss-sort-rows", dest="gpt_oss_group_rows", type=int, default=None,
+    ap.add_argument("--gpt-oss-group-rows", dest="gpt_oss_group_rows", type=int, default=None,
                     help="set gpt_oss.GROUP_ROWS for this run: prefill's experts grouped by expert (dense matmuls per "
                          "expert) from N (token, expert) rows; 0: never (gather_mm, the path before); default: as "
-                         "committed. (--gpt-oss-sort-rows: its former name, when the fast path was sorted gather_mm)")
+                         "committed")
     a = ap.parse_args()
     if a.gpt_oss_group_rows is not None:
         from mlxcel_dist.models import gpt_oss

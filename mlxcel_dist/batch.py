@@ -63,7 +63,7 @@ import mlx.core as mx
 import numpy as np
 
 from .cache import LayerCache, SharedKVCache
-from .decode import _round_up
+from .decode import StaticCache, _round_up
 from .engine import DEFAULT_PREFILL_STEP, check_tokens, vocab_size
 from .masks import create_rows_mask
 from .sampling import Sampler, SamplingParams
@@ -75,24 +75,9 @@ from .sampling import Sampler, SamplingParams
 STEP = 64
 
 
-class RowCache(LayerCache):
-    """One layer's view of the batch buffers (the cache protocol, with
-    `offset` the per-row positions [C])."""
-
-    def __init__(self, buffers: dict, index: int, window: int | None):
-        self.buffers, self.index, self.window = buffers, index, window
-
-    @property
-    def offset(self) -> mx.array:
-        return self.buffers["pos"]
-
-    @property
-    def size(self) -> int:
-        return self.buffers[f"k{self.index}"].shape[2]
-
-    @property
-    def state(self) -> list:
-        return [self.buffers[f"k{self.index}"], self.buffers[f"v{self.index}"]]
+class RowCache(StaticCache):
+    """One layer's view of the batch buffers: decode.StaticCache with `pos`
+    (`offset`) the per-row positions [C], so its mask and writes are per row."""
 
     def mask(self, L: int) -> mx.array:
         """[C, 1, 1, S]: row b sees the slots it has written."""

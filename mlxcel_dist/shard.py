@@ -174,16 +174,22 @@ def shard_attention(attn: nn.Module, group: Group) -> None:
     attn.num_kv_heads = kv1 - kv0
 
 
+def _rank_range(size: int, group: Group, what: str) -> tuple[int, int]:
+    """This rank's contiguous [start, end) of `size` equal parts; `what` names
+    the dimension in the error when the ranks cannot split it evenly."""
+    n, r = group.size(), group.rank()
+    if size % n:
+        raise UserError(f"{n} ranks cannot split {what}")
+    per = size // n
+    return r * per, (r + 1) * per
+
+
 def shard_mlp(mlp: nn.Module, group: Group, up=("gate_proj", "up_proj"), down="down_proj") -> None:
     """Column-shard the up projections and row-shard the down projection."""
     if group.single:
         return
-    n, r = group.size(), group.rank()
     inter = getattr(mlp, up[0]).weight.shape[0]
-    if inter % n:
-        raise UserError(f"{n} ranks cannot split the MLP's intermediate size {inter}")
-    per = inter // n
-    rng = [(r * per, (r + 1) * per)]
+    rng = [_rank_range(inter, group, f"the MLP's intermediate size {inter}")]
     for name in up:
         setattr(mlp, name, _sharded(getattr(mlp, name), "rows", rng, group))
     setattr(mlp, down, _sharded(getattr(mlp, down), "cols", rng, group, down))
@@ -277,15 +283,11 @@ def shard_moe(moe: nn.Module, group: Group, experts: str = "experts") -> None:
     """
     if group.single:
         return
-    n, r = group.size(), group.rank()
     ex = getattr(moe, experts)
     inter = ex.down_proj.shape[1]
     if ex.gate_up_proj.shape[2] != 2 * inter:
         raise UserError(f"expert gate_up_proj has {ex.gate_up_proj.shape[2]} columns, expected 2 x {inter}")
-    if inter % n:
-        raise UserError(f"{n} ranks cannot split the experts' intermediate size {inter}")
-    per = inter // n
-    i0, i1 = r * per, (r + 1) * per
+    i0, i1 = _rank_range(inter, group, f"the experts' intermediate size {inter}")
     pairs = [(2 * i0, 2 * i1)]
     ex.gate_up_proj = _slice(ex.gate_up_proj, 2, pairs)
     ex.gate_up_proj_bias = _slice(ex.gate_up_proj_bias, 1, pairs)
@@ -335,14 +337,10 @@ def shard_expert_mlps(mlps, group: Group, up=("gate_proj", "up_proj"), down="dow
     down projection with a bias is refused (it would be added N times)."""
     if group.single:
         return
-    n, r = group.size(), group.rank()
     for mlp in mlps:
         first = getattr(mlp, up[0])
         inter = first.scales.shape[0] if isinstance(first, nn.QuantizedLinear) else first.weight.shape[0]
-        if inter % n:
-            raise UserError(f"{n} ranks cannot split an expert's intermediate size {inter}")
-        per = inter // n
-        rng = [(r * per, (r + 1) * per)]
+        rng = [_rank_range(inter, group, f"an expert's intermediate size {inter}")]
         for name in up:
             _slice_linear_in_place(getattr(mlp, name), "rows", rng, name)
         _slice_linear_in_place(getattr(mlp, down), "cols", rng, down)
@@ -360,12 +358,9 @@ def shard_recurrent_block(block: nn.Module, group: Group) -> None:
     all_sum, its bias added once after it)."""
     if group.single:
         return
-    n, r = group.size(), group.rank()
     lru = block.rg_lru
     H, bw = lru.num_heads, lru.block_width
-    if H % n:
-        raise UserError(f"{n} ranks cannot split the recurrent block's {H} heads")
-    h0, h1 = r * H // n, (r + 1) * H // n
+    h0, h1 = _rank_range(H, group, f"the recurrent block's {H} heads")
     chans = [(h0 * bw, h1 * bw)]
     block.linear_x = _sharded(block.linear_x, "rows", chans, group)
     block.linear_y = _sharded(block.linear_y, "rows", chans, group)
@@ -393,11 +388,8 @@ def shard_stacked_experts(moe: nn.Module, group: Group, up=("gate_proj", "up_pro
     counts that all_sum in `collectives_per_token`)."""
     if group.single:
         return
-    n, r = group.size(), group.rank()
     inter = getattr(moe, up[0]).weight.shape[1]
-    if inter % n:
-        raise UserError(f"{n} ranks cannot split the experts' intermediate size {inter}")
-    rng = [(r * inter // n, (r + 1) * inter // n)]
+    rng = [_rank_range(inter, group, f"the experts' intermediate size {inter}")]
     for name, axis in [(u, 1) for u in up] + [(down, 2)]:
         stack = getattr(moe, name)
         if stack.weight.shape[axis] != inter:
@@ -416,13 +408,10 @@ def shard_fused_gate_up_experts(ex: nn.Module, group: Group) -> None:
     over `group` (its `group` attribute, set here: one all_sum per block)."""
     if group.single:
         return
-    n, r = group.size(), group.rank()
     inter = ex.down_proj.shape[2]
     if ex.gate_up_proj.shape[1] != 2 * inter:
         raise UserError(f"expert gate_up_proj has {ex.gate_up_proj.shape[1]} rows, expected 2 x {inter}")
-    if inter % n:
-        raise UserError(f"{n} ranks cannot split the experts' intermediate size {inter}")
-    i0, i1 = r * inter // n, (r + 1) * inter // n
+    i0, i1 = _rank_range(inter, group, f"the experts' intermediate size {inter}")
     halves = [(i0, i1), (inter + i0, inter + i1)]
     ex.gate_up_proj = _slice(ex.gate_up_proj, 1, halves)
     ex.down_proj = _slice(ex.down_proj, 2, [(i0, i1)])

@@ -808,6 +808,19 @@ def test_idle_job_sleeps(server2):
     assert server2.json("/v1/completions", GREEDY)["choices"][0]["text"]  # and it still answers
 
 
+def _read_long_stream(base: str, prompt: str, lines: list, started) -> None:
+    """Stream a long greedy completion of `prompt`, appending its non-empty SSE
+    lines to `lines`; `started` is released at the third (the stream runs)."""
+    data = json.dumps({"prompt": prompt, "max_tokens": 8000, "temperature": 0, "stream": True}).encode()
+    req = urllib.request.Request(base + "/v1/completions", data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        for line in r:
+            if line.strip():
+                lines.append(line.decode().strip())
+                if len(lines) == 3:
+                    started.release()
+
+
 def _rank_pid(family, rank) -> int:
     for pid in family:
         try:
@@ -833,18 +846,9 @@ def test_rank_killed_during_16_streams(model_dir, victim, backend, tmp_path):
     ends, started = [None] * 16, threading.Semaphore(0)  # released once per client: streaming, or already over
 
     def client(i):
-        data = json.dumps({"prompt": BATCH_PROMPTS[i % 8], "max_tokens": 8000, "temperature": 0,
-                           "stream": True}).encode()
-        req = urllib.request.Request(s.base + "/v1/completions", data=data,
-                                     headers={"Content-Type": "application/json"})
         lines = []
         try:
-            with urllib.request.urlopen(req, timeout=60) as r:
-                for line in r:
-                    if line.strip():
-                        lines.append(line.decode().strip())
-                        if len(lines) == 3:
-                            started.release()
+            _read_long_stream(s.base, BATCH_PROMPTS[i % 8], lines, started)
         except urllib.error.HTTPError as e:
             ends[i] = ("http", e.code, time.monotonic())
             return
@@ -904,18 +908,9 @@ def test_stuck_rank_then_sigterm_fails_every_stream(model_dir, backend, tmp_path
     ends, started = [None] * 4, threading.Semaphore(0)
 
     def client(i):
-        data = json.dumps({"prompt": BATCH_PROMPTS[i], "max_tokens": 8000, "temperature": 0,
-                           "stream": True}).encode()
-        req = urllib.request.Request(s.base + "/v1/completions", data=data,
-                                     headers={"Content-Type": "application/json"})
         lines = []
         try:
-            with urllib.request.urlopen(req, timeout=60) as r:
-                for line in r:
-                    if line.strip():
-                        lines.append(line.decode().strip())
-                        if len(lines) == 3:
-                            started.release()
+            _read_long_stream(s.base, BATCH_PROMPTS[i], lines, started)
         finally:
             if len(lines) < 3:
                 started.release()
