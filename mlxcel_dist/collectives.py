@@ -155,3 +155,175 @@ class Group:
 
 
 SINGLE = Group()
+
+
+# Host channel ------------------------------------------------------------------
+CHANNEL_PREFIX = "[host channel]"  # distributed._is_transport_error: a peer gone, not a bug here
+CHANNEL_CONNECT_S = 3.0  # per advertised address; a follower tries each in order
+
+
+class HostChannel:
+    """A TCP star between rank 0 and every other rank, for small int32 host
+    messages that must not wait on the device.
+
+    A device collective is queued on the stream behind whatever is in flight:
+    serve's per-step control (rank 0's batch changes, every rank's agreement
+    row) sent as an all_sum waits for the step already launched, so a
+    pipelined step loop would lose its overlap. Over this channel it costs a
+    loopback / LAN round trip and never touches the device; a rank waiting
+    in `exchange` sleeps in recv (no spinning collective).
+
+    `open(group)` advertises rank 0's listening address with one broadcast
+    (the source address of its route to the launcher, its host name's
+    addresses, loopback) and returns None on every rank alike when any rank
+    could not connect, so callers fall back to device collectives.
+    """
+
+    def __init__(self, group: Group, peers: dict, sock=None):
+        self.group = group
+        self._peers = peers  # rank 0: {rank: socket}; others: {0: socket}
+        self._listener = sock
+
+    # Setup -----------------------------------------------------------------
+    @staticmethod
+    def _addresses() -> list[str]:
+        import os
+        import socket
+
+        out = []
+        target = os.environ.get("MLXCEL_DIST_HEARTBEAT", "")
+        try:  # the source address of the route to the launcher (the head node): reachable from the cluster
+            host, port, _ = target.rsplit(":", 2)
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                s.connect((host.strip("[]"), int(port)))
+                out.append(s.getsockname()[0])
+        except (OSError, ValueError):
+            pass
+        try:
+            out += socket.gethostbyname_ex(socket.gethostname())[2]
+        except OSError:
+            pass
+        out.append("127.0.0.1")
+        return list(dict.fromkeys(a for a in out if a))
+
+    @classmethod
+    def open(cls, group: Group, connect_s: float = CHANNEL_CONNECT_S) -> "HostChannel | None":
+        """Every rank calls this at the same point; None on every rank when the
+        star could not be built (or for a single process)."""
+        import secrets
+        import socket
+        import time
+
+        if group.single:
+            return None
+        listener, peers = None, {}
+        if group.is_root:
+            listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind(("0.0.0.0", 0))
+            listener.listen(group.size())
+            addrs = cls._addresses()
+            token = secrets.randbits(31)  # a stray connection to the open port is not a rank
+            blob = f"{listener.getsockname()[1]} {token} {' '.join(addrs)}".encode()
+            group.broadcast(np.array([len(blob)], np.int32))
+            group.broadcast(np.frombuffer(blob, np.uint8).astype(np.int32))
+            deadline = time.monotonic() + connect_s * len(addrs) + 2.0
+            while len(peers) < group.size() - 1:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                listener.settimeout(left)
+                try:
+                    conn, _ = listener.accept()
+                    conn.settimeout(connect_s)
+                    rank, got = (int(x) for x in np.frombuffer(_recv_exact(conn, 8), np.int32))
+                except (OSError, ValueError, EOFError):
+                    continue
+                if got != token or not 0 < rank < group.size() or rank in peers:
+                    conn.close()
+                    continue
+                conn.settimeout(None)
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                peers[rank] = conn
+            listener.close()  # every rank that will connect has: the port stays open no longer
+            listener = None
+            ok = [len(peers) == group.size() - 1]
+        else:
+            n = int(group.broadcast(None, (1,))[0])
+            blob = bytes(group.broadcast(None, (n,)).astype(np.uint8))
+            port, token, *addrs = blob.decode().split()
+            from . import faults
+
+            addrs = faults.channel_addresses(addrs, group)
+            for addr in addrs:
+                try:
+                    conn = socket.create_connection((addr, int(port)), timeout=connect_s)
+                except OSError:
+                    continue
+                conn.settimeout(None)
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                conn.sendall(np.array([group.rank(), int(token)], np.int32).tobytes())
+                peers[0] = conn
+                break
+            ok = [bool(peers)]
+        agreed = group.gather_rows(ok, dtype=np.int32)[:, 0]
+        chan = cls(group, peers, listener)
+        if not agreed.all():
+            chan.close()
+            return None
+        return chan
+
+    def close(self) -> None:
+        for s in list(self._peers.values()) + ([self._listener] if self._listener else []):
+            try:
+                s.close()
+            except OSError:
+                pass
+        self._peers, self._listener = {}, None
+
+    # The one pattern -----------------------------------------------------------
+    def exchange(self, row, message: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Every rank's int32 `row` (equal lengths) as a [size, k] matrix on
+        every rank, and rank 0's int32 `message` (any length; the others pass
+        None) on every rank. Rank 0 reads every row, then sends one frame back."""
+        row = np.ascontiguousarray(row, np.int32).reshape(-1)
+        size, k = self.group.size(), row.size
+        if self.group.is_root:
+            rows = np.zeros((size, k), np.int32)
+            rows[0] = row
+            for r, conn in self._peers.items():
+                rows[r] = np.frombuffer(self._recv(conn, r, 4 * k), np.int32)
+            msg = np.ascontiguousarray(message if message is not None else np.zeros(0), np.int32).reshape(-1)
+            frame = np.concatenate([np.array([msg.size], np.int32), rows.reshape(-1), msg]).tobytes()
+            for r, conn in self._peers.items():
+                try:
+                    conn.sendall(frame)
+                except OSError as e:
+                    raise RuntimeError(f"{CHANNEL_PREFIX} rank {r} is gone ({e})") from None
+            return rows, msg
+        conn = self._peers[0]
+        try:
+            conn.sendall(row.tobytes())
+        except OSError as e:
+            raise RuntimeError(f"{CHANNEL_PREFIX} rank 0 is gone ({e})") from None
+        m = int(np.frombuffer(self._recv(conn, 0, 4), np.int32)[0])
+        data = np.frombuffer(self._recv(conn, 0, 4 * (size * k + m)), np.int32)
+        return data[: size * k].reshape(size, k).copy(), data[size * k :].copy()
+
+    @staticmethod
+    def _recv(conn, rank: int, n: int) -> bytes:
+        try:
+            return _recv_exact(conn, n)
+        except (OSError, EOFError) as e:
+            raise RuntimeError(f"{CHANNEL_PREFIX} rank {rank} is gone ({e or 'connection closed'})") from None
+
+
+def _recv_exact(conn, n: int) -> bytes:
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = conn.recv_into(view[got:], n - got)
+        if k == 0:
+            raise EOFError("connection closed")
+        got += k
+    return bytes(buf)

@@ -241,8 +241,11 @@ def _exit_code(code) -> int:
 
 
 def _is_transport_error(msg: str) -> bool:
-    """MLX's backends prefix their errors: "[ring] ...", "[mpi] ...", ..."""
-    return any(msg.startswith(f"[{b}]") for b in BACKENDS)
+    """MLX's backends prefix their errors: "[ring] ...", "[mpi] ...", ...;
+    the host channel's "[host channel] ..."."""
+    from .collectives import CHANNEL_PREFIX
+
+    return msg.startswith(CHANNEL_PREFIX) or any(msg.startswith(f"[{b}]") for b in BACKENDS)
 
 
 def _rank_main() -> None:

@@ -14,7 +14,9 @@ returns the faulted one:
 - ``wrong-kv-slice``: the last rank takes the wrong KV heads (:func:`kv_heads`);
 - ``sampler-seed``: the last rank samples with another seed (:func:`sampling`);
 - ``version:RANK``: that rank reports another mlx version (:func:`versions`);
-- ``nomodel:RANK``: that rank does not find the model (:func:`model_present`).
+- ``nomodel:RANK``: that rank does not find the model (:func:`model_present`);
+- ``no-channel``: the last rank reaches none of rank 0's host channel
+  addresses (:func:`channel_addresses`), so the job runs without the channel.
 """
 
 from __future__ import annotations
@@ -82,3 +84,9 @@ def versions(text: str, rank: int) -> str:
 def model_present(present: bool, rank: int) -> bool:
     """Whether this rank finds the model (``nomodel:RANK``: it does not)."""
     return False if _spec() == f"nomodel:{rank}" else present
+
+
+def channel_addresses(addrs: list[str], group) -> list[str]:
+    """The addresses a rank tries for rank 0's host channel; none under
+    ``no-channel`` on the last rank (the star fails, every rank falls back)."""
+    return [] if _last_rank("no-channel", group) else addrs

@@ -61,7 +61,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
 
-from .collectives import SINGLE, Group
+from .collectives import SINGLE, Group, HostChannel
 from .errors import UserError
 from .sampling import SEED_LIMIT, SamplingParams
 
@@ -634,6 +634,10 @@ class Service:
                           logprobs=True)
         self.engine = eng
         guard = RankAgreement(group, every=0)
+        channel = HostChannel.open(group)  # None at np 1, or where a rank could not connect: device collectives then
+        if channel is None and not group.single:
+            print("serve: no host channel to every rank (TCP to rank 0 refused or unreachable): step control "
+                  "goes through device collectives, which wait behind the step in flight", file=sys.stderr, flush=True)
         active: dict[int, Active] = {}
         backlog: list = []  # jobs taken from the queue, not admitted yet
         removals: list = []  # rows to free at the next step
@@ -702,7 +706,7 @@ class Service:
                 elif active or admissions or removals or outbox:
                     kind = KIND_STEP
                 else:  # nothing to run: wait for a request, then (other ranks) let them sleep
-                    if group.single:
+                    if group.single or channel is not None:  # no follower spins in a collective meanwhile
                         if not take(timeout=0.2):
                             self.stopping.set()
                         continue
@@ -730,8 +734,8 @@ class Service:
                 idle_ms = int(IDLE_SLEEP_S * 1000) if kind == KIND_IDLE else 0
                 self.busy_since = t_step = time.monotonic()
                 # Before step()'s next launch, so changes decided on the ids just read reach it (one step in flight);
-                # at np > 1 this all_sum waits behind that step (one stream), but after it every change is a step later.
-                sync_step(group, guard, [MAGIC, kind, len(payload), idle_ms])
+                # over the host channel it does not wait for that step (an all_sum would, behind it on the stream).
+                _, payload = sync_step(group, guard, [MAGIC, kind, len(payload), idle_ms], payload, channel)
                 shutdown_sent = kind == KIND_SHUTDOWN
                 for job, ev in outbox:  # the ids behind these events agree on every rank
                     job.events.put(ev)
@@ -744,7 +748,7 @@ class Service:
                     idle_until = time.monotonic() + IDLE_SLEEP_S
                     continue
                 if len(payload):
-                    removals_, admits_ = decode_changes(group.broadcast(payload, (len(payload),)))
+                    removals_, admits_ = decode_changes(payload)
                     for rid in removals_:
                         eng.remove(rid)
                     removals.clear()
@@ -795,8 +799,10 @@ class Service:
             raise
         else:
             if not shutdown_sent:  # pragma: no cover - the loop returns after sending it
-                sync_step(group, guard, [MAGIC, KIND_SHUTDOWN, 0, 0])
+                sync_step(group, guard, [MAGIC, KIND_SHUTDOWN, 0, 0], np.zeros(0, np.int32), channel)
         finally:
+            if channel is not None:
+                channel.close()
             self.fail_all(SHUTDOWN_MESSAGE, 503)  # whatever is still queued: answered, not dropped
 
 
@@ -886,15 +892,19 @@ def follower_loop(model, tok, group: Group, prefill_step=None) -> None:
 # Rank 0's main thread is the scheduler; every rank runs `batch_loop`, the same
 # BatchEngine calls in the same order. One iteration:
 #
-# 1. one all_sum of a small int32 vector: rank 0's control header (magic, kind,
-#    payload length, idle time) plus every rank's rank-agreement row (count,
-#    checksum, last id of every id generated so far; row r from rank r), so
-#    the ids of the last step are checked on every rank at every step with no
-#    collective of their own; rank 0 sends the last step's text to the clients
-#    only after that verdict;
-# 2. only when the batch changes: a broadcast of the payload (the rows to
-#    remove, then each admitted request: its row id and the hand-off
-#    encoding of `encode`: prompt ids and bit-copied sampling values);
+# 1. one exchange over the host channel (collectives.HostChannel, a TCP star
+#    set up once): every rank sends rank 0 its rank-agreement row (count,
+#    checksum, last id of every id generated so far), rank 0 sends back every
+#    row plus its control header (magic, kind, payload length, idle time) and,
+#    when the batch changes, the payload (the rows to remove, then each
+#    admitted request: its row id and the hand-off encoding of `encode`:
+#    prompt ids and bit-copied sampling values). So the ids of the last step
+#    are checked on every rank at every step; rank 0 sends the last step's
+#    text to the clients only after that verdict. Nothing of it is queued on
+#    the device, so it never waits for the step in flight.
+# 2. without the channel (a rank could not reach rank 0 over TCP): the same
+#    header and rows as one all_sum, and the payload as a broadcast when it is
+#    not empty; each waits behind the step in flight (one stream);
 # 3. removals, admissions (up to --prompt-concurrency, prefilled together by
 #    BatchEngine.add_many),
 #    then one BatchEngine.step for every row (up to --decode-concurrency):
@@ -906,7 +916,9 @@ def follower_loop(model, tok, group: Group, prefill_step=None) -> None:
 # string, its client gone); the removal travels in the next step's payload, so
 # the other ranks never decide anything themselves.
 #
-# Idle: with no row and nothing queued for IDLE_AFTER_S (0.5 s), rank 0 sends an IDLE
+# Idle: with the channel, a follower waits for rank 0's next frame in recv
+# (asleep) and rank 0 simply waits for a request. Without it: with no row and
+# nothing queued for IDLE_AFTER_S (0.5 s), rank 0 sends an IDLE
 # note; the other ranks sleep IDLE_SLEEP_S - IDLE_MARGIN_S before they enter
 # the next collective (where MPI and ring spin), rank 0 enters it IDLE_SLEEP_S
 # after the note, or at once when a request comes (which then waits at most
@@ -961,23 +973,35 @@ def decode_changes(payload: np.ndarray) -> tuple[list, list]:
     return removals, admissions
 
 
-def sync_step(group: Group, guard, control=None) -> np.ndarray:
-    """Every rank: rank 0's control header (the others pass None) and the
-    rank-agreement verdict on every id generated so far, with one all_sum."""
+def sync_step(group: Group, guard, control=None, payload=None, channel=None) -> tuple[np.ndarray, np.ndarray]:
+    """Every rank: rank 0's control header and payload (the others pass None)
+    and the rank-agreement verdict on every id generated so far. Over the host
+    channel when there is one (one round trip, nothing queued on the device);
+    otherwise one all_sum, plus a broadcast of the payload when it is not empty."""
     import mlx.core as mx
 
     n = group.size()
-    vec = np.zeros(CONTROL_INTS + 3 * n, np.int32)
-    if group.is_root:
-        vec[:CONTROL_INTS] = control
-    r = CONTROL_INTS + 3 * group.rank()
-    vec[r : r + 3] = [guard.count, guard.checksum, guard.last]
-    if not group.single:
-        vec = np.array(group.all_sum(mx.array(vec)))
-        guard._verdict(vec[CONTROL_INTS:].reshape(n, 3))  # RanksDiverged on every rank alike
+    row = np.array([guard.count, guard.checksum, guard.last], np.int32)
+    if channel is not None:
+        msg = np.concatenate([np.asarray(control, np.int32), np.asarray(payload, np.int32)]) \
+            if group.is_root else None
+        rows, msg = channel.exchange(row, msg)
+        guard._verdict(rows)  # RanksDiverged on every rank alike
+        vec, payload = msg[:CONTROL_INTS], msg[CONTROL_INTS:]
+    else:
+        vec = np.zeros(CONTROL_INTS + 3 * n, np.int32)
+        if group.is_root:
+            vec[:CONTROL_INTS] = control
+        r = CONTROL_INTS + 3 * group.rank()
+        vec[r : r + 3] = row
+        if not group.single:
+            vec = np.array(group.all_sum(mx.array(vec)))
+            guard._verdict(vec[CONTROL_INTS:].reshape(n, 3))
+        m = int(vec[2]) if int(vec[0]) == MAGIC else 0
+        payload = payload if group.single else group.broadcast(payload, (m,)) if m else np.zeros(0, np.int32)
     if int(vec[0]) != MAGIC:
         raise RuntimeError(f"serve: bad step header (magic {int(vec[0]):#x})")
-    return vec[:CONTROL_INTS]
+    return vec[:CONTROL_INTS], payload
 
 
 def make_engine(model, prefill_step, cache_size: int, cache_bytes: int | None, logprobs: bool = False):
@@ -1067,8 +1091,10 @@ def follower_batch_loop(model, group: Group, prefill_step, cache_size: int, cach
             pass
     eng = make_engine(model, prefill_step, cache_size, cache_bytes)
     guard = RankAgreement(group, every=0)
+    channel = HostChannel.open(group)  # the same call as rank 0's, at the same point
     while True:
-        _, kind, n, idle_ms = (int(x) for x in sync_step(group, guard))
+        control, payload = sync_step(group, guard, channel=channel)
+        _, kind, n, idle_ms = (int(x) for x in control)
         if kind == KIND_SHUTDOWN:
             print(f"serve: rank {group.rank()} stopped", file=sys.stderr, flush=True)
             return
@@ -1076,7 +1102,7 @@ def follower_batch_loop(model, group: Group, prefill_step, cache_size: int, cach
             time.sleep(max(idle_ms / 1000 - IDLE_MARGIN_S, 0))
             continue
         if n:
-            removals, admissions = decode_changes(group.broadcast(None, (n,)))
+            removals, admissions = decode_changes(payload)
             for rid in removals:
                 eng.remove(rid)
             eng.add_many([(rid, req.prompt_ids, req.sampling, req.max_tokens) for rid, req in admissions])

@@ -52,7 +52,7 @@ def _free_port() -> int:
 
 
 class Server:
-    def __init__(self, model_dir, np_, tmp, extra=(), backend="mpi"):
+    def __init__(self, model_dir, np_, tmp, extra=(), backend="mpi", env=None):
         self.port = _free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log = open(tmp / f"serve-np{np_}.log", "w+")
@@ -60,7 +60,7 @@ class Server:
         if np_ > 1:
             args += ["--backend", backend]
         self.proc = subprocess.Popen(args, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+                                     start_new_session=True, env=None if env is None else {**os.environ, **env})
         try:
             self._wait_ready()
         except BaseException:
@@ -806,6 +806,35 @@ def test_idle_job_sleeps(server2):
     print(f"idle np 2 job: {100 * used:.1f}% of a core over {len(family)} processes")
     assert used < 0.10, f"the idle job uses {100 * used:.0f}% of a core"
     assert server2.json("/v1/completions", GREEDY)["choices"][0]["text"]  # and it still answers
+    assert "no host channel" not in server2.output()  # the steps' control went over the host channel
+
+
+def test_without_host_channel(model_dir, server1, tmp_path):
+    """A follower that cannot reach rank 0's host channel: every rank falls
+    back to device collectives for the step control (said once on stderr);
+    batched texts still equal each prompt's text alone, and the idle job still sleeps."""
+    bodies = [{"prompt": p, "max_tokens": 16, "temperature": 0} for p in BATCH_PROMPTS[:4]]
+    alone = [_text(server1, b)["text"] for b in bodies]
+    s = Server(model_dir, 2, tmp_path, env={"MLXCEL_DIST_INJECT_FAULT": "no-channel"})
+    try:
+        got = [None] * len(bodies)
+        threads = [threading.Thread(target=lambda i=i: got.__setitem__(i, _text(s, bodies[i])["text"]))
+                   for i in range(len(bodies))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert got == alone
+        time.sleep(1.5)  # past the idle hand-over: IDLE notes now
+        family = [s.proc.pid] + descendants(s.proc.pid)
+        t0, c0 = time.monotonic(), _cpu_seconds(family)
+        time.sleep(3.0)
+        used = (_cpu_seconds(family) - c0) / (time.monotonic() - t0)
+        assert used < 0.10, f"the idle job uses {100 * used:.0f}% of a core"
+        assert s.output().count("serve: no host channel to every rank") == 1, s.output()
+    finally:
+        rc = s.stop()
+    assert rc in (0, 128 + signal.SIGTERM), rc
 
 
 def _read_long_stream(base: str, prompt: str, lines: list, started) -> None:
