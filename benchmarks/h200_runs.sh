@@ -7,6 +7,7 @@
 #   bash benchmarks/h200_runs.sh tp27      # issue 18: 27B-shaped np 1 / np 2 (CUDA graphs on, off), prefill profile
 #   bash benchmarks/h200_runs.sh serve     # issue 17: 12B-shaped serve load, ours np 1 / np 2, mlx_lm.server np 1
 #   bash benchmarks/h200_runs.sh match     # issue 18: logit-match --np 2 --backend nccl on the 12B-shaped checkpoint
+#   bash benchmarks/h200_runs.sh batch     # issue 17: BatchEngine alone at 1/4/16 rows, np 1 / np 2 (retrace costs), then serve
 #
 # JSON and logs land in $OUT (at most 8 files come back).
 #
@@ -58,6 +59,17 @@ serve)
   timeout 200 python3 benchmarks/serve_load.py --model "$CKPT" --clients 1,4,16 --requests 2 --tokens 64 \
     --servers ours-np2 --json "$O/serve_np2.json" 2>&1 | tail -6
   ;;
+batch)
+  ckpt12b
+  CUDA_VISIBLE_DEVICES=0 timeout 150 python3 benchmarks/batch_engine.py "$CKPT" --rows 1,4,16 --steps 128 --json \
+    2>&1 | tee "$O/batch_np1.jsonl" | tail -8
+  timeout 180 python3 benchmarks/batch_engine.py "$CKPT" --rows 1,4,16 --steps 128 --np 2 --backend nccl --json \
+    2>&1 | tee "$O/batch_np2.jsonl" | tail -8
+  CUDA_VISIBLE_DEVICES=0 timeout 150 python3 benchmarks/serve_load.py --model "$CKPT" --clients 1,4,16 --requests 2 \
+    --tokens 64 --servers ours-np1,mlx_lm-np1 --json "$O/serve_np1.json" 2>&1 | grep clients
+  timeout 120 python3 benchmarks/serve_load.py --model "$CKPT" --clients 1,4,16 --requests 2 --tokens 64 \
+    --servers ours-np2 --json "$O/serve_np2.json" 2>&1 | grep clients
+  ;;
 match)
   ckpt12b
   /usr/bin/time -v timeout 560 python3 -m mlxcel_dist.cli logit-match "$CKPT" --np 2 --backend nccl 2>&1 \
@@ -65,7 +77,7 @@ match)
     | tail -25
   ;;
 *)
-  echo "usage: $0 compare|tp27|serve|match" >&2
+  echo "usage: $0 compare|tp27|serve|match|batch" >&2
   exit 2
   ;;
 esac

@@ -63,16 +63,24 @@ import mlx.core as mx
 import numpy as np
 
 from .cache import LayerCache, SharedKVCache
+from .decode import STEP as GPU_STEP
 from .decode import StaticCache, _round_up
 from .engine import DEFAULT_PREFILL_STEP, check_tokens, vocab_size
 from .masks import create_rows_mask
 from .sampling import Sampler, SamplingParams
 
-# Buffer granularity of the batch's static KV (decode.STEP is 256): a batch
-# step attends every row over the whole buffer (masked), so slack slots cost
-# attention work; 64 measured 78 -> 88-94 tok/s for 16 rows of short
-# sequences on the 2-core CPU (docs/benchmarks.md). Growth stays geometric.
-STEP = 64
+# Buffer granularity of the batch's static KV, per device. A batch step
+# attends every row over the whole buffer (masked), so slack slots cost
+# attention work: on the 2-core CPU 64 measured 78 -> 88-94 tok/s for 16 rows
+# of short sequences against 256. On a GPU that work is cheap and each new
+# buffer shape is a retrace whose fused kernels are compiled anew (about a
+# second per shape for a 12B model on the H200): decode.STEP (256) there.
+# Growth stays geometric either way.
+CPU_STEP = 64
+
+
+def slot_step() -> int:
+    return CPU_STEP if mx.default_device() == mx.cpu else GPU_STEP
 
 
 class RowCache(StaticCache):
@@ -474,7 +482,7 @@ class BatchEngine:
         C, S = self._capacity(), self._slots()
         want_c = max(C, 1 << (n_rows - 1).bit_length())
         need = max_pos + 1
-        want_s = S if S >= need else _round_up(need + need // 4, STEP)
+        want_s = S if S >= need else _round_up(need + need // 4, slot_step())
         if self.buffers and want_c == C and want_s == S:
             return
         self._size = want_s

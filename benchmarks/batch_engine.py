@@ -1,0 +1,114 @@
+"""BatchEngine alone (no HTTP, no scheduler): decode throughput at R rows, and
+what each new buffer shape (a retrace of the compiled step) costs.
+
+For each row count R: R seeded random prompts admitted together
+(`add_many`), then `--steps` pipelined steps, every row greedy. Per step the
+wall time is recorded; a step during which the engine traced a new shape
+(`BatchEngine.traces` went up) is counted apart, so "steady" is the step
+rate once every shape is compiled and "first pass" what a cold server pays.
+Each R runs twice on one engine per R (pass 1 cold, pass 2 warm: same shapes).
+
+    python benchmarks/batch_engine.py MODEL --rows 1,4,16 --prompt 32 --steps 128
+    python benchmarks/batch_engine.py MODEL --rows 16 --np 2 --backend nccl
+
+At np > 1 it re-launches itself through mlxcel_dist's launcher; every rank
+makes the same engine calls, rank 0 prints. One JSON line per (R, pass) with
+--json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def run(args) -> None:
+    import mlx.core as mx
+    import numpy as np
+
+    from mlxcel_dist.batch import BatchEngine, slot_step
+    from mlxcel_dist.distributed import init_from_env
+    from mlxcel_dist.loader import load_model
+    from mlxcel_dist.sampling import SamplingParams
+
+    group = init_from_env()
+    t = time.perf_counter()
+    loaded = load_model(args.model, dtype=args.dtype, group=group)
+    model = loaded.model
+    mx.eval(model.parameters())
+    load_s = time.perf_counter() - t
+    vocab = int(loaded.config.get("vocab_size") or loaded.config.get("text_config", {}).get("vocab_size"))
+    say = print if group.is_root else (lambda *a, **k: None)
+    say(f"{args.model}: loaded in {load_s:.1f} s on {group.size()} rank(s), {mx.default_device()}, "
+        f"slot step {slot_step()}", file=sys.stderr, flush=True)
+    greedy = SamplingParams(temp=0.0)
+    for R in args.rows:
+        eng = BatchEngine(model, prefill_step=args.prefill_step)
+        for p in (1, 2):
+            rng = np.random.default_rng([R, p])
+            reqs = [(i, rng.integers(3, vocab, size=args.prompt).tolist(), greedy, args.steps) for i in range(R)]
+            t0 = time.perf_counter()
+            eng.add_many(reqs)
+            mx.synchronize()
+            prefill_s = time.perf_counter() - t0
+            times, traced = [], []
+            for _ in range(args.steps):
+                before = eng.traces
+                t1 = time.perf_counter()
+                out = eng.step()
+                times.append(time.perf_counter() - t1)
+                traced.append(eng.traces > before)
+                assert len(out) == R, (len(out), R)
+            for i in range(R):
+                eng.remove(i)
+            while eng.step():  # drain the step in flight
+                pass
+            times, traced = np.array(times), np.array(traced)
+            steady = times[~traced][1:]  # the first step also waits for the prefill's tail
+            rec = {
+                "rows": R, "pass": p, "np": group.size(), "prompt": args.prompt, "steps": args.steps,
+                "slot_step": slot_step(), "prefill_s": round(prefill_s, 4),
+                "total_s": round(float(times.sum()), 4), "tok_s": round(R * args.steps / float(times.sum()), 1),
+                "retrace_steps": int(traced.sum()), "retrace_s": round(float(times[traced].sum()), 4),
+                "steady_ms": round(1e3 * float(np.median(steady)), 2) if steady.size else None,
+                "steady_tok_s": round(R / float(np.median(steady)), 1) if steady.size else None,
+            }
+            if args.json:
+                say(json.dumps(rec), flush=True)
+            else:
+                say(f"R={R:3d} pass {p}: {rec['tok_s']:8.1f} tok/s over {args.steps} steps "
+                    f"(steady {rec['steady_ms']} ms/step = {rec['steady_tok_s']} tok/s; "
+                    f"{rec['retrace_steps']} steps with a new shape took {rec['retrace_s']:.2f} s; "
+                    f"prefill {prefill_s:.2f} s)", flush=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("model")
+    ap.add_argument("--rows", default="1,4,16")
+    ap.add_argument("--prompt", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=128)
+    ap.add_argument("--prefill-step", type=int, default=None)
+    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--np", type=int, default=1)
+    ap.add_argument("--backend", default="auto")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    args.rows = [int(x) for x in args.rows.split(",")]
+    if args.np > 1 and not os.environ.get("MLXCEL_DIST_WORLD"):
+        from mlxcel_dist.launcher import launch
+
+        argv = [a for a in sys.argv[1:]]
+        return launch(argv, args.np, args.backend, script=__file__)
+    run(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
