@@ -661,6 +661,7 @@ def serve(
     from .engine import check_generation_options
     from .sampling import SamplingParams
     from .server import Defaults, Service, batchable, context_limit, follower_batch_loop, follower_loop, parse_size
+    from .server import listen
     from .server import serve as run_server
     from .tokenizer import Tokenizer
 
@@ -683,6 +684,7 @@ def serve(
     cache_bytes = None if prompt_cache_bytes is None else parse_size(prompt_cache_bytes, "--prompt-cache-bytes")
     defaults = Defaults(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, max_tokens=max_tokens)
     group = _distribute(ctx, np_, backend, hostfile, model)
+    httpd = listen(host, port) if group.is_root else None  # before the load: a port in use fails at once
     loaded = _load(model, dtype, group)
     tok = Tokenizer(loaded.model_dir, loaded.config)
     if not group.is_root:
@@ -697,7 +699,7 @@ def serve(
                   context_length=context_limit(loaded.config), defaults=defaults,
                   decode_concurrency=decode_concurrency, prompt_concurrency=prompt_concurrency,
                   prompt_cache_size=prompt_cache_size, prompt_cache_bytes=cache_bytes)
-    run_server(svc, host, port)
+    run_server(svc, httpd)
 
 
 @app.command()

@@ -1404,14 +1404,19 @@ class _Server(ThreadingHTTPServer):
             return self.closed_all.wait_for(lambda: self.connections <= 0, timeout)
 
 
-def serve(svc: Service, host: str, port: int) -> None:
-    """Rank 0: bind, serve in a thread, process jobs here until SIGINT/SIGTERM."""
+def listen(host: str, port: int) -> "_Server":
+    """Rank 0, before the model loads: bind the port (a port in use fails in
+    seconds, before any rank waits on rank 0). Connections queue in the
+    backlog until `serve` runs."""
     try:
-        httpd = _Server((host, port), _make_handler(svc))
+        return _Server((host, port), BaseHTTPRequestHandler)
     except OSError as e:
-        svc.stopping.set()
-        exchange(svc.group, None)  # release the other ranks
         raise UserError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+
+
+def serve(svc: Service, httpd: "_Server") -> None:
+    """Rank 0: serve `listen`'s socket in a thread, process jobs here until SIGINT/SIGTERM."""
+    httpd.RequestHandlerClass = _make_handler(svc)
     saved = {}
 
     def on_signal(signum, _frame):

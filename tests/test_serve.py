@@ -647,6 +647,19 @@ def test_bad_default_flags(flags, message):
 
 
 @pytest.mark.parametrize("np_", [1, 2], ids=["np1", "np2"])
+def test_port_in_use_is_one_error_line(model_dir, np_):
+    """Rank 0 binds before the model loads: a port in use is one error line
+    and exit 2, at np 2 too (the other ranks are not left waiting)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        p = run_cmd([*CLI, "serve", str(model_dir), "--port", str(port), "--np", str(np_)], cwd=ROOT, timeout=60)
+    assert p.returncode == 2, p.stderr
+    assert f"error: cannot listen on 127.0.0.1:{port}:" in p.stderr and "Traceback" not in p.stderr, p.stderr
+
+
+@pytest.mark.parametrize("np_", [1, 2], ids=["np1", "np2"])
 def test_shutdown_during_stream(model_dir, np_, tmp_path):
     if np_ > 1 and find_mpirun() is None:
         pytest.fail("mpirun not found")
