@@ -294,6 +294,39 @@ class BatchEngine:
         for g in together:
             self._prefill_together(g)
 
+    def warmup(self, max_rows: int, token: int = 0) -> list:
+        """Trace and compile the step for every row capacity a batch of up to
+        `max_rows` rows takes (1, 2, 4, ...: `_reserve`'s powers of two), at
+        the first buffer size, with throwaway rows fed `token`; the engine is
+        left empty, the prompt cache untouched. mx.compile keeps every trace,
+        so the first requests that bring a batch to a new size do not pay for
+        it (on the H200, 0.4 to 38 s per capacity for a 12B model, the first
+        one the longest: docs/benchmarks.md). Models whose rows step eagerly
+        (recurrent caches) compile nothing: only the first capacity runs.
+        Returns [(capacity, seconds)]. Every rank makes the same call."""
+        import time
+
+        if self.rows:
+            raise RuntimeError("warmup needs an empty engine")
+        saved, self.prompt_cache = self.prompt_cache, None
+        done, c = [], 1
+        try:
+            while True:
+                t = time.perf_counter()
+                rids = [("warmup", i) for i in range(c)]
+                self.add_many([(rid, [token, token], SamplingParams(temp=0.0), 2) for rid in rids])
+                self.step()
+                self.step()
+                for rid in rids:
+                    self.remove(rid)
+                mx.synchronize()
+                done.append((c, time.perf_counter() - t))
+                if c >= max_rows or not self.static:
+                    return done
+                c *= 2
+        finally:
+            self.prompt_cache = saved
+
     def _add_alone(self, a: "_Admit") -> None:
         prompt, last, cache = a.prompt, a.last, a.cache
         if cache is None:

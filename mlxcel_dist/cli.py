@@ -645,6 +645,7 @@ def serve(
     top_k: Annotated[int, typer.Option("--top-k", help="Default top_k (0 = off).")] = 0,
     min_p: Annotated[float, typer.Option("--min-p", help="Default min_p, in [0, 1] (0 = off).")] = 0.0,
     decode_concurrency: Annotated[int, typer.Option("--decode-concurrency", help="Requests decoded together, one forward per step (as mlx-lm's server).")] = 32,
+    warmup: Annotated[bool, typer.Option("--warmup/--no-warmup", help="Before serving, compile the batch step for every batch size up to --decode-concurrency (seconds on a GPU, once), so a batch reaching a new size does not stall.")] = True,
     prompt_concurrency: Annotated[int, typer.Option("--prompt-concurrency", help="Prompts prefilled between two decode steps, at most (as mlx-lm's server).")] = 8,
     prompt_cache_size: Annotated[int, typer.Option("--prompt-cache-size", help="Prompt cache entries (KV of earlier prompts and replies, reused by a request that starts with one; 0 = off), as mlx-lm's server.")] = 10,
     prompt_cache_bytes: Annotated[Optional[str], typer.Option("--prompt-cache-bytes", help="Prompt cache limit in bytes per rank (e.g. 2GB, 500M; default: no limit), as mlx-lm's server.", show_default=False)] = None,
@@ -689,7 +690,8 @@ def serve(
     tok = Tokenizer(loaded.model_dir, loaded.config)
     if not group.is_root:
         if batchable(loaded.model):
-            follower_batch_loop(loaded.model, group, prefill_step, prompt_cache_size, cache_bytes)
+            follower_batch_loop(loaded.model, group, prefill_step, prompt_cache_size, cache_bytes,
+                                warmup_rows=decode_concurrency if warmup else 0)
         else:
             follower_loop(loaded.model, tok, group, prefill_step)
         return
@@ -698,7 +700,7 @@ def serve(
                   max_request_bytes=max_request_bytes, prefill_step=prefill_step,
                   context_length=context_limit(loaded.config), defaults=defaults,
                   decode_concurrency=decode_concurrency, prompt_concurrency=prompt_concurrency,
-                  prompt_cache_size=prompt_cache_size, prompt_cache_bytes=cache_bytes)
+                  prompt_cache_size=prompt_cache_size, prompt_cache_bytes=cache_bytes, warmup=warmup)
     run_server(svc, httpd)
 
 

@@ -347,8 +347,12 @@ class Service:
                  context_length: int | None = None, defaults: Defaults | None = None,
                  decode_concurrency: int = DEFAULT_DECODE_CONCURRENCY,
                  prompt_concurrency: int = DEFAULT_PROMPT_CONCURRENCY,
-                 prompt_cache_size: int = DEFAULT_PROMPT_CACHE_SIZE, prompt_cache_bytes: int | None = None):
+                 prompt_cache_size: int = DEFAULT_PROMPT_CACHE_SIZE, prompt_cache_bytes: int | None = None,
+                 warmup: bool = False):
         self.model = model
+        self.warmup = warmup  # compile the batch step for every row capacity before the first request
+        self.engine = None  # BatchEngine (batched models), made by prepare()
+        self.channel = None  # collectives.HostChannel to the other ranks (None: np 1, or none could be built)
         self.decode_concurrency = decode_concurrency
         self.prompt_concurrency = prompt_concurrency
         self.prompt_cache_size = prompt_cache_size
@@ -623,6 +627,22 @@ class Service:
         self.jobs.put(None)
 
     # -- batched (rank 0's scheduler) ----------------------------------------------
+    def prepare(self) -> None:
+        """Rank 0, before the HTTP thread starts (batched models): the engine,
+        the host channel and the warm-up, each paired with the other ranks'
+        same calls in follower_batch_loop. Idempotent."""
+        if not self.batched or self.engine is not None:
+            return
+        group = self.group
+        self.engine = make_engine(self.model, self.prefill_step, self.prompt_cache_size, self.prompt_cache_bytes,
+                                  logprobs=True)
+        self.channel = HostChannel.open(group)  # None at np 1, or where a rank could not connect
+        if self.channel is None and not group.single:
+            print("serve: no host channel to every rank (TCP to rank 0 refused or unreachable): step control "
+                  "goes through device collectives, which wait behind the step in flight", file=sys.stderr, flush=True)
+        if self.warmup:
+            warm_up(self.engine, self.decode_concurrency, group)
+
     def loop_batched(self) -> None:
         """Admit, step, detokenise and retire rows until stop(); every other
         rank runs follower_batch_loop's mirror of the same engine calls."""
@@ -630,14 +650,9 @@ class Service:
         from .tokenizer import StopStrings, StreamDecoder
 
         group = self.group
-        eng = make_engine(self.model, self.prefill_step, self.prompt_cache_size, self.prompt_cache_bytes,
-                          logprobs=True)
-        self.engine = eng
+        self.prepare()
+        eng, channel = self.engine, self.channel
         guard = RankAgreement(group, every=0)
-        channel = HostChannel.open(group)  # None at np 1, or where a rank could not connect: device collectives then
-        if channel is None and not group.single:
-            print("serve: no host channel to every rank (TCP to rank 0 refused or unreachable): step control "
-                  "goes through device collectives, which wait behind the step in flight", file=sys.stderr, flush=True)
         active: dict[int, Active] = {}
         backlog: list = []  # jobs taken from the queue, not admitted yet
         removals: list = []  # rows to free at the next step
@@ -1079,7 +1094,18 @@ class Active:
     eos: set
 
 
-def follower_batch_loop(model, group: Group, prefill_step, cache_size: int, cache_bytes: int | None) -> None:
+def warm_up(eng, rows: int, group: Group) -> None:
+    """Every rank: compile the batch step for every capacity up to `rows`
+    (BatchEngine.warmup); rank 0 says how long it took."""
+    t = time.monotonic()
+    done = eng.warmup(rows)
+    if group.is_root:
+        print(f"serve: batch steps ready for 1-{done[-1][0]} rows in {time.monotonic() - t:.1f} s "
+              f"({', '.join(f'{c}: {s:.1f}' for c, s in done)})", file=sys.stderr, flush=True)
+
+
+def follower_batch_loop(model, group: Group, prefill_step, cache_size: int, cache_bytes: int | None,
+                        warmup_rows: int = 0) -> None:
     """Ranks other than 0 (batched models): the same engine calls as rank 0,
     in the same order, until the shutdown message."""
     from .engine import RankAgreement
@@ -1092,6 +1118,8 @@ def follower_batch_loop(model, group: Group, prefill_step, cache_size: int, cach
     eng = make_engine(model, prefill_step, cache_size, cache_bytes)
     guard = RankAgreement(group, every=0)
     channel = HostChannel.open(group)  # the same call as rank 0's, at the same point
+    if warmup_rows:
+        warm_up(eng, warmup_rows, group)
     while True:
         control, payload = sync_step(group, guard, channel=channel)
         _, kind, n, idle_ms = (int(x) for x in control)
@@ -1434,21 +1462,24 @@ def serve(svc: Service, httpd: "_Server") -> None:
     saved_fd = signal.set_wakeup_fd(wfd, warn_on_full_buffer=False)
     threading.Thread(target=_watch_signals, args=(svc, rfd, httpd), daemon=True).start()
     thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.2}, daemon=True)
-    thread.start()
-    h, p = httpd.server_address[:2]
-    if svc.plain_chat:
-        print(f"serve: {svc.model_id} has no chat template: chat requests are rendered as plain "
-              "'USER: ... ASSISTANT:' text (as mlx-lm's server)", file=sys.stderr, flush=True)
-    print(f"serve: {svc.model_id} on http://{h}:{p}/v1 (np {svc.group.size()})",
-          file=sys.stderr, flush=True)
     try:
+        svc.prepare()  # the engine, the host channel, the warm-up: before any request is read
+        thread.start()
+        h, p = httpd.server_address[:2]
+        if svc.plain_chat:
+            print(f"serve: {svc.model_id} has no chat template: chat requests are rendered as plain "
+                  "'USER: ... ASSISTANT:' text (as mlx-lm's server)", file=sys.stderr, flush=True)
+        print(f"serve: {svc.model_id} on http://{h}:{p}/v1 (np {svc.group.size()})",
+              file=sys.stderr, flush=True)
         svc.loop()
     finally:
+        svc.loop_done.set()  # (loop sets it too; here also when prepare failed)
         # every request was answered (or errored) by the loop; let the
         # handlers finish writing before the process (and its daemon threads) ends
         svc.wait_answered()
         httpd.wait_closed(1.0)
-        httpd.shutdown()
+        if thread.is_alive():  # shutdown() waits for serve_forever, which never ran when prepare failed
+            httpd.shutdown()
         httpd.server_close()
         signal.set_wakeup_fd(saved_fd)
         for sig, old in saved.items():

@@ -33,7 +33,8 @@ def small_buffers(monkeypatch):
     import mlxcel_dist.decode as decode
 
     monkeypatch.setattr(decode, "STEP", 8)
-    monkeypatch.setattr(batch, "STEP", 8)
+    monkeypatch.setattr(batch, "CPU_STEP", 8)
+    monkeypatch.setattr(batch, "GPU_STEP", 8)
 
 
 def _run_batched(model, prompts, params, n, joins):
@@ -73,6 +74,42 @@ def test_batched_rows_decode_as_they_would_alone(d):
         assert eng.buffers == {}  # the last row's removal dropped the buffers
         # a few graphs (per row count and buffer length), not one per step
         assert 1 <= eng.traces < 12
+
+
+def test_warmup_compiles_every_capacity_once_and_changes_nothing(monkeypatch):
+    """After warmup(8) batches of 1-8 rows trace nothing new, and their ids
+    are a cold engine's; the warm-up leaves no row and no prompt-cache entry.
+    (Buffers of 64 slots: these rows never regrow them, a new shape the
+    warm-up does not cover.)"""
+    import mlxcel_dist.batch as batch
+    from mlxcel_dist.prompt_cache import PromptCache
+
+    monkeypatch.setattr(batch, "CPU_STEP", 64)
+    monkeypatch.setattr(batch, "GPU_STEP", 64)
+    model = load_model(default_model_dir()).model
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(3, model.args.vocab_size, k) for k in (5, 3, 7, 4, 6)]
+    params = [SamplingParams(temp=0.0)] * 4 + [SamplingParams(temp=0.8, seed=5)]
+    cold, cold_eng = _run_batched(model, prompts, params, 12, joins=[0, 0, 2, 5, 5])
+    warm = BatchEngine(model, prompt_cache=PromptCache(4, 1 << 30))
+    done = warm.warmup(8)
+    assert [c for c, _ in done] == [1, 2, 4, 8] and warm.traces >= 4
+    assert len(warm) == 0 and not warm.buffers and not warm.prompt_cache.entries
+    traces = warm.traces
+    got = {i: [] for i in range(len(prompts))}
+    for n in (1, 3, 5):  # capacities 1, 4, 8
+        for i in range(n):
+            warm.add(i, prompts[i], params[i])
+        for _ in range(12):
+            for rid, tok in warm.step().items():
+                got[rid].append(tok)
+        for i in range(n):
+            warm.remove(i)
+        while warm.step():
+            pass
+        assert all(got[i] == cold[i] for i in range(n)), (n, got, cold)
+        got = {i: [] for i in range(len(prompts))}
+    assert warm.traces == traces, "a capacity warmed up was traced again"
 
 
 def test_rows_that_cannot_batch_step_one_by_one():
