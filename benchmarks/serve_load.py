@@ -102,6 +102,8 @@ def server_cmd(name: str, model: Path, port: int) -> list[str]:
     return {
         "ours-np1": ours,
         "ours-np2": ours + ["--np", "2"],
+        "ours-np1-nowarmup": ours + ["--no-warmup"],  # the batch step compiled as batch sizes first appear
+        "ours-np2-nowarmup": ours + ["--np", "2", "--no-warmup"],
         "mlx_lm-np1": mlx_lm,
         "mlx_lm-np2": [str(BIN / "mlx.launch"), "--backend", "ring", "-n", "2", *mlx_lm],
     }[name]
