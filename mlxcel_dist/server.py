@@ -362,6 +362,7 @@ class Service:
         self.loop_done = threading.Event()
         self.busy_since = None  # when the scheduler entered its current step (None: between steps)
         self.step_s = 0.0  # moving average of a step's time
+        self.times = StepTimes()  # where the batched loop's time went (printed when it ends)
         self.tok = tokenizer
         self.model_id = model_id
         self.group = group
@@ -689,9 +690,12 @@ class Service:
                     return True
 
         shutdown_sent = False
+        t_rest = time.monotonic()
         try:
             while True:
                 take()
+                if not active:  # no row ran since: waiting is not a step's rest
+                    t_rest = time.monotonic()
                 for rid in [rid for rid, a in active.items() if a.job.cancelled.is_set()]:
                     removals.append(rid)  # the client went away: free its row now
                     print(f"serve: client gone: row freed after {active[rid].stats.generated} of "
@@ -747,10 +751,14 @@ class Service:
                 payload = encode_changes(removals, [(rid, job.req) for rid, job in admissions]) \
                     if kind == KIND_STEP and (removals or admissions) else np.zeros(0, np.int32)
                 idle_ms = int(IDLE_SLEEP_S * 1000) if kind == KIND_IDLE else 0
-                self.busy_since = t_step = time.monotonic()
+                self.busy_since = t_step = t_sync = time.monotonic()
+                if kind == KIND_STEP:
+                    self.times.rest += t_sync - t_rest  # detokenising, events, scheduling since the last step
                 # Before step()'s next launch, so changes decided on the ids just read reach it (one step in flight);
                 # over the host channel it does not wait for that step (an all_sum would, behind it on the stream).
                 _, payload = sync_step(group, guard, [MAGIC, kind, len(payload), idle_ms], payload, channel)
+                t_rest = time.monotonic()
+                self.times.sync += t_rest - t_sync
                 shutdown_sent = kind == KIND_SHUTDOWN
                 for job, ev in outbox:  # the ids behind these events agree on every rank
                     job.events.put(ev)
@@ -769,6 +777,7 @@ class Service:
                     removals.clear()
                     self.busy_since = None  # prefills: as long as their prompts (never judged stuck)
                     eng.add_many([(rid, req.prompt_ids, req.sampling, req.max_tokens) for rid, req in admits_])
+                    self.times.admitted(time.monotonic() - t_rest, [len(req.prompt_ids) for _, req in admits_])
                     for (rid, req), (_, job) in zip(admits_, admissions):
                         if req.logprobs is not None:
                             eng.want[rid] = req.logprobs
@@ -779,9 +788,12 @@ class Service:
                 if admissions:
                     t_step = time.monotonic()
                 self.busy_since = t_step
+                t0 = time.monotonic()
                 out = eng.step()
+                t_rest = time.monotonic()
                 self.busy_since = None
-                self.step_s = 0.9 * self.step_s + 0.1 * (time.monotonic() - t_step)
+                self.step_s = 0.9 * self.step_s + 0.1 * (t_rest - t_step)
+                self.times.stepped(t_rest - t0, len(out))
                 for rid, tok in out.items():
                     guard._record(tok)
                     a = active.get(rid)
@@ -816,6 +828,8 @@ class Service:
             if not shutdown_sent:  # pragma: no cover - the loop returns after sending it
                 sync_step(group, guard, [MAGIC, KIND_SHUTDOWN, 0, 0], np.zeros(0, np.int32), channel)
         finally:
+            if self.times.steps:
+                print(f"serve: {self.times}", file=sys.stderr, flush=True)
             if channel is not None:
                 channel.close()
             self.fail_all(SHUTDOWN_MESSAGE, 503)  # whatever is still queued: answered, not dropped
@@ -1081,6 +1095,41 @@ def _logprob_batch_class():
             super().remove(rid)
 
     return _LogprobBatch
+
+
+@dataclass
+class StepTimes:
+    """Rank 0's batched loop, summed while rows run (idle waits excluded):
+    BatchEngine.step (launch the next step, read this one: the device's time
+    shows here), admissions (removals and add_many: the prompts' prefill),
+    the per-step sync with the other ranks, and the rest (detokenising, stop
+    strings, events, scheduling)."""
+
+    steps: int = 0
+    tokens: int = 0
+    step: float = 0.0
+    admit: float = 0.0
+    groups: int = 0
+    prompts: int = 0
+    prompt_tokens: int = 0
+    sync: float = 0.0
+    rest: float = 0.0
+
+    def stepped(self, seconds: float, rows: int) -> None:
+        self.steps += 1
+        self.tokens += rows
+        self.step += seconds
+
+    def admitted(self, seconds: float, lengths: list) -> None:
+        self.admit += seconds
+        self.groups += 1
+        self.prompts += len(lengths)
+        self.prompt_tokens += sum(lengths)
+
+    def __str__(self) -> str:
+        return (f"{self.steps} steps, {self.tokens} tokens ({self.tokens / max(self.steps, 1):.1f} rows a step): "
+                f"steps {self.step:.2f} s, admissions {self.admit:.2f} s ({self.prompts} prompts, "
+                f"{self.prompt_tokens} tokens, {self.groups} groups), sync {self.sync:.2f} s, rest {self.rest:.2f} s")
 
 
 @dataclass
