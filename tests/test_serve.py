@@ -846,6 +846,11 @@ def test_without_host_channel(model_dir, server1, tmp_path):
         used = (_cpu_seconds(family) - c0) / (time.monotonic() - t0)
         assert used < 0.10, f"the idle job uses {100 * used:.0f}% of a core"
         assert s.output().count("serve: no host channel to every rank") == 1, s.output()
+        s.proc.send_signal(signal.SIGTERM)
+        s.proc.wait(timeout=30)
+        # the loop's time split, printed when it ends: 4 requests x 16 tokens, all counted as steps' tokens
+        m = re.search(r"serve: (\d+) steps, (\d+) tokens .*admissions [\d.]+ s \((\d+) prompts", s.output())
+        assert m and int(m.group(2)) == 4 * 16 and int(m.group(3)) == 4, s.output()
     finally:
         rc = s.stop()
     assert rc in (0, 128 + signal.SIGTERM), rc
