@@ -181,3 +181,15 @@ def test_ranks_see_their_own_host(ssh_hosts, tmp_path):
     assert p.returncode == 0, p.stdout + p.stderr
     text = (p.stdout + p.stderr).replace("\r", "")
     assert "host=mlx-a" in text and "host=mlx-b" in text, text
+
+
+def test_host_channel_between_two_hosts(ssh_hosts, tmp_path):
+    # serve's step channel (collectives.HostChannel) between ranks started over ssh:
+    # rank 0 advertises its addresses, rank 1 connects; 30 exchanges equal the device gather
+    helper = Path(__file__).parent / "helpers" / "channel_rank.py"
+    code = ("import sys; from mlxcel_dist.launcher import launch; "
+            f"sys.exit(launch(['--steps', '30'], 2, 'ring', hostfile={str(ssh_hosts['hostfile'])!r}, "
+            f"script={str(helper)!r}))")
+    p = run_cmd([sys.executable, "-c", code], timeout=120, cwd=tmp_path)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "channel ok ranks=2 steps=30" in (p.stdout + p.stderr).replace("\r", ""), p.stdout + p.stderr
