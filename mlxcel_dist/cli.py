@@ -662,7 +662,7 @@ def serve(
     from .engine import check_generation_options
     from .sampling import SamplingParams
     from .server import Defaults, Service, batchable, context_limit, follower_batch_loop, follower_loop, parse_size
-    from .server import listen
+    from .server import listen, long_lived_env
     from .server import serve as run_server
     from .tokenizer import Tokenizer
 
@@ -684,6 +684,7 @@ def serve(
         raise UserError(f"--prompt-cache-size must be >= 0, got {prompt_cache_size}")
     cache_bytes = None if prompt_cache_bytes is None else parse_size(prompt_cache_bytes, "--prompt-cache-bytes")
     defaults = Defaults(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, max_tokens=max_tokens)
+    long_lived_env()  # before any GPU work, and before the ranks start (they inherit it)
     group = _distribute(ctx, np_, backend, hostfile, model)
     httpd = listen(host, port) if group.is_root else None  # before the load: a port in use fails at once
     loaded = _load(model, dtype, group)

@@ -1481,6 +1481,24 @@ class _Server(ThreadingHTTPServer):
             return self.closed_all.wait_for(lambda: self.connections <= 0, timeout)
 
 
+# MLX CUDA's caches (CUDA graphs, cuDNN SDPA and conv plans) are LRUs whose
+# "Cache thrashing" check throws once a process has ever missed more than twice
+# their capacity (a lifetime count, never reset): a long-lived server meets new
+# batch sizes and prompt shapes for as long as it runs, and the throw would end
+# it with every open request. Off by default for serve (the caches stay LRUs);
+# a value the user sets wins. Read by MLX when a stream's encoder is built, so
+# setting it before the model loads is in time.
+LONG_LIVED_ENV = {"MLX_ENABLE_CACHE_THRASHING_CHECK": "0"}
+
+
+def long_lived_env() -> dict:
+    """Set serve's MLX environment defaults in this process (every rank calls
+    it; the launcher's ranks also inherit them); returns what is now in effect."""
+    for k, v in LONG_LIVED_ENV.items():
+        os.environ.setdefault(k, v)
+    return {k: os.environ[k] for k in LONG_LIVED_ENV}
+
+
 def listen(host: str, port: int) -> "_Server":
     """Rank 0, before the model loads: bind the port (a port in use fails in
     seconds, before any rank waits on rank 0). Connections queue in the

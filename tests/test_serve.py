@@ -646,6 +646,17 @@ def test_bad_default_flags(flags, message):
     assert p.returncode == 2 and message in p.stderr, p.stderr
 
 
+def test_long_lived_env_defaults(monkeypatch):
+    """serve turns MLX CUDA's lifetime cache-miss fuse off unless the user set it."""
+    from mlxcel_dist.server import long_lived_env
+
+    monkeypatch.delenv("MLX_ENABLE_CACHE_THRASHING_CHECK", raising=False)
+    assert long_lived_env() == {"MLX_ENABLE_CACHE_THRASHING_CHECK": "0"}
+    assert os.environ["MLX_ENABLE_CACHE_THRASHING_CHECK"] == "0"
+    monkeypatch.setenv("MLX_ENABLE_CACHE_THRASHING_CHECK", "1")
+    assert long_lived_env() == {"MLX_ENABLE_CACHE_THRASHING_CHECK": "1"}
+
+
 @pytest.mark.parametrize("np_", [1, 2], ids=["np1", "np2"])
 def test_port_in_use_is_one_error_line(model_dir, np_):
     """Rank 0 binds before the model loads: a port in use is one error line
