@@ -50,12 +50,13 @@ def main() -> int:
         if r == args.kill_rank and step == args.at:
             os.kill(os.getpid(), signal.SIGKILL)
         row = np.random.default_rng([step, r]).integers(-2**31, 2**31 - 1, size=5, dtype=np.int32)
-        msg = np.random.default_rng([step, 99]).integers(-2**31, 2**31 - 1, size=step % 7, dtype=np.int32)
+        size = 300_000 if step == 3 else step % 7  # one long prompt's worth (many TCP segments)
+        msg = np.random.default_rng([step, 99]).integers(-2**31, 2**31 - 1, size=size, dtype=np.int32)
         rows, got = chan.exchange(row, msg if r == 0 else None)
         want_rows = group.gather_rows(row, dtype=np.int32).astype(np.int32)
         if not (np.array_equal(rows, want_rows) and np.array_equal(got, msg)):
             print(f"error: rank {r} step {step}: rows {rows.tolist()} / {want_rows.tolist()}, "
-                  f"message {got.tolist()} / {msg.tolist()}", file=sys.stderr)
+                  f"message {got[:8].tolist()} ({got.size}) / {msg[:8].tolist()} ({msg.size})", file=sys.stderr)
             ok = False
     chan.close()
     good = int(group.gather_rows([ok], dtype=np.int32).sum())
