@@ -11,13 +11,13 @@ true``). At np 1 no collective runs.
 
 Models with their own generation loop (``generate_ids``) are served one job at
 a time (:meth:`Service.loop_sequential`, :func:`follower_loop`): each job is
-handed to every rank by :func:`exchange`, then all ranks run the same
-:func:`engine.generate_text`.
+handed to every rank by :func:`exchange` (over the host channel, where idle
+ranks wait asleep), then all ranks run the same :func:`engine.generate_text`.
 
-The hand-off encoding (:func:`encode`; :func:`exchange` sends it as two
-all_sums in which rank 0 contributes the data and every other rank zeros,
-x + 0 = x, exact for integers; the batched path puts the same encoding in its
-step payload):
+The hand-off encoding (:func:`encode`; :func:`exchange` sends it as one
+host-channel message, or without the channel as two all_sums in which rank 0
+contributes the data and every other rank zeros, x + 0 = x, exact for
+integers; the batched path puts the same encoding in its step payload):
 
 1. a fixed-size int32 header: magic, kind (job/shutdown), prompt length,
    stop-strings byte count, max_tokens, top_k, repetition context size, the
@@ -140,11 +140,16 @@ def decode(header: np.ndarray, payload: np.ndarray) -> GenRequest | None:
     return GenRequest(payload[:n_ids].tolist(), max_tokens, sampling, stop, None if lp == 0 else lp - 1)
 
 
-def exchange(group: Group, req: GenRequest | None = None) -> GenRequest | None:
+def exchange(group: Group, req: GenRequest | None = None, channel=None) -> GenRequest | None:
     """Rank 0 passes `req` (None = shutdown); every rank gets the decoded
-    request back (rank 0 too, so all ranks use bit-identical values). Two
-    broadcasts: the fixed-size header, then the payload it sizes."""
+    request back (rank 0 too, so all ranks use bit-identical values). Over
+    the host channel when there is one (the other ranks wait for it asleep
+    in recv); else two broadcasts: the fixed-size header, then the payload
+    it sizes (an idle follower then waits inside a collective)."""
     header, payload = encode(req) if group.is_root else (None, None)
+    if channel is not None:
+        _, msg = channel.exchange([0], np.concatenate([header, payload]) if group.is_root else None)
+        return decode(msg[:HEADER_INTS], msg[HEADER_INTS:])
     header = group.broadcast(header, (HEADER_INTS,))
     n = int(header[2]) + int(header[3]) if int(header[1]) == KIND_JOB else 0
     payload = group.broadcast(payload, (n,)) if n else np.zeros(0, np.int32)
@@ -352,6 +357,7 @@ class Service:
         self.model = model
         self.warmup = warmup  # compile the batch step for every row capacity before the first request
         self.engine = None  # BatchEngine (batched models), made by prepare()
+        self.prepared = False
         self.channel = None  # collectives.HostChannel to the other ranks (None: np 1, or none could be built)
         self.decode_concurrency = decode_concurrency
         self.prompt_concurrency = prompt_concurrency
@@ -582,6 +588,7 @@ class Service:
         from .engine import RanksDiverged
 
         diverged = False
+        self.prepare()
         try:
             while True:
                 try:
@@ -595,7 +602,7 @@ class Service:
                 if self.stopping.is_set():  # queued before the signal: answered, not run
                     job.events.put(("error", SHUTDOWN_MESSAGE, 503))
                     continue
-                req = exchange(self.group, job.req)
+                req = exchange(self.group, job.req, self.channel)
                 try:
                     run_generation(self.model, self.tok, self.group, self.prefill_step, req, job.events.put,
                                    self.stopping)
@@ -614,7 +621,9 @@ class Service:
             with self.lock:
                 self.stopping.set()
             if not diverged:
-                exchange(self.group, None)
+                exchange(self.group, None, self.channel)
+            if self.channel is not None:
+                self.channel.close()
             while True:  # whatever is still queued: answered, not dropped silently
                 try:
                     job = self.jobs.get_nowait()
@@ -629,19 +638,22 @@ class Service:
 
     # -- batched (rank 0's scheduler) ----------------------------------------------
     def prepare(self) -> None:
-        """Rank 0, before the HTTP thread starts (batched models): the engine,
-        the host channel and the warm-up, each paired with the other ranks'
-        same calls in follower_batch_loop. Idempotent."""
-        if not self.batched or self.engine is not None:
+        """Rank 0, before the HTTP thread starts: the host channel and (batched
+        models) the engine and its warm-up, each paired with the other ranks'
+        same calls in follower_batch_loop / follower_loop. Idempotent."""
+        if self.prepared:
             return
+        self.prepared = True
         group = self.group
-        self.engine = make_engine(self.model, self.prefill_step, self.prompt_cache_size, self.prompt_cache_bytes,
-                                  logprobs=True)
+        if self.batched:
+            self.engine = make_engine(self.model, self.prefill_step, self.prompt_cache_size,
+                                      self.prompt_cache_bytes, logprobs=True)
         self.channel = HostChannel.open(group)  # None at np 1, or where a rank could not connect
         if self.channel is None and not group.single:
             print("serve: no host channel to every rank (TCP to rank 0 refused or unreachable): step control "
-                  "goes through device collectives, which wait behind the step in flight", file=sys.stderr, flush=True)
-        if self.warmup:
+                  "and request hand-offs go through device collectives (they wait behind the step in flight, "
+                  "and idle ranks wait inside one)", file=sys.stderr, flush=True)
+        if self.warmup and self.batched:
             warm_up(self.engine, self.decode_concurrency, group)
 
     def loop_batched(self) -> None:
@@ -903,8 +915,9 @@ def follower_loop(model, tok, group: Group, prefill_step=None) -> None:
             signal.signal(sig, lambda *_: None)
         except ValueError:  # pragma: no cover - not the main thread
             pass
+    channel = HostChannel.open(group)  # the same call as rank 0's prepare(), at the same point
     while True:
-        req = exchange(group)
+        req = exchange(group, channel=channel)
         if req is None:
             print(f"serve: rank {group.rank()} stopped", file=sys.stderr, flush=True)
             return

@@ -867,6 +867,57 @@ def test_without_host_channel(model_dir, server1, tmp_path):
     assert rc in (0, 128 + signal.SIGTERM), rc
 
 
+@pytest.fixture(scope="module")
+def diffusion_dir(tmp_path_factory):
+    """The diffusion_gemma fixture (a model with its own generation loop,
+    served one request at a time) with a word-level tokenizer of its 256 ids."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+
+    d = tmp_path_factory.mktemp("diffusion") / "model"
+    shutil.copytree(ROOT / "tests" / "fixtures" / "diffusion_gemma" / "moe_fp32", d)
+    vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2, **{f"w{i}": i for i in range(3, 256)}}
+    t = HFTokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    t.pre_tokenizer = pre_tokenizers.Whitespace()
+    t.decoder = decoders.WordPiece()  # tokens joined by spaces
+    t.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<bos>", "eos_token": "<eos>"}))
+    return d
+
+
+def test_one_request_at_a_time_models_serve_alike_and_idle(diffusion_dir, tmp_path):
+    """diffusion_gemma's block diffusion through serve (the sequential path,
+    its hand-off over the host channel at np 2) gives `generate`'s text at
+    the same np and seed; the idle np 2 job sleeps. (np 1 and np 2 texts may
+    differ: the canvas's argmax draws on this random model flip on TP's
+    ~1e-7 rounding differences; tests/test_diffusion_gemma.py checks TP's
+    logits and a generation against transformers.)"""
+    prompts = ["w17 w33 w90 w120", "w5 w250 w7"]
+    for np_ in (1, 2):
+        want = []
+        for prompt in prompts:
+            p = run_cmd([*CLI, "generate", str(diffusion_dir), "--prompt", prompt, "--max-tokens", "10", "--temp", "0",
+                         "--seed", "11", "--np", str(np_)], cwd=ROOT, timeout=120)
+            assert p.returncode == 0 and p.stdout.startswith(prompt), p.stdout + p.stderr
+            want.append(p.stdout[len(prompt):].rstrip("\n"))
+        assert any(want), want
+        s = Server(diffusion_dir, np_, tmp_path)
+        try:
+            got = [_text(s, {"prompt": p, "max_tokens": 10, "temperature": 0, "seed": 11})["text"] for p in prompts]
+            assert got == want, (np_, got, want)
+            if np_ == 2:
+                assert "no host channel" not in s.output()
+                time.sleep(1.0)
+                family = [s.proc.pid] + descendants(s.proc.pid)
+                t0, c0 = time.monotonic(), _cpu_seconds(family)
+                time.sleep(3.0)
+                used = (_cpu_seconds(family) - c0) / (time.monotonic() - t0)
+                assert used < 0.10, f"the idle job uses {100 * used:.0f}% of a core"
+        finally:
+            rc = s.stop()
+        assert rc in (0, 128 + signal.SIGTERM), rc
+
+
 def _read_long_stream(base: str, prompt: str, lines: list, started) -> None:
     """Stream a long greedy completion of `prompt`, appending its non-empty SSE
     lines to `lines`; `started` is released at the third (the stream runs)."""
