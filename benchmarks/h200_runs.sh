@@ -8,6 +8,7 @@
 #   bash benchmarks/h200_runs.sh serve     # issue 17: 12B-shaped serve load, ours np 1 / np 2, mlx_lm.server np 1
 #   bash benchmarks/h200_runs.sh match     # issue 18: logit-match --np 2 --backend nccl on the 12B-shaped checkpoint
 #   bash benchmarks/h200_runs.sh batch     # issue 17: BatchEngine alone at 1/4/16 rows, np 1 / np 2 (retrace costs), then serve
+#   bash benchmarks/h200_runs.sh graphs    # issue 17, not run yet: --warmup and MLX_CUDA_GRAPH_CACHE_SIZE 400 / 2000, alternated
 #
 # JSON and logs land in $OUT (at most 8 files come back).
 #
@@ -70,6 +71,16 @@ batch)
   timeout 120 python3 benchmarks/serve_load.py --model "$CKPT" --clients 1,4,16 --requests 2 --tokens 64 \
     --servers ours-np2 --json "$O/serve_np2.json" 2>&1 | grep clients
   ;;
+graphs)
+  # the suspect behind --warmup's slowdown (docs/benchmarks.md): MLX CUDA's graph cache
+  ckpt12b
+  for size in 400 2000 400 2000; do
+    echo "== MLX_CUDA_GRAPH_CACHE_SIZE=$size"
+    MLX_CUDA_GRAPH_CACHE_SIZE=$size CUDA_VISIBLE_DEVICES=0 timeout 140 python3 benchmarks/serve_load.py \
+      --model "$CKPT" --clients 1,16 --requests 3 --tokens 64 --servers ours-np1,ours-np1-warmup \
+      --json "$O/graphs_$size.json" 2>&1 | grep clients
+  done
+  ;;
 match)
   ckpt12b
   /usr/bin/time -v timeout 560 python3 -m mlxcel_dist.cli logit-match "$CKPT" --np 2 --backend nccl 2>&1 \
@@ -77,7 +88,7 @@ match)
     | tail -25
   ;;
 *)
-  echo "usage: $0 compare|tp27|serve|match|batch" >&2
+  echo "usage: $0 compare|tp27|serve|match|batch|graphs" >&2
   exit 2
   ;;
 esac

@@ -102,8 +102,11 @@ def server_cmd(name: str, model: Path, port: int) -> list[str]:
     return {
         "ours-np1": ours,
         "ours-np2": ours + ["--np", "2"],
-        "ours-np1-nowarmup": ours + ["--no-warmup"],  # the batch step compiled as batch sizes first appear
+        # --warmup is off by default since d611b81 (these names are the runs of docs/benchmarks.md before it)
+        "ours-np1-nowarmup": ours + ["--no-warmup"],
         "ours-np2-nowarmup": ours + ["--np", "2", "--no-warmup"],
+        "ours-np1-warmup": ours + ["--warmup"],
+        "ours-np2-warmup": ours + ["--np", "2", "--warmup"],
         "mlx_lm-np1": mlx_lm,
         "mlx_lm-np2": [str(BIN / "mlx.launch"), "--backend", "ring", "-n", "2", *mlx_lm],
     }[name]
