@@ -10,6 +10,7 @@ Each R runs twice on one engine per R (pass 1 cold, pass 2 warm: same shapes).
 
     python benchmarks/batch_engine.py MODEL --rows 1,4,16 --prompt 32 --steps 128
     python benchmarks/batch_engine.py MODEL --rows 16 --np 2 --backend nccl
+    python benchmarks/batch_engine.py MODEL --count-admission 8   # primitives of one admission
 
 At np > 1 it re-launches itself through mlxcel_dist's launcher; every rank
 makes the same engine calls, rank 0 prints. One JSON line per (R, pass) with
@@ -88,6 +89,42 @@ def run(args) -> None:
                     f"prefill {prefill_s:.2f} s)", flush=True)
 
 
+def count_admission(model_path: str, rows: int) -> dict:
+    """Primitives of admitting `rows` prompts (10, 13, 16, ... tokens) into a
+    batch that already runs one row: the lazy graph `add_many` leaves for the
+    batch buffers (the prefill itself is evaluated inside add_many; this is
+    the moving of each row's keys/values into its batch row, evaluated with
+    the next step). On MLX CUDA each primitive costs host encode time."""
+    import collections
+    import io
+    import re
+
+    import mlx.core as mx
+    import numpy as np
+
+    from mlxcel_dist.batch import BatchEngine
+    from mlxcel_dist.loader import load_model
+    from mlxcel_dist.sampling import SamplingParams
+
+    model = load_model(model_path).model
+    greedy = SamplingParams(temp=0.0)
+    rng = np.random.default_rng(0)
+    vocab = model.args.vocab_size
+    eng = BatchEngine(model)
+    eng.add_many([(-1, rng.integers(3, vocab, 20).tolist(), greedy, 50)])
+    for _ in range(3):
+        eng.step()
+    mx.eval(list(eng.buffers.values()))
+    eng.add_many([(i, rng.integers(3, vocab, 10 + 3 * i).tolist(), greedy, 50) for i in range(rows)])
+    buf = io.StringIO()
+    mx.export_to_dot(buf, list(eng.buffers.values()))
+    c = collections.Counter(re.findall(r'\{ \d+ \[label ="([^"]*)"', buf.getvalue()))
+    views = {"Reshape", "Transpose", "Slice", "Squeeze", "ExpandDims", "Broadcast", "Flatten", "Unflatten",
+             "AsStrided"}
+    return {"rows": rows, "layers": len(model.layers), "primitives": sum(c.values()),
+            "kernels": sum(v for k, v in c.items() if k not in views), "by_kind": dict(c.most_common())}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("model")
@@ -99,7 +136,12 @@ def main() -> int:
     ap.add_argument("--np", type=int, default=1)
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--count-admission", type=int, metavar="ROWS",
+                    help="only count the primitives of admitting ROWS prompts into a running batch (CPU, seconds)")
     args = ap.parse_args()
+    if args.count_admission:
+        print(json.dumps(count_admission(args.model, args.count_admission)))
+        return 0
     args.rows = [int(x) for x in args.rows.split(",")]
     if args.np > 1 and not os.environ.get("MLXCEL_DIST_WORLD"):
         from mlxcel_dist.launcher import launch

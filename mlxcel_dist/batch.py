@@ -83,6 +83,27 @@ def slot_step() -> int:
     return CPU_STEP if mx.default_device() == mx.cpu else GPU_STEP
 
 
+def _ring_slots(start: int, n: int, size: int):
+    """Slots of positions start .. start + n - 1 in a buffer of `size` slots
+    (position p at p % size), oldest first: a slice when they do not wrap (a
+    view to read, one slice update to write, nothing sent to the device),
+    else an index array (a gather / scatter)."""
+    s0 = start % size
+    if s0 + n <= size:
+        return slice(s0, s0 + n)
+    return mx.array(np.arange(start, start + n) % size)
+
+
+def _write_row(buf: mx.array, b: int, slots, x: mx.array) -> None:
+    """buf[b, :, slots, :] = x[0] in place of the Python object `buf`."""
+    if isinstance(slots, slice):
+        buf[b : b + 1, :, slots, :] = x
+        return
+    row_buf = buf[b : b + 1]
+    row_buf[..., slots, :] = x
+    buf[b : b + 1] = row_buf
+
+
 class RowCache(StaticCache):
     """One layer's view of the batch buffers: decode.StaticCache with `pos`
     (`offset`) the per-row positions [C], so its mask and writes are per row."""
@@ -365,12 +386,10 @@ class BatchEngine:
             k, v = x
             n = min(k.shape[2], S)
             k, v = k[..., k.shape[2] - n :, :], v[..., v.shape[2] - n :, :]
-            slots = mx.array(np.arange(last - n, last) % S)
+            slots = _ring_slots(last - n, n, S)
             for name, x in ((f"k{i}", k), (f"v{i}", v)):
                 buf = self.buffers[name]
-                row_buf = buf[b : b + 1]
-                row_buf[..., slots, :] = x
-                buf[b : b + 1] = row_buf
+                _write_row(buf, b, slots, x)
                 self.buffers[name] = buf
         self._sync_pos()
 
@@ -405,11 +424,9 @@ class BatchEngine:
                 if rings[i] is None:
                     continue
                 k, v = c.temporal()
-                slots = mx.array(np.arange(a.start - k.shape[2], a.start) % rings[i])
+                slots = _ring_slots(a.start - k.shape[2], k.shape[2], rings[i])
                 for name, x in ((f"k{i}", k), (f"v{i}", v)):
-                    row_buf = bufs[name][b : b + 1]
-                    row_buf[..., slots, :] = x
-                    bufs[name][b : b + 1] = row_buf
+                    _write_row(bufs[name], b, slots, x)
                 c.release()
         views = []
         for i, R in enumerate(rings):
@@ -444,7 +461,7 @@ class BatchEngine:
                 continue
             w = self.windows[i]
             n = a.last if w is None else min(a.last, w)  # a ring of w + chunk slots holds the last w
-            slots = mx.array(np.arange(a.last - n, a.last) % R)
+            slots = _ring_slots(a.last - n, n, R)
             kv.append(tuple(bufs[f"{x}{i}"][b : b + 1][:, :, slots, :] for x in "kv"))
         if self.prompt_cache is not None:
             self.prompt_cache.store_layers(a.prompt[: a.last], kv, self.windows)
@@ -496,7 +513,7 @@ class BatchEngine:
                 continue
             S = self.buffers[f"k{i}"].shape[2]
             n = min(fed, S)
-            slots = mx.array(np.arange(fed - n, fed) % S)
+            slots = _ring_slots(fed - n, n, S)
             layers.append(tuple(self.buffers[f"{x}{i}"][b : b + 1][:, :, slots, :] for x in "kv"))
         self.prompt_cache.store_layers(seen, layers, self.windows)
 
