@@ -171,25 +171,26 @@ def test_two_hosts_over_ssh_match_single_process(ssh_hosts, tmp_path, backend):
     assert r["ok"], r
 
 
-def test_ranks_see_their_own_host(ssh_hosts, tmp_path):
-    # the allsum helper prints its host name; rank 1's line comes prefixed
-    helper = Path(__file__).parent / "helpers" / "allsum_rank.py"
+def _launch_helper(ssh_hosts, tmp_path, helper: str, argv: list) -> str:
+    """Run tests/helpers/<helper> on the two hosts over ring (launcher.launch
+    with the hostfile); its output, asserting exit 0."""
+    path = Path(__file__).parent / "helpers" / helper
     code = ("import sys; from mlxcel_dist.launcher import launch; "
-            f"sys.exit(launch(['--print-host'], 2, 'ring', hostfile={str(ssh_hosts['hostfile'])!r}, "
-            f"script={str(helper)!r}))")
+            f"sys.exit(launch({argv!r}, 2, 'ring', hostfile={str(ssh_hosts['hostfile'])!r}, "
+            f"script={str(path)!r}))")
     p = run_cmd([sys.executable, "-c", code], timeout=120, cwd=tmp_path)
     assert p.returncode == 0, p.stdout + p.stderr
-    text = (p.stdout + p.stderr).replace("\r", "")
+    return (p.stdout + p.stderr).replace("\r", "")
+
+
+def test_ranks_see_their_own_host(ssh_hosts, tmp_path):
+    # the allsum helper prints its host name; rank 1's line comes prefixed
+    text = _launch_helper(ssh_hosts, tmp_path, "allsum_rank.py", ["--print-host"])
     assert "host=mlx-a" in text and "host=mlx-b" in text, text
 
 
 def test_host_channel_between_two_hosts(ssh_hosts, tmp_path):
     # serve's step channel (collectives.HostChannel) between ranks started over ssh:
     # rank 0 advertises its addresses, rank 1 connects; 30 exchanges equal the device gather
-    helper = Path(__file__).parent / "helpers" / "channel_rank.py"
-    code = ("import sys; from mlxcel_dist.launcher import launch; "
-            f"sys.exit(launch(['--steps', '30'], 2, 'ring', hostfile={str(ssh_hosts['hostfile'])!r}, "
-            f"script={str(helper)!r}))")
-    p = run_cmd([sys.executable, "-c", code], timeout=120, cwd=tmp_path)
-    assert p.returncode == 0, p.stdout + p.stderr
-    assert "channel ok ranks=2 steps=30" in (p.stdout + p.stderr).replace("\r", ""), p.stdout + p.stderr
+    text = _launch_helper(ssh_hosts, tmp_path, "channel_rank.py", ["--steps", "30"])
+    assert "channel ok ranks=2 steps=30" in text, text
