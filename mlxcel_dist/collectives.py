@@ -173,10 +173,13 @@ class HostChannel:
     loopback / LAN round trip and never touches the device; a rank waiting
     in `exchange` sleeps in recv (no spinning collective).
 
-    `open(group)` advertises rank 0's listening address with one broadcast
-    (the source address of its route to the launcher, its host name's
-    addresses, loopback) and returns None on every rank alike when any rank
-    could not connect, so callers fall back to device collectives.
+    `open(group)` advertises rank 0's port, a token and its addresses (the
+    source address of its route to the launcher, its host name's addresses,
+    loopback) with two broadcasts (length, bytes), closes the port once every
+    rank has connected, and agrees by one gather which ranks connected: None
+    on every rank alike when any could not, so callers fall back to device
+    collectives. Used once per serve job, so these device collectives are
+    setup only.
     """
 
     def __init__(self, group: Group, peers: dict, sock=None):
