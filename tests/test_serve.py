@@ -841,8 +841,9 @@ def test_without_host_channel(model_dir, server1, tmp_path):
     bodies = [{"prompt": p, "max_tokens": 16, "temperature": 0} for p in BATCH_PROMPTS[:4]]
     alone = [_text(server1, b)["text"] for b in bodies]
     # ring: the launcher forwards rank 0's stderr itself, so its last lines (printed while
-    # the job stops on SIGTERM) are in the log once the launcher has exited; under mpirun
-    # that line was missing once in ~20 runs (mpirun's output forwarding as it stops, presumably)
+    # the job stops on SIGTERM) are in the log once the launcher has exited. Under mpirun one
+    # run in ~20 failed a log check here (which one is not known; 10 more runs passed):
+    # mpirun's output forwarding is what ring leaves out of this test of the fallback
     s = Server(model_dir, 2, tmp_path, backend="ring", env={"MLXCEL_DIST_INJECT_FAULT": "no-channel"})
     try:
         got = [None] * len(bodies)
