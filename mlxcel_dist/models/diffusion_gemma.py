@@ -369,7 +369,7 @@ class Model(CausalLM):
             if v is not None:
                 g[k] = v
         a = self.args
-        C, V, N = a.canvas_length, a.vocab_size, int(g["max_denoising_steps"])
+        C, N = a.canvas_length, int(g["max_denoising_steps"])
         eos = set(a.eos_ids if eos_ids is None else eos_ids)
         pad = a.pad_token_id if pad_id is None else pad_id
         if noise is None:
