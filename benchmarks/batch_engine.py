@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # step_primitives (--count-admission)
 
 
 def run(args) -> None:
@@ -95,13 +96,10 @@ def count_admission(model_path: str, rows: int) -> dict:
     batch buffers (the prefill itself is evaluated inside add_many; this is
     the moving of each row's keys/values into its batch row, evaluated with
     the next step). On MLX CUDA each primitive costs host encode time."""
-    import collections
-    import io
-    import re
-
     import mlx.core as mx
     import numpy as np
 
+    from step_primitives import VIEWS, count_graph  # the decode-step counter's graph reading
     from mlxcel_dist.batch import BatchEngine
     from mlxcel_dist.loader import load_model
     from mlxcel_dist.sampling import SamplingParams
@@ -116,13 +114,9 @@ def count_admission(model_path: str, rows: int) -> dict:
         eng.step()
     mx.eval(list(eng.buffers.values()))
     eng.add_many([(i, rng.integers(3, vocab, 10 + 3 * i).tolist(), greedy, 50) for i in range(rows)])
-    buf = io.StringIO()
-    mx.export_to_dot(buf, list(eng.buffers.values()))
-    c = collections.Counter(re.findall(r'\{ \d+ \[label ="([^"]*)"', buf.getvalue()))
-    views = {"Reshape", "Transpose", "Slice", "Squeeze", "ExpandDims", "Broadcast", "Flatten", "Unflatten",
-             "AsStrided"}
+    c = count_graph(list(eng.buffers.values()), {})
     return {"rows": rows, "layers": len(model.layers), "primitives": sum(c.values()),
-            "kernels": sum(v for k, v in c.items() if k not in views), "by_kind": dict(c.most_common())}
+            "kernels": sum(v for k, v in c.items() if k not in VIEWS), "by_kind": dict(c.most_common())}
 
 
 def main() -> int:

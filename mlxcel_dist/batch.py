@@ -94,6 +94,11 @@ def _ring_slots(start: int, n: int, size: int):
     return mx.array(np.arange(start, start + n) % size)
 
 
+def _read_row(buf: mx.array, b: int, slots) -> mx.array:
+    """buf[b, :, slots, :] as [1, H, n, D] (a view when `slots` is a slice)."""
+    return buf[b : b + 1][:, :, slots, :]
+
+
 def _write_row(buf: mx.array, b: int, slots, x: mx.array) -> None:
     """buf[b, :, slots, :] = x[0] in place of the Python object `buf`."""
     if isinstance(slots, slice):
@@ -117,7 +122,7 @@ class RowCache(StaticCache):
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         b, i = self.buffers, self.index
         pos = b["pos"]
-        slot = pos % self.size if self.window else pos
+        slot = self.slot(pos)
         C, H, _, Dk = keys.shape
         idx = mx.broadcast_to(slot.reshape(C, 1, 1, 1), (C, H, 1, Dk))
         b[f"k{i}"] = mx.put_along_axis(b[f"k{i}"], idx, keys, axis=2)
@@ -388,9 +393,7 @@ class BatchEngine:
             k, v = k[..., k.shape[2] - n :, :], v[..., v.shape[2] - n :, :]
             slots = _ring_slots(last - n, n, S)
             for name, x in ((f"k{i}", k), (f"v{i}", v)):
-                buf = self.buffers[name]
-                _write_row(buf, b, slots, x)
-                self.buffers[name] = buf
+                _write_row(self.buffers[name], b, slots, x)
         self._sync_pos()
 
     def _prefill_together(self, admits: list) -> None:
@@ -462,7 +465,7 @@ class BatchEngine:
             w = self.windows[i]
             n = a.last if w is None else min(a.last, w)  # a ring of w + chunk slots holds the last w
             slots = _ring_slots(a.last - n, n, R)
-            kv.append(tuple(bufs[f"{x}{i}"][b : b + 1][:, :, slots, :] for x in "kv"))
+            kv.append(tuple(_read_row(bufs[f"{x}{i}"], b, slots) for x in "kv"))
         if self.prompt_cache is not None:
             self.prompt_cache.store_layers(a.prompt[: a.last], kv, self.windows)
         self._place(Row(a.rid, Sampler(a.sampling or SamplingParams()), a.prompt.tolist(), a.last,
@@ -514,7 +517,7 @@ class BatchEngine:
             S = self.buffers[f"k{i}"].shape[2]
             n = min(fed, S)
             slots = _ring_slots(fed - n, n, S)
-            layers.append(tuple(self.buffers[f"{x}{i}"][b : b + 1][:, :, slots, :] for x in "kv"))
+            layers.append(tuple(_read_row(self.buffers[f"{x}{i}"], b, slots) for x in "kv"))
         self.prompt_cache.store_layers(seen, layers, self.windows)
 
     def release(self) -> None:

@@ -71,11 +71,15 @@ class StaticCache(LayerCache):
         assert L == 1, "static buffers take one token per step"
         return (mx.arange(self.size) <= self.buffers["pos"])[None]
 
+    def slot(self, pos):
+        """The buffer slot of position `pos` (an int or an array): itself on a
+        full layer, pos % S on a sliding one (a ring once at the window)."""
+        return pos % self.size if self.window else pos
+
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         s, i = self.buffers, self.index
         pos = s["pos"]
-        slot = pos % self.size if self.window else pos
-        start = slot.reshape(1)
+        start = self.slot(pos).reshape(1)
         s[f"k{i}"] = mx.slice_update(s[f"k{i}"], keys, start, axes=(2,))
         s[f"v{i}"] = mx.slice_update(s[f"v{i}"], values, start, axes=(2,))
         self.last = (s[f"k{i}"], s[f"v{i}"], pos)  # what a SharedKVCache on this layer reads
@@ -245,11 +249,10 @@ class DecodeStep:
             # the state's arrays: an indexed assignment makes each the update of itself
             # (the previous buffer is donated to it: written in place)
             k, v = s[f"k{i}"], s[f"v{i}"]
-            S = k.shape[2]
-            slot = p % S if self.views[i].window else p  # as StaticCache.update_and_fetch
+            slot = self.views[i].slot(p)
             k[..., slot : slot + 1, :] = k_new
             v[..., slot : slot + 1, :] = v_new
-            m = min(p + 1, S)
+            m = min(p + 1, k.shape[2])
             carry = (x, layer.self_attn.attend(q, k[..., :m, :], v[..., :m, :]))
         logits, s["pos"] = segs[-1](*carry, pos)
         self.traces += self._traced  # one count per step that built new graphs

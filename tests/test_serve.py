@@ -819,15 +819,22 @@ def _cpu_seconds(pids) -> float:
     return total / tick
 
 
+def _idle_share(server, settle: float, seconds: float) -> tuple[float, int]:
+    """(share of one core, process count) the whole job of `server`
+    (launcher, mpirun, ranks) uses over `seconds`, after `settle` seconds of
+    no request."""
+    time.sleep(settle)
+    family = [server.proc.pid] + descendants(server.proc.pid)
+    t0, c0 = time.monotonic(), _cpu_seconds(family)
+    time.sleep(seconds)
+    return (_cpu_seconds(family) - c0) / (time.monotonic() - t0), len(family)
+
+
 def test_idle_job_sleeps(server2):
     """The whole np 2 job (launcher, mpirun, both ranks) idle: under 10% of a core."""
     assert server2.json("/v1/completions", {**GREEDY, "max_tokens": 2})["choices"][0]["text"]
-    time.sleep(1.5)  # past the idle hand-over (IDLE_AFTER_S)
-    family = [server2.proc.pid] + descendants(server2.proc.pid)
-    t0, c0 = time.monotonic(), _cpu_seconds(family)
-    time.sleep(5.0)
-    used = (_cpu_seconds(family) - c0) / (time.monotonic() - t0)
-    print(f"idle np 2 job: {100 * used:.1f}% of a core over {len(family)} processes")
+    used, procs = _idle_share(server2, 1.5, 5.0)  # settled: past the idle hand-over (IDLE_AFTER_S)
+    print(f"idle np 2 job: {100 * used:.1f}% of a core over {procs} processes")
     assert used < 0.10, f"the idle job uses {100 * used:.0f}% of a core"
     assert server2.json("/v1/completions", GREEDY)["choices"][0]["text"]  # and it still answers
     assert "no host channel" not in server2.output()  # the steps' control went over the host channel
@@ -854,11 +861,7 @@ def test_without_host_channel(model_dir, server1, tmp_path):
         for t in threads:
             t.join(timeout=120)
         assert got == alone
-        time.sleep(1.5)  # past the idle hand-over: IDLE notes now
-        family = [s.proc.pid] + descendants(s.proc.pid)
-        t0, c0 = time.monotonic(), _cpu_seconds(family)
-        time.sleep(2.0)
-        used = (_cpu_seconds(family) - c0) / (time.monotonic() - t0)
+        used, _ = _idle_share(s, 1.5, 2.0)  # settled: past the idle hand-over, IDLE notes now
         assert used < 0.10, f"the idle job uses {100 * used:.0f}% of a core"
         assert s.output().count("serve: no host channel to every rank") == 1, s.output()
         s.proc.send_signal(signal.SIGTERM)
@@ -921,11 +924,7 @@ def test_one_request_at_a_time_models_serve_alike_and_idle(diffusion_dir, tmp_pa
             assert got == want, (np_, got, want)
             if np_ == 2:
                 assert "no host channel" not in s.output()
-                time.sleep(1.0)
-                family = [s.proc.pid] + descendants(s.proc.pid)
-                t0, c0 = time.monotonic(), _cpu_seconds(family)
-                time.sleep(3.0)
-                used = (_cpu_seconds(family) - c0) / (time.monotonic() - t0)
+                used, _ = _idle_share(s, 1.0, 3.0)
                 assert used < 0.10, f"the idle job uses {100 * used:.0f}% of a core"
         finally:
             rc = s.stop()
