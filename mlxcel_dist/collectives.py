@@ -190,18 +190,19 @@ class HostChannel:
     # Setup -----------------------------------------------------------------
     @staticmethod
     def _addresses() -> list[str]:
-        import os
         import socket
 
+        from .watchdog import heartbeat_target
+
         out = []
-        target = os.environ.get("MLXCEL_DIST_HEARTBEAT", "")
-        try:  # the source address of the route to the launcher (the head node): reachable from the cluster
-            host, port, _ = target.rsplit(":", 2)
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-                s.connect((host.strip("[]"), int(port)))
-                out.append(s.getsockname()[0])
-        except (OSError, ValueError):
-            pass
+        target = heartbeat_target()
+        if target is not None:  # the source address of the route to the launcher (the head node)
+            try:
+                with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                    s.connect(target[:2])
+                    out.append(s.getsockname()[0])
+            except OSError:
+                pass
         try:
             out += socket.gethostbyname_ex(socket.gethostname())[2]
         except OSError:

@@ -86,11 +86,16 @@ def _parse_target(value: str) -> tuple[str, int, str] | None:
         return None
 
 
+def heartbeat_target() -> tuple[str, int, str] | None:
+    """(launcher host, port, token) from this rank's environment, or None."""
+    return _parse_target(os.environ.get(ENV_HEARTBEAT, ""))
+
+
 def start_rank_watchdog() -> threading.Thread | None:
     """Start the heartbeat / orphan thread of a launched rank (idempotent)."""
     if getattr(start_rank_watchdog, "_thread", None) is not None:
         return start_rank_watchdog._thread  # type: ignore[attr-defined]
-    target = _parse_target(os.environ.get(ENV_HEARTBEAT, ""))
+    target = heartbeat_target()
     rank = env_rank()
     parent = os.getppid()
     launcher = os.environ.get(ENV_LAUNCHER, "")
