@@ -9,6 +9,10 @@
 #   bash benchmarks/h200_runs.sh match     # issue 18: logit-match --np 2 --backend nccl on the 12B-shaped checkpoint
 #   bash benchmarks/h200_runs.sh batch     # issue 17: BatchEngine alone at 1/4/16 rows, np 1 / np 2 (retrace costs), then serve
 #   bash benchmarks/h200_runs.sh graphs    # issue 17, not run yet: --warmup and MLX_CUDA_GRAPH_CACHE_SIZE 400 / 2000, alternated
+#   bash benchmarks/h200_runs.sh prof      # issue 19: one layer's prefill piece by piece vs mlx-lm (layer_profile.py),
+#                                          # then llama / mistral end to end, 4 reps each
+#   bash benchmarks/h200_runs.sh tail      # issue 19: prefill_tail.py (chunk / DecodeStep.start / first step), then
+#                                          # issue 17: serve's defaults (warm-up on CUDA, graph cache 2000) np 1 / np 2
 #
 # JSON and logs land in $OUT (at most 8 files come back).
 #
@@ -81,6 +85,32 @@ graphs)
       --json "$O/graphs_$size.json" 2>&1 | grep clients
   done
   ;;
+prof)
+  export CUDA_VISIBLE_DEVICES=0
+  for fam in llama qwen3; do  # every kernel of one warm layer, timed by Nsight Compute (no nsys on this host)
+    timeout 150 ncu --metrics gpu__time_duration.sum --csv --log-file "$O/ncu_$fam.csv" \
+      python3 benchmarks/layer_profile.py --family "$fam" --ncu 2>&1 | tail -3
+    python3 benchmarks/layer_profile.py --parse "$O/ncu_$fam.csv" 2>&1 | head -60
+  done
+  for fam in llama mistral qwen3; do
+    timeout 100 python3 benchmarks/layer_profile.py --family "$fam" --reps 5 --iters 10 2>&1 | tee -a "$O/layers.jsonl" \
+      | cut -c1-200
+  done
+  timeout 300 python3 benchmarks/gpu_compare.py --prompt 2048 --gen 128 --out "$O/compare.jsonl" \
+    --families llama,mistral --repeat 4 2>&1 | grep -E "summ|wall_s|failed" | cut -c1-600
+  ;;
+tail)
+  for fam in llama mistral; do
+    CUDA_VISIBLE_DEVICES=0 timeout 100 python3 benchmarks/prefill_tail.py --family "$fam" --reps 4 2>&1 \
+      | tee -a "$O/tail.jsonl" | cut -c1-300
+  done
+  ckpt12b
+  CUDA_VISIBLE_DEVICES=0 timeout 200 python3 benchmarks/serve_load.py --model "$CKPT" --clients 1,16 --requests 3 \
+    --tokens 64 --servers ours-np1,ours-np1-nowarmup --json "$O/serve_defaults_np1.json" 2>&1 | grep clients
+  timeout 150 python3 benchmarks/serve_load.py --model "$CKPT" --clients 1,16 --requests 3 --tokens 64 \
+    --servers ours-np2 --json "$O/serve_defaults_np2.json" 2>&1 | grep clients
+  grep -h -E "batch steps ready|rows a step" /tmp/serve-load-*/* 2>/dev/null | cut -c1-300 | tail -12
+  ;;
 match)
   ckpt12b
   /usr/bin/time -v timeout 560 python3 -m mlxcel_dist.cli logit-match "$CKPT" --np 2 --backend nccl 2>&1 \
@@ -88,7 +118,7 @@ match)
     | tail -25
   ;;
 *)
-  echo "usage: $0 compare|tp27|serve|match|batch|graphs" >&2
+  echo "usage: $0 compare|tp27|serve|match|batch|graphs|prof|tail" >&2
   exit 2
   ;;
 esac

@@ -328,8 +328,8 @@ class BatchEngine:
         so the first requests that bring a batch to a new size do not pay for
         it (on the H200, 0.2-6 s per capacity for a 12B model once MLX's
         kernels are cached on disk). serve's --warmup, off by default: on MLX
-        0.32 CUDA steady decode measured 30-40% slower after it
-        (docs/benchmarks.md; cause not found). Models whose rows step eagerly
+        0.32 CUDA steady decode after it was slower in 13 of 15 runs on two
+        H200 hosts (docs/benchmarks.md; cause not found). Models whose rows step eagerly
         (recurrent caches) compile nothing: only the first capacity runs.
         Returns [(capacity, seconds)]. Every rank makes the same call."""
         import time

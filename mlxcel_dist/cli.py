@@ -645,7 +645,7 @@ def serve(
     top_k: Annotated[int, typer.Option("--top-k", help="Default top_k (0 = off).")] = 0,
     min_p: Annotated[float, typer.Option("--min-p", help="Default min_p, in [0, 1] (0 = off).")] = 0.0,
     decode_concurrency: Annotated[int, typer.Option("--decode-concurrency", help="Requests decoded together, one forward per step (as mlx-lm's server).")] = 32,
-    warmup: Annotated[bool, typer.Option("--warmup/--no-warmup", help="Before serving, compile the batch step for every batch size up to --decode-concurrency, so a batch reaching a new size does not stall while it compiles (seconds on a GPU). Off by default: on MLX 0.32 CUDA it measured 30-40% slower steady decode (docs/benchmarks.md).")] = False,
+    warmup: Annotated[bool, typer.Option("--warmup/--no-warmup", help="Before serving, compile the batch step for every batch size up to --decode-concurrency, so a batch reaching a new size does not stall while it compiles (seconds on a GPU). Off by default: on MLX 0.32 CUDA, steady decode after it was slower than without it in 13 of 15 runs on two H200 hosts (docs/benchmarks.md).")] = False,
     prompt_concurrency: Annotated[int, typer.Option("--prompt-concurrency", help="Prompts prefilled between two decode steps, at most (as mlx-lm's server).")] = 8,
     prompt_cache_size: Annotated[int, typer.Option("--prompt-cache-size", help="Prompt cache entries (KV of earlier prompts and replies, reused by a request that starts with one; 0 = off), as mlx-lm's server.")] = 10,
     prompt_cache_bytes: Annotated[Optional[str], typer.Option("--prompt-cache-bytes", help="Prompt cache limit in bytes per rank (e.g. 2GB, 500M; default: no limit), as mlx-lm's server.", show_default=False)] = None,
@@ -657,12 +657,17 @@ def serve(
     stall_timeout: StallOpt = DEFAULT_STALL_TIMEOUT_S,
 ):
     """OpenAI-compatible HTTP server (/v1/models, /v1/completions, /v1/chat/completions, /health); rank 0 listens."""
-    model = _pick_model(model, model_opt)
-    ctx.params.update(model=model, model_opt=None)
+    from .server import listen, long_lived_env
+
+    # first: MLX reads these at its first GPU evaluation (set after one, they
+    # are ignored; measured); the ranks started below inherit them
+    long_lived_env()
     from .engine import check_generation_options
     from .sampling import SamplingParams
     from .server import Defaults, Service, batchable, context_limit, follower_batch_loop, follower_loop, parse_size
-    from .server import listen, long_lived_env
+
+    model = _pick_model(model, model_opt)
+    ctx.params.update(model=model, model_opt=None)
     from .server import serve as run_server
     from .tokenizer import Tokenizer
 
@@ -684,7 +689,6 @@ def serve(
         raise UserError(f"--prompt-cache-size must be >= 0, got {prompt_cache_size}")
     cache_bytes = None if prompt_cache_bytes is None else parse_size(prompt_cache_bytes, "--prompt-cache-bytes")
     defaults = Defaults(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, max_tokens=max_tokens)
-    long_lived_env()  # before any GPU work, and before the ranks start (they inherit it)
     group = _distribute(ctx, np_, backend, hostfile, model)
     httpd = listen(host, port) if group.is_root else None  # before the load: a port in use fails at once
     loaded = _load(model, dtype, group)

@@ -1498,10 +1498,14 @@ class _Server(ThreadingHTTPServer):
 # "Cache thrashing" check throws once a process has ever missed more than twice
 # their capacity (a lifetime count, never reset): a long-lived server meets new
 # batch sizes and prompt shapes for as long as it runs, and the throw would end
-# it with every open request. Off by default for serve (the caches stay LRUs);
-# a value the user sets wins. Read by MLX when a stream's encoder is built, so
-# setting it before the model loads is in time.
-LONG_LIVED_ENV = {"MLX_ENABLE_CACHE_THRASHING_CHECK": "0"}
+# it with every open request. Off by default for serve (the caches stay LRUs).
+# The CUDA graph LRU (400 graphs of <= 20 kernels) holds about five batch sizes'
+# steps of a 48-layer model: 2000 instead, since on one H200 host serve
+# --warmup's steady decode was 30-40% slower at 400 and not at 2000 (on a
+# second host it was slower at both; without --warmup no difference either
+# way: docs/benchmarks.md). A value the user sets wins. Read by MLX when a stream's encoder is built, so setting them
+# before the model loads is in time.
+LONG_LIVED_ENV = {"MLX_ENABLE_CACHE_THRASHING_CHECK": "0", "MLX_CUDA_GRAPH_CACHE_SIZE": "2000"}
 
 
 def long_lived_env() -> dict:

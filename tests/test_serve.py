@@ -647,14 +647,18 @@ def test_bad_default_flags(flags, message):
 
 
 def test_long_lived_env_defaults(monkeypatch):
-    """serve turns MLX CUDA's lifetime cache-miss fuse off unless the user set it."""
+    """serve turns MLX CUDA's lifetime cache-miss fuse off and widens its graph
+    cache, unless the user set them."""
     from mlxcel_dist.server import long_lived_env
 
     monkeypatch.delenv("MLX_ENABLE_CACHE_THRASHING_CHECK", raising=False)
-    assert long_lived_env() == {"MLX_ENABLE_CACHE_THRASHING_CHECK": "0"}
+    monkeypatch.delenv("MLX_CUDA_GRAPH_CACHE_SIZE", raising=False)
+    assert long_lived_env() == {"MLX_ENABLE_CACHE_THRASHING_CHECK": "0", "MLX_CUDA_GRAPH_CACHE_SIZE": "2000"}
     assert os.environ["MLX_ENABLE_CACHE_THRASHING_CHECK"] == "0"
+    assert os.environ["MLX_CUDA_GRAPH_CACHE_SIZE"] == "2000"
     monkeypatch.setenv("MLX_ENABLE_CACHE_THRASHING_CHECK", "1")
-    assert long_lived_env() == {"MLX_ENABLE_CACHE_THRASHING_CHECK": "1"}
+    monkeypatch.setenv("MLX_CUDA_GRAPH_CACHE_SIZE", "300")
+    assert long_lived_env() == {"MLX_ENABLE_CACHE_THRASHING_CHECK": "1", "MLX_CUDA_GRAPH_CACHE_SIZE": "300"}
 
 
 @pytest.mark.parametrize("np_", [1, 2], ids=["np1", "np2"])
