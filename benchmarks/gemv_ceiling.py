@@ -40,14 +40,30 @@ def weights(cfg: dict, dtype=mx.bfloat16) -> tuple[list, mx.array]:
     return layers, head
 
 
-def step(x, layers, head, q: int, I: int):
+def matmul(h, w):
+    return h @ w.T
+
+
+def step(x, layers, head, q: int, I: int, mm=matmul):
+    """One token through the chain; `mm(h, w)` is h [1, K] @ w [N, K].T."""
     h = x
     for wqkv, wo, wgu, wd in layers:
-        a = h @ wqkv.T  # [1, q + 2kv]
-        h = h + a[:, :q] @ wo.T
-        gu = h @ wgu.T  # [1, 2I]
-        h = h + (mx.sigmoid(gu[:, :I]) * gu[:, :I] * gu[:, I:]) @ wd.T
-    return mx.argmax(h @ head.T, axis=-1)
+        a = mm(h, wqkv)  # [1, q + 2kv]
+        h = h + mm(a[:, :q], wo)
+        gu = mm(h, wgu)  # [1, 2I]
+        h = h + mm(mx.sigmoid(gu[:, :I]) * gu[:, :I] * gu[:, I:], wd)
+    return mx.argmax(mm(h, head), axis=-1)
+
+
+def time_step(fn, x, steps: int) -> float:
+    """ms per call of fn(x), evaluated each time, after 3 warm calls."""
+    for _ in range(3):
+        mx.eval(fn(x))
+    mx.synchronize()
+    t = time.perf_counter()
+    for _ in range(steps):
+        mx.eval(fn(x))
+    return (time.perf_counter() - t) / steps * 1e3
 
 
 def main() -> None:
@@ -69,13 +85,7 @@ def main() -> None:
         compiled = mx.compile(eager)
         row = {"family": fam, "weights_gb": round(nbytes / 1e9, 2), "device": str(mx.default_device())}
         for name, fn in (("eager", eager), ("compiled", compiled), ("eager", eager), ("compiled", compiled)):
-            for _ in range(3):
-                mx.eval(fn(x))
-            mx.synchronize()
-            t = time.perf_counter()
-            for _ in range(a.steps):
-                mx.eval(fn(x))
-            ms = (time.perf_counter() - t) / a.steps * 1e3
+            ms = time_step(fn, x, a.steps)
             tbs = nbytes / (ms / 1e3) / 1e12
             row.setdefault(f"{name}_ms", []).append(round(ms, 3))
             row.setdefault(f"{name}_roofline", []).append(round(tbs / HBM_TB_S, 3))

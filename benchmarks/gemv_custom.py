@@ -22,12 +22,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 
 import mlx.core as mx
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from gemv_ceiling import weights  # noqa: E402
+from gemv_ceiling import matmul, step, time_step, weights  # noqa: E402
 from gpu_compare import FAMILIES, HBM_TB_S  # noqa: E402
 
 SOURCE = """
@@ -89,16 +88,6 @@ def gemv(x: mx.array, w: mx.array, rows: int) -> mx.array:
     return y.reshape(1, N)
 
 
-def step(x, layers, head, q: int, I: int, mm):
-    h = x
-    for wqkv, wo, wgu, wd in layers:
-        a = mm(h, wqkv)  # [1, q + 2kv]
-        h = h + mm(a[:, :q], wo)
-        gu = mm(h, wgu)  # [1, 2I]
-        h = h + mm(mx.sigmoid(gu[:, :I]) * gu[:, :I] * gu[:, I:], wd)
-    return mx.argmax(mm(h, head), axis=-1)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--families", default="llama,qwen3")
@@ -121,23 +110,17 @@ def main() -> None:
             check[f"rows{rows} head"] = round(float(mx.abs(got - ref).max() / mx.abs(ref).max()), 5)
         print(json.dumps({"family": fam, "weights_gb": round(nbytes / 1e9, 2), "max_rel_diff_vs_mlx": check}),
               flush=True)
-        impls = {"mlx": lambda h, w: h @ w.T}
+        impls = {"mlx": matmul}
         for rows in (1, 2, 4):
             impls[f"custom rows {rows}"] = lambda h, w, r=rows: gemv(h, w, r)
         out = {}
-        for rnd in range(2):
+        for _ in range(2):
             for name, mm in impls.items():
                 for mode in ("eager", "compiled"):
                     fn = (lambda x, mm=mm: step(x, layers, head, q, I, mm))
                     if mode == "compiled":
                         fn = mx.compile(fn)
-                    for _ in range(3):
-                        mx.eval(fn(x))
-                    mx.synchronize()
-                    t = time.perf_counter()
-                    for _ in range(a.steps):
-                        mx.eval(fn(x))
-                    ms = (time.perf_counter() - t) / a.steps * 1e3
+                    ms = time_step(fn, x, a.steps)
                     out.setdefault(f"{name}, {mode}", []).append(
                         f"{ms:.3f} ms ({nbytes / (ms / 1e3) / 1e12 / HBM_TB_S:.3f})")
         ids = {name: int(step(x, layers, head, q, I, mm).item()) for name, mm in impls.items()}
