@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The device runs of docs/benchmarks.md's 2026-11-30 second-session sections,
+# The device runs of docs/benchmarks.md's 2026-11-30 GPU sections (second to fourth looks),
 # on nvidia-h200-x2 after MLX's CUDA wheel is staged (source .dev/setup2.sh).
 # One part per device call (each well inside the 10-minute limit):
 #

@@ -64,7 +64,7 @@ import numpy as np
 
 from .cache import LayerCache, SharedKVCache
 from .decode import STEP as GPU_STEP
-from .decode import StaticCache, _round_up
+from .decode import StaticCache, _round_up, ring_slots
 from .engine import DEFAULT_PREFILL_STEP, check_tokens, vocab_size
 from .masks import create_rows_mask
 from .sampling import Sampler, SamplingParams
@@ -81,17 +81,6 @@ CPU_STEP = 64
 
 def slot_step() -> int:
     return CPU_STEP if mx.default_device() == mx.cpu else GPU_STEP
-
-
-def _ring_slots(start: int, n: int, size: int):
-    """Slots of positions start .. start + n - 1 in a buffer of `size` slots
-    (position p at p % size), oldest first: a slice when they do not wrap (a
-    view to read, one slice update to write, nothing sent to the device),
-    else an index array (a gather / scatter)."""
-    s0 = start % size
-    if s0 + n <= size:
-        return slice(s0, s0 + n)
-    return mx.array(np.arange(start, start + n) % size)
 
 
 def _read_row(buf: mx.array, b: int, slots) -> mx.array:
@@ -329,8 +318,9 @@ class BatchEngine:
         it (on the H200, 0.2-6 s per capacity for a 12B model once MLX's
         kernels are cached on disk). serve's --warmup, off by default: on MLX
         0.32 CUDA steady decode after it was slower in 13 of 15 runs on two
-        H200 hosts (docs/benchmarks.md; cause not found). Models whose rows step eagerly
-        (recurrent caches) compile nothing: only the first capacity runs.
+        H200 hosts (docs/benchmarks.md; cause not found). Models whose rows
+        step eagerly (recurrent caches) compile nothing: only the first
+        capacity runs.
         Returns [(capacity, seconds)]. Every rank makes the same call."""
         import time
 
@@ -391,7 +381,7 @@ class BatchEngine:
             k, v = x
             n = min(k.shape[2], S)
             k, v = k[..., k.shape[2] - n :, :], v[..., v.shape[2] - n :, :]
-            slots = _ring_slots(last - n, n, S)
+            slots = ring_slots(last - n, n, S)
             for name, x in ((f"k{i}", k), (f"v{i}", v)):
                 _write_row(self.buffers[name], b, slots, x)
         self._sync_pos()
@@ -427,7 +417,7 @@ class BatchEngine:
                 if rings[i] is None:
                     continue
                 k, v = c.temporal()
-                slots = _ring_slots(a.start - k.shape[2], k.shape[2], rings[i])
+                slots = ring_slots(a.start - k.shape[2], k.shape[2], rings[i])
                 for name, x in ((f"k{i}", k), (f"v{i}", v)):
                     _write_row(bufs[name], b, slots, x)
                 c.release()
@@ -464,7 +454,7 @@ class BatchEngine:
                 continue
             w = self.windows[i]
             n = a.last if w is None else min(a.last, w)  # a ring of w + chunk slots holds the last w
-            slots = _ring_slots(a.last - n, n, R)
+            slots = ring_slots(a.last - n, n, R)
             kv.append(tuple(_read_row(bufs[f"{x}{i}"], b, slots) for x in "kv"))
         if self.prompt_cache is not None:
             self.prompt_cache.store_layers(a.prompt[: a.last], kv, self.windows)
@@ -516,7 +506,7 @@ class BatchEngine:
                 continue
             S = self.buffers[f"k{i}"].shape[2]
             n = min(fed, S)
-            slots = _ring_slots(fed - n, n, S)
+            slots = ring_slots(fed - n, n, S)
             layers.append(tuple(_read_row(self.buffers[f"{x}{i}"], b, slots) for x in "kv"))
         self.prompt_cache.store_layers(seen, layers, self.windows)
 

@@ -665,11 +665,11 @@ def serve(
     from .engine import check_generation_options
     from .sampling import SamplingParams
     from .server import Defaults, Service, batchable, context_limit, follower_batch_loop, follower_loop, parse_size
+    from .server import serve as run_server
+    from .tokenizer import Tokenizer
 
     model = _pick_model(model, model_opt)
     ctx.params.update(model=model, model_opt=None)
-    from .server import serve as run_server
-    from .tokenizer import Tokenizer
 
     if not 0 <= port <= 65535:
         raise UserError(f"--port must be in [0, 65535], got {port}")

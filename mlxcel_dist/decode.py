@@ -45,6 +45,17 @@ def _round_up(n: int, step: int) -> int:
     return ((n + step - 1) // step) * step
 
 
+def ring_slots(start: int, n: int, size: int):
+    """Slots of positions start .. start + n - 1 in a buffer of `size` slots
+    (position p at p % size, `StaticCache.slot`'s rule), oldest first: a slice
+    when they do not wrap (a view to read, one slice update to write, nothing
+    sent to the device), else an index array (a gather / scatter)."""
+    s0 = start % size
+    if s0 + n <= size:
+        return slice(s0, s0 + n)
+    return mx.array(np.arange(start, start + n) % size)
+
+
 class StaticCache(LayerCache):
     """One layer's view of a `DecodeState`: the cache protocol the model's
     attention uses (`offset`, `mask`, `update_and_fetch`) with `pos` as an
@@ -148,7 +159,7 @@ class DecodeStep:
             bk = mx.zeros((B, H, size, Dk), k.dtype)
             bv = mx.zeros((B, H, size, v.shape[3]), v.dtype)
             # position j goes to slot j % size (temporal order while size > pos)
-            slots = mx.array(np.arange(pos - n, pos) % size)
+            slots = ring_slots(pos - n, n, size)
             bk[..., slots, :] = k
             bv[..., slots, :] = v
             self.state[f"k{i}"], self.state[f"v{i}"] = bk, bv

@@ -1040,7 +1040,8 @@ def sync_step(group: Group, guard, control=None, payload=None, channel=None) -> 
             vec = np.array(group.all_sum(mx.array(vec)))
             guard._verdict(vec[CONTROL_INTS:].reshape(n, 3))
         m = int(vec[2]) if int(vec[0]) == MAGIC else 0
-        payload = payload if group.single else group.broadcast(payload, (m,)) if m else np.zeros(0, np.int32)
+        if not group.single:  # rank 0's payload, when it has one, as a broadcast (at np 1 it is already here)
+            payload = group.broadcast(payload, (m,)) if m else np.zeros(0, np.int32)
     if int(vec[0]) != MAGIC:
         raise RuntimeError(f"serve: bad step header (magic {int(vec[0]):#x})")
     return vec[:CONTROL_INTS], payload
@@ -1503,8 +1504,9 @@ class _Server(ThreadingHTTPServer):
 # steps of a 48-layer model: 2000 instead, since on one H200 host serve
 # --warmup's steady decode was 30-40% slower at 400 and not at 2000 (on a
 # second host it was slower at both; without --warmup no difference either
-# way: docs/benchmarks.md). A value the user sets wins. Read by MLX when a stream's encoder is built, so setting them
-# before the model loads is in time.
+# way: docs/benchmarks.md). A value the user sets wins. MLX reads them at its
+# first GPU evaluation (set after one they are ignored; measured), so the serve
+# command sets them before anything else.
 LONG_LIVED_ENV = {"MLX_ENABLE_CACHE_THRASHING_CHECK": "0", "MLX_CUDA_GRAPH_CACHE_SIZE": "2000"}
 
 
