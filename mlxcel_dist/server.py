@@ -21,8 +21,8 @@ integers; the batched path puts the same encoding in its step payload):
 
 1. a fixed-size int32 header: magic, kind (job/shutdown), prompt length,
    stop-strings byte count, max_tokens, top_k, repetition context size, the
-   logprobs setting (0 = off, k + 1 = the drawn token's and the top k), the
-   seed in four 16-bit parts, and the float64 sampling values (temperature,
+   logprobs setting (0 = off, k + 1 = the drawn token's and the top k),
+   ignore_eos (0 / 1), the seed in four 16-bit parts, and the float64 sampling values (temperature,
    top_p, min_p, repetition penalty) bit-copied as int32 pairs, so every rank
    samples with the very same values rank 0 does;
 2. an int32 payload: the prompt ids, then the UTF-8 bytes of the stop strings
@@ -68,7 +68,7 @@ from .sampling import SEED_LIMIT, SamplingParams
 MAGIC = 0x4D4C5853  # "MLXS"
 KIND_JOB = 1
 KIND_SHUTDOWN = 2
-HEADER_INTS = 8 + 4 + 2 * 4  # ints, seed parts, float64 pairs
+HEADER_INTS = 9 + 4 + 2 * 4  # ints, seed parts, float64 pairs
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
 DEFAULT_CHAT_TOKENS = 512  # mlx-lm's server default (--max-tokens 512)
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat's top_logprobs
@@ -107,6 +107,7 @@ class GenRequest:
     sampling: SamplingParams
     stop: list = field(default_factory=list)
     logprobs: int | None = None  # None: off; k: each token's logprob and the k most likely
+    ignore_eos: bool = False  # vLLM's extra field: EOS is an ordinary token (runs to max_tokens or a stop string)
 
 
 def encode(req: GenRequest | None) -> tuple[np.ndarray, np.ndarray]:
@@ -118,10 +119,10 @@ def encode(req: GenRequest | None) -> tuple[np.ndarray, np.ndarray]:
         return header, np.zeros(0, np.int32)
     stop_bytes = np.frombuffer(json.dumps(req.stop).encode("utf-8"), np.uint8).astype(np.int32)
     s = req.sampling
-    header[1:8] = [KIND_JOB, len(req.prompt_ids), len(stop_bytes), req.max_tokens, s.top_k,
-                   s.repetition_context_size, 0 if req.logprobs is None else req.logprobs + 1]
-    header[8:12] = [(s.seed >> (16 * i)) & 0xFFFF for i in range(4)]
-    header[12:20] = np.array([s.temp, s.top_p, s.min_p, s.repetition_penalty], np.float64).view(np.int32)
+    header[1:9] = [KIND_JOB, len(req.prompt_ids), len(stop_bytes), req.max_tokens, s.top_k,
+                   s.repetition_context_size, 0 if req.logprobs is None else req.logprobs + 1, int(req.ignore_eos)]
+    header[9:13] = [(s.seed >> (16 * i)) & 0xFFFF for i in range(4)]
+    header[13:21] = np.array([s.temp, s.top_p, s.min_p, s.repetition_penalty], np.float64).view(np.int32)
     payload = np.concatenate([np.asarray(req.prompt_ids, np.int32), stop_bytes])
     return header, payload
 
@@ -131,13 +132,14 @@ def decode(header: np.ndarray, payload: np.ndarray) -> GenRequest | None:
         raise RuntimeError(f"serve: bad hand-off header (magic {int(header[0]):#x})")
     if int(header[1]) == KIND_SHUTDOWN:
         return None
-    n_ids, n_stop, max_tokens, top_k, rep_ctx, lp = (int(x) for x in header[2:8])
-    seed = sum(int(header[8 + i]) << (16 * i) for i in range(4))
-    temp, top_p, min_p, rep = (float(x) for x in np.ascontiguousarray(header[12:20]).view(np.float64))
+    n_ids, n_stop, max_tokens, top_k, rep_ctx, lp, ignore_eos = (int(x) for x in header[2:9])
+    seed = sum(int(header[9 + i]) << (16 * i) for i in range(4))
+    temp, top_p, min_p, rep = (float(x) for x in np.ascontiguousarray(header[13:21]).view(np.float64))
     stop = json.loads(payload[n_ids:n_ids + n_stop].astype(np.uint8).tobytes().decode("utf-8"))
     sampling = SamplingParams(temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=rep,
                               repetition_context_size=rep_ctx, seed=seed)
-    return GenRequest(payload[:n_ids].tolist(), max_tokens, sampling, stop, None if lp == 0 else lp - 1)
+    return GenRequest(payload[:n_ids].tolist(), max_tokens, sampling, stop, None if lp == 0 else lp - 1,
+                      bool(ignore_eos))
 
 
 def exchange(group: Group, req: GenRequest | None = None, channel=None) -> GenRequest | None:
@@ -444,7 +446,10 @@ class Service:
             sampling.validate()
         except UserError as e:
             raise BadRequest(str(e)) from None
-        return GenRequest(ids, max_tokens, sampling, _stops(body), logprobs), stream
+        ignore_eos = body.get("ignore_eos")
+        if ignore_eos is not None and not isinstance(ignore_eos, bool):
+            raise BadRequest(f"'ignore_eos' must be true or false, got {json.dumps(ignore_eos)}", param="ignore_eos")
+        return GenRequest(ids, max_tokens, sampling, _stops(body), logprobs, bool(ignore_eos)), stream
 
     @staticmethod
     def _logprobs(body, chat: bool) -> int | None:
@@ -796,7 +801,7 @@ class Service:
                         ids = req.prompt_ids
                         active[rid] = Active(job, StreamDecoder(self.tok, context=list(ids)[-4:]),
                                              StopStrings(req.stop), GenStats(prompt_tokens=len(ids)),
-                                             set(self.tok.eos_ids))
+                                             set() if req.ignore_eos else set(self.tok.eos_ids))
                 if admissions:
                     t_step = time.monotonic()
                 self.busy_since = t_step
@@ -895,7 +900,8 @@ def run_generation(model, tok, group: Group, prefill_step, req: GenRequest, emit
         mx.async_eval(flag)
 
     gen = generate_text(model, tok, req.prompt_ids, req.max_tokens, req.sampling, stop=req.stop,
-                        prefill_step=prefill_step, group=group, logprobs=req.logprobs, on_token=on_token)
+                        eos_ids=() if req.ignore_eos else None, prefill_step=prefill_step, group=group,
+                        logprobs=req.logprobs, on_token=on_token)
     while True:
         try:
             text = next(gen)
