@@ -8,11 +8,12 @@
 #   bash benchmarks/h200_runs.sh serve     # issue 17: 12B-shaped serve load, ours np 1 / np 2, mlx_lm.server np 1
 #   bash benchmarks/h200_runs.sh match     # issue 18: logit-match --np 2 --backend nccl on the 12B-shaped checkpoint
 #   bash benchmarks/h200_runs.sh batch     # issue 17: BatchEngine alone at 1/4/16 rows, np 1 / np 2 (retrace costs), then serve
-#   bash benchmarks/h200_runs.sh graphs    # issue 17, not run yet: --warmup and MLX_CUDA_GRAPH_CACHE_SIZE 400 / 2000, alternated
+#   bash benchmarks/h200_runs.sh graphs    # issue 17: --warmup and MLX_CUDA_GRAPH_CACHE_SIZE 400 / 2000, alternated
 #   bash benchmarks/h200_runs.sh prof      # issue 19: one layer's prefill piece by piece vs mlx-lm (layer_profile.py),
 #                                          # then llama / mistral end to end, 4 reps each
 #   bash benchmarks/h200_runs.sh tail      # issue 19: prefill_tail.py (chunk / DecodeStep.start / first step), then
-#                                          # issue 17: serve's defaults (warm-up on CUDA, graph cache 2000) np 1 / np 2
+#                                          # issue 17: serve np 1 / np 2, graph cache 2000 (run while --warmup was
+#                                          # briefly CUDA's default; ours-np1 and ours-np1-nowarmup are now alike)
 #
 # JSON and logs land in $OUT (at most 8 files come back).
 #

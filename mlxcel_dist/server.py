@@ -22,9 +22,9 @@ integers; the batched path puts the same encoding in its step payload):
 1. a fixed-size int32 header: magic, kind (job/shutdown), prompt length,
    stop-strings byte count, max_tokens, top_k, repetition context size, the
    logprobs setting (0 = off, k + 1 = the drawn token's and the top k),
-   ignore_eos (0 / 1), the seed in four 16-bit parts, and the float64 sampling values (temperature,
-   top_p, min_p, repetition penalty) bit-copied as int32 pairs, so every rank
-   samples with the very same values rank 0 does;
+   ignore_eos (0 / 1), the seed in four 16-bit parts, and the float64
+   sampling values (temperature, top_p, min_p, repetition penalty) bit-copied
+   as int32 pairs, so every rank samples with the very same values rank 0 does;
 2. an int32 payload: the prompt ids, then the UTF-8 bytes of the stop strings
    (JSON list).
 
