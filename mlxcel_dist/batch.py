@@ -67,7 +67,7 @@ from .decode import STEP as GPU_STEP
 from .decode import StaticCache, _round_up, ring_slots
 from .engine import DEFAULT_PREFILL_STEP, check_tokens, vocab_size
 from .masks import create_rows_mask
-from .sampling import Sampler, SamplingParams
+from .sampling import Sampler, SamplingParams, read_logprobs, token_logprobs
 
 # Buffer granularity of the batch's static KV, per device. A batch step
 # attends every row over the whole buffer (masked), so slack slots cost
@@ -263,10 +263,15 @@ class BatchEngine:
         self._flights: list = []  # launched steps not read yet (at most one between `step` calls)
         self._changed = False  # rows added/removed since the last launch
         self.extras = []  # step_extras of the step read last
+        self.want: dict = {}  # rid -> k: that row's logprobs with each id (sampling.token_logprobs)
+        self.logprobs: dict = {}  # rid -> (logprob, [(id, logprob), ...]) of the step read last
 
     # -- rows --------------------------------------------------------------
     def __len__(self) -> int:
         return len(self.rows)
+
+    def __contains__(self, rid) -> bool:
+        return any(r.rid == rid for r in self.rows)
 
     def _capacity(self) -> int:
         return self.buffers[f"k{self._first}"].shape[0] if self.buffers else 0
@@ -465,6 +470,7 @@ class BatchEngine:
         """Free `rid`'s row (kept in the prompt cache when there is one): the
         last row moves into it (rows stay [0, n))."""
         b = next(i for i, r in enumerate(self.rows) if r.rid == rid)
+        self.want.pop(rid, None)
         if self.prompt_cache is not None:
             self._keep(b)
         last = len(self.rows) - 1
@@ -663,6 +669,7 @@ class BatchEngine:
                 r.generated.append(tok)
                 r.token = tok
                 out[r.rid] = tok
+        self.logprobs = {rid: read_logprobs(lp) for rid, lp in (f.extras or {}).items() if rid in out}
         return out
 
     def step(self) -> dict:
@@ -680,9 +687,9 @@ class BatchEngine:
             self.launch()
         return self.collect()
 
-    def step_extras(self, logits: list, ids: list, pending: list):
-        """Lazy arrays (any tree of them) a subclass wants evaluated with a
-        step (e.g. the server's per-row logprobs), from each row's logits, its
-        lazy id and the unread id its context lacks (None: none); once the
-        step is read they are in `self.extras`."""
-        return []
+    def step_extras(self, logits: list, ids: list, pending: list) -> dict:
+        """Lazy arrays evaluated with a step: {rid: token_logprobs} of the
+        rows in `want`, from each row's logits, its lazy id and the id still
+        unread when the step was launched (pipelined: its context lacks it)."""
+        return {r.rid: token_logprobs(x, r.context, r.sampler.params, prev, tok, self.want[r.rid])
+                for r, x, tok, prev in zip(self.rows, logits, ids, pending) if r.rid in self.want}

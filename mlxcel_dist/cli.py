@@ -655,17 +655,18 @@ def serve(
     backend: BackendOpt = "auto",
     hostfile: HostfileOpt = None,
     stall_timeout: StallOpt = DEFAULT_STALL_TIMEOUT_S,
+    served_model_name: Annotated[Optional[list[str]], typer.Option("--served-model-name", help="A name requests may give as 'model' (vLLM's flag, repeatable; the first is the id the server shows; default: MODEL as given).", show_default=False)] = None,
 ):
-    """OpenAI-compatible HTTP server (/v1/models, /v1/completions, /v1/chat/completions, /health); rank 0 listens."""
-    from .server import listen, long_lived_env
+    """OpenAI-compatible HTTP server (/v1/models, /v1/completions, /v1/chat/completions, /health, /docs); rank 0 listens."""
+    from .serve.lifecycle import listen, long_lived_env
 
     # first: MLX reads these at its first GPU evaluation (set after one, they
     # are ignored; measured); the ranks started below inherit them
     long_lived_env()
     from .engine import check_generation_options
     from .sampling import SamplingParams
-    from .server import Defaults, Service, batchable, context_limit, follower_batch_loop, follower_loop, parse_size
-    from .server import serve as run_server
+    from .serve.lifecycle import Options, parse_size, run
+    from .serve.openai_api import Defaults
     from .tokenizer import Tokenizer
 
     model = _pick_model(model, model_opt)
@@ -673,8 +674,8 @@ def serve(
 
     if not 0 <= port <= 65535:
         raise UserError(f"--port must be in [0, 65535], got {port}")
-    if max_tokens_cap < 1:
-        raise UserError(f"--max-tokens-cap must be >= 1, got {max_tokens_cap}")
+    if not 1 <= max_tokens_cap < 2**31:
+        raise UserError(f"--max-tokens-cap must be in [1, 2^31), got {max_tokens_cap}")
     if max_request_bytes < 1:
         raise UserError(f"--max-request-bytes must be >= 1, got {max_request_bytes}")
     check_generation_options(max_tokens=max_tokens, prefill_step=prefill_step)
@@ -687,26 +688,21 @@ def serve(
         raise UserError(f"--prompt-concurrency must be >= 1, got {prompt_concurrency}")
     if prompt_cache_size < 0:
         raise UserError(f"--prompt-cache-size must be >= 0, got {prompt_cache_size}")
+    names = [n for n in (served_model_name or []) if n.strip()]
+    if served_model_name and len(names) != len(served_model_name):
+        raise UserError("--served-model-name must not be empty")
     cache_bytes = None if prompt_cache_bytes is None else parse_size(prompt_cache_bytes, "--prompt-cache-bytes")
     defaults = Defaults(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, max_tokens=max_tokens)
     group = _distribute(ctx, np_, backend, hostfile, model)
-    httpd = listen(host, port) if group.is_root else None  # before the load: a port in use fails at once
+    sock = listen(host, port) if group.is_root else None  # before the load: a port in use fails at once
     loaded = _load(model, dtype, group)
     tok = Tokenizer(loaded.model_dir, loaded.config)
-    if not group.is_root:
-        if batchable(loaded.model):
-            follower_batch_loop(loaded.model, group, prefill_step, prompt_cache_size, cache_bytes,
-                                warmup_rows=decode_concurrency if warmup else 0)
-        else:
-            follower_loop(loaded.model, tok, group, prefill_step)
-        return
-    model_id = model if model is not None else loaded.model_dir.name
-    svc = Service(loaded.model, tok, str(model_id), group=group, max_tokens_cap=max_tokens_cap,
-                  max_request_bytes=max_request_bytes, prefill_step=prefill_step,
-                  context_length=context_limit(loaded.config), defaults=defaults,
-                  decode_concurrency=decode_concurrency, prompt_concurrency=prompt_concurrency,
-                  prompt_cache_size=prompt_cache_size, prompt_cache_bytes=cache_bytes, warmup=warmup)
-    run_server(svc, httpd)
+    names = names or [str(model if model is not None else loaded.model_dir.name)]
+    opts = Options(max_tokens_cap=max_tokens_cap, max_request_bytes=max_request_bytes, defaults=defaults,
+                   decode_concurrency=decode_concurrency, prompt_concurrency=prompt_concurrency,
+                   prompt_cache_size=prompt_cache_size, prompt_cache_bytes=cache_bytes, prefill_step=prefill_step,
+                   warmup=warmup, served_names=list(dict.fromkeys(names)))
+    run(loaded.model, tok, group, opts, sock, loaded.config)
 
 
 @app.command()

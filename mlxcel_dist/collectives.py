@@ -277,6 +277,14 @@ class HostChannel:
             return None
         return chan
 
+    def local_address(self) -> str:
+        """This rank's address on the star (rank 0: where the other ranks reached it)."""
+        return next(iter(self._peers.values())).getsockname()[0]
+
+    def root_address(self) -> str:
+        """Rank 0's address as this rank reached it."""
+        return self._peers[0].getpeername()[0]
+
     def close(self) -> None:
         for s in list(self._peers.values()) + ([self._listener] if self._listener else []):
             try:

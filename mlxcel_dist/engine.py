@@ -18,7 +18,7 @@ from . import faults
 from .collectives import SINGLE, CollectiveError, Group
 from .decode import decode_step_for
 from .errors import UserError
-from .sampling import Sampler, SamplingParams, apply_repetition_penalty
+from .sampling import Sampler, SamplingParams, read_logprobs, token_logprobs
 
 
 def check_tokens(ids, vocab_size: int) -> np.ndarray:
@@ -356,38 +356,10 @@ class TokenGenerator:
 
 
     def _logprobs(self, logits, context, pending, tok) -> tuple:
-        """Lazy (logprob of the drawn id `tok` [1], top-k ids, their logprobs)
-        when the logprobs option is on; () when off, so nothing is built.
-
-        Which distribution: the log-softmax of the model's logits after the
-        repetition penalty and before temperature, top-k, top-p and min-p.
-        That is mlx-lm's (generate_step: logits processors, then
-        `logits - logsumexp(logits)`, then the sampler), and with no
-        repetition penalty (the default) it is the model's own distribution,
-        what OpenAI's API and vLLM (its default raw_logprobs) return: the
-        values do not change with the temperature or the filters. Every rank
-        computes the same values from bit-identical logits (no collective)."""
+        """Lazy sampling.token_logprobs when the logprobs option is on; () when off, so nothing is built."""
         if self.logprobs is None:
             return ()
-        p = self.sampler.params
-        x = apply_repetition_penalty(logits.reshape(-1).astype(mx.float32), context, p.repetition_penalty,
-                                     p.repetition_context_size, pending)
-        lp = x - mx.logsumexp(x, axis=-1, keepdims=True)
-        chosen = mx.take(lp, tok.reshape(1).astype(mx.int32))
-        k = min(self.logprobs, lp.shape[-1])
-        if k == 0:
-            return (chosen,)
-        ids = mx.argpartition(-lp, kth=k - 1)[:k]
-        return (chosen, ids, mx.take(lp, ids))
-
-    @staticmethod
-    def _read_logprobs(lp) -> tuple:
-        chosen = float(np.array(lp[0])[0])
-        if len(lp) == 1:
-            return chosen, []
-        ids, vals = np.array(lp[1]), np.array(lp[2])
-        order = np.argsort(-vals, kind="stable")
-        return chosen, [(int(ids[i]), float(vals[i])) for i in order]
+        return token_logprobs(logits, context, self.sampler.params, pending, tok, self.logprobs)
 
     def __iter__(self):
         stats = self.stats
@@ -431,7 +403,7 @@ class TokenGenerator:
             stats.generated += 1
             stats.tokens.append(tok)
             if lp:  # computed with the id, so already there
-                stats.logprobs.append(self._read_logprobs(lp))
+                stats.logprobs.append(read_logprobs(lp))
             context.append(tok)
             self.guard.commit(tok, None if rows is None else got[1:].reshape(-1, 3))
             if tok in self.eos:

@@ -214,3 +214,32 @@ class Sampler:
 
     def __call__(self, logits: mx.array, context) -> int:
         return int(self.sample(logits, context).item())
+
+
+def token_logprobs(logits: mx.array, context, params: SamplingParams, pending, tok: mx.array, k: int) -> tuple:
+    """Lazy (logprob of the drawn id `tok` [1], top-k ids, their logprobs); k = 0: the first only.
+
+    Which distribution: the log-softmax of the model's logits after the
+    repetition penalty and before temperature, top-k, top-p and min-p, as
+    mlx-lm's generate_step; with no penalty it is the model's own, what
+    OpenAI's API and vLLM (raw_logprobs) return. Every rank computes the same
+    values from bit-identical logits (no collective)."""
+    x = apply_repetition_penalty(logits.reshape(-1).astype(mx.float32), context, params.repetition_penalty,
+                                 params.repetition_context_size, pending)
+    lp = x - mx.logsumexp(x, axis=-1, keepdims=True)
+    chosen = mx.take(lp, tok.reshape(1).astype(mx.int32))
+    k = min(k, lp.shape[-1])
+    if k == 0:
+        return (chosen,)
+    ids = mx.argpartition(-lp, kth=k - 1)[:k]
+    return (chosen, ids, mx.take(lp, ids))
+
+
+def read_logprobs(lp) -> tuple:
+    """token_logprobs' arrays, read: (logprob, [(id, logprob), ...] most likely first)."""
+    chosen = float(np.array(lp[0])[0])
+    if len(lp) == 1:
+        return chosen, []
+    ids, vals = np.array(lp[1]), np.array(lp[2])
+    order = np.argsort(-vals, kind="stable")
+    return chosen, [(int(ids[i]), float(vals[i])) for i in order]

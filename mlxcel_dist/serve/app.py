@@ -1,0 +1,221 @@
+"""The HTTP side: an async FastAPI app on uvicorn (rank 0 only; it knows
+nothing of ranks). A request is read within limits (size, time, JSON depth
+and number length), parsed by `openai_api` off the event loop, and handed to
+the scheduler as a Job whose events come back through an asyncio queue."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import traceback
+import uuid
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from . import openai_api as api
+from .log import log
+from .scheduler import SHUTDOWN_MESSAGE, Done, Failed, Job, Scheduler, Text, Token
+
+POLL_S = 0.25  # a waiting request checks that its client is still there this often
+BODY_TIMEOUT_S = 30.0  # the whole body must arrive within this
+COMPLETIONS = ("/v1/completions", "/completions")
+CHAT = ("/v1/chat/completions", "/chat/completions")  # without /v1 too, as mlx-lm's server
+
+
+@dataclass
+class AppState:
+    scheduler: Scheduler
+    parse_ctx: "api.ParseContext"
+    pieces: "api.TokenPieces"
+    health: object  # lifecycle.Health: .status() -> (ok, reason)
+    max_request_bytes: int = 1_000_000
+    created: int = 0
+
+
+def _error(e: "api.ApiError", request: Request | None = None) -> JSONResponse:
+    if request is not None:
+        log(f"{_client(request)} {request.method} {request.url.path} {e.status}: {e.message}")
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+def _client(request: Request) -> str:
+    c = request.client
+    return f"{c.host}:{c.port}" if c else "-"
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    length = request.headers.get("content-length")
+    if length is not None:
+        if not length.isdigit():
+            raise api.ApiError("bad Content-Length")
+        if int(length) > limit:
+            raise api.ApiError(f"request body of {int(length)} bytes is over the limit of {limit}", status=413)
+    parts, n = [], 0
+
+    async def read():
+        nonlocal n
+        async for chunk in request.stream():
+            n += len(chunk)
+            if n > limit:
+                raise api.ApiError(f"request body of more than {limit} bytes is over the limit of {limit}",
+                                   status=413)
+            parts.append(chunk)
+
+    try:
+        await asyncio.wait_for(read(), BODY_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        raise api.ApiError(f"the request body did not arrive within {BODY_TIMEOUT_S:.0f} s", status=408) from None
+    return b"".join(parts)
+
+
+def make_app(state: AppState) -> FastAPI:
+    app = FastAPI(title="mlxcel-dist", description="OpenAI-compatible completions served by every rank together.",
+                  version="0.1.0")
+    sched = state.scheduler
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        message = (f"no such endpoint: {request.method} {request.url.path}" if exc.status_code in (404, 405)
+                   else str(exc.detail))
+        return _error(api.ApiError(message, status=exc.status_code, type=kind), request)
+
+    @app.exception_handler(Exception)
+    async def bug(request: Request, exc: Exception):  # ours, not the client's: the one traceback
+        log(f"{request.method} {request.url.path} 500: {type(exc).__name__}: {exc}\n"
+            + "".join(traceback.format_exception(exc)))
+        return JSONResponse(api.ApiError(f"internal error: {type(exc).__name__}", status=500).body(),
+                            status_code=500)
+
+    @app.get("/health")
+    async def health():
+        ok, reason = state.health.status()
+        if ok:
+            return {"status": "ok"}
+        return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
+
+    def model_card(name: str) -> dict:
+        return {"id": name, "object": "model", "created": state.created, "owned_by": "mlxcel-dist"}
+
+    @app.get("/v1/models")
+    @app.get("/models", include_in_schema=False)
+    async def models():
+        return {"object": "list", "data": [model_card(m) for m in state.parse_ctx.model_ids]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str, request: Request):
+        if name not in state.parse_ctx.model_ids:
+            return _error(api.ApiError(f"The model `{name}` does not exist.", status=404, param="model",
+                                       code="model_not_found"), request)
+        return model_card(name)
+
+    async def complete(request: Request, chat: bool):
+        try:
+            raw = await _read_body(request, state.max_request_bytes)
+            body = await run_in_threadpool(api.loads_limited, raw)
+            p = await run_in_threadpool(api.parse, body, chat, state.parse_ctx)
+            ok, reason = state.health.status()
+            if not ok:
+                raise api.ApiError(f"the server is unavailable: {reason}", status=503)
+        except api.ApiError as e:
+            return _error(e, request)
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        job = Job(p.req, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
+        if not sched.submit(job):
+            return _error(api.ApiError(SHUTDOWN_MESSAGE, status=503), request)
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        if p.stream:
+            return StreamingResponse(_stream(state, request, job, events, p, rid), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        return await _whole(state, request, job, events, p, rid)
+
+    schemas = {True: api.ChatCompletionRequest, False: api.CompletionRequest}
+    for chat, paths in ((False, COMPLETIONS), (True, CHAT)):
+        extra = {"requestBody": {"required": True, "content": {
+            "application/json": {"schema": schemas[chat].model_json_schema(ref_template="#/components/schemas/{model}")}}}}
+
+        async def endpoint(request: Request, _chat=chat):
+            return await complete(request, _chat)
+
+        for i, path in enumerate(paths):
+            app.add_api_route(path, endpoint, methods=["POST"], openapi_extra=extra, include_in_schema=i == 0,
+                              name=("chat" if chat else "completion") + ("" if i == 0 else "_bare"))
+    return app
+
+
+async def _next(request: Request, events: asyncio.Queue):
+    """The job's next event; None once its client is gone."""
+    while True:
+        try:
+            return await asyncio.wait_for(events.get(), POLL_S)
+        except asyncio.TimeoutError:
+            if await request.is_disconnected():
+                return None
+
+
+async def _whole(state: AppState, request: Request, job: Job, events: asyncio.Queue, p, rid: str) -> Response:
+    parts, entries = [], []
+    try:
+        while True:
+            ev = await _next(request, events)
+            if ev is None:
+                return Response(status_code=499)
+            if isinstance(ev, Token):
+                entries.append((ev.id, ev.logprob))
+            elif isinstance(ev, Text):
+                parts.append(ev.text)
+            elif isinstance(ev, Failed):
+                return _error(api.ApiError(ev.message, status=ev.status), request)
+            elif isinstance(ev, Done):
+                return JSONResponse(api.whole_response(p, rid, int(time.time()), "".join(parts), ev.finish_reason,
+                                                       ev.prompt_tokens, ev.completion_tokens, entries, state.pieces))
+    finally:  # answered, or the client went away: an open job's row is freed
+        state.scheduler.cancel(job)
+
+
+async def _stream(state: AppState, request: Request, job: Job, events: asyncio.Queue, p, rid: str):
+    created = int(time.time())
+    pending, offset = [], 0  # tokens whose logprobs ride on the next text chunk
+
+    def sse(obj) -> str:
+        return "data: " + json.dumps(obj) + "\n\n"
+
+    def chunk(delta_or_text, finish=None) -> str:
+        nonlocal offset
+        lp = None
+        if p.req.logprobs is not None and pending:
+            if p.chat:
+                lp = api.chat_logprobs(state.pieces, pending)
+            else:
+                lp, offset = api.completion_logprobs(state.pieces, pending, offset)
+            pending.clear()
+        return sse(api.stream_chunk(p, rid, created, delta_or_text, finish, lp))
+
+    try:
+        if p.chat:
+            yield chunk({"role": "assistant", "content": ""})
+        while True:
+            ev = await _next(request, events)
+            if ev is None:
+                return
+            if isinstance(ev, Token):
+                pending.append((ev.id, ev.logprob))
+            elif isinstance(ev, Text):
+                yield chunk({"content": ev.text} if p.chat else ev.text)
+            elif isinstance(ev, Failed):
+                yield sse(api.stream_error(ev.message, ev.status))
+                break
+            elif isinstance(ev, Done):
+                yield chunk({} if p.chat else "", api.FINISH.get(ev.finish_reason, "stop"))
+                if p.include_usage:
+                    yield sse(api.usage_chunk(p, rid, created, ev.prompt_tokens, ev.completion_tokens))
+                break
+        yield "data: [DONE]\n\n"
+    finally:  # done, or the client went away (the response task is cancelled): an open job's row is freed
+        state.scheduler.cancel(job)

@@ -1,0 +1,394 @@
+"""serve's lifecycle on every rank: the engine, the link and heartbeats set
+up at the same point on each rank; rank 0's HTTP thread (uvicorn), its
+scheduler loop on the main thread, health, signals and the stuck-rank
+watchdog; the other ranks follow the step protocol until shutdown."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import resource
+import signal
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..errors import UserError
+from .log import log
+from .protocol import Link, OneRowEngine, advance, follow
+from .wire import KIND_SHUTDOWN
+
+DEFAULT_DECODE_CONCURRENCY = 32  # mlx-lm's --decode-concurrency
+DEFAULT_PROMPT_CONCURRENCY = 8  # mlx-lm's --prompt-concurrency
+DEFAULT_PROMPT_CACHE_SIZE = 10  # mlx-lm's --prompt-cache-size
+SHUTDOWN_WAIT_S = 10.0  # at shutdown, how long open connections get to finish
+HEADER_TIMEOUT_S = 10.0  # a connection must send a request's headers within this
+KEEP_ALIVE_S = 5.0
+BEAT_S = 0.5  # a follower's heartbeat to rank 0
+MISSED_S = 3.0  # /health says 503 once a rank has been silent this long
+STUCK_HEALTH_S = 5.0  # ... or an engine step has run this long (and 20 of its usual time)
+# After SIGTERM, the scheduler is judged stuck in a collective of a dead rank
+# when its current step had already run max(STUCK_S, STUCK_STEPS x its recent
+# step time) when the signal came (mpirun sends SIGTERM ~0.25 s after a rank
+# dies and SIGKILL ~0.25 s later: this must be quick), or runs on for
+# max(STUCK_LATE_S, 10 x STUCK_STEPS x the step time) after it.
+STUCK_S = 0.1
+STUCK_STEPS = 4
+STUCK_LATE_S = 1.0
+
+# MLX CUDA's caches (CUDA graphs, cuDNN SDPA and conv plans) are LRUs whose
+# "Cache thrashing" check throws once a process has ever missed more than twice
+# their capacity (a lifetime count): a long-lived server meets new batch sizes
+# and prompt shapes for as long as it runs, and the throw would end it with
+# every open request. The CUDA graph LRU at 2000: on one H200 host serve
+# --warmup's steady decode was 30-40% slower at 400 and not at 2000
+# (docs/benchmarks.md). A value the user sets wins. MLX reads them at its
+# first GPU evaluation, so the serve command sets them before anything else.
+LONG_LIVED_ENV = {"MLX_ENABLE_CACHE_THRASHING_CHECK": "0", "MLX_CUDA_GRAPH_CACHE_SIZE": "2000"}
+
+
+def long_lived_env() -> dict:
+    """Set serve's MLX environment defaults in this process (the launcher's
+    ranks inherit them); returns what is now in effect."""
+    for k, v in LONG_LIVED_ENV.items():
+        os.environ.setdefault(k, v)
+    return {k: os.environ[k] for k in LONG_LIVED_ENV}
+
+
+def parse_size(text: str, flag: str) -> int:
+    """mlx-lm's sizes: a number with an optional M, MB, G or GB (decimal units)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([MG]B?)?\s*", text, re.IGNORECASE)
+    if not m:
+        raise UserError(f"{flag} must be a byte count like 500M or 2GB, got {text!r}")
+    n = int(float(m.group(1)) * {"": 1, "M": 10**6, "G": 10**9}[(m.group(2) or "")[:1].upper()])
+    if n < 1:
+        raise UserError(f"{flag} must be >= 1 byte, got {text!r}")
+    return n
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """Rank 0, before the model loads: bind the port (a port in use fails in
+    seconds, before any rank waits on rank 0); connections queue meanwhile."""
+    try:
+        info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(info[0], socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(info[4])
+        sock.listen(4096)
+    except OSError as e:
+        raise UserError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
+@dataclass
+class Options:
+    """serve's flags, as every rank needs them."""
+
+    max_tokens_cap: int = 4096
+    max_request_bytes: int = 1_000_000
+    defaults: object = None  # openai_api.Defaults
+    decode_concurrency: int = DEFAULT_DECODE_CONCURRENCY
+    prompt_concurrency: int = DEFAULT_PROMPT_CONCURRENCY
+    prompt_cache_size: int = DEFAULT_PROMPT_CACHE_SIZE
+    prompt_cache_bytes: int | None = None
+    prefill_step: int | None = None
+    warmup: bool = False
+    served_names: list = field(default_factory=list)  # vLLM's --served-model-name: the first is the id shown
+
+
+def batchable(model) -> bool:
+    """Models with their own generation loop (generate_ids) are served one
+    request at a time, through OneRowEngine; every other model through BatchEngine."""
+    return not callable(getattr(model, "generate_ids", None))
+
+
+def make_engine(model, group, opts: Options, eos_ids):
+    if not batchable(model):
+        return OneRowEngine(model, group, eos_ids)
+    from ..batch import BatchEngine
+    from ..prompt_cache import DEFAULT_MAX_BYTES, PromptCache
+
+    size, limit = opts.prompt_cache_size, opts.prompt_cache_bytes
+    pc = PromptCache(size, DEFAULT_MAX_BYTES if limit is None else limit) if size else None
+    return BatchEngine(model, opts.prefill_step, prompt_cache=pc)
+
+
+class Beats:
+    """Every rank's heartbeat to rank 0 (UDP, beside the host channel), so
+    rank 0's /health knows a silent rank (stopped, or dead before the
+    launcher has noticed). Built by every rank at the same point."""
+
+    def __init__(self, monitor=None):
+        self.monitor = monitor
+
+    @classmethod
+    def open(cls, group, link: Link) -> "Beats":
+        from ..watchdog import HeartbeatMonitor
+
+        if group.single or link.channel is None:  # without the channel, rank 0 has no address for beats
+            return cls()
+        if group.is_root:
+            monitor = HeartbeatMonitor(bind_host=link.channel.local_address())
+            blob = f"{monitor.port} {monitor.token}".encode()
+            group.broadcast(np.frombuffer(blob.ljust(64), np.uint8).astype(np.int32))
+            return cls(monitor)
+        port, token = bytes(group.broadcast(None, (64,)).astype(np.uint8)).decode().split()
+        addr = (link.channel.root_address(), int(port))
+        message = f"{token} {group.rank()} {os.getpid()}".encode()
+
+        def beat():
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                while True:
+                    try:
+                        s.sendto(message, addr)
+                    except OSError:
+                        pass
+                    time.sleep(BEAT_S)
+
+        threading.Thread(target=beat, name="serve-heartbeat", daemon=True).start()
+        return cls()
+
+    def silent(self, n_ranks: int) -> tuple[int, float] | None:
+        if self.monitor is None:
+            return None
+        self.monitor.last[0] = time.monotonic()
+        return self.monitor.stalled(n_ranks, MISSED_S)
+
+
+class Health:
+    """What /health says: ok, or the reason it is not."""
+
+    def __init__(self, scheduler, beats: Beats, n_ranks: int):
+        self.scheduler, self.beats, self.n_ranks = scheduler, beats, n_ranks
+
+    def status(self) -> tuple[bool, str]:
+        s = self.scheduler
+        if s.stopping.is_set():
+            return False, "shutting down"
+        silent = self.beats.silent(self.n_ranks)
+        if silent is not None:
+            return False, f"rank {silent[0]} has not been heard from for {silent[1]:.1f} s"
+        busy = s.busy_since
+        if busy is not None:
+            ran = time.monotonic() - busy
+            if ran > max(STUCK_HEALTH_S, 20 * s.step_s):
+                return False, f"the engine step has run for {ran:.1f} s (a rank is slow or not responding)"
+        return True, ""
+
+
+def _ignore_signals() -> None:
+    for sig in (signal.SIGINT, signal.SIGTERM):  # rank 0 decides; its shutdown note ends the loop
+        try:
+            signal.signal(sig, lambda *_: None)
+        except ValueError:  # pragma: no cover - not the main thread
+            pass
+
+
+def run(model, tok, group, opts: Options, sock: socket.socket | None = None, config: dict | None = None) -> None:
+    """Every rank: set up at the same points, then serve (rank 0) or follow."""
+    from ..engine import RankAgreement
+
+    engine = make_engine(model, group, opts, tok.eos_ids)
+    link = Link.open(group)
+    if link.channel is None and not group.single and group.is_root:
+        log("no host channel to every rank (TCP to rank 0 refused or unreachable): step control goes through "
+            "device collectives (they wait behind the step in flight, and idle ranks wait inside one)")
+    beats = Beats.open(group, link)
+    guard = RankAgreement(group, every=0)
+    if opts.warmup and batchable(model):
+        t = time.monotonic()
+        done = engine.warmup(opts.decode_concurrency)
+        if group.is_root:
+            log(f"batch steps ready for 1-{done[-1][0]} rows in {time.monotonic() - t:.1f} s "
+                f"({', '.join(f'{c}: {s:.1f}' for c, s in done)})")
+    if not group.is_root:
+        _ignore_signals()
+        try:
+            follow(engine, link, guard)
+        finally:
+            link.close()
+        log(f"rank {group.rank()} stopped")
+        return
+    _serve(model, tok, group, opts, sock, config, engine, link, beats, guard)
+
+
+def _serve(model, tok, group, opts, sock, config, engine, link, beats, guard) -> None:
+    import uvicorn
+
+    from . import openai_api as api
+    from .app import AppState, make_app
+    from .scheduler import Scheduler
+
+    one_row = not batchable(model)
+    sched = Scheduler(tok, 1 if one_row else opts.decode_concurrency, 1 if one_row else opts.prompt_concurrency,
+                      sleeping_followers=group.single or link.channel is not None)
+    ctx = api.ParseContext(tokenizer=tok, vocab_size=model.args.vocab_size, model_ids=tuple(opts.served_names),
+                           max_tokens_cap=opts.max_tokens_cap, context_length=api.context_limit(config),
+                           defaults=opts.defaults or api.Defaults(), plain_chat=api.no_chat_template(tok),
+                           logprobs_ok=not one_row)
+    health = Health(sched, beats, group.size())
+    state = AppState(sched, ctx, api.TokenPieces(tok), health, opts.max_request_bytes, int(time.time()))
+    _raise_fd_limit()
+    _route_uvicorn_logs()
+    server = uvicorn.Server(uvicorn.Config(
+        make_app(state), http=_guarded_h11(), lifespan="off", log_config=None, access_log=False, ws="none",
+        timeout_keep_alive=KEEP_ALIVE_S, timeout_graceful_shutdown=SHUTDOWN_WAIT_S))
+    http = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="serve-http", daemon=True)
+    rfd, wfd = os.pipe()
+    os.set_blocking(wfd, False)
+    saved = {sig: signal.signal(sig, lambda *_: sched.stop()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    saved_fd = signal.set_wakeup_fd(wfd, warn_on_full_buffer=False)
+    threading.Thread(target=_watch_signals, args=(sched, rfd), daemon=True).start()
+    loop_done = threading.Event()
+    sched.loop_done = loop_done
+    try:
+        http.start()
+        h, p = sock.getsockname()[:2]
+        if ctx.plain_chat:
+            log(f"{ctx.model_ids[0]} has no chat template: chat requests are rendered as plain "
+                "'USER: ... ASSISTANT:' text (as mlx-lm's server)")
+        log(f"{ctx.model_ids[0]} on http://{h}:{p}/v1 (np {group.size()})")
+        _loop(sched, engine, link, guard)
+    finally:
+        loop_done.set()
+        server.should_exit = True
+        http.join(SHUTDOWN_WAIT_S + 2)
+        signal.set_wakeup_fd(saved_fd)
+        for sig, old in saved.items():
+            signal.signal(sig, old)
+        log("stopped")
+
+
+def _loop(sched, engine, link, guard) -> None:
+    """Rank 0's main thread: plan, advance every rank, absorb, until shutdown."""
+    from ..engine import RanksDiverged
+    from .scheduler import SHUTDOWN_MESSAGE
+
+    def busy(t):
+        sched.busy_since = t
+
+    def agreed():
+        sched.synced(time.monotonic() - t_sync)
+        sched.deliver()
+
+    try:
+        while True:
+            step = sched.plan()
+            t_sync = time.monotonic()
+            step, result = advance(engine, link, guard, step, keep_logprobs=True, agreed=agreed, busy=busy)
+            if step.kind == KIND_SHUTDOWN:
+                return
+            sched.absorb(step, result)
+    except RanksDiverged as e:  # raised on every rank: they have all left
+        sched.fail_all(str(e), 500)
+        raise
+    except BaseException as e:  # the server goes down; every waiting client still gets an answer
+        sched.fail_all(f"generation failed: {type(e).__name__}: {e}", 500)
+        log(f"rank 0 failed: {type(e).__name__}: {e}")
+        raise
+    finally:
+        sched.busy_since = None
+        if sched.times.steps:
+            log(str(sched.times))
+        link.close()
+        sched.fail_all(SHUTDOWN_MESSAGE, 503)  # whatever is still queued: answered, not dropped
+
+
+def _watch_signals(sched, rfd: int) -> None:
+    """The main thread may sit in a collective of a dead rank (C code), where
+    Python handlers never run; the C-level handler still writes the signal's
+    number to the wakeup fd, read here: stop, and if the loop is stuck, answer
+    every open request and end the process."""
+    from .scheduler import SHUTDOWN_MESSAGE
+
+    while True:
+        try:
+            data = os.read(rfd, 64)
+        except OSError:  # pragma: no cover
+            return
+        if not data:
+            return
+        if not any(b in (signal.SIGINT, signal.SIGTERM) for b in data):
+            continue
+        busy = sched.busy_since
+        sched.stop()
+        now = time.monotonic()
+        stuck = busy is not None and now - busy > max(STUCK_S, STUCK_STEPS * sched.step_s)
+        while not stuck and not sched.loop_done.wait(0.01):
+            busy = sched.busy_since
+            stuck = busy is not None and time.monotonic() - max(busy, now) > max(STUCK_LATE_S,
+                                                                                 10 * STUCK_STEPS * sched.step_s)
+        if not stuck:
+            return
+        n = sched.fail_all(f"{SHUTDOWN_MESSAGE}: the ranks did not stop (a rank has failed or is not responding)",
+                           503)
+        if sched.loop_done.wait(STUCK_LATE_S):  # only slow after all: the main thread ends the job as usual
+            return
+        time.sleep(0.5)  # the HTTP thread writes the answers
+        log(f"rank 0 stopped without the other ranks ({n} open request(s) answered with an error)")
+        os._exit(1)
+
+
+def _raise_fd_limit() -> None:
+    """Idle connections cost a descriptor each: allow as many as the hard limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else 65536, hard))
+        except (ValueError, OSError):
+            pass
+
+
+class _LogHandler(logging.Handler):
+    def emit(self, record):
+        text = record.getMessage()
+        if record.exc_info and record.levelno >= logging.ERROR:  # a bug of ours: its traceback, in one write
+            text += "\n" + logging.Formatter().formatException(record.exc_info)
+        log(text)
+
+
+def _route_uvicorn_logs() -> None:
+    for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
+        lg = logging.getLogger(name)
+        lg.handlers = [_LogHandler()]
+        lg.setLevel(logging.WARNING)
+        lg.propagate = False
+
+
+def _guarded_h11():
+    """uvicorn's h11 protocol with a header timeout: a connection that has
+    not sent a whole request head within HEADER_TIMEOUT_S (at its start, or
+    after a response) is closed; uvicorn alone waits for it forever."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class Guarded(H11Protocol):
+        def _arm(self):
+            timer = getattr(self, "_head_timer", None)
+            if timer is not None:
+                timer.cancel()
+            self._head_timer = self.loop.call_later(HEADER_TIMEOUT_S, self._head_timeout)
+
+        def connection_made(self, transport):
+            super().connection_made(transport)
+            self._arm()
+
+        def on_response_complete(self):
+            super().on_response_complete()
+            self._arm()
+
+        def _head_timeout(self):
+            waiting = self.cycle is None or self.cycle.response_complete
+            if waiting and not self.transport.is_closing():
+                self.transport.close()
+
+        def connection_lost(self, exc):
+            timer = getattr(self, "_head_timer", None)
+            if timer is not None:
+                timer.cancel()
+            super().connection_lost(exc)
+
+    return Guarded

@@ -1,0 +1,204 @@
+"""The rank step protocol: every rank, rank 0 included, runs :func:`advance`.
+
+Rank 0's scheduler decides a :class:`wire.Step` (removals, admissions, or an
+idle / shutdown note); :meth:`Link.sync` hands it to every rank in one
+exchange (over the host channel, or device collectives without one), which
+also carries every rank's rank-agreement row, so the ids of the last step are
+checked on every rank before rank 0 acts on them; then :func:`apply_step`
+makes the same engine calls on every rank. No loop is mirrored by hand: the
+followers' loop is :func:`follow`, a loop over the same `advance`.
+
+The engine is a ``batch.BatchEngine`` or :class:`OneRowEngine` (a model with
+its own generation loop behind the same calls).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..collectives import CollectiveError, Group, HostChannel
+from . import wire
+from .wire import CONTROL_INTS, KIND_IDLE, KIND_SHUTDOWN, KIND_STEP, Step
+
+IDLE_MARGIN_S = 0.02  # a follower wakes this much before rank 0 enters the next collective
+
+
+class Link:
+    """How a step crosses from rank 0 to every rank (one per serve job)."""
+
+    def __init__(self, group: Group, channel: HostChannel | None):
+        self.group = group
+        self.channel = channel
+
+    @classmethod
+    def open(cls, group: Group) -> "Link":
+        """Every rank, at the same point: the host channel where it can be built."""
+        return cls(group, HostChannel.open(group))
+
+    def sync(self, guard, step: Step | None = None) -> Step:
+        """Rank 0 passes its step, the others None; every rank gets the decoded
+        step back (rank 0 too: every rank applies bit-identical values) after
+        the agreement verdict on every id recorded so far (RanksDiverged on
+        every rank alike). Over the channel nothing is queued on the device,
+        so it never waits behind the step in flight."""
+        import mlx.core as mx
+
+        group, n = self.group, self.group.size()
+        row = np.array([guard.count, guard.checksum, guard.last], np.int32)
+        msg = wire.encode_step(step) if group.is_root else None
+        if self.channel is not None:
+            rows, msg = self.channel.exchange(row, msg)
+            guard._verdict(rows)
+            return wire.decode_step(msg)
+        if group.single:
+            return wire.decode_step(msg)
+        # one all_sum of rank 0's control header and every rank's row, then the payload as a broadcast
+        vec = np.zeros(CONTROL_INTS + 3 * n, np.int32)
+        if group.is_root:
+            vec[:CONTROL_INTS] = msg[:CONTROL_INTS]
+        vec[CONTROL_INTS + 3 * group.rank():][:3] = row
+        vec = np.array(group.all_sum(mx.array(vec)))
+        guard._verdict(vec[CONTROL_INTS:].reshape(n, 3))
+        m = int(vec[2]) if int(vec[0]) == wire.MAGIC else 0
+        payload = group.broadcast(msg[CONTROL_INTS:] if group.is_root else None, (m,)) if m else np.zeros(0, np.int32)
+        return wire.decode_step(np.concatenate([vec[:CONTROL_INTS], payload]))
+
+    def close(self) -> None:
+        if self.channel is not None:
+            self.channel.close()
+
+
+@dataclass
+class StepResult:
+    """What one applied step gave: each row's id, its logprobs (rank 0's
+    engine only), and the admissions that failed (every rank alike)."""
+
+    ids: dict = field(default_factory=dict)
+    logprobs: dict = field(default_factory=dict)
+    failed: dict = field(default_factory=dict)  # rid -> message
+    step_s: float = 0.0
+    admit_s: float = 0.0
+
+
+def _admit(engine, admissions: list, keep_logprobs: bool, failed: dict) -> None:
+    """add_many of a step's admissions; when it fails (every rank alike: the
+    same data), each is retried alone so only the failing request ends."""
+    items = [(rid, req.prompt_ids, req.sampling, req.max_tokens) for rid, req in admissions]
+    try:
+        engine.add_many(items)
+    except CollectiveError:
+        raise
+    except Exception:  # noqa: BLE001 - isolated below, request by request
+        for (rid, req), item in zip(admissions, items):
+            if rid in engine:
+                engine.remove(rid)
+            try:
+                engine.add_many([item])
+            except CollectiveError:
+                raise
+            except Exception as e:  # noqa: BLE001 - that request's failure alone
+                failed[rid] = f"{type(e).__name__}: {e}"
+    if keep_logprobs:
+        for rid, req in admissions:
+            if req.logprobs is not None and rid not in failed:
+                engine.want[rid] = req.logprobs
+
+
+def apply_step(engine, step: Step, guard, keep_logprobs: bool = False, busy=None) -> StepResult | None:
+    """Every rank: the step's engine calls, in one order. None for an idle
+    note (the caller sleeps) or shutdown. `busy(t)` marks when the engine step
+    starts (None: between steps): rank 0's stuck-rank watchdog reads it."""
+    if step.kind != KIND_STEP:
+        return None
+    out = StepResult()
+    t0 = time.monotonic()
+    for rid in step.removals:
+        engine.remove(rid)
+    if step.admissions:
+        _admit(engine, step.admissions, keep_logprobs, out.failed)
+    t1 = time.monotonic()
+    if busy:
+        busy(t1)
+    try:
+        out.ids = engine.step()
+    finally:
+        if busy:
+            busy(None)
+    out.step_s, out.admit_s = time.monotonic() - t1, t1 - t0
+    for tok in out.ids.values():
+        guard._record(tok)
+    if keep_logprobs:
+        out.logprobs = dict(engine.logprobs)
+    return out
+
+
+def advance(engine, link: Link, guard, step: Step | None = None, keep_logprobs: bool = False,
+            agreed=None, busy=None) -> tuple[Step, StepResult | None]:
+    """One step of the protocol on any rank: sync, then (rank 0) `agreed()`
+    (the last step's events may go out: their ids are checked), then apply.
+    An idle note makes the other ranks sleep before their next sync."""
+    step = link.sync(guard, step)
+    if agreed is not None:
+        agreed()
+    if step.kind == KIND_IDLE and not link.group.is_root:
+        time.sleep(max(step.idle_ms / 1000 - IDLE_MARGIN_S, 0))
+    return step, apply_step(engine, step, guard, keep_logprobs, busy)
+
+
+def follow(engine, link: Link, guard) -> None:
+    """Ranks other than 0: advance until rank 0's shutdown note."""
+    while advance(engine, link, guard)[0].kind != KIND_SHUTDOWN:
+        pass
+
+
+class OneRowEngine:
+    """BatchEngine's calls over a model with its own generation loop
+    (`generate_ids`, e.g. diffusion_gemma's block diffusion): one row at a
+    time, each `step` the loop's next id; the loop's own end is reported as
+    `eos` (its first EOS id) so the scheduler finishes the row as at EOS."""
+
+    capacity = 1
+
+    def __init__(self, model, group: Group, eos_ids):
+        self.model, self.group = model, group
+        self.eos_ids = tuple(int(e) for e in eos_ids)
+        self.eos = self.eos_ids[0] if self.eos_ids else -1
+        self.rid = None
+        self.gen = None
+        self.want: dict = {}  # logprobs are refused at parse time for these models
+        self.logprobs: dict = {}
+
+    def __len__(self) -> int:
+        return int(self.rid is not None)
+
+    def __contains__(self, rid) -> bool:
+        return rid is not None and rid == self.rid
+
+    def add_many(self, items) -> None:
+        from ..engine import HookGenerator
+
+        for rid, prompt_ids, sampling, max_tokens in items:
+            if self.rid is not None:
+                raise RuntimeError("one row at a time: this model has its own generation loop")
+            gen = HookGenerator(self.model, prompt_ids, max_tokens, sampling, self.eos_ids, self.group,
+                                check_every=0)
+            self.rid, self.gen = rid, iter(gen)
+
+    def remove(self, rid) -> None:
+        if rid == self.rid:
+            self.gen.close()  # every rank leaves the loop at the same id
+            self.rid = self.gen = None
+
+    def step(self) -> dict:
+        if self.rid is None:
+            return {}
+        try:
+            return {self.rid: next(self.gen)}
+        except StopIteration:
+            return {self.rid: self.eos}
+
+    def warmup(self, rows: int) -> list:
+        return []

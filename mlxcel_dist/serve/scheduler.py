@@ -1,0 +1,308 @@
+"""Rank 0's scheduler: which requests take a row at each step, and what
+each row's ids mean for its client.
+
+`plan()` decides the next :class:`wire.Step` (cancellations and finished
+rows as removals, queued requests as admissions up to the concurrency
+limits, an idle note or shutdown); the serving loop hands it to every rank
+(:func:`protocol.advance`) and gives the result to `absorb()`, which
+detokenises each row, applies EOS / stop strings / max_tokens, and queues
+the row's events. Events go out through `deliver()` only after the next
+sync's rank-agreement verdict on the ids behind them. No rank, engine or
+HTTP in here: tests drive it in process against a fake engine.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+from ..tokenizer import StopStrings, StreamDecoder
+from .log import log
+from .wire import KIND_IDLE, KIND_SHUTDOWN, KIND_STEP, RID_LIMIT, GenRequest, Step
+
+SHUTDOWN_MESSAGE = "the server is shutting down"
+IDLE_AFTER_S = 0.5  # without a host channel: idle this long before the followers are told to sleep
+IDLE_SLEEP_S = 0.3  # ... for this long (a first request after a quiet spell waits at most this)
+WAIT_S = 0.2  # how long plan() blocks on an empty queue before it looks at the stop flag again
+
+
+# Events a job's sink receives, in order: Token (with logprobs) / Text ..., then Done or Failed.
+@dataclass
+class Token:
+    id: int
+    logprob: tuple  # (logprob, [(id, logprob), ...])
+
+
+@dataclass
+class Text:
+    text: str
+
+
+@dataclass
+class Done:
+    finish_reason: str  # "eos" | "stop" | "length"
+    prompt_tokens: int
+    completion_tokens: int  # the ids the client is shown (an EOS that ended the row is not one)
+    stop: str | None = None
+
+
+@dataclass
+class Failed:
+    message: str
+    status: int
+
+
+class Job:
+    """One request on rank 0: its GenRequest and where its events go (`sink`
+    is called on the scheduler's thread and must not block)."""
+
+    def __init__(self, req: GenRequest, sink):
+        self.req = req
+        self.sink = sink
+        self.cancelled = threading.Event()  # its client went away: the row is freed at the next step
+
+
+@dataclass
+class _Row:
+    job: Job
+    decoder: object
+    stopper: object
+    eos: set
+    generated: int = 0
+
+
+@dataclass
+class StepTimes:
+    """Where the loop's time went while rows ran (idle waits excluded): engine
+    steps, admissions (removals and prefills), the syncs with the other ranks,
+    and the rest (detokenising, events, scheduling)."""
+
+    steps: int = 0
+    tokens: int = 0
+    step: float = 0.0
+    admit: float = 0.0
+    groups: int = 0
+    prompts: int = 0
+    prompt_tokens: int = 0
+    sync: float = 0.0
+    rest: float = 0.0
+
+    def __str__(self) -> str:
+        return (f"{self.steps} steps, {self.tokens} tokens ({self.tokens / max(self.steps, 1):.1f} rows a step): "
+                f"steps {self.step:.2f} s, admissions {self.admit:.2f} s ({self.prompts} prompts, "
+                f"{self.prompt_tokens} tokens, {self.groups} groups), sync {self.sync:.2f} s, rest {self.rest:.2f} s")
+
+
+class Scheduler:
+    def __init__(self, tokenizer, decode_concurrency: int = 32, prompt_concurrency: int = 8,
+                 sleeping_followers: bool = True):
+        """`sleeping_followers`: the other ranks wait for the next step asleep
+        (host channel, or np 1), so an idle scheduler sends nothing; else it
+        sends idle notes that let them sleep between collectives."""
+        self.tok = tokenizer
+        self.decode_concurrency = decode_concurrency
+        self.prompt_concurrency = prompt_concurrency
+        self.sleeping_followers = sleeping_followers
+        self.queue: queue.Queue = queue.Queue()
+        self.stopping = threading.Event()
+        self.lock = threading.Lock()  # submit vs fail_all: every job is answered once
+        self.open: set = set()  # submitted, not finished yet
+        self.rows: dict[int, _Row] = {}
+        self.backlog: list = []
+        self.removals: list = []
+        self.outbox: list = []  # (job, event) of the last step: sent after the next verdict
+        self.next_rid = 0
+        self.idle_until = None  # an idle note was sent: the followers sleep until then
+        self.quiet_since = time.monotonic()
+        self.times = StepTimes()
+        self._t_rest = None
+        self.busy_since = None  # when the engine step in progress started (stuck-rank watchdog)
+        self.step_s = 0.0  # moving average of an engine step
+
+    # -- HTTP side (any thread) --------------------------------------------------
+    def submit(self, job: Job) -> bool:
+        """Queue `job`; False once stopping (the caller answers 503)."""
+        with self.lock:
+            if self.stopping.is_set():
+                return False
+            self.open.add(job)
+            self.queue.put(job)
+        return True
+
+    def cancel(self, job: Job) -> None:
+        """Its client is gone (or was answered): an open job's row is freed at the next step."""
+        with self.lock:
+            if job not in self.open:
+                return
+        job.cancelled.set()
+        self.queue.put(None)  # wake an idle plan()
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.queue.put(None)
+
+    def fail_all(self, message: str, status: int) -> int:
+        """Answer every open job with an error at once (the loop may be stuck
+        in a collective of a dead rank); returns how many."""
+        with self.lock:
+            self.stopping.set()
+            jobs, self.open = list(self.open), set()
+        for job in jobs:
+            job.sink(Failed(message, status))
+        return len(jobs)
+
+    @property
+    def active(self) -> int:
+        return len(self.rows)
+
+    @property
+    def waiting(self) -> int:
+        return len(self.backlog) + self.queue.qsize()
+
+    # -- the loop's side ---------------------------------------------------------
+    def _emit(self, job: Job, ev) -> None:
+        self.outbox.append((job, ev))
+
+    def _end(self, job: Job, ev) -> None:
+        with self.lock:
+            if job not in self.open:  # fail_all answered it already
+                return
+            self.open.discard(job)
+        self._emit(job, ev)
+
+    def _take(self, timeout: float | None) -> None:
+        try:
+            job = self.queue.get(timeout=timeout) if timeout else self.queue.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            if job is not None:
+                self.backlog.append(job)
+            try:
+                job = self.queue.get_nowait()
+            except queue.Empty:
+                return
+
+    def _busy(self) -> bool:
+        return bool(self.rows or self.removals or self.outbox or self.backlog)
+
+    def plan(self) -> Step:
+        """The next step for every rank (blocks while there is nothing to do)."""
+        while True:
+            self._take(None)
+            if self.stopping.is_set() or self._busy():
+                break
+            if self.sleeping_followers:
+                self._take(WAIT_S)
+                continue
+            now = time.monotonic()
+            due = self.idle_until if self.idle_until is not None else self.quiet_since + IDLE_AFTER_S
+            if now < due:
+                self._take(min(due - now, WAIT_S))
+                continue
+            self.idle_until = now + IDLE_SLEEP_S
+            return Step(KIND_IDLE, idle_ms=int(IDLE_SLEEP_S * 1000))
+        self.idle_until = None
+        if self.stopping.is_set():
+            for r in self.rows.values():
+                self._end(r.job, Failed(SHUTDOWN_MESSAGE, 503))
+            for job in self.backlog:
+                self._end(job, Failed(SHUTDOWN_MESSAGE, 503))
+            self.rows.clear()
+            self.backlog.clear()
+            return Step(KIND_SHUTDOWN)
+        for rid in [rid for rid, r in self.rows.items() if r.job.cancelled.is_set()]:
+            r = self.rows.pop(rid)
+            self.removals.append(rid)
+            log(f"client gone: row freed after {r.generated} of {r.job.req.max_tokens} tokens")
+            self._end(r.job, Failed("client gone", 499))
+        admissions, keep = [], []
+        for job in self.backlog:
+            if job.cancelled.is_set():
+                log("client gone: request dropped before it took a row")
+                self._end(job, Failed("client gone", 499))
+            elif (len(admissions) < self.prompt_concurrency
+                  and len(self.rows) + len(admissions) < self.decode_concurrency):
+                admissions.append((self.next_rid, job))
+                self.next_rid = (self.next_rid + 1) % RID_LIMIT
+            else:
+                keep.append(job)
+        self.backlog = keep
+        step = Step(KIND_STEP, self.removals, [(rid, job.req) for rid, job in admissions])
+        self.removals = []
+        for rid, job in admissions:
+            ids = job.req.prompt_ids
+            eos = set() if job.req.ignore_eos else set(self.tok.eos_ids)
+            self.rows[rid] = _Row(job, StreamDecoder(self.tok, context=list(ids)[-4:]), StopStrings(job.req.stop), eos)
+        if self._t_rest is not None and (self.rows or step.changes):
+            self.times.rest += time.monotonic() - self._t_rest
+        return step
+
+    def synced(self, seconds: float) -> None:
+        self.times.sync += seconds
+
+    def deliver(self) -> None:
+        """The ids behind the outbox agree on every rank: send its events."""
+        for job, ev in self.outbox:
+            job.sink(ev)
+        self.outbox.clear()
+
+    def absorb(self, step: Step, result) -> None:
+        """The applied step's ids: each row's text, its end, its events."""
+        self._t_rest = time.monotonic()
+        if result is None:
+            return
+        t = self.times
+        if step.admissions:
+            t.admit += result.admit_s
+            t.groups += 1
+            t.prompts += len(step.admissions)
+            t.prompt_tokens += sum(len(req.prompt_ids) for _, req in step.admissions)
+        if result.ids:
+            t.steps += 1
+            t.tokens += len(result.ids)
+            t.step += result.step_s
+            self.step_s = 0.9 * self.step_s + 0.1 * result.step_s
+        for rid, message in result.failed.items():
+            r = self.rows.pop(rid, None)
+            if r is not None:
+                log(f"request failed at admission: {message}")
+                self._end(r.job, Failed(f"generation failed: {message}", 500))
+        for rid, tok in result.ids.items():
+            r = self.rows.get(rid)
+            if r is None:  # freed at this step's plan: its last id is dropped
+                continue
+            try:
+                self._advance_row(rid, r, tok, result.logprobs.get(rid))
+            except Exception as e:  # noqa: BLE001 - one request's failure ends that request alone
+                log(f"request failed: {type(e).__name__}: {e}")
+                self.rows.pop(rid, None)
+                self.removals.append(rid)
+                self._end(r.job, Failed(f"generation failed: {type(e).__name__}: {e}", 500))
+        if not self.rows and not self.backlog:
+            self.quiet_since = time.monotonic()
+
+    def _advance_row(self, rid: int, r: _Row, tok: int, lp) -> None:
+        if tok in r.eos:
+            return self._finish(rid, r, "eos")
+        r.generated += 1
+        if r.job.req.logprobs is not None:
+            self._emit(r.job, Token(tok, lp))
+        text = r.stopper.feed(r.decoder.add(tok))
+        if text:
+            self._emit(r.job, Text(text))
+        if r.stopper.stopped is not None:
+            self._finish(rid, r, "stop")
+        elif r.generated >= r.job.req.max_tokens:
+            self._finish(rid, r, "length")
+
+    def _finish(self, rid: int, r: _Row, reason: str) -> None:
+        if reason != "stop":
+            tail = r.stopper.feed(r.decoder.flush()) + r.stopper.flush()
+            if tail:
+                self._emit(r.job, Text(tail))
+        self.rows.pop(rid)
+        self.removals.append(rid)
+        self._end(r.job, Done(reason, len(r.job.req.prompt_ids), r.generated, r.stopper.stopped))
