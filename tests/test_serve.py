@@ -301,21 +301,23 @@ def test_hand_off_round_trip():
     """encode / decode (the request every rank gets) keep every field, each
     of the flags too, alone and inside a batched step's changes."""
     from mlxcel_dist.sampling import SamplingParams
-    from mlxcel_dist.server import GenRequest, decode, decode_changes, encode, encode_changes
+    from mlxcel_dist.serve.wire import (KIND_IDLE, KIND_SHUTDOWN, GenRequest, Step, decode_request, decode_step,
+                                        encode_request, encode_step)
 
     reqs = [GenRequest([2, 651, 9], 17, SamplingParams(temp=0.7, top_p=0.9, top_k=40, min_p=0.05,
                                                          repetition_penalty=1.1, repetition_context_size=12,
                                                          seed=(1 << 63) + 12345), ["\n\n", "é"], 3, True),
             GenRequest([5], 0, SamplingParams(temp=0.0, seed=0))]
     for req in reqs:
-        assert decode(*encode(req)) == req
-    assert decode(*encode(None)) is None
-    assert decode_changes(encode_changes([4, 9], list(enumerate(reqs)))) == ([4, 9], list(enumerate(reqs)))
+        assert decode_request(*encode_request(req)) == req
+    for step in (Step(removals=[4, 9], admissions=list(enumerate(reqs))), Step(KIND_IDLE, idle_ms=300),
+                 Step(KIND_SHUTDOWN), Step()):
+        assert decode_step(encode_step(step)) == step
 
 
 def test_oversized_body_and_unknown_path(server):
     status, _, data = server.post("/v1/completions", None, raw=b'{"prompt": "' + b"a" * 1_100_000 + b'"}')
-    assert status == 400 and "over the limit" in json.loads(data)["error"]["message"]
+    assert status == 413 and "over the limit" in json.loads(data)["error"]["message"]
     status, _, data = server.post("/v1/nothing", {"prompt": "x"})
     assert status == 404 and "error" in json.loads(data)
     with pytest.raises(urllib.error.HTTPError) as e:
@@ -329,19 +331,23 @@ def test_oversized_body_and_unknown_path(server):
 def test_openai_client(server, expected):
     openai = pytest.importorskip("openai", reason="the openai package is not installed (optional)")
     client = openai.OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0, timeout=120)
-    assert [m.id for m in client.models.list().data]
-    r = client.completions.create(model="m", prompt=PROMPT, max_tokens=N, temperature=0)
+    ids = [m.id for m in client.models.list().data]
+    assert ids
+    with pytest.raises(openai.NotFoundError) as e:  # another model's name: OpenAI's 404
+        client.completions.create(model="gpt-4o", prompt=PROMPT, max_tokens=2)
+    assert e.value.code == "model_not_found"
+    r = client.completions.create(model=ids[0], prompt=PROMPT, max_tokens=N, temperature=0)
     assert r.choices[0].text == expected["greedy"]
     text = "".join(ch.choices[0].text for ch in client.completions.create(
-        model="m", prompt=PROMPT, max_tokens=N, temperature=0, stream=True))
+        model=ids[0], prompt=PROMPT, max_tokens=N, temperature=0, stream=True))
     assert text == expected["greedy"]
-    r = client.chat.completions.create(model="m", messages=CHAT["messages"], max_tokens=N, temperature=0)
+    r = client.chat.completions.create(model=ids[0], messages=CHAT["messages"], max_tokens=N, temperature=0)
     assert r.choices[0].message.content == expected["chat"]
     text = "".join(ch.choices[0].delta.content or "" for ch in client.chat.completions.create(
-        model="m", messages=CHAT["messages"], max_tokens=N, temperature=0, stream=True))
+        model=ids[0], messages=CHAT["messages"], max_tokens=N, temperature=0, stream=True))
     assert text == expected["chat"]
     with pytest.raises(openai.BadRequestError):
-        client.completions.create(model="m", prompt=PROMPT, max_tokens=N, temperature=-2)
+        client.completions.create(model=ids[0], prompt=PROMPT, max_tokens=N, temperature=-2)
 
 
 # Issue 14: the first hour with `serve` ------------------------------------------
@@ -393,7 +399,7 @@ def check_paths_and_health(server):
 
 
 def check_logprobs(server, model_dir):
-    from mlxcel_dist.server import TokenPieces
+    from mlxcel_dist.serve.openai_api import TokenPieces
 
     _, tok = _loaded(str(model_dir))
     pieces = TokenPieces(tok)
@@ -421,7 +427,7 @@ def check_logprobs(server, model_dir):
             assert "".join(ch["choices"][0]["logprobs"]["tokens"]) == ch["choices"][0]["text"]
     # the model's distribution, before temperature and filters (as mlx-lm, OpenAI): top_k 1 draws
     # the greedy tokens at any temperature, and their logprobs do not move
-    hot = server.json("/v1/completions", {**GREEDY, "temperature": 5.0, "top_k": 1, "seed": 3, "logprobs": 3})
+    hot = server.json("/v1/completions", {**GREEDY, "temperature": 2.0, "top_k": 1, "seed": 3, "logprobs": 3})
     assert hot["choices"][0]["logprobs"] == lp
     # off: null
     assert server.json("/v1/completions", GREEDY)["choices"][0]["logprobs"] is None
@@ -430,8 +436,7 @@ def check_logprobs(server, model_dir):
     r = server.json("/v1/chat/completions", {**PLAIN_CHAT, "logprobs": True, "top_logprobs": 2})
     c = r["choices"][0]
     content = c["logprobs"]["content"]
-    eos = c["finish_reason"] == "stop"  # EOS counts as a completion token but is not text
-    assert len(content) == r["usage"]["completion_tokens"] - eos > 0
+    assert len(content) == r["usage"]["completion_tokens"] > 0  # an EOS that ended it is neither text nor counted
     assert "".join(e["token"] for e in content) == c["message"]["content"]
     for e in content:
         assert bytes(e["bytes"]).decode() == e["token"]
@@ -499,10 +504,12 @@ def check_context(server):
         status, err = _post_json(server, path, body)
         assert status == 400, err
         e = err["error"]
+        where = "messages" if "chat" in path else "prompt"
         assert e["type"] == "invalid_request_error" and e["code"] == "context_length_exceeded", e
+        assert e["param"] == where, e
         m = re.fullmatch(
             rf"This model's maximum context length is {CONTEXT} tokens\. However, you requested (\d+) tokens "
-            rf"\((\d+) in the messages, {c} in the completion\)\. Please reduce the length of the messages or "
+            rf"\((\d+) in the {where}, {c} in the completion\)\. Please reduce the length of the {where} or "
             r"completion\.", e["message"])
         assert m, e["message"]
         assert int(m.group(1)) == int(m.group(2)) + c and (p is None or int(m.group(2)) == p)
@@ -518,7 +525,7 @@ def check_context(server):
 def check_plain_chat(server):
     """A checkpoint without a chat template: chat requests are rendered as
     mlx-lm's server renders them (its convert_chat), not refused."""
-    from mlxcel_dist.server import convert_chat
+    from mlxcel_dist.serve.openai_api import convert_chat
 
     for msgs in (PLAIN_CHAT["messages"],
                  [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"},
@@ -663,14 +670,14 @@ def test_default_sampling_flags(plain_server, expected):
 def test_chat_default_max_tokens_is_512(model_dir):
     """Without max_tokens a chat request may generate 512 tokens (mlx-lm's
     default), not --max-tokens-cap; completions keep OpenAI's 16."""
-    from mlxcel_dist.server import Service
+    from mlxcel_dist.serve.openai_api import ParseContext, parse
 
     _, tok = _loaded(str(model_dir))
-    svc = Service(None, tok, "m", vocab_size=512, context_length=100_000)
-    assert svc.parse({"messages": PLAIN_CHAT["messages"]}, chat=True)[0].max_tokens == 512
-    assert svc.parse({"prompt": PROMPT}, chat=False)[0].max_tokens == 16
-    svc.context_length = CONTEXT
-    req, _ = svc.parse({"messages": PLAIN_CHAT["messages"]}, chat=True)
+    ctx = ParseContext(tokenizer=tok, vocab_size=512, model_ids=("m",), context_length=100_000)
+    assert parse({"messages": PLAIN_CHAT["messages"]}, True, ctx).req.max_tokens == 512
+    assert parse({"prompt": PROMPT}, False, ctx).req.max_tokens == 16
+    ctx.context_length = CONTEXT
+    req = parse({"messages": PLAIN_CHAT["messages"]}, True, ctx).req
     assert req.max_tokens == CONTEXT - len(req.prompt_ids)
 
 
@@ -687,7 +694,7 @@ def test_bad_default_flags(flags, message):
 def test_long_lived_env_defaults(monkeypatch):
     """serve turns MLX CUDA's lifetime cache-miss fuse off and widens its graph
     cache, unless the user set them."""
-    from mlxcel_dist.server import long_lived_env
+    from mlxcel_dist.serve.lifecycle import long_lived_env
 
     monkeypatch.delenv("MLX_ENABLE_CACHE_THRASHING_CHECK", raising=False)
     monkeypatch.delenv("MLX_CUDA_GRAPH_CACHE_SIZE", raising=False)

@@ -23,6 +23,7 @@ from .scheduler import SHUTDOWN_MESSAGE, Done, Failed, Job, Scheduler, Text, Tok
 
 POLL_S = 0.25  # a waiting request checks that its client is still there this often
 BODY_TIMEOUT_S = 30.0  # the whole body must arrive within this
+DRAIN_TIMES = 16  # a body up to this many times the limit is read (and dropped) before the 413
 COMPLETIONS = ("/v1/completions", "/completions")
 CHAT = ("/v1/chat/completions", "/chat/completions")  # without /v1 too, as mlx-lm's server
 
@@ -50,21 +51,25 @@ def _client(request: Request) -> str:
 
 async def _read_body(request: Request, limit: int) -> bytes:
     length = request.headers.get("content-length")
-    if length is not None:
-        if not length.isdigit():
-            raise api.ApiError("bad Content-Length")
-        if int(length) > limit:
-            raise api.ApiError(f"request body of {int(length)} bytes is over the limit of {limit}", status=413)
+    if length is not None and not length.isdigit():
+        raise api.ApiError("bad Content-Length")
+    declared = None if length is None else int(length)
+    if declared is not None and declared > DRAIN_TIMES * limit:  # not worth reading: the connection closes
+        raise api.ApiError(f"request body of {declared} bytes is over the limit of {limit}", status=413)
     parts, n = [], 0
 
     async def read():
+        # A body somewhat over the limit is read to its end and dropped, so a
+        # client still sending gets the 413 rather than a reset connection.
         nonlocal n
         async for chunk in request.stream():
             n += len(chunk)
-            if n > limit:
-                raise api.ApiError(f"request body of more than {limit} bytes is over the limit of {limit}",
-                                   status=413)
-            parts.append(chunk)
+            if n <= limit:
+                parts.append(chunk)
+            elif n > DRAIN_TIMES * limit:
+                break
+        if n > limit:
+            raise api.ApiError(f"request body of {declared or n} bytes is over the limit of {limit}", status=413)
 
     try:
         await asyncio.wait_for(read(), BODY_TIMEOUT_S)

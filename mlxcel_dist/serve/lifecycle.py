@@ -229,7 +229,7 @@ def _serve(model, tok, group, opts, sock, config, engine, link, beats, guard) ->
     ctx = api.ParseContext(tokenizer=tok, vocab_size=model.args.vocab_size, model_ids=tuple(opts.served_names),
                            max_tokens_cap=opts.max_tokens_cap, context_length=api.context_limit(config),
                            defaults=opts.defaults or api.Defaults(), plain_chat=api.no_chat_template(tok),
-                           logprobs_ok=not one_row)
+                           logprobs_ok=not one_row, ignore_eos_ok=not one_row)
     health = Health(sched, beats, group.size())
     state = AppState(sched, ctx, api.TokenPieces(tok), health, opts.max_request_bytes, int(time.time()))
     _raise_fd_limit()

@@ -1,0 +1,646 @@
+"""The OpenAI wire format: request bodies in, response objects out.
+
+Pure functions, no I/O: the HTTP app reads a body with :func:`loads_limited`,
+turns it into a :class:`Parsed` with :func:`parse` (every refusal an
+:class:`ApiError` shaped as OpenAI's errors), and builds its answers with
+:func:`whole_response`, :func:`stream_chunk`, :func:`usage_chunk` and
+:func:`stream_error`. The pydantic models :class:`ChatCompletionRequest` and
+:class:`CompletionRequest` check the shapes and double as the OpenAPI schema;
+what depends on the served model (its vocabulary, context, cap, template)
+is checked here after them, against a :class:`ParseContext`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Annotated, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ..errors import UserError
+from ..sampling import SamplingParams
+from .wire import WIRE_LIMITS, GenRequest, check_wire
+
+DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
+DEFAULT_CHAT_TOKENS = 512  # mlx-lm's server default (--max-tokens 512)
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat's top_logprobs
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+# Errors ---------------------------------------------------------------------------
+class ApiError(Exception):
+    """One OpenAI-shaped error: HTTP status plus the `error` object's fields."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None, code=None, type: str | None = None):
+        super().__init__(message)
+        self.message, self.status, self.param = message, status, param
+        self.code = None if code is None else str(code)  # OpenAI's code is a string (clients match on it)
+        self.type = type or ("invalid_request_error" if status < 500 else "server_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def _show(v) -> str:
+    """A request value for a message: JSON, bounded. A huge int is described,
+    not printed (Python refuses int -> str past 4300 digits)."""
+    if isinstance(v, int) and not isinstance(v, bool) and v.bit_length() > 200:
+        return f"an integer of about {int(v.bit_length() * math.log10(2))} digits"
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    try:
+        s = json.dumps(v)
+    except (TypeError, ValueError, RecursionError):
+        return f"a {type(v).__name__}"
+    return s if len(s) <= 80 else s[:77] + "..."
+
+
+# JSON -------------------------------------------------------------------------------
+_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
+_NEST = np.zeros(256, np.int8)
+_NEST[[ord("["), ord("{")]], _NEST[[ord("]"), ord("}")]] = 1, -1
+
+
+def loads_limited(raw: bytes, max_depth: int = 64, max_number_chars: int = 64) -> object:
+    """json.loads that fails only with ApiError 400: bad UTF-8, nesting past
+    `max_depth` (json's C parser would hit RecursionError), number literals
+    past `max_number_chars` (int() refuses 4300 digits; no field needs 64),
+    NaN / Infinity (not JSON)."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ApiError(f"the request body is not valid UTF-8: byte 0x{raw[e.start]:02x} at offset {e.start} "
+                       f"({e.reason}); send JSON encoded as UTF-8") from None
+    b = np.frombuffer(_STRING.sub("", text).encode("utf-8", "replace"), np.uint8)  # brackets outside strings
+    depth = np.cumsum(_NEST[b], dtype=np.int64)
+    if depth.size and int(depth.max()) > max_depth:
+        raise ApiError(f"JSON nested deeper than {max_depth} levels")
+
+    def number(kind):
+        def parse(s: str):
+            if len(s) > max_number_chars:
+                raise ApiError(f"a JSON number of {len(s)} characters is over the limit of {max_number_chars}")
+            return kind(s)
+        return parse
+
+    def constant(s: str):
+        raise ApiError(f"{s} is not a JSON number (JSON has no NaN or Infinity)")
+
+    try:
+        return json.loads(text, parse_int=number(int), parse_float=number(float), parse_constant=constant)
+    except json.JSONDecodeError as e:
+        raise ApiError(f"malformed JSON: {e}") from None
+
+
+# Request models (shapes and the OpenAPI schema) -------------------------------------
+class _Strict(BaseModel):
+    # strict: "5" is not 5, true is not 1; extra: fields OpenAI accepts (user, metadata, ...) pass
+    model_config = ConfigDict(extra="allow", strict=True)
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal[ROLES]
+    content: str | list[TextPart] | None = None  # null: assistant messages only
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = None
+
+
+_Stop = Annotated[str, Field(min_length=1)]
+
+
+class _Common(_Strict):
+    model: str | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2, allow_inf_nan=False)
+    top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
+    top_k: int | None = Field(None, ge=0, le=WIRE_LIMITS["top_k"][1], description="0 = off (vLLM's extra field)")
+    min_p: float | None = Field(None, ge=0, le=1, allow_inf_nan=False, description="0 = off (vLLM's extra field)")
+    repetition_penalty: float | None = Field(None, gt=0, allow_inf_nan=False, description="1 = off")
+    seed: int | None = Field(None, ge=0, le=WIRE_LIMITS["seed"][1])
+    stop: _Stop | Annotated[list[_Stop], Field(max_length=16)] | None = None
+    top_logprobs: int | None = Field(None, ge=-1, le=MAX_TOP_LOGPROBS)
+    ignore_eos: bool | None = Field(None, description="vLLM's extra field: EOS is an ordinary token")
+
+
+class ChatCompletionRequest(_Common):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+
+
+class CompletionRequest(_Common):
+    prompt: (str | Annotated[list[str], Field(min_length=1, max_length=1)]
+             | Annotated[list[int], Field(min_length=1, fail_fast=True)])
+    logprobs: bool | int | None = Field(None, description="k: the k most likely tokens (true: the chat form)")
+
+
+STOP_MESSAGE = "'stop' must be a non-empty string or a list of at most 16 non-empty strings"
+# Fields whose errors read better as one sentence than as pydantic's per-branch errors.
+_SHAPES = {
+    True: {"stop": STOP_MESSAGE, "logprobs": "'logprobs' must be true or false (the number of alternatives "
+                                             "is 'top_logprobs')"},
+    False: {"stop": STOP_MESSAGE,
+            "prompt": "'prompt' must be a string, a list of one string, or a non-empty list of token ids",
+            "logprobs": f"'logprobs' must be an integer in [0, {MAX_TOP_LOGPROBS}], or true / false"},
+}
+_KINDS = {"int_type": "an integer", "float_type": "a number", "bool_type": "true or false",
+          "string_type": "a string", "model_type": "an object", "list_type": "a list"}
+_BOUNDS = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
+
+
+def _key(loc: tuple) -> tuple:
+    """The field an error belongs to: a top-level name, or (messages, i, name)."""
+    return loc[:3] if loc[0] == "messages" else loc[:1]
+
+
+def _message_error(key: tuple, group: list[dict]) -> str:
+    """The sentence for an error inside `messages`."""
+    e = group[0]
+    if len(key) == 1:
+        return "missing field 'messages'" if e["type"] == "missing" else "'messages' must be a non-empty list"
+    where = f"messages[{key[1]}]"
+    if len(key) == 2 or (key[2] == "role" and not isinstance(e["input"], str)):
+        return f"{where} must be an object with a string 'role'"
+    if key[2] == "role":
+        return f"{where}.role must be one of {', '.join(ROLES)}; got {_show(e['input'])}"
+    if key[2] == "content" and any(len(x["loc"]) > 4 for x in group):
+        return f"{where}.content: only text parts are supported"
+    if key[2] == "content":
+        return f"{where}.content must be a string or a list of text parts, got {_show(e['input'])}"
+    return f"{where}.{key[2]}: {e['msg']}"
+
+
+def _field_error(name: str, e: dict) -> str:
+    """The sentence for one error of a plain field (the style of the checks below)."""
+    kind, got = e["type"], _show(e.get("input"))
+    if kind == "missing":
+        return f"missing field '{name}'"
+    if kind in _KINDS:
+        return f"'{name}' must be {_KINDS[kind]}, got {got}"
+    if kind in _BOUNDS:
+        bound = next(iter(e["ctx"].values()))
+        bound = int(bound) if isinstance(bound, float) and bound.is_integer() else bound  # ge=0, not 0.0
+        return f"'{name}' must be {_BOUNDS[kind]} {_show(bound)}, got {got}"
+    if kind == "finite_number":
+        return f"'{name}' must be finite, got {got}"
+    return f"'{name}': {e['msg']}, got {got}"
+
+
+def _from_pydantic(err: ValidationError, chat: bool) -> ApiError:
+    """One ApiError (param: the top-level field) for a ValidationError's first field."""
+    errors = err.errors(include_url=False)
+    key = _key(errors[0]["loc"])
+    group = [e for e in errors if _key(e["loc"]) == key]
+    param = str(key[0])
+    for e in group:  # pydantic's own name for a lone surrogate; ours says where
+        if e["type"] == "string_unicode":
+            _text(e["input"], f"messages[{key[1]}].{key[2]}" if len(key) == 3 else f"'{param}'")
+    if param == "messages":
+        return ApiError(_message_error(key, group), param=param)
+    shape = _SHAPES[chat].get(param)
+    if shape and group[0]["type"] != "missing":
+        return ApiError(f"{shape}; got {_show(group[0]['input'])}", param=param)
+    name = ".".join(str(x) for x in group[0]["loc"])
+    return ApiError(_field_error(name, group[0]), param=param)
+
+
+# Request checks that need the served model ------------------------------------------
+@dataclass
+class Defaults:
+    """Server-wide defaults a request may override (serve's --temp ... flags)."""
+
+    temp: float = 1.0  # OpenAI's default (mlx-lm's server: 0)
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    max_tokens: int | None = None  # None: 512 for chat (mlx-lm's), 16 for completions (OpenAI's)
+
+
+@dataclass
+class ParseContext:
+    """What parsing needs to know about the served model."""
+
+    tokenizer: object  # tokenizer.Tokenizer
+    vocab_size: int
+    model_ids: tuple  # the served id first, then aliases (vLLM's --served-model-name)
+    max_tokens_cap: int = 4096
+    context_length: int | None = None
+    defaults: Defaults = field(default_factory=Defaults)
+    plain_chat: bool = False  # no chat template: mlx-lm's convert_chat rendering
+    logprobs_ok: bool = True  # False for models with their own generation loop
+    ignore_eos_ok: bool = True  # False for those too: their loop ends at EOS itself
+
+
+@dataclass
+class Parsed:
+    req: GenRequest
+    stream: bool
+    include_usage: bool  # stream_options.include_usage
+    model: str  # the id the responses echo
+    chat: bool
+
+
+def no_chat_template(tokenizer) -> bool:
+    """True when the checkpoint has no chat template (ParseContext.plain_chat)."""
+    try:
+        tokenizer.chat_template()
+    except UserError as e:
+        return "no chat template" in str(e)
+    return False
+
+
+def context_limit(config: dict | None) -> int | None:
+    """The model's context length: config.json's max_position_embeddings
+    (a multimodal config's text_config); None when it gives none."""
+    config = config or {}
+    v = config.get("max_position_embeddings") or (config.get("text_config") or {}).get("max_position_embeddings")
+    return int(v) if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
+
+
+def context_error(limit: int, prompt: int, completion: int, where: str = "messages") -> ApiError:
+    """vLLM's wording, OpenAI's code; `where`: "messages" (chat) or "prompt"."""
+    return ApiError(
+        f"This model's maximum context length is {limit} tokens. However, you requested {prompt + completion} "
+        f"tokens ({prompt} in the {where}, {completion} in the completion). Please reduce the length of the "
+        f"{where} or completion.", param=where, code="context_length_exceeded")
+
+
+def _text(s: str, where: str) -> str:
+    """`s` if it is text the tokenizer can take (JSON's \\ud800-style escapes
+    can carry lone UTF-16 surrogates, which are not Unicode text)."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ApiError(f"{where} is not valid Unicode text: a lone UTF-16 surrogate "
+                       f"U+{ord(s[e.start]):04X} at character {e.start}",
+                       param=where.strip("'").split("[")[0]) from None
+    return s
+
+
+# OpenAI request fields this server does not implement: a request that asks
+# for one (any value but the neutral ones) gets HTTP 400 naming it, never a
+# silently different answer. Fields without effect on the output (user,
+# metadata, store, service_tier, parallel_tool_calls, ...) are accepted.
+def _neutral(*values):
+    return lambda v: v is None or any(v == n and type(v) is type(n) for n in values)
+
+
+UNSUPPORTED = {
+    "n": (_neutral(1), "one choice per request ('n': 1)"),
+    "best_of": (_neutral(1), "one candidate per request ('best_of': 1)"),
+    "echo": (_neutral(False), "the prompt is not echoed"),
+    "suffix": (_neutral(""), "no insertion (suffix) mode"),
+    "tools": (_neutral([]), "no tool calling"),
+    "tool_choice": (_neutral("none", "auto"), "no tool calling"),
+    "functions": (_neutral([]), "no function calling"),
+    "function_call": (_neutral("none", "auto"), "no function calling"),
+    "logit_bias": (_neutral({}), "no logit bias"),
+    "presence_penalty": (_neutral(0, 0.0), "no presence penalty (use 'repetition_penalty')"),
+    "frequency_penalty": (_neutral(0, 0.0), "no frequency penalty (use 'repetition_penalty')"),
+    "response_format": (lambda v: v is None or v == {"type": "text"}, "text output only (no JSON mode or schema)"),
+    "modalities": (lambda v: v is None or v == ["text"], "text output only"),
+    "audio": (_neutral(), "text output only"),
+    "prediction": (_neutral(), "no predicted outputs"),
+    "web_search_options": (_neutral(), "no web search"),
+    "reasoning_effort": (_neutral(), "no reasoning-effort control"),
+}
+
+
+def _check_unsupported(body: dict) -> None:
+    for name, (ok, why) in UNSUPPORTED.items():
+        if name in body and not ok(body[name]):
+            raise ApiError(f"'{name}' is not supported by this server: {why}; got {_show(body[name])}",
+                           param=name, code="unsupported_parameter")
+
+
+def _logprobs(m, chat: bool) -> int | None:
+    """None (off) or k: OpenAI's chat form (`logprobs: true`, `top_logprobs:
+    k`), its completions form (`logprobs: k`); completions also take the
+    chat form, as mlx-lm's server does (whose "none" is top_logprobs -1)."""
+    lp, top = m.logprobs, m.top_logprobs
+    if lp is None or lp is False:
+        if top not in (None, 0, -1):
+            raise ApiError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+        return None
+    if lp is True:
+        return 0 if top in (None, -1) else top
+    if top is not None:
+        raise ApiError("give 'logprobs': k, or 'logprobs': true with 'top_logprobs': k, not both numbers",
+                       param="top_logprobs")
+    if not 0 <= lp <= MAX_TOP_LOGPROBS:
+        raise ApiError(f"'logprobs' must be in [0, {MAX_TOP_LOGPROBS}], got {_show(lp)}", param="logprobs")
+    return lp
+
+
+def _encode(ctx: ParseContext, text: str, where: str) -> list[int]:
+    _text(text, where)
+    try:
+        return ctx.tokenizer.encode(text)
+    except Exception as e:  # noqa: BLE001 - a tokenizer failure is the request's problem
+        raise ApiError(f"the tokenizer cannot take {where}: {type(e).__name__}: {e}",
+                       param=where.strip("'")) from None
+
+
+def _completion_ids(m: CompletionRequest, ctx: ParseContext) -> list[int]:
+    p = m.prompt[0] if isinstance(m.prompt, list) and isinstance(m.prompt[0], str) else m.prompt
+    if isinstance(p, str):
+        ids = _encode(ctx, p, "'prompt'")
+    else:
+        bad = [t for t in p if not 0 <= t < ctx.vocab_size]
+        if bad:
+            raise ApiError(f"token id {_show(bad[0])} in 'prompt' is outside the vocabulary [0, {ctx.vocab_size})",
+                           param="prompt")
+        ids = list(p)
+    if not ids:
+        raise ApiError("'prompt' is empty and the tokenizer adds no BOS token", param="prompt")
+    return ids
+
+
+def _chat_messages(m: ChatCompletionRequest) -> list[dict]:
+    """[{role, content}] with text parts joined; content null only for assistant."""
+    out = []
+    for i, msg in enumerate(m.messages):
+        c = msg.content
+        if c is None and msg.role != "assistant":
+            raise ApiError(f"messages[{i}].content must be a string or a list of text parts (null only for "
+                           "an assistant message)", param="messages")
+        c = "".join(part.text for part in c) if isinstance(c, list) else c or ""
+        out.append({"role": msg.role, "content": _text(c, f"messages[{i}].content")})
+    return out
+
+
+def _chat_ids(m: ChatCompletionRequest, ctx: ParseContext) -> list[int]:
+    out = _chat_messages(m)
+    if ctx.plain_chat:
+        rm = (m.model_extra or {}).get("role_mapping")  # mlx-lm's extra field
+        if rm is not None and not (isinstance(rm, dict) and all(isinstance(v, str) for v in rm.values())):
+            raise ApiError("'role_mapping' must be an object of strings", param="role_mapping")
+        ids = _encode(ctx, convert_chat(out, rm), "'messages'")
+    else:
+        try:
+            ids = ctx.tokenizer.chat_ids(out)
+        except UserError as e:
+            raise ApiError(str(e), param="messages") from None
+        except Exception as e:  # noqa: BLE001 - a tokenizer failure is the request's problem
+            raise ApiError(f"the tokenizer cannot take the rendered messages: {type(e).__name__}: {e}",
+                           param="messages") from None
+    if not ids:
+        raise ApiError("the rendered conversation is empty", param="messages")
+    return ids
+
+
+def _max_tokens(m, chat: bool, n_prompt: int, ctx: ParseContext) -> int:
+    """The client's number (<= the cap) or the default, then the context check
+    (a default, not the client's number, shrinks to what fits)."""
+    name = "max_completion_tokens" if chat and m.max_completion_tokens is not None else "max_tokens"
+    asked = getattr(m, name)
+    cap = ctx.max_tokens_cap
+    if asked is not None and asked > cap:
+        raise ApiError(f"'{name}' must be <= {cap}, got {_show(asked)}", param=name)
+    default = ctx.defaults.max_tokens
+    if default is None:
+        default = DEFAULT_CHAT_TOKENS if chat else DEFAULT_COMPLETION_TOKENS
+    n = min(default, cap) if asked is None else asked
+    limit = ctx.context_length
+    if limit is not None:
+        if asked is None and n_prompt < limit:
+            n = min(n, limit - n_prompt)
+        if n_prompt + n > limit:
+            raise context_error(limit, n_prompt, n, "messages" if chat else "prompt")
+    return n
+
+
+def _sampling(m, d: Defaults) -> SamplingParams:
+    def pick(v, default):
+        return default if v is None else v
+
+    seed = m.seed if m.seed is not None else int.from_bytes(uuid.uuid4().bytes[:8], "little")
+    s = SamplingParams(temp=float(pick(m.temperature, d.temp)), top_p=float(pick(m.top_p, d.top_p)),
+                       top_k=int(pick(m.top_k, d.top_k)), min_p=float(pick(m.min_p, d.min_p)),
+                       repetition_penalty=float(pick(m.repetition_penalty, 1.0)), seed=seed)
+    try:
+        return s.validate()
+    except UserError as e:
+        raise ApiError(str(e)) from None
+
+
+def _model(asked: str | None, ctx: ParseContext) -> str:
+    """The id to echo: the client's name when it is one we serve (404 otherwise, as OpenAI)."""
+    if asked is None:
+        return ctx.model_ids[0]
+    if asked not in ctx.model_ids:
+        raise ApiError(f"The model `{asked}` does not exist.", status=404, param="model", code="model_not_found")
+    return asked
+
+
+def _stream(m) -> tuple[bool, bool]:
+    """(stream, include_usage); stream_options only with stream true (OpenAI's 400)."""
+    stream = bool(m.stream)
+    if m.stream_options is not None and not stream:
+        raise ApiError("The 'stream_options' parameter is only allowed when 'stream' is enabled.",
+                       param="stream_options")
+    return stream, bool(stream and m.stream_options and m.stream_options.include_usage)
+
+
+def parse(body: object, chat: bool, ctx: ParseContext) -> Parsed:
+    """A request body (chat or completions) -> Parsed; ApiError on anything refused."""
+    if not isinstance(body, dict):
+        raise ApiError("the request body must be a JSON object")
+    _check_unsupported(body)
+    try:
+        m = (ChatCompletionRequest if chat else CompletionRequest).model_validate(body)
+    except ValidationError as e:
+        raise _from_pydantic(e, chat) from None
+    model = _model(m.model, ctx)
+    stream, include_usage = _stream(m)
+    logprobs = _logprobs(m, chat)
+    if logprobs is not None and not ctx.logprobs_ok:
+        raise ApiError("'logprobs' is not supported for this model (it runs its own generation loop)",
+                       param="logprobs", code="unsupported_parameter")
+    if m.ignore_eos and not ctx.ignore_eos_ok:
+        raise ApiError("'ignore_eos' is not supported for this model (its own generation loop ends at EOS)",
+                       param="ignore_eos", code="unsupported_parameter")
+    ids = _chat_ids(m, ctx) if chat else _completion_ids(m, ctx)
+    stops = [_text(s, "'stop'") for s in ([m.stop] if isinstance(m.stop, str) else m.stop or [])]
+    req = GenRequest(ids, _max_tokens(m, chat, len(ids), ctx), _sampling(m, ctx.defaults), stops, logprobs,
+                     bool(m.ignore_eos))
+    try:
+        check_wire(req)  # defence in depth: the checks above should already hold every wire limit
+    except ValueError as e:
+        name = re.match(r"'(\w+)'", str(e))
+        raise ApiError(str(e), param=name and name.group(1).replace("prompt_tokens", "prompt")) from None
+    return Parsed(req, stream, include_usage, model, chat)
+
+
+# Chat rendering without a template -------------------------------------------------
+# mlx-lm's server (convert_chat) renders a conversation this way when the
+# checkpoint has no chat template; so does this server.
+DEFAULT_ROLE_MAPPING = {
+    "system_prompt": ("A chat between a curious user and an artificial intelligence assistant. "
+                      "The assistant follows the given rules no matter what."),
+    "system": "ASSISTANT's RULE: ",
+    "user": "USER: ",
+    "assistant": "ASSISTANT: ",
+    "stop": "\n",
+}
+
+
+def convert_chat(messages: list[dict], role_mapping: dict | None = None) -> str:
+    """mlx-lm's plain rendering: `<role prefix><content><stop>` per message,
+    then the assistant prefix, trailing whitespace stripped."""
+    role_mapping = role_mapping or DEFAULT_ROLE_MAPPING
+    prompt = ""
+    for m in messages:
+        prompt += f"{role_mapping.get(m['role'], '')}{m.get('content', '')}{role_mapping.get('stop', '')}"
+    prompt += role_mapping.get("assistant", "")
+    return prompt.rstrip()
+
+
+# Responses --------------------------------------------------------------------------
+def _bytes_to_unicode() -> dict[str, int]:
+    """GPT-2's byte <-> printable character table (byte-level BPE vocabularies), inverted."""
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+class TokenPieces:
+    """A token id's text and UTF-8 bytes, as OpenAI's logprobs show them (a
+    token that is part of a character: "bytes:\\xe2\\x80")."""
+
+    BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+    def __init__(self, tokenizer):
+        self.raw = getattr(tokenizer, "_tok", None)  # the `tokenizers` object behind tokenizer.Tokenizer
+        self.tok = tokenizer
+        self.byte_level = self.raw is not None and "ByteLevel" in repr(self.raw.decoder)
+        self.byte_map = _bytes_to_unicode() if self.byte_level else {}
+        self.cache: dict[int, tuple[str, list[int]]] = {}
+
+    def _bytes(self, i: int) -> bytes:
+        if self.raw is None:
+            return self.tok.decode([i]).encode("utf-8")
+        s = self.raw.id_to_token(i)
+        if s is None:
+            return b""
+        if m := self.BYTE_TOKEN.fullmatch(s):  # SentencePiece byte fallback
+            return bytes([int(m.group(1), 16)])
+        if self.byte_level and all(c in self.byte_map for c in s):
+            return bytes(self.byte_map[c] for c in s)
+        return s.replace("\u2581", " ").encode("utf-8")  # SentencePiece's word marker
+
+    def __call__(self, i: int) -> tuple[str, list[int]]:
+        hit = self.cache.get(i)
+        if hit is None:
+            b = self._bytes(i)
+            try:
+                text = b.decode("utf-8")
+            except UnicodeDecodeError:
+                text = "bytes:" + "".join(f"\\x{c:02x}" for c in b)
+            hit = self.cache[i] = (text, list(b))
+        return hit
+
+
+def _lp(v: float) -> float:
+    return v if math.isfinite(v) else -9999.0  # OpenAI's value for an impossible token; JSON has no -inf
+
+
+def chat_logprobs(pieces: TokenPieces, entries) -> dict:
+    """OpenAI's chat `logprobs` object for (id, (logprob, top)) entries."""
+    def one(i, v):
+        text, b = pieces(i)
+        return {"token": text, "logprob": _lp(v), "bytes": b}
+
+    return {"content": [{**one(t, lp), "top_logprobs": [one(i, v) for i, v in top]} for t, (lp, top) in entries]}
+
+
+def completion_logprobs(pieces: TokenPieces, entries, offset: int) -> tuple[dict, int]:
+    """OpenAI's (legacy) completions `logprobs` object; `offset`: the text
+    offset of the first token, returned advanced past the last."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for t, (lp, top) in entries:
+        text = pieces(t)[0]
+        out["tokens"].append(text)
+        out["token_logprobs"].append(_lp(lp))
+        out["top_logprobs"].append({pieces(i)[0]: _lp(v) for i, v in top})
+        out["text_offset"].append(offset)
+        offset += len(text)
+    return out, offset
+
+
+FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    """OpenAI's usage object. `completion_tokens` counts what the client was
+    shown: the scheduler passes it without the EOS token."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _head(p: Parsed, rid: str, created: int, chunk: bool) -> dict:
+    obj = ("chat.completion.chunk" if chunk else "chat.completion") if p.chat else "text_completion"
+    return {"id": rid, "object": obj, "created": created, "model": p.model}
+
+
+def whole_response(p: Parsed, rid: str, created: int, text: str, finish_reason: str, prompt_tokens: int,
+                   completion_tokens: int, entries, pieces: TokenPieces) -> dict:
+    """The non-streamed answer: chat.completion or text_completion.
+    `finish_reason`: the engine's (eos / stop / length); `completion_tokens`
+    as :func:`usage` says; `entries`: (id, (logprob, top)) per shown token."""
+    finish = FINISH.get(finish_reason, "stop")
+    want = p.req.logprobs is not None
+    if p.chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                  "logprobs": chat_logprobs(pieces, entries) if want else None, "finish_reason": finish}
+    else:
+        choice = {"index": 0, "text": text,
+                  "logprobs": completion_logprobs(pieces, entries, 0)[0] if want else None, "finish_reason": finish}
+    return {**_head(p, rid, created, False), "choices": [choice], "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def stream_chunk(p: Parsed, rid: str, created: int, delta_or_text, finish: str | None = None,
+                 logprobs: dict | None = None) -> dict:
+    """One SSE chunk: chat's `delta` (a dict) or completions' `text`; with
+    include_usage each carries `"usage": null`, as OpenAI's do."""
+    choice = {"index": 0, "delta" if p.chat else "text": delta_or_text, "logprobs": logprobs,
+              "finish_reason": None if finish is None else FINISH.get(finish, "stop")}
+    out = {**_head(p, rid, created, True), "choices": [choice]}
+    if p.include_usage:
+        out["usage"] = None
+    return out
+
+
+def usage_chunk(p: Parsed, rid: str, created: int, prompt_tokens: int, completion_tokens: int) -> dict:
+    """OpenAI's last chunk with include_usage (after the finish chunk): no choices, the usage."""
+    return {**_head(p, rid, created, True), "choices": [], "usage": usage(prompt_tokens, completion_tokens)}
+
+
+_STATUS_CODES = {400: "invalid_request", 404: "not_found", 429: "rate_limit_exceeded", 500: "internal_error",
+                 503: "service_unavailable", 504: "timeout"}
+
+
+def stream_error(message: str, status: int) -> dict:
+    """The error event of a stream already answered 200: code a string, never the status int."""
+    code = _STATUS_CODES.get(status, "internal_error" if status >= 500 else "invalid_request")
+    return ApiError(message, status, code=code).body()
