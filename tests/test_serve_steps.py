@@ -1,0 +1,370 @@
+"""The scheduler and the rank step protocol in process, against a fake
+engine: admission order and limits, cancellation, a failing request
+isolated, shutdown, events held until the agreement verdict, and every rank
+(rank 0 included) making the very same engine calls."""
+
+import queue
+import threading
+
+import pytest
+
+from mlxcel_dist.engine import RankAgreement
+from mlxcel_dist.loader import default_model_dir, read_config
+from mlxcel_dist.sampling import SamplingParams
+from mlxcel_dist.serve import wire
+from mlxcel_dist.serve.protocol import OneRowEngine, advance, apply_step, follow
+from mlxcel_dist.serve.scheduler import Done, Failed, Job, Scheduler, Text, Token
+from mlxcel_dist.serve.wire import KIND_SHUTDOWN, KIND_STEP, GenRequest
+from mlxcel_dist.tokenizer import Tokenizer
+
+POISON = 7  # a prompt holding this id makes the fake engine's add_many fail
+
+
+@pytest.fixture(scope="module")
+def tok():
+    d = default_model_dir()
+    return Tokenizer(d, read_config(d))
+
+
+class FakeEngine:
+    """BatchEngine's calls: each row's ids are `script[n]` of its prompt's
+    first id's script (cycled), logged in `calls`."""
+
+    def __init__(self, scripts=None):
+        self.rows = {}
+        self.calls = []
+        self.want = {}
+        self.logprobs = {}
+        self.scripts = scripts or {}
+
+    def __contains__(self, rid):
+        return rid in self.rows
+
+    def add_many(self, items):
+        self.calls.append(("add_many", tuple((rid, tuple(p), mt) for rid, p, _, mt in items)))
+        for rid, prompt, _, _ in items:
+            if POISON in prompt:
+                raise ValueError("poisoned prompt")
+        for rid, prompt, _, _ in items:
+            self.rows[rid] = [self.scripts.get(prompt[0], [prompt[0]]), 0]
+
+    def remove(self, rid):
+        self.calls.append(("remove", rid))
+        self.rows.pop(rid)
+        self.want.pop(rid, None)
+
+    def step(self):
+        self.calls.append(("step", tuple(sorted(self.rows))))
+        out = {}
+        for rid, r in self.rows.items():
+            script, n = r
+            out[rid] = script[n % len(script)]
+            r[1] += 1
+        self.logprobs = {rid: (-0.5, [(out[rid], -0.5)]) for rid in self.want if rid in out}
+        return out
+
+
+class Guard:
+    count = checksum = last = 0
+
+    def _record(self, tok):
+        self.count += 1
+
+    def _verdict(self, rows):
+        pass
+
+
+class Single:
+    """A Link for one rank: the step crosses the wire encoding anyway."""
+
+    class group:
+        is_root = True
+
+    def sync(self, guard, step=None):
+        return wire.decode_step(wire.encode_step(step))
+
+
+def req(prompt, max_tokens=4, **kw):
+    return GenRequest(list(prompt), max_tokens, SamplingParams(temp=0.0), **kw)
+
+
+def job(r):
+    got = []
+    return Job(r, got.append), got
+
+
+def run_once(sched, engine, link=None):
+    step, result = advance(engine, link or Single(), Guard(), sched.plan(), keep_logprobs=True,
+                           agreed=sched.deliver)
+    sched.absorb(step, result)
+    return step
+
+
+def drain(sched, engine, link=None):
+    """Steps until every job is answered (plan() blocks once nothing is left)."""
+    while sched.open or sched.outbox:
+        run_once(sched, engine, link)
+
+
+def words(tok, text):
+    return tok.encode(text)[1:] if tok.bos_id is not None else tok.encode(text)
+
+
+def test_admission_order_and_limits(tok):
+    sched = Scheduler(tok, decode_concurrency=2, prompt_concurrency=1)
+    eng = FakeEngine()
+    jobs = [job(req([10 + i], max_tokens=3)) for i in range(4)]
+    for j, _ in jobs:
+        assert sched.submit(j)
+    s1 = run_once(sched, eng)
+    assert [r.prompt_ids for _, r in s1.admissions] == [[10]]  # one prompt per step (--prompt-concurrency 1)
+    s2 = run_once(sched, eng)
+    assert [r.prompt_ids for _, r in s2.admissions] == [[11]]
+    s3 = run_once(sched, eng)  # both rows run; job 0 reaches max_tokens 3 here
+    assert s3.admissions == []  # two rows: --decode-concurrency 2 is full
+    s4 = run_once(sched, eng)
+    assert [r.prompt_ids for _, r in s4.admissions] == [[12]] and len(s4.removals) == 1  # FIFO, into the freed row
+    drain(sched, eng)  # the last events go out after one more verdict
+    for j, got in jobs:
+        assert isinstance(got[-1], Done) and got[-1].finish_reason == "length" and got[-1].completion_tokens == 3
+    assert not eng.rows
+
+
+def test_text_eos_stop_and_logprobs(tok):
+    eos = tok.eos_ids[0]
+    ids = words(tok, " The sea is calm")
+    eng = FakeEngine({1000: ids + [eos]})
+    sched = Scheduler(tok)
+    plain, got_plain = job(req([1000], max_tokens=50, logprobs=1))
+    stopped, got_stop = job(req([1000], max_tokens=50, stop=["is"]))
+    past, got_past = job(req([1000], max_tokens=len(ids) + 3, ignore_eos=True))
+    for j in (plain, stopped, past):
+        sched.submit(j)
+    drain(sched, eng)
+    text = "".join(e.text for e in got_plain if isinstance(e, Text))
+    assert text == tok.decode(ids)
+    assert got_plain[-1] == Done("eos", 1, len(ids))  # the EOS is not counted, nor a Token event
+    assert [e.id for e in got_plain if isinstance(e, Token)] == ids
+    assert "".join(e.text for e in got_stop if isinstance(e, Text)) == " The sea "
+    assert got_stop[-1].finish_reason == "stop" and got_stop[-1].stop == "is"
+    assert got_past[-1] == Done("length", 1, len(ids) + 3)  # ignore_eos: EOS is an ordinary id
+    assert not eng.rows
+
+
+def test_events_wait_for_the_verdict(tok):
+    """A step's events are sent at the next sync, after its agreement check."""
+    sched = Scheduler(tok)
+    eng = FakeEngine({1000: words(tok, " one two three")})
+    j, got = job(req([1000], max_tokens=1))
+    sched.submit(j)
+    run_once(sched, eng)
+    assert got == []  # the id is read, but not yet agreed on
+    run_once(sched, eng)
+    assert isinstance(got[-1], Done)
+
+
+def test_cancellation_frees_the_row(tok, capfd):
+    sched = Scheduler(tok)
+    eng = FakeEngine()
+    a, got_a = job(req([20], max_tokens=100))
+    b, got_b = job(req([21], max_tokens=3))
+    sched.submit(a)
+    sched.submit(b)
+    run_once(sched, eng)
+    run_once(sched, eng)
+    sched.cancel(a)
+    step = run_once(sched, eng)
+    assert len(step.removals) == 1 and len(eng.rows) == 1
+    assert "client gone: row freed after 2 of 100 tokens" in capfd.readouterr().err
+    drain(sched, eng)
+    assert got_b[-1].finish_reason == "length"
+    # a job cancelled while queued never takes a row
+    c, _ = job(req([22]))
+    sched.submit(c)
+    sched.cancel(c)
+    step = run_once(sched, eng)
+    assert step.admissions == [] and not eng.rows
+    assert "request dropped before it took a row" in capfd.readouterr().err
+
+
+def test_failing_admission_ends_that_request_alone(tok):
+    sched = Scheduler(tok, prompt_concurrency=8)
+    eng = FakeEngine()
+    good, got_good = job(req([30], max_tokens=2))
+    bad, got_bad = job(req([31, POISON], max_tokens=2))
+    other, got_other = job(req([32], max_tokens=2))
+    for j in (good, bad, other):
+        sched.submit(j)
+    drain(sched, eng)
+    assert isinstance(got_bad[-1], Failed) and got_bad[-1].status == 500 and "poisoned" in got_bad[-1].message
+    assert got_good[-1].finish_reason == "length" and got_other[-1].finish_reason == "length"
+    # tried together, then one by one: the two good ones got their rows
+    assert [c[0] for c in eng.calls[:4]] == ["add_many"] * 4
+
+
+def test_failing_row_ends_that_request_alone(tok, monkeypatch):
+    sched = Scheduler(tok)
+    eng = FakeEngine()
+    good, got_good = job(req([40], max_tokens=3))
+    bad, got_bad = job(req([41], max_tokens=3))
+    sched.submit(good)
+    sched.submit(bad)
+    run_once(sched, eng)
+    row = next(r for r in sched.rows.values() if r.job is bad)
+
+    def broken(_):
+        raise RuntimeError("detokeniser broke")
+
+    monkeypatch.setattr(row.decoder, "add", broken)
+    drain(sched, eng)
+    assert got_bad[-1] == Failed("generation failed: RuntimeError: detokeniser broke", 500)
+    assert got_good[-1].finish_reason == "length"
+    assert not eng.rows
+
+
+def test_shutdown_answers_every_open_request(tok):
+    sched = Scheduler(tok, decode_concurrency=1)
+    eng = FakeEngine()
+    running, got_r = job(req([50], max_tokens=100))
+    queued, got_q = job(req([51], max_tokens=100))
+    sched.submit(running)
+    sched.submit(queued)
+    run_once(sched, eng)
+    sched.stop()
+    assert not sched.submit(job(req([52]))[0])  # refused once stopping
+    step = run_once(sched, eng)
+    assert step.kind == KIND_SHUTDOWN
+    sched.deliver()
+    assert got_r[-1] == Failed("the server is shutting down", 503)
+    assert got_q[-1] == Failed("the server is shutting down", 503)
+
+
+class Pair:
+    """A two-rank link in memory: rank 0's encoded step reaches the follower."""
+
+    def __init__(self):
+        self.q = queue.Queue()
+
+    def end(self, rank):
+        pair = self
+
+        class End:
+            class group:
+                is_root = rank == 0
+
+            def sync(self, guard, step=None):
+                if rank == 0:
+                    msg = wire.encode_step(step)
+                    pair.q.put(msg)
+                else:
+                    msg = pair.q.get(timeout=10)
+                return wire.decode_step(msg)
+
+        return End()
+
+
+def test_every_rank_makes_the_same_engine_calls(tok):
+    """Rank 0 (scheduler + advance) and a follower (follow = advance in a
+    loop) over one link: the same engine calls in the same order, with a
+    cancellation, a failing admission and shutdown among them."""
+    pair = Pair()
+    scripts = {60: words(tok, " a b c d e f g h")}
+    eng0, eng1 = FakeEngine(scripts), FakeEngine(scripts)
+    t = threading.Thread(target=follow, args=(eng1, pair.end(1), Guard()))
+    t.start()
+    sched = Scheduler(tok, decode_concurrency=3, prompt_concurrency=2)
+    link = pair.end(0)
+    jobs = [job(req([60 + (i % 2), *([POISON] if i == 3 else [])], max_tokens=3 + i)) for i in range(6)]
+    for i, (j, _) in enumerate(jobs):
+        sched.submit(j)
+        run_once(sched, eng0, link)
+        if i == 2:
+            sched.cancel(jobs[1][0])
+    drain(sched, eng0, link)
+    sched.stop()
+    assert run_once(sched, eng0, link).kind == KIND_SHUTDOWN
+    t.join(10)
+    assert not t.is_alive()
+    assert eng0.calls == eng1.calls and len(eng0.calls) > 10
+    assert isinstance(jobs[3][1][-1], Failed)
+    assert sum(isinstance(got[-1], Done) for _, got in jobs) == 4  # one cancelled, one failed
+
+
+def test_a_step_crosses_the_wire_bit_exact():
+    """Rank 0 applies the decoded step too, so every rank samples with the same bits."""
+    s = wire.Step(KIND_STEP, [3], [(5, GenRequest([1, 2], 9, SamplingParams(temp=0.1 + 0.2, top_p=0.3, seed=2**64 - 1),
+                                                  ["x", "é"], 2, True))])
+    got = wire.decode_step(wire.encode_step(s))
+    assert got == s and got.admissions[0][1].sampling.temp == 0.1 + 0.2
+
+
+@pytest.mark.parametrize("field,value", [("max_tokens", 2**31), ("top_k", 2**31), ("seed", 2**64),
+                                         ("repetition_context_size", -1)])
+def test_the_wire_refuses_what_it_cannot_hold(field, value):
+    import dataclasses
+
+    r = req([1, 2])
+    if field == "max_tokens":
+        r.max_tokens = value
+    else:
+        r.sampling = dataclasses.replace(r.sampling, **{field: value})
+    with pytest.raises(ValueError, match=field):
+        wire.encode_request(r)
+
+
+class LoopModel:
+    """A model with its own generation loop: yields `ids`, then stops (as at EOS)."""
+
+    class args:
+        vocab_size = 512
+        model_type = "fake"
+
+    def __init__(self, ids):
+        self.ids = ids
+        self.closed = 0
+
+    def generate_ids(self, prompt, max_tokens, sampling, eos_ids, group):
+        try:
+            yield from self.ids[:max_tokens]
+        finally:
+            self.closed += 1
+
+
+def test_one_row_engine_serves_a_model_with_its_own_loop(tok):
+    from mlxcel_dist.collectives import SINGLE
+
+    ids = words(tok, " The sea")
+    model = LoopModel(ids)
+    eng = OneRowEngine(model, SINGLE, tok.eos_ids)
+    sched = Scheduler(tok, decode_concurrency=1, prompt_concurrency=1)
+    a, got_a = job(req([5, 6], max_tokens=50))
+    b, got_b = job(req([5, 6], max_tokens=1))
+    sched.submit(a)
+    sched.submit(b)
+    drain(sched, eng)
+    assert "".join(e.text for e in got_a if isinstance(e, Text)) == tok.decode(ids)
+    assert got_a[-1] == Done("eos", 2, len(ids))  # the loop's end reads as its EOS
+    assert got_b[-1] == Done("length", 2, 1)
+    assert model.closed == 2  # each generation left its loop (removed at its end)
+
+
+def test_apply_step_records_every_id_for_the_agreement_check():
+    g = RankAgreement(every=0)
+    eng = FakeEngine({70: [5, 6, 7]})
+    apply_step(eng, wire.Step(KIND_STEP, [], [(0, req([70]))]), g)
+    apply_step(eng, wire.Step(), g)
+    assert g.count == 2 and g.last == 6
+    assert apply_step(eng, wire.Step(wire.KIND_IDLE, idle_ms=5), g) is None
+
+
+def test_logprobs_only_where_asked(tok):
+    sched = Scheduler(tok)
+    eng = FakeEngine()
+    a, got_a = job(req([80], max_tokens=2, logprobs=3))
+    b, got_b = job(req([81], max_tokens=2))
+    sched.submit(a)
+    sched.submit(b)
+    drain(sched, eng)
+    assert [e.logprob for e in got_a if isinstance(e, Token)] == [(-0.5, [(80, -0.5)])] * 2
+    assert not any(isinstance(e, Token) for e in got_b)
+    assert eng.want == {}  # asked per row, dropped with the row
