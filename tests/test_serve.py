@@ -10,8 +10,6 @@ import re
 import shutil
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -22,11 +20,10 @@ import numpy as np
 import pytest
 
 from mlxcel_dist.launcher import find_mpirun
-from testproc import alive, descendants, run_cmd
+from serveproc import CLI, ROOT, Server, rank_pid
+from testproc import descendants, run_cmd
 
-ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL = ROOT / "models" / "gemma3-tiny"
-CLI = [sys.executable, "-m", "mlxcel_dist.cli"]
 # The embedded model has no chat template; the copy the servers use gets one.
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m['role'] }}\n{{ m['content'] }}<end_of_turn>\n"
@@ -34,7 +31,6 @@ CHAT_TEMPLATE = (
 )
 PROMPT = "The sea"
 N = 20
-READY_S = 90
 
 
 @pytest.fixture(scope="module")
@@ -43,91 +39,6 @@ def model_dir(tmp_path_factory):
     shutil.copytree(DEFAULT_MODEL, d)
     (d / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     return d
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    def __init__(self, model_dir, np_, tmp, extra=(), backend="mpi", env=None):
-        self.port = _free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        self.log = open(tmp / f"serve-np{np_}.log", "w+")
-        args = [*CLI, "serve", str(model_dir), "--port", str(self.port), "--np", str(np_), *extra]
-        if np_ > 1:
-            args += ["--backend", backend]
-        self.proc = subprocess.Popen(args, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True, env=None if env is None else {**os.environ, **env})
-        try:
-            self._wait_ready()
-        except BaseException:
-            self.stop()
-            raise
-
-    def output(self) -> str:
-        self.log.flush()
-        self.log.seek(0)
-        return self.log.read()
-
-    def _wait_ready(self):
-        deadline = time.monotonic() + READY_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                pytest.fail(f"server exited with {self.proc.returncode}:\n{self.output()}")
-            try:
-                with urllib.request.urlopen(self.base + "/v1/models", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, OSError):
-                time.sleep(0.2)
-        pytest.fail(f"server not ready after {READY_S}s:\n{self.output()}")
-
-    def stop(self) -> int | None:
-        family = descendants(self.proc.pid)
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)  # the session we started
-                self.proc.wait(timeout=10)
-        self.log.close()
-        deadline = time.monotonic() + 10
-        while alive(family) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        left = alive(family)
-        if left:  # the launcher must not leave ranks behind
-            for pid in left:
-                os.kill(pid, signal.SIGKILL)
-            pytest.fail(f"processes left after the server stopped: {left}")
-        return self.proc.returncode
-
-    # -- requests -------------------------------------------------------------
-    def post(self, path, body, raw: bytes | None = None):
-        data = raw if raw is not None else json.dumps(body).encode()
-        req = urllib.request.Request(self.base + path, data=data, headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=120) as r:
-                return r.status, r.headers.get("Content-Type", ""), r.read()
-        except urllib.error.HTTPError as e:
-            return e.code, e.headers.get("Content-Type", ""), e.read()
-
-    def json(self, path, body):
-        status, _, data = self.post(path, body)
-        assert status == 200, data
-        return json.loads(data)
-
-    def stream(self, path, body):
-        status, ctype, data = self.post(path, {**body, "stream": True})
-        assert status == 200, data
-        assert ctype.startswith("text/event-stream")
-        events = [e for e in data.decode().split("\n\n") if e]
-        assert all(e.startswith("data: ") for e in events), events
-        assert events[-1] == "data: [DONE]"
-        return [json.loads(e[len("data: "):]) for e in events[:-1]]
 
 
 @pytest.fixture(scope="module")
@@ -992,19 +903,6 @@ def _read_long_stream(base: str, prompt: str, lines: list, started) -> None:
                     started.release()
 
 
-def _rank_pid(family, rank) -> int:
-    for pid in family:
-        try:
-            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if (f"MLX_RANK={rank}".encode() in env or f"OMPI_COMM_WORLD_RANK={rank}".encode() in env) \
-                and b"_rank_main" in cmd:
-            return pid
-    raise AssertionError(f"rank {rank} not found among {family}")
-
-
 @pytest.mark.parametrize("backend", ["ring", "mpi"])
 @pytest.mark.parametrize("victim", [1, 0], ids=["kill-rank1", "kill-rank0"])
 def test_rank_killed_during_16_streams(model_dir, victim, backend, tmp_path):
@@ -1039,7 +937,7 @@ def test_rank_killed_during_16_streams(model_dir, victim, backend, tmp_path):
             assert started.acquire(timeout=120), s.output()
         family = descendants(s.proc.pid)
         t0 = time.monotonic()
-        os.kill(_rank_pid(family, victim), signal.SIGKILL)
+        os.kill(rank_pid(family, victim), signal.SIGKILL)
         for t in threads:
             t.join(60)
         assert not any(t.is_alive() for t in threads), "a client hangs"
@@ -1091,7 +989,7 @@ def test_stuck_rank_then_sigterm_fails_every_stream(model_dir, backend, tmp_path
             t.start()
         for _ in threads:
             assert started.acquire(timeout=120), s.output()
-        victim = _rank_pid(descendants(s.proc.pid), 1)
+        victim = rank_pid(descendants(s.proc.pid), 1)
         os.kill(victim, signal.SIGSTOP)
         time.sleep(1.0)  # rank 0 is now waiting for it
         t0 = time.monotonic()

@@ -16,6 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from . import openai_api as api
 from .log import log
@@ -73,6 +74,8 @@ async def _read_body(request: Request, limit: int) -> bytes:
 
     try:
         await asyncio.wait_for(read(), BODY_TIMEOUT_S)
+    except ClientDisconnect:
+        raise api.ApiError("the client left before its request body arrived", status=499) from None
     except asyncio.TimeoutError:
         raise api.ApiError(f"the request body did not arrive within {BODY_TIMEOUT_S:.0f} s", status=408) from None
     return b"".join(parts)
