@@ -51,7 +51,7 @@ Models whose caches are not all `static_kv` (recurrent or conv state) are
 stepped row by row on their own caches: the same results, without batching.
 
 Under TP every rank runs the same steps on the same rows (the scheduler on
-rank 0 decides, server.py shares its decisions): the collectives are per
+rank 0 decides, serve.protocol shares its decisions): the collectives are per
 step, not per sequence.
 """
 

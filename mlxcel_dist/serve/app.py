@@ -208,22 +208,31 @@ async def _stream(state: AppState, request: Request, job: Job, events: asyncio.Q
     try:
         if p.chat:
             yield chunk({"role": "assistant", "content": ""})
-        while True:
+        ended = False
+        while not ended:
             ev = await _next(request, events)
             if ev is None:
                 return
-            if isinstance(ev, Token):
-                pending.append((ev.id, ev.logprob))
-            elif isinstance(ev, Text):
-                yield chunk({"content": ev.text} if p.chat else ev.text)
-            elif isinstance(ev, Failed):
-                yield sse(api.stream_error(ev.message, ev.status))
-                break
-            elif isinstance(ev, Done):
-                yield chunk({} if p.chat else "", api.FINISH.get(ev.finish_reason, "stop"))
-                if p.include_usage:
-                    yield sse(api.usage_chunk(p, rid, created, ev.prompt_tokens, ev.completion_tokens))
-                break
-        yield "data: [DONE]\n\n"
+            out = []
+            while ev is not None:  # what has queued up meanwhile goes out in one write
+                if isinstance(ev, Token):
+                    pending.append((ev.id, ev.logprob))
+                elif isinstance(ev, Text):
+                    out.append(chunk({"content": ev.text} if p.chat else ev.text))
+                elif isinstance(ev, Failed):
+                    out.append(sse(api.stream_error(ev.message, ev.status)))
+                    ended = True
+                    break
+                elif isinstance(ev, Done):
+                    out.append(chunk({} if p.chat else "", api.FINISH.get(ev.finish_reason, "stop")))
+                    if p.include_usage:
+                        out.append(sse(api.usage_chunk(p, rid, created, ev.prompt_tokens, ev.completion_tokens)))
+                    ended = True
+                    break
+                ev = events.get_nowait() if not events.empty() else None
+            if ended:
+                out.append("data: [DONE]\n\n")
+            if out:
+                yield "".join(out)
     finally:  # done, or the client went away (the response task is cancelled): an open job's row is freed
         state.scheduler.cancel(job)
