@@ -655,7 +655,7 @@ def serve(
     backend: BackendOpt = "auto",
     hostfile: HostfileOpt = None,
     stall_timeout: StallOpt = DEFAULT_STALL_TIMEOUT_S,
-    served_model_name: Annotated[Optional[list[str]], typer.Option("--served-model-name", help="A name requests may give as 'model' (vLLM's flag, repeatable; the first is the id the server shows; default: MODEL as given).", show_default=False)] = None,
+    served_model_name: Annotated[Optional[list[str]], typer.Option("--served-model-name", metavar="NAME", help="A name requests may give as 'model' (vLLM's flag, repeatable; the first is the id the server shows; default: MODEL as given).", show_default=False)] = None,
 ):
     """OpenAI-compatible HTTP server (/v1/models, /v1/completions, /v1/chat/completions, /health, /docs); rank 0 listens."""
     from .serve.lifecycle import listen, long_lived_env

@@ -50,8 +50,13 @@ def test_flood_of_bad_requests_and_idle_connections(model_dir, tmp_path):
     normal completions and /health keep answering (within 1 s), nothing in
     the log is a traceback; the idle connections are closed by the header timeout."""
     assert set(EXPECTED) == set(serve_flood.HOSTILE)
-    s = Server(model_dir, 1, tmp_path)
+    s = Server(model_dir, 1, tmp_path, extra=["--served-model-name", "tiny", "--served-model-name", "alias"])
     try:
+        with urllib.request.urlopen(s.base + "/v1/models", timeout=10) as r:
+            assert [m["id"] for m in json.loads(r.read())["data"]] == ["tiny", "alias"]
+        for name in ("tiny", "alias", None):
+            body = {"prompt": "The sea", "max_tokens": 2, **({"model": name} if name else {})}
+            assert s.json("/v1/completions", body)["model"] == (name or "tiny")
         kinds = len(serve_flood.HOSTILE)
         before = len(_log_lines(s.output()))
         t0 = time.monotonic()
