@@ -310,7 +310,7 @@ def check_paths_and_health(server):
 
 
 def check_logprobs(server, model_dir):
-    from mlxcel_dist.serve.openai_api import TokenPieces
+    from mlxcel_dist.serve.responses import TokenPieces
 
     _, tok = _loaded(str(model_dir))
     pieces = TokenPieces(tok)

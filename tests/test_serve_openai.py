@@ -12,9 +12,11 @@ import pytest
 from mlxcel_dist.loader import default_model_dir, read_config
 from mlxcel_dist.serve import wire
 from mlxcel_dist.serve.openai_api import (
-    FINISH, ApiError, ChatCompletionRequest, CompletionRequest, Defaults, ParseContext, TokenPieces,
-    context_limit, convert_chat, loads_limited, no_chat_template, parse, stream_chunk, stream_error, usage,
-    usage_chunk, whole_response,
+    ApiError, ChatCompletionRequest, CompletionRequest, Defaults, ParseContext, context_limit, convert_chat,
+    loads_limited, no_chat_template, parse,
+)
+from mlxcel_dist.serve.responses import (
+    FINISH, TokenPieces, stream_chunk, stream_error, usage, usage_chunk, whole_response,
 )
 from mlxcel_dist.tokenizer import Tokenizer
 

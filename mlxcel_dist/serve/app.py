@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from . import openai_api as api
+from . import responses as rs
 from .log import log
 from .scheduler import SHUTDOWN_MESSAGE, Done, Failed, Job, Scheduler, Text, Token
 
@@ -33,7 +34,7 @@ CHAT = ("/v1/chat/completions", "/chat/completions")  # without /v1 too, as mlx-
 class AppState:
     scheduler: Scheduler
     parse_ctx: "api.ParseContext"
-    pieces: "api.TokenPieces"
+    pieces: "rs.TokenPieces"
     health: object  # lifecycle.Health: .status() -> (ok, reason)
     max_request_bytes: int = 1_000_000
     created: int = 0
@@ -181,7 +182,7 @@ async def _whole(state: AppState, request: Request, job: Job, events: asyncio.Qu
             elif isinstance(ev, Failed):
                 return _error(api.ApiError(ev.message, status=ev.status), request)
             elif isinstance(ev, Done):
-                return JSONResponse(api.whole_response(p, rid, int(time.time()), "".join(parts), ev.finish_reason,
+                return JSONResponse(rs.whole_response(p, rid, int(time.time()), "".join(parts), ev.finish_reason,
                                                        ev.prompt_tokens, ev.completion_tokens, entries, state.pieces))
     finally:  # answered, or the client went away: an open job's row is freed
         state.scheduler.cancel(job)
@@ -199,11 +200,11 @@ async def _stream(state: AppState, request: Request, job: Job, events: asyncio.Q
         lp = None
         if p.req.logprobs is not None and pending:
             if p.chat:
-                lp = api.chat_logprobs(state.pieces, pending)
+                lp = rs.chat_logprobs(state.pieces, pending)
             else:
-                lp, offset = api.completion_logprobs(state.pieces, pending, offset)
+                lp, offset = rs.completion_logprobs(state.pieces, pending, offset)
             pending.clear()
-        return sse(api.stream_chunk(p, rid, created, delta_or_text, finish, lp))
+        return sse(rs.stream_chunk(p, rid, created, delta_or_text, finish, lp))
 
     try:
         if p.chat:
@@ -220,13 +221,13 @@ async def _stream(state: AppState, request: Request, job: Job, events: asyncio.Q
                 elif isinstance(ev, Text):
                     out.append(chunk({"content": ev.text} if p.chat else ev.text))
                 elif isinstance(ev, Failed):
-                    out.append(sse(api.stream_error(ev.message, ev.status)))
+                    out.append(sse(rs.stream_error(ev.message, ev.status)))
                     ended = True
                     break
                 elif isinstance(ev, Done):
-                    out.append(chunk({} if p.chat else "", api.FINISH.get(ev.finish_reason, "stop")))
+                    out.append(chunk({} if p.chat else "", rs.FINISH.get(ev.finish_reason, "stop")))
                     if p.include_usage:
-                        out.append(sse(api.usage_chunk(p, rid, created, ev.prompt_tokens, ev.completion_tokens)))
+                        out.append(sse(rs.usage_chunk(p, rid, created, ev.prompt_tokens, ev.completion_tokens)))
                     ended = True
                     break
                 ev = events.get_nowait() if not events.empty() else None

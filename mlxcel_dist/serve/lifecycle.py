@@ -220,6 +220,7 @@ def _serve(model, tok, group, opts, sock, config, engine, link, beats, guard) ->
     import uvicorn
 
     from . import openai_api as api
+    from . import responses as rs
     from .app import AppState, make_app
     from .scheduler import Scheduler
 
@@ -231,7 +232,7 @@ def _serve(model, tok, group, opts, sock, config, engine, link, beats, guard) ->
                            defaults=opts.defaults or api.Defaults(), plain_chat=api.no_chat_template(tok),
                            logprobs_ok=not one_row, ignore_eos_ok=not one_row)
     health = Health(sched, beats, group.size())
-    state = AppState(sched, ctx, api.TokenPieces(tok), health, opts.max_request_bytes, int(time.time()))
+    state = AppState(sched, ctx, rs.TokenPieces(tok), health, opts.max_request_bytes, int(time.time()))
     _raise_fd_limit()
     _route_uvicorn_logs()
     server = uvicorn.Server(uvicorn.Config(
