@@ -299,6 +299,8 @@ def splittable(model) -> bool:
     `self_attn` with `attend` (blocks.PreNormBlock and the layers built like it)."""
     if not getattr(model, "split_decode", False):
         return False
+    if getattr(getattr(model, "model", None), "stage", None) is not None:
+        return False  # a pipeline stage: its first segment would embed (the whole-step graph runs instead)
     layers = getattr(model, "layers", None) or []
     return all(hasattr(l, "pre") and hasattr(l, "post") and hasattr(getattr(l, "self_attn", None), "attend")
                for l in layers)

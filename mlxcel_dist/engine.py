@@ -18,6 +18,7 @@ from . import faults
 from .collectives import SINGLE, CollectiveError, Group
 from .decode import decode_step_for
 from .errors import UserError
+from .pipeline import outstanding_sends
 from .sampling import Sampler, SamplingParams, read_logprobs, token_logprobs
 
 
@@ -337,7 +338,7 @@ class TokenGenerator:
         last = len(prompt) - 1
         for i in range(0, last, step):
             self.model(mx.array(prompt[i : min(i + step, last)])[None], cache)
-            mx.eval(_cache_state(cache))
+            mx.eval(_cache_state(cache), outstanding_sends(self.model))  # (a pipeline stage's send too)
         self.decode = decode_step_for(self.model)
         self._t_chunks, traces = time.perf_counter(), self.decode.traces
         if last == 0:  # nothing cached yet: the one prompt token goes the eager way

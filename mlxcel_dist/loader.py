@@ -184,14 +184,18 @@ def _build_for_checkpoint(config: dict, raw_refs: dict | None):
 
 
 def load_model(model: str | os.PathLike | None, dtype: str | None = None, group: Group = SINGLE,
-               progress=None) -> Loaded:
+               progress=None, pp: int = 1) -> Loaded:
+    """`pp` > 1: `group` is a pipeline of `pp` stages, one rank each
+    (pipeline.py): this rank builds and reads its stage only."""
     model_dir = resolve_model_dir(model)
     config = read_config(model_dir)
     m, refs = _build_for_checkpoint(config, open_checkpoint(model_dir))
     full_shapes = {name: tuple(p.shape) for name, p in tree_flatten(m.parameters())}  # before sharding
-    if not group.single:
-        m.shard(group)
     target = parse_dtype(dtype) or config_dtype(config)
+    if pp > 1:
+        refs = _stage(m, refs, group, pp, target)
+    elif not group.single:
+        m.shard(group)
     method = foreign_quant_method(config)
     hint = (
         f"config.json quantization_config has quant_method {method!r}, which mlxcel-dist does not read "
@@ -205,6 +209,32 @@ def load_model(model: str | os.PathLike | None, dtype: str | None = None, group:
     load_weights(m, refs, target, progress=progress, unexpected_hint=hint, full_shapes=full_shapes)
     m.eval()
     return Loaded(m, config, model_dir, target, group)
+
+
+def _stage(m, refs: dict, group: Group, pp: int, target) -> dict:
+    """Cut `m` down to this rank's pipeline stage (pipeline.make_stage) and
+    return the checkpoint refs of that stage: the other stages' tensors are
+    set aside, so the strict check below covers exactly this stage's
+    parameters (a tensor no stage has is still unexpected)."""
+    from . import pipeline
+
+    if group.size() != pp:
+        raise UserError(f"--pp {pp} runs on {pp} ranks, this job has {group.size()}: {pipeline.TP_INSIDE_STAGE}")
+    pipeline.check_family(m)
+    ranges = pipeline.plan_stages(m, refs, pp)
+    before = {name for name, _ in tree_flatten(m.parameters())}
+    emb = m.model.embed_tokens
+    ref = refs.get("model.embed_tokens." + ("scales" if "scales" in emb else "weight"))
+    dtype = target or (_mlx_dtype(ref.dtype) if ref is not None else emb.weight.dtype)
+    pipeline.make_stage(m, group, pp, ranges, dtype)
+    others = before - {name for name, _ in tree_flatten(m.parameters())}
+    return {name: r for name, r in refs.items() if name not in others}
+
+
+def _mlx_dtype(safetensors_dtype: str):
+    from .weights import _DTYPES
+
+    return _DTYPES[safetensors_dtype][1]
 
 
 def load_weights(model: nn.Module, refs: dict, dtype=None, progress=None, unexpected_hint: str | None = None,

@@ -131,8 +131,11 @@ def create_rows_mask(size: int, offsets: mx.array, key_positions: mx.array, wind
 def layer_masks(L: int, cache, layer_types: list, window: int | None) -> dict:
     """One mask per attention kind for L new tokens, built once per forward
     (before any layer updates its cache): each kind's first cache says which
-    (`cache.LayerCache.mask`). `cache` is the per-layer cache list, or None
-    for a cache-less pass, which needs what fresh caches would."""
+    (`cache.LayerCache.mask`). `cache` is the cache list of the layers this
+    rank runs, `layer_types` their kinds, entry for entry (every layer, or a
+    pipeline stage's: a kind's first layer may be on another stage, so the
+    kinds are the stage's own, never the model's), or None for a cache-less
+    pass, which needs what fresh caches would."""
     if cache is None:
         from .cache import make_layer_caches
 

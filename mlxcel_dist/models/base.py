@@ -174,17 +174,39 @@ class DecoderStack(nn.Module):
         super().__init__()
         self.args = args
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.stage = None  # pipeline.Stage under --pp (pipeline.make_stage): this rank's layers
 
     def embed(self, inputs):
         return self.embed_tokens(inputs)
 
+    @property
+    def stage_layers(self) -> list:
+        """The layers this rank runs: all of them, or its pipeline stage's."""
+        if self.stage is None:
+            return self.layers
+        return self.layers[self.stage.start : self.stage.stop]
+
+    @property
+    def stage_layer_types(self) -> list:
+        """The kinds of `stage_layers` (what the caches and masks of this rank are for)."""
+        if self.stage is None:
+            return self.args.layer_types
+        return self.args.layer_types[self.stage.start : self.stage.stop]
+
     def masks(self, L: int, cache) -> dict:
-        """One mask per attention kind for L new tokens (`masks.layer_masks`)."""
-        return layer_masks(L, cache, self.args.layer_types, getattr(self.args, "sliding_window", None))
+        """One mask per attention kind for L new tokens (`masks.layer_masks`)
+        of this rank's layers (`cache`: their caches)."""
+        return layer_masks(L, cache, self.stage_layer_types, getattr(self.args, "sliding_window", None))
 
     def __call__(self, inputs, cache=None):
-        h = self.embed(inputs)
-        h = run_layers(h, self.layers, self.args.layer_types, cache, self.masks(inputs.shape[1], cache))
+        stage = self.stage
+        if stage is None or stage.first:
+            h = self.embed(inputs)
+        else:  # the previous stage's hidden states
+            h = stage.receive(*inputs.shape)
+        h = run_layers(h, self.stage_layers, self.stage_layer_types, cache, self.masks(inputs.shape[1], cache))
+        if stage is not None and not stage.last:
+            return stage.pass_on(h)  # CausalLM.head turns it into zeros for the logits' all_sum
         return self.norm(h)
 
 
@@ -222,6 +244,12 @@ class CausalLM(nn.Module):
         `shard_head` each rank computes only its vocabulary slice from the
         (replicated) head weights and one all_gather joins the slices: the
         same logits on every rank for 1/N of the head's work."""
+        stage = getattr(self.model, "stage", None)
+        if stage is not None:  # pipeline: the last stage's logits on every rank (pipeline.Stage.logits)
+            return stage.logits(self._head, h, self.args.vocab_size)
+        return self._head(h)
+
+    def _head(self, h):
         layer = self.head_layer
         if not self.head_group.single:
             return vocab_parallel_logits(layer, h, self.head_group)
@@ -252,10 +280,13 @@ class CausalLM(nn.Module):
 
     @property
     def layers(self):
-        return self.model.layers
+        """The layers this rank runs (under --pp: its stage's; `self.model.layers` keeps every name)."""
+        return getattr(self.model, "stage_layers", None) or self.model.layers
 
     def make_cache(self):
-        return make_layer_caches(self.args.layer_types, getattr(self.args, "sliding_window", None))
+        """One cache per layer this rank runs."""
+        kinds = getattr(self.model, "stage_layer_types", None) or self.args.layer_types
+        return make_layer_caches(kinds, getattr(self.args, "sliding_window", None))
 
     def sanitize(self, weights: dict) -> dict:
         """Drop a stored copy of the tied output head (and, with

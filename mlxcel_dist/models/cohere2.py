@@ -97,6 +97,8 @@ class Cohere2Model(DecoderStack):
 
 
 class Model(CausalLM):
+    pipeline_stages = True  # plain DecoderStack: runs in --pp stages (pipeline.py)
+
     def __init__(self, args: ModelArgs):
         super().__init__(args, Cohere2Model(args))
 

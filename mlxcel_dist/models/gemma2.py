@@ -115,6 +115,8 @@ class Gemma2Model(DecoderStack):
 
 
 class Model(CausalLM):
+    pipeline_stages = True  # plain DecoderStack: runs in --pp stages (pipeline.py)
+
     def __init__(self, args: ModelArgs):
         super().__init__(args, Gemma2Model(args))
 

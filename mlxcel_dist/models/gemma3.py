@@ -130,10 +130,11 @@ class DecoderLayer(nn.Module):
         return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
 
 
-def gemma3_masks(L: int, cache, args: ModelArgs) -> dict:
+def gemma3_masks(L: int, cache, args: ModelArgs, layer_types: list | None = None) -> dict:
     """The global and the sliding mask for L new tokens, built once per forward
-    through the shared selector (a decode step needs none)."""
-    return layer_masks(L, cache, args.layer_types, args.sliding_window)
+    through the shared selector (a decode step needs none). `layer_types`:
+    the kinds of the layers `cache` is for (default: every layer's)."""
+    return layer_masks(L, cache, args.layer_types if layer_types is None else layer_types, args.sliding_window)
 
 
 class Gemma3TextModel(DecoderStack):
@@ -149,10 +150,12 @@ class Gemma3TextModel(DecoderStack):
         return h
 
     def masks(self, L: int, cache) -> dict:
-        return gemma3_masks(L, cache, self.args)
+        return gemma3_masks(L, cache, self.args, self.stage_layer_types)
 
 
 class Model(CausalLM):
+    pipeline_stages = True  # plain DecoderStack: runs in --pp stages (pipeline.py)
+
     def __init__(self, args: ModelArgs):
         super().__init__(args, Gemma3TextModel(args))
 

@@ -123,5 +123,7 @@ class Ministral3Model(DecoderStack):
 
 
 class Model(CausalLM):
+    pipeline_stages = True  # plain DecoderStack: runs in --pp stages (pipeline.py)
+
     def __init__(self, args: ModelArgs):
         super().__init__(args, Ministral3Model(args))

@@ -153,6 +153,8 @@ class Olmo3Model(DecoderStack):
 
 
 class Model(CausalLM):
+    pipeline_stages = True  # plain DecoderStack: runs in --pp stages (pipeline.py)
+
     def __init__(self, args: ModelArgs):
         super().__init__(args, Olmo3Model(args))
 

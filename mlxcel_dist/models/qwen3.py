@@ -99,6 +99,7 @@ class Qwen3Model(DecoderStack):
 
 
 class Model(CausalLM):
+    pipeline_stages = True  # plain DecoderStack: runs in --pp stages (pipeline.py)
     split_decode = True  # decode.DecodeStep may run its layers' pre/attend/post split
 
     def __init__(self, args: ModelArgs):
