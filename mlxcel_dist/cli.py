@@ -57,6 +57,7 @@ RequiredModelArg = Annotated[str, typer.Argument(help="Checkpoint directory or H
 ModelOpt = Annotated[Optional[str], typer.Option("--model", help="The same as MODEL (mlx-lm's spelling).",
                                                  show_default=False)]
 NpOpt = Annotated[int, typer.Option("--np", help="Number of ranks (tensor-parallel degree).")]
+PpOpt = Annotated[int, typer.Option("--pp", help="Pipeline stages: the layers split into P stages, one rank each (--np P or no --np).")]
 BackendOpt = Annotated[str, typer.Option("--backend", help=f"Distributed backend: auto, {', '.join(backends.names())}.")]
 HostfileOpt = Annotated[
     Optional[Path], typer.Option("--hostfile", help="OpenMPI or MLX JSON hostfile for multi-host runs.")
@@ -153,12 +154,13 @@ def _opt_value(opt: str, v) -> str:
     return f"{opt}={v}" if opt.startswith("--") else f"{opt}{v}"
 
 
-def _distribute(ctx: typer.Context, np_: int, backend: str, hostfile: Optional[Path], model=None):
+def _distribute(ctx: typer.Context, np_: int, backend: str, hostfile: Optional[Path], model=None, pp: int = 1):
     """Launch ranks (and exit with the job's code) or join the group: the
     `collectives.Group` of this process (`SINGLE` when it runs alone).
 
     Before launching, the model is sharded on paper for every rank, so a rank
-    count its heads cannot take fails here, once."""
+    count its heads cannot take fails here, once (with --pp: the family must
+    run in stages and have a layer per stage, pipeline.check_stageable)."""
     if os.environ.get("MLXCEL_DIST_WORLD"):  # we are a launched rank
         from . import distributed
 
@@ -168,6 +170,10 @@ def _distribute(ctx: typer.Context, np_: int, backend: str, hostfile: Optional[P
     if np_ < 1:
         raise UserError(f"--np must be >= 1, got {np_}")
     backends.check_choice(backend)
+    if pp != 1:
+        from . import pipeline
+
+        np_ = pipeline.check_pp_ranks(np_, pp)
     if np_ == 1 and hostfile is None:
         from .collectives import SINGLE
 
@@ -175,18 +181,21 @@ def _distribute(ctx: typer.Context, np_: int, backend: str, hostfile: Optional[P
     from .launcher import launch
     from .loader import check_shardable
 
-    check_shardable(model, np_)
+    if pp > 1:
+        pipeline.check_stageable(model, pp)
+    else:
+        check_shardable(model, np_)
     code = launch(_argv_from_ctx(ctx), np_, backend, str(hostfile) if hostfile else None,
                   stall_timeout=ctx.params.get("stall_timeout", DEFAULT_STALL_TIMEOUT_S))
     raise typer.Exit(code)
 
 
-def _load(model, dtype, group):
-    """Load this rank's shard; rank 0 shows a progress bar on stderr."""
+def _load(model, dtype, group, pp: int = 1):
+    """Load this rank's shard (or pipeline stage); rank 0 shows a progress bar on stderr."""
     from .loader import load_model
 
     if not group.is_root:
-        return load_model(model, dtype=dtype, group=group)
+        return load_model(model, dtype=dtype, group=group, pp=pp)
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
@@ -194,7 +203,7 @@ def _load(model, dtype, group):
     with Progress(TextColumn("loading"), BarColumn(), MofNCompleteColumn(), console=console,
                   transient=True, disable=not console.is_terminal) as bar:
         task = bar.add_task("load", total=None)
-        loaded = load_model(model, dtype=dtype, group=group,
+        loaded = load_model(model, dtype=dtype, group=group, pp=pp,
                             progress=lambda i, n: bar.update(task, completed=i, total=n))
     return loaded
 
@@ -213,6 +222,7 @@ def logits(
     prefill_step: PrefillStepOpt = None,
     dtype: DtypeOpt = None,
     np_: NpOpt = 1,
+    pp: PpOpt = 1,
     backend: BackendOpt = "auto",
     hostfile: HostfileOpt = None,
     stall_timeout: StallOpt = DEFAULT_STALL_TIMEOUT_S,
@@ -233,15 +243,15 @@ def logits(
             raise UserError(f"{len(ids)} tokens, more than the model's context of {limit} (max_position_embeddings)")
     except UserError as e:
         raise UserError(f"{tokens_file}: {e}") from None
-    group = _distribute(ctx, np_, backend, hostfile, model)
-    loaded = _load(model, dtype, group)
+    group = _distribute(ctx, np_, backend, hostfile, model, pp)
+    loaded = _load(model, dtype, group, pp)
     result = sequence_logits(loaded.model, ids, decode_from=decode_from, prefill_step=prefill_step)
     if group.is_root:
         try:
             np.save(out, result)
         except OSError as e:
             raise UserError(f"cannot write {out}: {e.strerror}") from None
-        _err(f"wrote {out} {list(result.shape)} float32 (np {group.size()})")
+        _err(f"wrote {out} {list(result.shape)} float32 (np {group.size()}{_pp_note(pp)})")
 
 
 def _check_out(out: Path) -> None:
@@ -291,6 +301,7 @@ def generate(
     prefill_step: PrefillStepOpt = None,
     dtype: DtypeOpt = None,
     np_: NpOpt = 1,
+    pp: PpOpt = 1,
     backend: BackendOpt = "auto",
     hostfile: HostfileOpt = None,
     stall_timeout: StallOpt = DEFAULT_STALL_TIMEOUT_S,
@@ -332,9 +343,9 @@ def generate(
         config = read_config(model_dir)
         tok = Tokenizer(model_dir, config, chat_template=_template_text(chat_template))
         check_context(len(tok.prompt_ids(prompt, chat=chat, system=system)), max_tokens, context_length(config))
-    group = _distribute(ctx, np_, backend, hostfile, model)
+    group = _distribute(ctx, np_, backend, hostfile, model, pp)
     t0 = time.perf_counter()
-    loaded = _load(model, dtype, group)
+    loaded = _load(model, dtype, group, pp)
     load_s = time.perf_counter() - t0
     tok = Tokenizer(loaded.model_dir, loaded.config, chat_template=_template_text(chat_template))
     use_chat = tok.use_chat(chat)
@@ -380,7 +391,7 @@ def generate(
                     if stats.compile_s >= 1.0 else "")
         _err(
             f"prompt {stats.prompt_tokens} tok, {prompt_speed}{compiled} | "
-            f"generated {stats.generated} tok, {stats.decode_tok_s:.1f} tok/s | np {group.size()}"
+            f"generated {stats.generated} tok, {stats.decode_tok_s:.1f} tok/s | np {group.size()}{_pp_note(pp)}"
         )
         if verbose:
             why = {"eos": "EOS", "length": "--max-tokens", "stop": f"stop string {stats.stop!r}"}[stats.finish_reason]
@@ -435,6 +446,7 @@ def modes(
     out: Annotated[Path, typer.Option("--out", help="npz with one [T, V] array per mode (rank 0 writes).")],
     dtype: DtypeOpt = None,
     np_: NpOpt = 1,
+    pp: PpOpt = 1,
     backend: BackendOpt = "auto",
     hostfile: HostfileOpt = None,
     stall_timeout: StallOpt = DEFAULT_STALL_TIMEOUT_S,
@@ -448,8 +460,8 @@ def modes(
         ids = np.array([int(t) for t in tokens.split(",")], np.int64)
     except ValueError:
         raise UserError("--tokens must be comma-separated integers") from None
-    group = _distribute(ctx, np_, backend, hostfile, model)
-    loaded = _load(model, dtype, group)
+    group = _distribute(ctx, np_, backend, hostfile, model, pp)
+    loaded = _load(model, dtype, group, pp)
     result = all_mode_logits(loaded.model, ids)
     if group.is_root:
         np.savez(out, **result)
@@ -467,6 +479,7 @@ def logit_match(
     tokens_file: Annotated[Optional[Path], typer.Option("--tokens-file", help="1-D integer .npy of token ids.")] = None,
     dtype: DtypeOpt = None,
     np_: NpOpt = 2,
+    pp: Annotated[int, typer.Option("--pp", help="Compare a run in P pipeline stages (one rank each) instead of --np ranks of tensor parallelism.")] = 1,
     backend: BackendOpt = "auto",
     hostfile: HostfileOpt = None,
     stall_timeout: StallOpt = DEFAULT_STALL_TIMEOUT_S,
@@ -482,6 +495,11 @@ def logit_match(
     model = _pick_model(model, model_opt)
     if np_ < 1:
         raise UserError(f"--np must be >= 1, got {np_}")
+    if pp != 1:  # --np's default (2) is tensor parallelism's: with --pp alone, one rank per stage
+        from . import pipeline
+
+        given = ctx.get_parameter_source("np_").name not in ("DEFAULT", "DEFAULT_MAP")
+        np_ = pipeline.check_pp_ranks(np_ if given else 1, pp)
     model_dir = resolve_model_dir(model)
     single = load_model(model_dir, dtype=dtype)
     m = single.model
@@ -501,7 +519,7 @@ def logit_match(
     ids = check_tokens(ids, m.args.vocab_size)
     dtype_name = str(np.dtype("float32")) if single.dtype is None else str(single.dtype).split(".")[-1]
     tol = rel_tol_for(dtype_name)
-    _err(f"logit-match: {model_dir.name}, {len(ids)} tokens, window {model_window(m)}, {dtype_name}, np {np_}")
+    _err(f"logit-match: {model_dir.name}, {len(ids)} tokens, window {model_window(m)}, {dtype_name}, np {np_}{_pp_note(pp)}")
     ours = all_mode_logits(m, ids)
     tp = None
     if np_ > 1 or hostfile is not None:
@@ -512,7 +530,13 @@ def logit_match(
             argv = ["modes", str(model_dir.resolve()), "--tokens", ",".join(map(str, ids.tolist())), "--out", str(out)]
             if dtype:
                 argv += ["--dtype", dtype]
-            check_shardable(model_dir, np_)
+            if pp > 1:
+                from .pipeline import check_stageable
+
+                argv += ["--pp", str(pp)]
+                check_stageable(model_dir, pp)
+            else:
+                check_shardable(model_dir, np_)
             code = launch(argv, np_, backend, str(hostfile) if hostfile else None,
                           stall_timeout=stall_timeout)
             if code != 0:
@@ -520,15 +544,16 @@ def logit_match(
             with np.load(out) as z:
                 tp = {k: z[k] for k in z.files}
     rows = []
+    run = f"pp{pp}" if pp > 1 else f"np{np_}"
     for mode, logits in ours.items():
         if tp is not None:
-            rows.append((mode, f"np{np_} vs np1", compare(tp[mode], logits, tol)))
+            rows.append((mode, f"{run} vs np1", compare(tp[mode], logits, tol)))
         if ref is not None:
             rows.append((mode, "np1 vs reference", compare(logits, ref["logits"], tol)))
             if tp is not None:
-                rows.append((mode, f"np{np_} vs reference", compare(tp[mode], ref["logits"], tol)))
+                rows.append((mode, f"{run} vs reference", compare(tp[mode], ref["logits"], tol)))
     if not rows:
-        raise UserError("nothing to compare: use --np >= 2 and/or --reference")
+        raise UserError("nothing to compare: use --np >= 2 (or --pp >= 2) and/or --reference")
     print(f"{'mode':24} {'comparison':20} {'max|diff|':>10} {'mean|diff|':>10} {'rel':>9} {'top1':>6} {'KL':>9}  ok")
     for mode, what, r in rows:
         print(f"{mode:24} {what:20} {r['max']:10.3e} {r['mean']:10.3e} {r['rel']:9.2e} {r['top1']:6.3f} "
@@ -721,6 +746,7 @@ def bench(
     prefill_step: PrefillStepOpt = None,
     dtype: DtypeOpt = None,
     np_: NpOpt = 1,
+    pp: PpOpt = 1,
     backend: BackendOpt = "auto",
     hostfile: HostfileOpt = None,
     stall_timeout: StallOpt = DEFAULT_STALL_TIMEOUT_S,
@@ -736,20 +762,24 @@ def bench(
     ctx.params.update(model=model, model_opt=None)
     check_lengths(prompt_tokens, gen_tokens)
     check_generation_options(check_every=check_every, prefill_step=prefill_step)
-    group = _distribute(ctx, np_, backend, hostfile, model)
+    group = _distribute(ctx, np_, backend, hostfile, model, pp)
     t0 = time.perf_counter()
-    loaded = _load(model, dtype, group)
+    loaded = _load(model, dtype, group, pp)
     load_s = time.perf_counter() - t0
     result = run_bench(loaded.model, prompt_tokens, gen_tokens, group=group, prefill_step=prefill_step,
                        seed=seed, check_every=check_every, warmup=warmup, compiled=compiled)
     if group.is_root:
         result = {"model": str(loaded.model_dir), "backend": os.environ.get("MLXCEL_DIST_BACKEND", "none"),
-                  "load_s": load_s, **result}
+                  "load_s": load_s, "pp": pp, **result}
         if as_json:
             print(json.dumps(result), flush=True)
         else:
             print(f"model  {result['model']} (backend {result['backend']})")
             print(format_table(result), flush=True)
+
+
+def _pp_note(pp: int) -> str:
+    return f", pp {pp}" if pp > 1 else ""
 
 
 def _pick_model(model: Optional[str], model_opt: Optional[str]) -> Optional[str]:

@@ -272,6 +272,10 @@ class CausalLM(nn.Module):
         plan_sharded_linears`) and the vocabulary-split head's all_gather
         ([V/N, 1] in the head's dtype). Families that add collectives extend it."""
         plan = {"all_sum": plan_sharded_linears(self), "all_gather": (0, 0)}
+        stage = getattr(self.model, "stage", None)
+        if stage is not None:  # a pipeline: the logits' all_sum ([1, 1, V] in the hidden dtype), every rank
+            calls, nbytes = plan["all_sum"]
+            plan["all_sum"] = (calls + 1, nbytes + self.args.vocab_size * stage.dtype.size)
         if not self.head_group.single:
             head = self.head_layer
             dt = (head.scales if "scales" in head else head.weight).dtype
