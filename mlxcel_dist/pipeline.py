@@ -34,9 +34,10 @@ zeros [B, L, V]           zeros [B, L, V]                logits [B, L, V]
   decode steps (attention kernels between compiled segments) are not used
   under pp (their first segment embeds): the whole-step graph runs instead.
 
-Families whose layers read other layers' state (KV sharing, per-layer inputs,
-a model's own generation loop, MoE families not yet checked) are refused
-before launch (`check_family`).
+A family runs in stages when its `Model` says `pipeline_stages = True`;
+those whose layers read other layers' state (KV sharing, per-layer inputs), a
+stack with its own forward, or a model with its own generation loop are
+refused before launch (`check_family`, `REFUSED`).
 """
 
 from __future__ import annotations
@@ -50,15 +51,10 @@ TP_INSIDE_STAGE = "--pp with tensor parallel inside a stage is not supported yet
 
 # Families (model files) refused under --pp, and why (one clause each).
 REFUSED = {
-    "gemma3n": "its layers share KV caches and take per-layer inputs across the stack",
-    "gemma4": "its layers share KV caches and take per-layer inputs across the stack",
-    "recurrent_gemma": "its recurrent layers are not split into stages yet",
-    "baichuan_m1": "its conv KV caches are not split into stages yet",
-    "diffusion_gemma": "it runs its own generation loop (block diffusion)",
-    "gpt_oss": "its mixture-of-experts stack is not split into stages yet",
-    "step3p5": "its mixture-of-experts stack is not split into stages yet",
-    "mellum": "its mixture-of-experts stack is not split into stages yet",
-    "exaone_moe": "its mixture-of-experts stack is not split into stages yet",
+    "gemma3n": "its layers share KV caches across the stack and take per-layer inputs (AltUp, per-layer embeddings)",
+    "gemma4": "its layers share KV caches across the stack and take per-layer inputs",
+    "recurrent_gemma": "its decoder stack (recurrent blocks, its own forward) is not split into stages yet",
+    "diffusion_gemma": "it runs its own generation loop (block diffusion) over an encoder and a decoder",
 }
 
 

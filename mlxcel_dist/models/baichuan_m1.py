@@ -176,13 +176,16 @@ class BaichuanModel(DecoderStack):
 
 
 class Model(CausalLM):
+    pipeline_stages = True  # its caches are per layer (ConvKVCache): runs in --pp stages (pipeline.py)
+
     def __init__(self, args: ModelArgs):
         super().__init__(args, BaichuanModel(args))
 
-    def head(self, h):
+    def _head(self, h):
         # NormHead: logit v = h . W[v] / ||W[v]||, the same per row whether
-        # the vocabulary is split or not.
-        logits = super().head(h)
+        # the vocabulary is split or not (under --pp: on the last stage, before
+        # the logits go to every rank).
+        logits = super()._head(h)
         return logits * self.row_inv_norms().astype(logits.dtype)
 
     def row_inv_norms(self) -> mx.array:
@@ -205,7 +208,7 @@ class Model(CausalLM):
         w = self.args.conv_window
         return [
             ConvKVCache(RotatingKVCache(self.args.sliding_window) if kind == SLIDING else KVCache(), w)
-            for kind in self.args.layer_types
+            for kind in self.model.stage_layer_types  # (this rank's layers: a pipeline stage's under --pp)
         ]
 
     def shard(self, group):

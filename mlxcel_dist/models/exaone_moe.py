@@ -214,6 +214,8 @@ class ExaoneMoeModel(DecoderStack):
 
 
 class Model(CausalLM):
+    pipeline_stages = True  # a DecoderStack of independent layers: runs in --pp stages (pipeline.py)
+
     def __init__(self, args: ModelArgs):
         super().__init__(args, ExaoneMoeModel(args))
 

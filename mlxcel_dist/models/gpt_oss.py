@@ -336,6 +336,8 @@ class GptOssModel(DecoderStack):
 
 
 class Model(CausalLM):
+    pipeline_stages = True  # a DecoderStack of independent layers: runs in --pp stages (pipeline.py)
+
     split_decode = True  # decode.DecodeStep may run its layers' pre/attend/post split
 
     def __init__(self, args: ModelArgs):

@@ -190,6 +190,8 @@ class MellumModel(DecoderStack):
 
 
 class Model(CausalLM):
+    pipeline_stages = True  # a DecoderStack of independent layers: runs in --pp stages (pipeline.py)
+
     def __init__(self, args: ModelArgs):
         super().__init__(args, MellumModel(args))
 

@@ -435,6 +435,8 @@ class _RowsRef:
 
 
 class Model(CausalLM):
+    pipeline_stages = True  # a DecoderStack of independent layers: runs in --pp stages (pipeline.py)
+
     def __init__(self, args: ModelArgs):
         super().__init__(args, Step3p5TextModel(args))
 
