@@ -27,7 +27,7 @@ zeros [B, L, V]           zeros [B, L, V]                logits [B, L, V]
   bytes a token instead of V x dtype (512 KiB for a 262k-vocabulary bf16
   head), but the sampler, logprobs and the logits commands would then need a
   path of their own on the last stage; for this first slice the logits go
-  (measured on the tiny default model: see docs/architecture.md).
+  (docs/architecture.md, "Pipeline stages", has the numbers).
 - send/recv are MLX's point-to-point ops (`mx.distributed.send` / `recv`,
   MPI and ring backends in MLX 0.32); they trace inside `mx.compile`, so the
   compiled decode step (decode.DecodeStep) runs under pp as it is. Split
