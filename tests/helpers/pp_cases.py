@@ -23,7 +23,7 @@ def main():
     out = Path(sys.argv[1])
     group = distributed.init_from_env()
     for d in map(Path, sys.argv[2:]):
-        ids = np.load(d / "reference.npz")["ids"]
+        ids = np.load(d / ("reference.npz" if (d / "reference.npz").exists() else "mlx_lm_reference.npz"))["ids"]
         model = load_model(d, group=group, pp=group.size()).model
         stage = model.model.stage
         names = sorted(n for n, _ in tree_flatten(model.parameters()))
