@@ -240,3 +240,20 @@ def test_logits_and_bench_pp2(tmp_path):
     assert b["all_sums_per_token"] == b["all_sums_per_token_plan"] == 2  # the logits' and the agreement check's
     assert b["all_sum_bytes_per_token"] == b["all_sum_bytes_per_token_plan"]
     assert b["compiled"] and b["decode_graphs"] >= 1 and not b["split_decode"]
+
+
+def test_a_stage_masks_its_own_layers():
+    # gemma3/gqa_fp32 (sliding, sliding, full, sliding, sliding, full) at pp 4:
+    # some stages hold one kind only, and a stage's full layer is not the first
+    # full layer overall; each stage's caches and masks are its layers' kinds only.
+    d = FIXTURES / "gemma3/gqa_fp32"
+    kinds = model_args(read_config(d)).layer_types
+    held = []
+    for r in range(4):
+        m = load_model(d, group=Group.planned(4, r), pp=4).model
+        s = m.model.stage
+        cache = m.make_cache()
+        assert len(cache) == s.stop - s.start == len(m.layers)
+        assert set(m.masks(40, cache)) == set(m.masks(1, None)) == set(kinds[s.start : s.stop])
+        held.append(set(kinds[s.start : s.stop]))
+    assert any(len(h) == 1 for h in held)  # the case this test is about
