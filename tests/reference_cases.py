@@ -8,6 +8,7 @@ forward pass. The modes, tolerances and comparison are the harness's own
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -33,3 +34,16 @@ def window_of(d: Path) -> int:
     c = json.loads((d / "config.json").read_text())
     c = c.get("text_config", c)
     return int(c.get("sliding_window") or 16)
+
+
+@functools.cache
+def single_process_logits(d: Path, ids_file: str = "reference.npz") -> dict:
+    """The single-process logits of case `d` in every mode (the ids of
+    `ids_file`), computed once per test session: test_tp and test_pipeline
+    compare their runs with the same ones."""
+    import numpy as np
+
+    from mlxcel_dist.harness import all_mode_logits
+    from mlxcel_dist.loader import load_model
+
+    return all_mode_logits(load_model(d).model, np.load(d / ids_file)["ids"])

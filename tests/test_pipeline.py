@@ -14,13 +14,13 @@ import pytest
 
 from mlxcel_dist.collectives import Group
 from mlxcel_dist.errors import UserError
-from mlxcel_dist.harness import all_mode_logits, compare, rel_tol_for
+from mlxcel_dist.harness import compare, rel_tol_for
 from mlxcel_dist.launcher import find_mpirun, launch
 from mlxcel_dist.loader import load_model, model_args, read_config
 from mlxcel_dist.models import get_model_module
 from mlxcel_dist.pipeline import REFUSED, TP_INSIDE_STAGE, stage_ranges
 
-from reference_cases import FIXTURES, case_id, cases
+from reference_cases import FIXTURES, case_id, cases, single_process_logits
 from testproc import run_cmd
 
 HELPER = Path(__file__).parent / "helpers" / "pp_cases.py"
@@ -157,11 +157,7 @@ def test_every_family_runs_in_stages_or_is_refused():
 # under the launcher ---------------------------------------------------------------
 @pytest.fixture(scope="module")
 def single():
-    out = {}
-    for d in CASES + QUANTIZED:
-        ids = np.load(_reference(d))["ids"]
-        out[d] = all_mode_logits(load_model(d).model, ids)
-    return out
+    return {d: single_process_logits(d, _reference(d).name) for d in CASES + QUANTIZED}
 
 
 @pytest.fixture(scope="module")

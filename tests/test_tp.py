@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 from mlxcel_dist.errors import UserError
-from mlxcel_dist.harness import all_mode_logits, compare, rel_tol_for
+from mlxcel_dist.harness import compare, rel_tol_for
 from mlxcel_dist.launcher import find_mpirun, launch
-from mlxcel_dist.loader import check_shardable, load_model
+from mlxcel_dist.loader import check_shardable
 
-from reference_cases import FIXTURES, case_id, cases
+from reference_cases import FIXTURES, case_id, cases, single_process_logits
 from testproc import run_cmd
 
 HELPER = Path(__file__).parent / "helpers" / "tp_cases.py"
@@ -41,11 +41,7 @@ def _tol(d):
 
 @pytest.fixture(scope="module")
 def single():
-    out = {}
-    for d in CASES:
-        ids = np.load(d / "reference.npz")["ids"]
-        out[d] = all_mode_logits(load_model(d).model, ids)
-    return out
+    return {d: single_process_logits(d) for d in CASES}
 
 
 # MPI runs every family at np 2 and 4. The ring backend runs the gemma3 cases
