@@ -206,6 +206,10 @@ class Stage:
         (after this stage's send) elsewhere, one all_sum."""
         if self.last:
             out = head(h)
+            # the other ranks' zeros are in the hidden dtype: the head's output is too
+            # (the loader casts every weight to it), but a mismatch would pair
+            # all_sums of different sizes, so it is made sure of
+            out = out if out.dtype == self.dtype else out.astype(self.dtype)
         else:
             out = mx.depends(mx.zeros((*h.shape[:-1], vocab), self.dtype), h)
         return self.group.all_sum(out)
