@@ -262,7 +262,16 @@ def rank_heads(attn: nn.Module, group: Group) -> tuple[int, int, list[int]]:
     H, KV, D = attn.total_num_heads, attn.total_num_kv_heads, attn.head_dim
     o = attn.o_proj
     unit = math.lcm(D, o.group_size) // D if isinstance(o, nn.QuantizedLinear) else 1  # heads per cut
-    (q0, q1), kv = head_ranges(H, KV, group.size(), group.rank(), group.weights, unit)
+    try:
+        (q0, q1), kv = head_ranges(H, KV, group.size(), group.rank(), group.weights, unit)
+    except UserError:
+        if unit == 1 or group.size() > H:
+            raise
+        raise UserError(
+            f"{group.size()} ranks cannot split o_proj ({H * D} inputs: {H} heads of {D}) at whole quantization "
+            f"groups of {o.group_size}; use a rank count that gives whole groups, or a checkpoint quantized with "
+            f"a smaller group size"
+        ) from None
     shifted = faults.kv_heads(kv, KV, group)
     slots = [(s + shifted[0] - kv[0]) % KV for s in kv_slots(q0, q1, H, KV)]
     return q0, q1, slots
