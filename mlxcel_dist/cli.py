@@ -64,7 +64,8 @@ HostfileOpt = Annotated[
 RankWeightsOpt = Annotated[
     Optional[str],
     typer.Option("--rank-weights", help="Comma-separated positive weights, one per rank (e.g. 3,1,1): each rank's share "
-                 "of heads, MLP columns and vocabulary proportional to its weight (default: as even as possible).",
+                 "of heads, MLP columns and vocabulary proportional to its weight (default: the hostfile's per-host "
+                 "weight=W, else as even as possible).",
                  show_default=False),
 ]
 DtypeOpt = Annotated[
@@ -178,6 +179,8 @@ def _distribute(ctx: typer.Context, np_: int, backend: str, hostfile: Optional[P
         raise UserError(f"--np must be >= 1, got {np_}")
     if weights is not None and len(weights) != np_:
         raise UserError(f"--rank-weights gives {len(weights)} weights for --np {np_}")
+    if weights is None and hostfile is not None:
+        weights = _hostfile_weights(ctx, hostfile, np_)
     backends.check_choice(backend)
     if np_ == 1 and hostfile is None:
         from .collectives import SINGLE
@@ -190,6 +193,18 @@ def _distribute(ctx: typer.Context, np_: int, backend: str, hostfile: Optional[P
     code = launch(_argv_from_ctx(ctx), np_, backend, str(hostfile) if hostfile else None,
                   stall_timeout=ctx.params.get("stall_timeout", DEFAULT_STALL_TIMEOUT_S))
     raise typer.Exit(code)
+
+
+def _hostfile_weights(ctx: typer.Context, hostfile: Path, np_: int):
+    """The ranks' weights from the hostfile's per-host ``weight`` (None when it
+    sets none); put in the ranks' argv as --rank-weights (the ranks never read
+    the hostfile)."""
+    from .hostfile import rank_weights, read_hostfile
+
+    weights = rank_weights(read_hostfile(hostfile).hosts, np_)
+    if weights is not None:
+        ctx.params["rank_weights"] = ",".join(map(str, weights))
+    return weights
 
 
 def parse_rank_weights(text: Optional[str]):
@@ -544,10 +559,12 @@ def logit_match(
             if dtype:
                 argv += ["--dtype", dtype]
             weights = parse_rank_weights(rank_weights)
+            if weights is None and hostfile is not None:
+                weights = _hostfile_weights(ctx, hostfile, np_)
             if weights is not None:
                 if len(weights) != np_:
                     raise UserError(f"--rank-weights gives {len(weights)} weights for --np {np_}")
-                argv += ["--rank-weights", rank_weights]
+                argv += ["--rank-weights", ",".join(map(str, weights))]
             check_shardable(model_dir, np_, weights)
             code = launch(argv, np_, backend, str(hostfile) if hostfile else None,
                           stall_timeout=stall_timeout)

@@ -237,3 +237,22 @@ def test_bad_rank_weights_are_refused_before_launch(weights, message, ids_file, 
             "--np", 3, "--rank-weights", weights)
     assert r.exit_code == 2, r.output
     assert message in r.output and r.output.strip().count("\n") == 0
+
+
+def test_hostfile_weights_reach_the_ranks_argv(tmp_path, ids_file, monkeypatch):
+    # The ranks never read the hostfile: its per-host weights ride in their argv.
+    import mlxcel_dist.launcher as launcher
+
+    seen = {}
+
+    def fake_launch(argv, np_, backend, hostfile=None, **kw):
+        seen["argv"] = argv
+        return 0
+
+    monkeypatch.setattr(launcher, "launch", fake_launch)
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost slots=1 weight=3\n127.0.0.1 slots=2\n")
+    r = run("logits", FIXTURES / "gemma3" / "gqa_fp32", "--tokens-file", ids_file, "--out", tmp_path / "o.npy",
+            "--np", 3, "--hostfile", hosts)
+    assert r.exit_code == 0, r.output
+    assert "--rank-weights=3,1,1" in seen["argv"]
