@@ -61,6 +61,13 @@ BackendOpt = Annotated[str, typer.Option("--backend", help=f"Distributed backend
 HostfileOpt = Annotated[
     Optional[Path], typer.Option("--hostfile", help="OpenMPI or MLX JSON hostfile for multi-host runs.")
 ]
+RankWeightsOpt = Annotated[
+    Optional[str],
+    typer.Option("--rank-weights", help="Comma-separated positive weights, one per rank (e.g. 3,1,1): each rank's share "
+                 "of heads, MLP columns and vocabulary proportional to its weight (default: the hostfile's per-host "
+                 "weight=W, else as even as possible).",
+                 show_default=False),
+]
 DtypeOpt = Annotated[
     Optional[str], typer.Option("--dtype", help="Compute dtype (float32, bfloat16, float16); default: the checkpoint's.")
 ]
@@ -159,14 +166,21 @@ def _distribute(ctx: typer.Context, np_: int, backend: str, hostfile: Optional[P
 
     Before launching, the model is sharded on paper for every rank, so a rank
     count its heads cannot take fails here, once."""
+    weights = parse_rank_weights(ctx.params.get("rank_weights"))
     if os.environ.get("MLXCEL_DIST_WORLD"):  # we are a launched rank
         from . import distributed
 
         group = distributed.init_from_env()
+        if weights is not None and not group.single:  # every rank re-runs the same argv: the same weights
+            group.set_weights(weights)
         distributed.check_cluster(group, model)
         return group
     if np_ < 1:
         raise UserError(f"--np must be >= 1, got {np_}")
+    if weights is not None and len(weights) != np_:
+        raise UserError(f"--rank-weights gives {len(weights)} weights for --np {np_}")
+    if weights is None and hostfile is not None:
+        weights = _hostfile_weights(ctx, hostfile, np_)
     backends.check_choice(backend)
     if np_ == 1 and hostfile is None:
         from .collectives import SINGLE
@@ -175,10 +189,38 @@ def _distribute(ctx: typer.Context, np_: int, backend: str, hostfile: Optional[P
     from .launcher import launch
     from .loader import check_shardable
 
-    check_shardable(model, np_)
+    check_shardable(model, np_, weights)
     code = launch(_argv_from_ctx(ctx), np_, backend, str(hostfile) if hostfile else None,
                   stall_timeout=ctx.params.get("stall_timeout", DEFAULT_STALL_TIMEOUT_S))
     raise typer.Exit(code)
+
+
+def _hostfile_weights(ctx: typer.Context, hostfile: Path, np_: int):
+    """The ranks' weights from the hostfile's per-host ``weight`` (None when it
+    sets none); put in the ranks' argv as --rank-weights (the ranks never read
+    the hostfile)."""
+    from .hostfile import rank_weights, read_hostfile
+
+    weights = rank_weights(read_hostfile(hostfile).hosts, np_)
+    if weights is not None:
+        ctx.params["rank_weights"] = ",".join(map(str, weights))
+    return weights
+
+
+def parse_rank_weights(text: Optional[str]):
+    """--rank-weights "3,1,1" -> (Fraction(3), Fraction(1), Fraction(1)) (exact,
+    so every rank splits alike); None when not given."""
+    if text is None or text == "":
+        return None
+    from fractions import Fraction
+
+    try:
+        weights = tuple(Fraction(w.strip()) for w in text.split(","))
+    except (ValueError, ZeroDivisionError):
+        raise UserError(f"--rank-weights must be comma-separated positive numbers, got {text!r}") from None
+    if any(w <= 0 for w in weights):
+        raise UserError(f"--rank-weights must be positive, got {text!r}")
+    return weights
 
 
 def _load(model, dtype, group):
@@ -215,6 +257,7 @@ def logits(
     np_: NpOpt = 1,
     backend: BackendOpt = "auto",
     hostfile: HostfileOpt = None,
+    rank_weights: RankWeightsOpt = None,
     stall_timeout: StallOpt = DEFAULT_STALL_TIMEOUT_S,
 ):
     """Write the logits of every position of a token sequence."""
@@ -293,6 +336,7 @@ def generate(
     np_: NpOpt = 1,
     backend: BackendOpt = "auto",
     hostfile: HostfileOpt = None,
+    rank_weights: RankWeightsOpt = None,
     stall_timeout: StallOpt = DEFAULT_STALL_TIMEOUT_S,
 ):
     """Generate text, streamed to stdout; speed to stderr."""
@@ -437,6 +481,7 @@ def modes(
     np_: NpOpt = 1,
     backend: BackendOpt = "auto",
     hostfile: HostfileOpt = None,
+    rank_weights: RankWeightsOpt = None,
     stall_timeout: StallOpt = DEFAULT_STALL_TIMEOUT_S,
 ):
     """Logits of one sequence in every feeding mode (the harness's rank job)."""
@@ -469,6 +514,7 @@ def logit_match(
     np_: NpOpt = 2,
     backend: BackendOpt = "auto",
     hostfile: HostfileOpt = None,
+    rank_weights: RankWeightsOpt = None,
     stall_timeout: StallOpt = DEFAULT_STALL_TIMEOUT_S,
 ):
     """Compare N-rank logits with single-process logits (and a reference) in every mode."""
@@ -512,7 +558,14 @@ def logit_match(
             argv = ["modes", str(model_dir.resolve()), "--tokens", ",".join(map(str, ids.tolist())), "--out", str(out)]
             if dtype:
                 argv += ["--dtype", dtype]
-            check_shardable(model_dir, np_)
+            weights = parse_rank_weights(rank_weights)
+            if weights is None and hostfile is not None:
+                weights = _hostfile_weights(ctx, hostfile, np_)
+            if weights is not None:
+                if len(weights) != np_:
+                    raise UserError(f"--rank-weights gives {len(weights)} weights for --np {np_}")
+                argv += ["--rank-weights", ",".join(map(str, weights))]
+            check_shardable(model_dir, np_, weights)
             code = launch(argv, np_, backend, str(hostfile) if hostfile else None,
                           stall_timeout=stall_timeout)
             if code != 0:
@@ -620,13 +673,13 @@ def convert(
     if s["copied"]:
         _err(f"copied {', '.join(s['copied'])}")
     splits = []
-    for n in (2, 4, 8):
+    for n in (2, 3, 4, 8):
         try:
             check_shardable(out, n)
             splits.append(str(n))
         except UserError:
             pass
-    _err(f"tensor-parallel rank counts that split it (of 2, 4, 8): {', '.join(splits) or 'none'}")
+    _err(f"tensor-parallel rank counts that split it (of 2, 3, 4, 8): {', '.join(splits) or 'none'}")
 
 
 @app.command()
@@ -654,6 +707,7 @@ def serve(
     np_: NpOpt = 1,
     backend: BackendOpt = "auto",
     hostfile: HostfileOpt = None,
+    rank_weights: RankWeightsOpt = None,
     stall_timeout: StallOpt = DEFAULT_STALL_TIMEOUT_S,
     served_model_name: Annotated[Optional[list[str]], typer.Option("--served-model-name", metavar="NAME", help="A name requests may give as 'model' (vLLM's flag, repeatable; the first is the id the server shows; default: MODEL as given).", show_default=False)] = None,
 ):
@@ -723,6 +777,7 @@ def bench(
     np_: NpOpt = 1,
     backend: BackendOpt = "auto",
     hostfile: HostfileOpt = None,
+    rank_weights: RankWeightsOpt = None,
     stall_timeout: StallOpt = DEFAULT_STALL_TIMEOUT_S,
 ):
     """Prefill/decode speed, time to first token, peak memory per rank, all_sums per token."""

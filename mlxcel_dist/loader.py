@@ -157,9 +157,10 @@ def build_model(config: dict):
     return module.Model(args)
 
 
-def check_shardable(model: str | os.PathLike | None, np_: int) -> None:
-    """Raise UserError now if `np_` ranks cannot split this model's heads/MLP,
-    so a bad rank count is one clear line instead of N failing ranks."""
+def check_shardable(model: str | os.PathLike | None, np_: int, weights=None) -> None:
+    """Raise UserError now if `np_` ranks (with these rank weights) cannot
+    split this model's heads/MLP, so a bad rank count is one clear line
+    instead of N failing ranks."""
     if np_ <= 1:
         return
     model_dir = resolve_model_dir(model)
@@ -169,7 +170,7 @@ def check_shardable(model: str | os.PathLike | None, np_: int) -> None:
     refs = open_checkpoint(model_dir) if read_quantization(config) is not None else None
     for r in range(np_):
         m, _ = _build_for_checkpoint(config, refs)
-        m.shard(Group.planned(np_, r))  # on paper: parameters stay lazy
+        m.shard(Group.planned(np_, r, weights))  # on paper: parameters stay lazy
 
 
 def _build_for_checkpoint(config: dict, raw_refs: dict | None):
@@ -234,7 +235,7 @@ def load_weights(model: nn.Module, refs: dict, dtype=None, progress=None, unexpe
     for i, name in enumerate(names):
         ref, param = refs[name], expected[name]
         axis, ranges = plan.get(name, (None, None))
-        if axis is not None and (axis >= len(ref.shape) or ranges[-1][1] > ref.shape[axis]):
+        if axis is not None and (axis >= len(ref.shape) or max(e for _, e in ranges) > ref.shape[axis]):
             want = f"expected {list(full_shapes[name])}" if full_shapes and name in full_shapes else \
                 f"this rank's slice needs [{ranges[0][0]}, {ranges[-1][1]}) of axis {axis}"
             raise UserError(f"tensor {name!r} has shape {list(ref.shape)}, {want}")
