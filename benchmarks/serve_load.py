@@ -208,7 +208,9 @@ def bench_server(name: str, model: Path, clients: list[int], requests: int, toke
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     log = open(log_dir / f"{name}.log", "w+")
-    env = {**os.environ, "PYTHONPATH": str(root)} if root != ROOT else None
+    env = None
+    if root != ROOT:  # that checkout first, whatever else the path holds (e.g. a staged MLX) after it
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.Popen(server_cmd(name, model, port), cwd=root, stdout=log, stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL, start_new_session=True, env=env)
     try:
