@@ -292,8 +292,10 @@ class HostChannel:
         return chan
 
     def local_address(self) -> str:
-        """This rank's address on the star (rank 0: where the other ranks reached it)."""
-        return next(iter(self._peers.values())).getsockname()[0]
+        """This rank's address on the star (rank 0: where the other ranks
+        reached it; "0.0.0.0" when they reached it at different addresses)."""
+        seen = {conn.getsockname()[0] for conn in self._peers.values()}
+        return seen.pop() if len(seen) == 1 else "0.0.0.0"
 
     def root_address(self) -> str:
         """Rank 0's address as this rank reached it."""
