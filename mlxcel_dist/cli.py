@@ -607,6 +607,49 @@ def _read_reference(path: Path) -> dict:
 
 @app.command()
 @_handle_errors
+def plan(
+    model: ModelArg = None,
+    model_opt: ModelOpt = None,
+    np_: NpOpt = 1,
+    hostfile: HostfileOpt = None,
+    rank_weights: RankWeightsOpt = None,
+    link: Annotated[str, typer.Option("--link", help="The link between ranks for the predicted time: loopback (one machine), tb5 (Thunderbolt 5 RDMA), 10gbe.")] = "loopback",
+    bandwidth: Annotated[Optional[float], typer.Option("--bandwidth", help="Memory bandwidth of a rank in GB/s for the predicted time (default: measured here).", show_default=False)] = None,
+):
+    """Per rank: heads, MLP columns, vocabulary rows and weight memory; per token: collectives and a predicted decode time (from the checkpoint's headers only)."""
+    from .loader import check_shardable, open_model
+    from .plan import format_plan, make_plan
+
+    ck = open_model(_pick_model(model, model_opt))
+    weights = parse_rank_weights(rank_weights)
+    if hostfile is not None:
+        from .hostfile import assign_ranks, read_hostfile
+
+        hosts = read_hostfile(hostfile).hosts
+        np_ = np_ if np_ > 1 else sum(h.slots for h in hosts)
+        weights = weights or _hostfile_weights_for(hosts, np_)
+        if np_ > 0 and link == "loopback":
+            link = "10gbe"
+        assign_ranks(hosts, np_)
+    if np_ < 1:
+        raise UserError(f"--np must be >= 1, got {np_}")
+    if weights is not None and len(weights) != np_:
+        raise UserError(f"--rank-weights gives {len(weights)} weights for --np {np_}")
+    check_shardable(ck, np_, weights)
+    p = make_plan(ck, np_, weights, link, None if bandwidth is None else bandwidth * 1e9)
+    print(f"{ck.dir}: {np_} rank(s)")
+    for line in format_plan(p, np_):
+        print(line)
+
+
+def _hostfile_weights_for(hosts, np_: int):
+    from .hostfile import rank_weights
+
+    return rank_weights(hosts, np_)
+
+
+@app.command()
+@_handle_errors
 def info(model: ModelArg = None, model_opt: ModelOpt = None):
     """Config summary, per-layer attention kind, parameter count."""
     import numpy as np

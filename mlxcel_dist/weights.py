@@ -53,6 +53,10 @@ class TensorRef:
     def nbytes(self) -> int:
         return self._mm.nbytes
 
+    @property
+    def itemsize(self) -> int:
+        return self._mm.itemsize
+
     def read(self, axis: int | None = None, ranges=None) -> mx.array:
         a = self._mm
         if axis is not None:
