@@ -622,30 +622,27 @@ def plan(
 
     ck = open_model(_pick_model(model, model_opt))
     weights = parse_rank_weights(rank_weights)
+    memory = None
     if hostfile is not None:
-        from .hostfile import assign_ranks, read_hostfile
+        from .hostfile import rank_memory, rank_weights as host_weights, read_hostfile
 
         hosts = read_hostfile(hostfile).hosts
         np_ = np_ if np_ > 1 else sum(h.slots for h in hosts)
-        weights = weights or _hostfile_weights_for(hosts, np_)
-        if np_ > 0 and link == "loopback":
+        weights = weights or host_weights(hosts, np_)
+        memory = rank_memory(hosts, np_)
+        if all(m is None for m in memory):
+            memory = None
+        if link == "loopback":
             link = "10gbe"
-        assign_ranks(hosts, np_)
     if np_ < 1:
         raise UserError(f"--np must be >= 1, got {np_}")
     if weights is not None and len(weights) != np_:
         raise UserError(f"--rank-weights gives {len(weights)} weights for --np {np_}")
     check_shardable(ck, np_, weights)
-    p = make_plan(ck, np_, weights, link, None if bandwidth is None else bandwidth * 1e9)
+    p = make_plan(ck, np_, weights, link, None if bandwidth is None else bandwidth * 1e9, memory)
     print(f"{ck.dir}: {np_} rank(s)")
     for line in format_plan(p, np_):
         print(line)
-
-
-def _hostfile_weights_for(hosts, np_: int):
-    from .hostfile import rank_weights
-
-    return rank_weights(hosts, np_)
 
 
 @app.command()
@@ -761,7 +758,8 @@ def serve(
     long_lived_env()
     from .engine import check_generation_options
     from .sampling import SamplingParams
-    from .serve.lifecycle import Options, parse_size, run
+    from .serve.lifecycle import Options, run
+    from .units import parse_size
     from .serve.openai_api import Defaults
     from .tokenizer import Tokenizer
 

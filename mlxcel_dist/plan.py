@@ -123,10 +123,14 @@ def make_plan(ck, n: int, weights=None, link: str = "loopback", bandwidth: float
         memory = [total // n if total else None] * n
     for rp, avail in zip(ranks, memory):
         if avail is not None and rp.bytes > avail:
-            raise UserError(f"rank {rp.rank} needs {rp.bytes / 1e9:.2f} GB of weights, more than its "
-                            f"{avail / 1e9:.2f} GB of memory")
+            raise UserError(f"rank {rp.rank} needs {_size(rp.bytes)} of weights, more than its {_size(avail)} "
+                            "of memory (use more ranks, or --rank-weights / the hosts' memory= to shift shares)")
     return {"ranks": ranks, "collectives": coll, "link": (link, lat, link_bw, source), "bandwidth": bw,
             "layers": layers, "compute_s": compute, "comm_s": comm, "token_s": compute + comm}
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
 
 
 def _span(t) -> str:

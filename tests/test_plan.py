@@ -62,3 +62,26 @@ def test_cli():
     assert r.exit_code == 2 and "cannot split 4 attention heads" in r.output
     r = CliRunner().invoke(app, ["plan", "--link", "carrier-pigeon"])
     assert r.exit_code == 2 and "--link must be one of" in r.output
+
+
+def test_hostfile_memory_sets_the_shares_and_the_limit(tmp_path):
+    """Three hosts of different memory=: without weights, each rank's share
+    follows its memory; a host too small for its share is refused."""
+    from fractions import Fraction
+
+    from mlxcel_dist.hostfile import rank_memory, rank_weights, read_hostfile
+
+    hf = tmp_path / "three.txt"
+    hf.write_text("mac1 memory=192GB\nmac2 memory=64GB\nmac3 slots=2 memory=64GB\n")
+    hosts = read_hostfile(hf).hosts
+    assert rank_weights(hosts, 4) == (Fraction(6), Fraction(2), Fraction(1), Fraction(1))
+    assert rank_memory(hosts, 4) == [192 * 10**9, 64 * 10**9, 32 * 10**9, 32 * 10**9]
+    r = CliRunner().invoke(app, ["plan", "--hostfile", str(hf), "--bandwidth", "5"])
+    assert r.exit_code == 0, r.output
+    cols = [r.columns for r in make_plan(open_model(None), 4, rank_weights(hosts, 4), bandwidth=5e9)["ranks"]]
+    widths = [b - a for a, b in cols]
+    assert widths[0] > widths[1] > widths[2] == widths[3], widths  # 6 : 2 : 1 : 1, in whole columns
+    small = tmp_path / "small.json"
+    small.write_text('[{"ssh": "mac1", "memory": "1MB"}, {"ssh": "mac2", "memory": "1MB"}]')
+    r = CliRunner().invoke(app, ["plan", "--hostfile", str(small)])
+    assert r.exit_code == 2 and "rank 0 needs" in r.output and "of memory" in r.output, r.output
