@@ -264,14 +264,14 @@ def logits(
     import numpy as np
 
     from .engine import check_tokens, sequence_logits
-    from .loader import context_length, model_args, read_config, resolve_model_dir
+    from .loader import open_model
 
     ids = _read_tokens(tokens_file)
     _check_out(out)
-    config = read_config(resolve_model_dir(model))
+    ck = open_model(model)
     try:  # before any rank is launched, naming the file
-        check_tokens(ids, model_args(config).vocab_size)
-        limit = context_length(config)
+        check_tokens(ids, ck.args.vocab_size)
+        limit = ck.context_length
         if limit is not None and len(ids) > limit:
             raise UserError(f"{len(ids)} tokens, more than the model's context of {limit} (max_position_embeddings)")
     except UserError as e:
@@ -343,7 +343,7 @@ def generate(
     import time
 
     from .engine import check_context, check_generation_options, generate_text, rank_resources
-    from .loader import context_length, read_config, resolve_model_dir
+    from .loader import open_model
     from .sampling import SamplingParams
     from .tokenizer import StopStrings, Tokenizer
 
@@ -372,10 +372,9 @@ def generate(
         # Checkpoint and prompt problems (no config, no tokenizer, a chat
         # template that refuses the conversation, a prompt past the model's
         # context) fail here once, before any rank is launched.
-        model_dir = resolve_model_dir(model)
-        config = read_config(model_dir)
-        tok = Tokenizer(model_dir, config, chat_template=_template_text(chat_template))
-        check_context(len(tok.prompt_ids(prompt, chat=chat, system=system)), max_tokens, context_length(config))
+        ck = open_model(model)
+        tok = Tokenizer(ck.dir, ck.config, chat_template=_template_text(chat_template))
+        check_context(len(tok.prompt_ids(prompt, chat=chat, system=system)), max_tokens, ck.context_length)
     group = _distribute(ctx, np_, backend, hostfile, model)
     t0 = time.perf_counter()
     loaded = _load(model, dtype, group)
@@ -383,7 +382,7 @@ def generate(
     tok = Tokenizer(loaded.model_dir, loaded.config, chat_template=_template_text(chat_template))
     use_chat = tok.use_chat(chat)
     ids = tok.prompt_ids(prompt, chat=chat, system=system)
-    check_context(len(ids), max_tokens, context_length(loaded.config))
+    check_context(len(ids), max_tokens, open_model(model).context_length)
     if group.is_root and verbose:
         how = f"chat template: {tok.chat_template()[1]}" if use_chat else "plain text"
         seeded = "" if "seed" in sampling.describe() else f" (seed {seed}, unused)"
@@ -523,12 +522,12 @@ def logit_match(
     import numpy as np
 
     from .harness import all_mode_logits, compare, default_tokens, model_window, rel_tol_for
-    from .loader import check_shardable, load_model, resolve_model_dir
+    from .loader import check_shardable, load_model, open_model
 
     model = _pick_model(model, model_opt)
     if np_ < 1:
         raise UserError(f"--np must be >= 1, got {np_}")
-    model_dir = resolve_model_dir(model)
+    model_dir = open_model(model).dir
     single = load_model(model_dir, dtype=dtype)
     m = single.model
     ref = None
@@ -608,20 +607,59 @@ def _read_reference(path: Path) -> dict:
 
 @app.command()
 @_handle_errors
+def plan(
+    model: ModelArg = None,
+    model_opt: ModelOpt = None,
+    np_: NpOpt = 1,
+    hostfile: HostfileOpt = None,
+    rank_weights: RankWeightsOpt = None,
+    link: Annotated[str, typer.Option("--link", help="The link between ranks for the predicted time: loopback (one machine), tb5 (Thunderbolt 5 RDMA), 10gbe.")] = "loopback",
+    bandwidth: Annotated[Optional[float], typer.Option("--bandwidth", help="Memory bandwidth of a rank in GB/s for the predicted time (default: measured here).", show_default=False)] = None,
+):
+    """Per rank: heads, MLP columns, vocabulary rows and weight memory; per token: collectives and a predicted decode time (from the checkpoint's headers only)."""
+    from .loader import check_shardable, open_model
+    from .plan import format_plan, make_plan
+
+    ck = open_model(_pick_model(model, model_opt))
+    weights = parse_rank_weights(rank_weights)
+    memory = None
+    if hostfile is not None:
+        from .hostfile import rank_memory, rank_weights as host_weights, read_hostfile
+
+        hosts = read_hostfile(hostfile).hosts
+        np_ = np_ if np_ > 1 else sum(h.slots for h in hosts)
+        weights = weights or host_weights(hosts, np_)
+        memory = rank_memory(hosts, np_)
+        if all(m is None for m in memory):
+            memory = None
+        if link == "loopback":
+            link = "10gbe"
+    if np_ < 1:
+        raise UserError(f"--np must be >= 1, got {np_}")
+    if weights is not None and len(weights) != np_:
+        raise UserError(f"--rank-weights gives {len(weights)} weights for --np {np_}")
+    check_shardable(ck, np_, weights)
+    p = make_plan(ck, np_, weights, link, None if bandwidth is None else bandwidth * 1e9, memory)
+    print(f"{ck.dir}: {np_} rank(s)")
+    for line in format_plan(p, np_):
+        print(line)
+
+
+@app.command()
+@_handle_errors
 def info(model: ModelArg = None, model_opt: ModelOpt = None):
     """Config summary, per-layer attention kind, parameter count."""
     import numpy as np
 
-    from .loader import build_model, read_config, resolve_model_dir
-    from .weights import open_checkpoint
+    from .loader import build_model, open_model
 
     from mlx.utils import tree_flatten
 
-    model_dir = resolve_model_dir(_pick_model(model, model_opt))
-    config = read_config(model_dir)
+    ck = open_model(_pick_model(model, model_opt))
+    model_dir, config = ck.dir, ck.config
     m = build_model(config)
     a = m.args
-    refs = m.sanitize(open_checkpoint(model_dir))
+    refs = m.sanitize(dict(ck.refs))
     # The model as built (unquantized, lazy: nothing is read) has the logical
     # shapes; stored packed 4-bit words or scales would miscount them.
     n_params = sum(int(np.prod(p.shape)) for _, p in tree_flatten(m.parameters()))
@@ -632,6 +670,7 @@ def info(model: ModelArg = None, model_opt: ModelOpt = None):
     print(f"hidden      {a.hidden_size}, intermediate {a.intermediate_size}, vocab {a.vocab_size}")
     print(f"heads       {a.num_attention_heads} q, {a.num_key_value_heads} kv, head_dim {a.head_dim}")
     print(f"layers      {a.num_hidden_layers}")
+    print(f"context     {ck.context_length or 'not set'} tokens (max_position_embeddings)")
     from .models.base import describe_layers
 
     for line in getattr(m, "describe_layers", lambda: describe_layers(m))():
@@ -719,7 +758,8 @@ def serve(
     long_lived_env()
     from .engine import check_generation_options
     from .sampling import SamplingParams
-    from .serve.lifecycle import Options, parse_size, run
+    from .serve.lifecycle import Options, run
+    from .units import parse_size
     from .serve.openai_api import Defaults
     from .tokenizer import Tokenizer
 

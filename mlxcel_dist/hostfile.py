@@ -13,7 +13,10 @@ Two formats are accepted, detected from the first non-blank character:
   otherwise ignored) and ``#`` comments; blank lines are skipped. A host listed
   twice gets the sum of its slots, as OpenMPI does. ``weight=W`` (an mlxcel
   extension; the launcher writes mpirun its own hostfile) gives each of the
-  host's ranks tensor-parallel weight W (see ``--rank-weights``; default 1).
+  host's ranks tensor-parallel weight W (see ``--rank-weights``; default 1);
+  ``memory=64GB`` (also an extension) is the host's memory for its ranks:
+  without weights, ranks get shares proportional to their memory (the host's
+  divided by its slots), and ``plan`` refuses a placement past it.
 
 * MLX JSON hostfiles (what ``mlx.launch --hostfile`` reads), either a list::
 
@@ -21,8 +24,8 @@ Two formats are accepted, detected from the first non-blank character:
        {"ssh": "mac2", "ips": ["192.168.10.2"]}]
 
   or an object ``{"backend": "ring", "envs": ["K=V"], "hosts": [...]}``. Each
-  host entry is one rank (``"slots": N`` and ``"weight": W`` are accepted as
-  mlxcel extensions); ``"rdma"`` (JACCL device names) is kept.
+  host entry is one rank (``"slots": N``, ``"weight": W`` and ``"memory":
+  "64GB"`` are accepted as mlxcel extensions); ``"rdma"`` (JACCL device names) is kept.
 
 Every malformed input raises :class:`~mlxcel_dist.errors.UserError` whose
 message names the file and the line.
@@ -71,6 +74,7 @@ class Host:
     ips: list[str] = field(default_factory=list)
     rdma: list | None = None
     weight: Fraction | None = None  # each of its ranks' tensor-parallel weight (None: 1)
+    memory: int | None = None  # bytes of memory for its ranks together (None: not said)
 
     @property
     def address(self) -> str:
@@ -149,10 +153,30 @@ def assign_ranks(hosts: list[Host], np: int) -> list[Host]:
 
 def rank_weights(hosts: list[Host], np: int) -> tuple | None:
     """Each rank's weight from its host's ``weight`` (rank order as
-    `assign_ranks`), or None when no host sets one."""
-    if all(h.weight is None for h in hosts):
-        return None
-    return tuple(h.weight or Fraction(1) for h in assign_ranks(hosts, np))
+    `assign_ranks`); without any, from its share of its host's ``memory``
+    when every host says one; else None (even shares)."""
+    ranks = assign_ranks(hosts, np)
+    if any(h.weight is not None for h in hosts):
+        return tuple(h.weight or Fraction(1) for h in ranks)
+    if ranks and all(h.memory is not None for h in hosts):
+        per = [Fraction(h.memory, h.slots) for h in ranks]
+        unit = min(per)
+        return tuple(p / unit for p in per)  # the smallest is 1: readable in the ranks' argv
+    return None
+
+
+def rank_memory(hosts: list[Host], np: int) -> list:
+    """Each rank's bytes of memory (its host's divided by its slots), None where not said."""
+    return [None if h.memory is None else h.memory // h.slots for h in assign_ranks(hosts, np)]
+
+
+def _memory(path: str, line: int | None, value) -> int:
+    from .units import parse_size
+
+    try:
+        return parse_size(str(value), "memory")
+    except UserError as e:
+        raise _err(path, line, str(e)) from None
 
 
 def _weight(path: str, line: int | None, value) -> Fraction:
@@ -230,6 +254,7 @@ def parse_hostfile_text(text: str, path: str = "<string>") -> list[Host]:
         slots: int | None = None
         max_slots: int | None = None
         weight: Fraction | None = None
+        memory: int | None = None
         for opt in opts:
             key, eq, value = opt.partition("=")
             key_l = key.lower()
@@ -243,9 +268,11 @@ def parse_hostfile_text(text: str, path: str = "<string>") -> list[Host]:
                 max_slots = _positive_int(path, lineno, key, value)
             elif key_l == "weight":
                 weight = _weight(path, lineno, value)
+            elif key_l == "memory":
+                memory = _memory(path, lineno, value)
             else:
                 raise _err(
-                    path, lineno, f"unknown option {key!r} (expected slots=N, max_slots=N or weight=W)"
+                    path, lineno, f"unknown option {key!r} (expected slots=N, max_slots=N, weight=W or memory=SIZE)"
                 )
         if slots is None:
             slots = 1
@@ -256,8 +283,9 @@ def parse_hostfile_text(text: str, path: str = "<string>") -> list[Host]:
                 raise _err(path, lineno, f"host {name!r} was given weight {hosts[name].weight} before, now {weight}")
             hosts[name].slots += slots
             hosts[name].weight = hosts[name].weight or weight
+            hosts[name].memory = hosts[name].memory or memory
         else:
-            hosts[name] = Host(name=name, slots=slots, weight=weight)
+            hosts[name] = Host(name=name, slots=slots, weight=weight, memory=memory)
     if not hosts:
         raise UserError(f"hostfile {path}: no hosts in it")
     return list(hosts.values())
@@ -340,7 +368,8 @@ def _parse_json(text: str, path: str) -> HostfileInfo:
         if rdma is not None and not isinstance(rdma, list):
             raise _err(path, line, f'"rdma" of host {name!r} must be a list')
         weight = _weight(path, line, h["weight"]) if "weight" in h else None
-        hosts.append(Host(name=name, slots=slots, ips=list(ips), rdma=rdma, weight=weight))
+        memory = _memory(path, line, h["memory"]) if "memory" in h else None
+        hosts.append(Host(name=name, slots=slots, ips=list(ips), rdma=rdma, weight=weight, memory=memory))
     if not hosts:
         raise UserError(f"hostfile {path}: no hosts in it")
     return HostfileInfo(path=path, format="json", hosts=hosts, backend=backend, envs=envs)
