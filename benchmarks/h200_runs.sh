@@ -14,6 +14,8 @@
 #   bash benchmarks/h200_runs.sh tail      # issue 19: prefill_tail.py (chunk / DecodeStep.start / first step), then
 #                                          # issue 17: serve np 1 / np 2, graph cache 2000 (run while --warmup was
 #                                          # briefly CUDA's default; ours-np1 and ours-np1-nowarmup are now alike)
+#   bash benchmarks/h200_runs.sh serve25 [ORDER] [FIRST]  # the serve rebuild (serve/, FastAPI + uvicorn) vs 213fb50's
+#                                          # stdlib server.py, 12B-shaped, np 1, alternated (ORDER "new old new old")
 #
 # JSON and logs land in $OUT (at most 8 files come back).
 #
@@ -112,6 +114,32 @@ tail)
     --servers ours-np2 --json "$O/serve_defaults_np2.json" 2>&1 | grep clients
   grep -h -E "batch steps ready|rows a step" /tmp/serve-load-*/* 2>/dev/null | cut -c1-300 | tail -12
   ;;
+serve25)
+  # compares the serve rebuild (mlxcel_dist/serve/: FastAPI + uvicorn + pydantic) with 213fb50's stdlib
+  # server.py on the same checkpoint: ours-np1, 1 / 4 / 16 clients, each tree serving its own code through its
+  # own benchmarks/serve_load.py (run from the tree, so its package is first on the path). The old tree, made
+  # here and carried to the device:
+  #   mkdir -p .dev/old && git archive 213fb50 mlxcel_dist models benchmarks pyproject.toml | tar -x -C .dev/old
+  # NEW (default: this checkout) may name another such tree, e.g. one commit's archive. ORDER and FIRST (the
+  # first run's number) let the alternation go over two device calls on one warm machine; with UNTIL (epoch
+  # seconds) set, a run that could not finish by then (150 s each) is left for the next call.
+  ckpt12b
+  export CUDA_VISIBLE_DEVICES=0
+  NEW=$(cd "${NEW:-.}" && pwd) OLD=$(cd "${OLD:-.dev/old}" && pwd)
+  n=${3:-1}
+  for which in ${2:-new old new old}; do
+    if [ -n "${UNTIL:-}" ] && [ $(($(date +%s) + 150)) -gt "$UNTIL" ]; then echo "== run $n ($which) and later: not run"; break; fi
+    if [ "$which" = old ]; then dir=$OLD; else dir=$NEW; fi
+    pp=$dir${PYTHONPATH:+:$PYTHONPATH}  # the tree's package ahead of any other on the path
+    echo "== run $n: $which, $(cd "$dir" && PYTHONPATH=$pp python3 -c 'import mlxcel_dist; print(mlxcel_dist.__file__)')"
+    (cd "$dir" && PYTHONPATH=$pp timeout 230 python3 benchmarks/serve_load.py --model "$CKPT" --clients 1,4,16 \
+      --requests 2 --tokens 64 --servers ours-np1 --json "$O/serve25_${n}_$which.json") 2>&1 | grep -v "^\s*$" | tail -6
+    log=$(ls -td /tmp/serve-load-* | head -1)/ours-np1.log  # the old server logs a 'serve: 127.0.0.1 "POST' line a request
+    echo "   $(grep -c '^serve: 127.0.0.1 "POST' "$log") old-style request lines; server log's last lines:"
+    grep -v "^\s*$" "$log" | tail -3 | cut -c1-300
+    n=$((n + 1))
+  done
+  ;;
 match)
   ckpt12b
   /usr/bin/time -v timeout 560 python3 -m mlxcel_dist.cli logit-match "$CKPT" --np 2 --backend nccl 2>&1 \
@@ -119,7 +147,7 @@ match)
     | tail -25
   ;;
 *)
-  echo "usage: $0 compare|tp27|serve|match|batch|graphs|prof|tail" >&2
+  echo "usage: $0 compare|tp27|serve|match|batch|graphs|prof|tail|serve25" >&2
   exit 2
   ;;
 esac

@@ -5,6 +5,7 @@ on one checkpoint.
     python benchmarks/serve_load.py                      # 1 and 8 clients x 2 requests x 64 tokens
     python benchmarks/serve_load.py --clients 1,4,16 --requests 3 --json out.json
     python benchmarks/serve_load.py --servers ours-np1,mlx_lm-np1
+    python benchmarks/serve_load.py --servers ours-np1,ours-np1@../old-checkout   # this code vs another commit's
 
 Without --model it writes a random-weight bf16 llama of ~25M parameters
 (hidden 512, 8 layers, 8 q / 4 KV heads of 64, MLP 1536) with the embedded
@@ -183,12 +184,35 @@ def run_round(base: str, clients: int, requests: int, tokens: int, tag: str) -> 
             "lat_p50": statistics.median(lats), "lat_p95": pct(lats, 0.95)}
 
 
-def bench_server(name: str, model: Path, clients: list[int], requests: int, tokens: int, log_dir: Path) -> list:
+def _family_cpu_s(root: int) -> float:
+    """CPU seconds (user + system) of `root` and every process below it (Linux /proc; 0 elsewhere)."""
+    kids, cpu = {}, {}
+    for d in Path("/proc").glob("[0-9]*"):
+        try:
+            f = (d / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        kids.setdefault(int(f[1]), []).append(int(d.name))
+        cpu[int(d.name)] = (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+    total, todo = 0.0, [root]
+    while todo:
+        pid = todo.pop()
+        total += cpu.get(pid, 0.0)
+        todo += kids.get(pid, [])
+    return total
+
+
+def bench_server(name: str, model: Path, clients: list[int], requests: int, tokens: int, log_dir: Path,
+                 root: Path = ROOT) -> list:
+    """`root`: the checkout whose code serves (another one's, to compare versions of ours)."""
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     log = open(log_dir / f"{name}.log", "w+")
-    proc = subprocess.Popen(server_cmd(name, model, port), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, start_new_session=True)
+    env = None
+    if root != ROOT:  # that checkout first, whatever else the path holds (e.g. a staged MLX) after it
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.Popen(server_cmd(name, model, port), cwd=root, stdout=log, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, start_new_session=True, env=env)
     try:
         deadline = time.monotonic() + 180
         while True:
@@ -202,7 +226,13 @@ def bench_server(name: str, model: Path, clients: list[int], requests: int, toke
                 time.sleep(0.3)
         for n in sorted(set(clients)):  # warm-up: each batch size once
             run_round(base, n, 1, 8, "warm-up")
-        return [{"server": name, **run_round(base, n, requests, tokens, "timed")} for n in clients]
+        rows = []
+        for n in clients:  # the server's CPU seconds per token: its own cost, less swayed by a busy machine
+            c0 = _family_cpu_s(proc.pid)
+            row = run_round(base, n, requests, tokens, "timed")
+            row["server_cpu_ms_per_token"] = round(1000 * (_family_cpu_s(proc.pid) - c0) / max(row["tokens"], 1), 3)
+            rows.append({"server": name, **row})
+        return rows
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
@@ -253,10 +283,14 @@ def main() -> None:
     clients = [int(x) for x in args.clients.split(",")]
     log_dir = Path(tempfile.mkdtemp(prefix="serve-load-"))
     rows = []
-    for name in args.servers.split(","):
-        print(f"{name}: loadavg {open('/proc/loadavg').read().split()[:3]}", file=sys.stderr, flush=True)
+    for spec in args.servers.split(","):
+        name, _, root = spec.partition("@")  # NAME@DIR: that checkout's code serves (e.g. an older commit's)
+        print(f"{spec}: loadavg {open('/proc/loadavg').read().split()[:3]}", file=sys.stderr, flush=True)
         try:
-            got = bench_server(name, model, clients, args.requests, args.tokens, log_dir)
+            got = bench_server(name, model, clients, args.requests, args.tokens, log_dir,
+                               Path(root).resolve() if root else ROOT)
+            for r in got:
+                r["server"] = spec
         except RuntimeError as e:
             print(f"{name}: {e}", file=sys.stderr)
             continue
@@ -264,7 +298,8 @@ def main() -> None:
         for r in got:
             print(f"{r['server']:>11} {r['clients']:>3} clients: {r['tok_s']:7.1f} tok/s  TTFT p50 "
                   f"{r['ttft_p50']:.3f}s p95 {r['ttft_p95']:.3f}s  latency p50 {r['lat_p50']:.2f}s "
-                  f"p95 {r['lat_p95']:.2f}s  ({r['requests']} requests, {r['tokens']} tokens, "
+                  f"p95 {r['lat_p95']:.2f}s  server CPU {r['server_cpu_ms_per_token']:.1f} ms/token  "
+                  f"({r['requests']} requests, {r['tokens']} tokens, "
                   f"{r['connect_retries']} connections reset and retried)", flush=True)
     print(f"logs: {log_dir}", file=sys.stderr)
     if args.json:

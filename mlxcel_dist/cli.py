@@ -62,6 +62,13 @@ BackendOpt = Annotated[str, typer.Option("--backend", help=f"Distributed backend
 HostfileOpt = Annotated[
     Optional[Path], typer.Option("--hostfile", help="OpenMPI or MLX JSON hostfile for multi-host runs.")
 ]
+RankWeightsOpt = Annotated[
+    Optional[str],
+    typer.Option("--rank-weights", help="Comma-separated positive weights, one per rank (e.g. 3,1,1): each rank's share "
+                 "of heads, MLP columns and vocabulary proportional to its weight (default: the hostfile's per-host "
+                 "weight=W, else as even as possible).",
+                 show_default=False),
+]
 DtypeOpt = Annotated[
     Optional[str], typer.Option("--dtype", help="Compute dtype (float32, bfloat16, float16); default: the checkpoint's.")
 ]
@@ -161,19 +168,28 @@ def _distribute(ctx: typer.Context, np_: int, backend: str, hostfile: Optional[P
     Before launching, the model is sharded on paper for every rank, so a rank
     count its heads cannot take fails here, once (with --pp: the family must
     run in stages and have a layer per stage, pipeline.check_stageable)."""
+    weights = parse_rank_weights(ctx.params.get("rank_weights"))
     if os.environ.get("MLXCEL_DIST_WORLD"):  # we are a launched rank
         from . import distributed
 
         group = distributed.init_from_env()
+        if weights is not None and not group.single:  # every rank re-runs the same argv: the same weights
+            group.set_weights(weights)
         distributed.check_cluster(group, model)
         return group
     if np_ < 1:
         raise UserError(f"--np must be >= 1, got {np_}")
-    backends.check_choice(backend)
     if pp != 1:
         from . import pipeline
 
         np_ = pipeline.check_pp_ranks(np_, pp)
+        if pp > 1 and weights is not None:
+            raise UserError("--rank-weights shares out tensor parallelism's work: it does not apply with --pp")
+    if weights is not None and len(weights) != np_:
+        raise UserError(f"--rank-weights gives {len(weights)} weights for --np {np_}")
+    if weights is None and hostfile is not None and pp <= 1:
+        weights = _hostfile_weights(ctx, hostfile, np_)
+    backends.check_choice(backend)
     if np_ == 1 and hostfile is None:
         from .collectives import SINGLE
 
@@ -184,10 +200,38 @@ def _distribute(ctx: typer.Context, np_: int, backend: str, hostfile: Optional[P
     if pp > 1:
         pipeline.check_stageable(model, pp)
     else:
-        check_shardable(model, np_)
+        check_shardable(model, np_, weights)
     code = launch(_argv_from_ctx(ctx), np_, backend, str(hostfile) if hostfile else None,
                   stall_timeout=ctx.params.get("stall_timeout", DEFAULT_STALL_TIMEOUT_S))
     raise typer.Exit(code)
+
+
+def _hostfile_weights(ctx: typer.Context, hostfile: Path, np_: int):
+    """The ranks' weights from the hostfile's per-host ``weight`` (None when it
+    sets none); put in the ranks' argv as --rank-weights (the ranks never read
+    the hostfile)."""
+    from .hostfile import rank_weights, read_hostfile
+
+    weights = rank_weights(read_hostfile(hostfile).hosts, np_)
+    if weights is not None:
+        ctx.params["rank_weights"] = ",".join(map(str, weights))
+    return weights
+
+
+def parse_rank_weights(text: Optional[str]):
+    """--rank-weights "3,1,1" -> (Fraction(3), Fraction(1), Fraction(1)) (exact,
+    so every rank splits alike); None when not given."""
+    if text is None or text == "":
+        return None
+    from fractions import Fraction
+
+    try:
+        weights = tuple(Fraction(w.strip()) for w in text.split(","))
+    except (ValueError, ZeroDivisionError):
+        raise UserError(f"--rank-weights must be comma-separated positive numbers, got {text!r}") from None
+    if any(w <= 0 for w in weights):
+        raise UserError(f"--rank-weights must be positive, got {text!r}")
+    return weights
 
 
 def _load(model, dtype, group, pp: int = 1):
@@ -225,20 +269,21 @@ def logits(
     pp: PpOpt = 1,
     backend: BackendOpt = "auto",
     hostfile: HostfileOpt = None,
+    rank_weights: RankWeightsOpt = None,
     stall_timeout: StallOpt = DEFAULT_STALL_TIMEOUT_S,
 ):
     """Write the logits of every position of a token sequence."""
     import numpy as np
 
     from .engine import check_tokens, sequence_logits
-    from .loader import context_length, model_args, read_config, resolve_model_dir
+    from .loader import open_model
 
     ids = _read_tokens(tokens_file)
     _check_out(out)
-    config = read_config(resolve_model_dir(model))
+    ck = open_model(model)
     try:  # before any rank is launched, naming the file
-        check_tokens(ids, model_args(config).vocab_size)
-        limit = context_length(config)
+        check_tokens(ids, ck.args.vocab_size)
+        limit = ck.context_length
         if limit is not None and len(ids) > limit:
             raise UserError(f"{len(ids)} tokens, more than the model's context of {limit} (max_position_embeddings)")
     except UserError as e:
@@ -304,13 +349,14 @@ def generate(
     pp: PpOpt = 1,
     backend: BackendOpt = "auto",
     hostfile: HostfileOpt = None,
+    rank_weights: RankWeightsOpt = None,
     stall_timeout: StallOpt = DEFAULT_STALL_TIMEOUT_S,
 ):
     """Generate text, streamed to stdout; speed to stderr."""
     import time
 
     from .engine import check_context, check_generation_options, generate_text, rank_resources
-    from .loader import context_length, read_config, resolve_model_dir
+    from .loader import open_model
     from .sampling import SamplingParams
     from .tokenizer import StopStrings, Tokenizer
 
@@ -339,10 +385,9 @@ def generate(
         # Checkpoint and prompt problems (no config, no tokenizer, a chat
         # template that refuses the conversation, a prompt past the model's
         # context) fail here once, before any rank is launched.
-        model_dir = resolve_model_dir(model)
-        config = read_config(model_dir)
-        tok = Tokenizer(model_dir, config, chat_template=_template_text(chat_template))
-        check_context(len(tok.prompt_ids(prompt, chat=chat, system=system)), max_tokens, context_length(config))
+        ck = open_model(model)
+        tok = Tokenizer(ck.dir, ck.config, chat_template=_template_text(chat_template))
+        check_context(len(tok.prompt_ids(prompt, chat=chat, system=system)), max_tokens, ck.context_length)
     group = _distribute(ctx, np_, backend, hostfile, model, pp)
     t0 = time.perf_counter()
     loaded = _load(model, dtype, group, pp)
@@ -350,7 +395,7 @@ def generate(
     tok = Tokenizer(loaded.model_dir, loaded.config, chat_template=_template_text(chat_template))
     use_chat = tok.use_chat(chat)
     ids = tok.prompt_ids(prompt, chat=chat, system=system)
-    check_context(len(ids), max_tokens, context_length(loaded.config))
+    check_context(len(ids), max_tokens, open_model(model).context_length)
     if group.is_root and verbose:
         how = f"chat template: {tok.chat_template()[1]}" if use_chat else "plain text"
         seeded = "" if "seed" in sampling.describe() else f" (seed {seed}, unused)"
@@ -449,6 +494,7 @@ def modes(
     pp: PpOpt = 1,
     backend: BackendOpt = "auto",
     hostfile: HostfileOpt = None,
+    rank_weights: RankWeightsOpt = None,
     stall_timeout: StallOpt = DEFAULT_STALL_TIMEOUT_S,
 ):
     """Logits of one sequence in every feeding mode (the harness's rank job)."""
@@ -482,6 +528,7 @@ def logit_match(
     pp: Annotated[int, typer.Option("--pp", help="Compare a run in P pipeline stages (one rank each) instead of --np ranks of tensor parallelism.")] = 1,
     backend: BackendOpt = "auto",
     hostfile: HostfileOpt = None,
+    rank_weights: RankWeightsOpt = None,
     stall_timeout: StallOpt = DEFAULT_STALL_TIMEOUT_S,
 ):
     """Compare N-rank logits with single-process logits (and a reference) in every mode."""
@@ -490,7 +537,7 @@ def logit_match(
     import numpy as np
 
     from .harness import all_mode_logits, compare, default_tokens, model_window, rel_tol_for
-    from .loader import check_shardable, load_model, resolve_model_dir
+    from .loader import check_shardable, load_model, open_model
 
     model = _pick_model(model, model_opt)
     if np_ < 1:
@@ -500,7 +547,9 @@ def logit_match(
 
         given = ctx.get_parameter_source("np_").name not in ("DEFAULT", "DEFAULT_MAP")
         np_ = pipeline.check_pp_ranks(np_ if given else 1, pp)
-    model_dir = resolve_model_dir(model)
+        if pp > 1 and rank_weights:
+            raise UserError("--rank-weights shares out tensor parallelism's work: it does not apply with --pp")
+    model_dir = open_model(model).dir
     single = load_model(model_dir, dtype=dtype)
     m = single.model
     ref = None
@@ -536,7 +585,14 @@ def logit_match(
                 argv += ["--pp", str(pp)]
                 check_stageable(model_dir, pp)
             else:
-                check_shardable(model_dir, np_)
+                weights = parse_rank_weights(rank_weights)
+                if weights is None and hostfile is not None:
+                    weights = _hostfile_weights(ctx, hostfile, np_)
+                if weights is not None:
+                    if len(weights) != np_:
+                        raise UserError(f"--rank-weights gives {len(weights)} weights for --np {np_}")
+                    argv += ["--rank-weights", ",".join(map(str, weights))]
+                check_shardable(model_dir, np_, weights)
             code = launch(argv, np_, backend, str(hostfile) if hostfile else None,
                           stall_timeout=stall_timeout)
             if code != 0:
@@ -580,20 +636,59 @@ def _read_reference(path: Path) -> dict:
 
 @app.command()
 @_handle_errors
+def plan(
+    model: ModelArg = None,
+    model_opt: ModelOpt = None,
+    np_: NpOpt = 1,
+    hostfile: HostfileOpt = None,
+    rank_weights: RankWeightsOpt = None,
+    link: Annotated[str, typer.Option("--link", help="The link between ranks for the predicted time: loopback (one machine), tb5 (Thunderbolt 5 RDMA), 10gbe.")] = "loopback",
+    bandwidth: Annotated[Optional[float], typer.Option("--bandwidth", help="Memory bandwidth of a rank in GB/s for the predicted time (default: measured here).", show_default=False)] = None,
+):
+    """Per rank: heads, MLP columns, vocabulary rows and weight memory; per token: collectives and a predicted decode time (from the checkpoint's headers only)."""
+    from .loader import check_shardable, open_model
+    from .plan import format_plan, make_plan
+
+    ck = open_model(_pick_model(model, model_opt))
+    weights = parse_rank_weights(rank_weights)
+    memory = None
+    if hostfile is not None:
+        from .hostfile import rank_memory, rank_weights as host_weights, read_hostfile
+
+        hosts = read_hostfile(hostfile).hosts
+        np_ = np_ if np_ > 1 else sum(h.slots for h in hosts)
+        weights = weights or host_weights(hosts, np_)
+        memory = rank_memory(hosts, np_)
+        if all(m is None for m in memory):
+            memory = None
+        if link == "loopback":
+            link = "10gbe"
+    if np_ < 1:
+        raise UserError(f"--np must be >= 1, got {np_}")
+    if weights is not None and len(weights) != np_:
+        raise UserError(f"--rank-weights gives {len(weights)} weights for --np {np_}")
+    check_shardable(ck, np_, weights)
+    p = make_plan(ck, np_, weights, link, None if bandwidth is None else bandwidth * 1e9, memory)
+    print(f"{ck.dir}: {np_} rank(s)")
+    for line in format_plan(p, np_):
+        print(line)
+
+
+@app.command()
+@_handle_errors
 def info(model: ModelArg = None, model_opt: ModelOpt = None):
     """Config summary, per-layer attention kind, parameter count."""
     import numpy as np
 
-    from .loader import build_model, read_config, resolve_model_dir
-    from .weights import open_checkpoint
+    from .loader import build_model, open_model
 
     from mlx.utils import tree_flatten
 
-    model_dir = resolve_model_dir(_pick_model(model, model_opt))
-    config = read_config(model_dir)
+    ck = open_model(_pick_model(model, model_opt))
+    model_dir, config = ck.dir, ck.config
     m = build_model(config)
     a = m.args
-    refs = m.sanitize(open_checkpoint(model_dir))
+    refs = m.sanitize(dict(ck.refs))
     # The model as built (unquantized, lazy: nothing is read) has the logical
     # shapes; stored packed 4-bit words or scales would miscount them.
     n_params = sum(int(np.prod(p.shape)) for _, p in tree_flatten(m.parameters()))
@@ -604,6 +699,7 @@ def info(model: ModelArg = None, model_opt: ModelOpt = None):
     print(f"hidden      {a.hidden_size}, intermediate {a.intermediate_size}, vocab {a.vocab_size}")
     print(f"heads       {a.num_attention_heads} q, {a.num_key_value_heads} kv, head_dim {a.head_dim}")
     print(f"layers      {a.num_hidden_layers}")
+    print(f"context     {ck.context_length or 'not set'} tokens (max_position_embeddings)")
     from .models.base import describe_layers
 
     for line in getattr(m, "describe_layers", lambda: describe_layers(m))():
@@ -645,13 +741,13 @@ def convert(
     if s["copied"]:
         _err(f"copied {', '.join(s['copied'])}")
     splits = []
-    for n in (2, 4, 8):
+    for n in (2, 3, 4, 8):
         try:
             check_shardable(out, n)
             splits.append(str(n))
         except UserError:
             pass
-    _err(f"tensor-parallel rank counts that split it (of 2, 4, 8): {', '.join(splits) or 'none'}")
+    _err(f"tensor-parallel rank counts that split it (of 2, 3, 4, 8): {', '.join(splits) or 'none'}")
 
 
 @app.command()
@@ -679,6 +775,7 @@ def serve(
     np_: NpOpt = 1,
     backend: BackendOpt = "auto",
     hostfile: HostfileOpt = None,
+    rank_weights: RankWeightsOpt = None,
     stall_timeout: StallOpt = DEFAULT_STALL_TIMEOUT_S,
     served_model_name: Annotated[Optional[list[str]], typer.Option("--served-model-name", metavar="NAME", help="A name requests may give as 'model' (vLLM's flag, repeatable; the first is the id the server shows; default: MODEL as given).", show_default=False)] = None,
 ):
@@ -690,7 +787,8 @@ def serve(
     long_lived_env()
     from .engine import check_generation_options
     from .sampling import SamplingParams
-    from .serve.lifecycle import Options, parse_size, run
+    from .serve.lifecycle import Options, run
+    from .units import parse_size
     from .serve.openai_api import Defaults
     from .tokenizer import Tokenizer
 
@@ -749,6 +847,7 @@ def bench(
     pp: PpOpt = 1,
     backend: BackendOpt = "auto",
     hostfile: HostfileOpt = None,
+    rank_weights: RankWeightsOpt = None,
     stall_timeout: StallOpt = DEFAULT_STALL_TIMEOUT_S,
 ):
     """Prefill/decode speed, time to first token, peak memory per rank, all_sums per token."""

@@ -42,17 +42,31 @@ class Group:
     """A job's ranks as seen from this one. `raw` is an mx.distributed.Group
     (None: a single process, or a planned group of `size` ranks)."""
 
-    def __init__(self, raw=None, *, size: int | None = None, rank: int | None = None):
+    def __init__(self, raw=None, *, size: int | None = None, rank: int | None = None, weights=None):
         self.raw = raw
         self._size = raw.size() if raw is not None else (1 if size is None else size)
         self._rank = raw.rank() if raw is not None else (0 if rank is None else rank)
         if self._size < 1 or not 0 <= self._rank < self._size:
             raise ValueError(f"bad rank {self._rank} of {self._size}")
+        self.weights = None
+        self.set_weights(weights)
+
+    def set_weights(self, weights) -> None:
+        """Rank weights (--rank-weights): tensor-parallel shares proportional
+        to them (`shard.split_counts`); None: as even as possible. Every rank
+        must set the same ones before the model is sharded."""
+        if weights is not None:
+            weights = tuple(weights)
+            if len(weights) != self._size:
+                raise UserError(f"{len(weights)} rank weights for {self._size} ranks")
+            if any(not w > 0 for w in weights):
+                raise UserError(f"rank weights must be positive, got {', '.join(map(str, weights))}")
+        self.weights = weights
 
     @classmethod
-    def planned(cls, size: int, rank: int) -> "Group":
+    def planned(cls, size: int, rank: int, weights=None) -> "Group":
         """Rank `rank` of a `size`-rank job, on paper: shapes and slices only."""
-        return cls(None, size=size, rank=rank)
+        return cls(None, size=size, rank=rank, weights=weights)
 
     def size(self) -> int:
         return self._size
@@ -278,8 +292,10 @@ class HostChannel:
         return chan
 
     def local_address(self) -> str:
-        """This rank's address on the star (rank 0: where the other ranks reached it)."""
-        return next(iter(self._peers.values())).getsockname()[0]
+        """This rank's address on the star (rank 0: where the other ranks
+        reached it; "0.0.0.0" when they reached it at different addresses)."""
+        seen = {conn.getsockname()[0] for conn in self._peers.values()}
+        return seen.pop() if len(seen) == 1 else "0.0.0.0"
 
     def root_address(self) -> str:
         """Rank 0's address as this rank reached it."""

@@ -21,8 +21,8 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from .errors import UserError
-from .loader import DTYPES, load_model, read_config, resolve_model_dir
-from .quant import QuantParams, quantize_for_export, read_quantization
+from .loader import DTYPES, load_model, open_model
+from .quant import QuantParams, quantize_for_export
 
 # Files next to the weights that a converted checkpoint keeps.
 COPY_PATTERNS = (
@@ -105,11 +105,11 @@ def convert_checkpoint(
         raise UserError("--bits / --group-size need --quantize")
     if dtype is not None and dtype not in DTYPES:
         raise UserError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
-    model_dir = resolve_model_dir(model)
+    ck = open_model(model)
+    model_dir, config = ck.dir, ck.config
     if out.resolve() == model_dir.resolve():
         raise UserError("the output directory is the source checkpoint")
-    config = read_config(model_dir)
-    if quantize and read_quantization(config) is not None:
+    if quantize and ck.quantization is not None:
         raise UserError(f"{model_dir} is already quantized")
     q = QuantParams(group_size or 64, bits or 4) if quantize else None
 

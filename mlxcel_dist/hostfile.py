@@ -11,7 +11,12 @@ Two formats are accepted, detected from the first non-blank character:
 
   ``slots=N`` (also ``slots = N``), ``max_slots=``/``max-slots=`` (checked,
   otherwise ignored) and ``#`` comments; blank lines are skipped. A host listed
-  twice gets the sum of its slots, as OpenMPI does.
+  twice gets the sum of its slots, as OpenMPI does. ``weight=W`` (an mlxcel
+  extension; the launcher writes mpirun its own hostfile) gives each of the
+  host's ranks tensor-parallel weight W (see ``--rank-weights``; default 1);
+  ``memory=64GB`` (also an extension) is the host's memory for its ranks:
+  without weights, ranks get shares proportional to their memory (the host's
+  divided by its slots), and ``plan`` refuses a placement past it.
 
 * MLX JSON hostfiles (what ``mlx.launch --hostfile`` reads), either a list::
 
@@ -19,8 +24,8 @@ Two formats are accepted, detected from the first non-blank character:
        {"ssh": "mac2", "ips": ["192.168.10.2"]}]
 
   or an object ``{"backend": "ring", "envs": ["K=V"], "hosts": [...]}``. Each
-  host entry is one rank (``"slots": N`` is accepted as an mlxcel extension);
-  ``"rdma"`` (JACCL device names) is kept.
+  host entry is one rank (``"slots": N``, ``"weight": W`` and ``"memory":
+  "64GB"`` are accepted as mlxcel extensions); ``"rdma"`` (JACCL device names) is kept.
 
 Every malformed input raises :class:`~mlxcel_dist.errors.UserError` whose
 message names the file and the line.
@@ -35,6 +40,7 @@ import re
 import socket
 import subprocess
 from dataclasses import dataclass, field
+from fractions import Fraction
 from pathlib import Path
 
 from .errors import UserError
@@ -49,6 +55,7 @@ __all__ = [
     "total_slots",
     "assign_ranks",
     "host_ip",
+    "rank_weights",
 ]
 
 # Host names: DNS names, IPv4, IPv6 (with or without brackets), optional user@.
@@ -66,6 +73,8 @@ class Host:
     slots: int = 1
     ips: list[str] = field(default_factory=list)
     rdma: list | None = None
+    weight: Fraction | None = None  # each of its ranks' tensor-parallel weight (None: 1)
+    memory: int | None = None  # bytes of memory for its ranks together (None: not said)
 
     @property
     def address(self) -> str:
@@ -142,6 +151,44 @@ def assign_ranks(hosts: list[Host], np: int) -> list[Host]:
     return out
 
 
+def rank_weights(hosts: list[Host], np: int) -> tuple | None:
+    """Each rank's weight from its host's ``weight`` (rank order as
+    `assign_ranks`); without any, from its share of its host's ``memory``
+    when every host says one; else None (even shares)."""
+    ranks = assign_ranks(hosts, np)
+    if any(h.weight is not None for h in hosts):
+        return tuple(h.weight or Fraction(1) for h in ranks)
+    if ranks and all(h.memory is not None for h in hosts):
+        per = [Fraction(h.memory, h.slots) for h in ranks]
+        unit = min(per)
+        return tuple(p / unit for p in per)  # the smallest is 1: readable in the ranks' argv
+    return None
+
+
+def rank_memory(hosts: list[Host], np: int) -> list:
+    """Each rank's bytes of memory (its host's divided by its slots), None where not said."""
+    return [None if h.memory is None else h.memory // h.slots for h in assign_ranks(hosts, np)]
+
+
+def _memory(path: str, line: int | None, value) -> int:
+    from .units import parse_size
+
+    try:
+        return parse_size(str(value), "memory")
+    except UserError as e:
+        raise _err(path, line, str(e)) from None
+
+
+def _weight(path: str, line: int | None, value) -> Fraction:
+    try:
+        w = Fraction(str(value)) if not isinstance(value, bool) else None
+    except (ValueError, ZeroDivisionError):
+        w = None
+    if w is None or w <= 0:
+        raise _err(path, line, f"weight must be a positive number, not {value!r}")
+    return w
+
+
 @functools.lru_cache(maxsize=None)
 def _ssh_hostname(name: str) -> str:
     """The address ssh would connect to for ``name`` (its HostName from
@@ -206,6 +253,8 @@ def parse_hostfile_text(text: str, path: str = "<string>") -> list[Host]:
         _check_host_name(path, lineno, name)
         slots: int | None = None
         max_slots: int | None = None
+        weight: Fraction | None = None
+        memory: int | None = None
         for opt in opts:
             key, eq, value = opt.partition("=")
             key_l = key.lower()
@@ -217,18 +266,26 @@ def parse_hostfile_text(text: str, path: str = "<string>") -> list[Host]:
                 slots = _positive_int(path, lineno, key, value)
             elif key_l in ("max_slots", "max-slots"):
                 max_slots = _positive_int(path, lineno, key, value)
+            elif key_l == "weight":
+                weight = _weight(path, lineno, value)
+            elif key_l == "memory":
+                memory = _memory(path, lineno, value)
             else:
                 raise _err(
-                    path, lineno, f"unknown option {key!r} (expected slots=N or max_slots=N)"
+                    path, lineno, f"unknown option {key!r} (expected slots=N, max_slots=N, weight=W or memory=SIZE)"
                 )
         if slots is None:
             slots = 1
         if max_slots is not None and max_slots < slots:
             raise _err(path, lineno, f"max_slots={max_slots} is less than slots={slots}")
         if name in hosts:
+            if weight is not None and hosts[name].weight not in (None, weight):
+                raise _err(path, lineno, f"host {name!r} was given weight {hosts[name].weight} before, now {weight}")
             hosts[name].slots += slots
+            hosts[name].weight = hosts[name].weight or weight
+            hosts[name].memory = hosts[name].memory or memory
         else:
-            hosts[name] = Host(name=name, slots=slots)
+            hosts[name] = Host(name=name, slots=slots, weight=weight, memory=memory)
     if not hosts:
         raise UserError(f"hostfile {path}: no hosts in it")
     return list(hosts.values())
@@ -310,7 +367,9 @@ def _parse_json(text: str, path: str) -> HostfileInfo:
         rdma = h.get("rdma")
         if rdma is not None and not isinstance(rdma, list):
             raise _err(path, line, f'"rdma" of host {name!r} must be a list')
-        hosts.append(Host(name=name, slots=slots, ips=list(ips), rdma=rdma))
+        weight = _weight(path, line, h["weight"]) if "weight" in h else None
+        memory = _memory(path, line, h["memory"]) if "memory" in h else None
+        hosts.append(Host(name=name, slots=slots, ips=list(ips), rdma=rdma, weight=weight, memory=memory))
     if not hosts:
         raise UserError(f"hostfile {path}: no hosts in it")
     return HostfileInfo(path=path, format="json", hosts=hosts, backend=backend, envs=envs)

@@ -1,7 +1,10 @@
 """From a MODEL argument to a loaded (and, under TP, sharded) model.
 
-resolve_model_dir: local directory, the embedded default, or a Hub repo id.
-load_model: config.json -> registry -> ModelArgs -> Model -> quantize the
+open_model: MODEL (local directory, the embedded default, or a Hub repo id)
+read once into a Checkpoint (directory, config.json, tensor headers with
+their byte sizes, quantization), which the CLI's checks, `info` and the
+loader share.
+load_model: Checkpoint -> registry -> ModelArgs -> Model -> quantize the
 modules an MLX-quantized checkpoint stores quantized -> shard(group) -> read
 exactly this rank's slice of every tensor -> strict load -> cast.
 """
@@ -11,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import mlx.core as mx
@@ -144,59 +148,117 @@ def model_args(config: dict):
     return get_model_module(config.get("model_type")).ModelArgs.from_dict(config)
 
 
-def context_length(config: dict) -> int | None:
-    """The model's context (`max_position_embeddings` as its ModelArgs read
-    it, a multimodal config's text_config included); None when it sets none."""
-    n = getattr(model_args(config), "max_position_embeddings", None)
-    return int(n) if n else None
-
-
 def build_model(config: dict):
     module = get_model_module(config.get("model_type"))
     args = module.ModelArgs.from_dict(config)
     return module.Model(args)
 
 
-def check_shardable(model: str | os.PathLike | None, np_: int) -> None:
-    """Raise UserError now if `np_` ranks cannot split this model's heads/MLP,
-    so a bad rank count is one clear line instead of N failing ranks."""
+class Checkpoint:
+    """One reading of a checkpoint: its directory and config.json (read at
+    once), its tensor headers and quantization (read on first use, once).
+    Nothing here reads a tensor's data."""
+
+    def __init__(self, model_dir: Path, config: dict):
+        self.dir, self.config = model_dir, config
+
+    @cached_property
+    def refs(self) -> dict:
+        """Tensor name -> weights.TensorRef (safetensors headers and memory maps)."""
+        return open_checkpoint(self.dir)
+
+    @cached_property
+    def quantization(self):
+        return read_quantization(self.config)
+
+    @cached_property
+    def foreign_quant(self) -> str | None:
+        return foreign_quant_method(self.config)
+
+    @cached_property
+    def args(self):
+        return model_args(self.config)
+
+    @property
+    def dtype(self):
+        return config_dtype(self.config)
+
+    @property
+    def context_length(self) -> int | None:
+        n = getattr(self.args, "max_position_embeddings", None)
+        return int(n) if n else None
+
+    def tensor_bytes(self) -> dict:
+        """Tensor name -> its stored bytes (from the headers)."""
+        return {name: ref.nbytes for name, ref in self.refs.items()}
+
+    def build(self, with_refs: bool = True):
+        """The model (parameters lazy), with the layers the checkpoint stores
+        MLX-quantized swapped for quantized ones, and its sanitized refs
+        (None when not asked for and not needed: an unquantized checkpoint's
+        shapes come from the config alone)."""
+        m = build_model(self.config)
+        need = with_refs or self.quantization is not None  # quantized: its tensors say which layers are
+        refs = m.sanitize(dict(self.refs)) if need else None
+        if self.quantization is not None:
+            quantize_model(m, self.quantization, refs)
+        return m, refs
+
+
+_OPENED: dict = {}  # MODEL argument -> (the files' stamp, Checkpoint)
+
+
+def _stamp(model_dir: Path) -> tuple:
+    """What a Checkpoint was read from: a file changed since means reading it again."""
+    out = []
+    for p in sorted([model_dir / "config.json", *model_dir.glob("*.safetensors"), *model_dir.glob("*.index.json")]):
+        try:
+            st = p.stat()
+        except OSError:
+            continue
+        out.append((p.name, st.st_mtime_ns, st.st_size))
+    return tuple(out)
+
+
+def open_model(model) -> Checkpoint:
+    """MODEL (a path, a Hub repo id, None for the embedded default, or a
+    Checkpoint) as a Checkpoint, read once per process while its files stay
+    as they were (a Hub id is resolved once)."""
+    if isinstance(model, Checkpoint):
+        return model
+    arg = None if model is None or str(model) == "" else str(model)
+    hit = _OPENED.get(arg)
+    model_dir = hit[1].dir if hit is not None else resolve_model_dir(model)
+    stamp = _stamp(model_dir)
+    if hit is None or hit[0] != stamp:
+        hit = _OPENED[arg] = (stamp, Checkpoint(model_dir, read_config(model_dir)))
+    return hit[1]
+
+
+def check_shardable(model, np_: int, weights=None) -> None:
+    """Raise UserError now if `np_` ranks (with these rank weights) cannot
+    split this model's heads/MLP, so a bad rank count is one clear line
+    instead of N failing ranks."""
     if np_ <= 1:
         return
-    model_dir = resolve_model_dir(model)
-    config = read_config(model_dir)
-    # A quantized checkpoint's tensors say which layers are quantized (and
-    # o/down must split into whole quantization groups): read its headers.
-    refs = open_checkpoint(model_dir) if read_quantization(config) is not None else None
+    ck = open_model(model)
     for r in range(np_):
-        m, _ = _build_for_checkpoint(config, refs)
-        m.shard(Group.planned(np_, r))  # on paper: parameters stay lazy
+        m, _ = ck.build(with_refs=False)
+        m.shard(Group.planned(np_, r, weights))  # on paper: parameters stay lazy
 
 
-def _build_for_checkpoint(config: dict, raw_refs: dict | None):
-    """The model, with the layers the checkpoint stores MLX-quantized swapped
-    for quantized ones (before sharding and loading), and its sanitized refs."""
-    m = build_model(config)
-    refs = m.sanitize(raw_refs) if raw_refs is not None else None
-    quant = read_quantization(config)
-    if quant is not None:
-        quantize_model(m, quant, refs)
-    return m, refs
-
-
-def load_model(model: str | os.PathLike | None, dtype: str | None = None, group: Group = SINGLE,
-               progress=None, pp: int = 1) -> Loaded:
+def load_model(model, dtype: str | None = None, group: Group = SINGLE, progress=None, pp: int = 1) -> Loaded:
     """`pp` > 1: `group` is a pipeline of `pp` stages, one rank each
     (pipeline.py): this rank builds and reads its stage only."""
-    model_dir = resolve_model_dir(model)
-    config = read_config(model_dir)
-    m, refs = _build_for_checkpoint(config, open_checkpoint(model_dir))
+    ck = open_model(model)
+    m, refs = ck.build()
     full_shapes = {name: tuple(p.shape) for name, p in tree_flatten(m.parameters())}  # before sharding
-    target = parse_dtype(dtype) or config_dtype(config)
+    target = parse_dtype(dtype) or ck.dtype
     if pp > 1:
         refs = _stage(m, refs, group, pp, target)
     elif not group.single:
         m.shard(group)
-    method = foreign_quant_method(config)
+    method = ck.foreign_quant
     hint = (
         f"config.json quantization_config has quant_method {method!r}, which mlxcel-dist does not read "
         f"(it reads MLX-quantized checkpoints, e.g. mlx-community or `mlxcel-dist convert --quantize`, and unquantized ones)"
@@ -208,7 +270,7 @@ def load_model(model: str | os.PathLike | None, dtype: str | None = None, group:
     faults.at("load", group.rank())
     load_weights(m, refs, target, progress=progress, unexpected_hint=hint, full_shapes=full_shapes)
     m.eval()
-    return Loaded(m, config, model_dir, target, group)
+    return Loaded(m, ck.config, ck.dir, target, group)
 
 
 def _stage(m, refs: dict, group: Group, pp: int, target) -> dict:
@@ -264,7 +326,7 @@ def load_weights(model: nn.Module, refs: dict, dtype=None, progress=None, unexpe
     for i, name in enumerate(names):
         ref, param = refs[name], expected[name]
         axis, ranges = plan.get(name, (None, None))
-        if axis is not None and (axis >= len(ref.shape) or ranges[-1][1] > ref.shape[axis]):
+        if axis is not None and (axis >= len(ref.shape) or max(e for _, e in ranges) > ref.shape[axis]):
             want = f"expected {list(full_shapes[name])}" if full_shapes and name in full_shapes else \
                 f"this rank's slice needs [{ranges[0][0]}, {ranges[-1][1]}) of axis {axis}"
             raise UserError(f"tensor {name!r} has shape {list(ref.shape)}, {want}")

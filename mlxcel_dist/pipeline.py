@@ -98,6 +98,8 @@ def stage_ranges(layer_bytes, P: int, first_extra: int = 0, last_extra: int = 0)
 
 
 def _nbytes(ref) -> int:
+    """A tensor's stored bytes from its header (a family's own ref wrapper,
+    e.g. step3p5's row views, may have no `nbytes`: shape x dtype size)."""
     import numpy as np
 
     from .weights import _DTYPES
@@ -155,12 +157,9 @@ def check_pp_ranks(np_: int, pp: int) -> int:
 
 def check_stageable(model_arg, pp: int) -> None:
     """Before launch: the family runs in stages and has at least `pp` layers."""
-    from .loader import _build_for_checkpoint, read_config, resolve_model_dir
-    from .weights import open_checkpoint
+    from .loader import open_model
 
-    model_dir = resolve_model_dir(model_arg)
-    config = read_config(model_dir)
-    m, refs = _build_for_checkpoint(config, open_checkpoint(model_dir))
+    m, refs = open_model(model_arg).build()
     check_family(m)
     plan_stages(m, refs, pp)
 

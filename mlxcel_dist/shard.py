@@ -1,10 +1,16 @@
 """Tensor parallelism: one helper per block kind, applied after construction.
 
-Attention: rank r holds q heads [r*H/N, (r+1)*H/N) and the KV heads those
-queries use (split when N divides the KV heads, replicated when the KV heads
-divide N); q/k/v become all-to-sharded, o_proj sharded-to-all (one all_sum).
-MLP: gate/up all-to-sharded by columns, down sharded-to-all (one all_sum).
-Norms, embeddings and the head stay replicated.
+Any rank count that is at most the q heads works, evenly or not
+(`head_partition`, `split_ranges`): shares are contiguous, as even as the
+units allow, or proportional to the group's rank weights (--rank-weights).
+
+Attention: rank r holds a contiguous range of q heads, in whole KV-head groups
+when there are at least N groups, else as even a split of the q heads as
+possible, and exactly the KV heads those queries use (a KV head whose group
+spans two ranks is held by both); q/k/v become all-to-sharded, o_proj
+sharded-to-all (one all_sum). MLP: gate/up all-to-sharded by columns, down
+sharded-to-all (one all_sum). Norms, embeddings and the head weights stay
+replicated (the head's work is split by vocabulary rows).
 
 The helpers run before any weight is read: they swap in sharded layers whose
 parameters are still lazy placeholders and attach a `ShardSpec` saying which
@@ -17,6 +23,9 @@ slice in packed words and in scale groups, which must cut whole groups).
 """
 
 from __future__ import annotations
+
+import math
+from fractions import Fraction
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -121,26 +130,151 @@ def _sharded_quantized(linear: nn.QuantizedLinear, kind: str, ranges, group, nam
     return layer
 
 
-def head_ranges(total_heads: int, total_kv_heads: int, n: int, r: int):
-    """(q head range, kv head range) for rank r of n, or UserError."""
+def _check_weights(size: int, weights) -> list[Fraction]:
+    if size < 1:
+        raise UserError(f"bad rank count {size}")
+    if weights is None:
+        return [Fraction(1)] * size
+    if len(weights) != size:
+        raise UserError(f"{len(weights)} rank weights for {size} ranks")
+    out = [Fraction(w) for w in weights]  # exact: every rank computes the same split
+    if any(w <= 0 for w in out):
+        raise UserError(f"rank weights must be positive, got {', '.join(map(str, weights))}")
+    return out
+
+
+def split_counts(units: int, size: int, weights=None) -> list[int]:
+    """How many of `units` each of `size` ranks gets: every rank at least one,
+    shares proportional to `weights` (default: equal) by largest remainders
+    (ties to the lower rank), so with equal weights they differ by at most one.
+    Pure integer/rational arithmetic: every rank computes the same answer.
+    UserError when there are fewer units than ranks."""
+    w = _check_weights(size, weights)
+    if units < size:
+        raise UserError(f"{size} ranks cannot split {units}")
+    total = sum(w)
+    quota = [units * x / total for x in w]
+    counts = [int(q) for q in quota]  # floor (quotas are non-negative)
+    order = sorted(range(size), key=lambda r: (-(quota[r] - counts[r]), r))
+    for r in order[: units - sum(counts)]:
+        counts[r] += 1
+    # every rank needs at least one unit: take them from the largest shares
+    for r in range(size):
+        while counts[r] == 0:
+            donor = max((i for i in range(size) if counts[i] > 1), key=lambda i: (counts[i] - quota[i], counts[i], -i))
+            counts[donor] -= 1
+            counts[r] += 1
+    return counts
+
+
+def split_ranges(total: int, size: int, weights=None, unit: int = 1, what: str | None = None) -> list[tuple]:
+    """Contiguous [start, stop) of `total` per rank, cut only at multiples of
+    `unit` (a quantization group), shares as `split_counts` gives them.
+    UserError naming `what` when no such cut exists."""
+    units = total // unit
+    if total % unit or units < size:
+        what = what or "a dimension"
+        if unit > 1:
+            raise UserError(f"{size} ranks cannot split {what} ({total}) at whole quantization groups of "
+                            f"{unit}: there are {total / unit:g}")
+        raise UserError(f"{size} ranks cannot split {what} ({total})")
+    ranges, start = [], 0
+    for c in split_counts(units, size, weights):
+        ranges.append((start * unit, (start + c) * unit))
+        start += c
+    return ranges
+
+
+def head_partition(n_heads: int, n_kv_heads: int, size: int, weights=None, unit: int = 1) -> list[tuple]:
+    """Per rank (q_start, q_stop, kv_start, kv_stop): contiguous q head ranges
+    covering every head once, and the KV heads exactly those queries use (q
+    head h uses KV head h // (n_heads // n_kv_heads)).
+
+    With at least `size` KV heads, ranks get whole KV-head groups (split as
+    `split_counts`: equal weights give counts within one group of each other)
+    and no KV head is on two ranks. With fewer, the q heads themselves are
+    split (within one head of each other), and a KV head whose group spans
+    two ranks is held by both. `unit`: q heads per cut besides that (whole
+    quantization groups of o_proj's input). UserError when a rank would get
+    no q head (or no cut exists)."""
+    if n_kv_heads < 1 or n_heads % n_kv_heads:
+        raise UserError(f"{n_heads} attention heads are not a multiple of {n_kv_heads} KV heads")
+    if size > n_heads:
+        raise UserError(
+            f"{size} ranks cannot split {n_heads} attention heads ({n_kv_heads} KV heads): "
+            f"use at most {n_heads} ranks"
+        )
+    g = n_heads // n_kv_heads  # q heads per KV head
+    step = math.lcm(g if n_kv_heads >= size else 1, unit)
+    if n_heads % step or n_heads // step < size:
+        raise UserError(f"{size} ranks cannot split {n_heads} attention heads at o_proj's quantization groups "
+                        f"({unit} heads each)")
+    out = []
+    for q0, q1 in split_ranges(n_heads, size, weights, step):
+        out.append((q0, q1, q0 // g, (q1 - 1) // g + 1))
+    return out
+
+
+def head_ranges(total_heads: int, total_kv_heads: int, n: int, r: int, weights=None, unit: int = 1):
+    """(q head range, kv head range) for rank r of n (`head_partition`), or UserError."""
     if n < 1 or not 0 <= r < n:
         raise UserError(f"bad rank {r} of {n}")
-    if total_heads % n:
-        raise UserError(
-            f"{n} ranks cannot split {total_heads} attention heads "
-            f"({total_kv_heads} KV heads): use a rank count that divides {total_heads}"
-        )
-    if total_kv_heads % n and n % total_kv_heads:
-        raise UserError(
-            f"{n} ranks cannot split {total_kv_heads} KV heads "
-            f"({total_heads} attention heads): the rank count must divide the KV heads "
-            f"or be a multiple of them"
-        )
-    per = total_heads // n
-    group = total_heads // total_kv_heads  # q heads per KV head
-    q0, q1 = r * per, (r + 1) * per
-    kv0, kv1 = q0 // group, (q1 - 1) // group + 1
+    q0, q1, kv0, kv1 = head_partition(total_heads, total_kv_heads, n, weights, unit)[r]
     return (q0, q1), (kv0, kv1)
+
+
+def kv_slots(q0: int, q1: int, n_heads: int, n_kv_heads: int) -> list[int]:
+    """The KV heads a rank's attention holds, in order, so that local q head i
+    uses slot i // m for one m (the plain GQA layout every attention kernel
+    takes): the KV heads q0..q1-1 use, each repeated run/m times, m the gcd
+    of the runs of q heads per KV head. Whole groups (or part of one): each
+    KV head once. A range that cuts groups unevenly (e.g. heads 3-5 with 4
+    per KV head: runs 1, 2) repeats a KV head (slots 0, 1, 1): the rank
+    computes it twice, which is exact (the same rows of k_proj/v_proj)."""
+    g = n_heads // n_kv_heads
+    runs = []
+    for h in range(q0, q1):
+        if runs and runs[-1][0] == h // g:
+            runs[-1][1] += 1
+        else:
+            runs.append([h // g, 1])
+    m = math.gcd(*(c for _, c in runs))
+    return [kv for kv, c in runs for _ in range(c // m)]
+
+
+def slot_ranges(slots, width: int = 1, offset: int = 0) -> list[tuple]:
+    """Row ranges of `slots` (heads of `width` rows each, after `offset` rows),
+    neighbouring heads merged: what the loader reads."""
+    out = []
+    for s in slots:
+        a, b = offset + s * width, offset + (s + 1) * width
+        if out and out[-1][1] == a:
+            out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return out
+
+
+def rank_heads(attn: nn.Module, group: Group) -> tuple[int, int, list[int]]:
+    """(q0, q1, KV slots) of this rank for `attn` (`total_num_heads`,
+    `total_num_kv_heads`): `head_partition` with the group's rank weights,
+    the slots of `kv_slots` (shifted under the wrong-kv-slice fault)."""
+    H, KV, D = attn.total_num_heads, attn.total_num_kv_heads, attn.head_dim
+    o = attn.o_proj
+    unit = math.lcm(D, o.group_size) // D if isinstance(o, nn.QuantizedLinear) else 1  # heads per cut
+    try:
+        (q0, q1), kv = head_ranges(H, KV, group.size(), group.rank(), group.weights, unit)
+    except UserError:
+        if unit == 1 or group.size() > H:
+            raise
+        raise UserError(
+            f"{group.size()} ranks cannot split o_proj ({H * D} inputs: {H} heads of {D}) at whole quantization "
+            f"groups of {o.group_size}; use a rank count that gives whole groups, or a checkpoint quantized with "
+            f"a smaller group size"
+        ) from None
+    shifted = faults.kv_heads(kv, KV, group)
+    slots = [(s + shifted[0] - kv[0]) % KV for s in kv_slots(q0, q1, H, KV)]
+    return q0, q1, slots
 
 
 def shard_attention(attn: nn.Module, group: Group) -> None:
@@ -153,16 +287,15 @@ def shard_attention(attn: nn.Module, group: Group) -> None:
     """
     if group.single:
         return
-    (q0, q1), kv = head_ranges(attn.total_num_heads, attn.total_num_kv_heads, group.size(), group.rank())
-    kv0, kv1 = faults.kv_heads(kv, attn.total_num_kv_heads, group)
+    q0, q1, slots = rank_heads(attn, group)
     D = attn.head_dim
     attn.q_proj = _sharded(attn.q_proj, "rows", [(q0 * D, q1 * D)], group)
     # k/v where the block has them (Gemma 4's k = v layers have no v_proj; a
     # layer reading another's KV has neither, and its num_kv_heads becomes
-    # the range its source keeps on this rank: the same head_ranges)
+    # the slots its source keeps on this rank: the same rank_heads)
     for name in ("k_proj", "v_proj"):
         if name in attn:
-            setattr(attn, name, _sharded(getattr(attn, name), "rows", [(kv0 * D, kv1 * D)], group))
+            setattr(attn, name, _sharded(getattr(attn, name), "rows", slot_ranges(slots, D), group))
     attn.o_proj = _sharded(attn.o_proj, "cols", [(q0 * D, q1 * D)], group, "o_proj")
     per_head = {}
     for name in getattr(attn, "per_head_params", ()):
@@ -170,26 +303,31 @@ def shard_attention(attn: nn.Module, group: Group) -> None:
         per_head[name] = (0, [(q0, q1)])
     if per_head:
         attn.shard_spec = ShardSpec(per_head)
-    attn.num_heads = q1 - q0
-    attn.num_kv_heads = kv1 - kv0
+    attn.num_heads = q1 - q0  # this rank's; total_num_heads stays the model's
+    attn.num_kv_heads = len(slots)
 
 
-def _rank_range(size: int, group: Group, what: str) -> tuple[int, int]:
-    """This rank's contiguous [start, end) of `size` equal parts; `what` names
-    the dimension in the error when the ranks cannot split it evenly."""
-    n, r = group.size(), group.rank()
-    if size % n:
-        raise UserError(f"{n} ranks cannot split {what}")
-    per = size // n
-    return r * per, (r + 1) * per
+def _quant_unit(layer) -> int:
+    """The input columns a cut of `layer`'s input must be a multiple of: its
+    quantization group size (1 unquantized)."""
+    return layer.group_size if isinstance(layer, nn.QuantizedLinear) else 1
+
+
+def _rank_range(size: int, group: Group, what: str, unit: int = 1) -> tuple[int, int]:
+    """This rank's contiguous [start, end) of `size` (`split_ranges` with the
+    group's rank weights, cuts at multiples of `unit`); `what` names the
+    dimension in the error when the ranks cannot split it."""
+    return split_ranges(size, group.size(), group.weights, unit, what)[group.rank()]
 
 
 def shard_mlp(mlp: nn.Module, group: Group, up=("gate_proj", "up_proj"), down="down_proj") -> None:
-    """Column-shard the up projections and row-shard the down projection."""
+    """Column-shard the up projections and row-shard the down projection
+    (cut at the down projection's quantization groups)."""
     if group.single:
         return
     inter = getattr(mlp, up[0]).weight.shape[0]
-    rng = [_rank_range(inter, group, f"the MLP's intermediate size {inter}")]
+    unit = _quant_unit(getattr(mlp, down))
+    rng = [_rank_range(inter, group, f"{down}'s inputs", unit)]
     for name in up:
         setattr(mlp, name, _sharded(getattr(mlp, name), "rows", rng, group))
     setattr(mlp, down, _sharded(getattr(mlp, down), "cols", rng, group, down))
@@ -202,17 +340,21 @@ def shard_layers(layers, group: Group, attn="self_attn", mlp="mlp") -> None:
         shard_mlp(getattr(layer, mlp), group)
 
 
-def vocab_parallel_logits(layer: nn.Module, h: mx.array, group: Group) -> mx.array:
+def vocab_parallel_logits(layer: nn.Module, h: mx.array, group: Group, ranges=None) -> mx.array:
     """Logits [B, L, V] of an output head (`nn.Linear`, or an embedding used
     as one; quantized or not) whose work is split by vocabulary: rank r
-    multiplies h by rows [r*V/N, (r+1)*V/N) of the (whole, replicated) weight,
-    the same rows the full product would compute, and one all_gather of the
-    [V/N, B*L] slices gives every rank the full logits. N must divide V."""
+    multiplies h by its rows `ranges[r]` (default: `split_ranges` of V with
+    the group's weights) of the (whole, replicated) weight, the same rows the
+    full product would compute, and one all_gather of the [rows, B*L] slices
+    gives every rank the full logits."""
     n, r = group.size(), group.rank()
     quantized = isinstance(layer, (nn.QuantizedLinear, nn.QuantizedEmbedding))
     V = (layer.scales if quantized else layer.weight).shape[0]
-    per = V // n
-    rows = slice(r * per, (r + 1) * per)
+    if ranges is None:
+        ranges = split_ranges(V, n, group.weights, what=f"the vocabulary ({V})")
+    a, b = ranges[r]
+    per = max(e - s for s, e in ranges)
+    rows = slice(a, b)
     if quantized:
         biases = layer.get("biases")
         part = mx.quantized_matmul(h, layer.weight[rows], scales=layer.scales[rows],
@@ -223,7 +365,15 @@ def vocab_parallel_logits(layer: nn.Module, h: mx.array, group: Group) -> mx.arr
     if "bias" in layer:
         part = part + layer.bias[rows]
     B, L, _ = part.shape
-    full = group.all_gather(part.reshape(B * L, per).T)  # [V, B*L], rank order
+    part = part.reshape(B * L, b - a).T
+    if b - a < per:
+        # all_gather wants equal shapes: pad to the largest slice and drop the
+        # padding after; the gather copies bits, so this is exact (an all_sum
+        # of zero-filled [V, B*L] buffers would turn -0.0 into +0.0 and send N x more)
+        part = mx.concatenate([part, mx.zeros((per - (b - a), B * L), part.dtype)])
+    full = group.all_gather(part)  # [N*per, B*L], rank order
+    if any(e - s != per for s, e in ranges):
+        full = mx.concatenate([full[i * per : i * per + (e - s)] for i, (s, e) in enumerate(ranges)])
     return full.T.reshape(B, L, V)
 
 
@@ -253,12 +403,13 @@ def collect_plan(model: nn.Module) -> dict:
     return plan
 
 
-def shard_head_vector(module: nn.Module, name: str, heads: tuple, head_dim: int) -> None:
+def shard_head_vector(module: nn.Module, name: str, heads, head_dim: int) -> None:
     """Slice `module.<name>`, laid out [total_heads * head_dim] along axis 0
     (e.g. OLMo 3's q/k norm over the whole projection), to the head range
-    `heads` = (h0, h1), and record the slice so the loader reads only it."""
-    h0, h1 = heads
-    rng = [(h0 * head_dim, h1 * head_dim)]
+    `heads` = (h0, h1) (or a list of such ranges, e.g. `slot_ranges`), and
+    record the slice so the loader reads only it."""
+    heads = [heads] if isinstance(heads[0], int) else heads
+    rng = [(h0 * head_dim, h1 * head_dim) for h0, h1 in heads]
     setattr(module, name, _slice(getattr(module, name), 0, rng))
     spec = getattr(module, "shard_spec", None)
     slices = dict(spec.slices) if isinstance(spec, ShardSpec) else {}
@@ -269,8 +420,8 @@ def shard_head_vector(module: nn.Module, name: str, heads: tuple, head_dim: int)
 def shard_moe(moe: nn.Module, group: Group, experts: str = "experts") -> None:
     """Tensor-parallel mixture of experts: the router (any other child of
     `moe`) stays replicated, so every rank routes every token alike; each
-    expert is split by its intermediate dimension I, rank r keeping slice
-    [r*I/N, (r+1)*I/N) of every expert.
+    expert is split by its intermediate dimension I, rank r keeping
+    its slice [i0, i1) of every expert (`split_ranges`).
 
     `moe.<experts>` holds gate_up_proj [E, hidden, 2I] with gate and up
     interleaved along the last axis (column 2j = gate j, 2j+1 = up j), so the
@@ -287,7 +438,7 @@ def shard_moe(moe: nn.Module, group: Group, experts: str = "experts") -> None:
     inter = ex.down_proj.shape[1]
     if ex.gate_up_proj.shape[2] != 2 * inter:
         raise UserError(f"expert gate_up_proj has {ex.gate_up_proj.shape[2]} columns, expected 2 x {inter}")
-    i0, i1 = _rank_range(inter, group, f"the experts' intermediate size {inter}")
+    i0, i1 = _rank_range(inter, group, "the experts' intermediate size")
     pairs = [(2 * i0, 2 * i1)]
     ex.gate_up_proj = _slice(ex.gate_up_proj, 2, pairs)
     ex.gate_up_proj_bias = _slice(ex.gate_up_proj_bias, 1, pairs)
@@ -331,7 +482,7 @@ def shard_expert_mlps(mlps, group: Group, up=("gate_proj", "up_proj"), down="dow
     checkpoints that store `experts.N.*` have them; a shared expert) by their
     intermediate dimension, as `shard_mlp` does, but WITHOUT a collective of
     their own: the layers stay (Quantized)Linear and only their weights are
-    sliced (gate/up output rows, down input columns [r*I/N, (r+1)*I/N)). The
+    sliced (gate/up output rows, down input columns [i0, i1), `split_ranges`). The
     block sums its combined partial output over `group` once (one all_sum per
     block, not one per expert) and counts it in `collectives_per_token`. A
     down projection with a bias is refused (it would be added N times)."""
@@ -340,7 +491,7 @@ def shard_expert_mlps(mlps, group: Group, up=("gate_proj", "up_proj"), down="dow
     for mlp in mlps:
         first = getattr(mlp, up[0])
         inter = first.scales.shape[0] if isinstance(first, nn.QuantizedLinear) else first.weight.shape[0]
-        rng = [_rank_range(inter, group, f"an expert's intermediate size {inter}")]
+        rng = [_rank_range(inter, group, f"an expert {down}'s inputs", _quant_unit(getattr(mlp, down)))]
         for name in up:
             _slice_linear_in_place(getattr(mlp, name), "rows", rng, name)
         _slice_linear_in_place(getattr(mlp, down), "cols", rng, down)
@@ -349,7 +500,7 @@ def shard_expert_mlps(mlps, group: Group, up=("gate_proj", "up_proj"), down="dow
 def shard_recurrent_block(block: nn.Module, group: Group) -> None:
     """Tensor-parallel RG-LRU recurrent block (RecurrentGemma): the recurrence
     and its gates are block-diagonal per head (`block.rg_lru.num_heads` blocks
-    of `block_width` channels), so rank r keeps heads [r*H/N, (r+1)*H/N) and
+    of `block_width` channels), so rank r keeps its heads [h0, h1) (`split_ranges`) and
     their channels c in [h0*bw, h1*bw): the rows of linear_x / linear_y (with
     their biases), the depthwise conv1d's channels (`conv_1d.weight`
     [C, 1, width], `conv_1d.bias`), `rg_lru.recurrent_param` [C] and the
@@ -360,7 +511,9 @@ def shard_recurrent_block(block: nn.Module, group: Group) -> None:
         return
     lru = block.rg_lru
     H, bw = lru.num_heads, lru.block_width
-    h0, h1 = _rank_range(H, group, f"the recurrent block's {H} heads")
+    out = block.linear_out
+    unit = math.lcm(bw, out.group_size) // bw if isinstance(out, nn.QuantizedLinear) else 1  # whole groups
+    h0, h1 = _rank_range(H, group, "the recurrent block's heads", unit)
     chans = [(h0 * bw, h1 * bw)]
     block.linear_x = _sharded(block.linear_x, "rows", chans, group)
     block.linear_y = _sharded(block.linear_y, "rows", chans, group)
@@ -381,7 +534,7 @@ def shard_recurrent_block(block: nn.Module, group: Group) -> None:
 def shard_stacked_experts(moe: nn.Module, group: Group, up=("gate_proj", "up_proj"), down="down_proj") -> None:
     """Split stacked expert projections by the intermediate dimension I, with
     no collective of their own: `moe.<up>.weight` [E, I, hidden] keep rows
-    [r*I/N, (r+1)*I/N) of axis 1, `moe.<down>.weight` [E, hidden, I] the same
+    [i0, i1) of axis 1 (`split_ranges`), `moe.<down>.weight` [E, hidden, I] the same
     range of axis 2 (the hub layout of e.g. Step-3.5: `moe.gate_proj.weight`).
     Every other child of `moe` (the router) stays replicated, so every rank
     routes alike; the block sums its partial output over the group once (and
@@ -389,7 +542,7 @@ def shard_stacked_experts(moe: nn.Module, group: Group, up=("gate_proj", "up_pro
     if group.single:
         return
     inter = getattr(moe, up[0]).weight.shape[1]
-    rng = [_rank_range(inter, group, f"the experts' intermediate size {inter}")]
+    rng = [_rank_range(inter, group, "the experts' intermediate size")]
     for name, axis in [(u, 1) for u in up] + [(down, 2)]:
         stack = getattr(moe, name)
         if stack.weight.shape[axis] != inter:
@@ -411,7 +564,7 @@ def shard_fused_gate_up_experts(ex: nn.Module, group: Group) -> None:
     inter = ex.down_proj.shape[2]
     if ex.gate_up_proj.shape[1] != 2 * inter:
         raise UserError(f"expert gate_up_proj has {ex.gate_up_proj.shape[1]} rows, expected 2 x {inter}")
-    i0, i1 = _rank_range(inter, group, f"the experts' intermediate size {inter}")
+    i0, i1 = _rank_range(inter, group, "the experts' intermediate size")
     halves = [(i0, i1), (inter + i0, inter + i1)]
     ex.gate_up_proj = _slice(ex.gate_up_proj, 1, halves)
     ex.down_proj = _slice(ex.down_proj, 2, [(i0, i1)])
@@ -431,16 +584,15 @@ def shard_packed_attention(attn: nn.Module, group: Group, packed: str = "W_pack"
     if group.single:
         return
     H, KV, D = attn.total_num_heads, attn.total_num_kv_heads, attn.head_dim
-    (q0, q1), kv = head_ranges(H, KV, group.size(), group.rank())
-    kv0, kv1 = faults.kv_heads(kv, KV, group)
-    rows = [(q0 * D, q1 * D), ((H + kv0) * D, (H + kv1) * D), ((H + KV + kv0) * D, (H + KV + kv1) * D)]
+    q0, q1, slots = rank_heads(attn, group)
+    rows = [(q0 * D, q1 * D), *slot_ranges(slots, D, H * D), *slot_ranges(slots, D, (H + KV) * D)]
     setattr(attn, packed, _sharded(getattr(attn, packed), "rows", rows, group))
     attn.o_proj = _sharded(attn.o_proj, "cols", [(q0 * D, q1 * D)], group, "o_proj")
     spec = {}
     for name, axis in per_kv_head:
-        setattr(attn, name, _slice(getattr(attn, name), axis, [(kv0, kv1)]))
-        spec[name] = (axis, [(kv0, kv1)])
+        setattr(attn, name, _slice(getattr(attn, name), axis, slot_ranges(slots)))
+        spec[name] = (axis, slot_ranges(slots))
     if spec:
         attn.shard_spec = ShardSpec(spec)
     attn.num_heads = q1 - q0
-    attn.num_kv_heads = kv1 - kv0
+    attn.num_kv_heads = len(slots)

@@ -49,6 +49,14 @@ class TensorRef:
     def __init__(self, file: Path, name: str, dtype: str, shape: tuple, mm: np.ndarray):
         self.file, self.name, self.dtype, self.shape, self._mm = file, name, dtype, shape, mm
 
+    @property
+    def nbytes(self) -> int:
+        return self._mm.nbytes
+
+    @property
+    def itemsize(self) -> int:
+        return self._mm.itemsize
+
     def read(self, axis: int | None = None, ranges=None) -> mx.array:
         a = self._mm
         if axis is not None:

@@ -184,7 +184,7 @@ def test_console_script_error_has_no_traceback(tmp_path):
 @pytest.mark.parametrize(
     "fixture,np_,message",
     [
-        ("gqa_fp32", 3, "3 ranks cannot split 8 attention heads (2 KV heads)"),
+        ("gqa_fp32", 9, "9 ranks cannot split 8 attention heads (2 KV heads)"),
         ("mqa_fp32", 8, "8 ranks cannot split 4 attention heads (1 KV heads)"),
     ],
 )
@@ -225,3 +225,34 @@ def test_model_option_spelling_is_accepted_by_every_model_command():
         assert "--model" in run(cmd, "--help").output, cmd
     r = run("serve", str(TINY), "--model", str(GQA))
     assert r.exit_code == 2 and "MODEL" in r.output and "differ" in r.output, r.output
+
+
+@pytest.mark.parametrize(
+    "weights,message",
+    [("1,2", "--rank-weights gives 2 weights for --np 3"), ("1,0,1", "--rank-weights must be positive"),
+     ("a,b,c", "--rank-weights must be comma-separated positive numbers")],
+)
+def test_bad_rank_weights_are_refused_before_launch(weights, message, ids_file, tmp_path):
+    r = run("logits", FIXTURES / "gemma3" / "gqa_fp32", "--tokens-file", ids_file, "--out", tmp_path / "o.npy",
+            "--np", 3, "--rank-weights", weights)
+    assert r.exit_code == 2, r.output
+    assert message in r.output and r.output.strip().count("\n") == 0
+
+
+def test_hostfile_weights_reach_the_ranks_argv(tmp_path, ids_file, monkeypatch):
+    # The ranks never read the hostfile: its per-host weights ride in their argv.
+    import mlxcel_dist.launcher as launcher
+
+    seen = {}
+
+    def fake_launch(argv, np_, backend, hostfile=None, **kw):
+        seen["argv"] = argv
+        return 0
+
+    monkeypatch.setattr(launcher, "launch", fake_launch)
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost slots=1 weight=3\n127.0.0.1 slots=2\n")
+    r = run("logits", FIXTURES / "gemma3" / "gqa_fp32", "--tokens-file", ids_file, "--out", tmp_path / "o.npy",
+            "--np", 3, "--hostfile", hosts)
+    assert r.exit_code == 0, r.output
+    assert "--rank-weights=3,1,1" in seen["argv"]

@@ -201,3 +201,43 @@ def test_host_ip():
     assert host_ip(Host("localhost")) == "127.0.0.1"  # IPv4 first: MLX's ring parses numeric ones
     # unresolvable here: the name itself, for the ssh probe to report
     assert host_ip(Host("surely-not-this-machine.invalid")) == "surely-not-this-machine.invalid"
+
+
+def test_per_host_weights(tmp_path):
+    from fractions import Fraction
+
+    from mlxcel_dist.hostfile import rank_weights
+
+    hosts = parse_hostfile(write(tmp_path, "big slots=1 weight=3\nsmall slots=2\n"))
+    assert rank_weights(hosts, 3) == (Fraction(3), Fraction(1), Fraction(1))
+    assert rank_weights(parse_hostfile(write(tmp_path, "a slots=2\nb\n")), 3) is None
+    js = write(tmp_path, json.dumps([{"ssh": "a", "weight": 1.5}, {"ssh": "b"}]), "h.json")
+    assert rank_weights(read_hostfile(js).hosts, 2) == (Fraction(3, 2), Fraction(1))
+    for bad in ("a weight=0\n", "a weight=x\n", "a weight=1\na weight=2\n"):
+        with pytest.raises(UserError, match="weight"):
+            parse_hostfile(write(tmp_path, bad))
+    with pytest.raises(UserError, match="weight must be a positive number"):
+        read_hostfile(write(tmp_path, json.dumps([{"ssh": "a", "weight": -1}]), "bad.json"))
+
+
+def test_memory_per_host(tmp_path):
+    from fractions import Fraction
+
+    from mlxcel_dist.hostfile import rank_weights
+
+    p = tmp_path / "h.txt"
+    p.write_text("a slots=2 memory=128GB\nb memory=500M\n")
+    hosts = parse_hostfile(p)
+    assert [h.memory for h in hosts] == [128 * 10**9, 500 * 10**6]
+    assert rank_weights(hosts, 3) == (Fraction(128), Fraction(128), Fraction(1))  # 64 GB, 64 GB, 0.5 GB a rank
+    p.write_text("a weight=2 memory=128GB\nb memory=64GB\n")
+    assert rank_weights(parse_hostfile(p), 2) == (Fraction(2), Fraction(1))  # weight= wins over memory
+    p.write_text("a memory=128GB\nb\n")
+    assert rank_weights(parse_hostfile(p), 2) is None  # not every host says: even shares
+    j = tmp_path / "h.json"
+    j.write_text('[{"ssh": "a", "memory": "2GB"}, {"ssh": "b", "memory": 1000000000}]')
+    assert [h.memory for h in parse_hostfile(j)] == [2 * 10**9, 10**9]
+    for bad in ("a memory=lots\n", "a memory=0\n"):
+        p.write_text(bad)
+        with pytest.raises(UserError, match="line 1: memory must be"):
+            parse_hostfile(p)

@@ -110,5 +110,7 @@ def test_tensor_parallel_plan(n):
 
 def test_heads_that_do_not_split_are_refused():
     model = build_model(_config(GQA))
+    model.shard(Group.planned(3, 0))  # uneven: 4 heads as 2, 1, 1
+    model = build_model(_config(GQA))
     with pytest.raises(UserError, match="cannot split"):
-        model.shard(Group.planned(3, 0))
+        model.shard(Group.planned(5, 0))

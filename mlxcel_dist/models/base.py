@@ -23,7 +23,7 @@ from ..cache import FULL, SLIDING, make_layer_caches
 from ..collectives import SINGLE, Group
 from ..errors import UserError
 from ..masks import layer_masks
-from ..shard import plan_sharded_linears, shard_layers, vocab_parallel_logits
+from ..shard import plan_sharded_linears, shard_layers, split_ranges, vocab_parallel_logits
 
 __all__ = ["FULL", "SLIDING", "LanguageModel", "BaseModelArgs", "CausalLM", "DecoderStack"]
 
@@ -231,6 +231,7 @@ class CausalLM(nn.Module):
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         self.head_group = SINGLE  # shard_head: the group that splits the head's vocabulary
+        self._head_rows = None  # shard_head: every rank's [start, stop) of the vocabulary
         self.decode_step = None  # decode.decode_step_for keeps the compiled step here
 
     def masks(self, L: int, cache) -> dict:
@@ -252,7 +253,7 @@ class CausalLM(nn.Module):
     def _head(self, h):
         layer = self.head_layer
         if not self.head_group.single:
-            return vocab_parallel_logits(layer, h, self.head_group)
+            return vocab_parallel_logits(layer, h, self.head_group, self._head_rows)
         return layer.as_linear(h) if self.args.tie_word_embeddings else layer(h)
 
     @property
@@ -260,17 +261,20 @@ class CausalLM(nn.Module):
         return self.model.embed_tokens if self.args.tie_word_embeddings else self.lm_head
 
     def shard_head(self, group: Group):
-        """Split the output head's work by vocabulary (`head`) when the ranks
-        divide it; the weights stay whole on every rank (tied embeddings
-        need every row for the input lookup)."""
-        if not group.single and self.args.vocab_size % group.size() == 0:
+        """Split the output head's work by vocabulary rows (`head`), as
+        `split_ranges` cuts them (uneven when the ranks do not divide V, or
+        with rank weights); the weights stay whole on every rank (tied
+        embeddings need every row for the input lookup)."""
+        if not group.single and self.args.vocab_size >= group.size():
+            self._head_rows = split_ranges(self.args.vocab_size, group.size(), group.weights)
             self.head_group = group
 
     def collectives_per_token(self) -> dict:
         """{op: (calls, payload bytes)} of one single-token forward on this
         rank: an all_sum per sharded-to-all projection (`shard.
         plan_sharded_linears`) and the vocabulary-split head's all_gather
-        ([V/N, 1] in the head's dtype). Families that add collectives extend it."""
+        ([rows, 1] in the head's dtype, rows the largest rank's share: the
+        slices are padded to it). Families that add collectives extend it."""
         plan = {"all_sum": plan_sharded_linears(self), "all_gather": (0, 0)}
         stage = getattr(self.model, "stage", None)
         if stage is not None:  # a pipeline: the logits' all_sum ([1, 1, V] in the hidden dtype), every rank
@@ -279,7 +283,8 @@ class CausalLM(nn.Module):
         if not self.head_group.single:
             head = self.head_layer
             dt = (head.scales if "scales" in head else head.weight).dtype
-            plan["all_gather"] = (1, self.args.vocab_size // self.head_group.size() * dt.size)
+            per = max(e - s for s, e in self._head_rows)
+            plan["all_gather"] = (1, per * dt.size)
         return plan
 
     @property

@@ -26,7 +26,7 @@ from ..collectives import SINGLE
 from ..errors import UserError
 from ..layers import RMSNormFP32Scale, activation
 from ..rope import RoPE
-from ..shard import head_ranges, shard_head_vector
+from ..shard import head_partition, rank_heads, shard_head_vector, slot_ranges
 from .base import FULL, SLIDING, BaseModelArgs, CausalLM, DecoderStack, derive_layer_types, single_rope_params
 
 # Olmo3Config.default_theta: the RoPE base when the config names none.
@@ -106,16 +106,19 @@ class Olmo3Attention(Attention):
         self.q_norm = RMSNormFP32Scale(args.num_attention_heads * args.head_dim, args.rms_norm_eps)
         self.k_norm = RMSNormFP32Scale(args.num_key_value_heads * args.head_dim, args.rms_norm_eps)
         self.norm_group = SINGLE  # Model.shard sets the job's group
-        self.kv_replicas = 1  # ranks holding each KV head (> 1 when KV heads are replicated)
+        self.kv_replicas = 1  # ranks holding each KV head (> 1 when KV heads are replicated evenly)
+        self._kv_owned = None  # [kv slots * D] 0/1: which held KV heads this rank's sum counts (uneven)
 
     def _whole_norm(self, q, k):
         # Reference: (w * x * rsqrt(mean(x^2) + eps)).to(dtype) over all heads, in fp32.
         qf, kf = q.astype(mx.float32), k.astype(mx.float32)
-        # Sums of squares of this rank's heads: [B, L, 2] (q, k).
-        ssq = mx.concatenate([(qf * qf).sum(-1, keepdims=True), (kf * kf).sum(-1, keepdims=True)], axis=-1)
+        # Sums of squares of this rank's heads: [B, L, 2] (q, k). A KV head
+        # held by several ranks (or twice on one) counts once: only the slot
+        # that owns it adds (times 1 or 0, exact).
+        kk = kf * kf if self._kv_owned is None else kf * kf * self._kv_owned
+        ssq = mx.concatenate([(qf * qf).sum(-1, keepdims=True), kk.sum(-1, keepdims=True)], axis=-1)
         ssq = self.norm_group.all_sum(ssq)
         D = self.head_dim
-        # A replicated KV head is summed once per rank holding it: count it as often.
         count = mx.array([self.total_num_heads * D, self.total_num_kv_heads * D * self.kv_replicas], mx.float32)
         inv = mx.rsqrt(ssq / count + self.q_norm.eps)
         q = (self.q_norm.weight.astype(mx.float32) * (qf * inv[..., :1])).astype(q.dtype)
@@ -165,11 +168,21 @@ class Model(CausalLM):
         n, r = group.size(), group.rank()
         for layer in self.layers:
             attn = layer.self_attn
-            (q0, q1), (kv0, kv1) = head_ranges(attn.total_num_heads, attn.total_num_kv_heads, n, r)
-            shard_head_vector(attn.q_norm, "weight", (q0, q1), attn.head_dim)
-            shard_head_vector(attn.k_norm, "weight", (kv0, kv1), attn.head_dim)
+            H, KV, D = attn.total_num_heads, attn.total_num_kv_heads, attn.head_dim
+            q0, q1, slots = rank_heads(attn, group)
+            shard_head_vector(attn.q_norm, "weight", (q0, q1), D)
+            shard_head_vector(attn.k_norm, "weight", slot_ranges(slots), D)
             attn.norm_group = group
-            attn.kv_replicas = max(1, n // attn.total_num_kv_heads)
+            parts = head_partition(H, KV, n, group.weights)
+            if group.weights is None and (KV % n == 0 or n % KV == 0):
+                # the even split: each KV head on n / KV ranks alike, counted as often
+                attn.kv_replicas = max(1, n // KV)
+            else:
+                # the lowest rank holding a KV head counts it, in its first slot
+                owner = {kv: next(i for i, p in enumerate(parts) if p[2] <= kv < p[3]) for kv in range(KV)}
+                first = {kv: slots.index(kv) for kv in set(slots)}
+                own = [float(owner[kv] == r and first[kv] == i) for i, kv in enumerate(slots)]
+                attn._kv_owned = mx.repeat(mx.array(own, mx.float32), D)
 
     def collectives_per_token(self) -> dict:
         """The usual ones plus, per layer, the q/k sums of squares ([1, 1, 2] float32)."""

@@ -49,7 +49,7 @@ from ..errors import UserError
 from ..layers import GemmaRMSNorm
 from ..rope import RoPE
 from ..shard import (
-    head_ranges,
+    rank_heads,
     shard_attention,
     shard_expert_mlps,
     shard_head_vector,
@@ -485,9 +485,9 @@ class Model(CausalLM):
     def shard(self, group):
         for layer in self.layers:
             attn = layer.self_attn
-            (q0, q1), _ = head_ranges(attn.total_num_heads, attn.total_num_kv_heads, group.size(), group.rank())
             shard_attention(attn, group)
             if not group.single:
+                q0, q1, _ = rank_heads(attn, group)
                 # the gate rows of this rank's heads (and their scales/biases when quantized)
                 for p in ("weight", "scales", "biases"):
                     if attn.g_proj.get(p) is not None:

@@ -158,21 +158,33 @@ def make_app(state: AppState) -> FastAPI:
     return app
 
 
-async def _next(request: Request, events: asyncio.Queue):
-    """The job's next event; None once its client is gone."""
-    while True:
-        try:
-            return await asyncio.wait_for(events.get(), POLL_S)
-        except asyncio.TimeoutError:
-            if await request.is_disconnected():
-                return None
+class _Events:
+    """A job's events as they come; None once its client is gone, which is
+    looked at every POLL_S also while events flow (a non-stream answer
+    writes nothing until its end, so no failed write would tell)."""
+
+    def __init__(self, request: Request, queue: asyncio.Queue):
+        self.request, self.queue = request, queue
+        self.checked = time.monotonic()
+
+    async def next(self):
+        while True:
+            if time.monotonic() - self.checked >= POLL_S:
+                self.checked = time.monotonic()
+                if await self.request.is_disconnected():
+                    return None
+            try:
+                return await asyncio.wait_for(self.queue.get(), POLL_S)
+            except asyncio.TimeoutError:
+                pass
 
 
 async def _whole(state: AppState, request: Request, job: Job, events: asyncio.Queue, p, rid: str) -> Response:
     parts, entries = [], []
+    feed = _Events(request, events)
     try:
         while True:
-            ev = await _next(request, events)
+            ev = await feed.next()
             if ev is None:
                 return Response(status_code=499)
             if isinstance(ev, Token):
@@ -191,6 +203,7 @@ async def _whole(state: AppState, request: Request, job: Job, events: asyncio.Qu
 async def _stream(state: AppState, request: Request, job: Job, events: asyncio.Queue, p, rid: str):
     created = int(time.time())
     pending, offset = [], 0  # tokens whose logprobs ride on the next text chunk
+    feed = _Events(request, events)
 
     def sse(obj) -> str:
         return "data: " + json.dumps(obj) + "\n\n"
@@ -211,7 +224,7 @@ async def _stream(state: AppState, request: Request, job: Job, events: asyncio.Q
             yield chunk({"role": "assistant", "content": ""})
         ended = False
         while not ended:
-            ev = await _next(request, events)
+            ev = await feed.next()
             if ev is None:
                 return
             out = []

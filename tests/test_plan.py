@@ -1,0 +1,87 @@
+"""`plan` from the headers alone: every rank's share partitions the model,
+its bytes are the slices it would read, and a placement that does not fit
+is refused naming the rank."""
+
+import pytest
+from typer.testing import CliRunner
+
+from mlxcel_dist.cli import app
+from mlxcel_dist.errors import UserError
+from mlxcel_dist.loader import default_model_dir, load_model, open_model
+from mlxcel_dist.plan import make_plan
+
+
+def _covers(spans, total):
+    spans = sorted(spans)
+    return spans[0][0] == 0 and spans[-1][1] == total and all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+
+
+@pytest.mark.parametrize("n,weights", [(1, None), (2, None), (3, None), (4, None), (3, (3, 1, 1))])
+def test_shares_partition_the_model(n, weights):
+    ck = open_model(None)
+    p = make_plan(ck, n, weights, bandwidth=5e9)
+    one = make_plan(ck, 1, bandwidth=5e9)["ranks"][0].bytes
+    ranks = p["ranks"]
+    assert len(ranks) == n
+    if n > 1:
+        assert _covers([r.heads[:2] for r in ranks], 4)  # 4 q heads, each on one rank
+        assert _covers([r.columns for r in ranks], 384)  # MLP intermediate
+        assert _covers([r.vocab for r in ranks], 512)  # the head's rows
+        assert all(r.bytes < one for r in ranks) and sum(r.bytes for r in ranks) > one  # norms, embedding replicated
+        calls = p["collectives"]["all_sum"][0]
+        assert calls == 2 * 4 + 1 and p["collectives"]["all_gather"][0] == 1  # o/down per layer, the check, the head
+        assert p["comm_s"] > 0
+    else:
+        assert ranks[0].bytes == sum(ck.tensor_bytes().values()) and p["comm_s"] == 0
+    if weights:
+        assert ranks[0].columns[1] - ranks[0].columns[0] > ranks[1].columns[1] - ranks[1].columns[0]
+
+
+def test_bytes_are_what_a_rank_loads():
+    from mlx.utils import tree_flatten
+
+    from mlxcel_dist.collectives import Group
+
+    ck = open_model(default_model_dir())
+    p = make_plan(ck, 1, bandwidth=5e9)
+    m = load_model(ck).model
+    assert p["ranks"][0].bytes == sum(v.nbytes for _, v in tree_flatten(m.parameters()))
+    assert Group.planned(2, 0).size() == 2
+
+
+def test_a_placement_that_does_not_fit_is_refused():
+    with pytest.raises(UserError, match="rank 1 needs .* more than its"):
+        make_plan(open_model(None), 2, memory=[10**9, 1000], bandwidth=5e9)
+
+
+def test_cli():
+    r = CliRunner().invoke(app, ["plan", "--np", "3", "--bandwidth", "5"])
+    assert r.exit_code == 0, r.output
+    assert "predicted decode" in r.output and r.output.count(" MB") == 3
+    r = CliRunner().invoke(app, ["plan", "--np", "5"])
+    assert r.exit_code == 2 and "cannot split 4 attention heads" in r.output
+    r = CliRunner().invoke(app, ["plan", "--link", "carrier-pigeon"])
+    assert r.exit_code == 2 and "--link must be one of" in r.output
+
+
+def test_hostfile_memory_sets_the_shares_and_the_limit(tmp_path):
+    """Three hosts of different memory=: without weights, each rank's share
+    follows its memory; a host too small for its share is refused."""
+    from fractions import Fraction
+
+    from mlxcel_dist.hostfile import rank_memory, rank_weights, read_hostfile
+
+    hf = tmp_path / "three.txt"
+    hf.write_text("mac1 memory=192GB\nmac2 memory=64GB\nmac3 slots=2 memory=64GB\n")
+    hosts = read_hostfile(hf).hosts
+    assert rank_weights(hosts, 4) == (Fraction(6), Fraction(2), Fraction(1), Fraction(1))
+    assert rank_memory(hosts, 4) == [192 * 10**9, 64 * 10**9, 32 * 10**9, 32 * 10**9]
+    r = CliRunner().invoke(app, ["plan", "--hostfile", str(hf), "--bandwidth", "5"])
+    assert r.exit_code == 0, r.output
+    cols = [r.columns for r in make_plan(open_model(None), 4, rank_weights(hosts, 4), bandwidth=5e9)["ranks"]]
+    widths = [b - a for a, b in cols]
+    assert widths[0] > widths[1] > widths[2] == widths[3], widths  # 6 : 2 : 1 : 1, in whole columns
+    small = tmp_path / "small.json"
+    small.write_text('[{"ssh": "mac1", "memory": "1MB"}, {"ssh": "mac2", "memory": "1MB"}]')
+    r = CliRunner().invoke(app, ["plan", "--hostfile", str(small)])
+    assert r.exit_code == 2 and "rank 0 needs" in r.output and "of memory" in r.output, r.output
