@@ -137,6 +137,8 @@ def test_refusals_are_one_line(tmp_path):
          f"error: {TP_INSIDE_STAGE}"),
         (["logits", FIXTURES / "llama/mqa_tied_fp32", "--tokens-file", ids, "--out", out, "--pp", "5"],
          "error: --pp 5 needs at least 5 layers, the model has 4"),
+        (["logits", FIXTURES / "llama/gqa_fp32", "--tokens-file", ids, "--out", out, "--pp", "2",
+          "--rank-weights", "3,1"], "error: --rank-weights shares out tensor parallelism's work"),
     ]
     for argv, line in checks:
         p = _cli(*argv, cwd=tmp_path)
