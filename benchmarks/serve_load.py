@@ -207,7 +207,8 @@ def bench_server(name: str, model: Path, clients: list[int], requests: int, toke
     """`root`: the checkout whose code serves (another one's, to compare versions of ours)."""
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    log = open(log_dir / f"{name}.log", "w+")
+    tag = name if root == ROOT else f"{name}@{root.name}"
+    log = open(log_dir / f"{tag}.log", "w+")
     env = None
     if root != ROOT:  # that checkout first, whatever else the path holds (e.g. a staged MLX) after it
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 import traceback
 import uuid
@@ -82,7 +83,32 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return b"".join(parts)
 
 
+class _Mail:
+    """Events from the scheduler's thread into the event loop: a step's
+    events for every row arrive together, so they cross in one wake-up of
+    the loop, not one per event."""
+
+    def __init__(self):
+        self.loop = None
+        self.lock = threading.Lock()
+        self.pending: list = []
+
+    def post(self, queue: asyncio.Queue, ev) -> None:
+        with self.lock:
+            self.pending.append((queue, ev))
+            first = len(self.pending) == 1
+        if first:
+            self.loop.call_soon_threadsafe(self._flush)
+
+    def _flush(self) -> None:
+        with self.lock:
+            batch, self.pending = self.pending, []
+        for queue, ev in batch:
+            queue.put_nowait(ev)
+
+
 def make_app(state: AppState) -> FastAPI:
+    mail = _Mail()
     app = FastAPI(title="mlxcel-dist", description="OpenAI-compatible completions served by every rank together.",
                   version="0.1.0")
     sched = state.scheduler
@@ -124,6 +150,7 @@ def make_app(state: AppState) -> FastAPI:
         return model_card(name)
 
     async def complete(request: Request, chat: bool):
+        mail.loop = mail.loop or asyncio.get_running_loop()
         try:
             raw = await _read_body(request, state.max_request_bytes)
             body = await run_in_threadpool(api.loads_limited, raw)
@@ -133,9 +160,8 @@ def make_app(state: AppState) -> FastAPI:
                 raise api.ApiError(f"the server is unavailable: {reason}", status=503)
         except api.ApiError as e:
             return _error(e, request)
-        loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
-        job = Job(p.req, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
+        job = Job(p.req, lambda ev: mail.post(events, ev))
         if not sched.submit(job):
             return _error(api.ApiError(SHUTDOWN_MESSAGE, status=503), request)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
@@ -173,6 +199,8 @@ class _Events:
                 self.checked = time.monotonic()
                 if await self.request.is_disconnected():
                     return None
+            if not self.queue.empty():
+                return self.queue.get_nowait()
             try:
                 return await asyncio.wait_for(self.queue.get(), POLL_S)
             except asyncio.TimeoutError:
