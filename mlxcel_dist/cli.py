@@ -640,6 +640,7 @@ def plan(
     model: ModelArg = None,
     model_opt: ModelOpt = None,
     np_: NpOpt = 1,
+    pp: Annotated[int, typer.Option("--pp", help="Pipeline stages (one rank each): each stage's layers and bytes instead of a tensor-parallel split.")] = 1,
     hostfile: HostfileOpt = None,
     rank_weights: RankWeightsOpt = None,
     link: Annotated[str, typer.Option("--link", help="The link between ranks for the predicted time: loopback (one machine), tb5 (Thunderbolt 5 RDMA), 10gbe.")] = "loopback",
@@ -667,8 +668,17 @@ def plan(
         raise UserError(f"--np must be >= 1, got {np_}")
     if weights is not None and len(weights) != np_:
         raise UserError(f"--rank-weights gives {len(weights)} weights for --np {np_}")
-    check_shardable(ck, np_, weights)
-    p = make_plan(ck, np_, weights, link, None if bandwidth is None else bandwidth * 1e9, memory)
+    if pp > 1:
+        from .pipeline import check_pp_ranks, check_stageable
+
+        np_ = check_pp_ranks(np_, pp)
+        if weights is not None and rank_weights is not None:
+            raise UserError("--pp with --rank-weights is not supported (stages are balanced by parameter bytes)")
+        weights = None
+        check_stageable(ck, pp)
+    else:
+        check_shardable(ck, np_, weights)
+    p = make_plan(ck, np_, weights, link, None if bandwidth is None else bandwidth * 1e9, memory, pp)
     print(f"{ck.dir}: {np_} rank(s)")
     for line in format_plan(p, np_):
         print(line)

@@ -40,6 +40,7 @@ class RankPlan:
     columns: tuple | None  # MLP intermediate (start, stop) of the first MLP
     vocab: tuple | None  # head rows (start, stop), or None when not split
     bytes: int
+    layers: tuple | None = None  # (start, stop) of its pipeline stage; None: all layers (tensor parallel)
 
 
 def _ranges_of(plan: dict, suffix: str):
@@ -49,11 +50,17 @@ def _ranges_of(plan: dict, suffix: str):
     return None
 
 
-def _rank_plan(ck, n: int, r: int, weights) -> tuple[RankPlan, object]:
+def _rank_plan(ck, n: int, r: int, weights, pp: int = 1) -> tuple[RankPlan, object]:
     from .shard import collect_plan
 
     m, refs = ck.build()
-    if n > 1:
+    layers = None
+    if pp > 1:  # the loader's own cut (loader._stage), on paper
+        from .loader import _stage
+
+        _stage(m, refs, Group.planned(pp, r), pp, None)
+        layers = (m.model.stage.start, m.model.stage.stop)
+    elif n > 1:
         m.shard(Group.planned(n, r, weights))
     plan = collect_plan(m)
     from mlx.utils import tree_flatten
@@ -73,7 +80,7 @@ def _rank_plan(ck, n: int, r: int, weights) -> tuple[RankPlan, object]:
     cols = _ranges_of(plan, "mlp.down_proj.weight")
     vocab = getattr(m, "_head_rows", None)
     return RankPlan(r, weights[r] if weights else 1, heads, cols[1][0] if cols else None,
-                    vocab[r] if vocab else None, total), m
+                    vocab[r] if vocab else None, total, layers), m
 
 
 def machine_bandwidth() -> float:
@@ -95,28 +102,41 @@ def machine_memory() -> int | None:
         return None
 
 
+def _pipeline_collectives(ck, model, pp: int) -> dict:
+    """Per token under --pp: the hidden state sent from stage to stage
+    ([1, 1, H]), the last stage's logits all_summed to every rank ([1, 1, V]
+    in the hidden dtype: pipeline.Stage.logits) and the agreement check."""
+    h = int(ck.args.hidden_size) * model.model.stage.dtype.size
+    v = int(ck.args.vocab_size) * model.model.stage.dtype.size
+    return {"send": (pp - 1, (pp - 1) * h), "all_sum": (2, v + pp * 3 * 4)}
+
+
 def make_plan(ck, n: int, weights=None, link: str = "loopback", bandwidth: float | None = None,
-              memory: list | None = None) -> dict:
-    """The placement of `ck` on `n` ranks: per rank its share and bytes, per
-    token the collectives and a predicted decode time. `memory`: each rank's
-    bytes available (None: this machine's, shared by its ranks); a rank that
-    would not fit is a UserError naming it."""
+              memory: list | None = None, pp: int = 1) -> dict:
+    """The placement of `ck` on `n` ranks (`pp` > 1: n = pp pipeline
+    stages): per rank its share and bytes, per token the collectives and a
+    predicted decode time (stages run one after another for one stream).
+    `memory`: each rank's bytes available (None: this machine's, shared by
+    its ranks); a rank that would not fit is a UserError naming it."""
     from .bench import plan_collectives
 
     if link not in LINKS:
         raise UserError(f"--link must be one of {', '.join(LINKS)}, got {link!r}")
     ranks, model = [], None
     for r in range(n):
-        rp, m = _rank_plan(ck, n, r, weights)
+        rp, m = _rank_plan(ck, n, r, weights, pp)
         ranks.append(rp)
         model = model or m
-    coll = plan_collectives(model, check_every=1, size=n)
+    coll = _pipeline_collectives(ck, model, pp) if pp > 1 else plan_collectives(model, check_every=1, size=n)
     lat, link_bw, source = LINKS[link]
     bw = bandwidth or machine_bandwidth()
     layers = int(ck.args.num_hidden_layers)
     calls = sum(c for c, _ in coll.values())
     payload = sum(b for _, b in coll.values())
-    compute = max(rp.bytes for rp in ranks) / bw + layers * HOST_LAYER_S
+    if pp > 1:  # one stream: the stages in turn
+        compute = sum(rp.bytes for rp in ranks) / bw + layers * HOST_LAYER_S
+    else:
+        compute = max(rp.bytes for rp in ranks) / bw + layers * HOST_LAYER_S
     comm = (calls * lat + payload / link_bw) if n > 1 else 0.0
     if memory is None:
         total = machine_memory()
@@ -126,7 +146,7 @@ def make_plan(ck, n: int, weights=None, link: str = "loopback", bandwidth: float
             raise UserError(f"rank {rp.rank} needs {_size(rp.bytes)} of weights, more than its {_size(avail)} "
                             "of memory (use more ranks, or --rank-weights / the hosts' memory= to shift shares)")
     return {"ranks": ranks, "collectives": coll, "link": (link, lat, link_bw, source), "bandwidth": bw,
-            "layers": layers, "compute_s": compute, "comm_s": comm, "token_s": compute + comm}
+            "layers": layers, "compute_s": compute, "comm_s": comm, "token_s": compute + comm, "pp": pp}
 
 
 def _size(n: int) -> str:
@@ -138,12 +158,19 @@ def _span(t) -> str:
 
 
 def format_plan(p: dict, n: int) -> list[str]:
-    out = [f"{'rank':>4}  {'weight':>6}  {'heads (q; kv)':>16}  {'MLP columns':>14}  {'vocab rows':>14}  weights"]
-    for rp in p["ranks"]:
-        heads = "-" if rp.heads is None else f"[{rp.heads[0]}, {rp.heads[1]}); {rp.heads[2]}"
-        out.append(f"{rp.rank:>4}  {str(rp.weight):>6}  {heads:>16}  {_span(rp.columns):>14}  {_span(rp.vocab):>14}  "
-                   f"{rp.bytes / 1e6:,.1f} MB")
-    out.append(f"layers: all {p['layers']} on every rank (tensor parallel)")
+    if p["pp"] > 1:
+        out = [f"{'rank':>4}  {'stage layers':>14}  weights"]
+        for rp in p["ranks"]:
+            extra = (" + embedding" if rp.rank == 0 else "") + (" + norm, head" if rp.rank == p["pp"] - 1 else "")
+            out.append(f"{rp.rank:>4}  {_span(rp.layers):>14}  {rp.bytes / 1e6:,.1f} MB{extra}")
+        out.append(f"layers: {p['layers']} in {p['pp']} pipeline stages (one rank each), by parameter bytes")
+    else:
+        out = [f"{'rank':>4}  {'weight':>6}  {'heads (q; kv)':>16}  {'MLP columns':>14}  {'vocab rows':>14}  weights"]
+        for rp in p["ranks"]:
+            heads = "-" if rp.heads is None else f"[{rp.heads[0]}, {rp.heads[1]}); {rp.heads[2]}"
+            out.append(f"{rp.rank:>4}  {str(rp.weight):>6}  {heads:>16}  {_span(rp.columns):>14}  "
+                       f"{_span(rp.vocab):>14}  {rp.bytes / 1e6:,.1f} MB")
+        out.append(f"layers: all {p['layers']} on every rank (tensor parallel)")
     link, lat, bw, source = p["link"]
     per_tok = ", ".join(f"{c:g} {op} ({b:,.0f} B)" for op, (c, b) in p["collectives"].items() if c)
     out.append(f"per token: {per_tok or 'no collective'}")

@@ -85,3 +85,29 @@ def test_hostfile_memory_sets_the_shares_and_the_limit(tmp_path):
     small.write_text('[{"ssh": "mac1", "memory": "1MB"}, {"ssh": "mac2", "memory": "1MB"}]')
     r = CliRunner().invoke(app, ["plan", "--hostfile", str(small)])
     assert r.exit_code == 2 and "rank 0 needs" in r.output and "of memory" in r.output, r.output
+
+
+@pytest.mark.parametrize("pp", [2, 4])
+def test_pipeline_stages(pp):
+    """--pp: each rank's layers (contiguous, every layer once) and the bytes
+    of exactly what its stage loads (the loader's own cut)."""
+    ck = open_model(None)
+    p = make_plan(ck, pp, pp=pp, bandwidth=5e9)
+    layers = [r.layers for r in p["ranks"]]
+    assert _covers(layers, 4) and all(b > a for a, b in layers)
+    total = sum(ck.tensor_bytes().values())
+    assert all(r.bytes < total for r in p["ranks"])
+    assert sum(r.bytes for r in p["ranks"]) >= total  # a tied head: the last stage holds the embedding too
+    assert p["collectives"]["send"][0] == pp - 1
+    r = CliRunner().invoke(app, ["plan", "--pp", str(pp), "--bandwidth", "5"])
+    assert r.exit_code == 0 and f"in {pp} pipeline stages" in r.output, r.output
+
+
+def test_pipeline_refusals():
+    from reference_cases import FIXTURES
+
+    r = CliRunner().invoke(app, ["plan", "--pp", "5"])
+    assert r.exit_code == 2 and "needs at least 5 layers" in r.output, r.output
+    d = next((FIXTURES / "gemma3n").iterdir())
+    r = CliRunner().invoke(app, ["plan", str(d), "--pp", "2"])
+    assert r.exit_code == 2 and "cannot run in pipeline stages" in r.output, r.output
