@@ -69,3 +69,18 @@ def launched_results(tmp_path_factory, runs: dict, helper: str, tag: str, arg=st
         return done[(backend, n)]
 
     return get
+
+
+def assert_modes_match(npz: Path, ref, single: dict, tol: float, label) -> None:
+    """Every mode's logits in `npz` (a launched job's) match the reference
+    `ref` and the single-process logits `single` within `tol`."""
+    import numpy as np
+
+    with np.load(npz) as z:
+        got = {k: z[k] for k in z.files}
+    assert set(got) == set(single)
+    for mode, logits in got.items():
+        r_ref = compare(logits, ref, tol)
+        r_one = compare(logits, single[mode], tol)
+        assert r_ref["ok"], (*label, mode, "vs reference", r_ref)
+        assert r_one["ok"], (*label, mode, "vs np1", r_one)

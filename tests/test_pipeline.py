@@ -19,7 +19,7 @@ from mlxcel_dist.loader import load_model, model_args, read_config
 from mlxcel_dist.models import get_model_module
 from mlxcel_dist.pipeline import REFUSED, TP_INSIDE_STAGE, stage_ranges
 
-from reference_cases import FIXTURES, case_id, cases, launched_results, single_process_logits
+from reference_cases import FIXTURES, assert_modes_match, case_id, cases, launched_results, single_process_logits
 from testproc import run_cmd
 
 HELPER = Path(__file__).parent / "helpers" / "pp_cases.py"
@@ -178,15 +178,7 @@ def test_pp_matches_reference_and_single_process(pp_results, single, backend, n,
     stages = [json.loads((out / f"{key}.rank{r}.json").read_text()) for r in range(n)]
     assert [(s["start"], s["stop"]) for s in stages][0][0] == 0 and stages[-1]["stop"] == _layers(d)
     assert all(stages[k]["stop"] == stages[k + 1]["start"] for k in range(n - 1))
-    ref = np.load(_reference(d))["logits"]
-    with np.load(out / f"{key}.npz") as z:
-        pp = {k: z[k] for k in z.files}
-    assert set(pp) == set(single[d])
-    for mode, logits in pp.items():
-        r_ref = compare(logits, ref, _tol(d))
-        r_one = compare(logits, single[d][mode], _tol(d))
-        assert r_ref["ok"], (backend, n, mode, "vs reference", r_ref)
-        assert r_one["ok"], (backend, n, mode, "vs np1", r_one)
+    assert_modes_match(out / f"{key}.npz", np.load(_reference(d))["logits"], single[d], _tol(d), (backend, n))
 
 
 def test_generate_pp2_prints_the_same_text_as_np1(tmp_path):

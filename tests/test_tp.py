@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 from mlxcel_dist.errors import UserError
-from mlxcel_dist.harness import compare, rel_tol_for
+from mlxcel_dist.harness import rel_tol_for
 from mlxcel_dist.launcher import launch
 from mlxcel_dist.loader import check_shardable
 
-from reference_cases import FIXTURES, case_id, cases, launched_results, single_process_logits
+from reference_cases import FIXTURES, assert_modes_match, case_id, cases, launched_results, single_process_logits
 from testproc import run_cmd
 
 HELPER = Path(__file__).parent / "helpers" / "tp_cases.py"
@@ -90,15 +90,7 @@ def test_tp_matches_reference_and_single_process(tp_results, single, backend, n,
     out = tp_results(backend, n)
     name = _name(d)
     d = d[0] if isinstance(d, tuple) else d
-    ref = np.load(d / "reference.npz")["logits"]
-    with np.load(out / f"{name}.npz") as z:
-        tp = {k: z[k] for k in z.files}
-    assert set(tp) == set(single[d])
-    for mode, logits in tp.items():
-        r_ref = compare(logits, ref, _tol(d))
-        r_one = compare(logits, single[d][mode], _tol(d))
-        assert r_ref["ok"], (backend, n, mode, "vs reference", r_ref)
-        assert r_one["ok"], (backend, n, mode, "vs np1", r_one)
+    assert_modes_match(out / f"{name}.npz", np.load(d / "reference.npz")["logits"], single[d], _tol(d), (backend, n))
 
 
 def test_kv_head_counts_covered():
