@@ -680,7 +680,7 @@ def plan(
         check_shardable(ck, np_, weights)
     p = make_plan(ck, np_, weights, link, None if bandwidth is None else bandwidth * 1e9, memory, pp)
     print(f"{ck.dir}: {np_} rank(s)")
-    for line in format_plan(p, np_):
+    for line in format_plan(p):
         print(line)
 
 

@@ -26,7 +26,7 @@ from .errors import UserError
 from .models import get_model_module
 from .quant import foreign_quant_method, quantize_model, read_quantization
 from .shard import collect_plan
-from .weights import open_checkpoint
+from .weights import open_checkpoint, stored_bytes
 
 DEFAULT_MODEL_NAME = "gemma3-tiny"
 HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.jinja", "*.txt"]
@@ -190,7 +190,7 @@ class Checkpoint:
 
     def tensor_bytes(self) -> dict:
         """Tensor name -> its stored bytes (from the headers)."""
-        return {name: ref.nbytes for name, ref in self.refs.items()}
+        return {name: stored_bytes(ref) for name, ref in self.refs.items()}
 
     def build(self, with_refs: bool = True):
         """The model (parameters lazy), with the layers the checkpoint stores
@@ -255,7 +255,7 @@ def load_model(model, dtype: str | None = None, group: Group = SINGLE, progress=
     full_shapes = {name: tuple(p.shape) for name, p in tree_flatten(m.parameters())}  # before sharding
     target = parse_dtype(dtype) or ck.dtype
     if pp > 1:
-        refs = _stage(m, refs, group, pp, target)
+        refs = cut_stage(m, refs, group, pp, target)
     elif not group.single:
         m.shard(group)
     method = ck.foreign_quant
@@ -273,7 +273,7 @@ def load_model(model, dtype: str | None = None, group: Group = SINGLE, progress=
     return Loaded(m, ck.config, ck.dir, target, group)
 
 
-def _stage(m, refs: dict, group: Group, pp: int, target) -> dict:
+def cut_stage(m, refs: dict, group: Group, pp: int, target) -> dict:
     """Cut `m` down to this rank's pipeline stage (pipeline.make_stage) and
     return the checkpoint refs of that stage: the other stages' tensors are
     set aside, so the strict check below covers exactly this stage's

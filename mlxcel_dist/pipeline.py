@@ -46,6 +46,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .errors import UserError
+from .weights import stored_bytes
 
 TP_INSIDE_STAGE = "--pp with tensor parallel inside a stage is not supported yet"
 
@@ -97,16 +98,6 @@ def stage_ranges(layer_bytes, P: int, first_extra: int = 0, last_extra: int = 0)
     return [(bounds[k], bounds[k + 1]) for k in range(P)]
 
 
-def _nbytes(ref) -> int:
-    """A tensor's stored bytes from its header (a family's own ref wrapper,
-    e.g. step3p5's row views, may have no `nbytes`: shape x dtype size)."""
-    import numpy as np
-
-    from .weights import _DTYPES
-
-    return int(np.prod(ref.shape, dtype=np.int64)) * np.dtype(_DTYPES[ref.dtype][0]).itemsize
-
-
 def layer_index(name: str) -> int | None:
     """i of a `model.layers.i.*` parameter name (None for any other)."""
     if not name.startswith("model.layers."):
@@ -125,11 +116,11 @@ def plan_stages(model, refs: dict, P: int) -> list[tuple[int, int]]:
     for name, ref in refs.items():
         i = layer_index(name)
         if i is not None and i < n:
-            per_layer[i] += _nbytes(ref)
+            per_layer[i] += stored_bytes(ref)
         elif name.startswith("model.embed_tokens."):
-            embed += _nbytes(ref)
+            embed += stored_bytes(ref)
         elif name.startswith("lm_head."):
-            head += _nbytes(ref)
+            head += stored_bytes(ref)
     if model.args.tie_word_embeddings:
         head = embed
     return stage_ranges(per_layer, P, first_extra=embed, last_extra=head)

@@ -22,6 +22,7 @@ import numpy as np
 
 from .collectives import Group
 from .errors import UserError
+from .weights import stored_bytes
 
 # Link constants: (latency per collective s, bandwidth B/s, source).
 LINKS = {
@@ -55,10 +56,10 @@ def _rank_plan(ck, n: int, r: int, weights, pp: int = 1) -> tuple[RankPlan, obje
 
     m, refs = ck.build()
     layers = None
-    if pp > 1:  # the loader's own cut (loader._stage), on paper
-        from .loader import _stage
+    if pp > 1:  # the loader's own cut (loader.cut_stage), on paper
+        from .loader import cut_stage
 
-        _stage(m, refs, Group.planned(pp, r), pp, None)
+        cut_stage(m, refs, Group.planned(pp, r), pp, None)
         layers = (m.model.stage.start, m.model.stage.stop)
     elif n > 1:
         m.shard(Group.planned(n, r, weights))
@@ -69,7 +70,7 @@ def _rank_plan(ck, n: int, r: int, weights, pp: int = 1) -> tuple[RankPlan, obje
     for name, _ in tree_flatten(m.parameters()):
         ref = refs[name]
         axis, ranges = plan.get(name, (None, None))
-        total += int(np.prod(ref.sliced_shape(axis, ranges))) * ref.itemsize
+        total += stored_bytes(ref, ref.sliced_shape(axis, ranges))
     heads = None
     attn = next((mod for _, mod in m.named_modules() if hasattr(mod, "total_num_heads")), None)
     if attn is not None:
@@ -157,7 +158,7 @@ def _span(t) -> str:
     return "-" if t is None else f"[{t[0]}, {t[1]})"
 
 
-def format_plan(p: dict, n: int) -> list[str]:
+def format_plan(p: dict) -> list[str]:
     if p["pp"] > 1:
         out = [f"{'rank':>4}  {'stage layers':>14}  weights"]
         for rp in p["ranks"]:

@@ -41,6 +41,13 @@ _DTYPES = {
 bytes_read = 0
 
 
+def stored_bytes(ref, shape=None) -> int:
+    """Bytes of `ref` as stored (or of `shape`, a slice of it), from its header:
+    any ref with `shape` and a safetensors `dtype` (TensorRef, or a family's
+    view of one such as step3p5's row ranges)."""
+    return int(np.prod(ref.shape if shape is None else shape, dtype=np.int64)) * np.dtype(_DTYPES[ref.dtype][0]).itemsize
+
+
 class TensorRef:
     """A tensor in a safetensors file, read on demand (whole or a slice)."""
 
@@ -48,14 +55,6 @@ class TensorRef:
 
     def __init__(self, file: Path, name: str, dtype: str, shape: tuple, mm: np.ndarray):
         self.file, self.name, self.dtype, self.shape, self._mm = file, name, dtype, shape, mm
-
-    @property
-    def nbytes(self) -> int:
-        return self._mm.nbytes
-
-    @property
-    def itemsize(self) -> int:
-        return self._mm.itemsize
 
     def read(self, axis: int | None = None, ranges=None) -> mx.array:
         a = self._mm

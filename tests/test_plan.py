@@ -111,3 +111,19 @@ def test_pipeline_refusals():
     d = next((FIXTURES / "gemma3n").iterdir())
     r = CliRunner().invoke(app, ["plan", str(d), "--pp", "2"])
     assert r.exit_code == 2 and "cannot run in pipeline stages" in r.output, r.output
+
+
+def _every_case():
+    from reference_cases import FIXTURES
+
+    return sorted(d.parent for d in FIXTURES.glob("*/*/config.json"))
+
+
+@pytest.mark.parametrize("d", _every_case(), ids=lambda d: f"{d.parent.name}/{d.name}")
+def test_every_case_plans_at_np2(d):
+    """plan on paper for every fixture case (a family's own tensor views, e.g.
+    step3p5's row ranges, included): each rank holds less than the whole."""
+    ck = open_model(d)
+    one = make_plan(ck, 1, bandwidth=5e9)["ranks"][0].bytes
+    p = make_plan(ck, 2, bandwidth=5e9)
+    assert all(0 < r.bytes < one for r in p["ranks"]) and p["collectives"]["all_sum"][0] > 0

@@ -231,9 +231,8 @@ def _serve(model, tok, group, opts, sock, config, engine, link, beats, guard) ->
     os.set_blocking(wfd, False)
     saved = {sig: signal.signal(sig, lambda *_: sched.stop()) for sig in (signal.SIGINT, signal.SIGTERM)}
     saved_fd = signal.set_wakeup_fd(wfd, warn_on_full_buffer=False)
-    threading.Thread(target=_watch_signals, args=(sched, rfd), daemon=True).start()
     loop_done = threading.Event()
-    sched.loop_done = loop_done
+    threading.Thread(target=_watch_signals, args=(sched, rfd, loop_done), daemon=True).start()
     try:
         http.start()
         h, p = sock.getsockname()[:2]
@@ -287,7 +286,7 @@ def _loop(sched, engine, link, guard) -> None:
         sched.fail_all(SHUTDOWN_MESSAGE, 503)  # whatever is still queued: answered, not dropped
 
 
-def _watch_signals(sched, rfd: int) -> None:
+def _watch_signals(sched, rfd: int, loop_done: threading.Event) -> None:
     """The main thread may sit in a collective of a dead rank (C code), where
     Python handlers never run; the C-level handler still writes the signal's
     number to the wakeup fd, read here: stop, and if the loop is stuck, answer
@@ -307,7 +306,7 @@ def _watch_signals(sched, rfd: int) -> None:
         sched.stop()
         now = time.monotonic()
         stuck = busy is not None and now - busy > max(STUCK_S, STUCK_STEPS * sched.step_s)
-        while not stuck and not sched.loop_done.wait(0.01):
+        while not stuck and not loop_done.wait(0.01):
             busy = sched.busy_since
             stuck = busy is not None and time.monotonic() - max(busy, now) > max(STUCK_LATE_S,
                                                                                  10 * STUCK_STEPS * sched.step_s)
@@ -315,7 +314,7 @@ def _watch_signals(sched, rfd: int) -> None:
             return
         n = sched.fail_all(f"{SHUTDOWN_MESSAGE}: the ranks did not stop (a rank has failed or is not responding)",
                            503)
-        if sched.loop_done.wait(STUCK_LATE_S):  # only slow after all: the main thread ends the job as usual
+        if loop_done.wait(STUCK_LATE_S):  # only slow after all: the main thread ends the job as usual
             return
         time.sleep(0.5)  # the HTTP thread writes the answers
         log(f"rank 0 stopped without the other ranks ({n} open request(s) answered with an error)")

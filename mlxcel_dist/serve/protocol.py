@@ -199,6 +199,3 @@ class OneRowEngine:
             return {self.rid: next(self.gen)}
         except StopIteration:
             return {self.rid: self.eos}
-
-    def warmup(self, rows: int) -> list:
-        return []
