@@ -266,8 +266,9 @@ def _loop(sched, engine, link, guard) -> None:
     try:
         while True:
             step = sched.plan()
-            t_sync = time.monotonic()
+            t_sync = sched.busy_since = time.monotonic()  # the sync waits on every rank: a stopped one sticks here
             step, result = advance(engine, link, guard, step, keep_logprobs=True, agreed=agreed, busy=busy)
+            sched.busy_since = None  # (an idle note or shutdown has no engine step to clear it)
             if step.kind == KIND_SHUTDOWN:
                 return
             sched.absorb(step, result)

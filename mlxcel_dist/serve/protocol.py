@@ -110,7 +110,8 @@ def _admit(engine, admissions: list, keep_logprobs: bool, failed: dict) -> None:
 def apply_step(engine, step: Step, guard, keep_logprobs: bool = False, busy=None) -> StepResult | None:
     """Every rank: the step's engine calls, in one order. None for an idle
     note (the caller sleeps) or shutdown. `busy(t)` marks when the engine step
-    starts (None: between steps): rank 0's stuck-rank watchdog reads it."""
+    starts, `busy(None)` the prefills and the end of the step: rank 0's
+    stuck-rank watchdog reads it (its loop marks the sync before this too)."""
     if step.kind != KIND_STEP:
         return None
     out = StepResult()
@@ -118,6 +119,8 @@ def apply_step(engine, step: Step, guard, keep_logprobs: bool = False, busy=None
     for rid in step.removals:
         engine.remove(rid)
     if step.admissions:
+        if busy:
+            busy(None)  # prefills take as long as their prompts: never judged stuck
         _admit(engine, step.admissions, keep_logprobs, out.failed)
     t1 = time.monotonic()
     if busy:
