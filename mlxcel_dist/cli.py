@@ -57,7 +57,7 @@ RequiredModelArg = Annotated[str, typer.Argument(help="Checkpoint directory or H
 ModelOpt = Annotated[Optional[str], typer.Option("--model", help="The same as MODEL (mlx-lm's spelling).",
                                                  show_default=False)]
 NpOpt = Annotated[int, typer.Option("--np", help="Number of ranks (tensor-parallel degree).")]
-PpOpt = Annotated[int, typer.Option("--pp", help="Pipeline stages: the layers split into P stages, one rank each (--np P or no --np).")]
+PpOpt = Annotated[int, typer.Option("--pp", help="Pipeline stages: the layers split into P stages, one rank each (no --np or --np P), or T tensor-parallel ranks each (--np P x T).")]
 BackendOpt = Annotated[str, typer.Option("--backend", help=f"Distributed backend: auto, {', '.join(backends.names())}.")]
 HostfileOpt = Annotated[
     Optional[Path], typer.Option("--hostfile", help="OpenMPI or MLX JSON hostfile for multi-host runs.")
@@ -195,12 +195,8 @@ def _distribute(ctx: typer.Context, np_: int, backend: str, hostfile: Optional[P
 
         return SINGLE
     from .launcher import launch
-    from .loader import check_shardable
 
-    if pp > 1:
-        pipeline.check_stageable(model, pp)
-    else:
-        check_shardable(model, np_, weights)
+    _check_placement(model, np_, pp, weights)
     code = launch(_argv_from_ctx(ctx), np_, backend, str(hostfile) if hostfile else None,
                   stall_timeout=ctx.params.get("stall_timeout", DEFAULT_STALL_TIMEOUT_S))
     raise typer.Exit(code)
@@ -525,7 +521,7 @@ def logit_match(
     tokens_file: Annotated[Optional[Path], typer.Option("--tokens-file", help="1-D integer .npy of token ids.")] = None,
     dtype: DtypeOpt = None,
     np_: NpOpt = 2,
-    pp: Annotated[int, typer.Option("--pp", help="Compare a run in P pipeline stages (one rank each) instead of --np ranks of tensor parallelism.")] = 1,
+    pp: Annotated[int, typer.Option("--pp", help="Compare a run in P pipeline stages (one rank each, or --np P x T: T tensor-parallel ranks each) instead of --np ranks of tensor parallelism.")] = 1,
     backend: BackendOpt = "auto",
     hostfile: HostfileOpt = None,
     rank_weights: RankWeightsOpt = None,
@@ -580,10 +576,8 @@ def logit_match(
             if dtype:
                 argv += ["--dtype", dtype]
             if pp > 1:
-                from .pipeline import check_stageable
-
                 argv += ["--pp", str(pp)]
-                check_stageable(model_dir, pp)
+                _check_placement(model_dir, np_, pp, None)
             else:
                 weights = parse_rank_weights(rank_weights)
                 if weights is None and hostfile is not None:
@@ -885,6 +879,20 @@ def bench(
         else:
             print(f"model  {result['model']} (backend {result['backend']})")
             print(format_table(result), flush=True)
+
+
+def _check_placement(model, np_: int, pp: int, weights) -> None:
+    """Before launch, on paper: the model splits over np_ ranks (with --pp:
+    into pp stages, each split np_ / pp ways)."""
+    from .loader import check_shardable
+
+    if pp > 1:
+        from .pipeline import check_stageable
+
+        check_stageable(model, pp)
+        check_shardable(model, np_ // pp, None)
+    else:
+        check_shardable(model, np_, weights)
 
 
 def _pp_note(pp: int) -> str:

@@ -171,6 +171,59 @@ class Group:
 SINGLE = Group()
 
 
+class ChainGroup(Group):
+    """Ranks [first, first + size) of the job's `world` group (the tensor
+    parallel ranks of one pipeline stage), whose collectives are chains of
+    point-to-point messages between neighbouring ranks: MLX's ring backend
+    cannot split a group and sends only to its ring neighbours, and
+    consecutive ranks are neighbours on every backend.
+
+    all_sum: partial sums go up the chain (rank t adds its x to what rank
+    t-1 sent), the last rank's total comes back down: every member gets the
+    same bits, 2 (size - 1) messages in sequence. all_gather: the same with
+    concatenation. Both trace inside `mx.compile`. A receive that must wait
+    for this rank's own send is made to depend on it (`mx.depends`), so no
+    rank posts its receive first and both ends of a link wait forever."""
+
+    def __init__(self, world: Group, first: int, size: int):
+        if not 0 <= world.rank() - first < size:
+            raise ValueError(f"rank {world.rank()} is not in ranks [{first}, {first + size})")
+        super().__init__(None, size=size, rank=world.rank() - first)
+        self.world, self.first = world, first
+
+    def __repr__(self) -> str:
+        return f"ChainGroup(rank {self._rank} of ranks [{self.first}, {self.first + self._size}) of {self.world!r})"
+
+    def _chain(self, x, join, below, total):
+        """`below`: the shape ranks first .. me-1 send up; `total`: the whole
+        result's, which comes back down."""
+        import mlx.core as mx
+
+        raw, me = self.world.raw, self.world.rank()
+        if self._rank > 0:
+            x = join(mx.distributed.recv(below, x.dtype, me - 1, group=raw), x)
+        if self._rank < self._size - 1:
+            up = mx.distributed.send(x, me + 1, group=raw)
+            (x,) = mx.depends([mx.distributed.recv(total, x.dtype, me + 1, group=raw)], [up])
+        if self._rank > 0:
+            (x,) = mx.depends([x], [mx.distributed.send(x, me - 1, group=raw)])
+        return x
+
+    def all_sum(self, x):
+        if self.single:
+            return x
+        return self._chain(x, lambda lower, mine: lower + mine, x.shape, x.shape)
+
+    def all_gather(self, x):
+        if self.single:
+            return x
+        import mlx.core as mx
+
+        n0, rest = x.shape[0], tuple(x.shape[1:])
+        return self._chain(x, lambda lower, mine: mx.concatenate([lower, mine]),
+                           (n0 * self._rank, *rest), (n0 * self._size, *rest))
+
+
 # Host channel ------------------------------------------------------------------
 CHANNEL_PREFIX = "[host channel]"  # distributed._is_transport_error: a peer gone, not a bug here
 CHANNEL_CONNECT_S = 3.0  # per advertised address; a follower tries each in order

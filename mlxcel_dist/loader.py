@@ -248,14 +248,20 @@ def check_shardable(model, np_: int, weights=None) -> None:
 
 
 def load_model(model, dtype: str | None = None, group: Group = SINGLE, progress=None, pp: int = 1) -> Loaded:
-    """`pp` > 1: `group` is a pipeline of `pp` stages, one rank each
-    (pipeline.py): this rank builds and reads its stage only."""
+    """`pp` > 1: `group` is a pipeline of `pp` stages of T = size / pp ranks
+    each (pipeline.py): this rank builds and reads its stage only, sharded
+    T ways inside the stage (`pipeline.stage_group`)."""
     ck = open_model(model)
     m, refs = ck.build()
     full_shapes = {name: tuple(p.shape) for name, p in tree_flatten(m.parameters())}  # before sharding
     target = parse_dtype(dtype) or ck.dtype
     if pp > 1:
+        from .pipeline import stage_group
+
         refs = cut_stage(m, refs, group, pp, target)
+        tp = stage_group(group, pp)
+        if not tp.single:
+            m.shard(tp)
     elif not group.single:
         m.shard(group)
     method = ck.foreign_quant
@@ -280,8 +286,8 @@ def cut_stage(m, refs: dict, group: Group, pp: int, target) -> dict:
     parameters (a tensor no stage has is still unexpected)."""
     from . import pipeline
 
-    if group.size() != pp:
-        raise UserError(f"--pp {pp} runs on {pp} ranks, this job has {group.size()}: {pipeline.TP_INSIDE_STAGE}")
+    if group.size() % pp:
+        raise UserError(f"--pp {pp} needs a multiple of {pp} ranks, this job has {group.size()}")
     pipeline.check_family(m)
     ranges = pipeline.plan_stages(m, refs, pp)
     before = {name for name, _ in tree_flatten(m.parameters())}

@@ -48,8 +48,6 @@ import mlx.nn as nn
 from .errors import UserError
 from .weights import stored_bytes
 
-TP_INSIDE_STAGE = "--pp with tensor parallel inside a stage is not supported yet"
-
 # Families (model files) refused under --pp, and why (one clause each).
 REFUSED = {
     "gemma3n": "its layers share KV caches across the stack and take per-layer inputs (AltUp, per-layer embeddings)",
@@ -136,14 +134,31 @@ def check_family(model) -> None:
 
 def check_pp_ranks(np_: int, pp: int) -> int:
     """The rank count of a --pp run: P (one rank per stage; --np 1, the
-    default, or --np P). T ranks per stage (--np P x T) is refused."""
+    default, or --np P) or P x T (--np P x T: T-way tensor parallel inside
+    each stage)."""
     if pp < 1:
         raise UserError(f"--pp must be >= 1, got {pp}")
-    if pp == 1 or np_ in (1, pp):
+    if pp == 1 or np_ == 1:
         return max(np_, pp)
-    if np_ % pp == 0:
-        raise UserError(TP_INSIDE_STAGE)
-    raise UserError(f"--np {np_} is not a multiple of --pp {pp}")
+    if np_ % pp:
+        raise UserError(f"--np {np_} is not a multiple of --pp {pp} (--np P x T: T tensor-parallel ranks per stage)")
+    return np_
+
+
+def stage_of(rank: int, size: int, P: int) -> tuple[int, int, int]:
+    """(stage, member, T) of world rank `rank` in a job of `size` ranks in P
+    stages: stage s holds the T = size / P consecutive ranks [s T, (s+1) T)."""
+    T = size // P
+    return rank // T, rank % T, T
+
+
+def stage_group(group, P: int):
+    """The tensor-parallel group inside this rank's stage: `SINGLE` at T = 1,
+    else a `collectives.ChainGroup` of the stage's T ranks."""
+    from .collectives import SINGLE, ChainGroup
+
+    s, _, T = stage_of(group.rank(), group.size(), P)
+    return SINGLE if T == 1 else ChainGroup(group, s * T, T)
 
 
 def check_stageable(model_arg, pp: int) -> None:
@@ -163,14 +178,22 @@ class Absent(nn.Module):
 
 
 class Stage:
-    """Rank `index` of a `P`-stage pipeline over `group` (the whole job):
-    layers [start, stop), the dtype of the hidden states it receives/sends."""
+    """Stage `index` of a `P`-stage pipeline over `group` (the whole job),
+    this rank its `member`-th of T tensor-parallel ranks: layers [start,
+    stop), the dtype of the hidden states it receives and sends.
 
-    def __init__(self, group, index: int, P: int, start: int, stop: int, hidden_size: int, dtype):
+    Hidden states always come from world rank r-1 and go to r+1 (ring
+    neighbours): the previous stage's last rank sends to this stage's first,
+    which forwards them to the next member, and so on; only a stage's last
+    member sends on (its T ranks hold the same h after their all_sums)."""
+
+    def __init__(self, group, index: int, P: int, start: int, stop: int, hidden_size: int, dtype,
+                 member: int = 0, T: int = 1):
         self.group, self.index, self.P = group, index, P
+        self.member, self.T = member, T
         self.start, self.stop = start, stop
         self.hidden_size, self.dtype = hidden_size, dtype
-        self.sent = None  # the last forward's lazy send (callers that evaluate only the caches need it)
+        self.sent = []  # the last forward's lazy sends (callers that evaluate only the caches need them)
 
     @property
     def first(self) -> bool:
@@ -181,33 +204,59 @@ class Stage:
         return self.index == self.P - 1
 
     def __repr__(self) -> str:
-        return f"Stage({self.index} of {self.P}: layers [{self.start}, {self.stop}))"
+        tp = f", rank {self.member} of {self.T}" if self.T > 1 else ""
+        return f"Stage({self.index} of {self.P}{tp}: layers [{self.start}, {self.stop}))"
+
+    def begin(self) -> None:
+        """A forward starts (the stack's `__call__`): `sent` is its sends only."""
+        self.sent = []
+
+    def receive_tensor(self, shape, dtype) -> mx.array:
+        """The previous stage's tensor (shape, dtype), forwarded to this
+        stage's next member when there is one."""
+        r = self.group.rank()
+        x = mx.distributed.recv(tuple(shape), dtype, r - 1, group=self.group.raw)
+        if self.member < self.T - 1:
+            (x,) = mx.depends([x], [mx.distributed.send(x, r + 1, group=self.group.raw)])
+        return x
+
+    def send_tensor(self, x: mx.array) -> mx.array:
+        """x to the next stage (from this stage's last member; the others
+        return x): the lazy result does the send when evaluated."""
+        if self.member < self.T - 1:
+            return x
+        x = mx.distributed.send(x, self.group.rank() + 1, group=self.group.raw)
+        self.sent.append(x)
+        return x
 
     def receive(self, B: int, L: int) -> mx.array:
-        return mx.distributed.recv((B, L, self.hidden_size), self.dtype, self.index - 1, group=self.group.raw)
+        return self.receive_tensor((B, L, self.hidden_size), self.dtype)
 
     def pass_on(self, h: mx.array) -> mx.array:
-        """Send h to the next stage; the lazy result (h itself) does the send when evaluated."""
-        self.sent = mx.distributed.send(h.astype(self.dtype), self.index + 1, group=self.group.raw)
-        return self.sent
+        """h (in the stage dtype) to the next stage."""
+        return self.send_tensor(h.astype(self.dtype))
 
     def logits(self, head, h: mx.array, vocab: int) -> mx.array:
-        """Every rank's copy of the last stage's logits: `head(h)` there, zeros
-        (after this stage's send) elsewhere, one all_sum."""
+        """Every rank's copy of the last stage's logits: `head(h)` there (on
+        every member: a vocabulary-split head gathers inside the stage), from
+        its first member only; zeros (after this rank's sends) elsewhere; one
+        all_sum over the job."""
         if self.last:
             out = head(h)
             # the other ranks' zeros are in the hidden dtype: the head's output is too
             # (the loader casts every weight to it), but a mismatch would pair
             # all_sums of different sizes, so it is made sure of
             out = out if out.dtype == self.dtype else out.astype(self.dtype)
+            if self.member > 0:
+                out = mx.depends(mx.zeros(out.shape, self.dtype), out)
         else:
             out = mx.depends(mx.zeros((*h.shape[:-1], vocab), self.dtype), h)
         return self.group.all_sum(out)
 
     def take_sent(self) -> list:
-        """The last forward's send (to evaluate with the caches), once."""
-        sent, self.sent = self.sent, None
-        return [] if sent is None or self.last else [sent]
+        """The last forward's sends (to evaluate with the caches), once."""
+        sent, self.sent = self.sent, []
+        return sent
 
 
 def outstanding_sends(model) -> list:
@@ -218,13 +267,13 @@ def outstanding_sends(model) -> list:
 
 
 def make_stage(model, group, P: int, ranges: list, dtype) -> Stage:
-    """Keep rank r's stage of `model`, in place: its layers (the others become
+    """Keep this rank's stage of `model`, in place (`stage_of`): its layers (the others become
     `Absent`), the embedding on the first stage (and on the last with a tied
     head), the final norm and `lm_head` on the last."""
-    r = group.rank()
-    start, stop = ranges[r]
+    index, member, T = stage_of(group.rank(), group.size(), P)
+    start, stop = ranges[index]
     stack = model.model
-    stage = Stage(group, r, P, start, stop, model.args.hidden_size, dtype)
+    stage = Stage(group, index, P, start, stop, model.args.hidden_size, dtype, member, T)
     stack.layers = [layer if start <= i < stop else Absent() for i, layer in enumerate(stack.layers)]
     if not stage.first and not (stage.last and model.args.tie_word_embeddings):
         del stack["embed_tokens"]

@@ -60,6 +60,26 @@ def _slice(w: mx.array, axis: int, ranges) -> mx.array:
     return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=axis)
 
 
+class SumShardedToAll(ShardedToAllLinear):
+    """ShardedToAllLinear whose all_sum is `tp`'s (a `collectives.Group`):
+    MLX's calls mx.distributed.all_sum on an MLX group, which a pipeline
+    stage's `ChainGroup` is not."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        x = self.tp.all_sum(x @ self["weight"].T)
+        return x + self["bias"] if "bias" in self else x
+
+
+class QuantizedSumShardedToAll(QuantizedShardedToAllLinear):
+    """QuantizedShardedToAllLinear with `tp`'s all_sum (as `SumShardedToAll`)."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        x = mx.quantized_matmul(x, self["weight"], scales=self["scales"], biases=self.get("biases"),
+                                transpose=True, group_size=self.group_size, bits=self.bits, mode=self.mode)
+        x = self.tp.all_sum(x)
+        return x + self["bias"] if "bias" in self else x
+
+
 def _sharded(linear: nn.Module, kind: str, ranges, group: Group, name: str = "layer") -> nn.Module:
     """Swap `linear` for an AllToShardedLinear (kind "rows": output slice) or a
     ShardedToAllLinear (kind "cols": input slice) holding only `ranges`
@@ -81,7 +101,8 @@ def _sharded(linear: nn.Module, kind: str, ranges, group: Group, name: str = "la
         if has_bias:
             spec["bias"] = (0, ranges)
     else:
-        layer = ShardedToAllLinear(n, out_dims, bias=has_bias, group=group.mlx)
+        layer = SumShardedToAll(n, out_dims, bias=has_bias, group=group.mlx)
+        layer.tp = group
         layer.weight = _slice(linear.weight, 1, ranges)
         if has_bias:
             layer.bias = linear.bias  # added once, after the all_sum
@@ -116,7 +137,8 @@ def _sharded_quantized(linear: nn.QuantizedLinear, kind: str, ranges, group, nam
             setattr(layer, p, _slice(linear[p], 0, ranges))
     else:
         packed, groups = quantized_col_ranges(ranges, gs, bits, f"{n} ranks cannot split {name} ({in_dims} inputs)")
-        layer = QuantizedShardedToAllLinear(n * gs, out_dims, bias=has_bias, group=group.mlx, **q)
+        layer = QuantizedSumShardedToAll(n * gs, out_dims, bias=has_bias, group=group.mlx, **q)
+        layer.tp = group
         spec = {"weight": (1, packed), "scales": (1, groups)}
         if has_biases:
             spec["biases"] = (1, groups)

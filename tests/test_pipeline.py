@@ -17,7 +17,7 @@ from mlxcel_dist.errors import UserError
 from mlxcel_dist.harness import compare, rel_tol_for
 from mlxcel_dist.loader import load_model, model_args, read_config
 from mlxcel_dist.models import get_model_module
-from mlxcel_dist.pipeline import REFUSED, TP_INSIDE_STAGE, stage_ranges
+from mlxcel_dist.pipeline import REFUSED, stage_ranges, stage_of
 
 from reference_cases import FIXTURES, assert_modes_match, case_id, cases, launched_results, single_process_logits
 from testproc import run_cmd
@@ -42,15 +42,19 @@ def _reference(d):
     return d / ("reference.npz" if (d / "reference.npz").exists() else "mlx_lm_reference.npz")
 
 
+_ONE_PER_FAMILY = list({d.parent.name: d for d in reversed(CASES) if _layers(d) >= 4}.values())
+# (backend, ranks, stages): ranks / stages tensor-parallel ranks per stage
 RUNS = {
-    ("mpi", 2): CASES + QUANTIZED,
+    ("mpi", 2, 2): CASES + QUANTIZED,
     # 4 ranks on CI's 2 cores are slow: one case per fixture family (its first with >= 4 layers)
-    ("mpi", 4): list({d.parent.name: d for d in reversed(CASES) if _layers(d) >= 4}.values()),
+    ("mpi", 4, 4): _ONE_PER_FAMILY,
+    ("mpi", 4, 2): _ONE_PER_FAMILY,  # 2 stages of 2 tensor-parallel ranks
     # ring: send/recv over its sockets too, on two cases (its spinning receives make
-    # every case slow on CI's 2 cores)
-    ("ring", 2): [FIXTURES / n for n in ("gemma3/gqa_bf16", "llama/mqa_tied_fp32")],
+    # every case slow on CI's 2 cores); 6 ranks: 2 stages of 3 (uneven heads) on one
+    ("ring", 2, 2): [FIXTURES / n for n in ("gemma3/gqa_bf16", "llama/mqa_tied_fp32")],
+    ("ring", 6, 2): [FIXTURES / "llama/gqa_fp32"],
 }
-COMBOS = [(b, n, d) for (b, n), ds in RUNS.items() for d in ds]
+COMBOS = [(*k, d) for k, ds in RUNS.items() for d in ds]
 
 
 # stage_ranges ----------------------------------------------------------------
@@ -132,8 +136,8 @@ def test_refusals_are_one_line(tmp_path):
     checks = [
         (["logits", FIXTURES / "gemma3n/gqa_fp32", "--tokens-file", ids, "--out", out, "--pp", "2"],
          "error: --pp: gemma3n_text (gemma3n) cannot run in pipeline stages: "),
-        (["logits", FIXTURES / "llama/gqa_fp32", "--tokens-file", ids, "--out", out, "--pp", "2", "--np", "4"],
-         f"error: {TP_INSIDE_STAGE}"),
+        (["logits", FIXTURES / "llama/gqa_fp32", "--tokens-file", ids, "--out", out, "--pp", "2", "--np", "3"],
+         "error: --np 3 is not a multiple of --pp 2"),
         (["logits", FIXTURES / "llama/mqa_tied_fp32", "--tokens-file", ids, "--out", out, "--pp", "5"],
          "error: --pp 5 needs at least 5 layers, the model has 4"),
         (["logits", FIXTURES / "llama/gqa_fp32", "--tokens-file", ids, "--out", out, "--pp", "2",
@@ -171,14 +175,23 @@ def _tol(d):
     return rel_tol_for("bfloat16" if "bf16" in d.name else "float32")
 
 
-@pytest.mark.parametrize("backend,n,d", COMBOS, ids=[f"{b}-pp{n}-{case_id(d)}" for b, n, d in COMBOS])
-def test_pp_matches_reference_and_single_process(pp_results, single, backend, n, d):
-    out = pp_results(backend, n)
+def _run_id(b, n, P, d):
+    return f"{b}-pp{P}" + (f"x{n // P}" if n > P else "") + f"-{case_id(d)}"
+
+
+@pytest.mark.parametrize("backend,n,P,d", COMBOS, ids=[_run_id(*c) for c in COMBOS])
+def test_pp_matches_reference_and_single_process(pp_results, single, backend, n, P, d):
+    out = pp_results(backend, n, P)
     key = f"{d.parent.name}__{d.name}"
-    stages = [json.loads((out / f"{key}.rank{r}.json").read_text()) for r in range(n)]
-    assert [(s["start"], s["stop"]) for s in stages][0][0] == 0 and stages[-1]["stop"] == _layers(d)
-    assert all(stages[k]["stop"] == stages[k + 1]["start"] for k in range(n - 1))
-    assert_modes_match(out / f"{key}.npz", np.load(_reference(d))["logits"], single[d], _tol(d), (backend, n))
+    ranks = [json.loads((out / f"{key}.rank{r}.json").read_text()) for r in range(n)]
+    assert [(r["index"], r["member"]) for r in ranks] == [stage_of(r, n, P)[:2] for r in range(n)]
+    stages = [ranks[s * (n // P)] for s in range(P)]
+    assert stages[0]["start"] == 0 and stages[-1]["stop"] == _layers(d)
+    assert all(stages[k]["stop"] == stages[k + 1]["start"] for k in range(P - 1))
+    for r in ranks:  # a stage's ranks hold its layers only
+        layers = {int(x.split(".")[2]) for x in r["names"] if x.startswith("model.layers.")}
+        assert layers == set(range(r["start"], r["stop"]))
+    assert_modes_match(out / f"{key}.npz", np.load(_reference(d))["logits"], single[d], _tol(d), (backend, n, P))
 
 
 def test_generate_pp2_prints_the_same_text_as_np1(tmp_path):

@@ -200,6 +200,8 @@ class DecoderStack(nn.Module):
 
     def __call__(self, inputs, cache=None):
         stage = self.stage
+        if stage is not None:
+            stage.begin()
         if stage is None or stage.first:
             h = self.embed(inputs)
         else:  # the previous stage's hidden states

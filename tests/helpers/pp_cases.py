@@ -1,7 +1,7 @@
 """Rank job for the pipeline tests: every fixture case in every mode, in
-P stages (P = the job's size), one launch.
+P stages of size / P ranks each (tensor parallel inside a stage), one launch.
 
-usage (under the launcher): pp_cases.py OUT_DIR CASE_DIR [CASE_DIR ...]
+usage (under the launcher): pp_cases.py OUT_DIR P CASE_DIR [CASE_DIR ...]
 Rank 0 writes OUT_DIR/<family>__<case>.npz (one array per mode) and
 OUT_DIR/<family>__<case>.stages.json (each rank's layer range and parameter
 names, gathered through a file per rank).
@@ -22,13 +22,15 @@ from mlxcel_dist.loader import load_model
 def main():
     out = Path(sys.argv[1])
     group = distributed.init_from_env()
-    for d in map(Path, sys.argv[2:]):
+    P = int(sys.argv[2])
+    for d in map(Path, sys.argv[3:]):
         ids = np.load(d / ("reference.npz" if (d / "reference.npz").exists() else "mlx_lm_reference.npz"))["ids"]
-        model = load_model(d, group=group, pp=group.size()).model
+        model = load_model(d, group=group, pp=P).model
         stage = model.model.stage
         names = sorted(n for n, _ in tree_flatten(model.parameters()))
         (out / f"{d.parent.name}__{d.name}.rank{group.rank()}.json").write_text(
-            json.dumps({"start": stage.start, "stop": stage.stop, "names": names}))
+            json.dumps({"start": stage.start, "stop": stage.stop, "index": stage.index, "member": stage.member,
+                        "names": names}))
         result = all_mode_logits(model, ids)
         if group.is_root:
             np.savez(out / f"{d.parent.name}__{d.name}.npz", **result)
