@@ -67,6 +67,7 @@ from .decode import STEP as GPU_STEP
 from .decode import StaticCache, _round_up, ring_slots
 from .engine import DEFAULT_PREFILL_STEP, check_tokens, vocab_size
 from .masks import create_rows_mask
+from .pipeline import outstanding_sends
 from .sampling import Sampler, SamplingParams, read_logprobs, token_logprobs
 
 # Buffer granularity of the batch's static KV, per device. A batch step
@@ -100,25 +101,43 @@ def _write_row(buf: mx.array, b: int, slots, x: mx.array) -> None:
 
 class RowCache(StaticCache):
     """One layer's view of the batch buffers: decode.StaticCache with `pos`
-    (`offset`) the per-row positions [C], so its mask and writes are per row."""
+    (`offset`) the per-row positions [C], so its mask and writes are per row.
+    `rows` (a, b): the view of a micro-batch, rows [a, b) only."""
+
+    def __init__(self, state, index: int, window: int | None, rows=None):
+        super().__init__(state, index, window)
+        self.rows = rows
+
+    @property
+    def offset(self) -> mx.array:
+        pos = self.buffers["pos"]
+        return pos if self.rows is None else pos[self.rows[0] : self.rows[1]]
 
     def mask(self, L: int) -> mx.array:
-        """[C, 1, 1, S]: row b sees the slots it has written."""
+        """[rows, 1, 1, S]: row b sees the slots it has written."""
         assert L == 1, "batch rows take one token per step"
-        pos = self.buffers["pos"]
+        pos = self.offset
         return (mx.arange(self.size)[None, :] <= pos[:, None])[:, None, None, :]
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         b, i = self.buffers, self.index
         pos = b["pos"]
         slot = self.slot(pos)
-        C, H, _, Dk = keys.shape
-        idx = mx.broadcast_to(slot.reshape(C, 1, 1, 1), (C, H, 1, Dk))
-        b[f"k{i}"] = mx.put_along_axis(b[f"k{i}"], idx, keys, axis=2)
-        idx = mx.broadcast_to(slot.reshape(C, 1, 1, 1), (C, H, 1, values.shape[3]))
-        b[f"v{i}"] = mx.put_along_axis(b[f"v{i}"], idx, values, axis=2)
-        self.last = (b[f"k{i}"], b[f"v{i}"], pos)
-        return b[f"k{i}"], b[f"v{i}"]
+        C = pos.shape[0]
+        for name, x in ((f"k{i}", keys), (f"v{i}", values)):
+            idx = mx.broadcast_to(slot.reshape(C, 1, 1, 1), (C, x.shape[1], 1, x.shape[3]))
+            if self.rows is not None:
+                # a micro-batch writes its rows; the others' slots get their own values back
+                # (one gathered slot per row), so the write stays one in-place scatter
+                a, e = self.rows
+                old = mx.take_along_axis(b[name], idx, axis=2)
+                x = mx.concatenate([old[:a], x, old[e:]])
+            b[name] = mx.put_along_axis(b[name], idx, x, axis=2)
+        k, v = b[f"k{i}"], b[f"v{i}"]
+        if self.rows is not None:
+            k, v = k[self.rows[0] : self.rows[1]], v[self.rows[0] : self.rows[1]]
+        self.last = (k, v, self.offset)
+        return k, v
 
 
 class PrefillCache(LayerCache):
@@ -224,11 +243,13 @@ class Row:
 
 @dataclass(eq=False)
 class _Flight:
-    """A launched step: the rows it fed (buffer order at launch) and their lazy ids [n]."""
+    """A launched step: the rows it fed (buffer order at launch) and their lazy ids [n]
+    (micro-batched: also each micro-batch's ids, `parts`, its rows' and pads')."""
 
     rows: list
     ids: mx.array
     extras: object
+    parts: list | None = None
 
 
 def _plain_greedy(params) -> bool:
@@ -257,6 +278,12 @@ class BatchEngine:
         self.windows: list = []
         self.reads: list = []
         self._compiled = mx.compile(self._forward, inputs=self.buffers, outputs=self.buffers) if compiled else None
+        # Pipeline stages (--pp): the rows go through in P micro-batches, one behind the other,
+        # so each stage works on a different one at once (`_launch_micro`)
+        stage = getattr(getattr(model, "model", None), "stage", None)
+        self.micro = stage.P if stage is not None else 1
+        self._compiled_part = (mx.compile(self._forward_part, inputs=self.buffers, outputs=self.buffers)
+                               if compiled else None)
         self.traces = 0
         self._size = 0
         self.pipelined = pipelined
@@ -356,7 +383,7 @@ class BatchEngine:
             cache = self.model.make_cache()
         for i in range(a.start, last, self.prefill_step):
             self.model(mx.array(prompt[i : min(i + self.prefill_step, last)])[None], cache)
-            mx.eval([c.state for c in cache] if cache else [])
+            mx.eval([c.state for c in cache] if cache else [], outstanding_sends(self.model))
         if self.prompt_cache is not None and a.start < last:
             self.prompt_cache.store(prompt[:last], cache)
         row = Row(a.rid, Sampler(a.sampling or SamplingParams()), prompt.tolist(), last, int(prompt[last]),
@@ -441,7 +468,7 @@ class BatchEngine:
             bufs["offsets"] = mx.array(offs, mx.int32)
             bufs["end"], bufs["upto"] = bufs["offsets"] + n, upto
             self.model(mx.array(tokens), views)
-            mx.eval([x for name, x in bufs.items() if name[0] in "kv"])
+            mx.eval([x for name, x in bufs.items() if name[0] in "kv"], outstanding_sends(self.model))
             keep = sum(o + m < a.last for a, o, m in zip(admits, offs, lens))  # the finished are the last rows
             for b in range(keep, len(offs)):
                 self._finish_prefill(admits[b], b, bufs, rings)
@@ -601,6 +628,62 @@ class BatchEngine:
         self.buffers["pos"] = self.buffers["pos"] + 1
         return logits
 
+    def _forward_part(self, tokens: mx.array, a: int, e: int) -> mx.array:
+        """Rows [a, e) (a micro-batch) one step on; `pos` moves on with the last part."""
+        self.traces += 1
+        views = []
+        for i, (window, reads) in enumerate(zip(self.windows, self.reads)):
+            views.append(RowCache(self.buffers, i, window, (a, e)) if reads is None
+                         else SharedKVCache(views[reads], reads))
+        logits = self.model(tokens, views)[:, -1]
+        if e == self._capacity():
+            self.buffers["pos"] = self.buffers["pos"] + 1
+        return logits
+
+    def _parts(self, C: int) -> list:
+        """The micro-batches' row ranges of a C-row step (as even as possible)."""
+        m = min(self.micro, C)
+        cuts = [C * j // m for j in range(m + 1)]
+        return [(cuts[j], cuts[j + 1]) for j in range(m)]
+
+    def _launch_micro(self, n: int, C: int) -> None:
+        """A step as micro-batches: each part's forward is scheduled on its own
+        (async_eval), in order, and its ids are left unevaluated, so a stage
+        (one stream of work per rank) runs part j while the next stage runs
+        part j - 1, and the next step's part j needs only this step's part j
+        (its ids are evaluated with it)."""
+        f = self._flights[-1] if self._flights else None
+        parts = self._parts(C)
+        if f is not None and not self._changed and f.parts is not None and len(f.parts) == len(parts) \
+                and sum(x.shape[0] for x in f.parts) == C:
+            xs = list(f.parts)
+            pending = [f.parts[j][b - a] for j, (a, e) in enumerate(parts) for b in range(a, min(e, n))]
+        else:
+            tokens, pending = self._inputs()
+            x = tokens if C == n else mx.concatenate([tokens, mx.zeros((C - n,), mx.int32)])
+            xs = [x[a:e] for a, e in parts]
+        step = self._compiled_part if self._compiled_part is not None else self._forward_part
+        logits = []
+        for (a, e), x in zip(parts, xs):
+            out = step(x.reshape(-1, 1), a, e)
+            mx.async_eval(out)
+            logits.append(out)
+        rows = [logits[j][b - a] for j, (a, e) in enumerate(parts) for b in range(a, min(e, n))]
+        if all(_plain_greedy(r.sampler.params) for r in self.rows):
+            ids_parts = [mx.argmax(x.astype(mx.float32), axis=-1).astype(mx.int32) for x in logits]
+            ids = [ids_parts[j][b - a] for j, (a, e) in enumerate(parts) for b in range(a, min(e, n))]
+        else:
+            ids = [r.sampler.sample(x, r.context, pending=p) for r, x, p in zip(self.rows, rows, pending)]
+            pad = mx.array(0, mx.int32)  # the padding rows' next input
+            ids_parts = [mx.stack(ids[a:min(e, n)] + [pad] * (e - max(a, n))) for a, e in parts]
+        stacked = mx.concatenate(ids_parts)[:n]
+        extras = self.step_extras(rows, ids, pending)
+        for r in self.rows:
+            r.pos += 1
+            r.launched += 1
+        self._flights.append(_Flight(list(self.rows), stacked, extras, ids_parts))
+        self._changed = False
+
     def _inputs(self) -> tuple[mx.array, list]:
         """Every row's next input as one lazy int32 [n] (the unread id of the
         step in flight, else the row's host token) and, per row, that unread
@@ -626,8 +709,12 @@ class BatchEngine:
         assert len(self._flights) <= 1, "a row's context may lack one unread id, not two"
         if not self.rows:
             return
-        tokens, pending = self._inputs()
         n = len(self.rows)
+        if self.static and self.micro > 1:
+            self._reserve(n, max(r.pos for r in self.rows))
+            if self._capacity() > 1:
+                return self._launch_micro(n, self._capacity())
+        tokens, pending = self._inputs()
         if not self.static:
             rows = [self.model(tokens[b].reshape(1, 1), r.eager_cache)[0, -1] for b, r in enumerate(self.rows)]
         else:

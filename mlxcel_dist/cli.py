@@ -780,6 +780,7 @@ def serve(
     backend: BackendOpt = "auto",
     hostfile: HostfileOpt = None,
     rank_weights: RankWeightsOpt = None,
+    pp: PpOpt = 1,
     stall_timeout: StallOpt = DEFAULT_STALL_TIMEOUT_S,
     served_model_name: Annotated[Optional[list[str]], typer.Option("--served-model-name", metavar="NAME", help="A name requests may give as 'model' (vLLM's flag, repeatable; the first is the id the server shows; default: MODEL as given).", show_default=False)] = None,
 ):
@@ -820,9 +821,9 @@ def serve(
         raise UserError("--served-model-name must not be empty")
     cache_bytes = None if prompt_cache_bytes is None else parse_size(prompt_cache_bytes, "--prompt-cache-bytes")
     defaults = Defaults(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, max_tokens=max_tokens)
-    group = _distribute(ctx, np_, backend, hostfile, model)
+    group = _distribute(ctx, np_, backend, hostfile, model, pp)
     sock = listen(host, port) if group.is_root else None  # before the load: a port in use fails at once
-    loaded = _load(model, dtype, group)
+    loaded = _load(model, dtype, group, pp)
     tok = Tokenizer(loaded.model_dir, loaded.config)
     names = names or [str(model if model is not None else loaded.model_dir.name)]
     opts = Options(max_tokens_cap=max_tokens_cap, max_request_bytes=max_request_bytes, defaults=defaults,

@@ -181,15 +181,26 @@ class ChainGroup(Group):
     all_sum: partial sums go up the chain (rank t adds its x to what rank
     t-1 sent), the last rank's total comes back down: every member gets the
     same bits, 2 (size - 1) messages in sequence. all_gather: the same with
-    concatenation. Both trace inside `mx.compile`. A receive that must wait
-    for this rank's own send is made to depend on it (`mx.depends`), so no
-    rank posts its receive first and both ends of a link wait forever."""
+    concatenation. Both trace inside `mx.compile`.
+
+    Order. MLX runs a graph's independent communication ops in an order set
+    by the graph's shape, which differs between a chain's ranks; two chains
+    that do not feed each other (a parallel block's attention and MLP sums)
+    could then meet in different orders on two ranks and wait forever. So
+    each chain's input depends on the previous chain's result (`_last`, in
+    call order, which is every rank's), and a rank's receive of the total
+    depends on its own send up. `reset()` at each forward (Stage.begin)
+    drops the previous forward's result (a traced one among them)."""
 
     def __init__(self, world: Group, first: int, size: int):
         if not 0 <= world.rank() - first < size:
             raise ValueError(f"rank {world.rank()} is not in ranks [{first}, {first + size})")
         super().__init__(None, size=size, rank=world.rank() - first)
         self.world, self.first = world, first
+        self._last = None
+
+    def reset(self) -> None:
+        self._last = None
 
     def __repr__(self) -> str:
         return f"ChainGroup(rank {self._rank} of ranks [{self.first}, {self.first + self._size}) of {self.world!r})"
@@ -200,6 +211,8 @@ class ChainGroup(Group):
         import mlx.core as mx
 
         raw, me = self.world.raw, self.world.rank()
+        if self._last is not None:
+            x = mx.depends(x, self._last)
         if self._rank > 0:
             x = join(mx.distributed.recv(below, x.dtype, me - 1, group=raw), x)
         if self._rank < self._size - 1:
@@ -207,6 +220,7 @@ class ChainGroup(Group):
             (x,) = mx.depends([mx.distributed.recv(total, x.dtype, me + 1, group=raw)], [up])
         if self._rank > 0:
             (x,) = mx.depends([x], [mx.distributed.send(x, me - 1, group=raw)])
+        self._last = x
         return x
 
     def all_sum(self, x):

@@ -262,6 +262,7 @@ def load_model(model, dtype: str | None = None, group: Group = SINGLE, progress=
         tp = stage_group(group, pp)
         if not tp.single:
             m.shard(tp)
+            m.model.stage.tp = tp
     elif not group.single:
         m.shard(group)
     method = ck.foreign_quant

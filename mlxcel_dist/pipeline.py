@@ -33,11 +33,40 @@ zeros [B, L, V]           zeros [B, L, V]                logits [B, L, V]
   compiled decode step (decode.DecodeStep) runs under pp as it is. Split
   decode steps (attention kernels between compiled segments) are not used
   under pp (their first segment embeds): the whole-step graph runs instead.
+- Every point-to-point transfer goes through `Stage.receive_tensor(shape,
+  dtype)` (from the previous stage) and `Stage.send_tensor(x)` (to the next;
+  each forward's sends are kept in `sent`, so the logits' zeros depend on all
+  of them and `take_sent` hands them all to a caller that evaluates only the
+  caches). `receive` / `pass_on` are the hidden state's case.
+- What a layer kind hands on besides the hidden state travels with it, in
+  one message per hop (models/base.py `send_packed` / `receive_packed`: MLX's
+  recv takes no inputs, so two receives in one graph have no order to match
+  two sends): gemma3n's AltUp streams [n, B, L, H] (as [B, L, n * H]) and
+  gemma3n / gemma4's per-layer inputs of the layers after the stage
+  ([B, L, (N - stop) * P]). The first stage computes them once from the
+  ids, as one process does: recomputing them on each stage would need the
+  embedding and the per-layer table (the largest tensor of the E2B / E4B
+  checkpoints, V x N * P) on every stage; sent, they cost (N - stop) * P
+  values a token per hop.
+- Shared KV (gemma3n, gemma4: a layer reading another layer's keys/values)
+  never travels: the cut keeps each reading layer on its source's stage
+  (`CausalLM.stage_cuts`, base.kv_sharing_cuts, passed to `stage_ranges`
+  as the allowed starts), since the KV would be the whole cache every step.
+  A model with too few legal cuts for P stages is refused before launch,
+  one line (`check_stageable`). This can unbalance the stages: the shared
+  layers and their sources sit on one stage (12 of 30 layers when the last
+  10 share the KV of layers 18 and 19).
+- Each stage's caches are its layers' (sliding, full, shared, recurrent:
+  `make_cache` over `stage_layer_types`; a SharedKVCache's `reads_layer`
+  indexes the stage's list), in every feeding mode.
 
-A family runs in stages when its `Model` says `pipeline_stages = True`;
-those whose layers read other layers' state (KV sharing, per-layer inputs), a
-stack with its own forward, or a model with its own generation loop are
-refused before launch (`check_family`, `REFUSED`).
+A family runs in stages when its `Model` says `pipeline_stages = True` (all
+but diffusion_gemma, whose own generation loop over an encoder and a decoder
+is refused before launch: `check_family`, `REFUSED`). A stack's modules
+outside its layers go to the first stage (`first_stage_parts`: the
+embedding; gemma3n's per-layer embeddings and AltUp projections, ...) or the
+last (`last_stage_parts`: the final norm; gemma3n's AltUp unembedding), and
+count there in the balance (`stage_parts`, `plan_stages`).
 """
 
 from __future__ import annotations
@@ -50,24 +79,32 @@ from .weights import stored_bytes
 
 # Families (model files) refused under --pp, and why (one clause each).
 REFUSED = {
-    "gemma3n": "its layers share KV caches across the stack and take per-layer inputs (AltUp, per-layer embeddings)",
-    "gemma4": "its layers share KV caches across the stack and take per-layer inputs",
-    "recurrent_gemma": "its decoder stack (recurrent blocks, its own forward) is not split into stages yet",
     "diffusion_gemma": "it runs its own generation loop (block diffusion) over an encoder and a decoder",
 }
 
+# Why a model's layers may be cut only at some boundaries (CausalLM.stage_cuts).
+KV_CUTS = "a layer that reads another layer's KV stays on that layer's stage"
 
-def stage_ranges(layer_bytes, P: int, first_extra: int = 0, last_extra: int = 0) -> list[tuple[int, int]]:
+
+def stage_ranges(layer_bytes, P: int, first_extra: int = 0, last_extra: int = 0,
+                 cuts=None) -> list[tuple[int, int]]:
     """Contiguous [start, stop) layer ranges, one per stage, every stage at
     least one layer, that minimise the largest stage's bytes (its layers, plus
     `first_extra` on the first stage and `last_extra` on the last: embedding
-    and head). Ties go to the earliest split points that reach the optimum
+    and head). `cuts`: the layers a stage other than the first may start at
+    (None: any; too few for P stages is refused, saying why: `KV_CUTS`).
+    Ties go to the earliest split points that reach the optimum
     (deterministic: every rank computes the same ranges)."""
     n = len(layer_bytes)
     if P < 1:
         raise UserError(f"--pp must be >= 1, got {P}")
     if P > n:
         raise UserError(f"--pp {P} needs at least {P} layers, the model has {n}")
+    allowed = set(range(1, n)) if cuts is None else {int(c) for c in cuts if 0 < c < n}
+    if len(allowed) < P - 1:
+        starts = ", ".join(map(str, sorted(allowed))) or "none"
+        raise UserError(f"--pp {P} needs {P - 1} stage boundaries, but this model's {n} layers can be cut only "
+                        f"before layer(s) {starts} ({KV_CUTS}): at most --pp {len(allowed) + 1}")
     prefix = [0]
     for b in layer_bytes:
         prefix.append(prefix[-1] + int(b))
@@ -84,6 +121,8 @@ def stage_ranges(layer_bytes, P: int, first_extra: int = 0, last_extra: int = 0)
     for p in range(1, P):
         for i in range(p + 1, n + 1):
             for j in range(p, i):
+                if j not in allowed:
+                    continue
                 c = max(best[p - 1][j], cost(p, j, i))
                 if c < best[p][i]:
                     best[p][i], cut[p][i] = c, j
@@ -104,24 +143,41 @@ def layer_index(name: str) -> int | None:
     return int(part) if part.isdigit() else None
 
 
+def stage_parts(stack) -> tuple[tuple, tuple]:
+    """The stack's modules outside its layers that only the first stage holds
+    (`first_stage_parts`: the embedding, and e.g. gemma3n's per-layer
+    embeddings and AltUp projections) and only the last (`last_stage_parts`:
+    the final norm, ...). Plain stacks: embed_tokens and norm."""
+    return (getattr(stack, "first_stage_parts", ("embed_tokens",)),
+            getattr(stack, "last_stage_parts", ("norm",)))
+
+
 def plan_stages(model, refs: dict, P: int) -> list[tuple[int, int]]:
     """`stage_ranges` from the (sanitized) checkpoint headers: bytes per
-    layer, the embedding's on the first stage, the head's on the last (a
-    tied head: the embedding matrix again, which the last stage also holds)."""
+    layer, the first stage's parts (the embedding, ...) on the first stage,
+    the head's (a tied head: the embedding matrix again, which the last stage
+    also holds) and the last stage's parts on the last; only the cut points
+    the model allows (`stage_cuts`: shared KV stays on one stage)."""
     n = len(model.model.layers)
+    first_parts, last_parts = stage_parts(model.model)
     per_layer = [0] * n
-    embed = head = 0
+    embed = first = last = head = 0
     for name, ref in refs.items():
         i = layer_index(name)
+        part = name.split(".")[1] if name.startswith("model.") else None
         if i is not None and i < n:
             per_layer[i] += stored_bytes(ref)
-        elif name.startswith("model.embed_tokens."):
-            embed += stored_bytes(ref)
         elif name.startswith("lm_head."):
             head += stored_bytes(ref)
+        elif part in first_parts:
+            first += stored_bytes(ref)
+            embed += stored_bytes(ref) if part == "embed_tokens" else 0
+        elif part in last_parts and not part.endswith("norm"):  # a final norm (a vector) is left out, as ever
+            last += stored_bytes(ref)
     if model.args.tie_word_embeddings:
         head = embed
-    return stage_ranges(per_layer, P, first_extra=embed, last_extra=head)
+    cuts = model.stage_cuts() if hasattr(model, "stage_cuts") else None
+    return stage_ranges(per_layer, P, first_extra=first, last_extra=last + head, cuts=cuts)
 
 
 def check_family(model) -> None:
@@ -162,7 +218,8 @@ def stage_group(group, P: int):
 
 
 def check_stageable(model_arg, pp: int) -> None:
-    """Before launch: the family runs in stages and has at least `pp` layers."""
+    """Before launch: the family runs in stages and has at least `pp` layers
+    with a legal cut into `pp` stages (shared KV stays on one stage)."""
     from .loader import open_model
 
     m, refs = open_model(model_arg).build()
@@ -193,7 +250,8 @@ class Stage:
         self.member, self.T = member, T
         self.start, self.stop = start, stop
         self.hidden_size, self.dtype = hidden_size, dtype
-        self.sent = []  # the last forward's lazy sends (callers that evaluate only the caches need them)
+        self.sent = []  # this forward's lazy sends (callers that evaluate only the caches need them)
+        self.tp = None  # the stage's ChainGroup at T > 1 (loader: the model is sharded over it)
 
     @property
     def first(self) -> bool:
@@ -208,12 +266,16 @@ class Stage:
         return f"Stage({self.index} of {self.P}{tp}: layers [{self.start}, {self.stop}))"
 
     def begin(self) -> None:
-        """A forward starts (the stack's `__call__`): `sent` is its sends only."""
+        """A new forward (the stack's `__call__`): the previous one's sends are
+        dropped (evaluated with its logits, or traced inside a compiled step)."""
         self.sent = []
+        if self.tp is not None:
+            self.tp.reset()
 
     def receive_tensor(self, shape, dtype) -> mx.array:
         """The previous stage's tensor (shape, dtype), forwarded to this
-        stage's next member when there is one."""
+        stage's next member when there is one (every point-to-point receive
+        goes through here)."""
         r = self.group.rank()
         x = mx.distributed.recv(tuple(shape), dtype, r - 1, group=self.group.raw)
         if self.member < self.T - 1:
@@ -222,7 +284,9 @@ class Stage:
 
     def send_tensor(self, x: mx.array) -> mx.array:
         """x to the next stage (from this stage's last member; the others
-        return x): the lazy result does the send when evaluated."""
+        return x; every point-to-point send goes through here): the lazy
+        result does the send when evaluated, kept in `sent` for the logits'
+        dependency and `take_sent`."""
         if self.member < self.T - 1:
             return x
         x = mx.distributed.send(x, self.group.rank() + 1, group=self.group.raw)
@@ -249,8 +313,8 @@ class Stage:
             out = out if out.dtype == self.dtype else out.astype(self.dtype)
             if self.member > 0:
                 out = mx.depends(mx.zeros(out.shape, self.dtype), out)
-        else:
-            out = mx.depends(mx.zeros((*h.shape[:-1], vocab), self.dtype), h)
+        else:  # after every send of this forward (h may be only one of them)
+            out = mx.depends(mx.zeros((*h.shape[:-1], vocab), self.dtype), [h, *self.sent])
         return self.group.all_sum(out)
 
     def take_sent(self) -> list:
@@ -267,18 +331,24 @@ def outstanding_sends(model) -> list:
 
 
 def make_stage(model, group, P: int, ranges: list, dtype) -> Stage:
-    """Keep this rank's stage of `model`, in place (`stage_of`): its layers (the others become
-    `Absent`), the embedding on the first stage (and on the last with a tied
-    head), the final norm and `lm_head` on the last."""
+    """Keep this rank's stage of `model` (`stage_of`), in place: its layers
+    (the others become `Absent`), the first stage's parts (the embedding,
+    `stage_parts`; with a tied head the last stage keeps the embedding too),
+    the last stage's parts (the final norm) and `lm_head` on the last."""
     index, member, T = stage_of(group.rank(), group.size(), P)
     start, stop = ranges[index]
     stack = model.model
     stage = Stage(group, index, P, start, stop, model.args.hidden_size, dtype, member, T)
     stack.layers = [layer if start <= i < stop else Absent() for i, layer in enumerate(stack.layers)]
-    if not stage.first and not (stage.last and model.args.tie_word_embeddings):
-        del stack["embed_tokens"]
+    first_parts, last_parts = stage_parts(stack)
+    tied_head = stage.last and model.args.tie_word_embeddings
+    for name in first_parts if not stage.first else ():
+        if name in stack and not (name == "embed_tokens" and tied_head):
+            del stack[name]
     if not stage.last:
-        del stack["norm"]
+        for name in last_parts:
+            if name in stack:
+                del stack[name]
         if "lm_head" in model:
             del model["lm_head"]
     stack.stage = stage

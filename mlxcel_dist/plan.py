@@ -103,13 +103,15 @@ def machine_memory() -> int | None:
         return None
 
 
-def _pipeline_collectives(ck, model, pp: int) -> dict:
-    """Per token under --pp: the hidden state sent from stage to stage
-    ([1, 1, H]), the last stage's logits all_summed to every rank ([1, 1, V]
-    in the hidden dtype: pipeline.Stage.logits) and the agreement check."""
-    h = int(ck.args.hidden_size) * model.model.stage.dtype.size
-    v = int(ck.args.vocab_size) * model.model.stage.dtype.size
-    return {"send": (pp - 1, (pp - 1) * h), "all_sum": (2, v + pp * 3 * 4)}
+def _pipeline_collectives(ck, model, pp: int, stops: list) -> dict:
+    """Per token under --pp: what each stage but the last sends on (the
+    hidden state [1, 1, H], or what the family hands on with it:
+    `stage_send_width`), the last stage's logits all_summed to every rank
+    ([1, 1, V] in the hidden dtype: pipeline.Stage.logits) and the agreement check."""
+    size = model.model.stage.dtype.size
+    sent = sum(model.stage_send_width(stop) for stop in stops[:-1]) * size
+    v = int(ck.args.vocab_size) * size
+    return {"send": (pp - 1, sent), "all_sum": (2, v + pp * 3 * 4)}
 
 
 def make_plan(ck, n: int, weights=None, link: str = "loopback", bandwidth: float | None = None,
@@ -128,7 +130,10 @@ def make_plan(ck, n: int, weights=None, link: str = "loopback", bandwidth: float
         rp, m = _rank_plan(ck, n, r, weights, pp)
         ranks.append(rp)
         model = model or m
-    coll = _pipeline_collectives(ck, model, pp) if pp > 1 else plan_collectives(model, check_every=1, size=n)
+    if pp > 1:
+        coll = _pipeline_collectives(ck, model, pp, [rp.layers[1] for rp in ranks])
+    else:
+        coll = plan_collectives(model, check_every=1, size=n)
     lat, link_bw, source = LINKS[link]
     bw = bandwidth or machine_bandwidth()
     layers = int(ck.args.num_hidden_layers)

@@ -37,10 +37,12 @@ def small_buffers(monkeypatch):
     monkeypatch.setattr(batch, "GPU_STEP", 8)
 
 
-def _run_batched(model, prompts, params, n, joins):
+def _run_batched(model, prompts, params, n, joins, micro=1):
     """Rows join at the steps in `joins` (request i at joins[i]) and leave
-    after n tokens; returns each request's ids."""
+    after n tokens; returns each request's ids. `micro`: the steps go in that
+    many micro-batches (what --pp stages do)."""
     eng = BatchEngine(model)
+    eng.micro = micro
     got = {i: [] for i in range(len(prompts))}
     step = 0
     while True:
@@ -74,6 +76,31 @@ def test_batched_rows_decode_as_they_would_alone(d):
         assert eng.buffers == {}  # the last row's removal dropped the buffers
         # a few graphs (per row count and buffer length), not one per step
         assert 1 <= eng.traces < 12
+
+
+MICRO_CASES = [default_model_dir()] + [FAMILY_CASES[f] for f in ("gemma3n", "gemma2", "llama") if f in FAMILY_CASES]
+
+
+@pytest.mark.parametrize("d", MICRO_CASES, ids=_ids)
+@pytest.mark.parametrize("micro", [2, 3])
+def test_micro_batched_steps_decode_as_rows_alone(d, micro):
+    # serve over pipeline stages splits each step's rows into micro-batches
+    # (batch._launch_micro: a forward per part, each writing its own rows of
+    # the shared buffers); rows joining and leaving move between parts and
+    # capacities, greedy and sampled rows mixed, sliding rings wrapping
+    model = load_model(d).model
+    V = model.args.vocab_size
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, V, k) for k in (5, 1, 40, 17, 70)]
+    params = [SamplingParams(), SamplingParams(temp=0.9, top_k=20, seed=7), SamplingParams(),
+              SamplingParams(repetition_penalty=1.3), SamplingParams()]
+    n = 14
+    alone = [list(TokenGenerator(model, p, n, s, eos_ids=())) for p, s in zip(prompts, params)]
+    got, eng = _run_batched(model, prompts, params, n, joins=[0, 0, 3, 5, 6], micro=micro)
+    assert [got[i] for i in range(len(prompts))] == alone
+    greedy = [list(TokenGenerator(model, p, n, SamplingParams(), eos_ids=())) for p in prompts]
+    got, _ = _run_batched(model, prompts, [SamplingParams()] * 5, n, joins=[0, 0, 0, 2, 2], micro=micro)
+    assert [got[i] for i in range(len(prompts))] == greedy  # all greedy: the per-part argmax path
 
 
 def test_warmup_compiles_every_capacity_once_and_changes_nothing(monkeypatch):

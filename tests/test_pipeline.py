@@ -15,9 +15,10 @@ import pytest
 from mlxcel_dist.collectives import Group
 from mlxcel_dist.errors import UserError
 from mlxcel_dist.harness import compare, rel_tol_for
-from mlxcel_dist.loader import load_model, model_args, read_config
+from mlxcel_dist.loader import load_model, model_args, open_model, read_config
 from mlxcel_dist.models import get_model_module
-from mlxcel_dist.pipeline import REFUSED, stage_ranges, stage_of
+from mlxcel_dist.models.base import kv_sharing_cuts
+from mlxcel_dist.pipeline import REFUSED, plan_stages, stage_of, stage_ranges
 
 from reference_cases import FIXTURES, assert_modes_match, case_id, cases, launched_results, single_process_logits
 from testproc import run_cmd
@@ -33,6 +34,16 @@ def _layers(d):
     return model_args(read_config(d)).num_hidden_layers
 
 
+def _cuts_into(d, P):
+    """Whether the model has a legal cut into P stages (shared KV stays on one stage)."""
+    m, refs = open_model(d).build()
+    try:
+        plan_stages(m, refs, P)
+    except UserError:
+        return False
+    return True
+
+
 CASES = [d for d in cases() if _family(d) not in REFUSED]
 # MLX-quantized checkpoints (mlx-lm's logits are their reference): the quantized embedding's dtype crosses stages
 QUANTIZED = [FIXTURES / "mlx_lm" / n for n in ("gemma3_q4", "llama_q4")]
@@ -42,12 +53,16 @@ def _reference(d):
     return d / ("reference.npz" if (d / "reference.npz").exists() else "mlx_lm_reference.npz")
 
 
-_ONE_PER_FAMILY = list({d.parent.name: d for d in reversed(CASES) if _layers(d) >= 4}.values())
+# one case per family (its first with >= 4 layers, or its last)
+_ONE_PER_FAMILY = list({d.parent.name: d for d in sorted(CASES, key=lambda d: _layers(d) >= 4)}.values())
 # (backend, ranks, stages): ranks / stages tensor-parallel ranks per stage
 RUNS = {
     ("mpi", 2, 2): CASES + QUANTIZED,
-    # 4 ranks on CI's 2 cores are slow: one case per fixture family (its first with >= 4 layers)
-    ("mpi", 4, 4): _ONE_PER_FAMILY,
+    # 4 ranks on CI's 2 cores are slow: one case per fixture family (its first with a cut into 4:
+    # >= 4 layers, and for gemma3n / gemma4 the KV-sharing layers with their sources, which no fixture has)
+    ("mpi", 4, 4): list({d.parent.name: d for d in reversed(CASES) if _layers(d) >= 4 and _cuts_into(d, 4)}.values()),
+    # a middle stage that hands on what it received: gemma4's per-layer inputs of the later layers
+    ("mpi", 3, 3): [FIXTURES / "gemma4/dense_fp32"],
     ("mpi", 4, 2): _ONE_PER_FAMILY,  # 2 stages of 2 tensor-parallel ranks
     # ring: send/recv over its sockets too, on two cases (its spinning receives make
     # every case slow on CI's 2 cores); 6 ranks: 2 stages of 3 (uneven heads) on one
@@ -58,10 +73,10 @@ COMBOS = [(*k, d) for k, ds in RUNS.items() for d in ds]
 
 
 # stage_ranges ----------------------------------------------------------------
-def _brute(w, P, first, last):
+def _brute(w, P, first, last, allowed=None):
     n = len(w)
     best = None
-    for cuts in itertools.combinations(range(1, n), P - 1):
+    for cuts in itertools.combinations(range(1, n) if allowed is None else sorted(allowed), P - 1):
         b = (0, *cuts, n)
         cost = max(sum(w[b[k]:b[k + 1]]) + (first if k == 0 else 0) + (last if k == P - 1 else 0)
                    for k in range(P))
@@ -84,6 +99,31 @@ def test_stage_ranges_properties():
                    for k, (a, b) in enumerate(r))
         assert cost == _brute(w, P, first, last), (w, P, first, last, r)
         assert r == stage_ranges(w, P, first, last)  # deterministic: every rank computes the same
+        allowed = {c for c in range(1, n) if rng.random() < 0.6}
+        if len(allowed) < P - 1:
+            with pytest.raises(UserError, match=f"at most --pp {len(allowed) + 1}"):
+                stage_ranges(w, P, first, last, cuts=allowed)
+            continue
+        r = stage_ranges(w, P, first, last, cuts=allowed)
+        assert {a for a, _ in r[1:]} <= allowed and r[0][0] == 0 and r[-1][1] == n, (allowed, r)
+        cost = max(sum(w[a:b]) + (first if k == 0 else 0) + (last if k == P - 1 else 0)
+                   for k, (a, b) in enumerate(r))
+        assert cost == _brute(w, P, first, last, allowed), (w, P, allowed, r)
+
+
+def test_kv_sharing_cuts():
+    # gemma3n/gqa_fp32's sharing: layers 3, 4 read layer 1, layer 5 reads layer 2
+    assert kv_sharing_cuts([None, None, None, 1, 1, 2]) == [1]
+    assert kv_sharing_cuts([None, None, None, None, 3, 2]) == [1, 2]  # gemma4/dense_fp32
+    assert kv_sharing_cuts([None] * 4) == [1, 2, 3]
+    for d in (FIXTURES / f for f in ("gemma3n/gqa_fp32", "gemma4/dense_fp32", "gemma4/moe_fp32")):
+        m, refs = open_model(d).build()
+        src = m.args.kv_source
+        for P in (2, 3):
+            if not _cuts_into(d, P):
+                continue
+            for a, b in plan_stages(m, refs, P):
+                assert all(a <= s for s in src[a:b] if s is not None), (d, P, a, b)  # every source on the stage
 
 
 def test_stage_ranges_balance_and_refusals():
@@ -96,11 +136,13 @@ def test_stage_ranges_balance_and_refusals():
 
 
 # per-stage loading (a planned group: no collective runs) -----------------------
-@pytest.mark.parametrize("name", ["llama/gqa_fp32", "llama/mqa_tied_fp32", "gemma3/multimodal_fp32"])
+@pytest.mark.parametrize("name", ["llama/gqa_fp32", "llama/mqa_tied_fp32", "gemma3/multimodal_fp32",
+                                  "gemma3n/mqa_untied_fp32", "gemma4/moe_fp32", "recurrent_gemma/mqa_fp32"])
 def test_each_stage_holds_and_reads_only_its_parameters(name):
     from mlx.utils import tree_flatten
 
     from mlxcel_dist import weights
+    from mlxcel_dist.pipeline import stage_parts
 
     d = FIXTURES / name
     full = {n: int(p.nbytes) for n, p in tree_flatten(load_model(d).model.parameters())}
@@ -115,7 +157,15 @@ def test_each_stage_holds_and_reads_only_its_parameters(name):
         layers = {int(n.split(".")[2]) for n in names if n.startswith("model.layers.")}
         assert layers == set(range(s.start, s.stop)), (r, layers)
         assert ("model.embed_tokens.weight" in names) == (r == 0 or tied)
-        assert ("model.norm.weight" in names) == (r == 1)
+        first, last = stage_parts(m.model)
+
+        def holds(part, among):
+            return any(n.startswith(f"model.{part}.") for n in among)
+
+        for part in (p for p in first if holds(p, full)):  # e.g. gemma3n's per-layer embeddings: stage 0 only
+            assert holds(part, names) == (r == 0 or (part == "embed_tokens" and tied)), (r, part)
+        for part in last:  # the final norm (gemma3n: and the AltUp unembedding): the last stage only
+            assert holds(part, names) == (r == 1), (r, part)
         assert any(n.startswith("lm_head.") for n in names) == (r == 1 and not tied)
         assert names <= set(full)
         assert read == sum(full[n] for n in names)  # fp32 checkpoints: stored bytes = held bytes
@@ -134,8 +184,11 @@ def test_refusals_are_one_line(tmp_path):
     np.save(ids, np.arange(8))
     out = tmp_path / "o.npy"
     checks = [
-        (["logits", FIXTURES / "gemma3n/gqa_fp32", "--tokens-file", ids, "--out", out, "--pp", "2"],
-         "error: --pp: gemma3n_text (gemma3n) cannot run in pipeline stages: "),
+        (["logits", FIXTURES / "diffusion_gemma/kv4_fp32", "--tokens-file", ids, "--out", out, "--pp", "2"],
+         "error: --pp: diffusion_gemma_text (diffusion_gemma) cannot run in pipeline stages: "),
+        (["logits", FIXTURES / "gemma3n/gqa_fp32", "--tokens-file", ids, "--out", out, "--pp", "3"],
+         "error: --pp 3 needs 2 stage boundaries, but this model's 6 layers can be cut only before layer(s) 1 "
+         "(a layer that reads another layer's KV stays on that layer's stage): at most --pp 2"),
         (["logits", FIXTURES / "llama/gqa_fp32", "--tokens-file", ids, "--out", out, "--pp", "2", "--np", "3"],
          "error: --np 3 is not a multiple of --pp 2"),
         (["logits", FIXTURES / "llama/mqa_tied_fp32", "--tokens-file", ids, "--out", out, "--pp", "5"],
@@ -248,3 +301,45 @@ def test_a_stage_masks_its_own_layers():
         assert set(m.masks(40, cache)) == set(m.masks(1, None)) == set(kinds[s.start : s.stop])
         held.append(set(kinds[s.start : s.stop]))
     assert any(len(h) == 1 for h in held)  # the case this test is about
+
+
+@pytest.mark.parametrize("name,P", [("gemma3n/mqa_untied_fp32", 2), ("gemma4/dense_fp32", 3),
+                                    ("recurrent_gemma/mqa_fp32", 4)])
+def test_stages_chained_in_one_process_give_the_stack_output(name, P):
+    """Each stage's model (a planned group: no collective) with its sends fed
+    to the next stage's receives in this process: every receive gets the
+    shape and dtype the previous stage sent, as wide as the model's
+    `stage_send_width` (plan's sends), and the last stage's final hidden
+    states equal the whole stack's, over a chunked prompt and decode steps
+    on each stage's own caches (shared KV, sliding, recurrent)."""
+    import mlx.core as mx
+
+    d = FIXTURES / name
+    ids = mx.array(np.load(_reference(d))["ids"][None, :9].astype(np.int32))
+    whole = load_model(d).model
+    stages = [load_model(d, group=Group.planned(P, r), pp=P).model for r in range(P)]
+    wire = []
+
+    def send(stage, model):
+        def send_tensor(x):
+            assert x.shape[-1] == model.stage_send_width(stage.stop), (stage, x.shape)
+            wire.append(x)
+            return x
+        return send_tensor
+
+    def receive_tensor(shape, dtype):
+        x = wire.pop()
+        assert (tuple(x.shape), x.dtype) == (tuple(shape), dtype)
+        return x
+
+    for m in stages:
+        m.model.stage.send_tensor = send(m.model.stage, m)
+        m.model.stage.receive_tensor = receive_tensor
+    caches = [m.make_cache() for m in stages]
+    cache = whole.make_cache()
+    for a, b in ((0, 6), (6, 7), (7, 8), (8, 9)):  # a chunk, then one token at a time
+        want = whole.model(ids[:, a:b], cache)
+        for m, c in zip(stages, caches):
+            got = m.model(ids[:, a:b], c)
+        assert not wire
+        np.testing.assert_array_equal(np.array(got), np.array(want))

@@ -108,9 +108,24 @@ def test_pipeline_refusals():
 
     r = CliRunner().invoke(app, ["plan", "--pp", "5"])
     assert r.exit_code == 2 and "needs at least 5 layers" in r.output, r.output
-    d = next((FIXTURES / "gemma3n").iterdir())
-    r = CliRunner().invoke(app, ["plan", str(d), "--pp", "2"])
+    r = CliRunner().invoke(app, ["plan", str(FIXTURES / "diffusion_gemma/kv4_fp32"), "--pp", "2"])
     assert r.exit_code == 2 and "cannot run in pipeline stages" in r.output, r.output
+    # shared KV stays on its source's stage: gemma3n/gqa_fp32 can be cut only before layer 1
+    r = CliRunner().invoke(app, ["plan", str(FIXTURES / "gemma3n/gqa_fp32"), "--pp", "3"])
+    assert r.exit_code == 2 and "at most --pp 2" in r.output, r.output
+
+
+def test_pipeline_sends_what_the_stages_hand_on():
+    """gemma3n's stages send the AltUp streams and the later layers'
+    per-layer inputs, gemma4's the hidden state and those inputs."""
+    from reference_cases import FIXTURES
+
+    for name, pp, width in (("gemma3n/gqa_fp32", 2, 4 * 32 + 5 * 16), ("gemma4/dense_fp32", 3, 32 + 5 * 8 + 32 + 4 * 8),
+                            ("recurrent_gemma/mqa_fp32", 2, None)):
+        ck = open_model(FIXTURES / name)
+        p = make_plan(ck, pp, pp=pp, bandwidth=5e9)
+        width = width or (pp - 1) * int(ck.args.hidden_size)
+        assert p["collectives"]["send"] == (pp - 1, width * 4), (name, p["collectives"])  # fp32
 
 
 def _every_case():

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..cache import FULL, SLIDING, make_layer_caches
+from ..cache import FULL, SLIDING, SharedKVCache, make_layer_caches
 from ..collectives import SINGLE, Group
 from ..errors import UserError
 from ..masks import layer_masks
@@ -163,6 +163,45 @@ def run_layers(h, layers, layer_types: list, cache, masks: dict):
     return h
 
 
+def kv_sharing_cuts(kv_source: list) -> list[int]:
+    """The layers i a pipeline stage may start at when layer j reads the KV
+    of layer kv_source[j] (None: its own): no reader on or after i whose
+    source is before i, so each reader sits on its source's stage (the KV
+    never travels: it would be the whole cache, every step)."""
+    n = len(kv_source)
+    return [i for i in range(1, n) if not any(s is not None and s < i <= j for j, s in enumerate(kv_source))]
+
+
+def shared_kv_caches(layer_types: list, window, kv_source: list, start: int = 0) -> list:
+    """One cache per layer of `layer_types` (a stage's layers, the first
+    being layer `start`); a layer reading another's KV (kv_source, global
+    indices) gets a SharedKVCache on its source's cache, whose `reads_layer`
+    is the source's index in this list (decode.py re-points it there)."""
+    caches = make_layer_caches(layer_types, window)
+    for i, src in enumerate(kv_source):
+        if src is not None:
+            caches[i] = SharedKVCache(caches[src - start], src - start)
+    return caches
+
+
+def send_packed(stage, parts: list) -> mx.array:
+    """Send [B, L, w_k] arrays to the next stage as one [B, L, sum w_k]
+    message in the stage's dtype (hidden state plus what else a layer kind
+    hands on): one send per hop, since MLX's recv takes no inputs and two
+    receives in one graph have no order to match the sender's two sends."""
+    parts = [x.astype(stage.dtype) for x in parts]
+    return stage.send_tensor(parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1))
+
+
+def receive_packed(stage, B: int, L: int, widths: list) -> list:
+    """The previous stage's `send_packed` message, split back into [B, L, w_k] arrays."""
+    x = stage.receive_tensor((B, L, sum(widths)), stage.dtype)
+    bounds = [0]
+    for w in widths:
+        bounds.append(bounds[-1] + w)
+    return [x[..., a:b] for a, b in zip(bounds, bounds[1:])]
+
+
 class DecoderStack(nn.Module):
     """The decoder stack every family shares: `embed_tokens`, then `layers`
     (run by `run_layers` with the masks of `masks()`, built from the
@@ -197,6 +236,11 @@ class DecoderStack(nn.Module):
         """One mask per attention kind for L new tokens (`masks.layer_masks`)
         of this rank's layers (`cache`: their caches)."""
         return layer_masks(L, cache, self.stage_layer_types, getattr(self.args, "sliding_window", None))
+
+    @property
+    def stage_span(self) -> tuple[int, int]:
+        """[start, stop) of the layers this rank runs."""
+        return (0, len(self.layers)) if self.stage is None else (self.stage.start, self.stage.stop)
 
     def __call__(self, inputs, cache=None):
         stage = self.stage
@@ -293,6 +337,19 @@ class CausalLM(nn.Module):
     def layers(self):
         """The layers this rank runs (under --pp: its stage's; `self.model.layers` keeps every name)."""
         return getattr(self.model, "stage_layers", None) or self.model.layers
+
+    def stage_cuts(self) -> list | None:
+        """The layers a pipeline stage may start at (None: any): with KV
+        sharing (`args.kv_source`, gemma3n / gemma4) a layer stays on the
+        stage of the layer whose KV it reads (`kv_sharing_cuts`)."""
+        kv_source = getattr(self.args, "kv_source", None)
+        return None if kv_source is None else kv_sharing_cuts(kv_source)
+
+    def stage_send_width(self, stop: int) -> int:
+        """Values per token that a pipeline stage ending before layer `stop`
+        sends on (plan's per-token sends): the hidden state; families that
+        hand on more (gemma3n, gemma4) say so."""
+        return self.args.hidden_size
 
     def make_cache(self):
         """One cache per layer this rank runs."""

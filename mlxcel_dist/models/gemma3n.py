@@ -25,6 +25,12 @@ standard deviation over the whole intermediate dimension: each rank all_sums
 its [B, L, 3] partial statistics (sum, centred sum of squares, sum * local
 mean), one small all_sum per sparse layer (replicating the gate instead
 would keep a hidden x intermediate matrix whole on every rank).
+
+Pipeline stages (--pp): the first stage embeds, builds the streams and every
+layer's per-layer inputs; each stage hands on the streams and the later
+layers' per-layer inputs in one message; the last merges the streams
+(altup_unembed_projections) and norms. KV-shared layers stay on their
+source's stage (CausalLM.stage_cuts; pipeline.py says why).
 """
 
 from __future__ import annotations
@@ -38,14 +44,13 @@ import mlx.nn as nn
 import numpy as np
 
 from ..attention import causal_attention
-from ..cache import SharedKVCache, make_layer_caches
 from ..collectives import SINGLE
 from ..errors import UserError
 from ..layers import RMSNormFP32Scale, activation
-from ..masks import layer_masks
 from ..rope import RoPE
 from ..shard import shard_attention, shard_mlp
-from .base import FULL, SLIDING, BaseModelArgs, CausalLM, derive_layer_types
+from .base import (FULL, SLIDING, BaseModelArgs, CausalLM, DecoderStack, derive_layer_types, receive_packed,
+                   send_packed, shared_kv_caches)
 
 
 @dataclass
@@ -379,12 +384,16 @@ def _magnitude_matched(x, target):
     return x * target / mx.sqrt(mx.maximum(mx.mean(x * x, axis=-1, keepdims=True), 1e-5))
 
 
-class Gemma3nTextModel(nn.Module):
+class Gemma3nTextModel(DecoderStack):
+    # Under --pp the first stage builds the AltUp streams and every layer's
+    # per-layer inputs and hands them on; the last one merges the streams.
+    first_stage_parts = ("embed_tokens", "embed_tokens_per_layer", "per_layer_model_projection",
+                         "per_layer_projection_norm", "altup_projections", "embed_vision", "embed_audio")
+    last_stage_parts = ("altup_unembed_projections", "norm")
+
     def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.args = args
+        super().__init__(args)  # args, embed_tokens, stage
         N, P, hidden = args.num_hidden_layers, args.hidden_size_per_layer_input, args.hidden_size
-        self.embed_tokens = nn.Embedding(args.vocab_size, hidden)
         self.embed_tokens_per_layer = nn.Embedding(args.vocab_size_per_layer_input, N * P)
         self.per_layer_model_projection = nn.Linear(hidden, N * P, bias=False)
         self.per_layer_projection_norm = RMSNormFP32Scale(P, args.rms_norm_eps)
@@ -427,35 +436,55 @@ class Gemma3nTextModel(nn.Module):
         p = self.per_layer_projection_norm(p.reshape(B, L, N, P))  # [B, L, N*P] -> [B, L, N, P]
         return (p + e.astype(p.dtype)) * _scalar(2.0**-0.5, h0.dtype)
 
-    def masks(self, L: int, cache) -> dict:
-        return layer_masks(L, cache, self.args.layer_types, self.args.sliding_window)
-
     def __call__(self, ids, cache):
-        h0 = self.embed(ids)
-        per_layer = self.per_layer_inputs(ids, h0)
-        masks = self.masks(ids.shape[1], cache)
-        target = mx.sqrt(mx.mean(h0 * h0, axis=-1, keepdims=True))
-        # the n streams: h0 and its magnitude-matched projections, [n, B, L, hidden]
-        h = mx.stack([h0] + [_magnitude_matched(p(h0), target) for p in self.altup_projections])
-        for i, (layer, kind, c) in enumerate(zip(self.layers, self.args.layer_types, cache)):
+        """Under --pp (`stage`): a later stage receives the streams and the
+        per-layer inputs of layers [start, N) in one message ([B, L, n *
+        hidden + (N - start) * P]) and hands on those of [stop, N)."""
+        a, stage, (start, stop) = self.args, self.stage, self.stage_span
+        n, H, N, P = a.altup_num_inputs, a.hidden_size, a.num_hidden_layers, a.hidden_size_per_layer_input
+        B, L = ids.shape
+        if stage is not None:
+            stage.begin()
+        if stage is None or stage.first:
+            h0 = self.embed(ids)
+            per_layer = self.per_layer_inputs(ids, h0)
+            target = mx.sqrt(mx.mean(h0 * h0, axis=-1, keepdims=True))
+            # the n streams: h0 and its magnitude-matched projections, [n, B, L, hidden]
+            h = mx.stack([h0] + [_magnitude_matched(p(h0), target) for p in self.altup_projections])
+        else:
+            streams, rest = receive_packed(stage, B, L, [n * H, (N - start) * P])
+            h = streams.reshape(B, L, n, H).transpose(2, 0, 1, 3)  # [B, L, n * H] -> [n, B, L, H]
+            per_layer = rest.reshape(B, L, N - start, P)
+        masks = self.masks(L, cache)
+        for i, (layer, kind, c) in enumerate(zip(self.stage_layers, self.stage_layer_types, cache)):
             h = layer(h, per_layer[:, :, i, :], masks[kind], c)
+        if stage is not None and not stage.last:
+            # [n, B, L, H] -> [B, L, n * H], beside the per-layer inputs of the later stages
+            streams = h.transpose(1, 2, 0, 3).reshape(B, L, n * H)
+            return send_packed(stage, [streams, per_layer[:, :, stop - start :, :].reshape(B, L, -1)])
         target = mx.sqrt(mx.mean(h[0] * h[0], axis=-1, keepdims=True))
         outs = [h[0]] + [_magnitude_matched(p(h[i + 1]), target) for i, p in enumerate(self.altup_unembed_projections)]
         return self.norm(mx.mean(mx.stack(outs), axis=0))
 
 
 class Model(CausalLM):
+    # shared KV stays on one stage (stage_cuts); AltUp streams and per-layer inputs travel
+    pipeline_stages = True
+
     def __init__(self, args: ModelArgs):
         super().__init__(args, Gemma3nTextModel(args))
 
     def make_cache(self):
-        """A KV cache per layer computing its own KV; the KV-shared layers get
-        a SharedKVCache on their source's."""
-        caches = make_layer_caches(self.args.layer_types, self.args.sliding_window)
-        for i, src in enumerate(self.args.kv_source):
-            if src is not None:
-                caches[i] = SharedKVCache(caches[src], src)
-        return caches
+        """A KV cache per layer (of this rank's stage) computing its own KV;
+        the KV-shared layers get a SharedKVCache on their source's."""
+        start, stop = self.model.stage_span
+        kinds = self.model.stage_layer_types
+        return shared_kv_caches(kinds, self.args.sliding_window, self.args.kv_source[start:stop], start)
+
+    def stage_send_width(self, stop: int) -> int:
+        """The AltUp streams and the per-layer inputs of layers [stop, N) (Gemma3nTextModel.__call__)."""
+        a = self.args
+        return a.altup_num_inputs * a.hidden_size + (a.num_hidden_layers - stop) * a.hidden_size_per_layer_input
 
     def __call__(self, inputs, cache=None):
         # Without a cache a forward still needs one: it carries the shared layers' KV.

@@ -30,6 +30,11 @@ each branch summed (all_sum) before its own post-norm: the dense MLP's
 down_proj and the experts' partial sums (experts split on their
 intermediate dimension, router replicated). PLE tables and projections,
 norms and layer scalars are replicated.
+
+Pipeline stages (--pp): the first stage embeds and computes every layer's
+PLE; each stage hands on the hidden state and the later layers' PLE in one
+message. KV-shared layers stay on their source's stage (CausalLM.stage_cuts;
+pipeline.py says why).
 """
 
 from __future__ import annotations
@@ -40,11 +45,11 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..blocks import MLP, Gemma4Attention, Gemma4Router, SplitGateExperts, gemma4_rope, gemma4_rope_params
-from ..cache import SharedKVCache, make_layer_caches
 from ..errors import UserError
 from ..layers import RMSNormFP32Scale, activation, gated_fp32
 from ..shard import shard_attention, shard_fused_gate_up_experts, shard_mlp
-from .base import FULL, SLIDING, BaseModelArgs, CausalLM, DecoderStack, derive_layer_types
+from .base import (FULL, SLIDING, BaseModelArgs, CausalLM, DecoderStack, derive_layer_types, receive_packed,
+                   send_packed, shared_kv_caches)
 
 _MULTIMODAL_DROP = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.",
                     "vision_tower.", "audio_tower.", "embed_vision.", "embed_audio.")
@@ -224,6 +229,11 @@ def _scale(x, s: float):
 
 
 class Gemma4TextModel(DecoderStack):
+    # Under --pp the first stage computes every layer's per-layer inputs (PLE) and hands them on.
+    first_stage_parts = ("embed_tokens", "embed_tokens_per_layer", "per_layer_model_projection",
+                         "per_layer_projection_norm")
+    last_stage_parts = ("norm",)
+
     def __init__(self, args: ModelArgs):
         super().__init__(args)
         self.layers = [DecoderLayer(args, i) for i in range(args.num_hidden_layers)]
@@ -252,25 +262,38 @@ class Gemma4TextModel(DecoderStack):
         return _scale(proj + tok.reshape(B, L, n, P), 2.0**-0.5)
 
     def __call__(self, inputs, cache=None):
+        """Under --pp (`stage`): a later stage receives the hidden state and
+        the per-layer inputs of layers [start, N) in one message
+        ([B, L, hidden + (N - start) * P]) and hands on those of [stop, N)."""
         if cache is None:
             cache = self.make_cache()  # shared-KV layers get their keys through the caches
-        h = self.embed(inputs)
-        ple = self.per_layer_inputs(inputs, h) if self.args.hidden_size_per_layer_input else None
-        masks = self.masks(inputs.shape[1], cache)
-        for i, (layer, kind, c) in enumerate(zip(self.layers, self.args.layer_types, cache)):
+        stage, (start, stop) = self.stage, self.stage_span
+        a = self.args
+        P, n, B, L = a.hidden_size_per_layer_input, a.num_hidden_layers, *inputs.shape
+        if stage is not None:
+            stage.begin()
+        if stage is None or stage.first:
+            h = self.embed(inputs)
+            ple = self.per_layer_inputs(inputs, h) if P else None
+        else:
+            h, rest = receive_packed(stage, B, L, [a.hidden_size, (n - start) * P])
+            ple = rest.reshape(B, L, n - start, P) if P else None
+        masks = self.masks(L, cache)
+        for i, (layer, kind, c) in enumerate(zip(self.stage_layers, self.stage_layer_types, cache)):
             h = layer(h, masks[kind], c, None if ple is None else ple[:, :, i, :])
+        if stage is not None and not stage.last:
+            return send_packed(stage, [h] + ([ple[:, :, stop - start :, :].reshape(B, L, -1)] if P else []))
         return self.norm(h)
 
     def make_cache(self) -> list:
-        a = self.args
-        caches = make_layer_caches(a.layer_types, a.sliding_window)
-        for i, src in enumerate(a.kv_source):
-            if src is not None:
-                caches[i] = SharedKVCache(caches[src], src)
-        return caches
+        """This rank's layers' caches; a shared-KV layer's source is on its stage (`CausalLM.stage_cuts`)."""
+        a, (start, stop) = self.args, self.stage_span
+        return shared_kv_caches(self.stage_layer_types, a.sliding_window, a.kv_source[start:stop], start)
 
 
 class Model(CausalLM):
+    pipeline_stages = True  # shared KV stays on one stage (stage_cuts), PLE travels with the hidden state
+
     def __init__(self, args: ModelArgs):
         super().__init__(args, Gemma4TextModel(args))
 
@@ -283,6 +306,11 @@ class Model(CausalLM):
 
     def make_cache(self):
         return self.model.make_cache()
+
+    def stage_send_width(self, stop: int) -> int:
+        """The hidden state and the per-layer inputs of layers [stop, N) (Gemma4TextModel.__call__)."""
+        a = self.args
+        return a.hidden_size + (a.num_hidden_layers - stop) * a.hidden_size_per_layer_input
 
     def describe_layers(self) -> list[str]:
         a = self.args

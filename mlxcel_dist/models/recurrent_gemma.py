@@ -21,6 +21,9 @@ temporal block follows `block_types` repeated over the layers:
 Embeddings are scaled by sqrt(hidden) rounded to bfloat16 (transformers keeps
 that buffer in bf16 whatever the model dtype), logits are tanh soft-capped by
 logits_soft_cap; the head is tied to the embeddings by default.
+
+Pipeline stages (--pp): only the hidden state crosses stages; each stage's
+recurrent and sliding caches are its own layers'.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from ..layers import GemmaRMSNorm, activation
 from ..masks import layer_masks
 from ..rope import RoPE
 from ..shard import shard_attention, shard_mlp, shard_recurrent_block
-from .base import BaseModelArgs, CausalLM
+from .base import BaseModelArgs, CausalLM, DecoderStack, run_layers
 
 BLOCK_KINDS = {"recurrent": RECURRENT, "attention": SLIDING}
 
@@ -220,37 +223,49 @@ class DecoderLayer(nn.Module):
         return h + self.mlp_block(self.channel_pre_norm(h))
 
 
-class RecurrentGemmaModel(nn.Module):
+class RecurrentGemmaModel(DecoderStack):
+    last_stage_parts = ("final_norm",)  # under --pp: held by the last stage only
+
     def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.args = args
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        super().__init__(args)  # args, embed_tokens, stage
         rope = RoPE(args.head_dim, args.rope)
         self.layers = [DecoderLayer(args, rope, kind) for kind in args.layer_types]
         self.final_norm = GemmaRMSNorm(args.hidden_size, args.rms_norm_eps)
 
-    def masks(self, L: int, cache) -> dict:
-        # A cache-less pass needs what fresh caches would ask for.
-        cache = cache if cache is not None else make_cache(self.args)
-        return layer_masks(L, cache, self.args.layer_types, self.args.sliding_window)
-
-    def __call__(self, inputs, cache=None):
+    def embed(self, inputs):
         h = self.embed_tokens(inputs)
         # transformers' normalizer buffer is bf16 in every model dtype.
-        h = h * mx.array(self.args.hidden_size**0.5, mx.bfloat16).astype(h.dtype)
-        masks = self.masks(inputs.shape[1], cache)
-        cache = cache if cache is not None else [None] * len(self.layers)
-        for layer, kind, c in zip(self.layers, self.args.layer_types, cache):
-            h = layer(h, masks[kind], c)
+        return h * mx.array(self.args.hidden_size**0.5, mx.bfloat16).astype(h.dtype)
+
+    def masks(self, L: int, cache) -> dict:
+        # A cache-less pass needs what fresh caches would ask for (this rank's layers).
+        kinds = self.stage_layer_types
+        cache = cache if cache is not None else make_cache(self.args, kinds)
+        return layer_masks(L, cache, kinds, self.args.sliding_window)
+
+    def __call__(self, inputs, cache=None):
+        """DecoderStack's forward (under --pp: the hidden state from the
+        previous stage, sent on after this stage's layers), with final_norm."""
+        stage = self.stage
+        if stage is not None:
+            stage.begin()
+        h = self.embed(inputs) if stage is None or stage.first else stage.receive(*inputs.shape)
+        h = run_layers(h, self.stage_layers, self.stage_layer_types, cache, self.masks(inputs.shape[1], cache))
+        if stage is not None and not stage.last:
+            return stage.pass_on(h)
         return self.final_norm(h)
 
 
-def make_cache(args: ModelArgs) -> list:
-    """A RecurrentCache per recurrent layer, a RotatingKVCache(window) per attention layer."""
-    return [RecurrentCache() if k == RECURRENT else RotatingKVCache(args.attention_window_size) for k in args.layer_types]
+def make_cache(args: ModelArgs, kinds: list | None = None) -> list:
+    """A RecurrentCache per recurrent layer, a RotatingKVCache(window) per
+    attention layer (of `kinds`: a stage's layers; all by default)."""
+    kinds = args.layer_types if kinds is None else kinds
+    return [RecurrentCache() if k == RECURRENT else RotatingKVCache(args.attention_window_size) for k in kinds]
 
 
 class Model(CausalLM):
+    pipeline_stages = True  # layers are independent: only the hidden state crosses stages
+
     def __init__(self, args: ModelArgs):
         super().__init__(args, RecurrentGemmaModel(args))
 
@@ -260,7 +275,7 @@ class Model(CausalLM):
         return mx.tanh(logits / cap) * cap
 
     def make_cache(self):
-        return make_cache(self.args)
+        return make_cache(self.args, self.model.stage_layer_types)
 
     def shard(self, group):
         for layer in self.layers:

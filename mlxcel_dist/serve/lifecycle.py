@@ -239,7 +239,9 @@ def _serve(model, tok, group, opts, sock, config, engine, link, beats, guard) ->
         if ctx.plain_chat:
             log(f"{ctx.model_ids[0]} has no chat template: chat requests are rendered as plain "
                 "'USER: ... ASSISTANT:' text (as mlx-lm's server)")
-        log(f"{ctx.model_ids[0]} on http://{h}:{p}/v1 (np {group.size()})")
+        stage = getattr(getattr(model, "model", None), "stage", None)
+        pp = f", pp {stage.P}" if stage is not None else ""
+        log(f"{ctx.model_ids[0]} on http://{h}:{p}/v1 (np {group.size()}{pp})")
         _loop(sched, engine, link, guard)
     finally:
         loop_done.set()
