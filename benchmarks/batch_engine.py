@@ -11,6 +11,7 @@ Each R runs twice on one engine per R (pass 1 cold, pass 2 warm: same shapes).
     python benchmarks/batch_engine.py MODEL --rows 1,4,16 --prompt 32 --steps 128
     python benchmarks/batch_engine.py MODEL --rows 16 --np 2 --backend nccl
     python benchmarks/batch_engine.py MODEL --count-admission 8   # primitives of one admission
+    python benchmarks/batch_engine.py MODEL --rows 8 --pp 2 --micro 1,2   # stages, micro-batched or not
 
 At np > 1 it re-launches itself through mlxcel_dist's launcher; every rank
 makes the same engine calls, rank 0 prints. One JSON line per (R, pass) with
@@ -41,7 +42,7 @@ def run(args) -> None:
 
     group = init_from_env()
     t = time.perf_counter()
-    loaded = load_model(args.model, dtype=args.dtype, group=group)
+    loaded = load_model(args.model, dtype=args.dtype, group=group, pp=args.pp)
     model = loaded.model
     mx.eval(model.parameters())
     load_s = time.perf_counter() - t
@@ -50,8 +51,10 @@ def run(args) -> None:
     say(f"{args.model}: loaded in {load_s:.1f} s on {group.size()} rank(s), {mx.default_device()}, "
         f"slot step {slot_step()}", file=sys.stderr, flush=True)
     greedy = SamplingParams(temp=0.0)
-    for R in args.rows:
+    for R, micro in [(R, m) for R in args.rows for m in (args.micro or [None])]:
         eng = BatchEngine(model, prefill_step=args.prefill_step)
+        if micro is not None:
+            eng.micro = micro
         for p in (1, 2):
             rng = np.random.default_rng([R, p])
             reqs = [(i, rng.integers(3, vocab, size=args.prompt).tolist(), greedy, args.steps) for i in range(R)]
@@ -74,7 +77,7 @@ def run(args) -> None:
             times, traced = np.array(times), np.array(traced)
             steady = times[~traced][1:]  # the first step also waits for the prefill's tail
             rec = {
-                "rows": R, "pass": p, "np": group.size(), "prompt": args.prompt, "steps": args.steps,
+                "rows": R, "pass": p, "np": group.size(), "pp": args.pp, "micro": eng.micro, "prompt": args.prompt, "steps": args.steps,
                 "slot_step": slot_step(), "prefill_s": round(prefill_s, 4),
                 "total_s": round(float(times.sum()), 4), "tok_s": round(R * args.steps / float(times.sum()), 1),
                 "retrace_steps": int(traced.sum()), "retrace_s": round(float(times[traced].sum()), 4),
@@ -84,7 +87,7 @@ def run(args) -> None:
             if args.json:
                 say(json.dumps(rec), flush=True)
             else:
-                say(f"R={R:3d} pass {p}: {rec['tok_s']:8.1f} tok/s over {args.steps} steps "
+                say(f"R={R:3d} micro {eng.micro} pass {p}: {rec['tok_s']:8.1f} tok/s over {args.steps} steps "
                     f"(steady {rec['steady_ms']} ms/step = {rec['steady_tok_s']} tok/s; "
                     f"{rec['retrace_steps']} steps with a new shape took {rec['retrace_s']:.2f} s; "
                     f"prefill {prefill_s:.2f} s)", flush=True)
@@ -129,6 +132,8 @@ def main() -> int:
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--np", type=int, default=1)
     ap.add_argument("--backend", default="auto")
+    ap.add_argument("--pp", type=int, default=1, help="pipeline stages (the job has max(--np, --pp) ranks)")
+    ap.add_argument("--micro", default=None, help="comma-separated micro-batch counts to run (default: the engine's, P)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--count-admission", type=int, metavar="ROWS",
                     help="only count the primitives of admitting ROWS prompts into a running batch (CPU, seconds)")
@@ -137,10 +142,12 @@ def main() -> int:
         print(json.dumps(count_admission(args.model, args.count_admission)))
         return 0
     args.rows = [int(x) for x in args.rows.split(",")]
+    args.micro = [int(x) for x in args.micro.split(",")] if args.micro else None
+    args.np = max(args.np, args.pp)
     if args.np > 1 and not os.environ.get("MLXCEL_DIST_WORLD"):
         from mlxcel_dist.launcher import launch
 
-        argv = [a for a in sys.argv[1:]]
+        argv = [a for a in sys.argv[1:]]  # (--np is read again: the job size)
         return launch(argv, args.np, args.backend, script=__file__)
     run(args)
     return 0

@@ -5,6 +5,7 @@ on one checkpoint.
     python benchmarks/serve_load.py                      # 1 and 8 clients x 2 requests x 64 tokens
     python benchmarks/serve_load.py --clients 1,4,16 --requests 3 --json out.json
     python benchmarks/serve_load.py --servers ours-np1,mlx_lm-np1
+    python benchmarks/serve_load.py --servers ours-np1,ours-pp2       # pipeline stages against one rank
     python benchmarks/serve_load.py --servers ours-np1,ours-np1@../old-checkout   # this code vs another commit's
 
 Without --model it writes a random-weight bf16 llama of ~25M parameters
@@ -103,6 +104,7 @@ def server_cmd(name: str, model: Path, port: int) -> list[str]:
     return {
         "ours-np1": ours,
         "ours-np2": ours + ["--np", "2"],
+        "ours-pp2": ours + ["--pp", "2"],  # two pipeline stages: micro-batched steps
         # --warmup is off by default since d611b81 (these names are the runs of docs/benchmarks.md before it)
         "ours-np1-nowarmup": ours + ["--no-warmup"],
         "ours-np2-nowarmup": ours + ["--np", "2", "--no-warmup"],

@@ -50,6 +50,9 @@ class Group:
             raise ValueError(f"bad rank {self._rank} of {self._size}")
         self.weights = None
         self.set_weights(weights)
+        # the stream the collectives run on (None: the backend's, the default CPU stream for ring
+        # and MPI); pipeline stages give them one of their own (pipeline.comm_stream)
+        self.stream = None
 
     def set_weights(self, weights) -> None:
         """Rank weights (--rank-weights): tensor-parallel shares proportional
@@ -104,7 +107,7 @@ class Group:
             return x
         import mlx.core as mx
 
-        return mx.distributed.all_sum(x, group=self._need_raw("all_sum"))
+        return mx.distributed.all_sum(x, group=self._need_raw("all_sum"), stream=self.stream)
 
     def all_gather(self, x):
         """Concatenation of every rank's x along axis 0, in rank order."""
@@ -112,7 +115,7 @@ class Group:
             return x
         import mlx.core as mx
 
-        return mx.distributed.all_gather(x, group=self._need_raw("all_gather"))
+        return mx.distributed.all_gather(x, group=self._need_raw("all_gather"), stream=self.stream)
 
     # Host patterns (evaluated) ------------------------------------------------
     def broadcast(self, arr: np.ndarray | None, shape=None, dtype=np.int32) -> np.ndarray:
@@ -210,16 +213,16 @@ class ChainGroup(Group):
         result's, which comes back down."""
         import mlx.core as mx
 
-        raw, me = self.world.raw, self.world.rank()
+        raw, me, st = self.world.raw, self.world.rank(), self.world.stream
         if self._last is not None:
             x = mx.depends(x, self._last)
         if self._rank > 0:
-            x = join(mx.distributed.recv(below, x.dtype, me - 1, group=raw), x)
+            x = join(mx.distributed.recv(below, x.dtype, me - 1, group=raw, stream=st), x)
         if self._rank < self._size - 1:
-            up = mx.distributed.send(x, me + 1, group=raw)
-            (x,) = mx.depends([mx.distributed.recv(total, x.dtype, me + 1, group=raw)], [up])
+            up = mx.distributed.send(x, me + 1, group=raw, stream=st)
+            (x,) = mx.depends([mx.distributed.recv(total, x.dtype, me + 1, group=raw, stream=st)], [up])
         if self._rank > 0:
-            (x,) = mx.depends([x], [mx.distributed.send(x, me - 1, group=raw)])
+            (x,) = mx.depends([x], [mx.distributed.send(x, me - 1, group=raw, stream=st)])
         self._last = x
         return x
 

@@ -256,8 +256,9 @@ def load_model(model, dtype: str | None = None, group: Group = SINGLE, progress=
     full_shapes = {name: tuple(p.shape) for name, p in tree_flatten(m.parameters())}  # before sharding
     target = parse_dtype(dtype) or ck.dtype
     if pp > 1:
-        from .pipeline import stage_group
+        from .pipeline import comm_stream, stage_group
 
+        comm_stream(group)
         refs = cut_stage(m, refs, group, pp, target)
         tp = stage_group(group, pp)
         if not tp.single:

@@ -208,6 +208,16 @@ def stage_of(rank: int, size: int, P: int) -> tuple[int, int, int]:
     return rank // T, rank % T, T
 
 
+def comm_stream(group) -> None:
+    """Give the job's collectives a stream of their own on the CPU device: ring
+    and MPI run them on the default CPU stream, where a stage waiting to
+    receive (or in the logits' all_sum) would hold up its own compute of the
+    next micro-batch. One stream for all of them keeps their order (every
+    rank's FIFO). On a GPU (or with one rank) the backend's stream stays."""
+    if group.raw is not None and group.stream is None and mx.default_device() == mx.cpu:
+        group.stream = mx.new_stream(mx.cpu)
+
+
 def stage_group(group, P: int):
     """The tensor-parallel group inside this rank's stage: `SINGLE` at T = 1,
     else a `collectives.ChainGroup` of the stage's T ranks."""
@@ -277,9 +287,9 @@ class Stage:
         stage's next member when there is one (every point-to-point receive
         goes through here)."""
         r = self.group.rank()
-        x = mx.distributed.recv(tuple(shape), dtype, r - 1, group=self.group.raw)
+        x = mx.distributed.recv(tuple(shape), dtype, r - 1, group=self.group.raw, stream=self.group.stream)
         if self.member < self.T - 1:
-            (x,) = mx.depends([x], [mx.distributed.send(x, r + 1, group=self.group.raw)])
+            (x,) = mx.depends([x], [mx.distributed.send(x, r + 1, group=self.group.raw, stream=self.group.stream)])
         return x
 
     def send_tensor(self, x: mx.array) -> mx.array:
@@ -288,8 +298,11 @@ class Stage:
         result does the send when evaluated, kept in `sent` for the logits'
         dependency and `take_sent`."""
         if self.member < self.T - 1:
+            # kept too: a caller evaluating only the caches must still run this rank's share of the
+            # stage's last all_sum, which the sending member evaluates (or their chains part ways)
+            self.sent.append(x)
             return x
-        x = mx.distributed.send(x, self.group.rank() + 1, group=self.group.raw)
+        x = mx.distributed.send(x, self.group.rank() + 1, group=self.group.raw, stream=self.group.stream)
         self.sent.append(x)
         return x
 

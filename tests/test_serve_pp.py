@@ -1,0 +1,141 @@
+"""serve and generate over pipeline stages (--pp), under the real launcher:
+concurrent requests through micro-batched steps get the text each prompt
+gets from one process (the openai client, greedy, with logprobs), at pp 2
+and at pp 2 x tp 2; a stage killed mid-serve and mid-decode ends the job
+naming it, every client answered."""
+
+import os
+import re
+import shutil
+import signal
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+from mlxcel_dist.loader import default_model_dir
+from serveproc import Server, rank_pid
+from testproc import descendants
+from test_faults import _generate_with_fault
+
+openai = pytest.importorskip("openai")
+
+CLI = [sys.executable, "-m", "mlxcel_dist.cli"]
+NAME = "tiny"
+PROMPTS = ["The sea", "Once upon a time", "A cat", "Rain fell on", "The old man said", "In the morning",
+           "Numbers: 1, 2,", "She opened the door and"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("servepp") / "gemma3-tiny"
+    shutil.copytree(default_model_dir(), d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def alone(model_dir, tmp_path_factory):
+    """Each prompt's greedy completion and logprobs from a one-process server."""
+    s = Server(model_dir, 1, tmp_path_factory.mktemp("pp-np1"), extra=["--served-model-name", NAME])
+    try:
+        return [_complete(s, p) for p in PROMPTS]
+    finally:
+        assert s.stop() == 0
+
+
+def _client(s):
+    return openai.OpenAI(base_url=s.base + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def _complete(s, prompt, stream=False):
+    r = _client(s).completions.create(model=NAME, prompt=prompt, max_tokens=20, temperature=0,
+                                      logprobs=1, stream=stream)
+    if not stream:
+        c = r.choices[0]
+        return c.text, c.logprobs.tokens, c.logprobs.token_logprobs
+    text, toks, lps = "", [], []
+    for ch in r:
+        c = ch.choices[0]
+        text += c.text
+        if c.logprobs:
+            toks += c.logprobs.tokens
+            lps += c.logprobs.token_logprobs
+    return text, toks, lps
+
+
+@pytest.mark.parametrize("np_", [2, 4], ids=["pp2", "pp2x2"])
+def test_concurrent_requests_through_stages_get_the_text_alone(model_dir, alone, np_, tmp_path):
+    s = Server(model_dir, np_, tmp_path, extra=["--pp", "2", "--served-model-name", NAME])
+    got, errors = [None] * len(PROMPTS), []
+
+    def worker(i):
+        try:
+            got[i] = _complete(s, PROMPTS[i], stream=bool(i % 2))
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(repr(e))
+
+    try:
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(PROMPTS))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+        assert not errors, errors
+        for (text, toks, lps), (text1, toks1, lps1) in zip(got, alone):
+            assert text == text1 and toks == toks1
+            np.testing.assert_allclose(lps, lps1, atol=1e-4)
+        out = s.output()
+        assert f"(np {np_}, pp 2)" in out, out
+    finally:
+        rc = s.stop()
+    assert rc in (0, 128 + signal.SIGTERM), rc
+
+
+def test_stage_killed_mid_serve_ends_every_stream(model_dir, tmp_path):
+    """kill -9 of the last stage while 8 streams run: every client gets an
+    error (an SSE error chunk, a 5xx), nothing hangs, the launcher names it."""
+    s = Server(model_dir, 2, tmp_path, extra=["--pp", "2", "--max-tokens-cap", "4000", "--served-model-name", NAME])
+    ends, started = [None] * 8, threading.Semaphore(0)
+
+    def client(i):
+        try:
+            r = _client(s).completions.create(model=NAME, prompt=PROMPTS[i], max_tokens=400,
+                                              temperature=0, stream=True, extra_body={"ignore_eos": True})
+            n = 0
+            for _ in r:
+                n += 1
+                if n == 2:
+                    started.release()
+            ends[i] = ("ended", n)
+        except openai.APIError as e:
+            ends[i] = ("error", type(e).__name__)
+        finally:
+            started.release()
+
+    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(8)]
+    try:
+        for t in threads:
+            t.start()
+        for _ in threads:
+            assert started.acquire(timeout=120), s.output()
+        os.kill(rank_pid(descendants(s.proc.pid), 1), signal.SIGKILL)
+        for t in threads:
+            t.join(60)
+        assert not any(t.is_alive() for t in threads), "a client hangs"
+        rc = s.proc.wait(timeout=60)
+    finally:
+        out = s.output()
+        s.stop()
+    assert all(e is not None and e[0] == "error" for e in ends), ends  # 400 tokens never end by themselves first
+    assert rc != 0 and re.search(r"rank 1\b.*(killed|SIGKILL)", out), out
+
+
+@pytest.mark.parametrize("backend", ["ring", "mpi"])
+def test_stage_killed_mid_decode_ends_generate_naming_it(tmp_path, backend):
+    p, reaction = _generate_with_fault(tmp_path, "kill:1:decode", backend, "--pp", "2")
+    assert p.returncode == 128 + signal.SIGKILL, p.stderr
+    assert re.search(r"mlxcel-dist: rank 1 was killed by SIGKILL", p.stderr), p.stderr
+    assert "Traceback" not in p.stderr
+    assert reaction < 5, f"{reaction:.1f} s from the kill to the launcher's exit"
+    assert descendants() == []
