@@ -45,6 +45,7 @@ from .collectives import SINGLE, Group
 from .decode import decode_step_for
 from .engine import TokenGenerator, vocab_size
 from .errors import UserError
+from .pipeline import timed_alone
 from .sampling import SamplingParams
 
 GB = 1e9
@@ -188,7 +189,9 @@ def run_bench(model, prompt_tokens: int, gen_tokens: int, *, group: Group = SING
         counter.probe_decode(model)
     mx.synchronize()
     peak = mx.get_peak_memory() / GB
-    per_rank = group.gather_rows([peak, weights_gb])
+    stage = getattr(getattr(model, "model", None), "stage", None)
+    alone = timed_alone(model, ids[:16]) if stage is not None else 0.0
+    per_rank = group.gather_rows([peak, weights_gb, alone])
     n = stats.generated
     plan = plan_collectives(model, check_every, size)
     ttft = stats.ttft_s  # a first step that compiled a new graph counts here too
@@ -206,6 +209,14 @@ def run_bench(model, prompt_tokens: int, gen_tokens: int, *, group: Group = SING
         "peak_mem_gb_per_rank": [float(v) for v in per_rank[:, 0]],
         "weights_gb": float(per_rank[:, 1].max()),
     }
+    if stage is not None:
+        # each stage's decode token alone (its first rank's: a stage's ranks work together), and the
+        # share of a pipelined token its ranks sit idle (one stream: each stage waits for the others)
+        T = size // stage.P
+        stage_ms = [1e3 * float(per_rank[s * T, 2]) for s in range(stage.P)]
+        token_ms = out["decode_ms_per_token"]
+        out["stage_ms_per_token"] = stage_ms
+        out["idle_share"] = max(0.0, 1 - sum(stage_ms) / (stage.P * token_ms)) if token_ms else 0.0
     for op in OPS:
         # one decode token's forward (the probe) + the guard's per token
         calls, nbytes = counter.count(op, "decode")
@@ -240,5 +251,8 @@ def format_table(r: dict) -> str:
                                  f"(plan: {r['all_gathers_per_token_plan']:g}, "
                                  f"{r['all_gather_bytes_per_token_plan']:g} bytes)"),
     ]
+    if "stage_ms_per_token" in r:
+        rows.append(("stages (alone)", f"{', '.join(f'{v:.1f}' for v in r['stage_ms_per_token'])} ms/token; "
+                                       f"idle share {100 * r['idle_share']:.0f}%"))
     w = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)

@@ -262,6 +262,7 @@ class Stage:
         self.hidden_size, self.dtype = hidden_size, dtype
         self.sent = []  # this forward's lazy sends (callers that evaluate only the caches need them)
         self.tp = None  # the stage's ChainGroup at T > 1 (loader: the model is sharded over it)
+        self.alone = False  # `timed_alone`: this stage's work without the other stages
 
     @property
     def first(self) -> bool:
@@ -287,6 +288,8 @@ class Stage:
         stage's next member when there is one (every point-to-point receive
         goes through here)."""
         r = self.group.rank()
+        if self.alone:
+            return mx.zeros(tuple(shape), dtype)
         x = mx.distributed.recv(tuple(shape), dtype, r - 1, group=self.group.raw, stream=self.group.stream)
         if self.member < self.T - 1:
             (x,) = mx.depends([x], [mx.distributed.send(x, r + 1, group=self.group.raw, stream=self.group.stream)])
@@ -297,7 +300,7 @@ class Stage:
         return x; every point-to-point send goes through here): the lazy
         result does the send when evaluated, kept in `sent` for the logits'
         dependency and `take_sent`."""
-        if self.member < self.T - 1:
+        if self.member < self.T - 1 or self.alone:
             # kept too: a caller evaluating only the caches must still run this rank's share of the
             # stage's last all_sum, which the sending member evaluates (or their chains part ways)
             self.sent.append(x)
@@ -328,12 +331,39 @@ class Stage:
                 out = mx.depends(mx.zeros(out.shape, self.dtype), out)
         else:  # after every send of this forward (h may be only one of them)
             out = mx.depends(mx.zeros((*h.shape[:-1], vocab), self.dtype), [h, *self.sent])
-        return self.group.all_sum(out)
+        return out if self.alone else self.group.all_sum(out)
 
     def take_sent(self) -> list:
         """The last forward's sends (to evaluate with the caches), once."""
         sent, self.sent = self.sent, []
         return sent
+
+
+def timed_alone(model, prompt_ids, tokens: int = 16) -> float:
+    """Seconds per decode token of this rank's stage on its own: its layers
+    (and embedding or head) over a `prompt_ids` cache, one token at a time
+    through a compiled step of its own, receiving zeros and sending nothing
+    (the inside of a stage's tensor parallelism runs as ever, so every rank
+    of the job calls this together). What `bench --pp` reports per stage."""
+    import time
+
+    from .decode import DecodeStep
+
+    stage = model.model.stage
+    stage.alone = True
+    try:
+        cache = model.make_cache()
+        mx.eval(model(mx.array(prompt_ids)[None], cache), [c.state for c in cache])
+        step = DecodeStep(model)  # its own traces: the job's compiled step sends and receives
+        step.start(cache, len(prompt_ids))
+        y = mx.zeros((1, 1), mx.int32)
+        mx.eval(step(y))  # the trace
+        t = time.perf_counter()
+        for _ in range(tokens):
+            mx.eval(step(y))
+        return (time.perf_counter() - t) / tokens
+    finally:
+        stage.alone = False
 
 
 def outstanding_sends(model) -> list:

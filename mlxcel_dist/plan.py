@@ -56,11 +56,14 @@ def _rank_plan(ck, n: int, r: int, weights, pp: int = 1) -> tuple[RankPlan, obje
 
     m, refs = ck.build()
     layers = None
-    if pp > 1:  # the loader's own cut (loader.cut_stage), on paper
+    if pp > 1:  # the loader's own cut (loader.cut_stage) and split inside the stage, on paper
         from .loader import cut_stage
 
-        cut_stage(m, refs, Group.planned(pp, r), pp, None)
+        cut_stage(m, refs, Group.planned(n, r), pp, None)
         layers = (m.model.stage.start, m.model.stage.stop)
+        T = n // pp
+        if T > 1:
+            m.shard(Group.planned(T, r % T))
     elif n > 1:
         m.shard(Group.planned(n, r, weights))
     plan = collect_plan(m)
@@ -80,8 +83,9 @@ def _rank_plan(ck, n: int, r: int, weights, pp: int = 1) -> tuple[RankPlan, obje
         heads = (start, start + attn.num_heads, attn.num_kv_heads)
     cols = _ranges_of(plan, "mlp.down_proj.weight")
     vocab = getattr(m, "_head_rows", None)
+    t = r % (n // pp)  # this rank's place in its stage (r itself without pipeline stages)
     return RankPlan(r, weights[r] if weights else 1, heads, cols[1][0] if cols else None,
-                    vocab[r] if vocab else None, total, layers), m
+                    vocab[t] if vocab else None, total, layers), m
 
 
 def machine_bandwidth() -> float:
@@ -114,6 +118,19 @@ def _pipeline_collectives(ck, model, pp: int, stops: list) -> dict:
     return {"send": (pp - 1, sent), "all_sum": (2, v + pp * 3 * 4)}
 
 
+def _stage_sums(stage_models: list, T: int) -> tuple:
+    """Per token, the all_sums inside the stages (T ranks each: chains of
+    2 (T - 1) point-to-point messages, collectives.ChainGroup), over all
+    stages in turn: (messages, bytes)."""
+    calls = nbytes = 0
+    for m in stage_models:
+        c, b = m.collectives_per_token().get("all_sum", (0, 0))
+        c, b = c - 1, b - int(m.args.vocab_size) * m.model.stage.dtype.size  # less the logits' (the job's)
+        calls += c * 2 * (T - 1)
+        nbytes += b * 2 * (T - 1)
+    return calls, nbytes
+
+
 def make_plan(ck, n: int, weights=None, link: str = "loopback", bandwidth: float | None = None,
               memory: list | None = None, pp: int = 1) -> dict:
     """The placement of `ck` on `n` ranks (`pp` > 1: n = pp pipeline
@@ -125,13 +142,18 @@ def make_plan(ck, n: int, weights=None, link: str = "loopback", bandwidth: float
 
     if link not in LINKS:
         raise UserError(f"--link must be one of {', '.join(LINKS)}, got {link!r}")
-    ranks, model = [], None
+    ranks, model, firsts = [], None, []
+    T = n // pp
     for r in range(n):
         rp, m = _rank_plan(ck, n, r, weights, pp)
         ranks.append(rp)
         model = model or m
+        if r % T == 0:
+            firsts.append(m)
     if pp > 1:
-        coll = _pipeline_collectives(ck, model, pp, [rp.layers[1] for rp in ranks])
+        coll = _pipeline_collectives(ck, model, pp, [rp.layers[1] for rp in ranks[::T]])
+        if T > 1:
+            coll["p2p inside stages"] = _stage_sums(firsts, T)
     else:
         coll = plan_collectives(model, check_every=1, size=n)
     lat, link_bw, source = LINKS[link]
@@ -139,8 +161,9 @@ def make_plan(ck, n: int, weights=None, link: str = "loopback", bandwidth: float
     layers = int(ck.args.num_hidden_layers)
     calls = sum(c for c, _ in coll.values())
     payload = sum(b for _, b in coll.values())
-    if pp > 1:  # one stream: the stages in turn
-        compute = sum(rp.bytes for rp in ranks) / bw + layers * HOST_LAYER_S
+    if pp > 1:  # one stream: the stages in turn (each as fast as its largest rank)
+        compute = sum(max(rp.bytes for rp in ranks[s * T : (s + 1) * T]) for s in range(pp)) / bw \
+            + layers * HOST_LAYER_S
     else:
         compute = max(rp.bytes for rp in ranks) / bw + layers * HOST_LAYER_S
     comm = (calls * lat + payload / link_bw) if n > 1 else 0.0
@@ -165,11 +188,16 @@ def _span(t) -> str:
 
 def format_plan(p: dict) -> list[str]:
     if p["pp"] > 1:
-        out = [f"{'rank':>4}  {'stage layers':>14}  weights"]
+        P, T = p["pp"], len(p["ranks"]) // p["pp"]
+        out = [f"{'rank':>4}  {'stage':>5}  {'stage layers':>14}" + (f"  {'heads (q; kv)':>16}" if T > 1 else "")
+               + "  weights"]
         for rp in p["ranks"]:
-            extra = (" + embedding" if rp.rank == 0 else "") + (" + norm, head" if rp.rank == p["pp"] - 1 else "")
-            out.append(f"{rp.rank:>4}  {_span(rp.layers):>14}  {rp.bytes / 1e6:,.1f} MB{extra}")
-        out.append(f"layers: {p['layers']} in {p['pp']} pipeline stages (one rank each), by parameter bytes")
+            s = rp.rank // T
+            extra = (" + embedding" if s == 0 else "") + (" + norm, head" if s == P - 1 else "")
+            heads = "" if T == 1 else "  " + ("-" if rp.heads is None else f"[{rp.heads[0]}, {rp.heads[1]}); {rp.heads[2]}").rjust(16)
+            out.append(f"{rp.rank:>4}  {s:>5}  {_span(rp.layers):>14}{heads}  {rp.bytes / 1e6:,.1f} MB{extra}")
+        each = "one rank each" if T == 1 else f"{T} tensor-parallel ranks each"
+        out.append(f"layers: {p['layers']} in {P} pipeline stages ({each}), by parameter bytes")
     else:
         out = [f"{'rank':>4}  {'weight':>6}  {'heads (q; kv)':>16}  {'MLP columns':>14}  {'vocab rows':>14}  weights"]
         for rp in p["ranks"]:

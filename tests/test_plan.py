@@ -103,6 +103,33 @@ def test_pipeline_stages(pp):
     assert r.exit_code == 0 and f"in {pp} pipeline stages" in r.output, r.output
 
 
+def test_pipeline_stages_with_tensor_parallel_inside():
+    """--np 6 --pp 2: each stage's 3 ranks hold its layers and split its
+    heads as --np 3 does (uneven); what they load matches the loader's own
+    per-rank load; the all_sums inside the stages are chains of messages."""
+    from mlx.utils import tree_flatten
+
+    from mlxcel_dist import weights
+    from mlxcel_dist.collectives import Group
+    from mlxcel_dist.loader import load_model
+    from reference_cases import FIXTURES
+
+    d = FIXTURES / "llama/gqa_fp32"
+    p = make_plan(open_model(d), 6, pp=2, bandwidth=5e9)
+    tp = make_plan(open_model(d), 3, bandwidth=5e9)
+    assert [r.layers for r in p["ranks"]] == [(0, 3)] * 3 + [(3, 6)] * 3
+    assert [r.heads for r in p["ranks"]] == [r.heads for r in tp["ranks"]] * 2
+    for r in (0, 4):
+        before = weights.bytes_read
+        m = load_model(d, group=Group.planned(6, r), pp=2).model
+        assert weights.bytes_read - before == p["ranks"][r].bytes
+        assert {n for n, _ in tree_flatten(m.parameters()) if n.startswith("model.layers.")}
+    calls, _ = p["collectives"]["p2p inside stages"]
+    assert calls == 2 * 2 * (3 - 1) * 6  # 2 all_sums a layer, 6 layers, 2 (T - 1) messages each
+    r = CliRunner().invoke(app, ["plan", str(d), "--np", "6", "--pp", "2", "--bandwidth", "5"])
+    assert r.exit_code == 0 and "2 pipeline stages (3 tensor-parallel ranks each)" in r.output, r.output
+
+
 def test_pipeline_refusals():
     from reference_cases import FIXTURES
 

@@ -311,6 +311,9 @@ class CausalLM(nn.Module):
         `split_ranges` cuts them (uneven when the ranks do not divide V, or
         with rank weights); the weights stay whole on every rank (tied
         embeddings need every row for the input lookup)."""
+        stage = getattr(self.model, "stage", None)
+        if stage is not None and not stage.last:  # no head on this pipeline stage
+            return
         if not group.single and self.args.vocab_size >= group.size():
             self._head_rows = split_ranges(self.args.vocab_size, group.size(), group.weights)
             self.head_group = group
