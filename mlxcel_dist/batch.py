@@ -263,11 +263,13 @@ class BatchEngine:
     same calls in the same order."""
 
     def __init__(self, model, prefill_step: int | None = None, compiled: bool = True, prompt_cache=None,
-                 pipelined: bool = True):
+                 pipelined: bool = True, micro: int = 1):
         """`prompt_cache`: a prompt_cache.PromptCache that requests' prompts
         (and finished rows' whole sequences) are kept in and reused from.
         `pipelined=False`: each step is read before the next is built (the
-        reference the pipelined steps are tested against)."""
+        reference the pipelined steps are tested against). `micro`: each step's
+        rows in that many micro-batches (serve --micro-batches, for pipeline
+        stages: `_launch_micro`)."""
         self.model = model
         self.prompt_cache = prompt_cache
         self.prefill_step = prefill_step or DEFAULT_PREFILL_STEP
@@ -278,10 +280,9 @@ class BatchEngine:
         self.windows: list = []
         self.reads: list = []
         self._compiled = mx.compile(self._forward, inputs=self.buffers, outputs=self.buffers) if compiled else None
-        # Pipeline stages (--pp): the rows go through in P micro-batches, one behind the other,
-        # so each stage works on a different one at once (`_launch_micro`)
-        stage = getattr(getattr(model, "model", None), "stage", None)
-        self.micro = stage.P if stage is not None else 1
+        # Pipeline stages (--pp): the rows can go through in micro-batches, one behind the other,
+        # so that each stage works on a different one at once (`_launch_micro`)
+        self.micro = micro
         self._compiled_part = (mx.compile(self._forward_part, inputs=self.buffers, outputs=self.buffers)
                                if compiled else None)
         self.traces = 0

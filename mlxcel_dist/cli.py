@@ -781,6 +781,7 @@ def serve(
     hostfile: HostfileOpt = None,
     rank_weights: RankWeightsOpt = None,
     pp: PpOpt = 1,
+    micro_batches: Annotated[int, typer.Option("--micro-batches", help="With --pp: each decode step's rows in N micro-batches that follow each other through the stages, so that the stages can work on different ones at once (default 1: see docs/benchmarks.md for what it measured).")] = 1,
     stall_timeout: StallOpt = DEFAULT_STALL_TIMEOUT_S,
     served_model_name: Annotated[Optional[list[str]], typer.Option("--served-model-name", metavar="NAME", help="A name requests may give as 'model' (vLLM's flag, repeatable; the first is the id the server shows; default: MODEL as given).", show_default=False)] = None,
 ):
@@ -814,6 +815,10 @@ def serve(
         raise UserError(f"--decode-concurrency must be >= 1, got {decode_concurrency}")
     if prompt_concurrency < 1:
         raise UserError(f"--prompt-concurrency must be >= 1, got {prompt_concurrency}")
+    if not 1 <= micro_batches <= 64:
+        raise UserError(f"--micro-batches must be in [1, 64], got {micro_batches}")
+    if micro_batches > 1 and pp <= 1:
+        raise UserError("--micro-batches splits steps between pipeline stages: it needs --pp P (P >= 2)")
     if prompt_cache_size < 0:
         raise UserError(f"--prompt-cache-size must be >= 0, got {prompt_cache_size}")
     names = [n for n in (served_model_name or []) if n.strip()]
@@ -829,7 +834,7 @@ def serve(
     opts = Options(max_tokens_cap=max_tokens_cap, max_request_bytes=max_request_bytes, defaults=defaults,
                    decode_concurrency=decode_concurrency, prompt_concurrency=prompt_concurrency,
                    prompt_cache_size=prompt_cache_size, prompt_cache_bytes=cache_bytes, prefill_step=prefill_step,
-                   warmup=warmup, served_names=list(dict.fromkeys(names)))
+                   warmup=warmup, micro_batches=micro_batches, served_names=list(dict.fromkeys(names)))
     run(loaded.model, tok, group, opts, sock, loaded.config)
 
 

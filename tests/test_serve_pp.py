@@ -64,9 +64,9 @@ def _complete(s, prompt, stream=False):
     return text, toks, lps
 
 
-@pytest.mark.parametrize("np_", [2, 4], ids=["pp2", "pp2x2"])
-def test_concurrent_requests_through_stages_get_the_text_alone(model_dir, alone, np_, tmp_path):
-    s = Server(model_dir, np_, tmp_path, extra=["--pp", "2", "--served-model-name", NAME])
+@pytest.mark.parametrize("np_,micro", [(2, 2), (4, 1)], ids=["pp2-micro2", "pp2x2"])
+def test_concurrent_requests_through_stages_get_the_text_alone(model_dir, alone, np_, micro, tmp_path):
+    s = Server(model_dir, np_, tmp_path, extra=["--pp", "2", "--micro-batches", str(micro), "--served-model-name", NAME])
     got, errors = [None] * len(PROMPTS), []
 
     def worker(i):

@@ -85,6 +85,7 @@ class Options:
     prompt_cache_bytes: int | None = None
     prefill_step: int | None = None
     warmup: bool = False
+    micro_batches: int = 1  # --micro-batches: each step's rows in that many parts (pipeline stages)
     served_names: list = field(default_factory=list)  # vLLM's --served-model-name: the first is the id shown
 
 
@@ -102,7 +103,7 @@ def make_engine(model, group, opts: Options, eos_ids):
 
     size, limit = opts.prompt_cache_size, opts.prompt_cache_bytes
     pc = PromptCache(size, DEFAULT_MAX_BYTES if limit is None else limit) if size else None
-    return BatchEngine(model, opts.prefill_step, prompt_cache=pc)
+    return BatchEngine(model, opts.prefill_step, prompt_cache=pc, micro=opts.micro_batches)
 
 
 class Beats:
