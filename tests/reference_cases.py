@@ -45,12 +45,16 @@ def _model(d: Path):
     return load_model(d).model
 
 
-@functools.cache
 def mode_logits(d: Path, kw: tuple, ids_file: str = "reference.npz"):
     """The single-process logits of case `d` (the ids of `ids_file`) fed as
     engine.sequence_logits(**dict(kw)) says, computed once per test session:
     test_reference checks them against transformers, test_tp and
     test_pipeline compare their launched runs with the same ones."""
+    return _mode_logits(Path(d), tuple(sorted(kw)), ids_file)  # one cache key however it is called
+
+
+@functools.cache
+def _mode_logits(d: Path, kw: tuple, ids_file: str):
     import numpy as np
 
     from mlxcel_dist.engine import sequence_logits
