@@ -10,6 +10,7 @@ group (`distributed.init_from_env`) before loading its shard.
 from __future__ import annotations
 
 import functools
+import math
 import os
 import sys
 from pathlib import Path
@@ -784,6 +785,7 @@ def serve(
     micro_batches: Annotated[int, typer.Option("--micro-batches", help="With --pp: each decode step's rows in N micro-batches that follow each other through the stages, so that the stages can work on different ones at once (default 1: see docs/benchmarks.md for what it measured).")] = 1,
     stall_timeout: StallOpt = DEFAULT_STALL_TIMEOUT_S,
     served_model_name: Annotated[Optional[list[str]], typer.Option("--served-model-name", metavar="NAME", help="A name requests may give as 'model' (vLLM's flag, repeatable; the first is the id the server shows; default: MODEL as given).", show_default=False)] = None,
+    header_timeout: Annotated[float, typer.Option("--header-timeout", metavar="SECONDS", help="Close a connection that has not sent a whole request head within this many seconds (at its start or after a response).")] = 10.0,
 ):
     """OpenAI-compatible HTTP server (/v1/models, /v1/completions, /v1/chat/completions, /health, /docs); rank 0 listens."""
     from .serve.lifecycle import listen, long_lived_env
@@ -821,6 +823,8 @@ def serve(
         raise UserError("--micro-batches splits steps between pipeline stages: it needs --pp P (P >= 2)")
     if prompt_cache_size < 0:
         raise UserError(f"--prompt-cache-size must be >= 0, got {prompt_cache_size}")
+    if not (math.isfinite(header_timeout) and 0 < header_timeout <= 86400):
+        raise UserError(f"--header-timeout must be in (0, 86400] seconds, got {header_timeout}")
     names = [n for n in (served_model_name or []) if n.strip()]
     if served_model_name and len(names) != len(served_model_name):
         raise UserError("--served-model-name must not be empty")
@@ -834,7 +838,8 @@ def serve(
     opts = Options(max_tokens_cap=max_tokens_cap, max_request_bytes=max_request_bytes, defaults=defaults,
                    decode_concurrency=decode_concurrency, prompt_concurrency=prompt_concurrency,
                    prompt_cache_size=prompt_cache_size, prompt_cache_bytes=cache_bytes, prefill_step=prefill_step,
-                   warmup=warmup, micro_batches=micro_batches, served_names=list(dict.fromkeys(names)))
+                   warmup=warmup, micro_batches=micro_batches, served_names=list(dict.fromkeys(names)),
+                   header_timeout_s=header_timeout)
     run(loaded.model, tok, group, opts, sock, loaded.config)
 
 

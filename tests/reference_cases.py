@@ -39,16 +39,40 @@ def window_of(d: Path) -> int:
 
 
 @functools.cache
-def single_process_logits(d: Path, ids_file: str = "reference.npz") -> dict:
-    """The single-process logits of case `d` in every mode (the ids of
-    `ids_file`), computed once per test session: test_tp and test_pipeline
-    compare their runs with the same ones."""
-    import numpy as np
-
-    from mlxcel_dist.harness import all_mode_logits
+def _model(d: Path):
     from mlxcel_dist.loader import load_model
 
-    return all_mode_logits(load_model(d).model, np.load(d / ids_file)["ids"])
+    return load_model(d).model
+
+
+def mode_logits(d: Path, kw: tuple, ids_file: str = "reference.npz"):
+    """The single-process logits of case `d` (the ids of `ids_file`) fed as
+    engine.sequence_logits(**dict(kw)) says, computed once per test session:
+    test_reference checks them against transformers, test_tp and
+    test_pipeline compare their launched runs with the same ones."""
+    return _mode_logits(Path(d), tuple(sorted(kw)), ids_file)  # one cache key however it is called
+
+
+@functools.cache
+def _mode_logits(d: Path, kw: tuple, ids_file: str):
+    import numpy as np
+
+    from mlxcel_dist.engine import sequence_logits
+
+    return sequence_logits(_model(d), np.load(d / ids_file)["ids"], **dict(kw))
+
+
+def single_process_logits(d: Path, ids_file: str = "reference.npz") -> dict:
+    """The single-process logits of case `d` in every mode (the ids of
+    `ids_file`): harness.all_mode_logits's modes, through the session's
+    cache (mode_logits)."""
+    import numpy as np
+
+    from mlxcel_dist.harness import model_window
+
+    T = len(np.load(d / ids_file)["ids"])
+    return {name: mode_logits(d, tuple(sorted(kw.items())), ids_file)
+            for name, kw in modes(model_window(_model(d)), T).items()}
 
 
 def launched_results(tmp_path_factory, runs: dict, helper: str, tag: str, arg=str):

@@ -256,3 +256,10 @@ def test_hostfile_weights_reach_the_ranks_argv(tmp_path, ids_file, monkeypatch):
             "--np", 3, "--hostfile", hosts)
     assert r.exit_code == 0, r.output
     assert "--rank-weights=3,1,1" in seen["argv"]
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf"])
+def test_serve_refuses_a_bad_header_timeout_before_loading(value):
+    r = run("serve", TINY, "--port", "0", "--header-timeout", value)
+    assert r.exit_code == 2 and "--header-timeout must be in (0, 86400] seconds" in r.output, r.output
+    assert "--header-timeout" in runner.invoke(app, ["serve", "--help"], env={"COLUMNS": "300"}).output

@@ -9,7 +9,8 @@ from mlx.utils import tree_flatten
 from mlxcel_dist.engine import sequence_logits
 from mlxcel_dist.loader import load_model
 
-from reference_cases import BF16_REL_TOL, FP32_REL_TOL, case_id, cases, compare, modes, window_of
+from reference_cases import (BF16_REL_TOL, FP32_REL_TOL, case_id, cases, compare, mode_logits, modes,
+                             single_process_logits, window_of)
 
 CASES = cases()
 
@@ -22,8 +23,7 @@ def _reference(d):
 
 @pytest.fixture(scope="module", params=CASES, ids=[case_id(d) for d in CASES])
 def case(request):
-    d = request.param
-    return d, load_model(d).model
+    return request.param
 
 
 def test_fixtures_exist():
@@ -32,11 +32,26 @@ def test_fixtures_exist():
 
 @pytest.mark.parametrize("mode", list(modes(16, 64)))
 def test_matches_reference(case, mode):
-    d, model = case
+    # the session's single-process logits (reference_cases.mode_logits): test_tp
+    # and test_pipeline compare their launched runs with the same ones
+    d = case
     ids, ref, tol = _reference(d)
     kw = modes(window_of(d), len(ids))[mode]
-    r = compare(sequence_logits(model, ids, **kw), ref, tol)
+    r = compare(mode_logits(d, tuple(sorted(kw.items()))), ref, tol)
     assert r["ok"], r
+
+
+def test_session_logits_are_the_harness_logits():
+    # reference_cases.single_process_logits mirrors harness.all_mode_logits
+    # (through a cache): same modes, same arrays
+    from mlxcel_dist.harness import all_mode_logits
+
+    d = CASES[0]
+    want = all_mode_logits(load_model(d).model, np.load(d / "reference.npz")["ids"])
+    got = single_process_logits(d)
+    assert set(got) == set(want)
+    for mode in want:
+        np.testing.assert_array_equal(got[mode], want[mode])
 
 
 @pytest.mark.parametrize("d", [d for d in CASES if "bf16" in d.name], ids=case_id)
@@ -65,9 +80,8 @@ def test_bf16_at_least_as_accurate_as_transformers_bf16(d):
     ids, hf_bf16, exact = z["ids"], z["logits"], z["logits_fp32"]
     scale = np.abs(exact).max()
     hf_err = np.abs(hf_bf16 - exact).max() / scale
-    model = load_model(d).model
     for kw in modes(window_of(d), len(ids)).values():
-        ours = np.abs(sequence_logits(model, ids, **kw) - exact).max() / scale
+        ours = np.abs(mode_logits(d, tuple(sorted(kw.items()))) - exact).max() / scale
         assert ours <= hf_err, (ours, hf_err)
 
 

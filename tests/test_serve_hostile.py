@@ -23,7 +23,8 @@ _spec = importlib.util.spec_from_file_location("serve_flood", ROOT / "benchmarks
 serve_flood = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(serve_flood)
 
-HEADER_TIMEOUT_S = 10.0  # serve.lifecycle.HEADER_TIMEOUT_S
+HEADER_TIMEOUT_S = 10.0  # serve.lifecycle.HEADER_TIMEOUT_S, serve --header-timeout's default
+SHORT_HEADER_TIMEOUT_S = 2.0  # --header-timeout of test_health_is_503_while_a_rank_is_silent's server
 EXPECTED = {  # what each hostile kind gets (the status line's code; "-": closed without one)
     "top_k_int32_overflow": "400", "top_k_1e30": "400", "deep_json": "400", "5000_digits": "400", "nan": "400",
     "bad_utf8": "400", "malformed": "400", "not_object": "400", "unknown_model": "404", "max_tokens_0": "400",
@@ -52,6 +53,9 @@ def test_flood_of_bad_requests_and_idle_connections(model_dir, tmp_path):
     assert set(EXPECTED) == set(serve_flood.HOSTILE)
     s = Server(model_dir, 1, tmp_path, extra=["--served-model-name", "tiny", "--served-model-name", "alias"])
     try:
+        # idle connections opened first, so their header timeout runs out while the flood runs
+        idle = [socket.create_connection(("127.0.0.1", s.port), timeout=30) for _ in range(50)]
+        t_idle = time.monotonic()
         with urllib.request.urlopen(s.base + "/v1/models", timeout=10) as r:
             assert [m["id"] for m in json.loads(r.read())["data"]] == ["tiny", "alias"]
         for name in ("tiny", "alias", None):
@@ -59,7 +63,6 @@ def test_flood_of_bad_requests_and_idle_connections(model_dir, tmp_path):
             assert s.json("/v1/completions", body)["model"] == (name or "tiny")
         kinds = len(serve_flood.HOSTILE)
         before = len(_log_lines(s.output()))
-        t0 = time.monotonic()
         got = serve_flood.flood("127.0.0.1", s.port, idle=1500, hostile=20 * kinds, workers=16)
         for kind, codes in got["codes"].items():
             assert codes == {EXPECTED[kind]: 20}, (kind, codes)
@@ -77,13 +80,15 @@ def test_flood_of_bad_requests_and_idle_connections(model_dir, tmp_path):
                                                         line)]
         assert len(rejected) == len(lines) == 20 * kinds, [ln for ln in lines if ln not in rejected][:5]
         # an idle connection is closed once it has sent no request head for the header timeout
-        idle = [socket.create_connection(("127.0.0.1", s.port), timeout=30) for _ in range(50)]
-        time.sleep(max(HEADER_TIMEOUT_S + 3 - (time.monotonic() - t0), HEADER_TIMEOUT_S + 3))
+        # (within 3 s of it; a wait that times out is a connection still open)
+        deadline = t_idle + HEADER_TIMEOUT_S + 3
         closed = 0
         for c in idle:
-            c.settimeout(5)
+            c.settimeout(max(0.05, deadline - time.monotonic()))
             try:
                 closed += c.recv(1) == b""
+            except TimeoutError:
+                pass
             except OSError:
                 closed += 1
             c.close()
@@ -132,12 +137,28 @@ def test_a_bad_value_beside_running_requests_harms_none(model_dir, tmp_path, val
 def test_health_is_503_while_a_rank_is_silent(model_dir, tmp_path):
     """SIGSTOP of rank 1 (idle job): within a few seconds /health is 503 and
     names the rank; a request arriving then gets a 503 JSON answer at once;
-    after SIGCONT the job is healthy and answers again."""
+    after SIGCONT the job is healthy and answers again. Beside it, an idle
+    connection is closed after the server's --header-timeout of 2 s."""
     from testproc import descendants
 
-    s = Server(model_dir, 2, tmp_path, backend="ring")
+    s = Server(model_dir, 2, tmp_path, backend="ring", extra=["--header-timeout", str(SHORT_HEADER_TIMEOUT_S)])
     victim = None
+    closed_after = {}
     try:
+        # beside it: an idle connection is closed after --header-timeout (not the default)
+        idler = socket.create_connection(("127.0.0.1", s.port), timeout=30)
+        t_idle = time.monotonic()
+
+        def watch():
+            try:
+                idler.recv(1)
+            except OSError:
+                pass
+            closed_after["s"] = time.monotonic() - t_idle
+            idler.close()
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
         assert s.json("/v1/completions", {"prompt": "The sea", "max_tokens": 2})["choices"]
         victim = rank_pid(descendants(s.proc.pid), 1)
         os.kill(victim, signal.SIGSTOP)
@@ -161,6 +182,8 @@ def test_health_is_503_while_a_rank_is_silent(model_dir, tmp_path):
         with urllib.request.urlopen(s.base + "/health", timeout=2) as r:
             assert r.status == 200
         assert s.json("/v1/completions", {"prompt": "The sea", "max_tokens": 2})["choices"]
+        watcher.join(30)
+        assert SHORT_HEADER_TIMEOUT_S - 0.2 <= closed_after["s"] < SHORT_HEADER_TIMEOUT_S + 3, closed_after
     finally:
         if victim is not None:
             os.kill(victim, signal.SIGCONT)

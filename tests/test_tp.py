@@ -53,15 +53,24 @@ def single():
 
 
 # MPI runs every family at np 2 and 4. The ring backend runs the gemma3 cases
-# at np 2, and at np 4 the two that replicate KV heads (1 and 2 KV heads): with
-# 4 ranks on CI's 2 cores its spinning receives make all five take ~330 s.
-_RING4 = [d for d in cases("gemma3") if d.name in ("gqa_fp32", "mqa_fp32")]
+# at np 2, and at np 4 one that replicates KV heads (mqa_fp32: 1 KV head on
+# all 4 ranks): with 4 ranks on CI's 2 cores its spinning receives make each
+# case slow (five took ~330 s; gqa_fp32 and mqa_fp32 150 s on a loaded 2-core
+# box). gqa_fp32 at np 4 (2 KV heads, each on 2 ranks) is the same split and
+# model code under MPI; the ring's 4-rank all_sum is mqa_fp32's.
+_RING4 = [d for d in cases("gemma3") if d.name == "mqa_fp32"]
 # np 3 (uneven shares: 4 heads as 2, 1, 1; 8 heads with 2 KV heads as 3, 3, 2,
 # the middle rank holding both KV heads, one of them twice) under MPI for every
-# case, plus one --rank-weights case: its launch took 50 s here (np 2: 39 s,
+# case but the bf16 twins of an fp32 case of the same split (attention and KV
+# heads, tied or not: _NP3_TWINS; their bf16 run under TP is checked at np 2
+# and 4), plus one --rank-weights case: its launch took 50 s here (np 2: 39 s,
 # np 4: 66 s, on 2 cores).
+_NP3_TWINS = {"gemma3/gqa_bf16": "gemma3/gqa_fp32", "gemma4/dense_bf16": "gemma4/dense_fp32",
+              "gpt_oss/gqa_bf16": "gpt_oss/gqa_fp32", "recurrent_gemma/mqa_bf16": "recurrent_gemma/mqa_fp32",
+              "step3p5/moe_bf16": "step3p5/moe_fp32"}
+_NP3 = [d for d in CASES if case_id(d) not in _NP3_TWINS]
 _WEIGHTED = [(FIXTURES / "olmo3" / "gqa_fp32", "1,2,1")]
-RUNS = {("mpi", 2): CASES, ("mpi", 3): CASES + _WEIGHTED, ("mpi", 4): CASES, ("ring", 2): cases("gemma3"),
+RUNS = {("mpi", 2): CASES, ("mpi", 3): _NP3 + _WEIGHTED, ("mpi", 4): CASES, ("ring", 2): cases("gemma3"),
         ("ring", 4): _RING4}
 COMBOS = [(b, n, d) for (b, n), ds in RUNS.items() for d in ds]
 
@@ -91,6 +100,20 @@ def test_tp_matches_reference_and_single_process(tp_results, single, backend, n,
     name = _name(d)
     d = d[0] if isinstance(d, tuple) else d
     assert_modes_match(out / f"{name}.npz", np.load(d / "reference.npz")["logits"], single[d], _tol(d), (backend, n))
+
+
+def test_np3_twins_split_as_their_fp32_case():
+    # a bf16 case left out at np 3 splits there as its fp32 twin (which runs)
+    from mlxcel_dist.loader import model_args, read_config
+
+    def split(d):
+        a = model_args(read_config(d))
+        return a.num_attention_heads, a.num_key_value_heads, getattr(a, "tie_word_embeddings", None)
+
+    ids = {case_id(d): d for d in CASES}
+    for twin, kept in _NP3_TWINS.items():
+        assert split(ids[twin]) == split(ids[kept]) and ids[kept] in _NP3, (twin, kept)
+        assert ids[twin] in RUNS[("mpi", 2)] and ids[twin] in RUNS[("mpi", 4)], twin
 
 
 def test_kv_head_counts_covered():

@@ -25,7 +25,7 @@ DEFAULT_DECODE_CONCURRENCY = 32  # mlx-lm's --decode-concurrency
 DEFAULT_PROMPT_CONCURRENCY = 8  # mlx-lm's --prompt-concurrency
 DEFAULT_PROMPT_CACHE_SIZE = 10  # mlx-lm's --prompt-cache-size
 SHUTDOWN_WAIT_S = 10.0  # at shutdown, how long open connections get to finish
-HEADER_TIMEOUT_S = 10.0  # a connection must send a request's headers within this
+HEADER_TIMEOUT_S = 10.0  # a connection must send a request's headers within this (serve --header-timeout)
 KEEP_ALIVE_S = 5.0
 BEAT_S = 0.5  # a follower's heartbeat to rank 0
 MISSED_S = 3.0  # /health says 503 once a rank has been silent this long
@@ -87,6 +87,7 @@ class Options:
     warmup: bool = False
     micro_batches: int = 1  # --micro-batches: each step's rows in that many parts (pipeline stages)
     served_names: list = field(default_factory=list)  # vLLM's --served-model-name: the first is the id shown
+    header_timeout_s: float = HEADER_TIMEOUT_S
 
 
 def batchable(model) -> bool:
@@ -225,7 +226,7 @@ def _serve(model, tok, group, opts, sock, config, engine, link, beats, guard) ->
     _raise_fd_limit()
     _route_uvicorn_logs()
     server = uvicorn.Server(uvicorn.Config(
-        make_app(state), http=_guarded_h11(), lifespan="off", log_config=None, access_log=False, ws="none",
+        make_app(state), http=_guarded_h11(opts.header_timeout_s), lifespan="off", log_config=None, access_log=False, ws="none",
         timeout_keep_alive=KEEP_ALIVE_S, timeout_graceful_shutdown=SHUTDOWN_WAIT_S))
     http = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="serve-http", daemon=True)
     rfd, wfd = os.pipe()
@@ -351,9 +352,9 @@ def _route_uvicorn_logs() -> None:
         lg.propagate = False
 
 
-def _guarded_h11():
+def _guarded_h11(header_timeout_s: float = HEADER_TIMEOUT_S):
     """uvicorn's h11 protocol with a header timeout: a connection that has
-    not sent a whole request head within HEADER_TIMEOUT_S (at its start, or
+    not sent a whole request head within header_timeout_s (at its start, or
     after a response) is closed; uvicorn alone waits for it forever."""
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -362,7 +363,7 @@ def _guarded_h11():
             timer = getattr(self, "_head_timer", None)
             if timer is not None:
                 timer.cancel()
-            self._head_timer = self.loop.call_later(HEADER_TIMEOUT_S, self._head_timeout)
+            self._head_timer = self.loop.call_later(header_timeout_s, self._head_timeout)
 
         def connection_made(self, transport):
             super().connection_made(transport)
