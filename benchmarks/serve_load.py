@@ -104,7 +104,8 @@ def server_cmd(name: str, model: Path, port: int) -> list[str]:
     return {
         "ours-np1": ours,
         "ours-np2": ours + ["--np", "2"],
-        "ours-pp2": ours + ["--pp", "2"],  # two pipeline stages: micro-batched steps
+        "ours-pp2": ours + ["--pp", "2"],  # two pipeline stages, whole steps
+        "ours-pp2-micro2": ours + ["--pp", "2", "--micro-batches", "2"],
         # --warmup is off by default since d611b81 (these names are the runs of docs/benchmarks.md before it)
         "ours-np1-nowarmup": ours + ["--no-warmup"],
         "ours-np2-nowarmup": ours + ["--np", "2", "--no-warmup"],
