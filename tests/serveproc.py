@@ -117,3 +117,26 @@ def rank_pid(family, rank) -> int:
                 and b"_rank_main" in cmd:
             return pid
     raise AssertionError(f"rank {rank} not found among {family}")
+
+
+def kill_rank_during(s: Server, threads, started, victim: int):
+    """Start the client `threads`, wait until each has released `started`
+    (its stream runs, or is already over), SIGKILL rank `victim` of the
+    server's job, wait for the clients (none may hang) and for the launcher:
+    (launcher rc, the server's output, the kill's monotonic time)."""
+    try:
+        for t in threads:
+            t.start()
+        for _ in threads:
+            assert started.acquire(timeout=120), s.output()
+        family = descendants(s.proc.pid)
+        t0 = time.monotonic()
+        os.kill(rank_pid(family, victim), signal.SIGKILL)
+        for t in threads:
+            t.join(60)
+        assert not any(t.is_alive() for t in threads), "a client hangs"
+        rc = s.proc.wait(timeout=60)
+    finally:
+        out = s.output()
+        s.stop()
+    return rc, out, t0

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from mlxcel_dist.launcher import find_mpirun
-from serveproc import CLI, ROOT, Server, rank_pid
+from serveproc import CLI, ROOT, Server, kill_rank_during, rank_pid
 from testproc import descendants, run_cmd
 
 DEFAULT_MODEL = ROOT / "models" / "gemma3-tiny"
@@ -930,21 +930,7 @@ def test_rank_killed_during_16_streams(model_dir, victim, backend, tmp_path):
         ends[i] = ("events", lines[-2:], time.monotonic())
 
     threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(16)]
-    try:
-        for t in threads:
-            t.start()
-        for _ in threads:  # every stream is running (or already over)
-            assert started.acquire(timeout=120), s.output()
-        family = descendants(s.proc.pid)
-        t0 = time.monotonic()
-        os.kill(rank_pid(family, victim), signal.SIGKILL)
-        for t in threads:
-            t.join(60)
-        assert not any(t.is_alive() for t in threads), "a client hangs"
-        rc = s.proc.wait(timeout=60)
-    finally:
-        out = s.output()
-        s.stop()
+    rc, out, t0 = kill_rank_during(s, threads, started, victim)
     took = max(e[2] for e in ends) - t0
     print(f"{backend}: kill -9 rank {victim}: every client ended {took:.2f}s after the kill; launcher rc {rc}; "
           f"{sorted(set(e[0] for e in ends))}")

@@ -4,7 +4,6 @@ gets from one process (the openai client, greedy, with logprobs), at pp 2
 and at pp 2 x tp 2; a stage killed mid-serve and mid-decode ends the job
 naming it, every client answered."""
 
-import os
 import re
 import shutil
 import signal
@@ -15,7 +14,7 @@ import numpy as np
 import pytest
 
 from mlxcel_dist.loader import default_model_dir
-from serveproc import Server, rank_pid
+from serveproc import Server, kill_rank_during
 from testproc import descendants
 from test_faults import _generate_with_fault
 
@@ -114,19 +113,7 @@ def test_stage_killed_mid_serve_ends_every_stream(model_dir, tmp_path):
             started.release()
 
     threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(8)]
-    try:
-        for t in threads:
-            t.start()
-        for _ in threads:
-            assert started.acquire(timeout=120), s.output()
-        os.kill(rank_pid(descendants(s.proc.pid), 1), signal.SIGKILL)
-        for t in threads:
-            t.join(60)
-        assert not any(t.is_alive() for t in threads), "a client hangs"
-        rc = s.proc.wait(timeout=60)
-    finally:
-        out = s.output()
-        s.stop()
+    rc, out, _ = kill_rank_during(s, threads, started, 1)
     assert all(e is not None and e[0] == "error" for e in ends), ends  # 400 tokens never end by themselves first
     assert rc != 0 and re.search(r"rank 1\b.*(killed|SIGKILL)", out), out
 
