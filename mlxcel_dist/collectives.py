@@ -101,13 +101,16 @@ class Group:
             raise RuntimeError(f"{op} on {self!r}: a planned group runs no collective")
         return self.raw
 
+    def _on_stream(self) -> dict:
+        return {} if self.stream is None else {"stream": self.stream}
+
     # Device collectives (lazy) -------------------------------------------------
     def all_sum(self, x):
         if self.single:
             return x
         import mlx.core as mx
 
-        return mx.distributed.all_sum(x, group=self._need_raw("all_sum"), stream=self.stream)
+        return mx.distributed.all_sum(x, group=self._need_raw("all_sum"), **self._on_stream())
 
     def all_gather(self, x):
         """Concatenation of every rank's x along axis 0, in rank order."""
@@ -115,7 +118,7 @@ class Group:
             return x
         import mlx.core as mx
 
-        return mx.distributed.all_gather(x, group=self._need_raw("all_gather"), stream=self.stream)
+        return mx.distributed.all_gather(x, group=self._need_raw("all_gather"), **self._on_stream())
 
     # Host patterns (evaluated) ------------------------------------------------
     def broadcast(self, arr: np.ndarray | None, shape=None, dtype=np.int32) -> np.ndarray:

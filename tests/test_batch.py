@@ -82,7 +82,7 @@ MICRO_CASES = [default_model_dir()] + [FAMILY_CASES[f] for f in ("gemma3n", "gem
 
 
 @pytest.mark.parametrize("d", MICRO_CASES, ids=_ids)
-@pytest.mark.parametrize("micro", [2, 3])
+@pytest.mark.parametrize("micro", [3])  # 3 parts of 4- or 8-row steps: uneven parts, one of them pads only
 def test_micro_batched_steps_decode_as_rows_alone(d, micro):
     # serve over pipeline stages splits each step's rows into micro-batches
     # (batch._launch_micro: a forward per part, each writing its own rows of

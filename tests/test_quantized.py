@@ -328,8 +328,9 @@ def test_np2_matches_np1(work, single, np2, name):
         r = compare(logits, single[name][mode], FP32_REL_TOL)
         assert r["ok"], (mode, r)
     kinds = np2[name]["ranks"][0]["kinds"]
-    assert kinds == {"q_proj": "QuantizedAllToShardedLinear", "o_proj": "QuantizedShardedToAllLinear",
-                     "up_proj": "QuantizedAllToShardedLinear", "down_proj": "QuantizedShardedToAllLinear",
+    # (shard.QuantizedSumShardedToAll: MLX's QuantizedShardedToAllLinear summing over our Group)
+    assert kinds == {"q_proj": "QuantizedAllToShardedLinear", "o_proj": "QuantizedSumShardedToAll",
+                     "up_proj": "QuantizedAllToShardedLinear", "down_proj": "QuantizedSumShardedToAll",
                      "embed_tokens": "QuantizedEmbedding"}
     # Each rank reads the replicated tensors and half of every split one,
     # straight from the file: rows of q/k/v/gate/up (weight, scales, biases,
