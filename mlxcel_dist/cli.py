@@ -635,14 +635,14 @@ def plan(
     model: ModelArg = None,
     model_opt: ModelOpt = None,
     np_: NpOpt = 1,
-    pp: Annotated[int, typer.Option("--pp", help="Pipeline stages (one rank each): each stage's layers and bytes instead of a tensor-parallel split.")] = 1,
+    pp: Annotated[int, typer.Option("--pp", help="Pipeline stages (one rank each, or --np P x T: T tensor-parallel ranks each): each stage's layers and bytes, and its ranks' heads with T > 1.")] = 1,
     hostfile: HostfileOpt = None,
     rank_weights: RankWeightsOpt = None,
     link: Annotated[str, typer.Option("--link", help="The link between ranks for the predicted time: loopback (one machine), tb5 (Thunderbolt 5 RDMA), 10gbe.")] = "loopback",
     bandwidth: Annotated[Optional[float], typer.Option("--bandwidth", help="Memory bandwidth of a rank in GB/s for the predicted time (default: measured here).", show_default=False)] = None,
 ):
     """Per rank: heads, MLP columns, vocabulary rows and weight memory; per token: collectives and a predicted decode time (from the checkpoint's headers only)."""
-    from .loader import check_shardable, open_model
+    from .loader import open_model
     from .plan import format_plan, make_plan
 
     ck = open_model(_pick_model(model, model_opt))
@@ -664,15 +664,13 @@ def plan(
     if weights is not None and len(weights) != np_:
         raise UserError(f"--rank-weights gives {len(weights)} weights for --np {np_}")
     if pp > 1:
-        from .pipeline import check_pp_ranks, check_stageable
+        from .pipeline import check_pp_ranks
 
         np_ = check_pp_ranks(np_, pp)
         if weights is not None and rank_weights is not None:
             raise UserError("--pp with --rank-weights is not supported (stages are balanced by parameter bytes)")
         weights = None
-        check_stageable(ck, pp)
-    else:
-        check_shardable(ck, np_, weights)
+    _check_placement(ck, np_, pp, weights)
     p = make_plan(ck, np_, weights, link, None if bandwidth is None else bandwidth * 1e9, memory, pp)
     print(f"{ck.dir}: {np_} rank(s)")
     for line in format_plan(p):
