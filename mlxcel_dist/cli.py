@@ -66,8 +66,9 @@ HostfileOpt = Annotated[
 RankWeightsOpt = Annotated[
     Optional[str],
     typer.Option("--rank-weights", help="Comma-separated positive weights, one per rank (e.g. 3,1,1): each rank's share "
-                 "of heads, MLP columns and vocabulary proportional to its weight (default: the hostfile's per-host "
-                 "weight=W, else as even as possible).",
+                 "of heads, MLP columns and vocabulary proportional to its weight, and with --pp each stage's share of "
+                 "the layers to its ranks' weights (default: the hostfile's per-host weight=W or memory=, else as "
+                 "even as possible).",
                  show_default=False),
 ]
 DtypeOpt = Annotated[
@@ -184,11 +185,9 @@ def _distribute(ctx: typer.Context, np_: int, backend: str, hostfile: Optional[P
         from . import pipeline
 
         np_ = pipeline.check_pp_ranks(np_, pp)
-        if pp > 1 and weights is not None:
-            raise UserError("--rank-weights shares out tensor parallelism's work: it does not apply with --pp")
     if weights is not None and len(weights) != np_:
-        raise UserError(f"--rank-weights gives {len(weights)} weights for --np {np_}")
-    if weights is None and hostfile is not None and pp <= 1:
+        raise UserError(f"--rank-weights gives {len(weights)} weights for {np_} ranks")
+    if weights is None and hostfile is not None:
         weights = _hostfile_weights(ctx, hostfile, np_)
     backends.check_choice(backend)
     if np_ == 1 and hostfile is None:
@@ -293,7 +292,7 @@ def logits(
             np.save(out, result)
         except OSError as e:
             raise UserError(f"cannot write {out}: {e.strerror}") from None
-        _err(f"wrote {out} {list(result.shape)} float32 (np {group.size()}{_pp_note(pp)})")
+        _err(f"wrote {out} {list(result.shape)} float32 (np {group.size()}{_pp_note(pp, loaded.model)})")
 
 
 def _check_out(out: Path) -> None:
@@ -433,7 +432,7 @@ def generate(
                     if stats.compile_s >= 1.0 else "")
         _err(
             f"prompt {stats.prompt_tokens} tok, {prompt_speed}{compiled} | "
-            f"generated {stats.generated} tok, {stats.decode_tok_s:.1f} tok/s | np {group.size()}{_pp_note(pp)}"
+            f"generated {stats.generated} tok, {stats.decode_tok_s:.1f} tok/s | np {group.size()}{_pp_note(pp, loaded.model)}"
         )
         if verbose:
             why = {"eos": "EOS", "length": "--max-tokens", "stop": f"stop string {stats.stop!r}"}[stats.finish_reason]
@@ -534,7 +533,7 @@ def logit_match(
     import numpy as np
 
     from .harness import all_mode_logits, compare, default_tokens, model_window, rel_tol_for
-    from .loader import check_shardable, load_model, open_model
+    from .loader import load_model, open_model
 
     model = _pick_model(model, model_opt)
     if np_ < 1:
@@ -544,8 +543,6 @@ def logit_match(
 
         given = ctx.get_parameter_source("np_").name not in ("DEFAULT", "DEFAULT_MAP")
         np_ = pipeline.check_pp_ranks(np_ if given else 1, pp)
-        if pp > 1 and rank_weights:
-            raise UserError("--rank-weights shares out tensor parallelism's work: it does not apply with --pp")
     model_dir = open_model(model).dir
     single = load_model(model_dir, dtype=dtype)
     m = single.model
@@ -578,16 +575,14 @@ def logit_match(
                 argv += ["--dtype", dtype]
             if pp > 1:
                 argv += ["--pp", str(pp)]
-                _check_placement(model_dir, np_, pp, None)
-            else:
-                weights = parse_rank_weights(rank_weights)
-                if weights is None and hostfile is not None:
-                    weights = _hostfile_weights(ctx, hostfile, np_)
-                if weights is not None:
-                    if len(weights) != np_:
-                        raise UserError(f"--rank-weights gives {len(weights)} weights for --np {np_}")
-                    argv += ["--rank-weights", ",".join(map(str, weights))]
-                check_shardable(model_dir, np_, weights)
+            weights = parse_rank_weights(rank_weights)
+            if weights is None and hostfile is not None:
+                weights = _hostfile_weights(ctx, hostfile, np_)
+            if weights is not None:
+                if len(weights) != np_:
+                    raise UserError(f"--rank-weights gives {len(weights)} weights for {np_} ranks")
+                argv += ["--rank-weights", ",".join(map(str, weights))]
+            _check_placement(model_dir, np_, pp, weights)
             code = launch(argv, np_, backend, str(hostfile) if hostfile else None,
                           stall_timeout=stall_timeout)
             if code != 0:
@@ -662,14 +657,11 @@ def plan(
     if np_ < 1:
         raise UserError(f"--np must be >= 1, got {np_}")
     if weights is not None and len(weights) != np_:
-        raise UserError(f"--rank-weights gives {len(weights)} weights for --np {np_}")
+        raise UserError(f"--rank-weights gives {len(weights)} weights for {np_} ranks")
     if pp > 1:
         from .pipeline import check_pp_ranks
 
         np_ = check_pp_ranks(np_, pp)
-        if weights is not None and rank_weights is not None:
-            raise UserError("--pp with --rank-weights is not supported (stages are balanced by parameter bytes)")
-        weights = None
     _check_placement(ck, np_, pp, weights)
     p = make_plan(ck, np_, weights, link, None if bandwidth is None else bandwidth * 1e9, memory, pp)
     print(f"{ck.dir}: {np_} rank(s)")
@@ -896,16 +888,23 @@ def _check_placement(model, np_: int, pp: int, weights) -> None:
     from .loader import check_shardable
 
     if pp > 1:
-        from .pipeline import check_stageable
+        from .pipeline import check_stageable, member_weights
 
-        check_stageable(model, pp)
-        check_shardable(model, np_ // pp, None)
+        check_stageable(model, pp, weights)
+        T = np_ // pp
+        for s in range(pp):  # each stage splits over its own ranks, by their weights
+            check_shardable(model, T, member_weights(weights, s * T, pp))
     else:
         check_shardable(model, np_, weights)
 
 
-def _pp_note(pp: int) -> str:
-    return f", pp {pp}" if pp > 1 else ""
+def _pp_note(pp: int, model=None) -> str:
+    """", pp P" and, given the loaded model, each stage's layers."""
+    if pp <= 1:
+        return ""
+    stage = getattr(getattr(model, "model", None), "stage", None)
+    spans = " ".join(f"[{a}, {b})" for a, b in stage.ranges) if stage is not None else ""
+    return f", pp {pp}" + (f": layers {spans}" if spans else "")
 
 
 def _pick_model(model: Optional[str], model_opt: Optional[str]) -> Optional[str]:

@@ -37,6 +37,14 @@ def modes(window: int, T: int) -> dict:
     }
 
 
+def short_length(window: int, T: int) -> int:
+    """The tokens of a shorter run that still crosses the window twice in
+    every mode (decode from window // 2 runs past window and 2 x window, so a
+    ring buffer wraps): for runs where each decode step is dear (many ranks
+    sharing few cores)."""
+    return min(T, 2 * window + 8)
+
+
 def model_window(model) -> int:
     w = getattr(model.args, "sliding_window", None)
     return int(w) if w else 16

@@ -291,7 +291,7 @@ def cut_stage(m, refs: dict, group: Group, pp: int, target) -> dict:
     if group.size() % pp:
         raise UserError(f"--pp {pp} needs a multiple of {pp} ranks, this job has {group.size()}")
     pipeline.check_family(m)
-    ranges = pipeline.plan_stages(m, refs, pp)
+    ranges = pipeline.plan_stages(m, refs, pp, group.weights)
     before = {name for name, _ in tree_flatten(m.parameters())}
     emb = m.model.embed_tokens
     ref = refs.get("model.embed_tokens." + ("scales" if "scales" in emb else "weight"))

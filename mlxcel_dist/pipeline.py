@@ -71,6 +71,8 @@ count there in the balance (`stage_parts`, `plan_stages`).
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -87,14 +89,16 @@ KV_CUTS = "a layer that reads another layer's KV stays on that layer's stage"
 
 
 def stage_ranges(layer_bytes, P: int, first_extra: int = 0, last_extra: int = 0,
-                 cuts=None) -> list[tuple[int, int]]:
+                 cuts=None, weights=None) -> list[tuple[int, int]]:
     """Contiguous [start, stop) layer ranges, one per stage, every stage at
     least one layer, that minimise the largest stage's bytes (its layers, plus
     `first_extra` on the first stage and `last_extra` on the last: embedding
-    and head). `cuts`: the layers a stage other than the first may start at
-    (None: any; too few for P stages is refused, saying why: `KV_CUTS`).
-    Ties go to the earliest split points that reach the optimum
-    (deterministic: every rank computes the same ranges)."""
+    and head) or, with `weights` (one per stage: its ranks' memory or speed),
+    the largest bytes / weight. `cuts`: the layers a stage other than the
+    first may start at (None: any; too few for P stages is refused, saying
+    why: `KV_CUTS`). Ties go to the earliest split points that reach the
+    optimum; the ratios are exact fractions (deterministic: every rank
+    computes the same ranges)."""
     n = len(layer_bytes)
     if P < 1:
         raise UserError(f"--pp must be >= 1, got {P}")
@@ -109,8 +113,13 @@ def stage_ranges(layer_bytes, P: int, first_extra: int = 0, last_extra: int = 0,
     for b in layer_bytes:
         prefix.append(prefix[-1] + int(b))
 
-    def cost(p, j, i):  # stage p holding layers [j, i)
-        return prefix[i] - prefix[j] + (first_extra if p == 0 else 0) + (last_extra if p == P - 1 else 0)
+    if weights is not None and len(weights) != P:
+        raise UserError(f"{len(weights)} stage weights for --pp {P}")
+    share = [Fraction(1)] * P if weights is None else [Fraction(w) for w in weights]
+
+    def cost(p, j, i):  # stage p holding layers [j, i), per unit of its weight
+        own = prefix[i] - prefix[j] + (first_extra if p == 0 else 0) + (last_extra if p == P - 1 else 0)
+        return own / share[p]
 
     INF = float("inf")
     # best[p][i]: the smallest possible largest stage of layers [0, i) in stages 0..p
@@ -152,12 +161,14 @@ def stage_parts(stack) -> tuple[tuple, tuple]:
             getattr(stack, "last_stage_parts", ("norm",)))
 
 
-def plan_stages(model, refs: dict, P: int) -> list[tuple[int, int]]:
+def plan_stages(model, refs: dict, P: int, weights=None) -> list[tuple[int, int]]:
     """`stage_ranges` from the (sanitized) checkpoint headers: bytes per
     layer, the first stage's parts (the embedding, ...) on the first stage,
     the head's (a tied head: the embedding matrix again, which the last stage
     also holds) and the last stage's parts on the last; only the cut points
-    the model allows (`stage_cuts`: shared KV stays on one stage)."""
+    the model allows (`stage_cuts`: shared KV stays on one stage). `weights`:
+    the job's rank weights (--rank-weights, a hostfile's weight= / memory=):
+    each stage's bytes follow the sum of its ranks' (`stage_weights`)."""
     n = len(model.model.layers)
     first_parts, last_parts = stage_parts(model.model)
     per_layer = [0] * n
@@ -177,7 +188,27 @@ def plan_stages(model, refs: dict, P: int) -> list[tuple[int, int]]:
     if model.args.tie_word_embeddings:
         head = embed
     cuts = model.stage_cuts() if hasattr(model, "stage_cuts") else None
-    return stage_ranges(per_layer, P, first_extra=first, last_extra=last + head, cuts=cuts)
+    return stage_ranges(per_layer, P, first_extra=first, last_extra=last + head, cuts=cuts,
+                        weights=stage_weights(weights, P))
+
+
+def stage_weights(weights, P: int):
+    """Each stage's weight: the sum of its T = len(weights) / P ranks'
+    (None: equal stages)."""
+    if weights is None:
+        return None
+    T = len(weights) // P
+    return [sum(Fraction(w) for w in weights[s * T:(s + 1) * T]) for s in range(P)]
+
+
+def member_weights(weights, rank: int, P: int):
+    """The rank weights of the stage holding world rank `rank` (its
+    tensor-parallel split; None when equal or absent)."""
+    if weights is None:
+        return None
+    _, _, T = stage_of(rank, len(weights), P)
+    s = rank // T
+    return tuple(weights[s * T:(s + 1) * T])
 
 
 def check_family(model) -> None:
@@ -224,17 +255,21 @@ def stage_group(group, P: int):
     from .collectives import SINGLE, ChainGroup
 
     s, _, T = stage_of(group.rank(), group.size(), P)
-    return SINGLE if T == 1 else ChainGroup(group, s * T, T)
+    if T == 1:
+        return SINGLE
+    chain = ChainGroup(group, s * T, T)
+    chain.set_weights(member_weights(group.weights, group.rank(), P))
+    return chain
 
 
-def check_stageable(model_arg, pp: int) -> None:
+def check_stageable(model_arg, pp: int, weights=None) -> None:
     """Before launch: the family runs in stages and has at least `pp` layers
     with a legal cut into `pp` stages (shared KV stays on one stage)."""
     from .loader import open_model
 
     m, refs = open_model(model_arg).build()
     check_family(m)
-    plan_stages(m, refs, pp)
+    plan_stages(m, refs, pp, weights)
 
 
 class Absent(nn.Module):
@@ -382,6 +417,7 @@ def make_stage(model, group, P: int, ranges: list, dtype) -> Stage:
     start, stop = ranges[index]
     stack = model.model
     stage = Stage(group, index, P, start, stop, model.args.hidden_size, dtype, member, T)
+    stage.ranges = [tuple(r) for r in ranges]  # every stage's, as every rank computed them
     stack.layers = [layer if start <= i < stop else Absent() for i, layer in enumerate(stack.layers)]
     first_parts, last_parts = stage_parts(stack)
     tied_head = stage.last and model.args.tie_word_embeddings

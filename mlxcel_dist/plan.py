@@ -58,12 +58,13 @@ def _rank_plan(ck, n: int, r: int, weights, pp: int = 1) -> tuple[RankPlan, obje
     layers = None
     if pp > 1:  # the loader's own cut (loader.cut_stage) and split inside the stage, on paper
         from .loader import cut_stage
+        from .pipeline import member_weights
 
-        cut_stage(m, refs, Group.planned(n, r), pp, None)
+        cut_stage(m, refs, Group.planned(n, r, weights), pp, None)
         layers = (m.model.stage.start, m.model.stage.stop)
         T = n // pp
         if T > 1:
-            m.shard(Group.planned(T, r % T))
+            m.shard(Group.planned(T, r % T, member_weights(weights, r, pp)))
     elif n > 1:
         m.shard(Group.planned(n, r, weights))
     plan = collect_plan(m)
@@ -197,7 +198,8 @@ def format_plan(p: dict) -> list[str]:
             heads = "" if T == 1 else "  " + ("-" if rp.heads is None else f"[{rp.heads[0]}, {rp.heads[1]}); {rp.heads[2]}").rjust(16)
             out.append(f"{rp.rank:>4}  {s:>5}  {_span(rp.layers):>14}{heads}  {rp.bytes / 1e6:,.1f} MB{extra}")
         each = "one rank each" if T == 1 else f"{T} tensor-parallel ranks each"
-        out.append(f"layers: {p['layers']} in {P} pipeline stages ({each}), by parameter bytes")
+        by = "parameter bytes" if all(rp.weight == 1 for rp in p["ranks"]) else "parameter bytes / rank weights"
+        out.append(f"layers: {p['layers']} in {P} pipeline stages ({each}), by {by}")
     else:
         out = [f"{'rank':>4}  {'weight':>6}  {'heads (q; kv)':>16}  {'MLP columns':>14}  {'vocab rows':>14}  weights"]
         for rp in p["ranks"]:

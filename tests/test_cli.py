@@ -229,7 +229,7 @@ def test_model_option_spelling_is_accepted_by_every_model_command():
 
 @pytest.mark.parametrize(
     "weights,message",
-    [("1,2", "--rank-weights gives 2 weights for --np 3"), ("1,0,1", "--rank-weights must be positive"),
+    [("1,2", "--rank-weights gives 2 weights for 3 ranks"), ("1,0,1", "--rank-weights must be positive"),
      ("a,b,c", "--rank-weights must be comma-separated positive numbers")],
 )
 def test_bad_rank_weights_are_refused_before_launch(weights, message, ids_file, tmp_path):

@@ -130,6 +130,38 @@ def test_pipeline_stages_with_tensor_parallel_inside():
     assert r.exit_code == 0 and "2 pipeline stages (3 tensor-parallel ranks each)" in r.output, r.output
 
 
+def test_stages_follow_the_rank_weights_and_the_hosts_memory(tmp_path):
+    """--pp with rank weights (or a hostfile's memory=): each stage's layer
+    bytes follow its ranks' weights; inside a stage (--np P x T) the heads
+    split by the members' weights; what a rank loads is what plan says."""
+    from fractions import Fraction
+
+    from mlxcel_dist import weights
+    from mlxcel_dist.collectives import Group
+    from mlxcel_dist.loader import load_model
+    from reference_cases import FIXTURES
+
+    d = FIXTURES / "llama/gqa_fp32"  # 6 equal layers, untied head
+    even = [r.layers for r in make_plan(open_model(d), 2, pp=2, bandwidth=5e9)["ranks"]]
+    heavy = [r.layers for r in make_plan(open_model(d), 2, (Fraction(3), Fraction(1)), pp=2, bandwidth=5e9)["ranks"]]
+    assert heavy[0][1] - heavy[0][0] > even[0][1] - even[0][0], (even, heavy)  # stage 0 takes more layers
+    hf = tmp_path / "three.txt"
+    hf.write_text("mac1 memory=192GB\nmac2 memory=64GB\nmac3 memory=32GB\n")
+    r = CliRunner().invoke(app, ["plan", str(d), "--hostfile", str(hf), "--pp", "3", "--bandwidth", "5"])
+    assert r.exit_code == 0 and "by parameter bytes / rank weights" in r.output, r.output
+    p = make_plan(open_model(d), 3, (Fraction(6), Fraction(2), Fraction(1)), pp=3, bandwidth=5e9)
+    spans = [b - a for a, b in (rp.layers for rp in p["ranks"])]
+    assert spans[0] > spans[1] >= spans[2] and sum(spans) == 6, spans
+    w = (Fraction(2), Fraction(1), Fraction(1), Fraction(1))  # stage 0 (ranks 0, 1) weighs 3, stage 1 weighs 2
+    p = make_plan(open_model(d), 4, w, pp=2, bandwidth=5e9)
+    tp = make_plan(open_model(d), 2, w[:2], bandwidth=5e9)
+    assert [rp.heads for rp in p["ranks"][:2]] == [rp.heads for rp in tp["ranks"]]  # 2:1 inside stage 0
+    for r in (0, 3):
+        before = weights.bytes_read
+        load_model(d, group=Group.planned(4, r, w), pp=2)
+        assert weights.bytes_read - before == p["ranks"][r].bytes
+
+
 def test_pipeline_refusals():
     from reference_cases import FIXTURES
 

@@ -13,7 +13,8 @@ from mlxcel_dist.harness import rel_tol_for
 from mlxcel_dist.launcher import launch
 from mlxcel_dist.loader import check_shardable
 
-from reference_cases import FIXTURES, assert_modes_match, case_id, cases, launched_results, single_process_logits
+from reference_cases import (FIXTURES, assert_modes_match, case_id, cases, launched_results, short_length_of,
+                             single_process_logits)
 from testproc import run_cmd
 
 HELPER = Path(__file__).parent / "helpers" / "tp_cases.py"
@@ -72,6 +73,10 @@ _NP3 = [d for d in CASES if case_id(d) not in _NP3_TWINS]
 _WEIGHTED = [(FIXTURES / "olmo3" / "gqa_fp32", "1,2,1")]
 RUNS = {("mpi", 2): CASES, ("mpi", 3): _NP3 + _WEIGHTED, ("mpi", 4): CASES, ("ring", 2): cases("gemma3"),
         ("ring", 4): _RING4}
+# At 3 and 4 ranks (more ranks than CI's 2 cores: every collective waits for a
+# descheduled rank) the cases run on harness.short_length tokens, which still
+# cross the window twice in every mode; np 2 runs every case at full length.
+SHORT = {("mpi", 3), ("mpi", 4), ("ring", 4)}
 COMBOS = [(b, n, d) for (b, n), ds in RUNS.items() for d in ds]
 
 
@@ -91,7 +96,7 @@ def _id(d) -> str:
 @pytest.fixture(scope="module")
 def tp_results(tmp_path_factory):
     """One launch per (backend, np), all its cases in one job, run on first use."""
-    return launched_results(tmp_path_factory, RUNS, str(HELPER), "tp", _arg)
+    return launched_results(tmp_path_factory, RUNS, str(HELPER), "tp", _arg, SHORT)
 
 
 @pytest.mark.parametrize("backend,n,d", COMBOS, ids=[f"{b}-np{n}-{_id(d)}" for b, n, d in COMBOS])
@@ -99,7 +104,9 @@ def test_tp_matches_reference_and_single_process(tp_results, single, backend, n,
     out = tp_results(backend, n)
     name = _name(d)
     d = d[0] if isinstance(d, tuple) else d
-    assert_modes_match(out / f"{name}.npz", np.load(d / "reference.npz")["logits"], single[d], _tol(d), (backend, n))
+    rows = short_length_of(d) if (backend, n) in SHORT else None
+    assert_modes_match(out / f"{name}.npz", np.load(d / "reference.npz")["logits"], single[d], _tol(d), (backend, n),
+                       rows)
 
 
 def test_np3_twins_split_as_their_fp32_case():

@@ -1,7 +1,8 @@
 """Rank job for the pipeline tests: every fixture case in every mode, in
 P stages of size / P ranks each (tensor parallel inside a stage), one launch.
 
-usage (under the launcher): pp_cases.py OUT_DIR P CASE_DIR [CASE_DIR ...]
+usage (under the launcher): pp_cases.py OUT_DIR P [--short] CASE_DIR [CASE_DIR ...]
+--short: the first harness.short_length tokens only.
 Rank 0 writes OUT_DIR/<family>__<case>.npz (one array per mode) and
 OUT_DIR/<family>__<case>.stages.json (each rank's layer range and parameter
 names, gathered through a file per rank).
@@ -15,7 +16,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from mlxcel_dist import distributed
-from mlxcel_dist.harness import all_mode_logits
+from mlxcel_dist.harness import all_mode_logits, model_window, short_length
 from mlxcel_dist.loader import load_model
 
 
@@ -23,9 +24,12 @@ def main():
     out = Path(sys.argv[1])
     group = distributed.init_from_env()
     P = int(sys.argv[2])
-    for d in map(Path, sys.argv[3:]):
+    short = sys.argv[3:4] == ["--short"]
+    for d in map(Path, sys.argv[3 + short:]):
         ids = np.load(d / ("reference.npz" if (d / "reference.npz").exists() else "mlx_lm_reference.npz"))["ids"]
         model = load_model(d, group=group, pp=P).model
+        if short:
+            ids = ids[: short_length(model_window(model), len(ids))]
         stage = model.model.stage
         names = sorted(n for n, _ in tree_flatten(model.parameters()))
         (out / f"{d.parent.name}__{d.name}.rank{group.rank()}.json").write_text(
