@@ -8,17 +8,21 @@ slices it would read. Per generated token: the collectives of one
 single-token forward (`bench.plan_collectives`, the model contract) and a
 predicted decode time from a simple model (docs/launching.md, "plan"):
 
-    t = weight bytes per rank / memory bandwidth + layers x host time per layer
-        + collectives x (link latency + payload / link bandwidth)
+    t = weight bytes per rank / decode bandwidth + host time per token
+        + layers x host time per layer + collectives x (link latency + payload / link bandwidth)
+
+The bandwidth and both host times are measured on this machine when plan
+runs (`machine_bandwidth`: MLX's matrix-vector product, what decode does;
+`machine_host_costs`: our own generation loop on a tiny model).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from dataclasses import dataclass
 
-import numpy as np
 
 from .collectives import Group
 from .errors import UserError
@@ -30,7 +34,6 @@ LINKS = {
     "tb5": (30e-6, 6e9, "Thunderbolt 5 RDMA (JACCL): ~30 us and ~6 GB/s per all-reduce, MLX's distributed docs"),
     "10gbe": (100e-6, 1e9, "10 Gigabit Ethernet over TCP: ~100 us and ~1 GB/s"),
 }
-HOST_LAYER_S = 150e-6  # host time per layer of a compiled CPU decode step (fit on the dev VM: docs/launching.md)
 
 
 @dataclass
@@ -89,16 +92,60 @@ def _rank_plan(ck, n: int, r: int, weights, pp: int = 1) -> tuple[RankPlan, obje
                     vocab[t] if vocab else None, total, layers), m
 
 
-def machine_bandwidth() -> float:
-    """This machine's memory bandwidth for streaming reads (B/s): a 64 MB
-    float32 sum, best of 3 (decode reads every weight once per token)."""
-    a = np.ones(16 << 20, np.float32)
+def machine_bandwidth(dtype=None, quant=None) -> float:
+    """The rate (B/s) at which MLX streams weights through a matrix-vector
+    product here: a 4096 x 4096 matrix in `dtype` (default float32), or
+    quantized as `quant` (quant.QuantParams: its packed bytes), times one
+    row, best of 5 (a decode step reads every weight once that way)."""
+    import mlx.core as mx
+
+    w = mx.random.normal((4096, 4096)).astype(dtype or mx.float32)
+    x = mx.random.normal((1, 4096)).astype(w.dtype)
+    if quant is not None:
+        parts = mx.quantize(w, **quant.kwargs())
+        nbytes = sum(a.nbytes for a in parts if a is not None)
+        product = lambda: mx.quantized_matmul(x, *parts, transpose=True, **quant.kwargs())  # noqa: E731
+    else:
+        nbytes = w.nbytes
+        product = lambda: x @ w.T  # noqa: E731
+    mx.eval(w, x)
+    mx.eval(product())
     best = float("inf")
-    for _ in range(3):
+    for _ in range(5):
         t = time.perf_counter()
-        a.sum()
+        mx.eval(product())
         best = min(best, time.perf_counter() - t)
-    return a.nbytes / best
+    return nbytes / best
+
+
+@functools.cache
+def machine_host_costs(tokens: int = 40) -> tuple[float, float]:
+    """(per token, per layer) host seconds of this machine's generation loop
+    (sampling, the host read, the agreement check; each layer's kernels): a
+    tiny llama (hidden 64, weights negligible) with 1 and 5 layers, greedy
+    through engine.TokenGenerator, best of 2 runs each; measured once a
+    process."""
+    import mlx.core as mx
+
+    from .engine import TokenGenerator
+    from .models.llama import Model, ModelArgs
+
+    def per_token(layers: int) -> float:
+        m = Model(ModelArgs(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096))
+        mx.eval(m.parameters())
+        best = float("inf")
+        for _ in range(2):
+            gen = TokenGenerator(m, list(range(8)), tokens)
+            for _ in gen:
+                pass
+            stats = gen.finish()
+            best = min(best, stats.decode_s / max(1, stats.generated - 1))
+        return best
+
+    one, five = per_token(1), per_token(5)
+    layer = max(0.0, (five - one) / 4)
+    return max(0.0, one - layer), layer
 
 
 def machine_memory() -> int | None:
@@ -133,12 +180,14 @@ def _stage_sums(stage_models: list, T: int) -> tuple:
 
 
 def make_plan(ck, n: int, weights=None, link: str = "loopback", bandwidth: float | None = None,
-              memory: list | None = None, pp: int = 1) -> dict:
+              memory: list | None = None, pp: int = 1, host: tuple | None = None) -> dict:
     """The placement of `ck` on `n` ranks (`pp` > 1: n = pp pipeline
     stages): per rank its share and bytes, per token the collectives and a
     predicted decode time (stages run one after another for one stream).
     `memory`: each rank's bytes available (None: this machine's, shared by
-    its ranks); a rank that would not fit is a UserError naming it."""
+    its ranks); a rank that would not fit is a UserError naming it.
+    `bandwidth` (B/s) and `host` ((per token, per layer) seconds): measured
+    here when not given."""
     from .bench import plan_collectives
 
     if link not in LINKS:
@@ -158,15 +207,17 @@ def make_plan(ck, n: int, weights=None, link: str = "loopback", bandwidth: float
     else:
         coll = plan_collectives(model, check_every=1, size=n)
     lat, link_bw, source = LINKS[link]
-    bw = bandwidth or machine_bandwidth()
+    q = ck.quantization
+    bw = bandwidth or machine_bandwidth(ck.dtype, q.default if q is not None else None)
+    per_token, per_layer = host if host is not None else machine_host_costs()
     layers = int(ck.args.num_hidden_layers)
     calls = sum(c for c, _ in coll.values())
     payload = sum(b for _, b in coll.values())
     if pp > 1:  # one stream: the stages in turn (each as fast as its largest rank)
-        compute = sum(max(rp.bytes for rp in ranks[s * T : (s + 1) * T]) for s in range(pp)) / bw \
-            + layers * HOST_LAYER_S
+        reads = sum(max(rp.bytes for rp in ranks[s * T : (s + 1) * T]) for s in range(pp)) / bw
     else:
-        compute = max(rp.bytes for rp in ranks) / bw + layers * HOST_LAYER_S
+        reads = max(rp.bytes for rp in ranks) / bw
+    compute = reads + per_token + layers * per_layer
     comm = (calls * lat + payload / link_bw) if n > 1 else 0.0
     if memory is None:
         total = machine_memory()
@@ -176,7 +227,8 @@ def make_plan(ck, n: int, weights=None, link: str = "loopback", bandwidth: float
             raise UserError(f"rank {rp.rank} needs {_size(rp.bytes)} of weights, more than its {_size(avail)} "
                             "of memory (use more ranks, or --rank-weights / the hosts' memory= to shift shares)")
     return {"ranks": ranks, "collectives": coll, "link": (link, lat, link_bw, source), "bandwidth": bw,
-            "layers": layers, "compute_s": compute, "comm_s": comm, "token_s": compute + comm, "pp": pp}
+            "host": (per_token, per_layer), "layers": layers, "compute_s": compute, "comm_s": comm,
+            "token_s": compute + comm, "pp": pp}
 
 
 def _size(n: int) -> str:
@@ -210,7 +262,9 @@ def format_plan(p: dict) -> list[str]:
     link, lat, bw, source = p["link"]
     per_tok = ", ".join(f"{c:g} {op} ({b:,.0f} B)" for op, (c, b) in p["collectives"].items() if c)
     out.append(f"per token: {per_tok or 'no collective'}")
+    tok, lay = p["host"]
     out.append(f"predicted decode: {1000 * p['token_s']:.2f} ms/token ({1 / p['token_s']:.1f} tok/s): compute "
-               f"{1000 * p['compute_s']:.2f} ms (memory {p['bandwidth'] / 1e9:.1f} GB/s), collectives "
+               f"{1000 * p['compute_s']:.2f} ms (weights at {p['bandwidth'] / 1e9:.1f} GB/s, host "
+               f"{1e3 * tok:.2f} ms a token + {1e6 * lay:.0f} us a layer), collectives "
                f"{1000 * p['comm_s']:.2f} ms over {link} ({lat * 1e6:.0f} us, {bw / 1e9:g} GB/s: {source})")
     return out
