@@ -158,11 +158,11 @@ def test_every_registered_model_type_has_reference_fixtures():
 
 
 @pytest.mark.parametrize("case", STATIC_CASES)
-@pytest.mark.parametrize("start", [1, 5, 23])
+@pytest.mark.parametrize("start", [1, 23])
 def test_static_decode_matches_the_eager_caches(case, start, monkeypatch):
     # Buffers of 8 slots: decode crosses several regrowths (a retrace each) and
-    # wraps the sliding layers' rings (windows 8 and 16), from prompts shorter
-    # and longer than the window.
+    # wraps the sliding layers' rings (windows 8 and 16), from a one-token
+    # prompt and from one longer than the window.
     import mlxcel_dist.decode as decode
 
     monkeypatch.setattr(decode, "STEP", 8)

@@ -63,15 +63,27 @@ _RING4 = [d for d in cases("gemma3") if d.name == "mqa_fp32"]
 # np 3 (uneven shares: 4 heads as 2, 1, 1; 8 heads with 2 KV heads as 3, 3, 2,
 # the middle rank holding both KV heads, one of them twice) under MPI for every
 # case but the bf16 twins of an fp32 case of the same split (attention and KV
-# heads, tied or not: _NP3_TWINS; their bf16 run under TP is checked at np 2
-# and 4), plus one --rank-weights case: its launch took 50 s here (np 2: 39 s,
+# heads, tied or not: _NP3_TWINS; their bf16 run under TP is checked at np 2),
+# plus one --rank-weights case: its launch took 50 s here (np 2: 39 s,
 # np 4: 66 s, on 2 cores).
 _NP3_TWINS = {"gemma3/gqa_bf16": "gemma3/gqa_fp32", "gemma4/dense_bf16": "gemma4/dense_fp32",
               "gpt_oss/gqa_bf16": "gpt_oss/gqa_fp32", "recurrent_gemma/mqa_bf16": "recurrent_gemma/mqa_fp32",
               "step3p5/moe_bf16": "step3p5/moe_fp32"}
 _NP3 = [d for d in CASES if case_id(d) not in _NP3_TWINS]
 _WEIGHTED = [(FIXTURES / "olmo3" / "gqa_fp32", "1,2,1")]
-RUNS = {("mpi", 2): CASES, ("mpi", 3): _NP3 + _WEIGHTED, ("mpi", 4): CASES, ("ring", 2): cases("gemma3"),
+
+
+def _kv_heads(d) -> int:
+    from mlxcel_dist.loader import model_args, read_config
+
+    a = model_args(read_config(d))
+    return int(getattr(a, "num_key_value_heads", None) or a.num_attention_heads)
+
+
+# np 4: per family its fp32 case with the fewest KV heads (each KV head on 2 or
+# 4 ranks: the replicated split np 2 never makes); np 3 and np 2 run every case
+_NP4 = list({d.parent.name: d for d in sorted(CASES, key=lambda d: ("fp32" in d.name, -_kv_heads(d)))}.values())
+RUNS = {("mpi", 2): CASES, ("mpi", 3): _NP3 + _WEIGHTED, ("mpi", 4): _NP4, ("ring", 2): cases("gemma3"),
         ("ring", 4): _RING4}
 # At 3 and 4 ranks (more ranks than CI's 2 cores: every collective waits for a
 # descheduled rank) the cases run on harness.short_length tokens, which still
@@ -120,7 +132,7 @@ def test_np3_twins_split_as_their_fp32_case():
     ids = {case_id(d): d for d in CASES}
     for twin, kept in _NP3_TWINS.items():
         assert split(ids[twin]) == split(ids[kept]) and ids[kept] in _NP3, (twin, kept)
-        assert ids[twin] in RUNS[("mpi", 2)] and ids[twin] in RUNS[("mpi", 4)], twin
+        assert ids[twin] in RUNS[("mpi", 2)], twin
 
 
 def test_kv_head_counts_covered():
@@ -129,8 +141,9 @@ def test_kv_head_counts_covered():
     from mlxcel_dist.loader import model_args, read_config
 
     # as each family's ModelArgs reads them (config forms differ: text_config, hub keys)
-    kv = {getattr(model_args(read_config(d)), "num_key_value_heads", None) for d in CASES}
+    kv = {getattr(model_args(read_config(d)), "num_key_value_heads", None) for d in RUNS[("mpi", 4)]}
     assert {1, 2} <= kv
+    assert {d.parent.name for d in RUNS[("mpi", 4)]} == {d.parent.name for d in CASES}  # every family at np 4
 
 
 def test_logit_match_fails_on_a_wrong_shard(tmp_path):
