@@ -124,6 +124,24 @@ def _guarded(item, phase):
         signal.signal(signal.SIGALRM, old)
 
 
+# --------------------------------------------------------------------------- #
+# two workers (pytest-xdist, `-n 2 --dist loadgroup` in pyproject.toml)
+# --------------------------------------------------------------------------- #
+
+# These share one in-process cache of single-process logits (reference_cases):
+# one worker runs them all, first, as the longest unit of work.
+LOGITS_GROUP = {"test_reference.py", "test_tp.py", "test_pipeline.py"}
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """A module's tests stay on one worker (its module fixtures: launched
+    jobs, servers, are made once); the logits modules share a worker."""
+    for item in items:
+        name = item.path.name
+        item.add_marker(pytest.mark.xdist_group("logits" if name in LOGITS_GROUP else name))
+    items.sort(key=lambda item: item.path.name not in LOGITS_GROUP)  # stable: each file's order kept
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_setup(item):
     # CI stops a run at 90 min and then shows no summary: stop earlier, with one
