@@ -250,16 +250,35 @@ class PreNormBlock(nn.Module):
         self.post_attention_layernorm = norm(hidden_size)
 
     def __call__(self, x, mask=None, cache=None):
-        h = x + self.self_attn(self.input_layernorm(x), mask, cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        return self.finish(x, self.self_attn(self.input_layernorm(x), mask, cache))
 
-    # split decode (decode.DecodeStep): pre -> self_attn.attend -> post
+    # split decode (decode.DecodeStep): pre -> self_attn.attend -> post, the pieces of __call__
     def pre(self, x, cache):
         return (x, *self.self_attn.qkv(self.input_layernorm(x), cache))
 
     def post(self, x, o):
-        h = x + self.self_attn.out(o)
+        return self.finish(x, self.self_attn.out(o))
+
+    def finish(self, x, a):
+        """The layer after its attention output `a`: both residual adds and the MLP."""
+        h = x + a
         return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class SandwichBlock(PreNormBlock):
+    """Gemma's decoder layer: each sub-layer's output is normed before its
+    residual add, h = x + post_attn_norm(attn(norm(x))); out = h +
+    post_ff_norm(mlp(pre_ff_norm(h))) (HF's `pre_feedforward_layernorm`,
+    `post_feedforward_layernorm` beside PreNormBlock's two)."""
+
+    def __init__(self, self_attn: nn.Module, mlp: nn.Module, hidden_size: int, norm: Callable[[int], nn.Module]):
+        super().__init__(self_attn, mlp, hidden_size, norm)
+        self.pre_feedforward_layernorm = norm(hidden_size)
+        self.post_feedforward_layernorm = norm(hidden_size)
+
+    def finish(self, x, a):
+        h = x + self.post_attention_layernorm(a)
+        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
 
 
 # --------------------------------------------------------------------------- Gemma 4 pieces

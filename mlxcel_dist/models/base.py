@@ -70,6 +70,15 @@ class BaseModelArgs:
         except TypeError as e:  # a required key is missing
             raise UserError(f"config.json for {cls.__module__.rsplit('.', 1)[-1]}: {e}") from None
 
+    def one_rope(self, default: dict | None = None, theta: float | None = None) -> dict:
+        """`single_rope_params` of this config's own keys (rope_parameters,
+        rope_scaling, rope_theta or `theta`, max_position_embeddings,
+        original_max_position_embeddings; those a family lacks are None)."""
+        get = lambda key: getattr(self, key, None)  # noqa: E731
+        return single_rope_params(get("rope_parameters"), get("rope_scaling"), get("rope_theta") if theta is None
+                                  else theta, self.max_position_embeddings,
+                                  get("original_max_position_embeddings"), default=default)
+
 
 def derive_layer_types(
     layer_types: list | None,

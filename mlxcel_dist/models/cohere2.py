@@ -19,7 +19,7 @@ from ..blocks import MLP, Attention
 from ..errors import UserError
 from ..layers import LayerNorm, activation
 from ..rope import RoPE
-from .base import SLIDING, BaseModelArgs, CausalLM, DecoderStack, derive_layer_types, single_rope_params
+from .base import SLIDING, BaseModelArgs, CausalLM, DecoderStack, derive_layer_types
 
 
 @dataclass
@@ -60,9 +60,7 @@ class ModelArgs(BaseModelArgs):
         self.layer_types = derive_layer_types(
             self.layer_types, self.num_hidden_layers, self.sliding_window, self.sliding_window_pattern
         )
-        self.rope = single_rope_params(
-            self.rope_parameters, self.rope_scaling, self.rope_theta, self.max_position_embeddings
-        )
+        self.rope = self.one_rope()
 
 
 class DecoderLayer(nn.Module):

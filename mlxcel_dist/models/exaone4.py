@@ -19,7 +19,7 @@ from ..blocks import MLP, Attention
 from ..errors import UserError
 from ..layers import RMSNorm, activation
 from ..rope import RoPE
-from .base import FULL, SLIDING, BaseModelArgs, CausalLM, DecoderStack, derive_layer_types, single_rope_params
+from .base import FULL, SLIDING, BaseModelArgs, CausalLM, DecoderStack, derive_layer_types
 
 
 @dataclass
@@ -49,9 +49,7 @@ class ModelArgs(BaseModelArgs):
         self.layer_types = derive_layer_types(
             self._pattern_layer_types(), self.num_hidden_layers, self.sliding_window
         )
-        self.rope = single_rope_params(
-            self.rope_parameters, self.rope_scaling, self.rope_theta, self.max_position_embeddings
-        )
+        self.rope = self.one_rope()
 
     def _pattern_layer_types(self) -> list | None:
         """layer_types as given, else from sliding_window_pattern: an int P

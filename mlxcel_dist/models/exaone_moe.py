@@ -50,7 +50,6 @@ from .base import (
     DecoderStack,
     derive_layer_types,
     describe_layers,
-    single_rope_params,
 )
 
 DENSE, SPARSE = "dense", "sparse"
@@ -101,9 +100,7 @@ class ModelArgs(BaseModelArgs):
         self.mlp_layer_types = list(mlp)
         if SPARSE in mlp:
             self._check_routing()
-        self.rope = single_rope_params(
-            self.rope_parameters, self.rope_scaling, self.rope_theta, self.max_position_embeddings
-        )
+        self.rope = self.one_rope()
 
     def _pattern_layer_types(self) -> list | None:
         """layer_types as given; else every P-th layer global for an int

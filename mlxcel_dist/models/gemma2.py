@@ -15,13 +15,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import mlx.core as mx
-import mlx.nn as nn
 
-from ..blocks import MLP, Attention
+from ..blocks import MLP, Attention, SandwichBlock
 from ..errors import UserError
 from ..layers import GemmaRMSNorm, activation
 from ..rope import RoPE
-from .base import SLIDING, BaseModelArgs, CausalLM, DecoderStack, derive_layer_types, single_rope_params
+from .base import SLIDING, BaseModelArgs, CausalLM, DecoderStack, derive_layer_types
 
 # transformers' Gemma2Config: without layer_types, every 2nd layer is full
 # ("sliding_attention" if (i + 1) % 2 else "full_attention").
@@ -60,17 +59,14 @@ class ModelArgs(BaseModelArgs):
         self.layer_types = derive_layer_types(
             self.layer_types, self.num_hidden_layers, self.sliding_window, LEGACY_PATTERN
         )
-        self.rope = single_rope_params(
-            self.rope_parameters, self.rope_scaling, self.rope_theta, self.max_position_embeddings
-        )
+        self.rope = self.one_rope()
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(SandwichBlock):
     def __init__(self, args: ModelArgs, rope: RoPE, layer_idx: int):
-        super().__init__()
         eps = args.rms_norm_eps
         kind = args.layer_types[layer_idx]
-        self.self_attn = Attention(
+        attn = Attention(
             args.hidden_size,
             args.num_attention_heads,
             args.num_key_value_heads,
@@ -81,23 +77,8 @@ class DecoderLayer(nn.Module):
             bias=args.attention_bias,
             softcap=args.attn_logit_softcapping,
         )
-        self.mlp = MLP(args.hidden_size, args.intermediate_size, activation(args.hidden_activation))
-        self.input_layernorm = GemmaRMSNorm(args.hidden_size, eps)
-        self.post_attention_layernorm = GemmaRMSNorm(args.hidden_size, eps)
-        self.pre_feedforward_layernorm = GemmaRMSNorm(args.hidden_size, eps)
-        self.post_feedforward_layernorm = GemmaRMSNorm(args.hidden_size, eps)
-
-    def __call__(self, x, mask=None, cache=None):
-        h = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), mask, cache))
-        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
-
-    # split decode (decode.DecodeStep): pre -> self_attn.attend -> post
-    def pre(self, x, cache):
-        return (x, *self.self_attn.qkv(self.input_layernorm(x), cache))
-
-    def post(self, x, o):
-        h = x + self.post_attention_layernorm(self.self_attn.out(o))
-        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+        mlp = MLP(args.hidden_size, args.intermediate_size, activation(args.hidden_activation))
+        super().__init__(attn, mlp, args.hidden_size, lambda d: GemmaRMSNorm(d, eps))
 
 
 class Gemma2Model(DecoderStack):

@@ -14,9 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import mlx.core as mx
-import mlx.nn as nn
 
-from ..blocks import MLP, Attention
+from ..blocks import MLP, Attention, SandwichBlock
 from ..errors import UserError
 from ..layers import GemmaRMSNorm, activation
 from ..masks import layer_masks
@@ -92,12 +91,11 @@ class ModelArgs(BaseModelArgs):
         return {FULL: full, SLIDING: sliding}
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(SandwichBlock):
     def __init__(self, args: ModelArgs, layer_idx: int):
-        super().__init__()
         eps = args.rms_norm_eps
         kind = args.layer_types[layer_idx]
-        self.self_attn = Attention(
+        attn = Attention(
             args.hidden_size,
             args.num_attention_heads,
             args.num_key_value_heads,
@@ -111,23 +109,8 @@ class DecoderLayer(nn.Module):
             # replaced it with q/k norms); the reference wins, so neither do we.
             softcap=None,
         )
-        self.mlp = MLP(args.hidden_size, args.intermediate_size, activation(args.hidden_activation))
-        self.input_layernorm = GemmaRMSNorm(args.hidden_size, eps)
-        self.post_attention_layernorm = GemmaRMSNorm(args.hidden_size, eps)
-        self.pre_feedforward_layernorm = GemmaRMSNorm(args.hidden_size, eps)
-        self.post_feedforward_layernorm = GemmaRMSNorm(args.hidden_size, eps)
-
-    def __call__(self, x, mask=None, cache=None):
-        h = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), mask, cache))
-        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
-
-    # split decode (decode.DecodeStep): pre -> self_attn.attend -> post
-    def pre(self, x, cache):
-        return (x, *self.self_attn.qkv(self.input_layernorm(x), cache))
-
-    def post(self, x, o):
-        h = x + self.post_attention_layernorm(self.self_attn.out(o))
-        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+        mlp = MLP(args.hidden_size, args.intermediate_size, activation(args.hidden_activation))
+        super().__init__(attn, mlp, args.hidden_size, lambda d: GemmaRMSNorm(d, eps))
 
 
 def gemma3_masks(L: int, cache, args: ModelArgs, layer_types: list | None = None) -> dict:

@@ -38,7 +38,6 @@ from .base import (
     DecoderStack,
     derive_layer_types,
     describe_layers,
-    single_rope_params,
 )
 
 # transformers' GptOssConfig default when a config gives no rope at all.
@@ -105,14 +104,7 @@ class ModelArgs(BaseModelArgs):
         # One RoPE for all layers; with no rope config at all, GptOssConfig's
         # yarn default (not plain RoPE) and theta 150000.
         theta = self.rope_theta if self.rope_theta is not None else DEFAULT_THETA
-        return single_rope_params(
-            self.rope_parameters,
-            self.rope_scaling,
-            theta,
-            self.max_position_embeddings,
-            self.original_max_position_embeddings,
-            default=DEFAULT_ROPE,
-        )
+        return self.one_rope(default=DEFAULT_ROPE, theta=theta)
 
 
 def clamped_swiglu(gate_up: mx.array, alpha: float, limit: float) -> mx.array:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from ..blocks import Attention, MLP, PreNormBlock
 from ..layers import RMSNorm, activation
 from ..rope import RoPE
-from .base import BaseModelArgs, CausalLM, DecoderStack, derive_layer_types, single_rope_params
+from .base import BaseModelArgs, CausalLM, DecoderStack, derive_layer_types
 
 
 @dataclass
@@ -47,13 +47,7 @@ class ModelArgs(BaseModelArgs):
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
         self.layer_types = derive_layer_types(None, self.num_hidden_layers, None)
-        self.rope = single_rope_params(
-            self.rope_parameters,
-            self.rope_scaling,
-            self.rope_theta,
-            self.max_position_embeddings,
-            self.original_max_position_embeddings,
-        )
+        self.rope = self.one_rope()
 
 
 class DecoderLayer(PreNormBlock):

@@ -23,7 +23,7 @@ from ..blocks import Attention, MLP, PreNormBlock
 from ..errors import UserError
 from ..layers import RMSNorm, activation
 from ..rope import RoPE
-from .base import SLIDING, BaseModelArgs, CausalLM, DecoderStack, derive_layer_types, single_rope_params
+from .base import SLIDING, BaseModelArgs, CausalLM, DecoderStack, derive_layer_types
 
 # Ministral3Config's rope_parameters when config.json has none.
 DEFAULT_ROPE = {
@@ -66,14 +66,7 @@ class ModelArgs(BaseModelArgs):
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
         self.layer_types = derive_layer_types(None, self.num_hidden_layers, self.sliding_window)
-        self.rope = single_rope_params(
-            self.rope_parameters,
-            self.rope_scaling,
-            self.rope_theta,
-            self.max_position_embeddings,
-            self.original_max_position_embeddings,
-            default=DEFAULT_ROPE,
-        )
+        self.rope = self.one_rope(default=DEFAULT_ROPE)
         # transformers reads both with .get() and fails on None: require them.
         for key in ("llama_4_scaling_beta", "original_max_position_embeddings"):
             if self.rope.get(key) is None:

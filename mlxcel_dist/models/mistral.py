@@ -21,7 +21,7 @@ from ..blocks import Attention, MLP, PreNormBlock
 from ..errors import UserError
 from ..layers import RMSNorm, activation
 from ..rope import RoPE
-from .base import SLIDING, BaseModelArgs, CausalLM, DecoderStack, derive_layer_types, single_rope_params
+from .base import SLIDING, BaseModelArgs, CausalLM, DecoderStack, derive_layer_types
 
 
 @dataclass
@@ -56,13 +56,7 @@ class ModelArgs(BaseModelArgs):
             self.head_dim = self.hidden_size // self.num_attention_heads
         # Without layer_types every layer slides when a window is set.
         self.layer_types = derive_layer_types(self.layer_types, self.num_hidden_layers, self.sliding_window)
-        self.rope = single_rope_params(
-            self.rope_parameters,
-            self.rope_scaling,
-            self.rope_theta,
-            self.max_position_embeddings,
-            self.original_max_position_embeddings,
-        )
+        self.rope = self.one_rope()
 
 
 class DecoderLayer(PreNormBlock):

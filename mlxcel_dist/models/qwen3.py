@@ -18,7 +18,7 @@ from ..blocks import Attention, MLP, PreNormBlock
 from ..errors import UserError
 from ..layers import RMSNorm, activation
 from ..rope import RoPE
-from .base import FULL, SLIDING, BaseModelArgs, CausalLM, DecoderStack, derive_layer_types, single_rope_params
+from .base import FULL, SLIDING, BaseModelArgs, CausalLM, DecoderStack, derive_layer_types
 
 
 @dataclass
@@ -63,13 +63,7 @@ class ModelArgs(BaseModelArgs):
                 for i in range(self.num_hidden_layers)
             ]
         self.layer_types = derive_layer_types(types, self.num_hidden_layers, self.sliding_window)
-        self.rope = single_rope_params(
-            self.rope_parameters,
-            self.rope_scaling,
-            self.rope_theta,
-            self.max_position_embeddings,
-            self.original_max_position_embeddings,
-        )
+        self.rope = self.one_rope()
 
 
 class DecoderLayer(PreNormBlock):
