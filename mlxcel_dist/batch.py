@@ -253,7 +253,7 @@ class _Flight:
 
 
 def _plain_greedy(params) -> bool:
-    return params.greedy and params.repetition_penalty == 1.0
+    return params.greedy and params.plain
 
 
 class BatchEngine:
@@ -387,7 +387,7 @@ class BatchEngine:
             mx.eval([c.state for c in cache] if cache else [], outstanding_sends(self.model))
         if self.prompt_cache is not None and a.start < last:
             self.prompt_cache.store(prompt[:last], cache)
-        row = Row(a.rid, Sampler(a.sampling or SamplingParams()), prompt.tolist(), last, int(prompt[last]),
+        row = Row(a.rid, Sampler(a.sampling or SamplingParams(), len(prompt)), prompt.tolist(), last, int(prompt[last]),
                   budget=a.budget)
         if not self.static:
             row.eager_cache = cache
@@ -491,7 +491,7 @@ class BatchEngine:
             kv.append(tuple(_read_row(bufs[f"{x}{i}"], b, slots) for x in "kv"))
         if self.prompt_cache is not None:
             self.prompt_cache.store_layers(a.prompt[: a.last], kv, self.windows)
-        self._place(Row(a.rid, Sampler(a.sampling or SamplingParams()), a.prompt.tolist(), a.last,
+        self._place(Row(a.rid, Sampler(a.sampling or SamplingParams(), len(a.prompt)), a.prompt.tolist(), a.last,
                         int(a.prompt[a.last]), budget=a.budget), kv)
 
     def remove(self, rid) -> None:
@@ -779,5 +779,6 @@ class BatchEngine:
         """Lazy arrays evaluated with a step: {rid: token_logprobs} of the
         rows in `want`, from each row's logits, its lazy id and the id still
         unread when the step was launched (pipelined: its context lacks it)."""
-        return {r.rid: token_logprobs(x, r.context, r.sampler.params, prev, tok, self.want[r.rid])
+        return {r.rid: token_logprobs(x, r.context, r.sampler.params, prev, tok, self.want[r.rid],
+                                      r.sampler.prompt_len)
                 for r, x, tok, prev in zip(self.rows, logits, ids, pending) if r.rid in self.want}

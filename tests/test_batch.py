@@ -66,7 +66,9 @@ def test_batched_rows_decode_as_they_would_alone(d):
     rng = np.random.default_rng(0)
     # a one-token prompt, short ones, and prompts past the sliding window
     prompts = [rng.integers(3, V, k) for k in (5, 1, 40, 17, 70)]
-    params = [SamplingParams(), SamplingParams(), SamplingParams(temp=0.9, top_k=20, seed=7),
+    # row 1: OpenAI's penalties and a logit bias (greedy, so not the one batched argmax)
+    params = [SamplingParams(), SamplingParams(presence_penalty=1.5, frequency_penalty=0.7, logit_bias=((4, 3.0),)),
+              SamplingParams(temp=0.9, top_k=20, seed=7),
               SamplingParams(repetition_penalty=1.3), SamplingParams(temp=1.1, top_p=0.9, seed=3)]
     n = 20
     alone = [list(TokenGenerator(model, p, n, s, eos_ids=())) for p, s in zip(prompts, params)]

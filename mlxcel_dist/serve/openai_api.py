@@ -132,6 +132,15 @@ class _Common(_Strict):
     stop: _Stop | Annotated[list[_Stop], Field(max_length=16)] | None = None
     top_logprobs: int | None = Field(None, ge=-1, le=MAX_TOP_LOGPROBS)
     ignore_eos: bool | None = Field(None, description="vLLM's extra field: EOS is an ordinary token")
+    presence_penalty: float | None = Field(None, ge=-2, le=2, allow_inf_nan=False,
+                                           description="OpenAI's, over the generated tokens; 0 = off")
+    frequency_penalty: float | None = Field(None, ge=-2, le=2, allow_inf_nan=False,
+                                            description="OpenAI's, over the generated tokens; 0 = off")
+    logit_bias: dict[str, float] | None = Field(None, max_length=WIRE_LIMITS["logit_bias"][1],
+                                                description="token id (a string) -> bias in [-100, 100]")
+    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(
+        max_length=WIRE_LIMITS["stop_token_ids"][1])] | None = Field(
+        None, description="vLLM's extra field: generation ends at any of these token ids")
 
 
 class ChatCompletionRequest(_Common):
@@ -306,9 +315,6 @@ UNSUPPORTED = {
     "tool_choice": (_neutral("none", "auto"), "no tool calling"),
     "functions": (_neutral([]), "no function calling"),
     "function_call": (_neutral("none", "auto"), "no function calling"),
-    "logit_bias": (_neutral({}), "no logit bias"),
-    "presence_penalty": (_neutral(0, 0.0), "no presence penalty (use 'repetition_penalty')"),
-    "frequency_penalty": (_neutral(0, 0.0), "no frequency penalty (use 'repetition_penalty')"),
     "response_format": (lambda v: v is None or v == {"type": "text"}, "text output only (no JSON mode or schema)"),
     "modalities": (lambda v: v is None or v == ["text"], "text output only"),
     "audio": (_neutral(), "text output only"),
@@ -422,14 +428,32 @@ def _max_tokens(m, chat: bool, n_prompt: int, ctx: ParseContext) -> int:
     return n
 
 
-def _sampling(m, d: Defaults) -> SamplingParams:
+def _logit_bias(bias: dict | None, vocab: int) -> tuple:
+    """OpenAI's {"token id": bias} -> ((id, bias), ...) sorted by id; a key
+    that is not a token id of this model, or a bias outside [-100, 100], is a 400."""
+    out = {}
+    for key, value in (bias or {}).items():
+        if not re.fullmatch(r"[0-9]{1,10}", key) or int(key) >= vocab:
+            raise ApiError(f"'logit_bias' keys must be token ids in [0, {vocab}), got {_show(key)}",
+                           param="logit_bias")
+        if not -100.0 <= value <= 100.0 or value != value:
+            raise ApiError(f"'logit_bias' values must be in [-100, 100], got {_show(value)} for token {key}",
+                           param="logit_bias")
+        out[int(key)] = float(value)
+    return tuple(sorted(out.items()))
+
+
+def _sampling(m, d: Defaults, vocab: int) -> SamplingParams:
     def pick(v, default):
         return default if v is None else v
 
     seed = m.seed if m.seed is not None else int.from_bytes(uuid.uuid4().bytes[:8], "little")
     s = SamplingParams(temp=float(pick(m.temperature, d.temp)), top_p=float(pick(m.top_p, d.top_p)),
                        top_k=int(pick(m.top_k, d.top_k)), min_p=float(pick(m.min_p, d.min_p)),
-                       repetition_penalty=float(pick(m.repetition_penalty, 1.0)), seed=seed)
+                       repetition_penalty=float(pick(m.repetition_penalty, 1.0)), seed=seed,
+                       presence_penalty=float(pick(m.presence_penalty, 0.0)),
+                       frequency_penalty=float(pick(m.frequency_penalty, 0.0)),
+                       logit_bias=_logit_bias(m.logit_bias, vocab))
     try:
         return s.validate()
     except UserError as e:
@@ -474,8 +498,11 @@ def parse(body: object, chat: bool, ctx: ParseContext) -> Parsed:
                        param="ignore_eos", code="unsupported_parameter")
     ids = _chat_ids(m, ctx) if chat else _completion_ids(m, ctx)
     stops = [_text(s, "'stop'") for s in ([m.stop] if isinstance(m.stop, str) else m.stop or [])]
-    req = GenRequest(ids, _max_tokens(m, chat, len(ids), ctx), _sampling(m, ctx.defaults), stops, logprobs,
-                     bool(m.ignore_eos))
+    stop_ids = list(m.stop_token_ids or [])
+    if any(t >= ctx.vocab_size for t in stop_ids):
+        raise ApiError(f"'stop_token_ids' must be token ids in [0, {ctx.vocab_size})", param="stop_token_ids")
+    req = GenRequest(ids, _max_tokens(m, chat, len(ids), ctx), _sampling(m, ctx.defaults, ctx.vocab_size), stops,
+                     logprobs, bool(m.ignore_eos), stop_ids)
     try:
         check_wire(req)  # defence in depth: the checks above should already hold every wire limit
     except ValueError as e:

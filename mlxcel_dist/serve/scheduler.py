@@ -234,7 +234,8 @@ class Scheduler:
         self.removals = []
         for rid, job in admissions:
             ids = job.req.prompt_ids
-            eos = set() if job.req.ignore_eos else set(self.tok.eos_ids)
+            # stop_token_ids end a row as EOS does, also under ignore_eos (vLLM's rule)
+            eos = (set() if job.req.ignore_eos else set(self.tok.eos_ids)) | set(job.req.stop_ids)
             self.rows[rid] = _Row(job, StreamDecoder(self.tok, context=list(ids)[-4:]), StopStrings(job.req.stop), eos)
         if self._t_rest is not None and (self.rows or step.changes):
             self.times.rest += time.monotonic() - self._t_rest
