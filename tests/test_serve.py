@@ -293,6 +293,29 @@ def test_openai_penalties_logit_bias_and_stop_token_ids(server, model_dir):
     assert "logit_bias" in str(e.value)
 
 
+def _metrics(server) -> dict:
+    with urllib.request.urlopen(server.base + "/metrics", timeout=10) as r:
+        assert r.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+        text = r.read().decode()
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line and not line.startswith("#")}
+
+
+def test_metrics_endpoint(server):
+    """GET /metrics (Prometheus text) counts a completion's tokens and its end."""
+    before = _metrics(server)
+    r = server.json("/v1/completions", {**GREEDY, "ignore_eos": True})
+    assert r["usage"]["completion_tokens"] == N
+    after = _metrics(server)
+    p = "mlxcel_dist_"
+    assert after[f"{p}generation_tokens_total"] - before[f"{p}generation_tokens_total"] == N
+    assert after[f"{p}prompt_tokens_total"] - before[f"{p}prompt_tokens_total"] == r["usage"]["prompt_tokens"]
+    key = f'{p}request_success_total{{finished_reason="length"}}'
+    assert after[key] - before.get(key, 0) == 1
+    assert after[f"{p}time_to_first_token_seconds_count"] - before[f"{p}time_to_first_token_seconds_count"] == 1
+    assert after[f"{p}num_requests_running"] == 0
+
+
 # Issue 14: the first hour with `serve` ------------------------------------------
 # Each item is a check run against a live server; the tests below run them on
 # the embedded model (np 1, and np 2 where the ranks are involved) and on a

@@ -137,6 +137,11 @@ def make_app(state: AppState) -> FastAPI:
     def model_card(name: str) -> dict:
         return {"id": name, "object": "model", "created": state.created, "owned_by": "mlxcel-dist"}
 
+    @app.get("/metrics")
+    async def metrics():
+        return Response(sched.metrics.render(sched.active, sched.waiting),
+                        media_type="text/plain; version=0.0.4; charset=utf-8")
+
     @app.get("/v1/models")
     @app.get("/models", include_in_schema=False)
     async def models():
