@@ -1,0 +1,355 @@
+"""MiniMax-M2 (`minimax_m2`, MiniMaxM2ForCausalLM), as transformers 5.24 runs it.
+
+Hidden states [B, L, hidden]; q_proj output [B, L, n_heads * head_dim], then q
+[B, n_heads, L, head_dim], k/v [B, n_kv_heads, L, head_dim] (per-rank counts
+under tensor parallelism). Pre-norm blocks (llama RMSNorm), every layer full
+causal attention (no sliding or other layer kinds in transformers' model).
+
+- q and k are RMS-normalised over the WHOLE projection (all heads at once,
+  `q_norm` [n_heads * head_dim], `k_norm` [n_kv_heads * head_dim]), llama
+  style: w * (x * rsqrt(mean(x^2) + eps)).to(dtype), before the head reshape;
+- partial RoPE: the first `rotary_dim` (= partial_rotary_factor * head_dim)
+  features of each head rotate (rotate-half), the rest pass through;
+- every MLP is sparse: router `mlp.gate.weight` [E, hidden] in the hidden
+  dtype, scores = sigmoid (fp32), `mlp.e_score_correction_bias` [E] added
+  only to CHOOSE the top-k, weights = the chosen unbiased scores / their sum;
+  experts stacked as transformers saves them (`mlp.experts.gate_up_proj`
+  [E, 2I, hidden]: gate rows then up rows, `down_proj` [E, hidden, I]), only
+  the chosen experts run (`blocks.SplitGateExperts`, mx.gather_mm).
+
+Weight layouts read (`sanitize`, renames and lazy stacking views: a rank still
+reads only its slices): transformers 5.24's (above); the hub's
+(`block_sparse_moe.gate.weight`, `block_sparse_moe.e_score_correction_bias`,
+`block_sparse_moe.experts.N.w1/w3/w2.weight` = gate/up/down per expert); and
+mlx-lm's unquantized `block_sparse_moe.switch_mlp.{gate,up,down}_proj.weight`
+[E, I, hidden] / [E, hidden, I].
+
+Tensor parallelism: heads split (`shard_attention`); the whole-projection
+norm's statistic spans heads on other ranks, so each rank sums the squares of
+its own q and k features and ONE all_sum of [B, L, 2] fp32 per layer gives
+every rank the exact totals (KV heads held by several ranks counted once);
+the norm weights are sliced with their heads (`shard_head_vector`). That is
+cheaper than a replicated q/k projection: 8 bytes per token per layer on the
+wire instead of every rank reading all of q_proj and k_proj (for MiniMax-M2
+~22M weights per layer, (n-1)/n of them extra per rank and token). Experts
+split by their intermediate dimension (`shard_fused_gate_up_experts`), the
+router replicated; one all_sum per MoE block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..blocks import Attention, SplitGateExperts
+from ..collectives import SINGLE
+from ..errors import UserError
+from ..layers import RMSNorm, activation
+from ..rope import RoPE
+from ..shard import head_partition, rank_heads, shard_attention, shard_fused_gate_up_experts, shard_head_vector, slot_ranges
+from .base import FULL, BaseModelArgs, CausalLM, DecoderStack, describe_layers, single_rope_params
+
+DEFAULT_THETA = 5_000_000.0  # MiniMaxM2Config.default_theta
+
+
+@dataclass
+class ModelArgs(BaseModelArgs):
+    # Defaults are transformers' MiniMaxM2Config defaults.
+    model_type: str = "minimax_m2"
+    vocab_size: int = 200064
+    hidden_size: int = 3072
+    intermediate_size: int = 1536
+    num_hidden_layers: int = 62
+    num_attention_heads: int = 48
+    num_key_value_heads: int = 8
+    head_dim: int | None = 128
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 196608
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    num_experts_per_tok: int = 8
+    num_local_experts: int = 256
+    rope_parameters: dict | None = None
+    # the transformers-4 / hub form
+    rope_theta: float | None = None
+    rope_scaling: dict | None = None
+    rotary_dim: int | None = None
+    partial_rotary_factor: float | None = None
+    use_qk_norm: bool = True
+    scoring_func: str = "sigmoid"
+    use_routing_bias: bool = True
+
+    def __post_init__(self):
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        self.layer_types = [FULL] * self.num_hidden_layers
+        if not 1 <= self.num_experts_per_tok <= self.num_local_experts:
+            raise UserError(f"minimax_m2: num_experts_per_tok must be in 1..{self.num_local_experts}")
+        # transformers always normalises q/k and routes by sigmoid with the bias
+        if not self.use_qk_norm or self.scoring_func != "sigmoid" or not self.use_routing_bias:
+            raise UserError("minimax_m2: only use_qk_norm, sigmoid scoring and the routing bias are supported")
+        self.rope = self._rope()
+
+    def _rope(self) -> dict:
+        # transformers 5: rope_parameters (with partial_rotary_factor); 4 / hub:
+        # rope_theta + rotary_dim (MiniMaxM2Config reads rotary_dim / head_dim).
+        src = dict(self.rope_scaling or self.rope_parameters or {})
+        factor = src.pop("partial_rotary_factor", None)
+        if factor is None:
+            factor = self.partial_rotary_factor
+        if factor is None and self.rotary_dim is not None:
+            factor = self.rotary_dim / self.head_dim
+        theta = DEFAULT_THETA if self.rope_theta is None else self.rope_theta
+        params = single_rope_params(src, None, theta, self.max_position_embeddings)
+        params["partial_rotary_factor"] = 1.0 if factor is None else float(factor)
+        return params
+
+
+class MiniMaxM2Attention(Attention):
+    """Attention whose q/k RMSNorm spans the whole projection; `norm_group`
+    (set by Model.shard) makes that statistic global across ranks."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__(
+            args.hidden_size,
+            args.num_attention_heads,
+            args.num_key_value_heads,
+            args.head_dim,
+            scale=args.head_dim**-0.5,
+            rope=RoPE(args.head_dim, args.rope, args.max_position_embeddings),
+        )
+        self.q_norm = RMSNorm(args.num_attention_heads * args.head_dim, args.rms_norm_eps)
+        self.k_norm = RMSNorm(args.num_key_value_heads * args.head_dim, args.rms_norm_eps)
+        self.norm_group = SINGLE  # Model.shard sets the job's group
+        self.kv_replicas = 1  # ranks holding each KV head (even replication)
+        self._kv_owned = None  # [kv slots * D] 0/1: which held KV heads this rank's sum counts (uneven)
+
+    def _whole_norm(self, q, k):
+        # Reference: w * (x * rsqrt(mean(x^2) + eps)).to(dtype) over all heads, stats in fp32.
+        qf, kf = q.astype(mx.float32), k.astype(mx.float32)
+        # Sums of squares of this rank's features: [B, L, 2] (q, k); a KV head
+        # held by several ranks (or twice here) counts once (times 1 or 0: exact).
+        kk = kf * kf if self._kv_owned is None else kf * kf * self._kv_owned
+        ssq = mx.concatenate([(qf * qf).sum(-1, keepdims=True), kk.sum(-1, keepdims=True)], axis=-1)
+        ssq = self.norm_group.all_sum(ssq)
+        D = self.head_dim
+        count = mx.array([self.total_num_heads * D, self.total_num_kv_heads * D * self.kv_replicas], mx.float32)
+        inv = mx.rsqrt(ssq / count + self.q_norm.eps)
+        q = self.q_norm.weight * (qf * inv[..., :1]).astype(q.dtype)
+        k = self.k_norm.weight * (kf * inv[..., 1:]).astype(k.dtype)
+        return q, k
+
+    def project(self, x):
+        B, L, _ = x.shape
+        q, k = self._whole_norm(self.q_proj(x), self.k_proj(x))
+        # [B, L, heads * D] -> [B, heads, L, D]
+        q = q.reshape(B, L, self.num_heads, self.head_dim).transpose(0, 2, 1, 3)
+        k = k.reshape(B, L, self.num_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
+        v = self.v_proj(x).reshape(B, L, self.num_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
+        return q, k, v
+
+
+class SparseMoeBlock(nn.Module):
+    """Sigmoid top-k router with a choice-only correction bias over stacked
+    experts; the experts' all_sum (once sharded) is the block's only one."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        E = args.num_local_experts
+        self.top_k = args.num_experts_per_tok
+        self.gate = nn.Linear(args.hidden_size, E, bias=False)
+        self.e_score_correction_bias = mx.zeros((E,))
+        self.experts = SplitGateExperts(E, args.hidden_size, args.intermediate_size, activation(args.hidden_act))
+
+    def route(self, x):
+        """x [N, hidden] -> (indices [N, k], weights [N, k] fp32)."""
+        scores = mx.sigmoid(self.gate(x).astype(mx.float32))  # [N, E]: logits in the weights' dtype, as the reference
+        choice = scores + self.e_score_correction_bias.astype(mx.float32)
+        k = self.top_k
+        idx = mx.argpartition(-choice, kth=k - 1, axis=-1)[:, :k]  # [N, k], order irrelevant
+        w = mx.take_along_axis(scores, idx, axis=-1)  # the unbiased scores
+        return idx, w / w.sum(axis=-1, keepdims=True)
+
+    def __call__(self, x):
+        B, L, D = x.shape
+        flat = x.reshape(B * L, D)  # [N, hidden]
+        idx, w = self.route(flat)
+        return self.experts(flat, idx, w).reshape(B, L, D)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.self_attn = MiniMaxM2Attention(args)
+        self.mlp = SparseMoeBlock(args)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def __call__(self, x, mask=None, cache=None):
+        h = x + self.self_attn(self.input_layernorm(x), mask, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+    # split decode (decode.DecodeStep): pre -> self_attn.attend -> post
+    def pre(self, x, cache):
+        return (x, *self.self_attn.qkv(self.input_layernorm(x), cache))
+
+    def post(self, x, o):
+        h = x + self.self_attn.out(o)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class MiniMaxM2Model(DecoderStack):
+    def __init__(self, args: ModelArgs):
+        super().__init__(args)
+        self.layers = [DecoderLayer(args) for _ in range(args.num_hidden_layers)]
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+
+# --------------------------------------------------------------------------- stacking views (sanitize)
+
+
+class _JoinRef:
+    """Checkpoint tensors joined lazily, read like a TensorRef (shape, dtype,
+    sliced_shape, read(axis, ranges)) so a rank still reads only its slice:
+    `stack` puts `parts` (equal shapes) on a new axis 0, else they are
+    concatenated along `axis`."""
+
+    def __init__(self, parts: list, axis: int = 0, stack: bool = False):
+        self.parts, self.axis, self.stack = parts, axis, stack
+        self.dtype = parts[0].dtype
+        first = tuple(parts[0].shape)
+        if stack:
+            self.shape = (len(parts), *first)
+        else:
+            self.shape = first[:axis] + (sum(p.shape[axis] for p in parts),) + first[axis + 1 :]
+
+    def sliced_shape(self, axis, ranges) -> tuple:
+        if axis is None:
+            return self.shape
+        shape = list(self.shape)
+        shape[axis] = sum(e - s for s, e in ranges)
+        return tuple(shape)
+
+    def read(self, axis=None, ranges=None) -> mx.array:
+        if self.stack:
+            if axis == 0:
+                return mx.stack([self.parts[i].read() for s, e in ranges for i in range(s, e)])
+            sub = None if axis is None else axis - 1
+            return mx.stack([p.read(sub, ranges) for p in self.parts])
+        if axis != self.axis:
+            return mx.concatenate([p.read(axis, ranges) for p in self.parts], axis=self.axis)
+        # ranges along the joined axis: each part's share of them, in order
+        out, start = [], 0
+        for s, e in ranges:
+            start = 0
+            for p in self.parts:
+                n = p.shape[self.axis]
+                lo, hi = max(s, start), min(e, start + n)
+                if lo < hi:
+                    out.append(p.read(self.axis, [(lo - start, hi - start)]))
+                start += n
+        return mx.concatenate(out, axis=self.axis)
+
+
+def _join(parts: list, axis: int = 0, stack: bool = False):
+    """Arrays joined now, checkpoint refs lazily (`_JoinRef`), None (names only) as None."""
+    if any(p is None for p in parts):
+        return None
+    if all(isinstance(p, mx.array) for p in parts):
+        return mx.stack(parts) if stack else mx.concatenate(parts, axis=axis)
+    return _JoinRef(parts, axis, stack)
+
+
+class Model(CausalLM):
+    pipeline_stages = True  # a plain DecoderStack: runs in --pp stages (pipeline.py)
+    split_decode = True  # layers have pre/post: decode steps compile around the attention kernels
+
+    def __init__(self, args: ModelArgs):
+        super().__init__(args, MiniMaxM2Model(args))
+
+    def describe_layers(self) -> list[str]:
+        a = self.args
+        dims = int(a.head_dim * a.rope["partial_rotary_factor"])
+        extra = (
+            f", rotary {dims}/{a.head_dim} dims, q/k norm over the whole projection, "
+            f"moe {a.num_local_experts} experts top-{a.num_experts_per_tok} (sigmoid, correction bias)"
+        )
+        return [line + extra for line in describe_layers(self)]
+
+    def sanitize(self, weights: dict) -> dict:
+        """The transformers 5.24 layout from the hub's per-expert w1/w3/w2 and
+        mlx-lm's switch_mlp stacks (gate and up joined on the intermediate axis);
+        `block_sparse_moe.` is `mlp.`."""
+        out, experts = {}, {}
+        for name, w in weights.items():
+            name = name.replace(".block_sparse_moe.", ".mlp.")
+            if ".mlp.experts." in name and name.endswith((".w1.weight", ".w2.weight", ".w3.weight")):
+                head, rest = name.split(".mlp.experts.", 1)
+                e, which, _ = rest.split(".")
+                experts.setdefault(head, {}).setdefault(which, {})[int(e)] = w
+                continue
+            if ".mlp.switch_mlp." in name:
+                head, rest = name.split(".mlp.switch_mlp.", 1)
+                experts.setdefault(head, {})[rest] = w
+                continue
+            out[name] = w
+        for head, parts in experts.items():
+            if "gate_proj.weight" in parts:  # mlx-lm: [E, I, hidden] gate and up, [E, hidden, I] down
+                if set(parts) != {"gate_proj.weight", "up_proj.weight", "down_proj.weight"}:
+                    raise UserError(f"{head}: switch_mlp tensors {sorted(parts)} (quantized experts are not supported)")
+                gate_up = _join([parts["gate_proj.weight"], parts["up_proj.weight"]], axis=1)
+                down = parts["down_proj.weight"]
+            else:
+                E = self.args.num_local_experts
+                if any(sorted(parts.get(k, {})) != list(range(E)) for k in ("w1", "w2", "w3")):
+                    raise UserError(f"{head}: the hub layout needs w1, w2 and w3 of all {E} experts")
+                # per expert [w1; w3] = [2I, hidden] (gate rows then up rows), stacked
+                gate_up = _join([_join([parts["w1"][e], parts["w3"][e]], axis=0) for e in range(E)], stack=True)
+                down = _join([parts["w2"][e] for e in range(E)], stack=True)
+            out[f"{head}.mlp.experts.gate_up_proj"] = gate_up
+            out[f"{head}.mlp.experts.down_proj"] = down
+        return super().sanitize(out)
+
+    def shard(self, group):
+        for layer in self.layers:
+            shard_attention(layer.self_attn, group)
+            shard_fused_gate_up_experts(layer.mlp.experts, group)
+            if not group.single:
+                self._shard_whole_norm(layer.self_attn, group)
+        self.shard_head(group)
+
+    @staticmethod
+    def _shard_whole_norm(attn, group):
+        """This rank's slices of the norm weights and who counts each KV head."""
+        n, r = group.size(), group.rank()
+        H, KV, D = attn.total_num_heads, attn.total_num_kv_heads, attn.head_dim
+        q0, q1, slots = rank_heads(attn, group)
+        shard_head_vector(attn.q_norm, "weight", (q0, q1), D)
+        shard_head_vector(attn.k_norm, "weight", slot_ranges(slots), D)
+        attn.norm_group = group
+        parts = head_partition(H, KV, n, group.weights)
+        if group.weights is None and (KV % n == 0 or n % KV == 0):
+            # the even split: each KV head on n / KV ranks alike, counted as often
+            attn.kv_replicas = max(1, n // KV)
+        else:
+            # the lowest rank holding a KV head counts it, in its first slot
+            owner = {kv: next(i for i, p in enumerate(parts) if p[2] <= kv < p[3]) for kv in range(KV)}
+            first = {kv: slots.index(kv) for kv in set(slots)}
+            own = [float(owner[kv] == r and first[kv] == i) for i, kv in enumerate(slots)]
+            attn._kv_owned = mx.repeat(mx.array(own, mx.float32), D)
+
+    def collectives_per_token(self) -> dict:
+        """The usual ones plus, per sharded layer, the q/k sums of squares
+        ([1, 1, 2] float32) and the MoE block's all_sum ([1, hidden], the
+        experts' dtype)."""
+        plan = super().collectives_per_token()
+        calls, nbytes = plan["all_sum"]
+        for layer in self.layers:
+            if not layer.self_attn.norm_group.single:
+                calls, nbytes = calls + 1, nbytes + 2 * 4
+            ex = layer.mlp.experts
+            if not ex.group.single:
+                calls, nbytes = calls + 1, nbytes + self.args.hidden_size * ex.down_proj.dtype.size
+        return {**plan, "all_sum": (calls, nbytes)}
