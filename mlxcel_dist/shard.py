@@ -573,24 +573,27 @@ def shard_stacked_experts(moe: nn.Module, group: Group, up=("gate_proj", "up_pro
         stack.shard_spec = ShardSpec({"weight": (axis, rng)})
 
 
-def shard_fused_gate_up_experts(ex: nn.Module, group: Group) -> None:
+def shard_fused_gate_up_experts(ex: nn.Module, group: Group, axes: tuple = (1, 2)) -> None:
     """Split stacked experts in transformers' Linear layout with gate and up
     fused as two halves (Gemma 4: `gate_up_proj` [E, 2I, hidden], rows
     [0, I) gate and [I, 2I) up; `down_proj` [E, hidden, I]) by their
     intermediate dimension: rank r keeps gate rows [i0, i1) and up rows
     [I + i0, I + i1) (still gate half then up half) and down columns
-    [i0, i1). No collective here: the experts module sums its partial output
+    [i0, i1). `axes` = (gate_up's, down's intermediate axis): (2, 1) for the
+    bmm layout (llama4: `gate_up_proj` [E, hidden, 2I], `down_proj` [E, I,
+    hidden]). No collective here: the experts module sums its partial output
     over `group` (its `group` attribute, set here: one all_sum per block)."""
     if group.single:
         return
-    inter = ex.down_proj.shape[2]
-    if ex.gate_up_proj.shape[1] != 2 * inter:
-        raise UserError(f"expert gate_up_proj has {ex.gate_up_proj.shape[1]} rows, expected 2 x {inter}")
+    gu_axis, down_axis = axes
+    inter = ex.down_proj.shape[down_axis]
+    if ex.gate_up_proj.shape[gu_axis] != 2 * inter:
+        raise UserError(f"expert gate_up_proj has {ex.gate_up_proj.shape[gu_axis]} rows, expected 2 x {inter}")
     i0, i1 = _rank_range(inter, group, "the experts' intermediate size")
     halves = [(i0, i1), (inter + i0, inter + i1)]
-    ex.gate_up_proj = _slice(ex.gate_up_proj, 1, halves)
-    ex.down_proj = _slice(ex.down_proj, 2, [(i0, i1)])
-    ex.shard_spec = ShardSpec({"gate_up_proj": (1, halves), "down_proj": (2, [(i0, i1)])})
+    ex.gate_up_proj = _slice(ex.gate_up_proj, gu_axis, halves)
+    ex.down_proj = _slice(ex.down_proj, down_axis, [(i0, i1)])
+    ex.shard_spec = ShardSpec({"gate_up_proj": (gu_axis, halves), "down_proj": (down_axis, [(i0, i1)])})
     ex.group = group
 
 

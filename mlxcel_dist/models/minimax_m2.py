@@ -141,6 +141,12 @@ class MiniMaxM2Attention(Attention):
         k = self.k_norm.weight * (kf * inv[..., 1:]).astype(k.dtype)
         return q, k
 
+    def position(self, q, k, offset):
+        # rotated in fp32, rounded once: a half-precision mx.fast.rope rounds
+        # more than the reference (whose bf16 cos/sin products round twice)
+        q32, k32 = self.rope(q.astype(mx.float32), offset), self.rope(k.astype(mx.float32), offset)
+        return q32.astype(q.dtype), k32.astype(k.dtype)
+
     def project(self, x):
         B, L, _ = x.shape
         q, k = self._whole_norm(self.q_proj(x), self.k_proj(x))
