@@ -150,7 +150,7 @@ CASES = [
             "rounding cannot flip a routing choice; the bias must still not weight), bfloat16"
         ),
         seed=5102,
-        T=40,
+        T=48,
         dtype=torch.bfloat16,
         model_cls=with_correction_bias(5102),
         config=dict(
