@@ -169,12 +169,14 @@ CASES = [
         name="hub_layout_fp32",
         description=(
             "12 q / 4 kv heads, head_dim 8 (rotary 4), 2 layers, 6 experts top-3, tied embeddings, float32; "
-            "model.safetensors rewritten in the hub layout (block_sparse_moe.experts.N.w1/w3/w2)"
+            "model.safetensors rewritten in the hub layout (block_sparse_moe.experts.N.w1/w3/w2); "
+            "config_t4.json the hub's config form"
         ),
         seed=5103,
         T=44,
         model_cls=with_correction_bias(5103),
         hub_layout=True,
+        t4=t4_hub,  # the hub's config form beside its weight layout (transformers converts both)
         config=dict(
             num_hidden_layers=2,
             num_attention_heads=12,

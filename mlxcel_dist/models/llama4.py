@@ -47,6 +47,7 @@ from ..layers import RMSNorm, activation
 from ..masks import layer_masks
 from ..rope import RoPE
 from ..shard import shard_attention, shard_expert_mlps, shard_fused_gate_up_experts, shard_mlp
+from ..weights import join, swap_last_axes
 from .base import FULL, BaseModelArgs, CausalLM, DecoderStack, single_rope_params
 
 DEFAULT_THETA = 500_000.0  # Llama4TextConfig.default_theta
@@ -289,12 +290,26 @@ class Model(CausalLM):
     def sanitize(self, weights: dict) -> dict:
         """The multimodal wrapper's text weights (`language_model.model.*`,
         `language_model.lm_head.*`) as the text model's; vision tower and
-        projector dropped."""
-        out = {}
+        projector dropped; mlx-lm's unquantized expert stacks in the Linear
+        layout (`experts.{gate,up}_proj.weight` [E, I, hidden],
+        `experts.down_proj.weight` [E, hidden, I]) as the bmm layout, by lazy
+        views (swapped axes, gate and up joined: a rank reads its slices)."""
+        out, stacks = {}, {}
         for name, w in weights.items():
             if name.startswith(_NOT_TEXT):
                 continue
-            out[name.removeprefix("language_model.")] = w
+            name = name.removeprefix("language_model.")
+            head, dot, rest = name.partition(".feed_forward.experts.")
+            if dot and rest in ("gate_proj.weight", "up_proj.weight", "down_proj.weight"):
+                stacks.setdefault(head, {})[rest] = w
+                continue
+            out[name] = w
+        for head, p in stacks.items():
+            if len(p) != 3:
+                raise UserError(f"{head}: expert stacks {sorted(p)} (quantized experts are not supported)")
+            gate_up = join([swap_last_axes(p["gate_proj.weight"]), swap_last_axes(p["up_proj.weight"])], axis=2)
+            out[f"{head}.feed_forward.experts.gate_up_proj"] = gate_up
+            out[f"{head}.feed_forward.experts.down_proj"] = swap_last_axes(p["down_proj.weight"])
         return super().sanitize(out)
 
     def shard(self, group):

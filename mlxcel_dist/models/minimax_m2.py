@@ -49,6 +49,7 @@ from ..errors import UserError
 from ..layers import RMSNorm, activation
 from ..rope import RoPE
 from ..shard import head_partition, rank_heads, shard_attention, shard_fused_gate_up_experts, shard_head_vector, slot_ranges
+from ..weights import join
 from .base import FULL, BaseModelArgs, CausalLM, DecoderStack, describe_layers, single_rope_params
 
 DEFAULT_THETA = 5_000_000.0  # MiniMaxM2Config.default_theta
@@ -213,61 +214,6 @@ class MiniMaxM2Model(DecoderStack):
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
 
-# --------------------------------------------------------------------------- stacking views (sanitize)
-
-
-class _JoinRef:
-    """Checkpoint tensors joined lazily, read like a TensorRef (shape, dtype,
-    sliced_shape, read(axis, ranges)) so a rank still reads only its slice:
-    `stack` puts `parts` (equal shapes) on a new axis 0, else they are
-    concatenated along `axis`."""
-
-    def __init__(self, parts: list, axis: int = 0, stack: bool = False):
-        self.parts, self.axis, self.stack = parts, axis, stack
-        self.dtype = parts[0].dtype
-        first = tuple(parts[0].shape)
-        if stack:
-            self.shape = (len(parts), *first)
-        else:
-            self.shape = first[:axis] + (sum(p.shape[axis] for p in parts),) + first[axis + 1 :]
-
-    def sliced_shape(self, axis, ranges) -> tuple:
-        if axis is None:
-            return self.shape
-        shape = list(self.shape)
-        shape[axis] = sum(e - s for s, e in ranges)
-        return tuple(shape)
-
-    def read(self, axis=None, ranges=None) -> mx.array:
-        if self.stack:
-            if axis == 0:
-                return mx.stack([self.parts[i].read() for s, e in ranges for i in range(s, e)])
-            sub = None if axis is None else axis - 1
-            return mx.stack([p.read(sub, ranges) for p in self.parts])
-        if axis != self.axis:
-            return mx.concatenate([p.read(axis, ranges) for p in self.parts], axis=self.axis)
-        # ranges along the joined axis: each part's share of them, in order
-        out, start = [], 0
-        for s, e in ranges:
-            start = 0
-            for p in self.parts:
-                n = p.shape[self.axis]
-                lo, hi = max(s, start), min(e, start + n)
-                if lo < hi:
-                    out.append(p.read(self.axis, [(lo - start, hi - start)]))
-                start += n
-        return mx.concatenate(out, axis=self.axis)
-
-
-def _join(parts: list, axis: int = 0, stack: bool = False):
-    """Arrays joined now, checkpoint refs lazily (`_JoinRef`), None (names only) as None."""
-    if any(p is None for p in parts):
-        return None
-    if all(isinstance(p, mx.array) for p in parts):
-        return mx.stack(parts) if stack else mx.concatenate(parts, axis=axis)
-    return _JoinRef(parts, axis, stack)
-
-
 class Model(CausalLM):
     pipeline_stages = True  # a plain DecoderStack: runs in --pp stages (pipeline.py)
     split_decode = True  # layers have pre/post: decode steps compile around the attention kernels
@@ -305,15 +251,15 @@ class Model(CausalLM):
             if "gate_proj.weight" in parts:  # mlx-lm: [E, I, hidden] gate and up, [E, hidden, I] down
                 if set(parts) != {"gate_proj.weight", "up_proj.weight", "down_proj.weight"}:
                     raise UserError(f"{head}: switch_mlp tensors {sorted(parts)} (quantized experts are not supported)")
-                gate_up = _join([parts["gate_proj.weight"], parts["up_proj.weight"]], axis=1)
+                gate_up = join([parts["gate_proj.weight"], parts["up_proj.weight"]], axis=1)
                 down = parts["down_proj.weight"]
             else:
                 E = self.args.num_local_experts
                 if any(sorted(parts.get(k, {})) != list(range(E)) for k in ("w1", "w2", "w3")):
                     raise UserError(f"{head}: the hub layout needs w1, w2 and w3 of all {E} experts")
                 # per expert [w1; w3] = [2I, hidden] (gate rows then up rows), stacked
-                gate_up = _join([_join([parts["w1"][e], parts["w3"][e]], axis=0) for e in range(E)], stack=True)
-                down = _join([parts["w2"][e] for e in range(E)], stack=True)
+                gate_up = join([join([parts["w1"][e], parts["w3"][e]], axis=0) for e in range(E)], stack=True)
+                down = join([parts["w2"][e] for e in range(E)], stack=True)
             out[f"{head}.mlp.experts.gate_up_proj"] = gate_up
             out[f"{head}.mlp.experts.down_proj"] = down
         return super().sanitize(out)
