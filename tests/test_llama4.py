@@ -77,3 +77,30 @@ def test_mlx_lm_checkpoint_matches_mlx_lm_at_np2(n, tmp_path):
                  "mpi", "--reference", str(MLX_LM / "mlx_lm_reference.npz")], timeout=300, cwd=tmp_path)  # fmt: skip
     assert p.returncode == 0, p.stdout + p.stderr
     assert f"np{n} vs reference" in p.stdout and " NO" not in p.stdout
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_collectives_per_token_under_tp(n):
+    # per layer o_proj's all_sum; a dense layer's MLP down_proj; a MoE layer's
+    # routed + shared partial sums in ONE all_sum (no expert reduces alone)
+    from mlx.nn.layers.distributed import ShardedToAllLinear
+
+    from mlxcel_dist.collectives import Group
+    from mlxcel_dist.loader import build_model
+    from mlxcel_dist.shard import collect_plan
+
+    c = read_config(CASES / "gqa_fp32")
+    m = build_model(c)
+    m.shard(Group.planned(n, 1))
+    for layer in m.layers:
+        if layer.is_moe:
+            assert not any(isinstance(x, ShardedToAllLinear) for _, x in layer.feed_forward.named_modules())
+    L, H = c["num_hidden_layers"], c["hidden_size"]
+    dense = L - len(m.args.moe_layers)
+    assert sum(isinstance(x, ShardedToAllLinear) for _, x in m.named_modules()) == L + dense
+    assert m.collectives_per_token()["all_sum"] == (2 * L, 2 * L * H * 4)
+    I = c["intermediate_size"]
+    plan = collect_plan(m)
+    cols = [(I // n, 2 * I // n), (I + I // n, I + 2 * I // n)]
+    assert plan["model.layers.1.feed_forward.experts.gate_up_proj"] == (2, cols)
+    assert plan["model.layers.1.feed_forward.experts.down_proj"] == (1, [cols[0]])

@@ -137,3 +137,25 @@ def test_info_names_each_layer():
     lines = m.describe_layers()
     assert len(lines) == 2 and all("q/k norm over the whole projection" in x and "moe 6 experts top-3" in x
                                    and "rotary 4/8 dims" in x for x in lines)  # fmt: skip
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_collectives_per_token_under_tp(n):
+    # per layer: o_proj's all_sum, the q/k statistic ([1, 1, 2] fp32) and the
+    # experts' one all_sum; each rank reads its intermediate slice of the stacks
+    from mlx.nn.layers.distributed import ShardedToAllLinear
+
+    from mlxcel_dist.loader import build_model, read_config
+    from mlxcel_dist.shard import collect_plan
+
+    c = read_config(CASES / "gqa_fp32")
+    m = build_model(c)
+    m.shard(Group.planned(n, 1))
+    L, H = c["num_hidden_layers"], c["hidden_size"]
+    assert sum(isinstance(x, ShardedToAllLinear) for _, x in m.named_modules()) == L
+    assert m.collectives_per_token()["all_sum"] == (3 * L, L * (H * 4 + 2 * 4 + H * 4))
+    I = c["intermediate_size"]
+    plan = collect_plan(m)
+    rows = [(I // n, 2 * I // n), (I + I // n, I + 2 * I // n)]
+    assert plan["model.layers.0.mlp.experts.gate_up_proj"] == (1, rows)
+    assert plan["model.layers.0.mlp.experts.down_proj"] == (2, [rows[0]])

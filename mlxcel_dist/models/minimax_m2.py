@@ -48,7 +48,14 @@ from ..collectives import SINGLE
 from ..errors import UserError
 from ..layers import RMSNorm, activation
 from ..rope import RoPE
-from ..shard import head_partition, rank_heads, shard_attention, shard_fused_gate_up_experts, shard_head_vector, slot_ranges
+from ..shard import (
+    head_partition,
+    rank_heads,
+    shard_attention,
+    shard_fused_gate_up_experts,
+    shard_head_vector,
+    slot_ranges,
+)
 from ..weights import join
 from .base import FULL, BaseModelArgs, CausalLM, DecoderStack, describe_layers, single_rope_params
 
