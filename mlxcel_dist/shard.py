@@ -573,27 +573,57 @@ def shard_stacked_experts(moe: nn.Module, group: Group, up=("gate_proj", "up_pro
         stack.shard_spec = ShardSpec({"weight": (axis, rng)})
 
 
-def shard_fused_gate_up_experts(ex: nn.Module, group: Group, axes: tuple = (1, 2)) -> None:
+def shard_fused_gate_up_experts(ex: nn.Module, group: Group) -> None:
     """Split stacked experts in transformers' Linear layout with gate and up
     fused as two halves (Gemma 4: `gate_up_proj` [E, 2I, hidden], rows
     [0, I) gate and [I, 2I) up; `down_proj` [E, hidden, I]) by their
     intermediate dimension: rank r keeps gate rows [i0, i1) and up rows
     [I + i0, I + i1) (still gate half then up half) and down columns
-    [i0, i1). `axes` = (gate_up's, down's intermediate axis): (2, 1) for the
-    bmm layout (llama4: `gate_up_proj` [E, hidden, 2I], `down_proj` [E, I,
-    hidden]). No collective here: the experts module sums its partial output
+    [i0, i1). No collective here: the experts module sums its partial output
     over `group` (its `group` attribute, set here: one all_sum per block)."""
     if group.single:
         return
-    gu_axis, down_axis = axes
-    inter = ex.down_proj.shape[down_axis]
-    if ex.gate_up_proj.shape[gu_axis] != 2 * inter:
-        raise UserError(f"expert gate_up_proj has {ex.gate_up_proj.shape[gu_axis]} rows, expected 2 x {inter}")
+    inter = ex.down_proj.shape[2]
+    if ex.gate_up_proj.shape[1] != 2 * inter:
+        raise UserError(f"expert gate_up_proj has {ex.gate_up_proj.shape[1]} rows, expected 2 x {inter}")
     i0, i1 = _rank_range(inter, group, "the experts' intermediate size")
     halves = [(i0, i1), (inter + i0, inter + i1)]
-    ex.gate_up_proj = _slice(ex.gate_up_proj, gu_axis, halves)
-    ex.down_proj = _slice(ex.down_proj, down_axis, [(i0, i1)])
-    ex.shard_spec = ShardSpec({"gate_up_proj": (gu_axis, halves), "down_proj": (down_axis, [(i0, i1)])})
+    ex.gate_up_proj = _slice(ex.gate_up_proj, 1, halves)
+    ex.down_proj = _slice(ex.down_proj, 2, [(i0, i1)])
+    ex.shard_spec = ShardSpec({"gate_up_proj": (1, halves), "down_proj": (2, [(i0, i1)])})
+    ex.group = group
+
+
+def shard_stacked_linear_experts(ex: nn.Module, group: Group) -> None:
+    """Split experts held as `blocks.StackedLinear` modules (or their
+    quantized form) by their intermediate dimension: `ex.gate_up_proj`
+    [E, 2I, hidden] keeps gate rows [i0, i1) and up rows [I + i0, I + i1)
+    (every stored tensor: rows are whole in the packed layout), `ex.down_proj`
+    [E, hidden, I] input columns [i0, i1) (quantized: whole groups, packed
+    words and group columns). No collective here: `ex.group` (set) sums the
+    experts' partial output once."""
+    if group.single:
+        return
+    gu, down = ex.gate_up_proj, ex.down_proj
+    quantized = "scales" in down
+    inter = down.scales.shape[2] * down.group_size if quantized else down.weight.shape[2]
+    unit = down.group_size if quantized else 1
+    i0, i1 = _rank_range(inter, group, "the experts' intermediate size", unit)
+    halves = [(i0, i1), (inter + i0, inter + i1)]
+    if gu.weight.shape[1] != 2 * inter:
+        raise UserError(f"expert gate_up_proj has {gu.weight.shape[1]} rows, expected 2 x {inter}")
+    names = [n for n in ("weight", "scales", "biases") if n in gu]
+    for n in names:
+        setattr(gu, n, _slice(getattr(gu, n), 1, halves))
+    gu.shard_spec = ShardSpec({n: (1, halves) for n in names})
+    if quantized:
+        packed, groups = quantized_col_ranges([(i0, i1)], down.group_size, down.bits, "expert down_proj")
+        spec = {"weight": (2, packed), **{n: (2, groups) for n in ("scales", "biases") if n in down}}
+    else:
+        spec = {"weight": (2, [(i0, i1)])}
+    for n, (axis, rng) in spec.items():
+        setattr(down, n, _slice(getattr(down, n), axis, rng))
+    down.shard_spec = ShardSpec(spec)
     ex.group = group
 
 

@@ -13,11 +13,10 @@ q_group_size=64)`, and saves `mlx_lm_reference.npz`: `ids` (the reference
 fixture's ids) and `logits` float32 [T, V] from mlx-lm's `load_model` and one
 forward pass without cache. Deterministic: rerunning gives the same bytes.
 
-The MoE cases (minimax_m2, llama4) are converted WITHOUT quantization
-(float32): mlx-lm writes its stacked expert layout (`switch_mlp` /
-`experts.*_proj.weight` [E, I, H]), which mlxcel-dist reads unquantized;
-quantized stacked experts (mlx-lm's QuantizedSwitchLinear) are not supported
-by its loader. mlx-lm needs the hub config forms: minimax's
+The MoE cases (minimax_m2, llama4) are in mlx-lm's stacked expert layout
+(`switch_mlp.*` / `experts.*_proj` [E, I, H], QuantizedSwitchLinear where
+the input dimension is whole groups of 64: gate/up, not down). mlx-lm needs
+the hub config forms: minimax's
 `shared_intermediate_size` (0 on the hub), llama4 as the multimodal wrapper
 (`text_config`, weights under `language_model.`: mlx-lm's llama4_text model
 has no MoE), whose rope/chunk layer pattern it fixes at every 4th layer (the
@@ -50,15 +49,15 @@ def _llama4_multimodal(config: dict, weights: dict):
     return cfg, {f"language_model.{k}": v for k, v in weights.items()}
 
 
-# case name -> (source reference fixture, description[, options: quantize (default True), edit(config, weights)])
+# case name -> (source reference fixture, description[, options: edit(config, weights) -> what mlx-lm is given])
 CASES = {
     "gemma3_q4": ("gemma3/gqa_fp32", "gemma3_text, 8 q / 2 kv heads, window 16 (pattern 3), tied quantized embedding"),
     "llama_q4": ("llama/gqa_fp32", "llama, 8 q / 2 kv heads, llama3 RoPE, q/k/v/o and MLP biases, quantized untied lm_head"),
-    "minimax_m2_f32": ("minimax_m2/hub_layout_fp32", "minimax_m2 from the hub layout, unquantized float32: "
-                       "block_sparse_moe.switch_mlp.{gate,up,down}_proj stacks", {"quantize": False, "edit": _minimax}),
-    "llama4_f32": ("llama4/gqa_fp32", "llama4 (the multimodal wrapper of llama4/gqa_fp32's text model), unquantized "
-                   "float32: feed_forward.experts.{gate,up,down}_proj stacks [E, I, H]",
-                   {"quantize": False, "edit": _llama4_multimodal}),
+    "minimax_m2_q4": ("minimax_m2/hub_layout_fp32", "minimax_m2 from the hub layout: block_sparse_moe.switch_mlp "
+                      "stacks (gate/up 4-bit, down [E, 64, 16] unquantized), 8-bit router", {"edit": _minimax}),
+    "llama4_q4": ("llama4/gqa_fp32", "llama4 (the multimodal wrapper of llama4/gqa_fp32's text model): "
+                  "feed_forward.experts stacks (gate/up 4-bit, down [E, 64, 32] unquantized)",
+                  {"edit": _llama4_multimodal}),
 }
 BITS, GROUP_SIZE = 4, 64
 
@@ -89,10 +88,7 @@ def build(name: str, src_case: str, options: dict | None = None) -> dict:
         shutil.copyfile(src / "generation_config.json", hf / "generation_config.json")
         for f in ("tokenizer.json", "tokenizer_config.json"):
             shutil.copyfile(TOKENIZER / f, hf / f)
-        if options.get("quantize", True):
-            convert(str(hf), str(out), quantize=True, q_bits=BITS, q_group_size=GROUP_SIZE)
-        else:
-            convert(str(hf), str(out), dtype="float32")
+        convert(str(hf), str(out), quantize=True, q_bits=BITS, q_group_size=GROUP_SIZE)
     (out / "README.md").unlink(missing_ok=True)  # mlx-lm's model card (names the temp dir)
     ids = np.load(src / "reference.npz")["ids"].astype(np.int32)
     model, _ = load_model(out)
@@ -116,9 +112,8 @@ def main() -> int:
         f"Each `_q4` case directory is what `mlx_lm.convert(quantize=True, q_bits={BITS}, q_group_size={GROUP_SIZE})` wrote",
         "for a reference fixture's fp32 weights with its transformers-4 config (`config_t4.json`, the form mlx-lm",
         "reads) and the embedded default model's tokenizer, plus `mlx_lm_reference.npz` (`ids` int32 [T], `logits`",
-        "float32 [T, V] from mlx-lm's `load_model` and one forward pass without cache). The `_f32` cases (MoE",
-        "families) are `mlx_lm.convert(dtype=\"float32\")`, unquantized: mlxcel-dist does not load quantized",
-        "stacked experts (see the script's docstring for the config forms mlx-lm needs).",
+        "float32 [T, V] from mlx-lm's `load_model` and one forward pass without cache). The MoE families' cases",
+        "start from the config forms mlx-lm needs (see the script's docstring).",
         "",
         "| case | source | T | files (bytes) | what |",
         "|---|---|---|---|---|",

@@ -17,7 +17,7 @@ from reference_cases import FIXTURES, FP32_REL_TOL, compare
 from testproc import run_cmd
 
 CASES = FIXTURES / "llama4"
-MLX_LM = FIXTURES / "mlx_lm" / "llama4_f32"
+MLX_LM = FIXTURES / "mlx_lm" / "llama4_q4"
 CHUNKED, FULL = "chunked_attention", "full_attention"
 
 
@@ -49,19 +49,23 @@ def test_info_names_each_layer():
 
 
 def test_swapped_expert_stacks_read_only_the_slices_asked():
-    # mlx-lm's [E, I, H] gate/up stacks as the bmm layout [E, H, 2I]: a
-    # rank's halves (shard_fused_gate_up_experts with axes (2, 1)) are slices.
-    refs = open_checkpoint(MLX_LM)
-    pre = "language_model.model.layers.1.feed_forward.experts."
-    gate_up = join([swap_last_axes(refs[pre + "gate_proj.weight"]), swap_last_axes(refs[pre + "up_proj.weight"])],
-                   axis=2)  # fmt: skip
-    down = swap_last_axes(refs[pre + "down_proj.weight"])
+    # transformers' bmm tensors ([E, H, 2I], [E, I, H]) as our Linear layout
+    # ([E, 2I, H], [E, H, I]): a rank's gate/up halves and down columns
+    # (shard_stacked_linear_experts) are slices of the swapped whole.
+    refs = open_checkpoint(CASES / "gqa_fp32")
+    pre = "model.layers.1.feed_forward.experts."
+    gate_up, down = swap_last_axes(refs[pre + "gate_up_proj"]), swap_last_axes(refs[pre + "down_proj"])
     whole, wd = np.array(gate_up.read()), np.array(down.read())
-    assert whole.shape == gate_up.shape == (4, 64, 64) and wd.shape == down.shape == (4, 32, 64)
-    for axis, ranges in [(2, [(3, 11), (32 + 3, 32 + 11)]), (1, [(0, 5)]), (0, [(2, 4)])]:
+    np.testing.assert_array_equal(whole, np.array(refs[pre + "gate_up_proj"].read()).swapaxes(1, 2))
+    assert whole.shape == gate_up.shape == (4, 64, 64) and wd.shape == down.shape == (4, 64, 32)
+    for axis, ranges in [(1, [(3, 11), (32 + 3, 32 + 11)]), (2, [(0, 5)]), (0, [(2, 4)])]:
         sl = np.concatenate([np.take(whole, np.arange(s, e), axis=axis) for s, e in ranges], axis=axis)
+        assert gate_up.sliced_shape(axis, ranges) == sl.shape
         np.testing.assert_array_equal(np.array(gate_up.read(axis, ranges)), sl)
-    np.testing.assert_array_equal(np.array(down.read(1, [(4, 20)])), wd[:, 4:20])
+    np.testing.assert_array_equal(np.array(down.read(2, [(4, 20)])), wd[:, :, 4:20])
+    joined = join([refs[pre + "gate_up_proj"], refs[pre + "gate_up_proj"]], axis=2)  # a join of the source axis
+    np.testing.assert_array_equal(np.array(swap_last_axes(joined).read(1, [(60, 70)])),
+                                  np.concatenate([whole, whole], axis=1)[:, 60:70])  # fmt: skip
 
 
 def test_mlx_lm_checkpoint_matches_mlx_lm_at_np1():
@@ -101,6 +105,6 @@ def test_collectives_per_token_under_tp(n):
     assert m.collectives_per_token()["all_sum"] == (2 * L, 2 * L * H * 4)
     I = c["intermediate_size"]
     plan = collect_plan(m)
-    cols = [(I // n, 2 * I // n), (I + I // n, I + 2 * I // n)]
-    assert plan["model.layers.1.feed_forward.experts.gate_up_proj"] == (2, cols)
-    assert plan["model.layers.1.feed_forward.experts.down_proj"] == (1, [cols[0]])
+    rows = [(I // n, 2 * I // n), (I + I // n, I + 2 * I // n)]
+    assert plan["model.layers.1.feed_forward.experts.gate_up_proj.weight"] == (1, rows)
+    assert plan["model.layers.1.feed_forward.experts.down_proj.weight"] == (2, [rows[0]])

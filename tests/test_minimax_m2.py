@@ -17,7 +17,7 @@ from reference_cases import FIXTURES, FP32_REL_TOL, compare
 from testproc import run_cmd
 
 CASES = FIXTURES / "minimax_m2"
-MLX_LM = FIXTURES / "mlx_lm" / "minimax_m2_f32"
+MLX_LM = FIXTURES / "mlx_lm" / "minimax_m2_q4"
 
 
 @pytest.mark.parametrize("heads,kv", [(8, 2), (12, 4), (4, 1), (6, 6)])
@@ -89,7 +89,7 @@ def test_hub_and_switch_mlp_layouts_are_transformers_tensors():
 
 def test_lazy_joins_read_only_the_slices_asked():
     # A rank's read of a joined tensor (hub experts, as the loader asks for
-    # shard_fused_gate_up_experts' halves) equals the slice of the whole.
+    # shard_stacked_linear_experts' halves) equals the slice of the whole.
     refs = open_checkpoint(CASES / "hub_layout_fp32")
     name = "model.layers.0.block_sparse_moe.experts.{}.{}.weight"
     E = 6
@@ -157,5 +157,5 @@ def test_collectives_per_token_under_tp(n):
     I = c["intermediate_size"]
     plan = collect_plan(m)
     rows = [(I // n, 2 * I // n), (I + I // n, I + 2 * I // n)]
-    assert plan["model.layers.0.mlp.experts.gate_up_proj"] == (1, rows)
-    assert plan["model.layers.0.mlp.experts.down_proj"] == (2, [rows[0]])
+    assert plan["model.layers.0.mlp.experts.gate_up_proj.weight"] == (1, rows)
+    assert plan["model.layers.0.mlp.experts.down_proj.weight"] == (2, [rows[0]])

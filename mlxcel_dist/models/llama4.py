@@ -23,12 +23,14 @@ the hidden dtype, top-k logits, weights = sigmoid of them (fp32, rounded to
 the hidden dtype); each chosen expert runs on the token SCALED by its weight
 (the reference scales the input, not the output); experts stacked in the bmm
 layout (`experts.gate_up_proj` [E, hidden, 2I]: gate columns then up,
-`experts.down_proj` [E, I, hidden]), only the chosen experts run
-(mx.gather_mm); plus `shared_expert` (SwiGLU, I) on every token.
+`experts.down_proj` [E, I, hidden]; here swapped into `blocks.StackedLinear`
+modules, so they quantize as mlx-lm writes them), only the chosen experts
+run (mx.gather_mm / gather_qmm); plus `shared_expert` (SwiGLU, I) on every
+token.
 
 Tensor parallelism: heads split; dense MLPs by columns; routed and shared
-experts by their intermediate dimension (`shard_fused_gate_up_experts` with
-the bmm axes, `shard_expert_mlps`), the router replicated; a MoE block's
+experts by their intermediate dimension (`shard_stacked_linear_experts`,
+`shard_expert_mlps`), the router replicated; a MoE block's
 routed + shared partial sums go through one all_sum.
 """
 
@@ -39,14 +41,14 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..blocks import MLP, Attention, gated_fp32
+from ..blocks import MLP, Attention, StackedLinear
 from ..cache import CHUNKED, make_layer_caches
 from ..collectives import SINGLE
 from ..errors import UserError
-from ..layers import RMSNorm, activation
+from ..layers import RMSNorm, activation, gated_fp32
 from ..masks import layer_masks
 from ..rope import RoPE
-from ..shard import shard_attention, shard_expert_mlps, shard_fused_gate_up_experts, shard_mlp
+from ..shard import shard_attention, shard_expert_mlps, shard_mlp, shard_stacked_linear_experts
 from ..weights import join, swap_last_axes
 from .base import FULL, BaseModelArgs, CausalLM, DecoderStack, single_rope_params
 
@@ -165,38 +167,29 @@ class Llama4Attention(Attention):
 
 
 class Experts(nn.Module):
-    """E experts in the bmm layout (`gate_up_proj` [E, hidden, 2I], gate
-    columns then up; `down_proj` [E, I, hidden]); each token's k chosen
-    experts run on the token times its weight (mx.gather_mm: tokens * k
-    expert matmuls). Under TP this rank holds slice [i0, i1) of every
-    expert's intermediate dimension and returns its partial sum."""
+    """E gated experts, stacked in the Linear layout (`blocks.StackedLinear`,
+    quantizable): `gate_up_proj.weight` [E, 2I, hidden] (gate rows, then
+    up), `down_proj.weight` [E, hidden, I]; each token's k chosen experts
+    run on the token times its weight (tokens * k expert matmuls,
+    mx.gather_mm / gather_qmm). Under TP this rank holds slice [i0, i1) of
+    every expert's intermediate dimension and returns its partial sum (the
+    MoE block sums it with the shared expert's)."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, act):
         super().__init__()
-        self.gate_up_proj = mx.zeros((num_experts, hidden_size, 2 * intermediate_size))
-        self.down_proj = mx.zeros((num_experts, intermediate_size, hidden_size))
+        self.gate_up_proj = StackedLinear(num_experts, hidden_size, 2 * intermediate_size)
+        self.down_proj = StackedLinear(num_experts, intermediate_size, hidden_size)
         self.act = act
-        self.group = SINGLE  # set by shard_fused_gate_up_experts (the MoE block sums)
+        self.group = SINGLE  # set by shard_stacked_linear_experts (the MoE block sums)
 
     def __call__(self, x, indices, weights):
         # x [N, hidden]; indices [N, k]; weights [N, k] in x's dtype
         xe = (x[:, None, :] * weights[..., None])[:, :, None, :]  # [N, k, 1, hidden]: the scaled inputs
-        gu = _gather_mm(xe, self.gate_up_proj, indices)  # [N, k, 1, 2I]
+        gu = self.gate_up_proj(xe, indices)  # [N, k, 1, 2I]
         half = gu.shape[-1] // 2
         h = gated_fp32(self.act)(gu[..., :half], gu[..., half:])  # [N, k, 1, I]
-        out = _gather_mm(h, self.down_proj, indices).squeeze(-2)  # [N, k, hidden]
+        out = self.down_proj(h, indices).squeeze(-2)  # [N, k, hidden]
         return out.sum(axis=1)  # the reference sums every expert's output (exact zeros off the k)
-
-
-def _gather_mm(x: mx.array, w: mx.array, indices: mx.array) -> mx.array:
-    """x [..., 1, K] @ w[indices] (w [E, K, M]) -> [..., 1, M]. MLX's CPU
-    gather_mm is float32-only: half inputs multiply in fp32 and round once."""
-    if x.dtype == mx.float32 or mx.default_device() == mx.gpu:
-        return mx.gather_mm(x, w, rhs_indices=indices)
-    x32 = x.astype(mx.float32)
-    if indices.size < w.shape[0]:
-        return (x32 @ w[indices].astype(mx.float32)).astype(x.dtype)
-    return mx.gather_mm(x32, w.astype(mx.float32), rhs_indices=indices).astype(x.dtype)
 
 
 class MoE(nn.Module):
@@ -290,26 +283,32 @@ class Model(CausalLM):
     def sanitize(self, weights: dict) -> dict:
         """The multimodal wrapper's text weights (`language_model.model.*`,
         `language_model.lm_head.*`) as the text model's; vision tower and
-        projector dropped; mlx-lm's unquantized expert stacks in the Linear
-        layout (`experts.{gate,up}_proj.weight` [E, I, hidden],
-        `experts.down_proj.weight` [E, hidden, I]) as the bmm layout, by lazy
-        views (swapped axes, gate and up joined: a rank reads its slices)."""
+        projector dropped. Experts in our Linear layout from transformers'
+        bmm layout (`experts.gate_up_proj` [E, hidden, 2I], `down_proj`
+        [E, I, hidden]: axes swapped by a lazy view, a rank reads its slices)
+        and from mlx-lm's stacks (`experts.{gate,up}_proj.{weight,scales,
+        biases}` [E, I, hidden], joined on the intermediate axis: rows are
+        whole in the packed layout too; `experts.down_proj.*` as they are)."""
         out, stacks = {}, {}
         for name, w in weights.items():
             if name.startswith(_NOT_TEXT):
                 continue
             name = name.removeprefix("language_model.")
             head, dot, rest = name.partition(".feed_forward.experts.")
-            if dot and rest in ("gate_proj.weight", "up_proj.weight", "down_proj.weight"):
+            if not dot:
+                out[name] = w
+            elif rest in ("gate_up_proj", "down_proj"):  # transformers' bmm tensors
+                out[f"{name}.weight"] = swap_last_axes(w)
+            elif rest.startswith(("gate_proj.", "up_proj.")):
                 stacks.setdefault(head, {})[rest] = w
-                continue
-            out[name] = w
-        for head, p in stacks.items():
-            if len(p) != 3:
-                raise UserError(f"{head}: expert stacks {sorted(p)} (quantized experts are not supported)")
-            gate_up = join([swap_last_axes(p["gate_proj.weight"]), swap_last_axes(p["up_proj.weight"])], axis=2)
-            out[f"{head}.feed_forward.experts.gate_up_proj"] = gate_up
-            out[f"{head}.feed_forward.experts.down_proj"] = swap_last_axes(p["down_proj.weight"])
+            else:
+                out[name] = w  # down_proj.{weight,scales,biases}: already our layout
+        for head, parts in stacks.items():
+            for suffix in sorted({k.split(".", 1)[1] for k in parts}):
+                if (f"gate_proj.{suffix}" in parts) != (f"up_proj.{suffix}" in parts):
+                    raise UserError(f"{head}: experts gate_proj / up_proj .{suffix} come in pairs")
+                g, u = parts[f"gate_proj.{suffix}"], parts[f"up_proj.{suffix}"]
+                out[f"{head}.feed_forward.experts.gate_up_proj.{suffix}"] = join([g, u], axis=1)
         return super().sanitize(out)
 
     def shard(self, group):
@@ -317,7 +316,7 @@ class Model(CausalLM):
             shard_attention(layer.self_attn, group)
             if layer.is_moe:
                 ff = layer.feed_forward
-                shard_fused_gate_up_experts(ff.experts, group, axes=(2, 1))
+                shard_stacked_linear_experts(ff.experts, group)
                 shard_expert_mlps([ff.shared_expert], group)
                 if not group.single:
                     ff.group = group
@@ -333,5 +332,6 @@ class Model(CausalLM):
         for layer in self.layers:
             if layer.is_moe and not layer.feed_forward.group.single:
                 calls += 1
-                nbytes += self.args.hidden_size * layer.feed_forward.experts.down_proj.dtype.size
+                d = layer.feed_forward.experts.down_proj
+                nbytes += self.args.hidden_size * (d.scales if "scales" in d else d.weight).dtype.size
         return {**plan, "all_sum": (calls, nbytes)}

@@ -14,15 +14,16 @@ causal attention (no sliding or other layer kinds in transformers' model).
   dtype, scores = sigmoid (fp32), `mlp.e_score_correction_bias` [E] added
   only to CHOOSE the top-k, weights = the chosen unbiased scores / their sum;
   experts stacked as transformers saves them (`mlp.experts.gate_up_proj`
-  [E, 2I, hidden]: gate rows then up rows, `down_proj` [E, hidden, I]), only
-  the chosen experts run (`blocks.SplitGateExperts`, mx.gather_mm).
+  [E, 2I, hidden]: gate rows then up rows, `down_proj` [E, hidden, I]; here
+  `blocks.StackedLinear` modules, `.weight`, so they quantize), only the
+  chosen experts run (mx.gather_mm, or mx.gather_qmm quantized).
 
 Weight layouts read (`sanitize`, renames and lazy stacking views: a rank still
 reads only its slices): transformers 5.24's (above); the hub's
 (`block_sparse_moe.gate.weight`, `block_sparse_moe.e_score_correction_bias`,
 `block_sparse_moe.experts.N.w1/w3/w2.weight` = gate/up/down per expert); and
-mlx-lm's unquantized `block_sparse_moe.switch_mlp.{gate,up,down}_proj.weight`
-[E, I, hidden] / [E, hidden, I].
+mlx-lm's `block_sparse_moe.switch_mlp.{gate,up,down}_proj.{weight,scales,biases}`
+[E, I, hidden] / [E, hidden, I], quantized (mlx_lm.convert) or not.
 
 Tensor parallelism: heads split (`shard_attention`); the whole-projection
 norm's statistic spans heads on other ranks, so each rank sums the squares of
@@ -32,8 +33,9 @@ the norm weights are sliced with their heads (`shard_head_vector`). That is
 cheaper than a replicated q/k projection: 8 bytes per token per layer on the
 wire instead of every rank reading all of q_proj and k_proj (for MiniMax-M2
 ~22M weights per layer, (n-1)/n of them extra per rank and token). Experts
-split by their intermediate dimension (`shard_fused_gate_up_experts`), the
-router replicated; one all_sum per MoE block.
+split by their intermediate dimension (`shard_stacked_linear_experts`;
+quantized down_proj at whole groups), the router replicated; one all_sum per
+MoE block.
 """
 
 from __future__ import annotations
@@ -43,17 +45,17 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..blocks import Attention, SplitGateExperts
+from ..blocks import Attention, StackedLinear
 from ..collectives import SINGLE
 from ..errors import UserError
-from ..layers import RMSNorm, activation
+from ..layers import RMSNorm, activation, gated_fp32
 from ..rope import RoPE
 from ..shard import (
     head_partition,
     rank_heads,
     shard_attention,
-    shard_fused_gate_up_experts,
     shard_head_vector,
+    shard_stacked_linear_experts,
     slot_ranges,
 )
 from ..weights import join
@@ -165,6 +167,34 @@ class MiniMaxM2Attention(Attention):
         return q, k, v
 
 
+class Experts(nn.Module):
+    """E gated experts, stacked (`blocks.StackedLinear`, quantizable):
+    `gate_up_proj.weight` [E, 2I, hidden] (gate rows, then up rows),
+    `down_proj.weight` [E, hidden, I]; out = sum_k w_k * down_e(act(gate_e x)
+    * up_e x) over each token's k experts (tokens * k expert matmuls, never
+    tokens * E). Under TP (`shard.shard_stacked_linear_experts`) this rank
+    holds slice [i0, i1) of every expert's intermediate dimension; the
+    partial sums are summed over `group` (one all_sum per block)."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, act):
+        super().__init__()
+        self.gate_up_proj = StackedLinear(num_experts, hidden_size, 2 * intermediate_size)
+        self.down_proj = StackedLinear(num_experts, intermediate_size, hidden_size)
+        self.act = act
+        self.group = SINGLE
+
+    def __call__(self, x, indices, weights):
+        # x [N, hidden]; indices [N, k]; weights [N, k] (float32)
+        xe = x[:, None, None, :]  # [N, 1, 1, hidden]: one row per (token, chosen expert)
+        gu = self.gate_up_proj(xe, indices)  # [N, k, 1, 2I]
+        half = gu.shape[-1] // 2
+        h = gated_fp32(self.act)(gu[..., :half], gu[..., half:])  # [N, k, 1, I]
+        out = self.down_proj(h, indices).squeeze(-2)  # [N, k, hidden]
+        # weights are float32: the product rounds once to the hidden dtype (torch's promotion)
+        y = (out.astype(mx.float32) * weights[..., None]).astype(out.dtype).sum(axis=1)  # [N, hidden]
+        return self.group.all_sum(y)
+
+
 class SparseMoeBlock(nn.Module):
     """Sigmoid top-k router with a choice-only correction bias over stacked
     experts; the experts' all_sum (once sharded) is the block's only one."""
@@ -175,7 +205,7 @@ class SparseMoeBlock(nn.Module):
         self.top_k = args.num_experts_per_tok
         self.gate = nn.Linear(args.hidden_size, E, bias=False)
         self.e_score_correction_bias = mx.zeros((E,))
-        self.experts = SplitGateExperts(E, args.hidden_size, args.intermediate_size, activation(args.hidden_act))
+        self.experts = Experts(E, args.hidden_size, args.intermediate_size, activation(args.hidden_act))
 
     def route(self, x):
         """x [N, hidden] -> (indices [N, k], weights [N, k] fp32)."""
@@ -238,12 +268,18 @@ class Model(CausalLM):
         return [line + extra for line in describe_layers(self)]
 
     def sanitize(self, weights: dict) -> dict:
-        """The transformers 5.24 layout from the hub's per-expert w1/w3/w2 and
-        mlx-lm's switch_mlp stacks (gate and up joined on the intermediate axis);
-        `block_sparse_moe.` is `mlp.`."""
-        out, experts = {}, {}
+        """Our layout (transformers' names with `.weight` on the stacked
+        experts: `mlp.experts.gate_up_proj.weight` [E, 2I, hidden],
+        `down_proj.weight` [E, hidden, I]) from transformers 5.24's, the hub's
+        per-expert w1/w3/w2 and mlx-lm's switch_mlp stacks, quantized or not
+        (gate and up joined on the intermediate axis: rows are whole in the
+        packed layout too); `block_sparse_moe.` is `mlp.`."""
+        out, experts, stacks = {}, {}, {}
         for name, w in weights.items():
             name = name.replace(".block_sparse_moe.", ".mlp.")
+            if name.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")):
+                out[name + ".weight"] = w  # transformers' tensor, our StackedLinear
+                continue
             if ".mlp.experts." in name and name.endswith((".w1.weight", ".w2.weight", ".w3.weight")):
                 head, rest = name.split(".mlp.experts.", 1)
                 e, which, _ = rest.split(".")
@@ -251,30 +287,40 @@ class Model(CausalLM):
                 continue
             if ".mlp.switch_mlp." in name:
                 head, rest = name.split(".mlp.switch_mlp.", 1)
-                experts.setdefault(head, {})[rest] = w
+                stacks.setdefault(head, {})[rest] = w
                 continue
             out[name] = w
+        for head, parts in stacks.items():  # mlx-lm: [E, I, hidden] gate and up, [E, hidden, I] down
+            pre = f"{head}.mlp.experts."
+            for key, w in parts.items():
+                proj, suffix = key.split(".")
+                if proj == "down_proj":
+                    out[pre + key] = w
+                elif proj == "gate_proj":
+                    if w is None:  # names only (quantization overrides): gate and up are one tensor here
+                        out[f"{pre}gate_up_proj.{suffix}"] = None
+                    elif f"up_proj.{suffix}" not in parts:
+                        raise UserError(f"{head}: switch_mlp.gate_proj.{suffix} without up_proj.{suffix}")
+                    else:
+                        out[f"{pre}gate_up_proj.{suffix}"] = join([w, parts[f"up_proj.{suffix}"]], axis=1)
+                elif f"gate_proj.{suffix}" not in parts:  # up_proj without gate_proj
+                    if w is not None:
+                        raise UserError(f"{head}: switch_mlp.up_proj.{suffix} without gate_proj.{suffix}")
+                    out[f"{pre}gate_up_proj.{suffix}"] = None
+        E = self.args.num_local_experts
         for head, parts in experts.items():
-            if "gate_proj.weight" in parts:  # mlx-lm: [E, I, hidden] gate and up, [E, hidden, I] down
-                if set(parts) != {"gate_proj.weight", "up_proj.weight", "down_proj.weight"}:
-                    raise UserError(f"{head}: switch_mlp tensors {sorted(parts)} (quantized experts are not supported)")
-                gate_up = join([parts["gate_proj.weight"], parts["up_proj.weight"]], axis=1)
-                down = parts["down_proj.weight"]
-            else:
-                E = self.args.num_local_experts
-                if any(sorted(parts.get(k, {})) != list(range(E)) for k in ("w1", "w2", "w3")):
-                    raise UserError(f"{head}: the hub layout needs w1, w2 and w3 of all {E} experts")
-                # per expert [w1; w3] = [2I, hidden] (gate rows then up rows), stacked
-                gate_up = join([join([parts["w1"][e], parts["w3"][e]], axis=0) for e in range(E)], stack=True)
-                down = join([parts["w2"][e] for e in range(E)], stack=True)
-            out[f"{head}.mlp.experts.gate_up_proj"] = gate_up
-            out[f"{head}.mlp.experts.down_proj"] = down
+            if any(sorted(parts.get(k, {})) != list(range(E)) for k in ("w1", "w2", "w3")):
+                raise UserError(f"{head}: the hub layout needs w1, w2 and w3 of all {E} experts")
+            # per expert [w1; w3] = [2I, hidden] (gate rows then up rows), stacked
+            gate_up = join([join([parts["w1"][e], parts["w3"][e]], axis=0) for e in range(E)], stack=True)
+            out[f"{head}.mlp.experts.gate_up_proj.weight"] = gate_up
+            out[f"{head}.mlp.experts.down_proj.weight"] = join([parts["w2"][e] for e in range(E)], stack=True)
         return super().sanitize(out)
 
     def shard(self, group):
         for layer in self.layers:
             shard_attention(layer.self_attn, group)
-            shard_fused_gate_up_experts(layer.mlp.experts, group)
+            shard_stacked_linear_experts(layer.mlp.experts, group)
             if not group.single:
                 self._shard_whole_norm(layer.self_attn, group)
         self.shard_head(group)
@@ -310,5 +356,7 @@ class Model(CausalLM):
                 calls, nbytes = calls + 1, nbytes + 2 * 4
             ex = layer.mlp.experts
             if not ex.group.single:
-                calls, nbytes = calls + 1, nbytes + self.args.hidden_size * ex.down_proj.dtype.size
+                d = ex.down_proj
+                dt = (d.scales if "scales" in d else d.weight).dtype
+                calls, nbytes = calls + 1, nbytes + self.args.hidden_size * dt.size
         return {**plan, "all_sum": (calls, nbytes)}
