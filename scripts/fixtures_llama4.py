@@ -216,6 +216,9 @@ CASES = [
         ),
         ablations={"chunk_mask": no_chunks, "nope_temperature": no_temperature, "qk_l2_norm": no_qk_norm,
                    "shared_expert": no_shared_expert, "scaled_expert_input": scale_outputs},  # fmt: skip
+        notes=["built and reloaded as Llama4TextOnly (Llama4ForConditionalGeneration whose forward without "
+               "pixel_values is its language_model's: transformers 5.24's own text-only forward fails reading "
+               "image_outputs); config.json names Llama4ForConditionalGeneration, the weights are its own"],
     ),
 ]
 
