@@ -38,7 +38,7 @@ def case_id(d: Path) -> str:
 def window_of(d: Path) -> int:
     c = json.loads((d / "config.json").read_text())
     c = c.get("text_config", c)
-    return int(c.get("sliding_window") or 16)
+    return int(c.get("sliding_window") or c.get("attention_chunk_size") or 16)  # harness.model_window's rule
 
 
 @functools.cache
