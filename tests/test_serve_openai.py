@@ -270,8 +270,11 @@ def test_logprobs_settings(ctx, tok):
     assert parse(COMP, False, no_lp).req.logprobs is None
 
 
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+
+
 def test_unsupported_fields(ctx):
-    for name, value in [("n", 2), ("echo", True), ("tools", [{"type": "function"}]),
+    for name, value in [("n", 2), ("echo", True), ("tools", [WEATHER_TOOL]), ("tool_choice", "required"),
                         ("response_format", {"type": "json_object"}), ("n", 10**5000)]:
         e = refused({**CHAT, name: value}, True, ctx)
         assert (e.param, e.code) == (name, "unsupported_parameter") and f"'{name}' is not supported" in e.message

@@ -106,9 +106,35 @@ class TextPart(_Strict):
     text: str
 
 
+class ToolFunctionCall(_Strict):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Strict):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: ToolFunctionCall
+
+
 class ChatMessage(_Strict):
     role: Literal[ROLES]
     content: str | list[TextPart] | None = None  # null: assistant messages only
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+    name: str | None = None
+
+
+class FunctionSpec(_Strict):
+    name: Annotated[str, Field(min_length=1, max_length=64)]
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class ToolSpec(_Strict):
+    type: Literal["function"]
+    function: FunctionSpec
 
 
 class StreamOptions(_Strict):
@@ -147,6 +173,8 @@ class ChatCompletionRequest(_Common):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
+    tools: Annotated[list[ToolSpec], Field(max_length=128)] | None = None
+    tool_choice: Literal["none", "auto"] | None = None
 
 
 class CompletionRequest(_Common):
@@ -248,6 +276,7 @@ class ParseContext:
     context_length: int | None = None
     defaults: Defaults = field(default_factory=Defaults)
     plain_chat: bool = False  # no chat template: mlx-lm's convert_chat rendering
+    tool_format: str | None = None  # serve.tools: the format the template writes calls in (None: no tools)
     logprobs_ok: bool = True  # False for models with their own generation loop
     ignore_eos_ok: bool = True  # False for those too: their loop ends at EOS itself
 
@@ -259,6 +288,7 @@ class Parsed:
     include_usage: bool  # stream_options.include_usage
     model: str  # the id the responses echo
     chat: bool
+    tool_format: str | None = None  # parse the answer for tool calls in this format (serve.tools)
 
 
 def no_chat_template(tokenizer) -> bool:
@@ -311,8 +341,8 @@ UNSUPPORTED = {
     "best_of": (_neutral(1), "one candidate per request ('best_of': 1)"),
     "echo": (_neutral(False), "the prompt is not echoed"),
     "suffix": (_neutral(""), "no insertion (suffix) mode"),
-    "tools": (_neutral([]), "no tool calling"),
-    "tool_choice": (_neutral("none", "auto"), "no tool calling"),
+    "tool_choice": (lambda v: v is None or v in ("none", "auto"),
+                    "'none' or 'auto' only ('required' and a named function need constrained decoding)"),
     "functions": (_neutral([]), "no function calling"),
     "function_call": (_neutral("none", "auto"), "no function calling"),
     "response_format": (lambda v: v is None or v == {"type": "text"}, "text output only (no JSON mode or schema)"),
@@ -375,7 +405,9 @@ def _completion_ids(m: CompletionRequest, ctx: ParseContext) -> list[int]:
 
 
 def _chat_messages(m: ChatCompletionRequest) -> list[dict]:
-    """[{role, content}] with text parts joined; content null only for assistant."""
+    """[{role, content}] with text parts joined; content null only for
+    assistant; an assistant's tool calls as transformers' templates read
+    them (arguments as an object), a tool message's call id and name."""
     out = []
     for i, msg in enumerate(m.messages):
         c = msg.content
@@ -383,12 +415,39 @@ def _chat_messages(m: ChatCompletionRequest) -> list[dict]:
             raise ApiError(f"messages[{i}].content must be a string or a list of text parts (null only for "
                            "an assistant message)", param="messages")
         c = "".join(part.text for part in c) if isinstance(c, list) else c or ""
-        out.append({"role": msg.role, "content": _text(c, f"messages[{i}].content")})
+        entry = {"role": msg.role, "content": _text(c, f"messages[{i}].content")}
+        if msg.tool_calls:
+            calls = []
+            for j, call in enumerate(msg.tool_calls):
+                try:
+                    args = json.loads(call.function.arguments)
+                except ValueError:
+                    raise ApiError(f"messages[{i}].tool_calls[{j}].function.arguments is not JSON text",
+                                   param="messages") from None
+                calls.append({"id": call.id, "type": "function",
+                              "function": {"name": call.function.name, "arguments": args}})
+            entry["tool_calls"] = calls
+        for key in ("tool_call_id", "name"):
+            if getattr(msg, key) is not None:
+                entry[key] = getattr(msg, key)
+        out.append(entry)
     return out
+
+
+def _tools(m: ChatCompletionRequest, ctx: ParseContext) -> list | None:
+    """The request's tools as the chat template takes them (None: none)."""
+    if not m.tools:
+        return None
+    if ctx.plain_chat or ctx.tool_format is None:
+        raise ApiError("'tools' is not supported for this model: its chat template writes no tool-call format "
+                       "this server parses (hermes, llama3_json, mistral; serve --tool-call-parser names one)",
+                       param="tools", code="unsupported_parameter")
+    return [t.model_dump(exclude_none=True) for t in m.tools]
 
 
 def _chat_ids(m: ChatCompletionRequest, ctx: ParseContext) -> list[int]:
     out = _chat_messages(m)
+    tools = _tools(m, ctx)
     if ctx.plain_chat:
         rm = (m.model_extra or {}).get("role_mapping")  # mlx-lm's extra field
         if rm is not None and not (isinstance(rm, dict) and all(isinstance(v, str) for v in rm.values())):
@@ -396,7 +455,7 @@ def _chat_ids(m: ChatCompletionRequest, ctx: ParseContext) -> list[int]:
         ids = _encode(ctx, convert_chat(out, rm), "'messages'")
     else:
         try:
-            ids = ctx.tokenizer.chat_ids(out)
+            ids = ctx.tokenizer.chat_ids(out, tools=tools)
         except UserError as e:
             raise ApiError(str(e), param="messages") from None
         except Exception as e:  # noqa: BLE001 - a tokenizer failure is the request's problem
@@ -508,7 +567,8 @@ def parse(body: object, chat: bool, ctx: ParseContext) -> Parsed:
     except ValueError as e:
         name = re.match(r"'(\w+)'", str(e))
         raise ApiError(str(e), param=name and name.group(1).replace("prompt_tokens", "prompt")) from None
-    return Parsed(req, stream, include_usage, model, chat)
+    tool_format = ctx.tool_format if chat and m.tools and m.tool_choice != "none" else None
+    return Parsed(req, stream, include_usage, model, chat, tool_format)
 
 
 # Chat rendering without a template -------------------------------------------------
