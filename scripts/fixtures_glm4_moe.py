@@ -131,7 +131,7 @@ CASES = [
             "renormalised, 1 shared expert, float32; config_t4.json"
         ),
         seed=5401,
-        T=40,
+        T=48,
         model_cls=with_correction_bias(5401),
         config=dict(
             num_hidden_layers=3,
@@ -161,7 +161,7 @@ CASES = [
             "3 experts top-3 (bf16 rounding cannot flip a routing choice), 2 shared experts, no dense layer"
         ),
         seed=5402,
-        T=32,
+        T=48,
         dtype=torch.bfloat16,
         model_cls=with_correction_bias(5402),
         config=dict(
@@ -187,7 +187,7 @@ CASES = [
             "first 2 of 4 layers dense, tied embeddings, float32"
         ),
         seed=5403,
-        T=36,
+        T=48,
         model_cls=with_correction_bias(5403),
         config=dict(
             num_hidden_layers=4,

@@ -10,7 +10,7 @@ save_pretrained (transformers 5.24) writes the experts one key per expert
 reloaded model with eager attention and eager experts, checked against
 transformers' default grouped_mm experts. transformers 5.24 windows EVERY
 layer when use_sliding_window (max_window_layers is not read): the sliding
-case runs T = 40 tokens past a window of 8.
+case runs T = 48 tokens past a window of 8.
 See scripts/fixture_lib.py for what each case directory holds.
 """
 
@@ -76,7 +76,7 @@ CASES = [
             "sparse, sparse), 8 experts top-2 renormalised, float32; config_t4.json"
         ),
         seed=5301,
-        T=40,
+        T=48,
         config=dict(
             num_hidden_layers=4,
             num_attention_heads=8,
@@ -101,7 +101,7 @@ CASES = [
             "(every token uses all four, so bf16 rounding cannot flip a routing choice), not renormalised, tied"
         ),
         seed=5302,
-        T=32,
+        T=48,
         dtype=torch.bfloat16,
         config=dict(
             num_hidden_layers=3,
@@ -123,10 +123,10 @@ CASES = [
         name="sliding_fp32",
         description=(
             "6 q / 2 kv heads, head_dim 8, use_sliding_window (window 8 on every layer, max_window_layers 1 "
-            "unread), T 40, 3 layers all sparse, 8 experts top-3 not renormalised, float32; config_t4.json"
+            "unread), T 48, 3 layers all sparse, 8 experts top-3 not renormalised, float32; config_t4.json"
         ),
         seed=5303,
-        T=40,
+        T=48,
         config=dict(
             num_hidden_layers=3,
             num_attention_heads=6,
