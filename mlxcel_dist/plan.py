@@ -22,6 +22,7 @@ import numpy as np
 
 from .collectives import Group
 from .errors import UserError
+from .experts import SwitchGLU
 from .weights import stored_bytes
 
 # Link constants: (latency per collective s, bandwidth B/s, source).
@@ -42,6 +43,7 @@ class RankPlan:
     vocab: tuple | None  # head rows (start, stop), or None when not split
     bytes: int
     layers: tuple | None = None  # (start, stop) of its pipeline stage; None: all layers (tensor parallel)
+    experts: tuple | None = None  # whole routed experts (start, stop) held under --moe-split experts
 
 
 def _ranges_of(plan: dict, suffix: str):
@@ -51,7 +53,7 @@ def _ranges_of(plan: dict, suffix: str):
     return None
 
 
-def _rank_plan(ck, n: int, r: int, weights, pp: int = 1) -> tuple[RankPlan, object]:
+def _rank_plan(ck, n: int, r: int, weights, pp: int = 1, moe_split: str | None = None) -> tuple[RankPlan, object]:
     from .shard import collect_plan
 
     m, refs = ck.build()
@@ -63,9 +65,9 @@ def _rank_plan(ck, n: int, r: int, weights, pp: int = 1) -> tuple[RankPlan, obje
         layers = (m.model.stage.start, m.model.stage.stop)
         T = n // pp
         if T > 1:
-            m.shard(Group.planned(T, r % T))
+            m.shard(Group.planned(T, r % T, None, moe_split))
     elif n > 1:
-        m.shard(Group.planned(n, r, weights))
+        m.shard(Group.planned(n, r, weights, moe_split))
     plan = collect_plan(m)
     from mlx.utils import tree_flatten
 
@@ -84,8 +86,20 @@ def _rank_plan(ck, n: int, r: int, weights, pp: int = 1) -> tuple[RankPlan, obje
     cols = _ranges_of(plan, "mlp.down_proj.weight")
     vocab = getattr(m, "_head_rows", None)
     t = r % (n // pp)  # this rank's place in its stage (r itself without pipeline stages)
+    held = [getattr(x, "expert_range", None) for _, x in m.named_modules() if isinstance(x, SwitchGLU)]
     return RankPlan(r, weights[r] if weights else 1, heads, cols[1][0] if cols else None,
-                    vocab[t] if vocab else None, total, layers), m
+                    vocab[t] if vocab else None, total, layers, held[0] if held else None), m
+
+
+def moe_placement(m, ranks) -> str | None:
+    """plan's line on the routed experts' placement (None: no stacked routed experts)."""
+    if not any(isinstance(x, SwitchGLU) for _, x in m.named_modules()):
+        return None
+    if any(rp.experts is not None for rp in ranks):
+        held = ", ".join(f"rank {rp.rank} {_span(rp.experts)}" for rp in ranks)
+        return f"routed experts: whole experts per rank (--moe-split experts): {held}; router replicated"
+    return ("routed experts: every expert split by its intermediate dimension (--moe-split intermediate); "
+            "router replicated")
 
 
 def machine_bandwidth() -> float:
@@ -132,7 +146,7 @@ def _stage_sums(stage_models: list, T: int) -> tuple:
 
 
 def make_plan(ck, n: int, weights=None, link: str = "loopback", bandwidth: float | None = None,
-              memory: list | None = None, pp: int = 1) -> dict:
+              memory: list | None = None, pp: int = 1, moe_split: str | None = None) -> dict:
     """The placement of `ck` on `n` ranks (`pp` > 1: n = pp pipeline
     stages): per rank its share and bytes, per token the collectives and a
     predicted decode time (stages run one after another for one stream).
@@ -145,7 +159,7 @@ def make_plan(ck, n: int, weights=None, link: str = "loopback", bandwidth: float
     ranks, model, firsts = [], None, []
     T = n // pp
     for r in range(n):
-        rp, m = _rank_plan(ck, n, r, weights, pp)
+        rp, m = _rank_plan(ck, n, r, weights, pp, moe_split)
         ranks.append(rp)
         model = model or m
         if r % T == 0:
@@ -175,7 +189,8 @@ def make_plan(ck, n: int, weights=None, link: str = "loopback", bandwidth: float
             raise UserError(f"rank {rp.rank} needs {_size(rp.bytes)} of weights, more than its {_size(avail)} "
                             "of memory (use more ranks, or --rank-weights / the hosts' memory= to shift shares)")
     return {"ranks": ranks, "collectives": coll, "link": (link, lat, link_bw, source), "bandwidth": bw,
-            "layers": layers, "compute_s": compute, "comm_s": comm, "token_s": compute + comm, "pp": pp}
+            "layers": layers, "compute_s": compute, "comm_s": comm, "token_s": compute + comm, "pp": pp,
+            "moe": moe_placement(model, ranks)}
 
 
 def _size(n: int) -> str:
@@ -205,6 +220,8 @@ def format_plan(p: dict) -> list[str]:
             out.append(f"{rp.rank:>4}  {str(rp.weight):>6}  {heads:>16}  {_span(rp.columns):>14}  "
                        f"{_span(rp.vocab):>14}  {rp.bytes / 1e6:,.1f} MB")
         out.append(f"layers: all {p['layers']} on every rank (tensor parallel)")
+    if p.get("moe"):
+        out.append(p["moe"])
     link, lat, bw, source = p["link"]
     per_tok = ", ".join(f"{c:g} {op} ({b:,.0f} B)" for op, (c, b) in p["collectives"].items() if c)
     out.append(f"per token: {per_tok or 'no collective'}")
