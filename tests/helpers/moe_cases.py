@@ -1,0 +1,45 @@
+"""Rank job for tests/test_moe_experts.py: MoE cases under a routed-expert
+placement, one launch.
+
+usage (under the launcher): moe_cases.py OUT_DIR CASE_DIR@SPLIT[@W0,W1,...] ...
+For case i, rank 0 writes OUT_DIR/<i>.npz (one array per mode, the ids of the
+case's reference.npz, else mlx_lm_reference.npz) and every rank r writes
+OUT_DIR/<i>.rank<r>.json: the first routed-experts module's expert_range and
+gate_proj weight shape, and the bytes it read from the checkpoint.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from mlxcel_dist import distributed, weights
+from mlxcel_dist.cli import parse_rank_weights
+from mlxcel_dist.experts import SwitchGLU
+from mlxcel_dist.harness import all_mode_logits
+from mlxcel_dist.loader import load_model
+
+
+def main():
+    out = Path(sys.argv[1])
+    group = distributed.init_from_env()
+    for i, arg in enumerate(sys.argv[2:]):
+        path, split, w = (arg.split("@") + [""])[:3]
+        d = Path(path)
+        group.set_weights(parse_rank_weights(w))
+        group.moe_split = split
+        ref = d / "reference.npz" if (d / "reference.npz").exists() else d / "mlx_lm_reference.npz"
+        before = weights.bytes_read
+        model = load_model(d, group=group).model
+        read = weights.bytes_read - before
+        sw = next(m for _, m in model.named_modules() if isinstance(m, SwitchGLU))
+        info = {"expert_range": sw.expert_range, "gate_shape": list(sw.gate_proj.weight.shape), "read": read}
+        (out / f"{i}.rank{group.rank()}.json").write_text(json.dumps(info))
+        result = all_mode_logits(model, np.load(ref)["ids"])
+        if group.is_root:
+            np.savez(out / f"{i}.npz", **result)
+
+
+if __name__ == "__main__":
+    main()
