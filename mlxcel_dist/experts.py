@@ -50,9 +50,10 @@ class SwitchLinear(nn.Module):
         return _gather_mm(x, self.weight, idx)
 
     def to_quantized(self, group_size: int = 64, bits: int = 4, mode: str = "affine"):
-        """quant.quantize_model's hook (the module is swapped before any weight is read)."""
-        E, out_dims, in_dims = self.weight.shape
-        return QuantizedSwitchLinear(E, in_dims, out_dims, group_size, bits, mode)
+        """nn.quantize's hook: these weights quantized (at load, before any is
+        read, a lazy placeholder the loader then replaces; in `convert`, the
+        loaded ones)."""
+        return QuantizedSwitchLinear.from_weight(self.weight, group_size, bits, mode)
 
 
 class QuantizedSwitchLinear(nn.Module):
@@ -61,8 +62,18 @@ class QuantizedSwitchLinear(nn.Module):
 
     def __init__(self, num_experts: int, in_dims: int, out_dims: int, group_size: int, bits: int, mode: str):
         super().__init__()
+        self._set(mx.zeros((num_experts, out_dims, in_dims)), group_size, bits, mode)
+
+    @classmethod
+    def from_weight(cls, weight: mx.array, group_size: int, bits: int, mode: str) -> "QuantizedSwitchLinear":
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer._set(weight, group_size, bits, mode)
+        return layer
+
+    def _set(self, weight, group_size: int, bits: int, mode: str) -> None:
         self.group_size, self.bits, self.mode = group_size, bits, mode
-        w, *sb = mx.quantize(mx.zeros((num_experts, out_dims, in_dims)), group_size, bits, mode=mode)
+        w, *sb = mx.quantize(weight, group_size, bits, mode=mode)
         self.weight, self.scales = w, sb[0]
         self.biases = sb[1] if len(sb) > 1 else None
 
