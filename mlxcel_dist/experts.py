@@ -29,6 +29,33 @@ import mlx.nn as nn
 from .layers import gated_fp32
 
 
+# (token, expert) rows from which a prefill runs grouped by expert (`SwitchGLU._grouped`:
+# dense matmuls per expert block, one host sync per MoE layer) instead of gathered
+# (one matrix-vector product per row, re-reading the expert's weights per row on a GPU).
+# None: always gathered. Decode steps (inside mx.compile) always gather (`use_grouped`).
+GROUP_ROWS = 64
+
+
+def use_grouped(rows: int, seq_len: int) -> bool:
+    """A block over `rows` (token, expert) rows of `seq_len`-token sequences
+    runs grouped: prefill (seq_len > 1) from GROUP_ROWS rows; never a [B, 1]
+    decode step (compiled: no host read of the per-expert counts there)."""
+    return GROUP_ROWS is not None and seq_len > 1 and rows >= GROUP_ROWS
+
+
+def _dense(x: mx.array, layer: nn.Module, e: int) -> mx.array:
+    """x [R, in] @ expert e's [out, in].T of a (Quantized)SwitchLinear, with
+    the gathered path's dtype rule (half on the CPU: fp32 products, rounded once)."""
+    if isinstance(layer, QuantizedSwitchLinear):
+        b = layer.get("biases")
+        return mx.quantized_matmul(x, layer["weight"][e], layer["scales"][e], None if b is None else b[e],
+                                   transpose=True, group_size=layer.group_size, bits=layer.bits, mode=layer.mode)
+    w = layer.weight[e]
+    if x.dtype == mx.float32 or mx.default_device() == mx.gpu:
+        return x @ w.T
+    return (x.astype(mx.float32) @ w.T.astype(mx.float32)).astype(x.dtype)
+
+
 def _gather_mm(x: mx.array, w: mx.array, idx: mx.array) -> mx.array:
     """x [..., 1, in] @ w[idx].T for w [E, out, in] -> [..., 1, out]. Half
     inputs on the CPU multiply in fp32 and round once (torch's half matmul:
@@ -96,27 +123,58 @@ class SwitchGLU(nn.Module):
         self.act = gated_fp32(act)
         self.expert_range = None
 
-    def __call__(self, x, idx, w):
+    def __call__(self, x, idx, w, grouped: bool = False):
         """x [N, hidden], idx [N, k] (global expert ids), w [N, k] -> [N, hidden]:
         sum_j w[:, j] * expert_idx[:, j](x) in x's dtype, added in ascending
         expert order (transformers' index_add over the experts hit), so
-        half-precision sums round as the reference's."""
+        half-precision sums round as the reference's. `grouped` (a prefill,
+        `use_grouped`): the rows run per expert block (`_grouped`), skipping
+        the experts this rank does not hold."""
         order = mx.argsort(idx, axis=-1)
         idx, w = mx.take_along_axis(idx, order, axis=-1), mx.take_along_axis(w, order, axis=-1)
-        if self.expert_range is not None:
-            e0, e1 = self.expert_range
-            mine = (idx >= e0) & (idx < e1)
-            w = mx.where(mine, w, mx.zeros_like(w))  # another rank's expert: contributes 0 here
-            idx = mx.clip(idx - e0, 0, e1 - e0 - 1)
-        xe = x[:, None, None, :]  # [N, 1, 1, hidden]: one row per (token, chosen expert)
-        h = self.act(self.gate_proj(xe, idx), self.up_proj(xe, idx))  # [N, k, 1, I]
-        out = self.down_proj(h, idx).squeeze(-2)  # [N, k, hidden]
+        if grouped:
+            out = self._grouped(x, idx)
+        else:
+            local = idx
+            if self.expert_range is not None:
+                e0, e1 = self.expert_range
+                w = mx.where((idx >= e0) & (idx < e1), w, mx.zeros_like(w))  # another rank's expert: 0 here
+                local = mx.clip(idx - e0, 0, e1 - e0 - 1)
+            xe = x[:, None, None, :]  # [N, 1, 1, hidden]: one row per (token, chosen expert)
+            h = self.act(self.gate_proj(xe, local), self.up_proj(xe, local))  # [N, k, 1, I]
+            out = self.down_proj(h, local).squeeze(-2)  # [N, k, hidden]
         # expert output times its weight (promoted as torch does), rounded to x's dtype
         parts = (out * w[..., None]).astype(x.dtype)
         y = parts[:, 0]
         for j in range(1, parts.shape[1]):
             y = y + parts[:, j]
         return y
+
+    def _grouped(self, x, idx):
+        """The gathered products with the N*k (token, expert) rows sorted by
+        expert: each expert's block through dense matmuls (its weights read
+        once per block), rows of experts held elsewhere left zero, then back
+        in token order: [N, k, hidden]. ONE HOST SYNC per call (the
+        per-expert row counts cut the blocks); routing is replicated, so every
+        rank reads the same counts."""
+        N, k = idx.shape
+        R, E = N * k, self.num_experts
+        flat = idx.flatten()
+        key = flat.astype(mx.uint32 if E * R < 2**32 else mx.uint64) * R + mx.arange(R)  # unique: a stable sort
+        order = mx.argsort(key)
+        counts = (flat[:, None] == mx.arange(E, dtype=flat.dtype)).sum(axis=0).tolist()  # the host sync
+        xs = x[order // k]  # [R, hidden]: the token of each sorted row
+        e0, e1 = self.expert_range or (0, E)
+        outs, start = [], 0
+        for e, n in enumerate(counts):
+            if n and e0 <= e < e1:
+                xb = xs[start : start + n]
+                h = self.act(_dense(xb, self.gate_proj, e - e0), _dense(xb, self.up_proj, e - e0))  # [n, I]
+                outs.append(_dense(h, self.down_proj, e - e0))  # [n, hidden]
+            elif n:
+                outs.append(mx.zeros((n, x.shape[-1]), x.dtype))  # another rank's expert
+            start += n
+        return mx.concatenate(outs)[mx.argsort(order)].reshape(N, k, -1)
 
     def describe(self) -> str:
         return "" if self.expert_range is None else f" (experts {self.expert_range[0]}-{self.expert_range[1] - 1} here)"

@@ -22,7 +22,6 @@ import numpy as np
 
 from .collectives import Group
 from .errors import UserError
-from .experts import SwitchGLU
 from .weights import stored_bytes
 
 # Link constants: (latency per collective s, bandwidth B/s, source).
@@ -86,14 +85,14 @@ def _rank_plan(ck, n: int, r: int, weights, pp: int = 1, moe_split: str | None =
     cols = _ranges_of(plan, "mlp.down_proj.weight")
     vocab = getattr(m, "_head_rows", None)
     t = r % (n // pp)  # this rank's place in its stage (r itself without pipeline stages)
-    held = [getattr(x, "expert_range", None) for _, x in m.named_modules() if isinstance(x, SwitchGLU)]
+    held = [x.expert_range for _, x in m.named_modules() if hasattr(x, "expert_range")]
     return RankPlan(r, weights[r] if weights else 1, heads, cols[1][0] if cols else None,
                     vocab[t] if vocab else None, total, layers, held[0] if held else None), m
 
 
 def moe_placement(m, ranks) -> str | None:
     """plan's line on the routed experts' placement (None: no stacked routed experts)."""
-    if not any(isinstance(x, SwitchGLU) for _, x in m.named_modules()):
+    if not any(hasattr(x, "expert_range") for _, x in m.named_modules()):  # experts.SwitchGLU, step3p5's MoE
         return None
     if any(rp.experts is not None for rp in ranks):
         held = ", ".join(f"rank {rp.rank} {_span(rp.experts)}" for rp in ranks)

@@ -560,8 +560,21 @@ def shard_stacked_experts(moe: nn.Module, group: Group, up=("gate_proj", "up_pro
     range of axis 2 (the hub layout of e.g. Step-3.5: `moe.gate_proj.weight`).
     Every other child of `moe` (the router) stays replicated, so every rank
     routes alike; the block sums its partial output over the group once (and
-    counts that all_sum in `collectives_per_token`)."""
+    counts that all_sum in `collectives_per_token`).
+
+    A block with an `expert_range` attribute (it weights the routed rows of
+    experts it does not hold zero) takes --moe-split experts: every stack
+    keeps the whole experts [e0, e1) of axis 0 (`expert_ranges`)."""
     if group.single:
+        return
+    if moe_split(group) == "experts" and hasattr(moe, "expert_range"):
+        E = getattr(moe, up[0]).weight.shape[0]
+        e0, e1 = expert_ranges(E, group.size(), group.weights)[group.rank()]
+        for name in (*up, down):
+            stack = getattr(moe, name)
+            stack.weight = _slice(stack.weight, 0, [(e0, e1)])
+            stack.shard_spec = ShardSpec({"weight": (0, [(e0, e1)])})
+        moe.expert_range = (e0, e1)
         return
     inter = getattr(moe, up[0]).weight.shape[1]
     rng = [_rank_range(inter, group, "the experts' intermediate size")]

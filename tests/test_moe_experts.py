@@ -1,8 +1,9 @@
 """Stacked routed experts (mlxcel_dist/experts.py) of qwen3_moe and glm4_moe:
 both config forms, both weight layouts (transformers' per-expert keys,
-mlx-lm's switch_mlp, 4-bit), and `--moe-split experts` (whole experts per
-rank) under the real launcher at np 2 and np 3, against the single-process
-run and the reference."""
+mlx-lm's switch_mlp, 4-bit), the grouped prefill path, and `--moe-split
+experts` (whole experts per rank; also step3p5's stacked experts) under the
+real launcher at np 2 and np 3, against the single-process run and the
+reference."""
 
 import json
 import shutil
@@ -18,6 +19,7 @@ from mlx.utils import tree_flatten
 from mlxcel_dist.errors import UserError
 from mlxcel_dist.harness import FP32_REL_TOL, all_mode_logits, compare, rel_tol_for
 from mlxcel_dist.launcher import find_mpirun, launch
+from mlxcel_dist.layers import activation
 from mlxcel_dist.loader import check_shardable, load_model, read_config
 from mlxcel_dist.models import get_model_module
 from mlxcel_dist.shard import expert_ranges, split_counts
@@ -138,10 +140,10 @@ def test_more_ranks_than_experts_is_refused_before_launch():
 # Expert placement under the launcher ------------------------------------------------
 RUNS = {
     2: [(d, "experts", "") for d in MOE_CASES if d.name != "mqa_bf16"]
-    + [(FIXTURES / "qwen3_moe" / "sliding_fp32", "experts", "3,1")]
+    + [(FIXTURES / "qwen3_moe" / "sliding_fp32", "experts", "3,1"), (FIXTURES / "step3p5" / "moe_fp32", "experts", "")]
     + [(d, split, "") for d in MLX_LM for split in ("experts", "intermediate")],
     3: [(FIXTURES / "qwen3_moe" / "gqa_fp32", "experts", ""), (FIXTURES / "glm4_moe" / "topk3_fp32", "experts", ""),
-        (FIXTURES / "glm4_moe" / "mqa_bf16", "experts", "")],  # (the 4-bit o_proj cannot split 8 heads 3 ways)
+        (FIXTURES / "glm4_moe" / "mqa_bf16", "experts", ""), (FIXTURES / "step3p5" / "moe_bf16", "experts", "")],  # (the 4-bit o_proj cannot split 8 heads 3 ways)
 }
 
 
@@ -162,7 +164,7 @@ def test_expert_placement_is_exact_under_the_launcher(launched):
         label = f"{_id(d)} np{n} {split} {w}"
         ranks = [json.loads((out / f"{i}.rank{r}.json").read_text()) for r in range(n)]
         cfg = read_config(d)
-        E = cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("n_routed_experts")
+        E = next(cfg[k] for k in ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts") if cfg.get(k))
         weights = [Fraction(x) for x in w.split(",")] if w else None
         if split == "experts":  # each rank holds exactly its whole experts
             want = expert_ranges(E, n, weights)
@@ -179,3 +181,43 @@ def test_expert_placement_is_exact_under_the_launcher(launched):
                 for what, want_logits in (("np1", single[mode]), ("reference", ref)):
                     r = compare(z[mode], want_logits, tol)
                     assert r["ok"], (label, mode, what, r)
+
+
+# The two ways the routed experts run, and expert placement's arithmetic (one process) ---------
+@pytest.mark.parametrize("d", [FIXTURES / "qwen3_moe" / "gqa_fp32", FIXTURES / "glm4_moe" / "topk3_fp32",
+                               FIXTURES / "glm4_moe" / "mqa_bf16", MLX_LM[0]], ids=_id)
+def test_grouped_prefill_gives_the_gathered_logits(d, monkeypatch):
+    import mlxcel_dist.experts as experts
+
+    model = load_model(d).model
+    ids = np.load(d / ("reference.npz" if (d / "reference.npz").exists() else "mlx_lm_reference.npz"))["ids"]
+    monkeypatch.setattr(experts, "GROUP_ROWS", None)
+    gathered = _logits(model, ids)
+    monkeypatch.setattr(experts, "GROUP_ROWS", 1)
+    calls = []
+    grouped_fn = experts.SwitchGLU._grouped
+    monkeypatch.setattr(experts.SwitchGLU, "_grouped", lambda self, x, idx: calls.append(1) or grouped_fn(self, x, idx))
+    grouped = _logits(model, ids)
+    assert calls  # the grouped path ran
+    np.testing.assert_allclose(grouped, gathered, rtol=0, atol=1e-6 * np.abs(gathered).max())
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+@pytest.mark.parametrize("n", [2, 3])
+def test_ranks_holding_whole_experts_sum_to_the_whole_block(n, grouped):
+    from mlxcel_dist.experts import SwitchGLU
+
+    model = load_model(FIXTURES / "glm4_moe" / "gqa_fp32").model
+    moe = model.layers[1].mlp
+    full = moe.switch_mlp
+    x = mx.random.normal((40, 64), key=mx.random.key(n))
+    idx, w = moe.gate(x)
+    want = full(x, idx, w, grouped=grouped)
+    total = mx.zeros_like(want)
+    for e0, e1 in expert_ranges(full.num_experts, n):
+        part = SwitchGLU(64, 64, full.num_experts, activation("silu"))
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            getattr(part, name).weight = getattr(full, name).weight[e0:e1]
+        part.expert_range = (e0, e1)
+        total = total + part(x, idx, w, grouped=grouped)
+    np.testing.assert_allclose(np.array(total), np.array(want), rtol=0, atol=1e-6 * float(mx.abs(want).max()))

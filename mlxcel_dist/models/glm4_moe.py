@@ -38,7 +38,7 @@ import mlx.nn as nn
 from ..blocks import MLP, Attention, PreNormBlock
 from ..collectives import SINGLE
 from ..errors import UserError
-from ..experts import SwitchGLU, stack_expert_refs
+from ..experts import SwitchGLU, stack_expert_refs, use_grouped
 from ..layers import RMSNorm, activation
 from ..rope import RoPE
 from ..shard import shard_attention, shard_expert_mlps, shard_mlp, shard_switch_glu
@@ -166,7 +166,8 @@ class SparseMoeBlock(nn.Module):
         B, L, D = x.shape
         flat = x.reshape(B * L, D)  # [N, hidden]
         idx, w = self.gate(flat)
-        y = self.switch_mlp(flat, idx, w).reshape(B, L, D) + self.shared_experts(x)
+        routed = self.switch_mlp(flat, idx, w, grouped=use_grouped(idx.size, L))
+        y = routed.reshape(B, L, D) + self.shared_experts(x)
         return self.group.all_sum(y)  # routed + shared partial outputs of this rank
 
 

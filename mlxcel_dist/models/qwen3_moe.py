@@ -29,7 +29,7 @@ import mlx.nn as nn
 from ..blocks import MLP, Attention, PreNormBlock
 from ..collectives import SINGLE
 from ..errors import UserError
-from ..experts import SwitchGLU, stack_expert_refs
+from ..experts import SwitchGLU, stack_expert_refs, use_grouped
 from ..layers import RMSNorm, activation
 from ..rope import RoPE
 from ..shard import shard_attention, shard_mlp, shard_switch_glu
@@ -120,7 +120,8 @@ class SparseMoeBlock(nn.Module):
         B, L, D = x.shape
         flat = x.reshape(B * L, D)  # [N, hidden]
         idx, w = self.route(flat)
-        return self.group.all_sum(self.switch_mlp(flat, idx, w)).reshape(B, L, D)
+        y = self.switch_mlp(flat, idx, w, grouped=use_grouped(idx.size, L))
+        return self.group.all_sum(y).reshape(B, L, D)
 
 
 class DecoderLayer(PreNormBlock):
