@@ -59,11 +59,15 @@ def _dense(x: mx.array, layer: nn.Module, e: int) -> mx.array:
 def _gather_mm(x: mx.array, w: mx.array, idx: mx.array) -> mx.array:
     """x [..., 1, in] @ w[idx].T for w [E, out, in] -> [..., 1, out]. Half
     inputs on the CPU multiply in fp32 and round once (torch's half matmul:
-    fp32 accumulation)."""
+    fp32 accumulation): only the chosen experts are upcast when they are
+    fewer than E (a decode step), not the whole stack."""
     wt = w.swapaxes(-1, -2)  # [E, in, out]
     if x.dtype == mx.float32 or mx.default_device() == mx.gpu:
         return mx.gather_mm(x, wt, rhs_indices=idx)
-    return mx.gather_mm(x.astype(mx.float32), wt.astype(mx.float32), rhs_indices=idx).astype(x.dtype)
+    x32 = x.astype(mx.float32)
+    if idx.size < w.shape[0]:
+        return (x32 @ wt[idx].astype(mx.float32)).astype(x.dtype)  # [..., k, in, out] gathered first
+    return mx.gather_mm(x32, wt.astype(mx.float32), rhs_indices=idx).astype(x.dtype)
 
 
 class SwitchLinear(nn.Module):
