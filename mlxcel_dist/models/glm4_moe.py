@@ -210,6 +210,7 @@ class Model(CausalLM):
         a = self.args
         out = []
         for line, layer, kind in zip(describe_layers(self), self.layers, a.mlp_layer_types):
+            line += f", rotary {layer.self_attn.rope.dims}/{a.head_dim} dims"
             if kind == SPARSE:
                 line += (f", moe {a.n_routed_experts} experts top-{a.num_experts_per_tok} "
                          f"(groups {a.topk_group}/{a.n_group}) + {a.n_shared_experts} shared"
