@@ -71,6 +71,12 @@ RankWeightsOpt = Annotated[
                  "even as possible).",
                  show_default=False),
 ]
+MoeSplitOpt = Annotated[
+    str,
+    typer.Option("--moe-split", help="Routed experts' placement across tensor-parallel ranks: intermediate (each rank a "
+                 "slice of every expert) or experts (each rank whole experts; qwen3_moe, glm4_moe).",
+                 metavar="intermediate|experts"),
+]
 DtypeOpt = Annotated[
     Optional[str], typer.Option("--dtype", help="Compute dtype (float32, bfloat16, float16); default: the checkpoint's.")
 ]
@@ -171,12 +177,14 @@ def _distribute(ctx: typer.Context, np_: int, backend: str, hostfile: Optional[P
     count its heads cannot take fails here, once (with --pp: the family must
     run in stages and have a layer per stage, pipeline.check_stageable)."""
     weights = parse_rank_weights(ctx.params.get("rank_weights"))
+    split = check_moe_split(ctx.params.get("moe_split"))
     if os.environ.get("MLXCEL_DIST_WORLD"):  # we are a launched rank
         from . import distributed
 
         group = distributed.init_from_env()
         if weights is not None and not group.single:  # every rank re-runs the same argv: the same weights
             group.set_weights(weights)
+        group.moe_split = split  # the same argv on every rank: the same placement
         distributed.check_cluster(group, model)
         return group
     if np_ < 1:
@@ -196,7 +204,7 @@ def _distribute(ctx: typer.Context, np_: int, backend: str, hostfile: Optional[P
         return SINGLE
     from .launcher import launch
 
-    _check_placement(model, np_, pp, weights)
+    _check_placement(model, np_, pp, weights, split)
     code = launch(_argv_from_ctx(ctx), np_, backend, str(hostfile) if hostfile else None,
                   stall_timeout=ctx.params.get("stall_timeout", DEFAULT_STALL_TIMEOUT_S))
     raise typer.Exit(code)
@@ -212,6 +220,16 @@ def _hostfile_weights(ctx: typer.Context, hostfile: Path, np_: int):
     if weights is not None:
         ctx.params["rank_weights"] = ",".join(map(str, weights))
     return weights
+
+
+def check_moe_split(value: Optional[str]) -> str:
+    """--moe-split's value (default intermediate)."""
+    from .shard import MOE_SPLITS
+
+    value = value or "intermediate"
+    if value not in MOE_SPLITS:
+        raise UserError(f"--moe-split must be one of {', '.join(MOE_SPLITS)}, got {value!r}")
+    return value
 
 
 def parse_rank_weights(text: Optional[str]):
@@ -266,6 +284,7 @@ def logits(
     backend: BackendOpt = "auto",
     hostfile: HostfileOpt = None,
     rank_weights: RankWeightsOpt = None,
+    moe_split: MoeSplitOpt = "intermediate",
     stall_timeout: StallOpt = DEFAULT_STALL_TIMEOUT_S,
 ):
     """Write the logits of every position of a token sequence."""
@@ -346,6 +365,7 @@ def generate(
     backend: BackendOpt = "auto",
     hostfile: HostfileOpt = None,
     rank_weights: RankWeightsOpt = None,
+    moe_split: MoeSplitOpt = "intermediate",
     stall_timeout: StallOpt = DEFAULT_STALL_TIMEOUT_S,
 ):
     """Generate text, streamed to stdout; speed to stderr."""
@@ -491,6 +511,7 @@ def modes(
     backend: BackendOpt = "auto",
     hostfile: HostfileOpt = None,
     rank_weights: RankWeightsOpt = None,
+    moe_split: MoeSplitOpt = "intermediate",
     stall_timeout: StallOpt = DEFAULT_STALL_TIMEOUT_S,
 ):
     """Logits of one sequence in every feeding mode (the harness's rank job)."""
@@ -525,6 +546,7 @@ def logit_match(
     backend: BackendOpt = "auto",
     hostfile: HostfileOpt = None,
     rank_weights: RankWeightsOpt = None,
+    moe_split: MoeSplitOpt = "intermediate",
     stall_timeout: StallOpt = DEFAULT_STALL_TIMEOUT_S,
 ):
     """Compare N-rank logits with single-process logits (and a reference) in every mode."""
@@ -573,6 +595,8 @@ def logit_match(
             argv = ["modes", str(model_dir.resolve()), "--tokens", ",".join(map(str, ids.tolist())), "--out", str(out)]
             if dtype:
                 argv += ["--dtype", dtype]
+            split = check_moe_split(moe_split)
+            argv += ["--moe-split", split]
             if pp > 1:
                 argv += ["--pp", str(pp)]
             weights = parse_rank_weights(rank_weights)
@@ -582,7 +606,7 @@ def logit_match(
                 if len(weights) != np_:
                     raise UserError(f"--rank-weights gives {len(weights)} weights for {np_} ranks")
                 argv += ["--rank-weights", ",".join(map(str, weights))]
-            _check_placement(model_dir, np_, pp, weights)
+            _check_placement(model_dir, np_, pp, weights, split)
             code = launch(argv, np_, backend, str(hostfile) if hostfile else None,
                           stall_timeout=stall_timeout)
             if code != 0:
@@ -633,6 +657,7 @@ def plan(
     pp: Annotated[int, typer.Option("--pp", help="Pipeline stages (one rank each, or --np P x T: T tensor-parallel ranks each): each stage's layers and bytes, and its ranks' heads with T > 1.")] = 1,
     hostfile: HostfileOpt = None,
     rank_weights: RankWeightsOpt = None,
+    moe_split: MoeSplitOpt = "intermediate",
     link: Annotated[str, typer.Option("--link", help="The link between ranks for the predicted time: loopback (one machine), tb5 (Thunderbolt 5 RDMA), 10gbe.")] = "loopback",
     bandwidth: Annotated[Optional[float], typer.Option("--bandwidth", help="Memory bandwidth of a rank in GB/s for the predicted time (default: measured here).", show_default=False)] = None,
 ):
@@ -662,8 +687,9 @@ def plan(
         from .pipeline import check_pp_ranks
 
         np_ = check_pp_ranks(np_, pp)
-    _check_placement(ck, np_, pp, weights)
-    p = make_plan(ck, np_, weights, link, None if bandwidth is None else bandwidth * 1e9, memory, pp)
+    split = check_moe_split(moe_split)
+    _check_placement(ck, np_, pp, weights, split)
+    p = make_plan(ck, np_, weights, link, None if bandwidth is None else bandwidth * 1e9, memory, pp, split)
     print(f"{ck.dir}: {np_} rank(s)")
     for line in format_plan(p):
         print(line)
@@ -771,6 +797,7 @@ def serve(
     backend: BackendOpt = "auto",
     hostfile: HostfileOpt = None,
     rank_weights: RankWeightsOpt = None,
+    moe_split: MoeSplitOpt = "intermediate",
     pp: PpOpt = 1,
     micro_batches: Annotated[int, typer.Option("--micro-batches", help="With --pp: each decode step's rows in N micro-batches that follow each other through the stages, so that the stages can work on different ones at once (default 1: see docs/benchmarks.md for what it measured).")] = 1,
     stall_timeout: StallOpt = DEFAULT_STALL_TIMEOUT_S,
@@ -858,6 +885,7 @@ def bench(
     backend: BackendOpt = "auto",
     hostfile: HostfileOpt = None,
     rank_weights: RankWeightsOpt = None,
+    moe_split: MoeSplitOpt = "intermediate",
     stall_timeout: StallOpt = DEFAULT_STALL_TIMEOUT_S,
 ):
     """Prefill/decode speed, time to first token, peak memory per rank, all_sums per token."""
@@ -887,7 +915,7 @@ def bench(
             print(format_table(result), flush=True)
 
 
-def _check_placement(model, np_: int, pp: int, weights) -> None:
+def _check_placement(model, np_: int, pp: int, weights, moe_split: str | None = None) -> None:
     """Before launch, on paper: the model splits over np_ ranks (with --pp:
     into pp stages, each split np_ / pp ways)."""
     from .loader import check_shardable
@@ -898,9 +926,9 @@ def _check_placement(model, np_: int, pp: int, weights) -> None:
         check_stageable(model, pp, weights)
         T = np_ // pp
         for s in range(pp):  # each stage splits over its own ranks, by their weights
-            check_shardable(model, T, member_weights(weights, s * T, pp))
+            check_shardable(model, T, member_weights(weights, s * T, pp), moe_split)
     else:
-        check_shardable(model, np_, weights)
+        check_shardable(model, np_, weights, moe_split)
 
 
 def _pp_note(pp: int, model=None) -> str:

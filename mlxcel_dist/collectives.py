@@ -50,6 +50,8 @@ class Group:
             raise ValueError(f"bad rank {self._rank} of {self._size}")
         self.weights = None
         self.set_weights(weights)
+        # routed experts' placement (--moe-split, parsed on every rank like the weights): shard.moe_split
+        self.moe_split = "intermediate"
         # the stream the collectives run on (None: the backend's, the default CPU stream for ring
         # and MPI); pipeline stages give them one of their own (pipeline.comm_stream)
         self.stream = None
@@ -67,9 +69,11 @@ class Group:
         self.weights = weights
 
     @classmethod
-    def planned(cls, size: int, rank: int, weights=None) -> "Group":
+    def planned(cls, size: int, rank: int, weights=None, moe_split: str | None = None) -> "Group":
         """Rank `rank` of a `size`-rank job, on paper: shapes and slices only."""
-        return cls(None, size=size, rank=rank, weights=weights)
+        g = cls(None, size=size, rank=rank, weights=weights)
+        g.moe_split = moe_split or g.moe_split
+        return g
 
     def size(self) -> int:
         return self._size

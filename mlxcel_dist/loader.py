@@ -235,16 +235,22 @@ def open_model(model) -> Checkpoint:
     return hit[1]
 
 
-def check_shardable(model, np_: int, weights=None) -> None:
+def check_shardable(model, np_: int, weights=None, moe_split: str | None = None) -> None:
     """Raise UserError now if `np_` ranks (with these rank weights) cannot
     split this model's heads/MLP, so a bad rank count is one clear line
     instead of N failing ranks."""
     if np_ <= 1:
         return
     ck = open_model(model)
+    if moe_split == "experts":
+        m, _ = ck.build(with_refs=False)
+        if not any(hasattr(x, "expert_range") for _, x in m.named_modules()):
+            raise UserError(f"--moe-split experts: {ck.config.get('model_type')} has no stacked routed experts "
+                            "that place whole experts per rank (qwen3_moe, glm4_moe, step3p5 do); use --moe-split "
+                            "intermediate")
     for r in range(np_):
         m, _ = ck.build(with_refs=False)
-        m.shard(Group.planned(np_, r, weights))  # on paper: parameters stay lazy
+        m.shard(Group.planned(np_, r, weights, moe_split))  # on paper: parameters stay lazy
 
 
 def load_model(model, dtype: str | None = None, group: Group = SINGLE, progress=None, pp: int = 1) -> Loaded:
@@ -262,6 +268,7 @@ def load_model(model, dtype: str | None = None, group: Group = SINGLE, progress=
         refs = cut_stage(m, refs, group, pp, target)
         tp = stage_group(group, pp)
         if not tp.single:
+            tp.moe_split = group.moe_split  # the stage's ranks place experts as the job says
             m.shard(tp)
             m.model.stage.tp = tp
     elif not group.single:

@@ -45,6 +45,7 @@ class RankPlan:
     vocab: tuple | None  # head rows (start, stop), or None when not split
     bytes: int
     layers: tuple | None = None  # (start, stop) of its pipeline stage; None: all layers (tensor parallel)
+    experts: tuple | None = None  # whole routed experts (start, stop) held under --moe-split experts
 
 
 def _ranges_of(plan: dict, suffix: str):
@@ -54,7 +55,7 @@ def _ranges_of(plan: dict, suffix: str):
     return None
 
 
-def _rank_plan(ck, n: int, r: int, weights, pp: int = 1) -> tuple[RankPlan, object]:
+def _rank_plan(ck, n: int, r: int, weights, pp: int = 1, moe_split: str | None = None) -> tuple[RankPlan, object]:
     from .shard import collect_plan
 
     m, refs = ck.build()
@@ -67,9 +68,9 @@ def _rank_plan(ck, n: int, r: int, weights, pp: int = 1) -> tuple[RankPlan, obje
         layers = (m.model.stage.start, m.model.stage.stop)
         T = n // pp
         if T > 1:
-            m.shard(Group.planned(T, r % T, member_weights(weights, r, pp)))
+            m.shard(Group.planned(T, r % T, member_weights(weights, r, pp), moe_split))
     elif n > 1:
-        m.shard(Group.planned(n, r, weights))
+        m.shard(Group.planned(n, r, weights, moe_split))
     plan = collect_plan(m)
     from mlx.utils import tree_flatten
 
@@ -88,8 +89,20 @@ def _rank_plan(ck, n: int, r: int, weights, pp: int = 1) -> tuple[RankPlan, obje
     cols = _ranges_of(plan, "mlp.down_proj.weight")
     vocab = getattr(m, "_head_rows", None)
     t = r % (n // pp)  # this rank's place in its stage (r itself without pipeline stages)
+    held = [x.expert_range for _, x in m.named_modules() if hasattr(x, "expert_range")]
     return RankPlan(r, weights[r] if weights else 1, heads, cols[1][0] if cols else None,
-                    vocab[t] if vocab else None, total, layers), m
+                    vocab[t] if vocab else None, total, layers, held[0] if held else None), m
+
+
+def moe_placement(m, ranks) -> str | None:
+    """plan's line on the routed experts' placement (None: no stacked routed experts)."""
+    if not any(hasattr(x, "expert_range") for _, x in m.named_modules()):  # experts.SwitchGLU, step3p5's MoE
+        return None
+    if any(rp.experts is not None for rp in ranks):
+        held = ", ".join(f"rank {rp.rank} {_span(rp.experts)}" for rp in ranks)
+        return f"routed experts: whole experts per rank (--moe-split experts): {held}; router replicated"
+    return ("routed experts: every expert split by its intermediate dimension (--moe-split intermediate); "
+            "router replicated")
 
 
 def machine_bandwidth(dtype=None, quant=None) -> float:
@@ -180,7 +193,8 @@ def _stage_sums(stage_models: list, T: int) -> tuple:
 
 
 def make_plan(ck, n: int, weights=None, link: str = "loopback", bandwidth: float | None = None,
-              memory: list | None = None, pp: int = 1, host: tuple | None = None) -> dict:
+              memory: list | None = None, pp: int = 1, moe_split: str | None = None,
+              host: tuple | None = None) -> dict:
     """The placement of `ck` on `n` ranks (`pp` > 1: n = pp pipeline
     stages): per rank its share and bytes, per token the collectives and a
     predicted decode time (stages run one after another for one stream).
@@ -195,7 +209,7 @@ def make_plan(ck, n: int, weights=None, link: str = "loopback", bandwidth: float
     ranks, model, firsts = [], None, []
     T = n // pp
     for r in range(n):
-        rp, m = _rank_plan(ck, n, r, weights, pp)
+        rp, m = _rank_plan(ck, n, r, weights, pp, moe_split)
         ranks.append(rp)
         model = model or m
         if r % T == 0:
@@ -228,7 +242,7 @@ def make_plan(ck, n: int, weights=None, link: str = "loopback", bandwidth: float
                             "of memory (use more ranks, or --rank-weights / the hosts' memory= to shift shares)")
     return {"ranks": ranks, "collectives": coll, "link": (link, lat, link_bw, source), "bandwidth": bw,
             "host": (per_token, per_layer), "layers": layers, "compute_s": compute, "comm_s": comm,
-            "token_s": compute + comm, "pp": pp}
+            "token_s": compute + comm, "pp": pp, "moe": moe_placement(model, ranks)}
 
 
 def _size(n: int) -> str:
@@ -259,6 +273,8 @@ def format_plan(p: dict) -> list[str]:
             out.append(f"{rp.rank:>4}  {str(rp.weight):>6}  {heads:>16}  {_span(rp.columns):>14}  "
                        f"{_span(rp.vocab):>14}  {rp.bytes / 1e6:,.1f} MB")
         out.append(f"layers: all {p['layers']} on every rank (tensor parallel)")
+    if p.get("moe"):
+        out.append(p["moe"])
     link, lat, bw, source = p["link"]
     per_tok = ", ".join(f"{c:g} {op} ({b:,.0f} B)" for op, (c, b) in p["collectives"].items() if c)
     out.append(f"per token: {per_tok or 'no collective'}")

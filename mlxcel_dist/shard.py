@@ -560,8 +560,21 @@ def shard_stacked_experts(moe: nn.Module, group: Group, up=("gate_proj", "up_pro
     range of axis 2 (the hub layout of e.g. Step-3.5: `moe.gate_proj.weight`).
     Every other child of `moe` (the router) stays replicated, so every rank
     routes alike; the block sums its partial output over the group once (and
-    counts that all_sum in `collectives_per_token`)."""
+    counts that all_sum in `collectives_per_token`).
+
+    A block with an `expert_range` attribute (it weights the routed rows of
+    experts it does not hold zero) takes --moe-split experts: every stack
+    keeps the whole experts [e0, e1) of axis 0 (`expert_ranges`)."""
     if group.single:
+        return
+    if moe_split(group) == "experts" and hasattr(moe, "expert_range"):
+        E = getattr(moe, up[0]).weight.shape[0]
+        e0, e1 = expert_ranges(E, group.size(), group.weights)[group.rank()]
+        for name in (*up, down):
+            stack = getattr(moe, name)
+            stack.weight = _slice(stack.weight, 0, [(e0, e1)])
+            stack.shard_spec = ShardSpec({"weight": (0, [(e0, e1)])})
+        moe.expert_range = (e0, e1)
         return
     inter = getattr(moe, up[0]).weight.shape[1]
     rng = [_rank_range(inter, group, "the experts' intermediate size")]
@@ -651,3 +664,64 @@ def shard_packed_attention(attn: nn.Module, group: Group, packed: str = "W_pack"
         attn.shard_spec = ShardSpec(spec)
     attn.num_heads = q1 - q0
     attn.num_kv_heads = len(slots)
+
+
+MOE_SPLITS = ("intermediate", "experts")
+
+
+def moe_split(group: Group) -> str:
+    """The group's routed-expert placement (--moe-split, parsed on every rank
+    like --rank-weights): "intermediate" (default) or "experts"."""
+    return getattr(group, "moe_split", None) or "intermediate"
+
+
+def expert_ranges(num_experts: int, size: int, weights=None) -> list[tuple]:
+    """Whole experts per rank under expert placement: contiguous [e0, e1),
+    shares as `split_ranges` gives them (weights respected)."""
+    return split_ranges(num_experts, size, weights, what="the routed experts")
+
+
+def shard_switch_glu(mlp: nn.Module, group: Group) -> None:
+    """Split stacked routed experts (`experts.SwitchGLU`: gate/up [E, I,
+    hidden], down [E, hidden, I], Linear or MLX-quantized) with no collective
+    of their own; the router stays replicated and the block sums its partial
+    output over the group once.
+
+    "intermediate": rank r keeps rows [i0, i1) of axis 1 of gate/up (weight,
+    scales, biases) and the same input columns of down (axis 2; quantized:
+    packed words and whole scale groups). "experts": rank r keeps the whole
+    experts [e0, e1) (axis 0 of every parameter) and `mlp.expert_range` says
+    which, so it weights the others' routed rows zero."""
+    if group.single:
+        return
+    names = ("gate_proj", "up_proj", "down_proj")
+    if moe_split(group) == "experts":
+        e0, e1 = expert_ranges(mlp.num_experts, group.size(), group.weights)[group.rank()]
+        for name in names:
+            layer = getattr(mlp, name)
+            spec = {p: (0, [(e0, e1)]) for p in ("weight", "scales", "biases") if layer.get(p) is not None}
+            for p, (axis, rng) in spec.items():
+                setattr(layer, p, _slice(layer[p], axis, rng))
+            layer.shard_spec = ShardSpec(spec)
+        mlp.expert_range = (e0, e1)
+        return
+    down = mlp.down_proj
+    quantized = down.get("scales") is not None
+    inter = mlp.gate_proj.weight.shape[1]
+    rng = [_rank_range(inter, group, "the experts' intermediate size", down.group_size if quantized else 1)]
+    for name in names[:2]:
+        layer = getattr(mlp, name)
+        spec = {p: (1, rng) for p in ("weight", "scales", "biases") if layer.get(p) is not None}
+        for p, (axis, r) in spec.items():
+            setattr(layer, p, _slice(layer[p], axis, r))
+        layer.shard_spec = ShardSpec(spec)
+    if quantized:
+        packed, groups = quantized_col_ranges(rng, down.group_size, down.bits, "cannot split the experts' down_proj")
+        spec = {"weight": (2, packed), "scales": (2, groups)}
+        if down.get("biases") is not None:
+            spec["biases"] = (2, groups)
+    else:
+        spec = {"weight": (2, rng)}
+    for p, (axis, r) in spec.items():
+        setattr(down, p, _slice(down[p], axis, r))
+    down.shard_spec = ShardSpec(spec)

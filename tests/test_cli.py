@@ -263,3 +263,29 @@ def test_serve_refuses_a_bad_header_timeout_before_loading(value):
     r = run("serve", TINY, "--port", "0", "--header-timeout", value)
     assert r.exit_code == 2 and "--header-timeout must be in (0, 86400] seconds" in r.output, r.output
     assert "--header-timeout" in runner.invoke(app, ["serve", "--help"], env={"COLUMNS": "300"}).output
+
+
+@pytest.mark.parametrize(
+    "case,split,message",
+    [("qwen3_moe/gqa_fp32", "rows", "--moe-split must be one of intermediate, experts, got 'rows'"),
+     ("gemma3/gqa_fp32", "experts", "--moe-split experts: gemma3_text has no stacked routed experts"),
+     ("glm4_moe/mqa_bf16", "experts", "4 ranks cannot split the routed experts (3)")],
+)
+def test_bad_moe_split_is_refused_before_launch(case, split, message, ids_file, tmp_path):
+    r = run("logits", FIXTURES / case, "--tokens-file", ids_file, "--out", tmp_path / "o.npy", "--np", 4,
+            "--moe-split", split)
+    assert r.exit_code == 2, r.output
+    assert message in r.output and r.output.strip().count("\n") == 0
+
+
+def test_moe_split_reaches_the_ranks_argv(tmp_path, ids_file, monkeypatch):
+    import mlxcel_dist.launcher as launcher
+
+    seen = {}
+    monkeypatch.setattr(launcher, "launch", lambda argv, *a, **kw: seen.setdefault("argv", argv) and 0)
+    r = run("logits", FIXTURES / "qwen3_moe" / "gqa_fp32", "--tokens-file", ids_file, "--out", tmp_path / "o.npy",
+            "--np", 2, "--moe-split", "experts")
+    assert r.exit_code == 0, r.output
+    assert "--moe-split=experts" in seen["argv"]
+    r = run("plan", FIXTURES / "qwen3_moe" / "gqa_fp32", "--np", 2, "--moe-split", "experts")
+    assert "routed experts: whole experts per rank (--moe-split experts): rank 0 [0, 4), rank 1 [4, 8)" in r.output

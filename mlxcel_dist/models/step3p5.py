@@ -31,7 +31,7 @@ dropped) onto it.
 
 Tensor parallelism: heads split (g_proj rows with them), dense MLPs split by
 columns, every expert (routed and shared) split on its intermediate
-dimension, the router replicated; a sparse layer's routed and shared partial
+dimension (--moe-split experts: each rank whole routed experts), the router replicated; a sparse layer's routed and shared partial
 sums go through one all_sum.
 """
 
@@ -306,6 +306,7 @@ class MoE(nn.Module):
         self.gate_proj = Stacked(E, I, H)
         self.up_proj = Stacked(E, I, H)
         self.down_proj = Stacked(E, H, I)
+        self.expert_range = None  # --moe-split experts: the whole experts [e0, e1) this rank holds
 
     def route(self, x):
         """x [N, hidden] -> (indices [N, k], weights [N, k] fp32)."""
@@ -319,6 +320,10 @@ class MoE(nn.Module):
     def __call__(self, x):
         """x [N, hidden] -> this rank's partial routed output [N, hidden], scaled."""
         idx, w = self.route(x)
+        if self.expert_range is not None:
+            e0, e1 = self.expert_range
+            w = mx.where((idx >= e0) & (idx < e1), w, mx.zeros_like(w))  # another rank's expert: 0 here
+            idx = mx.clip(idx - e0, 0, e1 - e0 - 1)
         xe = x[:, None, None, :]  # [N, 1, 1, hidden]: one row per (token, chosen expert)
         g = gather_mm(xe, self.gate_proj.weight, idx)  # [N, k, 1, I]
         u = gather_mm(xe, self.up_proj.weight, idx)

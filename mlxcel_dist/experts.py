@@ -1,0 +1,231 @@
+"""Stacked routed experts that run only the chosen experts (mlx-lm's
+`switch_mlp` layout), shared by the MoE families that store or load their
+experts stacked.
+
+`SwitchGLU` holds gate_proj / up_proj [E, I, hidden] and down_proj [E,
+hidden, I] (`SwitchLinear`, or `QuantizedSwitchLinear` once quantized: the
+packed [E, out, in * bits / 32] weight and [E, out, in / group_size] scales /
+biases, exactly what mlx_lm.convert writes). Each (token, chosen expert) row
+is multiplied by its expert's weights with `mx.gather_mm` / `mx.gather_qmm`:
+static shapes, so decode steps compile.
+
+Checkpoints with one key per expert (`mlp.experts.N.gate_proj.weight`, what
+transformers' save_pretrained writes for qwen3_moe / glm4_moe) are stacked
+lazily by `stack_expert_refs` in a family's sanitize: a `StackedRef` reads
+only the experts (axis 0) or the intermediate slice (axis 1 / 2) a rank needs.
+
+Placement (`shard.shard_switch_glu`, `--moe-split`): "intermediate" slices
+every expert's I (the default, as the other MoE families); "experts" gives
+rank r the whole experts [e0, e1) (`expert_range`): routed rows of experts
+elsewhere get weight zero and a clamped local index, so shapes stay static and
+the one all_sum of the block adds the ranks' disjoint contributions.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .layers import gated_fp32
+
+
+# (token, expert) rows from which a prefill runs grouped by expert (`SwitchGLU._grouped`:
+# dense matmuls per expert block, one host sync per MoE layer) instead of gathered
+# (one matrix-vector product per row, re-reading the expert's weights per row on a GPU).
+# None: always gathered. Decode steps (inside mx.compile) always gather (`use_grouped`).
+GROUP_ROWS = 64
+
+
+def use_grouped(rows: int, seq_len: int) -> bool:
+    """A block over `rows` (token, expert) rows of `seq_len`-token sequences
+    runs grouped: prefill (seq_len > 1) from GROUP_ROWS rows; never a [B, 1]
+    decode step (compiled: no host read of the per-expert counts there)."""
+    return GROUP_ROWS is not None and seq_len > 1 and rows >= GROUP_ROWS
+
+
+def _dense(x: mx.array, layer: nn.Module, e: int) -> mx.array:
+    """x [R, in] @ expert e's [out, in].T of a (Quantized)SwitchLinear, with
+    the gathered path's dtype rule (half on the CPU: fp32 products, rounded once)."""
+    if isinstance(layer, QuantizedSwitchLinear):
+        b = layer.get("biases")
+        return mx.quantized_matmul(x, layer["weight"][e], layer["scales"][e], None if b is None else b[e],
+                                   transpose=True, group_size=layer.group_size, bits=layer.bits, mode=layer.mode)
+    w = layer.weight[e]
+    if x.dtype == mx.float32 or mx.default_device() == mx.gpu:
+        return x @ w.T
+    return (x.astype(mx.float32) @ w.T.astype(mx.float32)).astype(x.dtype)
+
+
+def _gather_mm(x: mx.array, w: mx.array, idx: mx.array) -> mx.array:
+    """x [..., 1, in] @ w[idx].T for w [E, out, in] -> [..., 1, out]. Half
+    inputs on the CPU multiply in fp32 and round once (torch's half matmul:
+    fp32 accumulation): only the chosen experts are upcast when they are
+    fewer than E (a decode step), not the whole stack."""
+    wt = w.swapaxes(-1, -2)  # [E, in, out]
+    if x.dtype == mx.float32 or mx.default_device() == mx.gpu:
+        return mx.gather_mm(x, wt, rhs_indices=idx)
+    x32 = x.astype(mx.float32)
+    if idx.size < w.shape[0]:
+        return (x32 @ wt[idx].astype(mx.float32)).astype(x.dtype)  # [..., k, in, out] gathered first
+    return mx.gather_mm(x32, wt.astype(mx.float32), rhs_indices=idx).astype(x.dtype)
+
+
+class SwitchLinear(nn.Module):
+    """One projection of every expert: weight [E, out, in]."""
+
+    def __init__(self, num_experts: int, in_dims: int, out_dims: int):
+        super().__init__()
+        self.weight = mx.zeros((num_experts, out_dims, in_dims))
+
+    def __call__(self, x, idx):
+        return _gather_mm(x, self.weight, idx)
+
+    def to_quantized(self, group_size: int = 64, bits: int = 4, mode: str = "affine"):
+        """nn.quantize's hook: these weights quantized (at load, before any is
+        read, a lazy placeholder the loader then replaces; in `convert`, the
+        loaded ones)."""
+        return QuantizedSwitchLinear.from_weight(self.weight, group_size, bits, mode)
+
+
+class QuantizedSwitchLinear(nn.Module):
+    """SwitchLinear MLX-quantized: weight uint32 [E, out, in * bits / 32],
+    scales (and affine biases) [E, out, in / group_size]."""
+
+    def __init__(self, num_experts: int, in_dims: int, out_dims: int, group_size: int, bits: int, mode: str):
+        super().__init__()
+        self._set(mx.zeros((num_experts, out_dims, in_dims)), group_size, bits, mode)
+
+    @classmethod
+    def from_weight(cls, weight: mx.array, group_size: int, bits: int, mode: str) -> "QuantizedSwitchLinear":
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer._set(weight, group_size, bits, mode)
+        return layer
+
+    def _set(self, weight, group_size: int, bits: int, mode: str) -> None:
+        self.group_size, self.bits, self.mode = group_size, bits, mode
+        w, *sb = mx.quantize(weight, group_size, bits, mode=mode)
+        self.weight, self.scales = w, sb[0]
+        self.biases = sb[1] if len(sb) > 1 else None
+
+    def __call__(self, x, idx):
+        return mx.gather_qmm(x, self["weight"], self["scales"], self.get("biases"), rhs_indices=idx, transpose=True,
+                             group_size=self.group_size, bits=self.bits, mode=self.mode)
+
+
+class SwitchGLU(nn.Module):
+    """Routed SwiGLU experts over stacked weights. `expert_range` (e0, e1):
+    the experts this rank holds under expert placement (None: all, each
+    possibly an intermediate slice)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, act):
+        super().__init__()
+        self.num_experts = num_experts
+        self.gate_proj = SwitchLinear(num_experts, hidden_size, intermediate_size)
+        self.up_proj = SwitchLinear(num_experts, hidden_size, intermediate_size)
+        self.down_proj = SwitchLinear(num_experts, intermediate_size, hidden_size)
+        self.act = gated_fp32(act)
+        self.expert_range = None
+
+    def __call__(self, x, idx, w, grouped: bool = False):
+        """x [N, hidden], idx [N, k] (global expert ids), w [N, k] -> [N, hidden]:
+        sum_j w[:, j] * expert_idx[:, j](x) in x's dtype, added in ascending
+        expert order (transformers' index_add over the experts hit), so
+        half-precision sums round as the reference's. `grouped` (a prefill,
+        `use_grouped`): the rows run per expert block (`_grouped`), skipping
+        the experts this rank does not hold."""
+        order = mx.argsort(idx, axis=-1)
+        idx, w = mx.take_along_axis(idx, order, axis=-1), mx.take_along_axis(w, order, axis=-1)
+        if grouped:
+            out = self._grouped(x, idx)
+        else:
+            local = idx
+            if self.expert_range is not None:
+                e0, e1 = self.expert_range
+                w = mx.where((idx >= e0) & (idx < e1), w, mx.zeros_like(w))  # another rank's expert: 0 here
+                local = mx.clip(idx - e0, 0, e1 - e0 - 1)
+            xe = x[:, None, None, :]  # [N, 1, 1, hidden]: one row per (token, chosen expert)
+            h = self.act(self.gate_proj(xe, local), self.up_proj(xe, local))  # [N, k, 1, I]
+            out = self.down_proj(h, local).squeeze(-2)  # [N, k, hidden]
+        # expert output times its weight (promoted as torch does), rounded to x's dtype
+        parts = (out * w[..., None]).astype(x.dtype)
+        y = parts[:, 0]
+        for j in range(1, parts.shape[1]):
+            y = y + parts[:, j]
+        return y
+
+    def _grouped(self, x, idx):
+        """The gathered products with the N*k (token, expert) rows sorted by
+        expert: each expert's block through dense matmuls (its weights read
+        once per block), rows of experts held elsewhere left zero, then back
+        in token order: [N, k, hidden]. ONE HOST SYNC per call (the
+        per-expert row counts cut the blocks); routing is replicated, so every
+        rank reads the same counts."""
+        N, k = idx.shape
+        R, E = N * k, self.num_experts
+        flat = idx.flatten()
+        key = flat.astype(mx.uint32 if E * R < 2**32 else mx.uint64) * R + mx.arange(R)  # unique: a stable sort
+        order = mx.argsort(key)
+        counts = (flat[:, None] == mx.arange(E, dtype=flat.dtype)).sum(axis=0).tolist()  # the host sync
+        xs = x[order // k]  # [R, hidden]: the token of each sorted row
+        e0, e1 = self.expert_range or (0, E)
+        outs, start = [], 0
+        for e, n in enumerate(counts):
+            if n and e0 <= e < e1:
+                xb = xs[start : start + n]
+                h = self.act(_dense(xb, self.gate_proj, e - e0), _dense(xb, self.up_proj, e - e0))  # [n, I]
+                outs.append(_dense(h, self.down_proj, e - e0))  # [n, hidden]
+            elif n:
+                outs.append(mx.zeros((n, x.shape[-1]), x.dtype))  # another rank's expert
+            start += n
+        return mx.concatenate(outs)[mx.argsort(order)].reshape(N, k, -1)
+
+    def describe(self) -> str:
+        return "" if self.expert_range is None else f" (experts {self.expert_range[0]}-{self.expert_range[1] - 1} here)"
+
+
+class StackedRef:
+    """Per-expert checkpoint tensors [out, in] read as one [E, out, in]
+    tensor (a TensorRef's interface: shape, dtype, sliced_shape, read), so a
+    rank reads only its experts or its slice of each."""
+
+    def __init__(self, refs: list):
+        self.refs = refs
+        self.dtype = refs[0].dtype
+        self.shape = (len(refs),) + tuple(refs[0].shape)
+
+    def sliced_shape(self, axis, ranges) -> tuple:
+        if axis is None:
+            return self.shape
+        shape = list(self.shape)
+        shape[axis] = sum(e - s for s, e in ranges)
+        return tuple(shape)
+
+    def read(self, axis=None, ranges=None) -> mx.array:
+        if axis == 0:
+            chosen = [self.refs[e] for s, stop in ranges for e in range(s, stop)]
+            return mx.stack([r.read() for r in chosen])
+        inner = None if axis is None else axis - 1
+        return mx.stack([r.read(inner, ranges) for r in self.refs])
+
+
+def stack_expert_refs(weights: dict, num_experts: int, src: str = ".mlp.experts.", dst: str = ".mlp.switch_mlp.") -> dict:
+    """sanitize helper: `<layer>{src}N.<proj>.<param>` for N in 0..E-1 becomes
+    `<layer>{dst}<proj>.<param>`, a StackedRef (None when the values are None:
+    names only). Other names pass through; a layer storing some experts but not
+    all keeps its per-expert names (the strict load then names them)."""
+    groups, out = {}, {}
+    for name, ref in weights.items():
+        head, sep, tail = name.partition(src)
+        expert, _, rest = tail.partition(".")
+        if sep and expert.isdigit() and rest:
+            groups.setdefault((head, rest), {})[int(expert)] = (name, ref)
+        else:
+            out[name] = ref
+    for (head, rest), by_expert in groups.items():
+        if sorted(by_expert) != list(range(num_experts)):
+            out.update(dict(by_expert.values()))
+            continue
+        refs = [by_expert[e][1] for e in range(num_experts)]
+        out[f"{head}{dst}{rest}"] = None if refs[0] is None else StackedRef(refs)
+    return out

