@@ -329,6 +329,26 @@ def shard_attention(attn: nn.Module, group: Group) -> None:
     attn.num_kv_heads = len(slots)
 
 
+def shard_latent_attention(attn: nn.Module, group: Group) -> None:
+    """Shard multi-head latent attention (DeepSeek's MLA) by heads: rank r
+    keeps heads [h0, h1) (`split_ranges`; o_proj's quantization groups
+    permitting): their rows of q_b_proj (or q_proj; `q_head_dim` each) and
+    kv_b_proj (`kv_head_dim` each: k_nope then v), their o_proj input columns
+    (`v_head_dim` each, one all_sum). The latent projections (q_a_proj,
+    kv_a_proj_with_mqa) and their norms stay replicated: every rank computes
+    the whole latent, which is small."""
+    if group.single:
+        return
+    H, o = attn.total_num_heads, attn.o_proj
+    unit = math.lcm(attn.v_head_dim, o.group_size) // attn.v_head_dim if isinstance(o, nn.QuantizedLinear) else 1
+    h0, h1 = _rank_range(H, group, "the attention heads", unit)
+    q = "q_b_proj" if "q_b_proj" in attn else "q_proj"
+    setattr(attn, q, _sharded(getattr(attn, q), "rows", [(h0 * attn.q_head_dim, h1 * attn.q_head_dim)], group))
+    attn.kv_b_proj = _sharded(attn.kv_b_proj, "rows", [(h0 * attn.kv_head_dim, h1 * attn.kv_head_dim)], group)
+    attn.o_proj = _sharded(o, "cols", [(h0 * attn.v_head_dim, h1 * attn.v_head_dim)], group, "o_proj")
+    attn.num_heads = h1 - h0  # this rank's; total_num_heads stays the model's
+
+
 def _quant_unit(layer) -> int:
     """The input columns a cut of `layer`'s input must be a multiple of: its
     quantization group size (1 unquantized)."""
