@@ -328,6 +328,55 @@ class _StackedRef:
         return mx.stack([r.read(None if axis is None else axis - 1, ranges) for r in self.refs])
 
 
+class _KvbRef:
+    """kv_b_proj.weight [H * (nope + v), kv_lora] rebuilt from mlx-lm's split
+    of it (`embed_q` [H, kv_lora, nope], the k rows transposed; `unembed_out`
+    [H, v, kv_lora]): a rearrangement, exact. Reads only the heads a row
+    range needs."""
+
+    def __init__(self, wk, wv):
+        self.wk, self.wv = wk, wv
+        self.dtype = wk.dtype
+        H, R, nope = wk.shape
+        self.width = nope + wv.shape[1]  # rows per head
+        self.shape = (H * self.width, R)
+
+    def sliced_shape(self, axis, ranges) -> tuple:
+        return self.shape if axis is None else _StackedRef.sliced_shape(self, axis, ranges)
+
+    def read(self, axis=None, ranges=None) -> mx.array:
+        if axis == 1:
+            return mx.concatenate([self.read()[:, s:e] for s, e in ranges], axis=1)
+        parts = []
+        for s, e in ranges or [(0, self.shape[0])]:
+            h0, h1 = s // self.width, -(-e // self.width)
+            wk, wv = self.wk.read(0, [(h0, h1)]), self.wv.read(0, [(h0, h1)])
+            rows = mx.concatenate([wk.swapaxes(1, 2), wv], axis=1).reshape(-1, self.shape[1])  # [heads * width, R]
+            parts.append(rows[s - h0 * self.width : e - h0 * self.width])
+        return parts[0] if len(parts) == 1 else mx.concatenate(parts)
+
+
+class _ArrayRef:
+    """An mx.array read like a TensorRef (read(axis, ranges))."""
+
+    def __init__(self, a):
+        self.a, self.shape, self.dtype = a, tuple(a.shape), a.dtype
+
+    def read(self, axis=None, ranges=None):
+        if axis is None:
+            return self.a
+        return mx.concatenate([self.a[(slice(None),) * axis + (slice(s, e),)] for s, e in ranges], axis=axis)
+
+
+def _kv_b_proj(wk, wv):
+    """kv_b_proj.weight from mlx-lm's embed_q / unembed_out weights (None: names only)."""
+    if wk is None:
+        return None
+    if isinstance(wk, mx.array):
+        return _KvbRef(_ArrayRef(wk), _ArrayRef(wv)).read()
+    return _KvbRef(wk, wv)
+
+
 class Model(CausalLM):
     pipeline_stages = True  # a DecoderStack of independent layers: runs in --pp stages (pipeline.py)
 
@@ -345,6 +394,7 @@ class Model(CausalLM):
 
     def sanitize(self, weights: dict) -> dict:
         """Drop MTP layers (N >= num_hidden_layers) and saved RoPE buffers;
+        rebuild kv_b_proj from mlx-lm's `embed_q` / `unembed_out` (unquantized);
         stack per-expert `mlp.experts.N.<proj>.weight` into
         `mlp.switch_mlp.<proj>.weight` (lazily); the correction bias under
         either name (`mlp.gate.e_score_correction_bias` as the hub stores it,
@@ -358,6 +408,12 @@ class Model(CausalLM):
             ):
                 continue
             name = name.replace(".mlp.e_score_correction_bias", ".mlp.gate.e_score_correction_bias")
+            if name.endswith(".self_attn.unembed_out.weight") and name.replace("unembed_out", "embed_q") in weights:
+                continue  # joined with embed_q
+            base = name[: -len("embed_q.weight")]
+            if name.endswith(".self_attn.embed_q.weight") and base + "unembed_out.weight" in weights:
+                out[base + "kv_b_proj.weight"] = _kv_b_proj(w, weights.get(base + "unembed_out.weight"))
+                continue
             head, sep, tail = name.partition(".mlp.experts.")
             e, _, rest = tail.partition(".")
             if sep and e.isdigit():
