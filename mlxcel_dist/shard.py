@@ -349,6 +349,37 @@ def shard_latent_attention(attn: nn.Module, group: Group) -> None:
     attn.num_heads = h1 - h0  # this rank's; total_num_heads stays the model's
 
 
+def shard_stacked_experts_any(moe: nn.Module, group: Group, up=("gate_proj", "up_proj"), down="down_proj") -> None:
+    """`shard_stacked_experts` for stacks that may be MLX-quantized (each
+    projection a module with `weight` [E, out, in], or packed weight plus
+    `scales` / `biases` [E, out, in / group_size]): rank r keeps rows [i0, i1)
+    of axis 1 of the up stacks (every parameter) and the same input columns
+    of the down stack (axis 2; quantized: packed words and whole scale
+    groups, so cuts fall on the down stack's group size). No collective here."""
+    if group.single:
+        return
+    d = getattr(moe, down)
+    unit = d.group_size if d.get("scales") is not None else 1
+    inter = getattr(moe, up[0]).weight.shape[1]
+    rng = [_rank_range(inter, group, "the experts' intermediate size", unit)]
+    for name in up:
+        stack = getattr(moe, name)
+        spec = {p: (1, rng) for p in ("weight", "scales", "biases") if stack.get(p) is not None}
+        for p, (axis, r) in spec.items():
+            setattr(stack, p, _slice(stack[p], axis, r))
+        stack.shard_spec = ShardSpec(spec)
+    if unit > 1:
+        packed, groups = quantized_col_ranges(rng, d.group_size, d.bits, f"cannot split the experts' {down}")
+        spec = {"weight": (2, packed), "scales": (2, groups)}
+        if d.get("biases") is not None:
+            spec["biases"] = (2, groups)
+    else:
+        spec = {"weight": (2, rng)}
+    for p, (axis, r) in spec.items():
+        setattr(d, p, _slice(d[p], axis, r))
+    d.shard_spec = ShardSpec(spec)
+
+
 def _quant_unit(layer) -> int:
     """The input columns a cut of `layer`'s input must be a multiple of: its
     quantization group size (1 unquantized)."""

@@ -8,6 +8,8 @@
   `embed_q` / `unembed_out`) gives the same logits as transformers' per-expert
   layout, bit for bit, also per rank (np 2 on paper: the sanitized refs read a
   rank's slice);
+- mlx-lm's own 4-bit checkpoint (tests/fixtures/mlx_lm/deepseek_v3_q4) gives
+  mlx-lm's logits at np 1 (every feeding mode) and np 2;
 - the dense / MoE layer rule (first_k_dense_replace, moe_layer_freq), `info`'s
   per-layer kinds and the config refusals.
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -28,6 +31,7 @@ from mlxcel_dist.errors import UserError
 from mlxcel_dist.harness import FP32_REL_TOL, compare
 from mlxcel_dist.loader import build_model, load_model
 from mlxcel_dist.weights import open_checkpoint
+from testproc import run_cmd
 
 FIX = Path(__file__).parent / "fixtures" / "deepseek_v3"
 
@@ -162,3 +166,27 @@ def test_softmax_scale_takes_yarn_mscale_all_dim():
 def test_config_refusals(over, message):
     with pytest.raises(UserError, match=message):
         _args(**over)
+
+
+MLX_LM = Path(__file__).parent / "fixtures" / "mlx_lm" / "deepseek_v3_q4"
+
+
+def test_mlx_lm_4bit_checkpoint_matches_mlx_lm_at_np1():
+    """mlx_lm.convert's 4-bit checkpoint (switch_mlp gate/up quantized,
+    embed_q / unembed_out as mlx-lm splits kv_b_proj) in every feeding mode."""
+    from mlxcel_dist.harness import all_mode_logits
+
+    ref = np.load(MLX_LM / "mlx_lm_reference.npz")
+    model = load_model(MLX_LM).model
+    assert type(model.layers[1].mlp.switch_mlp.gate_proj).__name__ == "QuantizedStacked"
+    for mode, logits in all_mode_logits(model, ref["ids"]).items():
+        r = compare(logits, ref["logits"], FP32_REL_TOL)
+        assert r["ok"], (mode, r)
+
+
+def test_mlx_lm_4bit_checkpoint_matches_mlx_lm_at_np2(tmp_path):
+    """Two ranks: 3 heads each, quantized expert rows and dense down columns split."""
+    p = run_cmd([sys.executable, "-m", "mlxcel_dist.cli", "logit-match", str(MLX_LM), "--np", "2", "--backend", "mpi",
+                 "--reference", str(MLX_LM / "mlx_lm_reference.npz")], timeout=300, cwd=tmp_path)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "np2 vs reference" in p.stdout and " NO" not in p.stdout

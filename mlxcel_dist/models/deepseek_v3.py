@@ -60,7 +60,7 @@ from ..collectives import SINGLE
 from ..errors import UserError
 from ..layers import RMSNorm, activation, gated_fp32
 from ..rope import RoPE
-from ..shard import shard_expert_mlps, shard_latent_attention, shard_mlp, shard_stacked_experts
+from ..shard import shard_expert_mlps, shard_latent_attention, shard_mlp, shard_stacked_experts_any
 from .base import FULL, BaseModelArgs, CausalLM, DecoderStack, describe_layers
 
 DENSE, SPARSE = "dense", "sparse"
@@ -245,6 +245,30 @@ class Stacked(nn.Module):
         super().__init__()
         self.weight = mx.zeros((num_experts, out_dims, in_dims))
 
+    def __call__(self, x, idx):
+        return _gather_mm(x, self.weight, idx)
+
+    def to_quantized(self, group_size: int = 64, bits: int = 4, mode: str = "affine"):
+        """nn.quantize's hook (quant.quantize_model, before any weight is read)."""
+        return QuantizedStacked(self.weight, group_size, bits, mode)
+
+
+class QuantizedStacked(nn.Module):
+    """Stacked MLX-quantized: weight uint32 [E, out, in * bits / 32], scales
+    (and affine biases) [E, out, in / group_size], as mlx_lm.convert writes
+    switch_mlp; the chosen experts run through `mx.gather_qmm`."""
+
+    def __init__(self, weight: mx.array, group_size: int, bits: int, mode: str):
+        super().__init__()
+        self.group_size, self.bits, self.mode = group_size, bits, mode
+        w, *sb = mx.quantize(weight, group_size, bits, mode=mode)  # lazy placeholders the loader replaces
+        self.weight, self.scales = w, sb[0]
+        self.biases = sb[1] if len(sb) > 1 else None
+
+    def __call__(self, x, idx):
+        return mx.gather_qmm(x, self["weight"], self["scales"], self.get("biases"), rhs_indices=idx, transpose=True,
+                             group_size=self.group_size, bits=self.bits, mode=self.mode)
+
 
 class SwitchGLU(nn.Module):
     """The routed experts stacked (mlx-lm's switch_mlp names); only each
@@ -260,8 +284,8 @@ class SwitchGLU(nn.Module):
     def __call__(self, x, idx, w):
         """x [N, hidden], idx [N, k] ascending, w [N, k] fp32 -> [N, hidden]."""
         xe = x[:, None, None, :]  # [N, 1, 1, hidden]: one row per (token, chosen expert)
-        h = self.act(_gather_mm(xe, self.gate_proj.weight, idx), _gather_mm(xe, self.up_proj.weight, idx))
-        out = _gather_mm(h, self.down_proj.weight, idx).squeeze(-2)  # [N, k, hidden]
+        h = self.act(self.gate_proj(xe, idx), self.up_proj(xe, idx))  # [N, k, 1, I]
+        out = self.down_proj(h, idx).squeeze(-2)  # [N, k, hidden]
         parts = (out.astype(mx.float32) * w[..., None]).astype(x.dtype)  # each rounded, as index_add adds them
         y = parts[:, 0]
         for j in range(1, parts.shape[1]):
@@ -433,7 +457,7 @@ class Model(CausalLM):
         for layer in self.layers:
             shard_latent_attention(layer.self_attn, group)
             if isinstance(layer.mlp, MoE):
-                shard_stacked_experts(layer.mlp.switch_mlp, group)
+                shard_stacked_experts_any(layer.mlp.switch_mlp, group)
                 shard_expert_mlps([layer.mlp.shared_experts], group)
                 if not group.single:
                     layer.mlp.group = group
