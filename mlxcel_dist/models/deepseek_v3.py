@@ -112,6 +112,14 @@ class ModelArgs(BaseModelArgs):
             self._check_routing()
         self.rope = self.one_rope()
         self.q_head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads  # as transformers: every head its own k/v
+
+    @property
+    def head_dim(self) -> int:
+        """The per-head q/k width (what `info` shows; config.json's own
+        `head_dim` is transformers' alias of qk_rope_head_dim, not read)."""
+        return self.q_head_dim
 
     def _sparse(self, i: int) -> bool:
         freq = self.moe_layer_freq
@@ -159,7 +167,7 @@ class LatentAttention(nn.Module):
         H, D = args.num_attention_heads, args.hidden_size
         self.total_num_heads = self.num_heads = H
         self.nope, self.rope_dim, self.v_head_dim = args.qk_nope_head_dim, args.qk_rope_head_dim, args.v_head_dim
-        self.q_head_dim = args.q_head_dim
+        self.q_head_dim = self.head_dim = args.q_head_dim
         self.kv_head_dim = self.nope + self.v_head_dim
         self.kv_lora_rank = args.kv_lora_rank
         self.scale = args.softmax_scale
@@ -176,6 +184,14 @@ class LatentAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, LATENT_NORM_EPS)
         self.kv_b_proj = nn.Linear(self.kv_lora_rank, H * self.kv_head_dim, bias=False)
         self.o_proj = nn.Linear(H * self.v_head_dim, D, bias=bias)
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.num_heads  # each head its own k/v in the cache (plan, info)
+
+    @property
+    def total_num_kv_heads(self) -> int:
+        return self.total_num_heads
 
     def __call__(self, x, mask=None, cache=None):
         B, L, _ = x.shape
