@@ -190,3 +190,27 @@ def test_mlx_lm_4bit_checkpoint_matches_mlx_lm_at_np2(tmp_path):
                  "--reference", str(MLX_LM / "mlx_lm_reference.npz")], timeout=300, cwd=tmp_path)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "np2 vs reference" in p.stdout and " NO" not in p.stdout
+
+
+@pytest.mark.parametrize("case", ["deepseek_v3/yarn_fp32", "deepseek_v3/no_qlora_fp32", "mlx_lm/deepseek_v3_q4"])
+def test_latent_cache_matches_in_every_mode(monkeypatch, case):
+    """The latent cache (latent + k_pe per token; decode steps in the
+    absorbed form, or expanded for a quantized kv_b_proj) gives the
+    reference's logits in every feeding mode, compiled decode steps included;
+    its cache holds kv_lora + rope values per token, one "head"."""
+    from mlxcel_dist.harness import all_mode_logits
+    from mlxcel_dist.models import deepseek_v3
+
+    d = FIX.parent / case
+    ref = np.load(d / ("reference.npz" if (d / "reference.npz").exists() else "mlx_lm_reference.npz"))
+    monkeypatch.setattr(deepseek_v3, "LATENT_CACHE", True)
+    model = load_model(d).model
+    for mode, logits in all_mode_logits(model, ref["ids"]).items():
+        r = compare(logits, ref["logits"], FP32_REL_TOL)
+        assert r["ok"], (mode, r)
+    cache = model.make_cache()
+    model(mx.array(ref["ids"][:5])[None], cache)
+    a = model.args
+    keys, values = cache[0].state
+    assert keys.shape[1] == values.shape[1] == 1 and keys.shape[-1] == a.kv_lora_rank
+    assert values.shape[-1] == a.qk_rope_head_dim

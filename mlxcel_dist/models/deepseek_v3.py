@@ -14,10 +14,19 @@ Hidden states [B, L, hidden]. Multi-head latent attention (MLA) per layer:
   0.1 * mscale_all_dim * ln(factor) + 1 for a non-default RoPE with
   `mscale_all_dim` (transformers' yarn_apply_mscale); yarn's own
   attention factor mscale/mscale_all_dim scales cos and sin (rope.py).
-The cache holds per-head K = [k_nope, k_pe] [B, H, S, qk_nope + qk_rope] and
-V [B, H, S, v_head_dim] (a plain KVCache: decode.py's static buffers and
-the batch engine take it as is). Exact and simple; (H * (nope + rope + v))
-values per token and layer where the latent form needs kv_lora + rope.
+What the cache keeps (`LATENT_CACHE`, both plain KVCaches that decode.py's
+static buffers and the batch engine take as they are):
+- per-head (default): K = [k_nope, k_pe] [B, H, S, qk_nope + qk_rope] and
+  V [B, H, S, v_head_dim], H * (nope + rope + v) values per token and layer
+  (this rank's heads under TP), attention as the reference computes it;
+- latent: the normed latent [B, 1, S, kv_lora] as "keys" and the rotated
+  k_pe [B, 1, S, rope] as "values", kv_lora + rope values per token and
+  layer on every rank (replicated under TP). A prefill chunk expands every
+  cached position through kv_b_proj (as transformers does from its latent
+  cache); a decode step runs absorbed: q_nope W_uk scores the latent
+  directly, the rope scores enter SDPA as an additive mask (k = v = latent,
+  one KV head), and the weighted latent is expanded once by W_uv (a
+  quantized kv_b_proj expands instead).
 
 MLP: dense SwiGLU for layers i < first_k_dense_replace or i % moe_layer_freq
 != 0 (DeepSeek's own rule; transformers 5.24 ignores moe_layer_freq, which
@@ -39,10 +48,11 @@ every released checkpoint has at 1); else MoE:
 Tensor parallelism: rank r holds a contiguous range of heads (uneven counts
 fine): q_b_proj / q_proj rows, kv_b_proj rows and o_proj columns of its
 heads; q_a_proj, kv_a_proj_with_mqa and their norms replicated (every rank
-computes the latent). Its cache holds its heads' K/V only (1/N of the
-per-head cache). Dense MLPs split by columns; routed and shared experts
-split on their intermediate dimension (`shard.shard_stacked_experts`,
-`shard.shard_expert_mlps`), the router replicated, one all_sum per MoE block.
+computes the latent). Its per-head cache holds its heads' K/V only (1/N of
+the per-head cache); the latent cache is whole on every rank. Dense MLPs
+split by columns; routed and shared experts split on their intermediate
+dimension (`shard.shard_stacked_experts_any`, `shard.shard_expert_mlps`),
+the router replicated, one all_sum per MoE block.
 MTP layers (`model.layers.N.*`, N >= num_hidden_layers) are dropped.
 """
 
@@ -64,6 +74,10 @@ from ..shard import shard_expert_mlps, shard_latent_attention, shard_mlp, shard_
 from .base import FULL, BaseModelArgs, CausalLM, DecoderStack, describe_layers
 
 DENSE, SPARSE = "dense", "sparse"
+# What the cache keeps: False, per-head K/V (exact, the reference's order of
+# operations); True, the latent and k_pe (kv_lora + rope values per token, on
+# every rank), decode steps in the absorbed form (module doc).
+LATENT_CACHE = False
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: transformers' RMSNorm default, not rms_norm_eps
 
 
@@ -173,6 +187,7 @@ class LatentAttention(nn.Module):
         self.scale = args.softmax_scale
         self.rope = rope
         self.window = None  # full attention (describe_layers)
+        self.latent_cache = LATENT_CACHE
         bias = args.attention_bias
         if args.q_lora_rank is None:
             self.q_proj = nn.Linear(D, H * self.q_head_dim, bias=False)
@@ -204,14 +219,47 @@ class LatentAttention(nn.Module):
         k_pe = ckv[..., self.kv_lora_rank :][:, None]  # [B, 1, L, rope]: one k_pe shared by every head
         offset = cache.offset if cache is not None else 0
         q_pe, k_pe = self.rope(q_pe, offset), self.rope(k_pe, offset)
-        kv = self.kv_b_proj(latent).reshape(B, L, H, self.kv_head_dim).transpose(0, 2, 1, 3)  # [B, H, L, nope + v]
-        k_nope, v = kv[..., : self.nope], kv[..., self.nope :]
-        k = mx.concatenate([k_nope, mx.broadcast_to(k_pe, (B, H, L, self.rope_dim))], axis=-1)
+        if self.latent_cache:
+            # the cache keeps latent [B, 1, S, kv_lora] as "keys" and k_pe [B, 1, S, rope] as "values"
+            latent, k_pe = latent[:, None], k_pe
+            if cache is not None:
+                latent, k_pe = cache.update_and_fetch(latent, k_pe)
+            if L == 1 and "scales" not in self.kv_b_proj:
+                o = self._absorbed(q_nope, q_pe, latent, k_pe, mask)
+                return self.o_proj(o.transpose(0, 2, 1, 3).reshape(B, L, -1))
+            k, v = self._expand(latent[:, 0], k_pe)
+        else:
+            k, v = self._expand(latent, k_pe)
+            if cache is not None:
+                k, v = cache.update_and_fetch(k, v)
         q = mx.concatenate([q_nope, q_pe], axis=-1)
-        if cache is not None:
-            k, v = cache.update_and_fetch(k, v)
         o = causal_attention(q, k, v, self.scale, mask=mask)  # [B, H, L, v]
         return self.o_proj(o.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+    def _expand(self, latent, k_pe):
+        """latent [B, S, kv_lora], k_pe [B, 1, S, rope] -> per-head K [B, H,
+        S, nope + rope], V [B, H, S, v] (kv_b_proj on every position)."""
+        B, S, _ = latent.shape
+        H = self.num_heads
+        kv = self.kv_b_proj(latent).reshape(B, S, H, self.kv_head_dim).transpose(0, 2, 1, 3)  # [B, H, S, nope + v]
+        k_nope, v = kv[..., : self.nope], kv[..., self.nope :]
+        return mx.concatenate([k_nope, mx.broadcast_to(k_pe, (B, H, S, self.rope_dim))], axis=-1), v
+
+    def _absorbed(self, q_nope, q_pe, latent, k_pe, mask):
+        """One query per row against the latent cache, kv_b_proj absorbed:
+        q_nope W_uk scores the latent directly (q_nope.k_nope = (q_nope W_uk).latent)
+        and the weighted latent is expanded once by W_uv: [B, H, 1, v]. The
+        rope part enters as an additive mask of SDPA (k = v = latent, one
+        KV head shared by every query head)."""
+        H = self.num_heads
+        w = self.kv_b_proj.weight.reshape(H, self.kv_head_dim, self.kv_lora_rank)  # [H, nope + v, kv_lora]
+        w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]
+        q_abs = q_nope @ w_uk  # [B, H, 1, nope] @ [H, nope, kv_lora] -> [B, H, 1, kv_lora]
+        pe = (q_pe @ k_pe.swapaxes(-1, -2)) * self.scale  # [B, H, 1, S]
+        if isinstance(mask, mx.array):  # static buffers: the written slots (a bool row per batch row)
+            pe = mx.where(mask, pe, mx.array(mx.finfo(pe.dtype).min, pe.dtype))
+        o = mx.fast.scaled_dot_product_attention(q_abs, latent, latent, scale=self.scale, mask=pe)  # [B, H, 1, kv_lora]
+        return o @ w_uv.swapaxes(-1, -2)  # [B, H, 1, kv_lora] @ [H, kv_lora, v]
 
 
 class MoEGate(nn.Module):
