@@ -192,18 +192,19 @@ def test_mlx_lm_4bit_checkpoint_matches_mlx_lm_at_np2(tmp_path):
     assert "np2 vs reference" in p.stdout and " NO" not in p.stdout
 
 
+@pytest.mark.parametrize("latent", [True, False], ids=["latent", "per-head"])
 @pytest.mark.parametrize("case", ["deepseek_v3/yarn_fp32", "deepseek_v3/no_qlora_fp32", "mlx_lm/deepseek_v3_q4"])
-def test_latent_cache_matches_in_every_mode(monkeypatch, case):
-    """The latent cache (latent + k_pe per token; decode steps in the
-    absorbed form, or expanded for a quantized kv_b_proj) gives the
-    reference's logits in every feeding mode, compiled decode steps included;
-    its cache holds kv_lora + rope values per token, one "head"."""
+def test_both_caches_match_in_every_mode(monkeypatch, case, latent):
+    """Either cache (LATENT_CACHE; the per-family runners see the default)
+    gives the reference's logits in every feeding mode, compiled decode steps
+    included. The latent cache holds kv_lora + rope values per token, one
+    "head"; the per-head one H heads of nope + rope and v."""
     from mlxcel_dist.harness import all_mode_logits
     from mlxcel_dist.models import deepseek_v3
 
     d = FIX.parent / case
     ref = np.load(d / ("reference.npz" if (d / "reference.npz").exists() else "mlx_lm_reference.npz"))
-    monkeypatch.setattr(deepseek_v3, "LATENT_CACHE", True)
+    monkeypatch.setattr(deepseek_v3, "LATENT_CACHE", latent)
     model = load_model(d).model
     for mode, logits in all_mode_logits(model, ref["ids"]).items():
         r = compare(logits, ref["logits"], FP32_REL_TOL)
@@ -212,5 +213,33 @@ def test_latent_cache_matches_in_every_mode(monkeypatch, case):
     model(mx.array(ref["ids"][:5])[None], cache)
     a = model.args
     keys, values = cache[0].state
-    assert keys.shape[1] == values.shape[1] == 1 and keys.shape[-1] == a.kv_lora_rank
-    assert values.shape[-1] == a.qk_rope_head_dim
+    if latent:
+        assert keys.shape[1] == values.shape[1] == 1 and keys.shape[-1] == a.kv_lora_rank
+        assert values.shape[-1] == a.qk_rope_head_dim
+    else:
+        assert keys.shape[1] == values.shape[1] == a.num_attention_heads
+        assert (keys.shape[-1], values.shape[-1]) == (a.q_head_dim, a.v_head_dim)
+
+
+@pytest.mark.parametrize("latent", [True, False], ids=["latent", "per-head"])
+def test_our_quantized_conversion_runs_in_both_caches(tmp_path, monkeypatch, latent):
+    """`convert --quantize` (group size 32) quantizes kv_b_proj and the stacked
+    experts too; the absorbed decode step dequantizes kv_b_proj's rows, so
+    every mode agrees with the one pass."""
+    from mlxcel_dist.convert import convert_checkpoint
+    from mlxcel_dist.harness import all_mode_logits
+    from mlxcel_dist.models import deepseek_v3
+
+    monkeypatch.setattr(deepseek_v3, "LATENT_CACHE", latent)
+    out = convert_checkpoint(FIX / "no_qlora_fp32", tmp_path / "q4", quantize=True, bits=4, group_size=32)["out"]
+    model = load_model(out).model
+    attn, moe = model.layers[1].self_attn, model.layers[1].mlp
+    assert "scales" in attn.kv_b_proj and type(moe.switch_mlp.gate_proj).__name__ == "QuantizedStacked"
+    ids = np.load(FIX / "no_qlora_fp32" / "reference.npz")["ids"]
+    modes = all_mode_logits(model, ids)
+    for mode, logits in modes.items():
+        r = compare(logits, modes["one-pass"], FP32_REL_TOL)
+        assert r["ok"], (mode, r)
+    # the shared experts' down projection (32 inputs) is one group of 32: 2 ranks cannot cut it
+    with pytest.raises(UserError, match="cannot split an expert down_proj's inputs"):
+        load_model(out).model.shard(Group.planned(2, 1))

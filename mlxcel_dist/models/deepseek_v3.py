@@ -16,17 +16,19 @@ Hidden states [B, L, hidden]. Multi-head latent attention (MLA) per layer:
   attention factor mscale/mscale_all_dim scales cos and sin (rope.py).
 What the cache keeps (`LATENT_CACHE`, both plain KVCaches that decode.py's
 static buffers and the batch engine take as they are):
-- per-head (default): K = [k_nope, k_pe] [B, H, S, qk_nope + qk_rope] and
+- per-head: K = [k_nope, k_pe] [B, H, S, qk_nope + qk_rope] and
   V [B, H, S, v_head_dim], H * (nope + rope + v) values per token and layer
   (this rank's heads under TP), attention as the reference computes it;
-- latent: the normed latent [B, 1, S, kv_lora] as "keys" and the rotated
+- latent (default: 576 values a token and layer for DeepSeek-V3 on every
+  rank, where per-head needs 40960 / N; benchmarks/deepseek_v3_cache.py):
+  the normed latent [B, 1, S, kv_lora] as "keys" and the rotated
   k_pe [B, 1, S, rope] as "values", kv_lora + rope values per token and
   layer on every rank (replicated under TP). A prefill chunk expands every
   cached position through kv_b_proj (as transformers does from its latent
   cache); a decode step runs absorbed: q_nope W_uk scores the latent
   directly, the rope scores enter SDPA as an additive mask (k = v = latent,
   one KV head), and the weighted latent is expanded once by W_uv (a
-  quantized kv_b_proj expands instead).
+  quantized kv_b_proj dequantized for it).
 
 MLP: dense SwiGLU for layers i < first_k_dense_replace or i % moe_layer_freq
 != 0 (DeepSeek's own rule; transformers 5.24 ignores moe_layer_freq, which
@@ -74,10 +76,10 @@ from ..shard import shard_expert_mlps, shard_latent_attention, shard_mlp, shard_
 from .base import FULL, BaseModelArgs, CausalLM, DecoderStack, describe_layers
 
 DENSE, SPARSE = "dense", "sparse"
-# What the cache keeps: False, per-head K/V (exact, the reference's order of
-# operations); True, the latent and k_pe (kv_lora + rope values per token, on
-# every rank), decode steps in the absorbed form (module doc).
-LATENT_CACHE = False
+# What the cache keeps (module doc): True, the latent and k_pe (kv_lora + rope
+# values per token, on every rank), decode steps absorbed; False, per-head K/V
+# (the reference's order of operations, H * (nope + rope + v) values / N a rank).
+LATENT_CACHE = True
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: transformers' RMSNorm default, not rms_norm_eps
 
 
@@ -224,7 +226,7 @@ class LatentAttention(nn.Module):
             latent, k_pe = latent[:, None], k_pe
             if cache is not None:
                 latent, k_pe = cache.update_and_fetch(latent, k_pe)
-            if L == 1 and "scales" not in self.kv_b_proj:
+            if L == 1:
                 o = self._absorbed(q_nope, q_pe, latent, k_pe, mask)
                 return self.o_proj(o.transpose(0, 2, 1, 3).reshape(B, L, -1))
             k, v = self._expand(latent[:, 0], k_pe)
@@ -252,7 +254,11 @@ class LatentAttention(nn.Module):
         rope part enters as an additive mask of SDPA (k = v = latent, one
         KV head shared by every query head)."""
         H = self.num_heads
-        w = self.kv_b_proj.weight.reshape(H, self.kv_head_dim, self.kv_lora_rank)  # [H, nope + v, kv_lora]
+        p = self.kv_b_proj
+        w = p.weight
+        if "scales" in p:  # quantized: the weights as its matmul sees them (one dequantize a step, of this rank's rows)
+            w = mx.dequantize(w, p.scales, p.get("biases"), group_size=p.group_size, bits=p.bits, mode=p.mode)
+        w = w.astype(q_nope.dtype).reshape(H, self.kv_head_dim, self.kv_lora_rank)  # [H, nope + v, kv_lora]
         w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]
         q_abs = q_nope @ w_uk  # [B, H, 1, nope] @ [H, nope, kv_lora] -> [B, H, 1, kv_lora]
         pe = (q_pe @ k_pe.swapaxes(-1, -2)) * self.scale  # [B, H, 1, S]
