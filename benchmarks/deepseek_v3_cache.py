@@ -3,7 +3,8 @@ absorbed decode steps (models/deepseek_v3.py LATENT_CACHE), on one random
 MLA model: cache bytes per token and layer, decode ms/token (bench's timed
 generation: compiled steps on static buffers), peak memory.
 
-usage: python benchmarks/deepseek_v3_cache.py [--prompt 2048] [--gen 32]
+usage: python benchmarks/deepseek_v3_cache.py [--prompt 2048] [--gen 32] [--cache latent|per-head]
+(one process per cache kind gives clean peak-memory figures; without --cache both alternate)
 """
 
 from __future__ import annotations
@@ -32,11 +33,12 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=2048)
     ap.add_argument("--gen", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--cache", choices=("latent", "per-head"))
     a = ap.parse_args()
     mx.random.seed(0)
     rows = []
     for r in range(a.rounds):
-        for latent in (False, True):
+        for latent in [a.cache == "latent"] if a.cache else (False, True):
             deepseek_v3.LATENT_CACHE = latent
             m = build_model(CONFIG)
             m.update(tree_map(lambda p: mx.random.normal(p.shape) * 0.02, m.parameters()))

@@ -56,7 +56,8 @@ def build(name: str, src_case: str, group_size: int = GROUP_SIZE) -> dict:
         shutil.copyfile(src / "model.safetensors", hf / "model.safetensors")
         # config_t4.json, or a config.json already in that form (kimi_k2's); mlx-lm's convert loads the
         # tokenizer through transformers, which has no kimi_k2 type (mlx-lm itself reads it as deepseek_v3)
-        cfg = json.loads((src / "config_t4.json" if (src / "config_t4.json").exists() else src / "config.json").read_text())
+        t4 = src / "config_t4.json"
+        cfg = json.loads((t4 if t4.exists() else src / "config.json").read_text())
         cfg["model_type"] = {"kimi_k2": "deepseek_v3"}.get(cfg["model_type"], cfg["model_type"])
         (hf / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
         shutil.copyfile(src / "generation_config.json", hf / "generation_config.json")
