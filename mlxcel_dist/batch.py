@@ -104,8 +104,8 @@ class RowCache(StaticCache):
     (`offset`) the per-row positions [C], so its mask and writes are per row.
     `rows` (a, b): the view of a micro-batch, rows [a, b) only."""
 
-    def __init__(self, state, index: int, window: int | None, rows=None):
-        super().__init__(state, index, window)
+    def __init__(self, state, index: int, window: int | None, rows=None, chunk: int | None = None):
+        super().__init__(state, index, window, chunk)
         self.rows = rows
 
     @property
@@ -114,10 +114,10 @@ class RowCache(StaticCache):
         return pos if self.rows is None else pos[self.rows[0] : self.rows[1]]
 
     def mask(self, L: int) -> mx.array:
-        """[rows, 1, 1, S]: row b sees the slots it has written."""
+        """[rows, 1, 1, S]: row b sees the slots it has written (chunked: its chunk's)."""
         assert L == 1, "batch rows take one token per step"
-        pos = self.offset
-        return (mx.arange(self.size)[None, :] <= pos[:, None])[:, None, None, :]
+        last = self.last_slot(self.offset)
+        return (mx.arange(self.size)[None, :] <= last[:, None])[:, None, None, :]
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         b, i = self.buffers, self.index
@@ -150,8 +150,9 @@ class PrefillCache(LayerCache):
 
     static_kv = True
 
-    def __init__(self, buffers: dict, index: int, window: int | None, ring: int, wraps: bool):
+    def __init__(self, buffers: dict, index: int, window: int | None, ring: int, wraps: bool, chunk=None):
         self.buffers, self.index, self.window, self.ring, self.wraps = buffers, index, window, ring, wraps
+        self.chunk = chunk  # a chunked layer: its window is the chunk, the mask the chunk rule
 
     @property
     def offset(self) -> mx.array:
@@ -163,6 +164,8 @@ class PrefillCache(LayerCache):
         else:  # slot k: the latest position = k (mod R) before the row's chunk end (pads included); < 0: empty
             end = self.buffers["end"].reshape(-1, 1)
             pos = end - 1 - (end - 1 - mx.arange(self.ring)[None]) % self.ring
+        if self.chunk:
+            return create_rows_mask(L, self.buffers["offsets"], pos, chunk=self.chunk)
         return create_rows_mask(L, self.buffers["offsets"], pos, self.window)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
@@ -253,7 +256,7 @@ class _Flight:
 
 
 def _plain_greedy(params) -> bool:
-    return params.greedy and params.repetition_penalty == 1.0
+    return params.greedy and params.plain
 
 
 class BatchEngine:
@@ -278,6 +281,7 @@ class BatchEngine:
         self.views: list = []
         self.static: bool | None = None  # decided at the first add (the cache kinds)
         self.windows: list = []
+        self.chunks: list = []
         self.reads: list = []
         self._compiled = mx.compile(self._forward, inputs=self.buffers, outputs=self.buffers) if compiled else None
         # Pipeline stages (--pp): the rows can go through in micro-batches, one behind the other,
@@ -387,7 +391,7 @@ class BatchEngine:
             mx.eval([c.state for c in cache] if cache else [], outstanding_sends(self.model))
         if self.prompt_cache is not None and a.start < last:
             self.prompt_cache.store(prompt[:last], cache)
-        row = Row(a.rid, Sampler(a.sampling or SamplingParams()), prompt.tolist(), last, int(prompt[last]),
+        row = Row(a.rid, Sampler(a.sampling or SamplingParams(), len(prompt)), prompt.tolist(), last, int(prompt[last]),
                   budget=a.budget)
         if not self.static:
             row.eager_cache = cache
@@ -459,7 +463,7 @@ class BatchEngine:
             if R is None:
                 views.append(SharedKVCache(views[self.reads[i]], self.reads[i]))
             else:
-                views.append(PrefillCache(bufs, i, self.windows[i], R, wraps=R < T))
+                views.append(PrefillCache(bufs, i, self.windows[i], R, wraps=R < T, chunk=self.chunks[i]))
         self._reserve(len(self.rows) + B, max(a.last for a in admits) + 1)
         for offs, lens, upto in _chunks(admits, L):
             n = max(lens)
@@ -491,7 +495,7 @@ class BatchEngine:
             kv.append(tuple(_read_row(bufs[f"{x}{i}"], b, slots) for x in "kv"))
         if self.prompt_cache is not None:
             self.prompt_cache.store_layers(a.prompt[: a.last], kv, self.windows)
-        self._place(Row(a.rid, Sampler(a.sampling or SamplingParams()), a.prompt.tolist(), a.last,
+        self._place(Row(a.rid, Sampler(a.sampling or SamplingParams(), len(a.prompt)), a.prompt.tolist(), a.last,
                         int(a.prompt[a.last]), budget=a.budget), kv)
 
     def remove(self, rid) -> None:
@@ -590,7 +594,7 @@ class BatchEngine:
         self.views = []
         for i, (window, reads) in enumerate(zip(self.windows, self.reads)):
             if reads is None:
-                self.views.append(RowCache(self.buffers, i, window))
+                self.views.append(RowCache(self.buffers, i, window, chunk=self.chunks[i]))
             else:
                 self.views.append(SharedKVCache(self.views[reads], reads))
         self._sync_pos()
@@ -603,6 +607,7 @@ class BatchEngine:
             cache = self.model.make_cache()
             self.model(mx.array(probe)[None], cache)
         self.windows = [c.window for c in cache]
+        self.chunks = [c.chunk for c in cache]  # chunked layers (window = chunk, the chunk mask)
         self.reads = [c.reads_layer for c in cache]
         self._first = next(i for i, r in enumerate(self.reads) if r is None)
         self._shapes, self._dtypes = {}, {}
@@ -634,7 +639,7 @@ class BatchEngine:
         self.traces += 1
         views = []
         for i, (window, reads) in enumerate(zip(self.windows, self.reads)):
-            views.append(RowCache(self.buffers, i, window, (a, e)) if reads is None
+            views.append(RowCache(self.buffers, i, window, (a, e), self.chunks[i]) if reads is None
                          else SharedKVCache(views[reads], reads))
         logits = self.model(tokens, views)[:, -1]
         if e == self._capacity():
@@ -779,5 +784,6 @@ class BatchEngine:
         """Lazy arrays evaluated with a step: {rid: token_logprobs} of the
         rows in `want`, from each row's logits, its lazy id and the id still
         unread when the step was launched (pipelined: its context lacks it)."""
-        return {r.rid: token_logprobs(x, r.context, r.sampler.params, prev, tok, self.want[r.rid])
+        return {r.rid: token_logprobs(x, r.context, r.sampler.params, prev, tok, self.want[r.rid],
+                                      r.sampler.prompt_len)
                 for r, x, tok, prev in zip(self.rows, logits, ids, pending) if r.rid in self.want}

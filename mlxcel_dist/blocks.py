@@ -468,3 +468,41 @@ def gemma4_rope(params: dict, head_dim: int):
         return ProportionalRoPE(head_dim, params)
     # transformers' default RoPE for Gemma 4 ignores partial_rotary_factor
     return RoPE(head_dim, {"rope_type": "default", "rope_theta": params["rope_theta"]})
+
+
+# --------------------------------------------------------------------------- stacked expert projections
+
+
+class StackedLinear(nn.Module):
+    """E linear maps stacked in the Linear layout: `weight` [E, out, in]
+    (mlx-lm's SwitchLinear; minimax_m2's experts), applied to each (token,
+    chosen expert) row: x [..., 1, in] with indices -> [..., 1, out]
+    (`gather_mm_any`). `to_quantized` gives `QuantizedStackedLinear`, so
+    quant.quantize_model swaps it where the checkpoint has `.scales`."""
+
+    def __init__(self, num_experts: int, input_dims: int, output_dims: int):
+        super().__init__()
+        self.weight = mx.zeros((num_experts, output_dims, input_dims))
+
+    def __call__(self, x, indices):
+        return gather_mm_any(x, self.weight.swapaxes(-1, -2), indices)
+
+    def to_quantized(self, group_size: int = 64, bits: int = 4, mode: str = "affine", **_):
+        return QuantizedStackedLinear(self.weight, group_size, bits, mode)
+
+
+class QuantizedStackedLinear(nn.Module):
+    """StackedLinear quantized as mlx-lm's QuantizedSwitchLinear stores it:
+    `weight` (packed uint32) [E, out, in * bits / 32], `scales` and (affine)
+    `biases` [E, out, in / group_size]; rows run through mx.gather_qmm."""
+
+    def __init__(self, weight: mx.array, group_size: int, bits: int, mode: str = "affine"):
+        super().__init__()
+        self.group_size, self.bits, self.mode = group_size, bits, mode
+        self.weight, self.scales, *biases = mx.quantize(weight, group_size, bits, mode=mode)
+        if biases:
+            self.biases = biases[0]
+
+    def __call__(self, x, indices):
+        return mx.gather_qmm(x, self["weight"], self["scales"], self.get("biases"), rhs_indices=indices,
+                             transpose=True, group_size=self.group_size, bits=self.bits, mode=self.mode)  # fmt: skip

@@ -24,16 +24,23 @@ earlier keys that update will return, so a model builds its mask (key axis
   * A single-token decode writes into a ring buffer of `max_size` slots and
     returns at most `max_size` keys: exactly the window, in ring order (order is
     irrelevant to a single query, RoPE was applied before caching).
+- `ChunkedKVCache(chunk)`: chunked-attention layers (llama4): a query sees the
+  keys of its own attention chunk (positions chunk * (p // chunk) .. p), so
+  at most `chunk` keys (`window`) and `chunk` (not None) says which. It keeps
+  the last chunk - 1 keys as a RotatingKVCache's multi-token path does and
+  returns them with the new ones on every update (in position order), the
+  chunk mask (`masks.create_chunked_mask`) hiding those of earlier chunks.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 
-from .masks import CAUSAL, create_sliding_window_prefill_mask
+from .masks import CAUSAL, create_chunked_mask, create_sliding_window_prefill_mask
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
+CHUNKED = "chunked_attention"  # llama4: attention within fixed chunks of positions
 RECURRENT = "recurrent"  # a recurrent layer's kind (recurrent_gemma): state, no keys
 LAYER_KINDS = (SLIDING, FULL)
 
@@ -43,6 +50,8 @@ class LayerCache:
 
     - `offset`: tokens seen so far (the next token's position);
     - `window`: how many keys a query may see (None: every key);
+    - `chunk`: None, or the attention chunk of a chunked layer (its keys
+      are those of the query's chunk, not the trailing `window`);
     - `static_kv`: True when `temporal()` hands over keys/values that
       `decode.DecodeStep` can move into static buffers (other kinds, e.g.
       recurrent state, are stepped eagerly);
@@ -53,6 +62,7 @@ class LayerCache:
     """
 
     window: int | None = None
+    chunk: int | None = None
     static_kv = False
     offset = 0
     reads_layer: int | None = None  # a SharedKVCache: the layer whose KV it reads
@@ -292,9 +302,46 @@ class SharedKVCache(LayerCache):
         return k, v
 
 
-def make_layer_caches(layer_types: list, window: int | None) -> list:
-    """A RotatingKVCache(window) per sliding layer, a KVCache per full layer."""
-    return [RotatingKVCache(window) if kind == SLIDING else KVCache() for kind in layer_types]
+class ChunkedKVCache(RotatingKVCache):
+    """A chunked-attention layer's cache (see the module docstring): every
+    update returns the last min(offset, chunk - 1) earlier keys plus the new
+    ones, oldest first (a decode step too: no ring, so the mask knows each
+    key's position); decode.py's static buffers make it a ring of `chunk`."""
+
+    def __init__(self, chunk: int):
+        super().__init__(chunk)
+
+    @property
+    def chunk(self) -> int:
+        return self.max_size
+
+    def mask(self, L: int):
+        """None / CAUSAL when every returned key lies in the queries' chunk,
+        else the chunk mask over the `sliding_offset + L` keys returned."""
+        o, C = self.offset, self.max_size
+        if (o - self.sliding_offset) // C == (o + L - 1) // C:
+            return None if L == 1 else CAUSAL
+        return create_chunked_mask(L, o, C, self.sliding_offset + L)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        expected = self.sliding_offset + keys.shape[2]
+        prev = self.offset
+        k, v = self._update_concat(keys, values)
+        self.returned = k.shape[2]
+        assert self.returned == expected, (self.returned, expected)
+        self.last = (k, v, prev)
+        return k, v
+
+
+def make_layer_caches(layer_types: list, window: int | None, chunk: int | None = None) -> list:
+    """A RotatingKVCache(window) per sliding layer, a ChunkedKVCache(chunk)
+    per chunked one, a KVCache per full layer."""
+    def one(kind):
+        if kind == SLIDING:
+            return RotatingKVCache(window)
+        return ChunkedKVCache(chunk) if kind == CHUNKED else KVCache()
+
+    return [one(kind) for kind in layer_types]
 
 
 class RecurrentCache(LayerCache):

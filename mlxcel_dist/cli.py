@@ -776,6 +776,7 @@ def serve(
     stall_timeout: StallOpt = DEFAULT_STALL_TIMEOUT_S,
     served_model_name: Annotated[Optional[list[str]], typer.Option("--served-model-name", metavar="NAME", help="A name requests may give as 'model' (vLLM's flag, repeatable; the first is the id the server shows; default: MODEL as given).", show_default=False)] = None,
     header_timeout: Annotated[float, typer.Option("--header-timeout", metavar="SECONDS", help="Close a connection that has not sent a whole request head within this many seconds (at its start or after a response).")] = 10.0,
+    tool_call_parser: Annotated[Optional[str], typer.Option("--tool-call-parser", metavar="FORMAT", help="How the model writes tool calls: hermes, llama3_json or mistral (default: from markers in the chat template; none found: requests with tools get a 400).", show_default=False)] = None,
 ):
     """OpenAI-compatible HTTP server (/v1/models, /v1/completions, /v1/chat/completions, /health, /docs); rank 0 listens."""
     from .serve.lifecycle import listen, long_lived_env
@@ -815,6 +816,10 @@ def serve(
         raise UserError(f"--prompt-cache-size must be >= 0, got {prompt_cache_size}")
     if not (math.isfinite(header_timeout) and 0 < header_timeout <= 86400):
         raise UserError(f"--header-timeout must be in (0, 86400] seconds, got {header_timeout}")
+    from .serve.tools import FORMATS
+
+    if tool_call_parser is not None and tool_call_parser not in FORMATS:
+        raise UserError(f"--tool-call-parser must be one of {', '.join(FORMATS)}, got {tool_call_parser!r}")
     names = [n for n in (served_model_name or []) if n.strip()]
     if served_model_name and len(names) != len(served_model_name):
         raise UserError("--served-model-name must not be empty")
@@ -829,7 +834,7 @@ def serve(
                    decode_concurrency=decode_concurrency, prompt_concurrency=prompt_concurrency,
                    prompt_cache_size=prompt_cache_size, prompt_cache_bytes=cache_bytes, prefill_step=prefill_step,
                    warmup=warmup, micro_batches=micro_batches, served_names=list(dict.fromkeys(names)),
-                   header_timeout_s=header_timeout)
+                   header_timeout_s=header_timeout, tool_call_parser=tool_call_parser)
     run(loaded.model, tok, group, opts, sock, loaded.config)
 
 

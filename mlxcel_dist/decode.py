@@ -17,6 +17,10 @@ the step runs on `StaticCache`s instead of the growing `cache.KVCache` /
 - the mask is `arange(S) <= pos` for both kinds (unwritten slots are hidden;
   a full ring is all visible), built once per step per attention kind by
   `masks.layer_masks` from `StaticCache.mask`; RoPE takes `pos` as its offset.
+- chunked layers (llama4, `chunk`: a query sees its attention chunk) use the
+  sliding layers' buffer (a ring of `chunk` slots once that long), whose
+  slots 0 .. pos % chunk hold exactly the current chunk: the mask is
+  `arange(S) <= pos % chunk` (while S < chunk, pos < S and that is pos).
 
 Slots past the mask hold zeros and get zero weight, so a step's logits are
 those of the eager decode path (tests/test_decode.py compares them, and the
@@ -61,8 +65,8 @@ class StaticCache(LayerCache):
     attention uses (`offset`, `mask`, `update_and_fetch`) with `pos` as an
     array."""
 
-    def __init__(self, state: "DecodeState", index: int, window: int | None):
-        self.buffers, self.index, self.window = state, index, window
+    def __init__(self, state: "DecodeState", index: int, window: int | None, chunk: int | None = None):
+        self.buffers, self.index, self.window, self.chunk = state, index, window, chunk
 
     @property
     def state(self) -> list:
@@ -78,9 +82,14 @@ class StaticCache(LayerCache):
 
     def mask(self, L: int) -> mx.array:
         """[1, S] bool: the slots this step's query may see (the written ones;
-        a full ring is all visible)."""
+        a full ring is all visible; chunked: the current chunk's)."""
         assert L == 1, "static buffers take one token per step"
-        return (mx.arange(self.size) <= self.buffers["pos"])[None]
+        return (mx.arange(self.size) <= self.last_slot(self.buffers["pos"]))[None]
+
+    def last_slot(self, pos):
+        """The last visible slot for a query at `pos`: slots 0 .. it are those
+        it sees (pos, or pos % chunk on a chunked layer; a full ring: all)."""
+        return pos % self.chunk if self.chunk else pos
 
     def slot(self, pos):
         """The buffer slot of position `pos` (an int or an array): itself on a
@@ -163,7 +172,7 @@ class DecodeStep:
             bk[..., slots, :] = k
             bv[..., slots, :] = v
             self.state[f"k{i}"], self.state[f"v{i}"] = bk, bv
-            self.views.append(StaticCache(self.state, i, window))
+            self.views.append(StaticCache(self.state, i, window, c.chunk))
         for c in cache:  # taken over: the eager buffers go once the static ones are built
             c.release()
         return self.views
@@ -263,7 +272,7 @@ class DecodeStep:
             slot = self.views[i].slot(p)
             k[..., slot : slot + 1, :] = k_new
             v[..., slot : slot + 1, :] = v_new
-            m = min(p + 1, k.shape[2])
+            m = min(self.views[i].last_slot(p) + 1, k.shape[2])
             carry = (x, layer.self_attn.attend(q, k[..., :m, :], v[..., :m, :]))
         logits, s["pos"] = segs[-1](*carry, pos)
         self.traces += self._traced  # one count per step that built new graphs

@@ -309,7 +309,7 @@ class TokenGenerator:
         check_generation_options(max_tokens, check_every, prefill_step)
         self.model = model
         self.max_tokens = max_tokens
-        self.sampler = Sampler(faults.sampling(sampling or SamplingParams(), group))
+        self.sampler = Sampler(faults.sampling(sampling or SamplingParams(), group), prompt_len=len(self.prompt))
         self.eos = set(int(e) for e in eos_ids)
         self.prefill_step = prefill_step or DEFAULT_PREFILL_STEP
         self.guard = RankAgreement(group, check_every)
@@ -360,7 +360,7 @@ class TokenGenerator:
         """Lazy sampling.token_logprobs when the logprobs option is on; () when off, so nothing is built."""
         if self.logprobs is None:
             return ()
-        return token_logprobs(logits, context, self.sampler.params, pending, tok, self.logprobs)
+        return token_logprobs(logits, context, self.sampler.params, pending, tok, self.logprobs, self.sampler.prompt_len)
 
     def __iter__(self):
         stats = self.stats

@@ -46,7 +46,9 @@ def short_length(window: int, T: int) -> int:
 
 
 def model_window(model) -> int:
-    w = getattr(model.args, "sliding_window", None)
+    """The span the modes must cross: the sliding window, else a chunked-
+    attention model's attention chunk (llama4), else 16."""
+    w = getattr(model.args, "sliding_window", None) or getattr(model.args, "attention_chunk_size", None)
     return int(w) if w else 16
 
 

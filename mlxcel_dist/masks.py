@@ -22,13 +22,17 @@ Which builder applies:
   cache returns with this update (`cache.sliding_offset`), so the mask's key
   axis always equals the keys attention receives.
 
+- `create_chunked_mask(size, offset, chunk, num_keys)`: chunked attention
+  (llama4): key k visible to query q iff k <= q and k // chunk == q // chunk
+  (the query's own attention chunk), over the last `num_keys` keys.
+
 No builder ever returns a row that is all False.
 
 Rows at their own offsets (batch.py's prefill of several prompts together):
 `create_rows_mask(size, offsets, key_positions, window)` is [B, 1, size, K]
 for row b's queries at `offsets[b] + q` and the absolute position of each
 key slot per row (a ring's slots hold positions out of order; -1: a slot
-never written), with the same visibility rule; no row is all False as long
+never written), with the same visibility rule (chunked with `chunk`); no row is all False as long
 as each query's own key is among the slots (it is written before attention).
 
 `layer_masks` (what models call once per forward) asks each attention kind's
@@ -111,10 +115,26 @@ def create_sliding_window_prefill_mask(size: int, sliding_offset: int, window: i
     return create_causal_mask_with_window_full(size, sliding_offset, window)
 
 
-def create_rows_mask(size: int, offsets: mx.array, key_positions: mx.array, window: int | None = None) -> mx.array:
+def create_chunked_mask(size: int, offset: int, chunk: int, num_keys: int | None = None) -> mx.array:
+    """[size, num_keys] (default offset + size): queries at offset + q, keys
+    the last `num_keys` of the offset + size positions; key k visible iff
+    k <= q and k // chunk == q // chunk. The keys must reach back to the
+    first query's chunk start (num_keys >= offset % chunk + size), so no row
+    is all False."""
+    _check(size, offset, chunk)
+    num_keys = offset + size if num_keys is None else num_keys
+    if not offset % chunk + size <= num_keys <= offset + size:
+        raise ValueError(f"chunked mask over {num_keys} keys cannot serve {size} queries at {offset} (chunk {chunk})")
+    q, k = _positions(size, offset, num_keys)
+    return (k <= q) & (k // chunk == q // chunk)
+
+
+def create_rows_mask(size: int, offsets: mx.array, key_positions: mx.array, window: int | None = None,
+                     chunk: int | None = None) -> mx.array:  # fmt: skip
     """[B, 1, size, K]: row b's query q (position offsets[b] + q) sees key
     slot k iff its position p = key_positions[b, k] (or [k], shared by the
-    rows) satisfies 0 <= p <= q_pos and, windowed, q_pos - window < p.
+    rows) satisfies 0 <= p <= q_pos and, windowed, q_pos - window < p;
+    chunked, p // chunk == q_pos // chunk.
     `offsets` int [B]; key positions int, -1 for a slot never written."""
     if size < 1:
         raise ValueError(f"mask needs size >= 1, got size={size}")
@@ -125,21 +145,24 @@ def create_rows_mask(size: int, offsets: mx.array, key_positions: mx.array, wind
     m = (k >= 0) & (k <= q)
     if window is not None:
         m = m & (k > q - window)
+    if chunk is not None:
+        m = m & (k // chunk == q // chunk)
     return m[:, None]
 
 
-def layer_masks(L: int, cache, layer_types: list, window: int | None) -> dict:
+def layer_masks(L: int, cache, layer_types: list, window: int | None, chunk: int | None = None) -> dict:
     """One mask per attention kind for L new tokens, built once per forward
     (before any layer updates its cache): each kind's first cache says which
     (`cache.LayerCache.mask`). `cache` is the cache list of the layers this
     rank runs, `layer_types` their kinds, entry for entry (every layer, or a
     pipeline stage's: a kind's first layer may be on another stage, so the
     kinds are the stage's own, never the model's), or None for a cache-less
-    pass, which needs what fresh caches would."""
+    pass, which needs what fresh caches would (`chunk`: the chunked layers'
+    attention chunk)."""
     if cache is None:
         from .cache import make_layer_caches
 
-        cache = make_layer_caches(layer_types, window)
+        cache = make_layer_caches(layer_types, window, chunk)
     masks = {}
     for kind, c in zip(layer_types, cache):
         if kind not in masks:

@@ -145,12 +145,12 @@ def infer_params(path: str, module: nn.Module, refs: dict) -> QuantParams:
     if f"{path}.weight" not in refs:
         raise UserError(f"checkpoint has {path}.scales but no {path}.weight")
     w, s = refs[f"{path}.weight"], refs[f"{path}.scales"]
-    lead = tuple(module.weight.shape[:-1])  # [out], or [E, out] for stacked experts
-    in_dims = module.weight.shape[-1]
+    shape = tuple(module.weight.shape)  # [out, in], or [E, out, in] for stacked experts (blocks.StackedLinear)
+    in_dims = shape[-1]
     ok = (
         w.dtype == "U32"
-        and len(w.shape) == len(lead) + 1 == len(s.shape)
-        and tuple(w.shape[:-1]) == lead == tuple(s.shape[:-1])
+        and len(w.shape) == len(shape) == len(s.shape)
+        and tuple(w.shape[:-1]) == shape[:-1] == tuple(s.shape[:-1])
         and s.shape[-1] > 0
         and in_dims % s.shape[-1] == 0
         and (w.shape[-1] * 32) % in_dims == 0
@@ -158,7 +158,7 @@ def infer_params(path: str, module: nn.Module, refs: dict) -> QuantParams:
     if not ok:
         raise UserError(
             f"tensors {path}.weight ({w.dtype} {list(w.shape)}) and {path}.scales ({list(s.shape)}) "
-            f"are not a quantized {list(lead) + [in_dims]} matrix"
+            f"are not a quantized {list(shape)} matrix"
         )
     gs, bits = in_dims // s.shape[-1], (w.shape[-1] * 32) // in_dims
     if s.dtype != "U8":

@@ -3,7 +3,8 @@ min-p, seeded categorical sampling; greedy at temperature 0.
 
 Order (transformers' `generate` order, and why)::
 
-    repetition penalty -> (temp == 0: argmax) -> temperature -> top-k -> top-p -> min-p -> sample
+    logit bias -> repetition penalty -> presence / frequency penalties -> (temp == 0: argmax)
+        -> temperature -> top-k -> top-p -> min-p -> sample
 
 Each step has exactly the semantics of the transformers LogitsProcessor of the
 same name (`RepetitionPenaltyLogitsProcessor`, `TemperatureLogitsWarper`,
@@ -13,6 +14,10 @@ same name (`RepetitionPenaltyLogitsProcessor`, `TemperatureLogitsWarper`,
 - repetition penalty: every distinct token id in the context (prompt +
   generated so far; with `repetition_context_size` N only the last N ids, as
   mlx-lm's `repetition_context_size`) gets `l * p` if `l < 0` else `l / p`;
+- logit bias (OpenAI's `logit_bias`): `l + bias[id]` for the ids it names;
+- presence / frequency penalties (OpenAI's, as vLLM applies them, over the
+  generated ids only, not the prompt): `l - frequency x count(id) -
+  presence x (count(id) > 0)`;
 - temperature: `l / temp`;
 - top-k: drop tokens whose logit is below the k-th largest (ties kept);
 - top-p: sort ascending, drop tokens whose cumulative probability (of the
@@ -47,6 +52,7 @@ invariant at run time (see there).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -67,6 +73,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # 1 = off
     repetition_context_size: int = 0  # 0 = the whole context (prompt + generated)
     seed: int = 0
+    presence_penalty: float = 0.0  # OpenAI's, over the generated ids; 0 = off
+    frequency_penalty: float = 0.0  # OpenAI's, over the generated ids; 0 = off
+    logit_bias: tuple = ()  # ((token id, bias), ...) sorted by id, OpenAI's logit_bias
 
     def validate(self) -> "SamplingParams":
         """Raise UserError (named after the CLI option) on a value no reference accepts."""
@@ -87,7 +96,22 @@ class SamplingParams:
             bad("--repetition-context-size", ">= 0 (0 = the whole context)", self.repetition_context_size)
         if not 0 <= self.seed < SEED_LIMIT:
             bad("--seed", "in [0, 2^64)", self.seed)
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and -2.0 <= v <= 2.0):
+                bad(name, "in [-2, 2] (0 = off)", v)
+        for tid, bias in self.logit_bias:
+            if isinstance(tid, bool) or not isinstance(tid, int) or tid < 0:
+                bad("logit_bias", "keyed by token ids >= 0", tid)
+            if not (math.isfinite(bias) and -100.0 <= bias <= 100.0):
+                bad("logit_bias", "values in [-100, 100]", bias)
         return self
+
+    @property
+    def plain(self) -> bool:
+        """Nothing changes the model's logits before the draw."""
+        return self.repetition_penalty == 1.0 and not (self.presence_penalty or self.frequency_penalty
+                                                        or self.logit_bias)
 
     @property
     def greedy(self) -> bool:
@@ -108,6 +132,12 @@ class SamplingParams:
         if self.repetition_penalty != 1:
             ctx = self.repetition_context_size or "all"
             parts.append(f"repetition penalty {self.repetition_penalty:g} (context {ctx})")
+        if self.presence_penalty:
+            parts.append(f"presence penalty {self.presence_penalty:g}")
+        if self.frequency_penalty:
+            parts.append(f"frequency penalty {self.frequency_penalty:g}")
+        if self.logit_bias:
+            parts.append(f"logit bias on {len(self.logit_bias)} token(s)")
         return ", ".join(parts)
 
 
@@ -136,6 +166,45 @@ def apply_repetition_penalty(logits: mx.array, context, penalty: float, context_
         seen = mx.logical_or(seen, mx.arange(logits.shape[-1]) == pending.astype(mx.int32))
     penalized = mx.where(logits < 0, logits * penalty, logits / penalty)
     return mx.where(seen, penalized, logits)
+
+
+@functools.lru_cache(maxsize=64)
+def _bias_vector(logit_bias: tuple, V: int) -> mx.array:
+    b = np.zeros(V, np.float32)
+    for tid, bias in logit_bias:
+        if tid < V:  # ids past the vocabulary are refused where requests are parsed
+            b[tid] += np.float32(bias)
+    return mx.array(b)
+
+
+def apply_logit_bias(logits: mx.array, logit_bias: tuple) -> mx.array:
+    """OpenAI's logit_bias: `bias` added to the logit of each id it names."""
+    return logits + _bias_vector(logit_bias, logits.shape[-1]) if logit_bias else logits
+
+
+def apply_presence_frequency(logits: mx.array, generated, presence: float, frequency: float,
+                             pending: mx.array | None = None) -> mx.array:
+    """OpenAI's penalties over the generated ids (vLLM's definitions):
+    `l - frequency x count - presence x (count > 0)`. `pending`: one more
+    generated id not read yet (see apply_repetition_penalty)."""
+    if not (presence or frequency) or (len(generated) == 0 and pending is None):
+        return logits
+    V = logits.shape[-1]
+    counts = mx.array(np.bincount(np.asarray(generated, np.int64), minlength=V)[:V].astype(np.float32))
+    if pending is not None:
+        counts = counts + (mx.arange(V) == pending.astype(mx.int32)).astype(mx.float32)
+    return logits - frequency * counts - presence * (counts > 0).astype(mx.float32)
+
+
+def penalized(logits: mx.array, context, params: "SamplingParams", pending: mx.array | None = None,
+              prompt_len: int = 0) -> mx.array:
+    """float32 logits after the logit bias and the penalties: what greedy
+    takes the argmax of, temperature scales and logprobs report. `context`:
+    prompt + generated ids, its first `prompt_len` the prompt."""
+    x = apply_logit_bias(logits.astype(mx.float32), params.logit_bias)
+    x = apply_repetition_penalty(x, context, params.repetition_penalty, params.repetition_context_size, pending)
+    return apply_presence_frequency(x, context[prompt_len:], params.presence_penalty, params.frequency_penalty,
+                                    pending)
 
 
 def apply_top_k(logits: mx.array, k: int) -> mx.array:
@@ -171,13 +240,13 @@ def apply_min_p(logits: mx.array, min_p: float) -> mx.array:
     return mx.where(probs < min_p * top, NEG_INF, logits)
 
 
-def process_logits(logits: mx.array, context, params: SamplingParams, pending: mx.array | None = None) -> mx.array:
+def process_logits(logits: mx.array, context, params: SamplingParams, pending: mx.array | None = None,
+                   prompt_len: int = 0) -> mx.array:
     """float32 logits of the distribution a token is drawn from (the warped
     scores of transformers' sampling), in the documented order. At temp 0 only
-    the repetition penalty applies (greedy takes the argmax of this).
+    the bias and penalties apply (greedy takes the argmax of this).
     `pending`: a not-yet-read last context id (see apply_repetition_penalty)."""
-    x = logits.astype(mx.float32)
-    x = apply_repetition_penalty(x, context, params.repetition_penalty, params.repetition_context_size, pending)
+    x = penalized(logits, context, params, pending, prompt_len)
     if params.greedy:
         return x
     if params.temp != 1.0:
@@ -194,8 +263,9 @@ class Sampler:
     as a lazy int32 scalar (no host sync), for a decode loop that schedules
     the next step before it reads this one."""
 
-    def __init__(self, params: SamplingParams):
+    def __init__(self, params: SamplingParams, prompt_len: int = 0):
         self.params = params.validate()
+        self.prompt_len = prompt_len  # the context's first ids: not generated (presence / frequency)
         self._key = mx.random.key(params.seed)
         self.draws = 0
 
@@ -205,7 +275,7 @@ class Sampler:
         return sub
 
     def sample(self, logits: mx.array, context, pending: mx.array | None = None) -> mx.array:
-        x = process_logits(logits, context, self.params, pending)
+        x = process_logits(logits, context, self.params, pending, self.prompt_len)
         if self.params.greedy:
             tok = mx.argmax(x, axis=-1)
         else:
@@ -216,16 +286,16 @@ class Sampler:
         return int(self.sample(logits, context).item())
 
 
-def token_logprobs(logits: mx.array, context, params: SamplingParams, pending, tok: mx.array, k: int) -> tuple:
+def token_logprobs(logits: mx.array, context, params: SamplingParams, pending, tok: mx.array, k: int,
+                   prompt_len: int = 0) -> tuple:
     """Lazy (logprob of the drawn id `tok` [1], top-k ids, their logprobs); k = 0: the first only.
 
     Which distribution: the log-softmax of the model's logits after the
-    repetition penalty and before temperature, top-k, top-p and min-p, as
-    mlx-lm's generate_step; with no penalty it is the model's own, what
+    logit bias and the penalties and before temperature, top-k, top-p and
+    min-p, as mlx-lm's generate_step; with none it is the model's own, what
     OpenAI's API and vLLM (raw_logprobs) return. Every rank computes the same
     values from bit-identical logits (no collective)."""
-    x = apply_repetition_penalty(logits.reshape(-1).astype(mx.float32), context, params.repetition_penalty,
-                                 params.repetition_context_size, pending)
+    x = penalized(logits.reshape(-1), context, params, pending, prompt_len)
     lp = x - mx.logsumexp(x, axis=-1, keepdims=True)
     chosen = mx.take(lp, tok.reshape(1).astype(mx.int32))
     k = min(k, lp.shape[-1])

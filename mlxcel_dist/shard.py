@@ -645,6 +645,39 @@ def shard_fused_gate_up_experts(ex: nn.Module, group: Group) -> None:
     ex.group = group
 
 
+def shard_stacked_linear_experts(ex: nn.Module, group: Group) -> None:
+    """Split experts held as `blocks.StackedLinear` modules (or their
+    quantized form) by their intermediate dimension: `ex.gate_up_proj`
+    [E, 2I, hidden] keeps gate rows [i0, i1) and up rows [I + i0, I + i1)
+    (every stored tensor: rows are whole in the packed layout), `ex.down_proj`
+    [E, hidden, I] input columns [i0, i1) (quantized: whole groups, packed
+    words and group columns). No collective here: `ex.group` (set) sums the
+    experts' partial output once."""
+    if group.single:
+        return
+    gu, down = ex.gate_up_proj, ex.down_proj
+    quantized = "scales" in down
+    inter = down.scales.shape[2] * down.group_size if quantized else down.weight.shape[2]
+    unit = down.group_size if quantized else 1
+    i0, i1 = _rank_range(inter, group, "the experts' intermediate size", unit)
+    halves = [(i0, i1), (inter + i0, inter + i1)]
+    if gu.weight.shape[1] != 2 * inter:
+        raise UserError(f"expert gate_up_proj has {gu.weight.shape[1]} rows, expected 2 x {inter}")
+    names = [n for n in ("weight", "scales", "biases") if n in gu]
+    for n in names:
+        setattr(gu, n, _slice(getattr(gu, n), 1, halves))
+    gu.shard_spec = ShardSpec({n: (1, halves) for n in names})
+    if quantized:
+        packed, groups = quantized_col_ranges([(i0, i1)], down.group_size, down.bits, "expert down_proj")
+        spec = {"weight": (2, packed), **{n: (2, groups) for n in ("scales", "biases") if n in down}}
+    else:
+        spec = {"weight": (2, [(i0, i1)])}
+    for n, (axis, rng) in spec.items():
+        setattr(down, n, _slice(getattr(down, n), axis, rng))
+    down.shard_spec = ShardSpec(spec)
+    ex.group = group
+
+
 def shard_packed_attention(attn: nn.Module, group: Group, packed: str = "W_pack", per_kv_head=()) -> None:
     """Shard an attention whose q, k and v come from ONE fused projection
     (Baichuan's `W_pack`, rows [q (H*D); k (KV*D); v (KV*D)]): rank r keeps

@@ -142,17 +142,17 @@ class Tokenizer:
                 out[name] = str(v)
         return out
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """transformers' apply_chat_template(messages, tokenize=False,
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None) -> str:
+        """transformers' apply_chat_template(messages, tools=..., tokenize=False,
         add_generation_prompt=...)."""
         source, where = self.chat_template()
         return render_chat_template(source, messages, add_generation_prompt=add_generation_prompt,
-                                    where=where, **self.special_tokens_map())
+                                    where=where, tools=tools, **self.special_tokens_map())
 
-    def chat_ids(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def chat_ids(self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None) -> list[int]:
         """Ids of the rendered chat; like transformers, no special tokens are
         added (the template writes its own BOS)."""
-        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+        return self.encode(self.render_chat(messages, add_generation_prompt, tools), add_special_tokens=False)
 
     def prompt_ids(self, prompt: str, chat: bool | None = None, system: str | None = None) -> list[int]:
         """The generation prompt: plain text (BOS added as the tokenizer says),
@@ -212,7 +212,7 @@ def _jinja_env():
 
 
 def render_chat_template(source: str, messages: list[dict], add_generation_prompt: bool = True,
-                         where: str = "chat template", **special_tokens) -> str:
+                         where: str = "chat template", tools: list | None = None, **special_tokens) -> str:
     """Render a chat template with transformers' jinja environment (sandboxed,
     trim_blocks, lstrip_blocks, loopcontrols, its tojson, raise_exception,
     strftime_now) and variables (messages, tools=None, documents=None,
@@ -223,7 +223,7 @@ def render_chat_template(source: str, messages: list[dict], add_generation_promp
     except jinja2.TemplateSyntaxError as e:
         raise UserError(f"{where}: chat template syntax error at line {e.lineno}: {e.message}") from None
     try:
-        return template.render(messages=messages, tools=None, documents=None,
+        return template.render(messages=messages, tools=tools, documents=None,
                                add_generation_prompt=add_generation_prompt, **special_tokens)
     except jinja2.TemplateError as e:
         raise UserError(f"{where}: the chat template refused this conversation: {e}") from None

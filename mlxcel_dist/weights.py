@@ -144,3 +144,80 @@ def open_checkpoint(model_dir: Path) -> dict[str, TensorRef]:
                 raise UserError(f"{model_dir}: tensor {name!r} appears in two files")
             refs[name] = ref
     return refs
+
+
+# --------------------------------------------------------------------------- lazy views (a model's sanitize)
+# Checkpoint layouts that store a model's tensor in pieces (one per expert,
+# gate and up apart) or transposed are joined / swapped by views that read
+# like a TensorRef (shape, dtype, sliced_shape, read(axis, ranges)), so a
+# rank still reads only its slices. Arrays are joined at once; None (a
+# names-only pass) stays None.
+
+
+class _View:
+    def sliced_shape(self, axis, ranges) -> tuple:
+        if axis is None:
+            return self.shape
+        shape = list(self.shape)
+        shape[axis] = sum(e - s for s, e in ranges)
+        return tuple(shape)
+
+
+class JoinedRef(_View):
+    """`parts` stacked on a new axis 0 (`stack`; equal shapes) or concatenated along `axis`."""
+
+    def __init__(self, parts: list, axis: int = 0, stack: bool = False):
+        self.parts, self.axis, self.stack = parts, axis, stack
+        self.dtype = parts[0].dtype
+        first = tuple(parts[0].shape)
+        if stack:
+            self.shape = (len(parts), *first)
+        else:
+            self.shape = first[:axis] + (sum(p.shape[axis] for p in parts),) + first[axis + 1 :]
+
+    def read(self, axis=None, ranges=None) -> mx.array:
+        if self.stack:
+            if axis == 0:
+                return mx.stack([self.parts[i].read() for s, e in ranges for i in range(s, e)])
+            return mx.stack([p.read(None if axis is None else axis - 1, ranges) for p in self.parts])
+        if axis != self.axis:
+            return mx.concatenate([p.read(axis, ranges) for p in self.parts], axis=self.axis)
+        out = []  # each range along the joined axis, from the parts it covers, in order
+        for s, e in ranges:
+            start = 0
+            for p in self.parts:
+                n = p.shape[self.axis]
+                lo, hi = max(s, start), min(e, start + n)
+                if lo < hi:
+                    out.append(p.read(self.axis, [(lo - start, hi - start)]))
+                start += n
+        return mx.concatenate(out, axis=self.axis)
+
+
+class SwappedRef(_View):
+    """`ref` with its last two axes swapped (a transposed layout)."""
+
+    def __init__(self, ref):
+        self.ref, self.dtype = ref, ref.dtype
+        self.shape = (*ref.shape[:-2], ref.shape[-1], ref.shape[-2])
+
+    def read(self, axis=None, ranges=None) -> mx.array:
+        n = len(self.shape)
+        src = {n - 1: n - 2, n - 2: n - 1}.get(axis, axis)
+        return self.ref.read(src, ranges).swapaxes(-1, -2)
+
+
+def join(parts: list, axis: int = 0, stack: bool = False):
+    """`parts` (checkpoint refs, arrays or None) joined: arrays now, refs lazily (`JoinedRef`)."""
+    if any(p is None for p in parts):
+        return None
+    if all(isinstance(p, mx.array) for p in parts):
+        return mx.stack(parts) if stack else mx.concatenate(parts, axis=axis)
+    return JoinedRef(parts, axis, stack)
+
+
+def swap_last_axes(ref):
+    """`ref` (a checkpoint ref, an array or None) with its last two axes swapped."""
+    if ref is None:
+        return None
+    return ref.swapaxes(-1, -2) if isinstance(ref, mx.array) else SwappedRef(ref)

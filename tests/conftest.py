@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -36,6 +37,11 @@ _state = {"first_failure": None, "leftovers": 0}
 # Every process started under this pytest inherits the marker, so one that
 # was orphaned (its launcher killed, reparented to init) is still found.
 os.environ[OWNER_ENV] = str(os.getpid())
+# One folder that both xdist workers see (made once, by the controller or a
+# plain run, and inherited): reference_cases' cache of single-process logits.
+_SHARED_MADE = "MLXCEL_TEST_SHARED" not in os.environ
+if _SHARED_MADE:
+    os.environ["MLXCEL_TEST_SHARED"] = tempfile.mkdtemp(prefix="mlxcel-tests-")
 
 
 # --------------------------------------------------------------------------- #
@@ -125,21 +131,19 @@ def _guarded(item, phase):
 
 
 # --------------------------------------------------------------------------- #
-# two workers (pytest-xdist, `-n 2 --dist loadgroup` in pyproject.toml)
+# two workers (pytest-xdist, `-n 2 --dist loadfile` in pyproject.toml)
 # --------------------------------------------------------------------------- #
 
-# These share one in-process cache of single-process logits (reference_cases):
-# one worker runs them all, first, as the longest unit of work.
-LOGITS_GROUP = {"test_reference.py", "test_tp.py", "test_pipeline.py"}
+# A module's tests run on one worker (its module fixtures, launched jobs and
+# servers, are made once). These three share the single-process logits of
+# every fixture (reference_cases.mode_logits, cached on disk for both
+# workers) and run first: the longest units of work.
+LOGITS_FILES = ("test_pipeline.py", "test_tp.py", "test_reference.py")
 
 
 def pytest_collection_modifyitems(session, config, items):
-    """A module's tests stay on one worker (its module fixtures: launched
-    jobs, servers, are made once); the logits modules share a worker."""
-    for item in items:
-        name = item.path.name
-        item.add_marker(pytest.mark.xdist_group("logits" if name in LOGITS_GROUP else name))
-    items.sort(key=lambda item: item.path.name not in LOGITS_GROUP)  # stable: each file's order kept
+    rank = {name: i for i, name in enumerate(LOGITS_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file's order kept
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -169,6 +173,8 @@ def pytest_runtest_makereport(item, call):
 
 def pytest_sessionfinish(session, exitstatus):
     _state["leftovers"] = kill_descendants()
+    if _SHARED_MADE and not hasattr(session.config, "workerinput"):  # the process that made it, not a worker
+        shutil.rmtree(os.environ["MLXCEL_TEST_SHARED"], ignore_errors=True)
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
@@ -180,3 +186,4 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         tr.write_sep("-", f"diagnostics at the first failure ({nodeid}, {when})")
         for line in text.splitlines():
             tr.write_line(line)
+

@@ -3,6 +3,7 @@ whether it runs alone or beside others that join and leave, for every
 registered family (static buffers, or row-by-row for recurrent/conv caches),
 greedy and seeded sampling alike."""
 
+import mlx.core as mx
 import numpy as np
 import pytest
 
@@ -66,7 +67,9 @@ def test_batched_rows_decode_as_they_would_alone(d):
     rng = np.random.default_rng(0)
     # a one-token prompt, short ones, and prompts past the sliding window
     prompts = [rng.integers(3, V, k) for k in (5, 1, 40, 17, 70)]
-    params = [SamplingParams(), SamplingParams(), SamplingParams(temp=0.9, top_k=20, seed=7),
+    # row 1: OpenAI's penalties and a logit bias (greedy, so not the one batched argmax)
+    params = [SamplingParams(), SamplingParams(presence_penalty=1.5, frequency_penalty=0.7, logit_bias=((4, 3.0),)),
+              SamplingParams(temp=0.9, top_k=20, seed=7),
               SamplingParams(repetition_penalty=1.3), SamplingParams(temp=1.1, top_p=0.9, seed=3)]
     n = 20
     alone = [list(TokenGenerator(model, p, n, s, eos_ids=())) for p, s in zip(prompts, params)]
@@ -406,3 +409,52 @@ def _prefilled(model, tokens):
     cache = model.make_cache()
     model(mx.array(tokens)[None], cache)
     return cache
+
+
+@pytest.mark.parametrize("d", [d for d in cases("llama4") if "fp32" in d.name][:1], ids=_ids)
+def test_chunked_attention_rows_give_the_single_row_logits(d, monkeypatch):
+    # llama4 (chunk 8): prompts prefilled together in chunks of 6 (not aligned
+    # to the attention chunk; the shorter ones padded), a later one alone,
+    # then rows decoding at their own positions across chunk boundaries (the
+    # 8-slot buffers are rings of the chunk): every row's logits at every
+    # step are the one-pass logits of its sequence alone.
+    import mlxcel_dist.batch as batch
+    from mlxcel_dist.engine import sequence_logits
+    from mlxcel_dist.harness import FP32_REL_TOL, compare
+
+    model = load_model(d).model
+    chunk = model.args.attention_chunk_size
+    V = model.args.vocab_size
+    rng = np.random.default_rng(11)
+    prompts = {i: rng.integers(3, V, n) for i, n in enumerate((21, 5, 13, 30, 2))}
+    late = rng.integers(3, V, 11)
+    together = []
+    monkeypatch.setattr(batch, "PAD_SLACK", 100.0)
+    monkeypatch.setattr(BatchEngine, "_prefill_together",
+                        lambda self, admits, f=BatchEngine._prefill_together: together.append(len(admits))
+                        or f(self, admits))
+    eng = BatchEngine(model, prefill_step=6)
+    seen = {}
+    extras = eng.step_extras
+
+    def grab(logits, ids, pending):  # each row's logits of the step and the position it fed
+        for r, x in zip(eng.rows, logits):
+            seen.setdefault(r.rid, []).append((r.pos, x))
+        return extras(logits, ids, pending)
+
+    eng.step_extras = grab
+    eng.add_many([(i, p, None) for i, p in prompts.items()])
+    got = {i: [] for i in [*prompts, "late"]}
+    for step in range(14):
+        if step == 3:
+            eng.add("late", late)
+        for rid, tok in eng.step().items():
+            got[rid].append(tok)
+    assert eng.static and together == [len(prompts)]  # the first five, prefilled together
+    for rid, prompt in {**prompts, "late": late}.items():
+        seq = np.concatenate([prompt, got[rid]]).astype(np.int32)
+        want = sequence_logits(model, seq)
+        rows = [(p, np.array(x.astype(mx.float32))) for p, x in seen[rid] if p < len(seq)]
+        assert len({p // chunk for p, _ in rows}) >= 2, rid  # its steps cross a chunk boundary
+        r = compare(np.stack([x for _, x in rows]), want[[p for p, _ in rows]], FP32_REL_TOL)
+        assert r["ok"], (rid, r)

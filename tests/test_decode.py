@@ -37,10 +37,35 @@ def test_pending_id_joins_the_repetition_penalty(size):
     np.testing.assert_array_equal(np.array(got), np.array(apply_repetition_penalty(mx.array(x), [5], 1.7, size)))
 
 
+def test_openai_penalties_and_logit_bias_follow_their_definitions():
+    """logit bias, then presence / frequency over the generated ids only (the
+    prompt's first ids are not counted), the unread id counted as generated."""
+    from mlxcel_dist.sampling import penalized
+
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=32).astype(np.float32)
+    prompt, generated = [3, 3, 8], [5, 5, 5, 9, 3]
+    p = SamplingParams(presence_penalty=0.4, frequency_penalty=0.25, logit_bias=((9, 7.0), (20, -3.0)))
+    want = x.astype(np.float64).copy()
+    want[9] += 7.0
+    want[20] -= 3.0
+    counts = np.bincount(generated + [12], minlength=32)  # 12: the pending id
+    want -= 0.25 * counts + 0.4 * (counts > 0)
+    got = penalized(mx.array(x), prompt + generated, p, pending=mx.array(12, mx.int32), prompt_len=len(prompt))
+    np.testing.assert_allclose(np.array(got), want, rtol=0, atol=1e-6)
+    # a logit bias of +100 makes greedy pick that token
+    s = Sampler(SamplingParams(logit_bias=((17, 100.0),)), prompt_len=0)
+    assert s(mx.array(x), []) == 17
+    with pytest.raises(Exception, match="presence_penalty must be in"):
+        SamplingParams(presence_penalty=2.5).validate()
+    with pytest.raises(Exception, match="logit_bias must be values in"):
+        SamplingParams(logit_bias=((1, 101.0),)).validate()
+
+
 def plain_loop(model, prompt, n, params):
     """One step at a time, the host reading each id before the next step; the
     prompt fed as the generator feeds it (all but the last token, then the last)."""
-    sampler, cache, ctx = Sampler(params), model.make_cache(), list(prompt)
+    sampler, cache, ctx = Sampler(params, len(prompt)), model.make_cache(), list(prompt)
     model(mx.array(prompt[:-1])[None], cache)
     logits = model(mx.array(prompt[-1:])[None], cache)
     out = []
@@ -57,7 +82,10 @@ def plain_loop(model, prompt, n, params):
     SamplingParams(repetition_penalty=1.5),
     SamplingParams(temp=0.9, top_k=20, repetition_penalty=1.3, repetition_context_size=3, seed=7),
     SamplingParams(temp=1.2, top_p=0.9, min_p=0.05, seed=3),
-], ids=["greedy", "greedy-penalty", "sampled-penalty-window", "sampled"])
+    SamplingParams(presence_penalty=1.2, frequency_penalty=0.8, logit_bias=((5, 2.0), (9, -1.0))),
+    SamplingParams(temp=0.9, seed=5, presence_penalty=-0.5, frequency_penalty=1.5),
+], ids=["greedy", "greedy-penalty", "sampled-penalty-window", "sampled", "greedy-openai-penalties",
+        "sampled-openai-penalties"])
 def test_pipelined_loop_draws_what_a_plain_loop_draws(tiny, params):
     prompt = np.random.default_rng(1).integers(4, tiny.args.vocab_size, 20)
     gen = TokenGenerator(tiny, prompt, 24, params)

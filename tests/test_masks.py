@@ -207,3 +207,105 @@ def test_rows_mask_on_a_ring_matches_definition():
             want = [p >= 0 and qp - window < p <= qp for p in pos[b]]
             np.testing.assert_array_equal(m[b, 0, q], want)
             assert m[b, 0, q].sum() == min(window, qp + 1)  # every key of its window, once
+
+
+# --------------------------------------------------------------------------- chunked attention (llama4)
+
+
+def chunk_rule(qp: int, kp: int, chunk: int) -> bool:
+    """By definition: key position kp visible to query position qp."""
+    return 0 <= kp <= qp and kp // chunk == qp // chunk
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 8])
+def test_chunked_mask_matches_definition_for_every_offset_and_length(chunk):
+    from mlxcel_dist.masks import create_chunked_mask
+
+    for size in range(1, 14):
+        for offset in range(0, 26):
+            for num_keys in range(offset % chunk + size, offset + size + 1):
+                m = np.array(create_chunked_mask(size, offset, chunk, num_keys))
+                first = offset + size - num_keys  # the keys are the last num_keys positions
+                want = [[chunk_rule(offset + q, first + k, chunk) for k in range(num_keys)] for q in range(size)]
+                np.testing.assert_array_equal(m, want, err_msg=f"{size=} {offset=} {num_keys=} {chunk=}")
+                assert m.any(axis=1).all()
+    with pytest.raises(ValueError, match="cannot serve"):
+        create_chunked_mask(3, 5, 4, 3)  # its first query (5) needs key 4, which is not among the keys
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 8])
+@pytest.mark.parametrize("seed", range(4))
+def test_chunked_cache_returns_its_chunk_and_mask_agrees(chunk, seed):
+    # Updates of every size, aligned to the chunk or not (prefill chunks,
+    # decode steps): the keys returned, masked as ChunkedKVCache.mask says,
+    # are exactly each query's chunk up to itself.
+    from mlxcel_dist.cache import ChunkedKVCache
+
+    rng = np.random.default_rng(seed)
+    cache, pos = ChunkedKVCache(chunk), 0
+    assert cache.window == cache.chunk == chunk
+    for _ in range(30):
+        n = int(rng.choice([1, 1, 1, 2, 3, chunk, chunk + 1, 2 * chunk + 3]))
+        mask = cache.mask(n)  # before the update, as layer_masks asks
+        keys, _ = cache.update_and_fetch(*_kv(range(pos, pos + n)))
+        got = np.array(keys[0, 0, :, 0]).astype(int)
+        assert list(got) == list(range(pos - (len(got) - n), pos + n))  # oldest first, the new ones last
+        assert len(got) - n == min(pos, chunk - 1)
+        if mask is None or isinstance(mask, str):
+            full = np.array(create_causal_mask(n, len(got) - n))
+        else:
+            full = np.array(mask)
+        want = [[chunk_rule(pos + q, p, chunk) for p in got] for q in range(n)]
+        np.testing.assert_array_equal(full, want, err_msg=f"{pos=} {n=} mask={mask!r}")
+        pos += n
+
+
+def test_layer_masks_builds_the_chunk_mask_once_per_kind():
+    from mlxcel_dist.cache import CHUNKED, FULL, make_layer_caches
+
+    kinds = [CHUNKED, FULL, CHUNKED]
+    caches = make_layer_caches(kinds, None, 4)
+    for c in caches:
+        c.update_and_fetch(*_kv(range(6)))
+    masks = layer_masks(5, caches, kinds, None, 4)
+    assert set(masks) == {CHUNKED, FULL} and masks[FULL] == CAUSAL
+    assert np.array(masks[CHUNKED]).shape == (5, 3 + 5)  # 3 kept keys (chunk - 1) + 5 new
+    fresh = layer_masks(9, None, kinds, None, 4)  # a cache-less pass: what fresh caches need
+    np.testing.assert_array_equal(np.array(fresh[CHUNKED]), [[chunk_rule(q, k, 4) for k in range(9)] for q in range(9)])
+
+
+@pytest.mark.parametrize("chunk", [3, 8])
+def test_static_decode_slots_of_a_chunked_layer_are_its_chunk(chunk):
+    # decode.StaticCache on a chunked layer: position p in slot p % S (a ring
+    # of `chunk` slots once that long); the visible slots 0 .. last_slot(p)
+    # hold exactly the positions of p's chunk up to p.
+    from mlxcel_dist.decode import StaticCache
+
+    for S in sorted({chunk, 2, 5} - {s for s in (2, 5) if s >= chunk}):
+        for pos in range(0, 40 if S == chunk else S):
+            state = {"pos": mx.array(pos, mx.int32), "k0": mx.zeros((1, 1, S, 1)), "v0": mx.zeros((1, 1, S, 1))}
+            view = StaticCache(state, 0, chunk, chunk)
+            held = {view.slot(p): p for p in range(pos + 1)}  # the latest position written to each slot
+            m = np.array(view.mask(1))[0]
+            want = [j in held and chunk_rule(pos, held[j], chunk) for j in range(S)]
+            np.testing.assert_array_equal(m, want, err_msg=f"{S=} {pos=}")
+            assert m.sum() == pos % chunk + 1
+
+
+def test_rows_mask_with_a_chunk_matches_definition():
+    # batch.py's per-row masks (prompts prefilled together, decode rows at
+    # their own positions) on a ring of chunk + prefill-chunk slots: row b's
+    # query sees the slots holding positions of its own attention chunk.
+    from mlxcel_dist.masks import create_rows_mask
+
+    for chunk, size in [(4, 3), (8, 5), (3, 1)]:
+        R = chunk + size
+        offsets = np.array([0, 2, 9, 20, 13])
+        end = offsets + size
+        pos = end[:, None] - 1 - (end[:, None] - 1 - np.arange(R)) % R  # slot k: latest position = k mod R
+        m = np.array(create_rows_mask(size, mx.array(offsets), mx.array(pos), chunk=chunk))
+        for b, o in enumerate(offsets):
+            for q in range(size):
+                qp = o + q
+                np.testing.assert_array_equal(m[b, 0, q], [chunk_rule(qp, p, chunk) for p in pos[b]])
+                assert m[b, 0, q].sum() == qp % chunk + 1  # every key of its chunk, once

@@ -261,6 +261,61 @@ def test_openai_client(server, expected):
         client.completions.create(model=ids[0], prompt=PROMPT, max_tokens=N, temperature=-2)
 
 
+def test_openai_penalties_logit_bias_and_stop_token_ids(server, model_dir):
+    """The real client's presence / frequency penalties and logit_bias (and
+    vLLM's stop_token_ids in extra_body) give what the library's generator
+    gives with the same sampling parameters, at np 1 and np 2."""
+    openai = pytest.importorskip("openai", reason="the openai package is not installed (optional)")
+    from mlxcel_dist.engine import TokenGenerator
+    from mlxcel_dist.sampling import SamplingParams
+
+    model, tok = _loaded(str(model_dir))
+    client = openai.OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0, timeout=120)
+    name = client.models.list().data[0].id
+    prompt = tok.encode(PROMPT)
+    plain = list(TokenGenerator(model, prompt, N, SamplingParams(), eos_ids=tok.eos_ids))
+    favoured = plain[3]
+    params = SamplingParams(presence_penalty=2, frequency_penalty=1.5, logit_bias=((favoured, 10.0),))
+    want = list(TokenGenerator(model, prompt, N, params, eos_ids=tok.eos_ids))
+    assert want != plain  # the fields change this greedy run
+    r = client.completions.create(model=name, prompt=prompt, max_tokens=N, temperature=0)
+    assert r.choices[0].text == tok.decode(plain)  # the text of ids, as the server detokenizes
+    r = client.completions.create(model=name, prompt=prompt, max_tokens=N, temperature=0, presence_penalty=2,
+                                  frequency_penalty=1.5, logit_bias={str(favoured): 10})
+    assert r.choices[0].text == tok.decode(want)
+    # stop_token_ids: ends at the first of them, which is not part of the text (as EOS)
+    stop_at = plain.index(plain[5])
+    r = client.completions.create(model=name, prompt=prompt, max_tokens=N, temperature=0,
+                                  extra_body={"stop_token_ids": [plain[5]]})
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].text == tok.decode(plain[:stop_at])
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=name, prompt=prompt, max_tokens=N, logit_bias={"-4": 1})
+    assert "logit_bias" in str(e.value)
+
+
+def _metrics(server) -> dict:
+    with urllib.request.urlopen(server.base + "/metrics", timeout=10) as r:
+        assert r.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+        text = r.read().decode()
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line and not line.startswith("#")}
+
+
+def test_metrics_endpoint(server):
+    """GET /metrics (Prometheus text) counts a completion's tokens and its end."""
+    before = _metrics(server)
+    r = server.json("/v1/completions", {**GREEDY, "ignore_eos": True})
+    assert r["usage"]["completion_tokens"] == N
+    after = _metrics(server)
+    p = "mlxcel_dist_"
+    assert after[f"{p}generation_tokens_total"] - before[f"{p}generation_tokens_total"] == N
+    assert after[f"{p}prompt_tokens_total"] - before[f"{p}prompt_tokens_total"] == r["usage"]["prompt_tokens"]
+    key = f'{p}request_success_total{{finished_reason="length"}}'
+    assert after[key] - before.get(key, 0) == 1
+    assert after[f"{p}time_to_first_token_seconds_count"] - before[f"{p}time_to_first_token_seconds_count"] == 1
+    assert after[f"{p}num_requests_running"] == 0
+
+
 # Issue 14: the first hour with `serve` ------------------------------------------
 # Each item is a check run against a live server; the tests below run them on
 # the embedded model (np 1, and np 2 where the ranks are involved) and on a
@@ -381,9 +436,6 @@ UNSUPPORTED_CASES = [
     ("/v1/chat/completions", "tool_choice", "required"),
     ("/v1/chat/completions", "functions", [{"name": "f", "parameters": {}}]),
     ("/v1/chat/completions", "function_call", {"name": "f"}),
-    ("/v1/chat/completions", "logit_bias", {"50": 10}),
-    ("/v1/chat/completions", "presence_penalty", 0.5),
-    ("/v1/completions", "frequency_penalty", 1),
     ("/v1/chat/completions", "response_format", {"type": "json_object"}),
 ]
 NEUTRAL_FIELDS = {"n": 1, "echo": False, "tools": [], "tool_choice": "none", "logit_bias": {},

@@ -270,14 +270,37 @@ def test_logprobs_settings(ctx, tok):
     assert parse(COMP, False, no_lp).req.logprobs is None
 
 
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+
+
 def test_unsupported_fields(ctx):
-    for name, value in [("n", 2), ("echo", True), ("tools", [{"type": "function"}]), ("logit_bias", {"5": 1}),
-                        ("presence_penalty", 0.5), ("response_format", {"type": "json_object"}), ("n", 10**5000)]:
+    for name, value in [("n", 2), ("echo", True), ("tools", [WEATHER_TOOL]), ("tool_choice", "required"),
+                        ("response_format", {"type": "json_object"}), ("n", 10**5000)]:
         e = refused({**CHAT, name: value}, True, ctx)
         assert (e.param, e.code) == (name, "unsupported_parameter") and f"'{name}' is not supported" in e.message
     neutral = {"n": 1, "echo": False, "tools": [], "tool_choice": "none", "logit_bias": {}, "presence_penalty": 0,
                "frequency_penalty": 0.0, "response_format": {"type": "text"}, "user": "u", "metadata": {"a": "b"}}
     assert parse({**CHAT, **neutral}, True, ctx).req.max_tokens == 4
+
+
+def test_penalties_logit_bias_and_stop_token_ids(ctx, tok):
+    body = {**COMP, "presence_penalty": 0.5, "frequency_penalty": -1, "logit_bias": {"7": 100, "3": -2.5},
+            "stop_token_ids": [5, 9]}
+    req = parse(body, False, ctx).req
+    s = req.sampling
+    assert (s.presence_penalty, s.frequency_penalty, s.logit_bias) == (0.5, -1.0, ((3, -2.5), (7, 100.0)))
+    assert req.stop_ids == [5, 9]
+    back = wire.decode_request(*wire.encode_request(req))  # what every rank gets
+    assert back.sampling == s and back.stop_ids == [5, 9]
+    for field, value, says in [
+        ("presence_penalty", 2.5, "presence_penalty"), ("frequency_penalty", -3, "frequency_penalty"),
+        ("logit_bias", {"x": 1}, "token ids in [0, "), ("logit_bias", {str(ctx.vocab_size): 1}, "token ids in [0, "),
+        ("logit_bias", {"1": 101}, "[-100, 100]"), ("logit_bias", {"1": "a"}, "logit_bias"),
+        ("stop_token_ids", [ctx.vocab_size], "stop_token_ids"), ("stop_token_ids", [-1], "stop_token_ids"),
+        ("logit_bias", {str(i): 1 for i in range(1025)}, "logit_bias"),
+    ]:
+        e = refused({**COMP, field: value}, False, ctx)
+        assert e.param == field and says in e.message, (field, value, e.message)
 
 
 def test_ignore_eos_and_stop(ctx):

@@ -151,6 +151,39 @@ def test_text_eos_stop_and_logprobs(tok):
     assert not eng.rows
 
 
+def test_metrics_count_what_the_rows_did(tok):
+    """/metrics' counters after three requests: one to EOS, one to its
+    length, one whose client left; stop_token_ids end a row as EOS does."""
+    eos = tok.eos_ids[0]
+    ids = words(tok, " The sea is calm")
+    eng = FakeEngine({1000: ids + [eos], 2000: [7, 8, 9]})
+    sched = Scheduler(tok)
+    a, got_a = job(req([1000], max_tokens=50))
+    b, got_b = job(req([2000, 3], max_tokens=2))
+    c, got_c = job(req([2000], max_tokens=50, stop_ids=[9]))  # ends at its third id
+    gone, _ = job(req([2000], max_tokens=50))
+    for j in (a, b, c, gone):
+        sched.submit(j)
+    gone.cancelled.set()
+    drain(sched, eng)
+    assert got_a[-1] == Done("eos", 1, len(ids)) and got_b[-1] == Done("length", 2, 2)
+    assert got_c[-1] == Done("eos", 1, 2)
+    text = sched.metrics.render(running=0, waiting=0)
+    values = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if not line.startswith("#")}
+    p = "mlxcel_dist_"
+    assert values[f"{p}prompt_tokens_total"] == 1 + 2 + 1  # the cancelled one never took a row
+    assert values[f"{p}generation_tokens_total"] == len(ids) + 2 + 2
+    assert values[f'{p}request_success_total{{finished_reason="stop"}}'] == 2
+    assert values[f'{p}request_success_total{{finished_reason="length"}}'] == 1
+    assert values[f'{p}request_success_total{{finished_reason="abort"}}'] == 1
+    assert values[f"{p}time_to_first_token_seconds_count"] == 3
+    assert values[f"{p}time_per_output_token_seconds_count"] == len(ids) + 2 + 2 - 3
+    assert values[f"{p}e2e_request_latency_seconds_count"] == 4
+    buckets = [v for k, v in values.items() if k.startswith(f"{p}time_to_first_token_seconds_bucket")]
+    assert buckets == sorted(buckets) and buckets[-1] == 3  # cumulative, +Inf last
+
+
 def test_events_wait_for_the_verdict(tok):
     """A step's events are sent at the next sync, after its agreement check."""
     sched = Scheduler(tok)

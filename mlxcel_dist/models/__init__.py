@@ -16,7 +16,8 @@ MODEL_REMAP = {
     "gemma3": "gemma3",  # multimodal checkpoint: its text tower
     "gemma3_text": "gemma3",
     "gemma4_text": "gemma4",  # the text-only model; "gemma4" (multimodal) is the file itself
-    "gemma3n_text": "gemma3n",  # Gemma3nForCausalLM; multimodal gemma3n is the file itself
+    "gemma3n_text": "gemma3n",
+    "llama4_text": "llama4",  # Llama4ForCausalLM; "llama4" (multimodal) is the file itself  # Gemma3nForCausalLM; multimodal gemma3n is the file itself
     "ministral": "mistral",  # the mistral decoder with layer_types
     "step3p7": "step3p5",  # multimodal Step-3.7: its text decoder (text_config)
 }

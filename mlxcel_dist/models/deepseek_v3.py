@@ -67,12 +67,13 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..attention import causal_attention
-from ..blocks import MLP, PreNormBlock
+from ..blocks import MLP, PreNormBlock, StackedLinear
 from ..collectives import SINGLE
 from ..errors import UserError
 from ..layers import RMSNorm, activation, gated_fp32
 from ..rope import RoPE
 from ..shard import shard_expert_mlps, shard_latent_attention, shard_mlp, shard_stacked_experts_any
+from ..weights import join
 from .base import FULL, BaseModelArgs, CausalLM, DecoderStack, describe_layers
 
 DENSE, SPARSE = "dense", "sparse"
@@ -299,56 +300,16 @@ class MoEGate(nn.Module):
         return idx, w * self.routed_scaling_factor
 
 
-def _gather_mm(x: mx.array, w: mx.array, idx: mx.array) -> mx.array:
-    """x [N, 1, 1, in] @ w[idx].T for w [E, out, in] -> [N, k, 1, out]. MLX's
-    CPU gather_mm is float32-only: half inputs multiply in fp32 and round once."""
-    wt = w.swapaxes(-1, -2)  # [E, in, out]
-    if x.dtype == mx.float32 or mx.default_device() == mx.gpu:
-        return mx.gather_mm(x, wt, rhs_indices=idx)
-    return mx.gather_mm(x.astype(mx.float32), wt.astype(mx.float32), rhs_indices=idx).astype(x.dtype)
-
-
-class Stacked(nn.Module):
-    """One projection of every routed expert: weight [E, out, in]."""
-
-    def __init__(self, num_experts: int, in_dims: int, out_dims: int):
-        super().__init__()
-        self.weight = mx.zeros((num_experts, out_dims, in_dims))
-
-    def __call__(self, x, idx):
-        return _gather_mm(x, self.weight, idx)
-
-    def to_quantized(self, group_size: int = 64, bits: int = 4, mode: str = "affine"):
-        """nn.quantize's hook (quant.quantize_model, before any weight is read)."""
-        return QuantizedStacked(self.weight, group_size, bits, mode)
-
-
-class QuantizedStacked(nn.Module):
-    """Stacked MLX-quantized: weight uint32 [E, out, in * bits / 32], scales
-    (and affine biases) [E, out, in / group_size], as mlx_lm.convert writes
-    switch_mlp; the chosen experts run through `mx.gather_qmm`."""
-
-    def __init__(self, weight: mx.array, group_size: int, bits: int, mode: str):
-        super().__init__()
-        self.group_size, self.bits, self.mode = group_size, bits, mode
-        w, *sb = mx.quantize(weight, group_size, bits, mode=mode)  # lazy placeholders the loader replaces
-        self.weight, self.scales = w, sb[0]
-        self.biases = sb[1] if len(sb) > 1 else None
-
-    def __call__(self, x, idx):
-        return mx.gather_qmm(x, self["weight"], self["scales"], self.get("biases"), rhs_indices=idx, transpose=True,
-                             group_size=self.group_size, bits=self.bits, mode=self.mode)
-
-
 class SwitchGLU(nn.Module):
-    """The routed experts stacked (mlx-lm's switch_mlp names); only each
-    token's chosen experts run."""
+    """The routed experts stacked (mlx-lm's switch_mlp names: gate/up/down
+    `blocks.StackedLinear`, quantized as mlx-lm stores them); only each
+    token's chosen experts run (gather_mm / gather_qmm)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, act):
         super().__init__()
-        self.gate_proj = Stacked(num_experts, hidden_size, intermediate_size)
-        self.up_proj = Stacked(num_experts, hidden_size, intermediate_size)
-        self.down_proj = Stacked(num_experts, intermediate_size, hidden_size)
+        self.gate_proj = StackedLinear(num_experts, hidden_size, intermediate_size)
+        self.up_proj = StackedLinear(num_experts, hidden_size, intermediate_size)
+        self.down_proj = StackedLinear(num_experts, intermediate_size, hidden_size)
         self.act = gated_fp32(act)
 
     def __call__(self, x, idx, w):
@@ -399,29 +360,6 @@ class DeepseekV3Model(DecoderStack):
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
 
-class _StackedRef:
-    """Per-expert checkpoint tensors [out, in] read as one [E, out, in]
-    tensor (a TensorRef's shape, dtype, sliced_shape, read), so a rank reads
-    only its slice of each expert."""
-
-    def __init__(self, refs: list):
-        self.refs = refs
-        self.dtype = refs[0].dtype
-        self.shape = (len(refs),) + tuple(refs[0].shape)
-
-    def sliced_shape(self, axis, ranges) -> tuple:
-        if axis is None:
-            return self.shape
-        shape = list(self.shape)
-        shape[axis] = sum(e - s for s, e in ranges)
-        return tuple(shape)
-
-    def read(self, axis=None, ranges=None) -> mx.array:
-        if axis == 0:
-            return mx.stack([self.refs[e].read() for s, stop in ranges for e in range(s, stop)])
-        return mx.stack([r.read(None if axis is None else axis - 1, ranges) for r in self.refs])
-
-
 class _KvbRef:
     """kv_b_proj.weight [H * (nope + v), kv_lora] rebuilt from mlx-lm's split
     of it (`embed_q` [H, kv_lora, nope], the k rows transposed; `unembed_out`
@@ -436,7 +374,11 @@ class _KvbRef:
         self.shape = (H * self.width, R)
 
     def sliced_shape(self, axis, ranges) -> tuple:
-        return self.shape if axis is None else _StackedRef.sliced_shape(self, axis, ranges)
+        if axis is None:
+            return self.shape
+        shape = list(self.shape)
+        shape[axis] = sum(e - s for s, e in ranges)
+        return tuple(shape)
 
     def read(self, axis=None, ranges=None) -> mx.array:
         if axis == 1:
@@ -518,9 +460,7 @@ class Model(CausalLM):
             if sorted(by) != list(range(E or 0)):
                 out.update(dict(by.values()))  # not every expert: the strict load names them
                 continue
-            refs = [by[e][1] for e in range(E)]
-            out[f"{head}.mlp.switch_mlp.{rest}"] = None if refs[0] is None else (
-                mx.stack(refs) if isinstance(refs[0], mx.array) else _StackedRef(refs))
+            out[f"{head}.mlp.switch_mlp.{rest}"] = join([by[e][1] for e in range(E)], stack=True)  # lazy: a rank's slice
         return super().sanitize(out)
 
     def shard(self, group):

@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from . import openai_api as api
+from . import tools
 from . import responses as rs
 from .log import log
 from .scheduler import SHUTDOWN_MESSAGE, Done, Failed, Job, Scheduler, Text, Token
@@ -137,6 +138,11 @@ def make_app(state: AppState) -> FastAPI:
     def model_card(name: str) -> dict:
         return {"id": name, "object": "model", "created": state.created, "owned_by": "mlxcel-dist"}
 
+    @app.get("/metrics")
+    async def metrics():
+        return Response(sched.metrics.render(sched.active, sched.waiting),
+                        media_type="text/plain; version=0.0.4; charset=utf-8")
+
     @app.get("/v1/models")
     @app.get("/models", include_in_schema=False)
     async def models():
@@ -247,6 +253,7 @@ async def _stream(state: AppState, request: Request, job: Job, events: asyncio.Q
             pending.clear()
         return sse(rs.stream_chunk(p, rid, created, delta_or_text, finish, lp))
 
+    calls = tools.StreamParser(p.tool_format) if p.tool_format is not None else None
     try:
         if p.chat:
             yield chunk({"role": "assistant", "content": ""})
@@ -260,13 +267,22 @@ async def _stream(state: AppState, request: Request, job: Job, events: asyncio.Q
                 if isinstance(ev, Token):
                     pending.append((ev.id, ev.logprob))
                 elif isinstance(ev, Text):
-                    out.append(chunk({"content": ev.text} if p.chat else ev.text))
+                    text = calls.feed(ev.text) if calls is not None else ev.text
+                    if text:
+                        out.append(chunk({"content": text} if p.chat else text))
                 elif isinstance(ev, Failed):
                     out.append(sse(rs.stream_error(ev.message, ev.status)))
                     ended = True
                     break
                 elif isinstance(ev, Done):
-                    out.append(chunk({} if p.chat else "", rs.FINISH.get(ev.finish_reason, "stop")))
+                    finish = rs.FINISH.get(ev.finish_reason, "stop")
+                    if calls is not None:  # the held text: content, or the calls (OpenAI's deltas)
+                        rest, found = calls.finish()
+                        if rest:
+                            out.append(chunk({"content": rest}))
+                        out += [chunk(delta) for delta in rs.tool_call_deltas(found)]
+                        finish = "tool_calls" if found and finish == "stop" else finish
+                    out.append(chunk({} if p.chat else "", finish))
                     if p.include_usage:
                         out.append(sse(rs.usage_chunk(p, rid, created, ev.prompt_tokens, ev.completion_tokens)))
                     ended = True

@@ -88,6 +88,7 @@ class Options:
     micro_batches: int = 1  # --micro-batches: each step's rows in that many parts (pipeline stages)
     served_names: list = field(default_factory=list)  # vLLM's --served-model-name: the first is the id shown
     header_timeout_s: float = HEADER_TIMEOUT_S
+    tool_call_parser: str | None = None  # --tool-call-parser (serve.tools.FORMATS); None: from the chat template
 
 
 def batchable(model) -> bool:
@@ -220,7 +221,8 @@ def _serve(model, tok, group, opts, sock, config, engine, link, beats, guard) ->
     ctx = api.ParseContext(tokenizer=tok, vocab_size=model.args.vocab_size, model_ids=tuple(opts.served_names),
                            max_tokens_cap=opts.max_tokens_cap, context_length=api.context_limit(config),
                            defaults=opts.defaults or api.Defaults(), plain_chat=api.no_chat_template(tok),
-                           logprobs_ok=not one_row, ignore_eos_ok=not one_row)
+                           logprobs_ok=not one_row, ignore_eos_ok=not one_row,
+                           tool_format=_tool_format(tok, opts.tool_call_parser))
     health = Health(sched, beats, group.size())
     state = AppState(sched, ctx, rs.TokenPieces(tok), health, opts.max_request_bytes, int(time.time()))
     _raise_fd_limit()
@@ -350,6 +352,19 @@ def _route_uvicorn_logs() -> None:
         lg.handlers = [_LogHandler()]
         lg.setLevel(logging.WARNING)
         lg.propagate = False
+
+
+def _tool_format(tok, parser: str | None) -> str | None:
+    """--tool-call-parser, else the format the chat template writes (None: no tools)."""
+    from . import tools
+
+    if parser is not None:
+        return parser
+    try:
+        source, _ = tok.chat_template()
+    except Exception:  # noqa: BLE001 - no template: no tools
+        return None
+    return tools.detect(source)
 
 
 def _guarded_h11(header_timeout_s: float = HEADER_TIMEOUT_S):

@@ -106,9 +106,35 @@ class TextPart(_Strict):
     text: str
 
 
+class ToolFunctionCall(_Strict):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Strict):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: ToolFunctionCall
+
+
 class ChatMessage(_Strict):
     role: Literal[ROLES]
     content: str | list[TextPart] | None = None  # null: assistant messages only
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+    name: str | None = None
+
+
+class FunctionSpec(_Strict):
+    name: Annotated[str, Field(min_length=1, max_length=64)]
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class ToolSpec(_Strict):
+    type: Literal["function"]
+    function: FunctionSpec
 
 
 class StreamOptions(_Strict):
@@ -132,12 +158,23 @@ class _Common(_Strict):
     stop: _Stop | Annotated[list[_Stop], Field(max_length=16)] | None = None
     top_logprobs: int | None = Field(None, ge=-1, le=MAX_TOP_LOGPROBS)
     ignore_eos: bool | None = Field(None, description="vLLM's extra field: EOS is an ordinary token")
+    presence_penalty: float | None = Field(None, ge=-2, le=2, allow_inf_nan=False,
+                                           description="OpenAI's, over the generated tokens; 0 = off")
+    frequency_penalty: float | None = Field(None, ge=-2, le=2, allow_inf_nan=False,
+                                            description="OpenAI's, over the generated tokens; 0 = off")
+    logit_bias: dict[str, float] | None = Field(None, max_length=WIRE_LIMITS["logit_bias"][1],
+                                                description="token id (a string) -> bias in [-100, 100]")
+    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(
+        max_length=WIRE_LIMITS["stop_token_ids"][1])] | None = Field(
+        None, description="vLLM's extra field: generation ends at any of these token ids")
 
 
 class ChatCompletionRequest(_Common):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
+    tools: Annotated[list[ToolSpec], Field(max_length=128)] | None = None
+    tool_choice: Literal["none", "auto"] | None = None
 
 
 class CompletionRequest(_Common):
@@ -239,6 +276,7 @@ class ParseContext:
     context_length: int | None = None
     defaults: Defaults = field(default_factory=Defaults)
     plain_chat: bool = False  # no chat template: mlx-lm's convert_chat rendering
+    tool_format: str | None = None  # serve.tools: the format the template writes calls in (None: no tools)
     logprobs_ok: bool = True  # False for models with their own generation loop
     ignore_eos_ok: bool = True  # False for those too: their loop ends at EOS itself
 
@@ -250,6 +288,7 @@ class Parsed:
     include_usage: bool  # stream_options.include_usage
     model: str  # the id the responses echo
     chat: bool
+    tool_format: str | None = None  # parse the answer for tool calls in this format (serve.tools)
 
 
 def no_chat_template(tokenizer) -> bool:
@@ -302,13 +341,10 @@ UNSUPPORTED = {
     "best_of": (_neutral(1), "one candidate per request ('best_of': 1)"),
     "echo": (_neutral(False), "the prompt is not echoed"),
     "suffix": (_neutral(""), "no insertion (suffix) mode"),
-    "tools": (_neutral([]), "no tool calling"),
-    "tool_choice": (_neutral("none", "auto"), "no tool calling"),
+    "tool_choice": (lambda v: v is None or v in ("none", "auto"),
+                    "'none' or 'auto' only ('required' and a named function need constrained decoding)"),
     "functions": (_neutral([]), "no function calling"),
     "function_call": (_neutral("none", "auto"), "no function calling"),
-    "logit_bias": (_neutral({}), "no logit bias"),
-    "presence_penalty": (_neutral(0, 0.0), "no presence penalty (use 'repetition_penalty')"),
-    "frequency_penalty": (_neutral(0, 0.0), "no frequency penalty (use 'repetition_penalty')"),
     "response_format": (lambda v: v is None or v == {"type": "text"}, "text output only (no JSON mode or schema)"),
     "modalities": (lambda v: v is None or v == ["text"], "text output only"),
     "audio": (_neutral(), "text output only"),
@@ -369,7 +405,9 @@ def _completion_ids(m: CompletionRequest, ctx: ParseContext) -> list[int]:
 
 
 def _chat_messages(m: ChatCompletionRequest) -> list[dict]:
-    """[{role, content}] with text parts joined; content null only for assistant."""
+    """[{role, content}] with text parts joined; content null only for
+    assistant; an assistant's tool calls as transformers' templates read
+    them (arguments as an object), a tool message's call id and name."""
     out = []
     for i, msg in enumerate(m.messages):
         c = msg.content
@@ -377,12 +415,39 @@ def _chat_messages(m: ChatCompletionRequest) -> list[dict]:
             raise ApiError(f"messages[{i}].content must be a string or a list of text parts (null only for "
                            "an assistant message)", param="messages")
         c = "".join(part.text for part in c) if isinstance(c, list) else c or ""
-        out.append({"role": msg.role, "content": _text(c, f"messages[{i}].content")})
+        entry = {"role": msg.role, "content": _text(c, f"messages[{i}].content")}
+        if msg.tool_calls:
+            calls = []
+            for j, call in enumerate(msg.tool_calls):
+                try:
+                    args = json.loads(call.function.arguments)
+                except ValueError:
+                    raise ApiError(f"messages[{i}].tool_calls[{j}].function.arguments is not JSON text",
+                                   param="messages") from None
+                calls.append({"id": call.id, "type": "function",
+                              "function": {"name": call.function.name, "arguments": args}})
+            entry["tool_calls"] = calls
+        for key in ("tool_call_id", "name"):
+            if getattr(msg, key) is not None:
+                entry[key] = getattr(msg, key)
+        out.append(entry)
     return out
+
+
+def _tools(m: ChatCompletionRequest, ctx: ParseContext) -> list | None:
+    """The request's tools as the chat template takes them (None: none)."""
+    if not m.tools:
+        return None
+    if ctx.plain_chat or ctx.tool_format is None:
+        raise ApiError("'tools' is not supported for this model: its chat template writes no tool-call format "
+                       "this server parses (hermes, llama3_json, mistral; serve --tool-call-parser names one)",
+                       param="tools", code="unsupported_parameter")
+    return [t.model_dump(exclude_none=True) for t in m.tools]
 
 
 def _chat_ids(m: ChatCompletionRequest, ctx: ParseContext) -> list[int]:
     out = _chat_messages(m)
+    tools = _tools(m, ctx)
     if ctx.plain_chat:
         rm = (m.model_extra or {}).get("role_mapping")  # mlx-lm's extra field
         if rm is not None and not (isinstance(rm, dict) and all(isinstance(v, str) for v in rm.values())):
@@ -390,7 +455,7 @@ def _chat_ids(m: ChatCompletionRequest, ctx: ParseContext) -> list[int]:
         ids = _encode(ctx, convert_chat(out, rm), "'messages'")
     else:
         try:
-            ids = ctx.tokenizer.chat_ids(out)
+            ids = ctx.tokenizer.chat_ids(out, tools=tools)
         except UserError as e:
             raise ApiError(str(e), param="messages") from None
         except Exception as e:  # noqa: BLE001 - a tokenizer failure is the request's problem
@@ -422,14 +487,32 @@ def _max_tokens(m, chat: bool, n_prompt: int, ctx: ParseContext) -> int:
     return n
 
 
-def _sampling(m, d: Defaults) -> SamplingParams:
+def _logit_bias(bias: dict | None, vocab: int) -> tuple:
+    """OpenAI's {"token id": bias} -> ((id, bias), ...) sorted by id; a key
+    that is not a token id of this model, or a bias outside [-100, 100], is a 400."""
+    out = {}
+    for key, value in (bias or {}).items():
+        if not re.fullmatch(r"[0-9]{1,10}", key) or int(key) >= vocab:
+            raise ApiError(f"'logit_bias' keys must be token ids in [0, {vocab}), got {_show(key)}",
+                           param="logit_bias")
+        if not -100.0 <= value <= 100.0 or value != value:
+            raise ApiError(f"'logit_bias' values must be in [-100, 100], got {_show(value)} for token {key}",
+                           param="logit_bias")
+        out[int(key)] = float(value)
+    return tuple(sorted(out.items()))
+
+
+def _sampling(m, d: Defaults, vocab: int) -> SamplingParams:
     def pick(v, default):
         return default if v is None else v
 
     seed = m.seed if m.seed is not None else int.from_bytes(uuid.uuid4().bytes[:8], "little")
     s = SamplingParams(temp=float(pick(m.temperature, d.temp)), top_p=float(pick(m.top_p, d.top_p)),
                        top_k=int(pick(m.top_k, d.top_k)), min_p=float(pick(m.min_p, d.min_p)),
-                       repetition_penalty=float(pick(m.repetition_penalty, 1.0)), seed=seed)
+                       repetition_penalty=float(pick(m.repetition_penalty, 1.0)), seed=seed,
+                       presence_penalty=float(pick(m.presence_penalty, 0.0)),
+                       frequency_penalty=float(pick(m.frequency_penalty, 0.0)),
+                       logit_bias=_logit_bias(m.logit_bias, vocab))
     try:
         return s.validate()
     except UserError as e:
@@ -474,14 +557,18 @@ def parse(body: object, chat: bool, ctx: ParseContext) -> Parsed:
                        param="ignore_eos", code="unsupported_parameter")
     ids = _chat_ids(m, ctx) if chat else _completion_ids(m, ctx)
     stops = [_text(s, "'stop'") for s in ([m.stop] if isinstance(m.stop, str) else m.stop or [])]
-    req = GenRequest(ids, _max_tokens(m, chat, len(ids), ctx), _sampling(m, ctx.defaults), stops, logprobs,
-                     bool(m.ignore_eos))
+    stop_ids = list(m.stop_token_ids or [])
+    if any(t >= ctx.vocab_size for t in stop_ids):
+        raise ApiError(f"'stop_token_ids' must be token ids in [0, {ctx.vocab_size})", param="stop_token_ids")
+    req = GenRequest(ids, _max_tokens(m, chat, len(ids), ctx), _sampling(m, ctx.defaults, ctx.vocab_size), stops,
+                     logprobs, bool(m.ignore_eos), stop_ids)
     try:
         check_wire(req)  # defence in depth: the checks above should already hold every wire limit
     except ValueError as e:
         name = re.match(r"'(\w+)'", str(e))
         raise ApiError(str(e), param=name and name.group(1).replace("prompt_tokens", "prompt")) from None
-    return Parsed(req, stream, include_usage, model, chat)
+    tool_format = ctx.tool_format if chat and m.tools and m.tool_choice != "none" else None
+    return Parsed(req, stream, include_usage, model, chat, tool_format)
 
 
 # Chat rendering without a template -------------------------------------------------

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import re
 
+from . import tools
 from .openai_api import ApiError, Parsed
 
 
@@ -106,11 +107,18 @@ def whole_response(p: Parsed, rid: str, created: int, text: str, finish_reason: 
                    completion_tokens: int, entries, pieces: TokenPieces) -> dict:
     """The non-streamed answer: chat.completion or text_completion.
     `finish_reason`: the engine's (eos / stop / length); `completion_tokens`
-    as :func:`usage` says; `entries`: (id, (logprob, top)) per shown token."""
+    as :func:`usage` says; `entries`: (id, (logprob, top)) per shown token.
+    With tools (`p.tool_format`) calls in the text become `tool_calls`."""
     finish = FINISH.get(finish_reason, "stop")
     want = p.req.logprobs is not None
     if p.chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text},
+        message = {"role": "assistant", "content": text}
+        if p.tool_format is not None:
+            content, calls = tools.parse(p.tool_format, text)
+            if calls:
+                message = {"role": "assistant", "content": content or None, "tool_calls": calls}
+                finish = "tool_calls" if finish == "stop" else finish
+        choice = {"index": 0, "message": message,
                   "logprobs": chat_logprobs(pieces, entries) if want else None, "finish_reason": finish}
     else:
         choice = {"index": 0, "text": text,
@@ -123,10 +131,21 @@ def stream_chunk(p: Parsed, rid: str, created: int, delta_or_text, finish: str |
     """One SSE chunk: chat's `delta` (a dict) or completions' `text`; with
     include_usage each carries `"usage": null`, as OpenAI's do."""
     choice = {"index": 0, "delta" if p.chat else "text": delta_or_text, "logprobs": logprobs,
-              "finish_reason": None if finish is None else FINISH.get(finish, "stop")}
+              "finish_reason": None if finish is None else FINISH.get(finish, finish)}
     out = {**_head(p, rid, created, True), "choices": [choice]}
     if p.include_usage:
         out["usage"] = None
+    return out
+
+
+def tool_call_deltas(calls: list) -> list[dict]:
+    """OpenAI's streamed form of each call: its id, type and name with empty
+    arguments first, then the arguments."""
+    out = []
+    for i, c in enumerate(calls):
+        out.append({"tool_calls": [{"index": i, "id": c["id"], "type": "function",
+                                    "function": {"name": c["function"]["name"], "arguments": ""}}]})
+        out.append({"tool_calls": [{"index": i, "function": {"arguments": c["function"]["arguments"]}}]})
     return out
 
 

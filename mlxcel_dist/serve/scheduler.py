@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from ..tokenizer import StopStrings, StreamDecoder
 from .log import log
+from .metrics import Metrics
 from .wire import KIND_IDLE, KIND_SHUTDOWN, KIND_STEP, RID_LIMIT, GenRequest, Step
 
 SHUTDOWN_MESSAGE = "the server is shutting down"
@@ -62,6 +63,7 @@ class Job:
         self.req = req
         self.sink = sink
         self.cancelled = threading.Event()  # its client went away: the row is freed at the next step
+        self.arrived = time.monotonic()
 
 
 @dataclass
@@ -71,6 +73,7 @@ class _Row:
     stopper: object
     eos: set
     generated: int = 0
+    last_t: float = 0.0  # when its previous token was read (metrics)
 
 
 @dataclass
@@ -120,6 +123,7 @@ class Scheduler:
         self._t_rest = None
         self.busy_since = None  # when the engine step in progress started (stuck-rank watchdog)
         self.step_s = 0.0  # moving average of an engine step
+        self.metrics = Metrics()  # GET /metrics
 
     # -- HTTP side (any thread) --------------------------------------------------
     def submit(self, job: Job) -> bool:
@@ -150,6 +154,7 @@ class Scheduler:
             self.stopping.set()
             jobs, self.open = list(self.open), set()
         for job in jobs:
+            self.metrics.ended("error", job.arrived)
             job.sink(Failed(message, status))
         return len(jobs)
 
@@ -170,6 +175,9 @@ class Scheduler:
             if job not in self.open:  # fail_all answered it already
                 return
             self.open.discard(job)
+        reason = ("stop" if ev.finish_reason == "eos" else ev.finish_reason) if isinstance(ev, Done) \
+            else "abort" if ev.status == 499 else "error"
+        self.metrics.ended(reason, job.arrived)
         self._emit(job, ev)
 
     def _take(self, timeout: float | None) -> None:
@@ -234,8 +242,10 @@ class Scheduler:
         self.removals = []
         for rid, job in admissions:
             ids = job.req.prompt_ids
-            eos = set() if job.req.ignore_eos else set(self.tok.eos_ids)
+            # stop_token_ids end a row as EOS does, also under ignore_eos (vLLM's rule)
+            eos = (set() if job.req.ignore_eos else set(self.tok.eos_ids)) | set(job.req.stop_ids)
             self.rows[rid] = _Row(job, StreamDecoder(self.tok, context=list(ids)[-4:]), StopStrings(job.req.stop), eos)
+            self.metrics.admitted(len(ids))
         if self._t_rest is not None and (self.rows or step.changes):
             self.times.rest += time.monotonic() - self._t_rest
         return step
@@ -288,6 +298,9 @@ class Scheduler:
         if tok in r.eos:
             return self._finish(rid, r, "eos")
         r.generated += 1
+        first = r.generated == 1
+        self.metrics.token(r.job.arrived if first else r.last_t, first)
+        r.last_t = time.monotonic()
         if r.job.req.logprobs is not None:
             self._emit(r.job, Token(tok, lp))
         text = r.stopper.feed(r.decoder.add(tok))

@@ -1,0 +1,216 @@
+"""Tool calls: the formats' parsers (whole and streamed), the template
+rendering of tools and of earlier calls, and the real `openai` client against
+the HTTP app, in process, whose engine is scripted to answer with a call."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import pytest
+
+from mlxcel_dist.loader import default_model_dir, read_config
+from mlxcel_dist.serve import tools
+from mlxcel_dist.serve.openai_api import ApiError, ParseContext, parse
+from mlxcel_dist.tokenizer import Tokenizer
+
+# A Qwen-style template (hermes calls), reduced: tools in the system turn,
+# an assistant's calls as <tool_call> blocks, tool results as user turns.
+HERMES_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n# Tools\n<tools>{% for t in tools %}\n{{ t | tojson }}{% endfor %}\n</tools>\n"
+    "Answer a call as <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call><|im_end|>\n{% endif %}"
+    "{% for m in messages %}{% if m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n"
+    "</tool_response><|im_end|>\n{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+    "{% for c in m.tool_calls or [] %}<tool_call>\n{{ {'name': c.function.name, 'arguments': c.function.arguments}"
+    " | tojson }}\n</tool_call>{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+
+
+def _args(call) -> dict:
+    return json.loads(call["function"]["arguments"])
+
+
+def test_hermes_calls_and_content():
+    text = 'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' \
+           '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
+    content, calls = tools.parse("hermes", text)
+    assert content == "Let me look."
+    assert [c["function"]["name"] for c in calls] == ["get_weather", "get_time"]
+    assert _args(calls[0]) == {"city": "Paris"} and _args(calls[1]) == {}
+    assert all(c["type"] == "function" and c["id"].startswith("call_") for c in calls)
+    assert len({c["id"] for c in calls}) == 2
+    # not a call: left as the model's words
+    assert tools.parse("hermes", "<tool_call>not json</tool_call>") == ("<tool_call>not json</tool_call>", [])
+    assert tools.parse("hermes", "plain words") == ("plain words", [])
+
+
+def test_llama3_json_and_mistral_calls():
+    content, calls = tools.parse("llama3_json", '<|python_tag|>{"name": "f", "parameters": {"x": 1}}; '
+                                                '{"name": "g", "parameters": {}}')
+    assert content == "" and [c["function"]["name"] for c in calls] == ["f", "g"] and _args(calls[0]) == {"x": 1}
+    assert tools.parse("llama3_json", "{not a call") == ("{not a call", [])
+    assert tools.parse("llama3_json", '{"no": "name"}') == ('{"no": "name"}', [])
+    content, calls = tools.parse("mistral", 'Sure. [TOOL_CALLS][{"name": "f", "arguments": {"a": "b"}}]')
+    assert content == "Sure." and _args(calls[0]) == {"a": "b"}
+    content, calls = tools.parse("mistral", '[TOOL_CALLS]f[ARGS]{"a": 1}[TOOL_CALLS]g[ARGS]{}')
+    assert [c["function"]["name"] for c in calls] == ["f", "g"] and _args(calls[0]) == {"a": 1}
+
+
+@pytest.mark.parametrize("fmt,text", [
+    ("hermes", 'Checking <tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'),
+    ("hermes", "no call here, only <tool text"),
+    ("llama3_json", '  {"name": "f", "parameters": {"q": "<tool_call>"}}'),
+    ("llama3_json", "An answer in words."),
+    ("mistral", 'ok [TOOL_CALLS][{"name": "f", "arguments": {}}]'),
+    ("mistral", "[TOOL_CALL but not quite"),
+])
+def test_streamed_parse_equals_the_whole_parse_at_every_split(fmt, text):
+    whole = tools.parse(fmt, text)
+    for cut in range(len(text) + 1):
+        for parts in ([text[:cut], text[cut:]], list(text)):
+            sp = tools.StreamParser(fmt)
+            sent = "".join(sp.feed(p) for p in parts)
+            rest, calls = sp.finish()
+            assert [c["function"] for c in calls] == [c["function"] for c in whole[1]], (cut, parts)
+            if whole[1]:
+                assert (sent + rest).strip() == whole[0]
+            else:
+                assert sent + rest == text
+
+
+def test_detect_and_the_template_renders_tools_and_calls():
+    assert tools.detect(HERMES_TEMPLATE) == "hermes"
+    assert tools.detect("{{ messages }}") is None
+    assert tools.detect("{% if tools %}[TOOL_CALLS]{% endif %}") == "mistral"
+    d = default_model_dir()
+    tok = Tokenizer(d, read_config(d), chat_template=HERMES_TEMPLATE)
+    ctx = ParseContext(tokenizer=tok, vocab_size=read_config(d)["vocab_size"], model_ids=("m",), tool_format="hermes")
+    body = {"messages": [{"role": "user", "content": "Weather in Paris?"},
+                         {"role": "assistant", "content": None, "tool_calls": [
+                             {"id": "call_1", "type": "function",
+                              "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+                         {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}],
+            "tools": [WEATHER], "max_tokens": 8}
+    p = parse(body, True, ctx)
+    text = tok.decode(p.req.prompt_ids)
+    assert '"name": "get_weather"' in text and "the weather in a city" in text  # the tool, rendered
+    assert '"arguments": {"city": "Paris"}' in text  # the earlier call, arguments as an object
+    assert "sunny, 21 C" in text and p.tool_format == "hermes"
+    assert parse({**body, "tool_choice": "none"}, True, ctx).tool_format is None  # rendered, never parsed
+    for bad, param in [({"tool_choice": "required"}, "tool_choice"),
+                       ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice")]:
+        with pytest.raises(ApiError) as e:
+            parse({**body, **bad}, True, ctx)
+        assert e.value.param == param and e.value.code == "unsupported_parameter"
+    bad_args = json.loads(json.dumps(body))
+    bad_args["messages"][1]["tool_calls"][0]["function"]["arguments"] = "{not json"
+    with pytest.raises(ApiError, match="arguments is not JSON"):
+        parse(bad_args, True, ctx)
+    plain = ParseContext(tokenizer=tok, vocab_size=ctx.vocab_size, model_ids=("m",))  # no format known
+    with pytest.raises(ApiError) as e:
+        parse(body, True, plain)
+    assert e.value.param == "tools" and "'tools' is not supported" in e.value.message
+
+
+# --------------------------------------------------------------------------- the app, in process
+class ScriptedEngine:
+    """BatchEngine's calls; every row answers with `answer`'s ids, then EOS."""
+
+    def __init__(self, ids, eos):
+        self.ids, self.eos = list(ids) + [eos], eos
+        self.rows, self.want, self.logprobs = {}, {}, {}
+
+    def __contains__(self, rid):
+        return rid in self.rows
+
+    def add_many(self, items):
+        for rid, *_ in items:
+            self.rows[rid] = 0
+
+    def remove(self, rid):
+        self.rows.pop(rid)
+
+    def step(self):
+        out = {}
+        for rid, n in self.rows.items():
+            out[rid] = self.ids[min(n, len(self.ids) - 1)]
+            self.rows[rid] = n + 1
+        return out
+
+
+@pytest.fixture(scope="module")
+def app_server():
+    import uvicorn
+
+    from mlxcel_dist.serve import responses as rs
+    from mlxcel_dist.serve.app import AppState, make_app
+    from mlxcel_dist.serve.protocol import advance
+    from mlxcel_dist.serve.scheduler import Scheduler
+    from test_serve_steps import Guard, Single
+
+    d = default_model_dir()
+    tok = Tokenizer(d, read_config(d), chat_template=HERMES_TEMPLATE)
+    answer = 'I will check.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    engine = ScriptedEngine(tok.encode(answer, add_special_tokens=False), tok.eos_ids[0])
+    sched = Scheduler(tok)
+    ctx = ParseContext(tokenizer=tok, vocab_size=read_config(d)["vocab_size"], model_ids=("m",), tool_format="hermes")
+
+    class Ok:
+        def status(self):
+            return True, ""
+
+    state = AppState(sched, ctx, rs.TokenPieces(tok), Ok(), 1_000_000, int(time.time()))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(make_app(state), host="127.0.0.1", port=port, log_config=None,
+                                           lifespan="off"))
+    threading.Thread(target=server.run, daemon=True).start()
+
+    def loop():
+        while not sched.stopping.is_set():
+            step, result = advance(engine, Single(), Guard(), sched.plan(), keep_logprobs=True, agreed=sched.deliver)
+            sched.absorb(step, result)
+
+    threading.Thread(target=loop, daemon=True).start()
+    deadline = time.monotonic() + 30
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}", tok, answer
+    sched.stop()
+    server.should_exit = True
+
+
+def test_openai_client_gets_tool_calls_whole_and_streamed(app_server):
+    openai = pytest.importorskip("openai", reason="the openai package is not installed (optional)")
+    base, tok, answer = app_server
+    client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=60)
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    r = client.chat.completions.create(model="m", messages=messages, tools=[WEATHER], max_tokens=200)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "I will check."
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+    # streamed: the content first, then the call as OpenAI streams it (name, then arguments)
+    content, names, args, finish = "", [], "", None
+    for ch in client.chat.completions.create(model="m", messages=messages, tools=[WEATHER], max_tokens=200,
+                                             stream=True):
+        delta = ch.choices[0].delta
+        content += delta.content or ""
+        for tc in delta.tool_calls or []:
+            if tc.function.name:
+                names.append(tc.function.name)
+            args += tc.function.arguments or ""
+        finish = ch.choices[0].finish_reason or finish
+    assert content == "I will check." and names == ["get_weather"] and json.loads(args) == {"city": "Paris"}
+    assert finish == "tool_calls"
+    # tool_choice none: the same words come back as text
+    r = client.chat.completions.create(model="m", messages=messages, tools=[WEATHER], tool_choice="none",
+                                       max_tokens=200)
+    assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason == "stop"
+    assert r.choices[0].message.content == tok.decode(tok.encode(answer, add_special_tokens=False))
