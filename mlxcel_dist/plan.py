@@ -82,7 +82,8 @@ def _rank_plan(ck, n: int, r: int, weights, pp: int = 1, moe_split: str | None =
     heads = None
     attn = next((mod for _, mod in m.named_modules() if hasattr(mod, "total_num_heads")), None)
     if attn is not None:
-        q = _ranges_of(plan, "self_attn.q_proj.weight")
+        # q_b_proj: latent attention's per-head q rows (deepseek_v3 with a q LoRA)
+        q = _ranges_of(plan, "self_attn.q_proj.weight") or _ranges_of(plan, "self_attn.q_b_proj.weight")
         hd = getattr(attn, "head_dim", None)
         start = q[1][0][0] // hd if q and hd else 0
         heads = (start, start + attn.num_heads, attn.num_kv_heads)

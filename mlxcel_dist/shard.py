@@ -329,6 +329,57 @@ def shard_attention(attn: nn.Module, group: Group) -> None:
     attn.num_kv_heads = len(slots)
 
 
+def shard_latent_attention(attn: nn.Module, group: Group) -> None:
+    """Shard multi-head latent attention (DeepSeek's MLA) by heads: rank r
+    keeps heads [h0, h1) (`split_ranges`; o_proj's quantization groups
+    permitting): their rows of q_b_proj (or q_proj; `q_head_dim` each) and
+    kv_b_proj (`kv_head_dim` each: k_nope then v), their o_proj input columns
+    (`v_head_dim` each, one all_sum). The latent projections (q_a_proj,
+    kv_a_proj_with_mqa) and their norms stay replicated: every rank computes
+    the whole latent, which is small."""
+    if group.single:
+        return
+    H, o = attn.total_num_heads, attn.o_proj
+    unit = math.lcm(attn.v_head_dim, o.group_size) // attn.v_head_dim if isinstance(o, nn.QuantizedLinear) else 1
+    h0, h1 = _rank_range(H, group, "the attention heads", unit)
+    q = "q_b_proj" if "q_b_proj" in attn else "q_proj"
+    setattr(attn, q, _sharded(getattr(attn, q), "rows", [(h0 * attn.q_head_dim, h1 * attn.q_head_dim)], group))
+    attn.kv_b_proj = _sharded(attn.kv_b_proj, "rows", [(h0 * attn.kv_head_dim, h1 * attn.kv_head_dim)], group)
+    attn.o_proj = _sharded(o, "cols", [(h0 * attn.v_head_dim, h1 * attn.v_head_dim)], group, "o_proj")
+    attn.num_heads = h1 - h0  # this rank's; total_num_heads stays the model's
+
+
+def shard_stacked_experts_any(moe: nn.Module, group: Group, up=("gate_proj", "up_proj"), down="down_proj") -> None:
+    """`shard_stacked_experts` for stacks that may be MLX-quantized (each
+    projection a module with `weight` [E, out, in], or packed weight plus
+    `scales` / `biases` [E, out, in / group_size]): rank r keeps rows [i0, i1)
+    of axis 1 of the up stacks (every parameter) and the same input columns
+    of the down stack (axis 2; quantized: packed words and whole scale
+    groups, so cuts fall on the down stack's group size). No collective here."""
+    if group.single:
+        return
+    d = getattr(moe, down)
+    unit = d.group_size if d.get("scales") is not None else 1
+    inter = getattr(moe, up[0]).weight.shape[1]
+    rng = [_rank_range(inter, group, "the experts' intermediate size", unit)]
+    for name in up:
+        stack = getattr(moe, name)
+        spec = {p: (1, rng) for p in ("weight", "scales", "biases") if stack.get(p) is not None}
+        for p, (axis, r) in spec.items():
+            setattr(stack, p, _slice(stack[p], axis, r))
+        stack.shard_spec = ShardSpec(spec)
+    if unit > 1:
+        packed, groups = quantized_col_ranges(rng, d.group_size, d.bits, f"cannot split the experts' {down}")
+        spec = {"weight": (2, packed), "scales": (2, groups)}
+        if d.get("biases") is not None:
+            spec["biases"] = (2, groups)
+    else:
+        spec = {"weight": (2, rng)}
+    for p, (axis, r) in spec.items():
+        setattr(d, p, _slice(d[p], axis, r))
+    d.shard_spec = ShardSpec(spec)
+
+
 def _quant_unit(layer) -> int:
     """The input columns a cut of `layer`'s input must be a multiple of: its
     quantization group size (1 unquantized)."""

@@ -49,8 +49,14 @@ def _llama4_multimodal(config: dict, weights: dict):
     return cfg, {f"language_model.{k}": v for k, v in weights.items()}
 
 
-# case name -> (source reference fixture, description[, options: "edit": edit(config, weights) ->
-# what mlx-lm is given; "group_size": the quantization group, default GROUP_SIZE])
+def _kimi_k2(config: dict, weights: dict):
+    """Kimi K2's config is already in the transformers-4 form; mlx-lm's convert loads the tokenizer through
+    transformers, which has no kimi_k2 type (mlx-lm itself reads kimi_k2 as deepseek_v3)."""
+    return {**config, "model_type": "deepseek_v3"}, weights
+
+
+# case name -> (source reference fixture, description[, options: edit(config, weights) -> what mlx-lm is given,
+# config: the source's config file (config_t4.json), group_size (GROUP_SIZE)])
 CASES = {
     "gemma3_q4": ("gemma3/gqa_fp32", "gemma3_text, 8 q / 2 kv heads, window 16 (pattern 3), tied quantized embedding"),
     "llama_q4": ("llama/gqa_fp32", "llama, 8 q / 2 kv heads, llama3 RoPE, q/k/v/o and MLP biases, quantized untied lm_head"),
@@ -65,6 +71,10 @@ CASES = {
                      "a dense layer among sparse ones", {"group_size": 32}),
     "glm4_moe_q4": ("glm4_moe/gqa_fp32", "glm4_moe, switch_mlp 8 experts top-2 in 4 groups quantized, correction "
                     "bias, shared expert, partial rotary", {"group_size": 32}),
+    "deepseek_v3_q4": ("deepseek_v3/kimi_k2_fp32", "deepseek_v3 (Kimi K2's config, given to mlx-lm as deepseek_v3): "
+                       "MLA 6 heads (kv_b_proj as embed_q / unembed_out, unquantized at these dims), switch_mlp 6 "
+                       "experts top-3 (gate/up 4-bit, down [E, 64, 16] unquantized), shared expert, a dense layer; "
+                       "group size 32", {"edit": _kimi_k2, "config": "config.json", "group_size": 32}),
 }
 BITS, GROUP_SIZE = 4, 64
 
@@ -86,7 +96,7 @@ def build(name: str, src_case: str, options: dict | None = None) -> dict:
         hf = Path(tmp) / "hf"
         hf.mkdir()
         if options.get("edit"):
-            cfg, weights = options["edit"](json.loads((src / "config_t4.json").read_text()),
+            cfg, weights = options["edit"](json.loads((src / options.get("config", "config_t4.json")).read_text()),
                                            load_file(src / "model.safetensors"))
             save_file(weights, hf / "model.safetensors", metadata={"format": "pt"})
             (hf / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))

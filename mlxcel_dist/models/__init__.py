@@ -12,6 +12,7 @@ import pkgutil
 from ..errors import UserError
 
 MODEL_REMAP = {
+    "kimi_k2": "deepseek_v3",  # Kimi K2 (DeepseekV3ForCausalLM with its own model_type)
     "gemma3": "gemma3",  # multimodal checkpoint: its text tower
     "gemma3_text": "gemma3",
     "gemma4_text": "gemma4",  # the text-only model; "gemma4" (multimodal) is the file itself

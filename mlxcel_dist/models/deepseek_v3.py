@@ -1,0 +1,488 @@
+"""DeepSeek-V3 / R1 / V3.1 and Kimi K2 (`deepseek_v3`; `kimi_k2` configs
+map here), as transformers 5.24's DeepseekV3ForCausalLM runs them.
+
+Hidden states [B, L, hidden]. Multi-head latent attention (MLA) per layer:
+- q: `q_a_proj` -> `q_a_layernorm` -> `q_b_proj` (q_lora_rank set) or one
+  `q_proj`, giving [B, H, L, qk_nope + qk_rope] per head;
+- `kv_a_proj_with_mqa` x -> latent [kv_lora_rank] (normed by
+  `kv_a_layernorm`) and one shared k_pe [qk_rope_head_dim] (MQA-like);
+  `kv_b_proj` latent -> per head k_nope [qk_nope] and v [v_head_dim];
+- RoPE on q_pe and k_pe only (dims qk_rope_head_dim), interleaved pairs
+  when `rope_interleave` (transformers' default; it de-interleaves the
+  output, we keep pairs in place: the same q.k, both sides permuted alike);
+- scores scaled by (qk_nope + qk_rope)^-0.5, times mscale^2 with mscale =
+  0.1 * mscale_all_dim * ln(factor) + 1 for a non-default RoPE with
+  `mscale_all_dim` (transformers' yarn_apply_mscale); yarn's own
+  attention factor mscale/mscale_all_dim scales cos and sin (rope.py).
+What the cache keeps (`LATENT_CACHE`, both plain KVCaches that decode.py's
+static buffers and the batch engine take as they are):
+- per-head: K = [k_nope, k_pe] [B, H, S, qk_nope + qk_rope] and
+  V [B, H, S, v_head_dim], H * (nope + rope + v) values per token and layer
+  (this rank's heads under TP), attention as the reference computes it;
+- latent (default: 576 values a token and layer for DeepSeek-V3 on every
+  rank, where per-head needs 40960 / N; benchmarks/deepseek_v3_cache.py):
+  the normed latent [B, 1, S, kv_lora] as "keys" and the rotated
+  k_pe [B, 1, S, rope] as "values", kv_lora + rope values per token and
+  layer on every rank (replicated under TP). A prefill chunk expands every
+  cached position through kv_b_proj (as transformers does from its latent
+  cache); a decode step runs absorbed: q_nope W_uk scores the latent
+  directly, the rope scores enter SDPA as an additive mask (k = v = latent,
+  one KV head), and the weighted latent is expanded once by W_uv (a
+  quantized kv_b_proj dequantized for it).
+
+MLP: dense SwiGLU for layers i < first_k_dense_replace or i % moe_layer_freq
+!= 0 (DeepSeek's own rule; transformers 5.24 ignores moe_layer_freq, which
+every released checkpoint has at 1); else MoE:
+- router `mlp.gate.weight` [E, hidden], fp32, `noaux_tc`: scores = sigmoid;
+  `mlp.gate.e_score_correction_bias` [E] is added only to CHOOSE: groups
+  (n_group) ranked by the sum of their two best biased scores, the best
+  topk_group kept, then the top-k biased scores among them; the weights are
+  the chosen unbiased scores, renormalised (norm_topk_prob, + 1e-20), times
+  routed_scaling_factor;
+- routed experts stacked (mlx-lm's `mlp.switch_mlp.{gate,up,down}_proj`,
+  [E, I, hidden] / [E, hidden, I]); only the k chosen run (`mx.gather_mm`);
+  each product times its fp32 weight, rounded to the hidden dtype, summed in
+  ascending expert order (the reference's index_add); transformers' per-expert
+  keys `mlp.experts.N.*` are stacked lazily by sanitize (a rank reads only
+  its slice);
+- `mlp.shared_experts` (I * n_shared_experts) on every token, added.
+
+Tensor parallelism: rank r holds a contiguous range of heads (uneven counts
+fine): q_b_proj / q_proj rows, kv_b_proj rows and o_proj columns of its
+heads; q_a_proj, kv_a_proj_with_mqa and their norms replicated (every rank
+computes the latent). Its per-head cache holds its heads' K/V only (1/N of
+the per-head cache); the latent cache is whole on every rank. Dense MLPs
+split by columns; routed and shared experts split on their intermediate
+dimension (`shard.shard_stacked_experts_any`, `shard.shard_expert_mlps`),
+the router replicated, one all_sum per MoE block.
+MTP layers (`model.layers.N.*`, N >= num_hidden_layers) are dropped.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..attention import causal_attention
+from ..blocks import MLP, PreNormBlock, StackedLinear
+from ..collectives import SINGLE
+from ..errors import UserError
+from ..layers import RMSNorm, activation, gated_fp32
+from ..rope import RoPE
+from ..shard import shard_expert_mlps, shard_latent_attention, shard_mlp, shard_stacked_experts_any
+from ..weights import join
+from .base import FULL, BaseModelArgs, CausalLM, DecoderStack, describe_layers
+
+DENSE, SPARSE = "dense", "sparse"
+# What the cache keeps (module doc): True, the latent and k_pe (kv_lora + rope
+# values per token, on every rank), decode steps absorbed; False, per-head K/V
+# (the reference's order of operations, H * (nope + rope + v) values / N a rank).
+LATENT_CACHE = True
+LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: transformers' RMSNorm default, not rms_norm_eps
+
+
+@dataclass
+class ModelArgs(BaseModelArgs):
+    # Defaults are transformers' DeepseekV3Config defaults.
+    model_type: str = "deepseek_v3"
+    vocab_size: int = 129280
+    hidden_size: int = 7168
+    intermediate_size: int = 18432
+    moe_intermediate_size: int = 2048
+    num_hidden_layers: int = 61
+    num_attention_heads: int = 128
+    num_key_value_heads: int | None = None  # MLA: every head has its own k/v; unused
+    n_shared_experts: int | None = 1
+    n_routed_experts: int | None = 256
+    routed_scaling_factor: float = 2.5
+    kv_lora_rank: int = 512
+    q_lora_rank: int | None = 1536
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    qk_nope_head_dim: int = 128
+    n_group: int | None = 8
+    topk_group: int | None = 4
+    num_experts_per_tok: int | None = 8
+    first_k_dense_replace: int = 3
+    moe_layer_freq: int = 1
+    norm_topk_prob: bool = True
+    topk_method: str = "noaux_tc"
+    scoring_func: str = "sigmoid"
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 4096
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    rope_theta: float | None = None
+    rope_scaling: dict | None = None  # the transformers-4 form, read as transformers 5 does
+    rope_parameters: dict | None = None
+    rope_interleave: bool = True
+    attention_bias: bool = False
+
+    def __post_init__(self):
+        n = self.num_hidden_layers
+        self.layer_types = [FULL] * n  # MLA everywhere, no window
+        self.mlp_layer_types = [SPARSE if self._sparse(i) else DENSE for i in range(n)]
+        if SPARSE in self.mlp_layer_types:
+            self._check_routing()
+        self.rope = self.one_rope()
+        self.q_head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads  # as transformers: every head its own k/v
+
+    @property
+    def head_dim(self) -> int:
+        """The per-head q/k width (what `info` shows; config.json's own
+        `head_dim` is transformers' alias of qk_rope_head_dim, not read)."""
+        return self.q_head_dim
+
+    def _sparse(self, i: int) -> bool:
+        freq = self.moe_layer_freq
+        if not isinstance(freq, int) or freq < 1:
+            raise UserError(f"{self.model_type} config moe_layer_freq must be a positive integer, got {freq!r}")
+        return self.n_routed_experts is not None and i >= self.first_k_dense_replace and i % freq == 0
+
+    def _check_routing(self):
+        t = self.model_type
+        E, G, k = self.n_routed_experts, self.n_group or 1, self.num_experts_per_tok
+        if self.topk_method != "noaux_tc" or self.scoring_func != "sigmoid":
+            raise UserError(f"{t}: only topk_method noaux_tc with sigmoid scores is supported, got "
+                            f"{self.topk_method!r} / {self.scoring_func!r}")
+        if k is None or not 1 <= k <= E:
+            raise UserError(f"{t}: num_experts_per_tok {k} must be in 1..{E}")
+        if G < 1 or E % G or E // G < 2:
+            raise UserError(f"{t}: n_group {G} must split n_routed_experts {E} into groups of at least 2")
+        if not 1 <= (self.topk_group or 1) <= G:
+            raise UserError(f"{t}: topk_group {self.topk_group} must be in 1..{G} (n_group)")
+        if k > (self.topk_group or 1) * (E // G):
+            raise UserError(f"{t}: num_experts_per_tok exceeds the experts of the topk_group groups")
+        if not self.n_shared_experts:
+            raise UserError(f"{t}: n_shared_experts must be at least 1 (transformers always builds them)")
+
+    @property
+    def softmax_scale(self) -> float:
+        """transformers' yarn_apply_mscale: q_head_dim^-0.5 times mscale^2."""
+        scale = self.q_head_dim**-0.5
+        p = self.rope
+        if p.get("rope_type", "default") != "default" and p.get("mscale_all_dim"):
+            factor = float(p["factor"])
+            m = 1.0 if factor <= 1 else 0.1 * float(p["mscale_all_dim"]) * math.log(factor) + 1.0
+            scale = scale * m * m
+        return scale
+
+
+class LatentAttention(nn.Module):
+    """MLA with per-head K/V in the cache (module doc). Attribute contract of
+    `shard.shard_latent_attention`: `total_num_heads` / `num_heads` (this
+    rank's), `q_head_dim`, `kv_head_dim` (k_nope + v rows of kv_b_proj per
+    head), `v_head_dim`; q_proj or q_b_proj, kv_b_proj, o_proj."""
+
+    def __init__(self, args: ModelArgs, rope: RoPE):
+        super().__init__()
+        H, D = args.num_attention_heads, args.hidden_size
+        self.total_num_heads = self.num_heads = H
+        self.nope, self.rope_dim, self.v_head_dim = args.qk_nope_head_dim, args.qk_rope_head_dim, args.v_head_dim
+        self.q_head_dim = self.head_dim = args.q_head_dim
+        self.kv_head_dim = self.nope + self.v_head_dim
+        self.kv_lora_rank = args.kv_lora_rank
+        self.scale = args.softmax_scale
+        self.rope = rope
+        self.window = None  # full attention (describe_layers)
+        self.latent_cache = LATENT_CACHE
+        bias = args.attention_bias
+        if args.q_lora_rank is None:
+            self.q_proj = nn.Linear(D, H * self.q_head_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(D, args.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(args.q_lora_rank, LATENT_NORM_EPS)
+            self.q_b_proj = nn.Linear(args.q_lora_rank, H * self.q_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(D, self.kv_lora_rank + self.rope_dim, bias=bias)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, LATENT_NORM_EPS)
+        self.kv_b_proj = nn.Linear(self.kv_lora_rank, H * self.kv_head_dim, bias=False)
+        self.o_proj = nn.Linear(H * self.v_head_dim, D, bias=bias)
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.num_heads  # each head its own k/v in the cache (plan, info)
+
+    @property
+    def total_num_kv_heads(self) -> int:
+        return self.total_num_heads
+
+    def __call__(self, x, mask=None, cache=None):
+        B, L, _ = x.shape
+        H = self.num_heads
+        q = self.q_proj(x) if "q_proj" in self else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.reshape(B, L, H, self.q_head_dim).transpose(0, 2, 1, 3)  # [B, H, L, nope + rope]
+        q_nope, q_pe = q[..., : self.nope], q[..., self.nope :]
+        ckv = self.kv_a_proj_with_mqa(x)  # [B, L, kv_lora + rope]
+        latent = self.kv_a_layernorm(ckv[..., : self.kv_lora_rank])
+        k_pe = ckv[..., self.kv_lora_rank :][:, None]  # [B, 1, L, rope]: one k_pe shared by every head
+        offset = cache.offset if cache is not None else 0
+        q_pe, k_pe = self.rope(q_pe, offset), self.rope(k_pe, offset)
+        if self.latent_cache:
+            # the cache keeps latent [B, 1, S, kv_lora] as "keys" and k_pe [B, 1, S, rope] as "values"
+            latent, k_pe = latent[:, None], k_pe
+            if cache is not None:
+                latent, k_pe = cache.update_and_fetch(latent, k_pe)
+            if L == 1:
+                o = self._absorbed(q_nope, q_pe, latent, k_pe, mask)
+                return self.o_proj(o.transpose(0, 2, 1, 3).reshape(B, L, -1))
+            k, v = self._expand(latent[:, 0], k_pe)
+        else:
+            k, v = self._expand(latent, k_pe)
+            if cache is not None:
+                k, v = cache.update_and_fetch(k, v)
+        q = mx.concatenate([q_nope, q_pe], axis=-1)
+        o = causal_attention(q, k, v, self.scale, mask=mask)  # [B, H, L, v]
+        return self.o_proj(o.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+    def _expand(self, latent, k_pe):
+        """latent [B, S, kv_lora], k_pe [B, 1, S, rope] -> per-head K [B, H,
+        S, nope + rope], V [B, H, S, v] (kv_b_proj on every position)."""
+        B, S, _ = latent.shape
+        H = self.num_heads
+        kv = self.kv_b_proj(latent).reshape(B, S, H, self.kv_head_dim).transpose(0, 2, 1, 3)  # [B, H, S, nope + v]
+        k_nope, v = kv[..., : self.nope], kv[..., self.nope :]
+        return mx.concatenate([k_nope, mx.broadcast_to(k_pe, (B, H, S, self.rope_dim))], axis=-1), v
+
+    def _absorbed(self, q_nope, q_pe, latent, k_pe, mask):
+        """One query per row against the latent cache, kv_b_proj absorbed:
+        q_nope W_uk scores the latent directly (q_nope.k_nope = (q_nope W_uk).latent)
+        and the weighted latent is expanded once by W_uv: [B, H, 1, v]. The
+        rope part enters as an additive mask of SDPA (k = v = latent, one
+        KV head shared by every query head)."""
+        H = self.num_heads
+        p = self.kv_b_proj
+        w = p.weight
+        if "scales" in p:  # quantized: the weights as its matmul sees them (one dequantize a step, of this rank's rows)
+            w = mx.dequantize(w, p.scales, p.get("biases"), group_size=p.group_size, bits=p.bits, mode=p.mode)
+        w = w.astype(q_nope.dtype).reshape(H, self.kv_head_dim, self.kv_lora_rank)  # [H, nope + v, kv_lora]
+        w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]
+        q_abs = q_nope @ w_uk  # [B, H, 1, nope] @ [H, nope, kv_lora] -> [B, H, 1, kv_lora]
+        pe = (q_pe @ k_pe.swapaxes(-1, -2)) * self.scale  # [B, H, 1, S]
+        if isinstance(mask, mx.array):  # static buffers: the written slots (a bool row per batch row)
+            pe = mx.where(mask, pe, mx.array(mx.finfo(pe.dtype).min, pe.dtype))
+        o = mx.fast.scaled_dot_product_attention(q_abs, latent, latent, scale=self.scale, mask=pe)  # [B, H, 1, kv_lora]
+        return o @ w_uv.swapaxes(-1, -2)  # [B, H, 1, kv_lora] @ [H, kv_lora, v]
+
+
+class MoEGate(nn.Module):
+    """noaux_tc router: x [N, hidden] -> (indices [N, k], weights [N, k] fp32)."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        E = args.n_routed_experts
+        self.top_k, self.n_group, self.topk_group = args.num_experts_per_tok, args.n_group or 1, args.topk_group or 1
+        self.norm_topk_prob, self.routed_scaling_factor = args.norm_topk_prob, args.routed_scaling_factor
+        self.weight = mx.zeros((E, args.hidden_size))
+        self.e_score_correction_bias = mx.zeros((E,))
+
+    def __call__(self, x):
+        scores = mx.sigmoid(x.astype(mx.float32) @ self.weight.astype(mx.float32).T)  # [N, E], fp32 as the reference
+        choice = scores + self.e_score_correction_bias.astype(mx.float32)
+        N, E = choice.shape
+        G = self.n_group
+        if self.topk_group < G:
+            # [N, G, E/G]: a group's score is the sum of its two best (order-free)
+            best2 = mx.topk(choice.reshape(N, G, E // G), 2, axis=-1).sum(axis=-1)  # [N, G]
+            keep = mx.argpartition(-best2, kth=self.topk_group - 1, axis=-1)[:, : self.topk_group]
+            mask = mx.put_along_axis(mx.zeros((N, G), dtype=mx.bool_), keep, mx.array(True), axis=-1)
+            choice = mx.where(mx.repeat(mask, E // G, axis=-1), choice, -mx.inf)
+        k = self.top_k
+        idx = mx.argpartition(-choice, kth=k - 1, axis=-1)[:, :k]  # [N, k]
+        idx = mx.sort(idx, axis=-1)  # ascending experts: the reference's summation order
+        w = mx.take_along_axis(scores, idx, axis=-1)  # the unbiased scores
+        if self.norm_topk_prob:
+            w = w / (w.sum(axis=-1, keepdims=True) + 1e-20)
+        return idx, w * self.routed_scaling_factor
+
+
+class SwitchGLU(nn.Module):
+    """The routed experts stacked (mlx-lm's switch_mlp names: gate/up/down
+    `blocks.StackedLinear`, quantized as mlx-lm stores them); only each
+    token's chosen experts run (gather_mm / gather_qmm)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, act):
+        super().__init__()
+        self.gate_proj = StackedLinear(num_experts, hidden_size, intermediate_size)
+        self.up_proj = StackedLinear(num_experts, hidden_size, intermediate_size)
+        self.down_proj = StackedLinear(num_experts, intermediate_size, hidden_size)
+        self.act = gated_fp32(act)
+
+    def __call__(self, x, idx, w):
+        """x [N, hidden], idx [N, k] ascending, w [N, k] fp32 -> [N, hidden]."""
+        xe = x[:, None, None, :]  # [N, 1, 1, hidden]: one row per (token, chosen expert)
+        h = self.act(self.gate_proj(xe, idx), self.up_proj(xe, idx))  # [N, k, 1, I]
+        out = self.down_proj(h, idx).squeeze(-2)  # [N, k, hidden]
+        parts = (out.astype(mx.float32) * w[..., None]).astype(x.dtype)  # each rounded, as index_add adds them
+        y = parts[:, 0]
+        for j in range(1, parts.shape[1]):
+            y = y + parts[:, j]
+        return y
+
+
+class MoE(nn.Module):
+    """Router, routed experts and shared experts; one all_sum once sharded."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        act = activation(args.hidden_act)
+        I = args.moe_intermediate_size
+        self.gate = MoEGate(args)
+        self.switch_mlp = SwitchGLU(args.hidden_size, I, args.n_routed_experts, act)
+        self.shared_experts = MLP(args.hidden_size, I * args.n_shared_experts, act)
+        self.group = SINGLE  # the job's group once the experts are split (shard)
+
+    def __call__(self, x):
+        B, L, D = x.shape
+        xf = x.reshape(B * L, D)  # [N, hidden]
+        y = self.switch_mlp(xf, *self.gate(xf)).reshape(B, L, D) + self.shared_experts(x)
+        return self.group.all_sum(y)  # this rank's intermediate slice of every expert
+
+
+class DecoderLayer(PreNormBlock):
+    def __init__(self, args: ModelArgs, rope: RoPE, i: int):
+        if args.mlp_layer_types[i] == SPARSE:
+            mlp = MoE(args)
+        else:
+            mlp = MLP(args.hidden_size, args.intermediate_size, activation(args.hidden_act))
+        super().__init__(LatentAttention(args, rope), mlp, args.hidden_size, lambda d: RMSNorm(d, args.rms_norm_eps))
+
+
+class DeepseekV3Model(DecoderStack):
+    def __init__(self, args: ModelArgs):
+        super().__init__(args)
+        rope = RoPE(args.qk_rope_head_dim, args.rope, args.max_position_embeddings, traditional=args.rope_interleave)
+        self.layers = [DecoderLayer(args, rope, i) for i in range(args.num_hidden_layers)]
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+
+class _KvbRef:
+    """kv_b_proj.weight [H * (nope + v), kv_lora] rebuilt from mlx-lm's split
+    of it (`embed_q` [H, kv_lora, nope], the k rows transposed; `unembed_out`
+    [H, v, kv_lora]): a rearrangement, exact. Reads only the heads a row
+    range needs."""
+
+    def __init__(self, wk, wv):
+        self.wk, self.wv = wk, wv
+        self.dtype = wk.dtype
+        H, R, nope = wk.shape
+        self.width = nope + wv.shape[1]  # rows per head
+        self.shape = (H * self.width, R)
+
+    def sliced_shape(self, axis, ranges) -> tuple:
+        if axis is None:
+            return self.shape
+        shape = list(self.shape)
+        shape[axis] = sum(e - s for s, e in ranges)
+        return tuple(shape)
+
+    def read(self, axis=None, ranges=None) -> mx.array:
+        if axis == 1:
+            return mx.concatenate([self.read()[:, s:e] for s, e in ranges], axis=1)
+        parts = []
+        for s, e in ranges or [(0, self.shape[0])]:
+            h0, h1 = s // self.width, -(-e // self.width)
+            wk, wv = self.wk.read(0, [(h0, h1)]), self.wv.read(0, [(h0, h1)])
+            rows = mx.concatenate([wk.swapaxes(1, 2), wv], axis=1).reshape(-1, self.shape[1])  # [heads * width, R]
+            parts.append(rows[s - h0 * self.width : e - h0 * self.width])
+        return parts[0] if len(parts) == 1 else mx.concatenate(parts)
+
+
+class _ArrayRef:
+    """An mx.array read like a TensorRef (read(axis, ranges))."""
+
+    def __init__(self, a):
+        self.a, self.shape, self.dtype = a, tuple(a.shape), a.dtype
+
+    def read(self, axis=None, ranges=None):
+        if axis is None:
+            return self.a
+        return mx.concatenate([self.a[(slice(None),) * axis + (slice(s, e),)] for s, e in ranges], axis=axis)
+
+
+def _kv_b_proj(wk, wv):
+    """kv_b_proj.weight from mlx-lm's embed_q / unembed_out weights (None: names only)."""
+    if wk is None:
+        return None
+    if isinstance(wk, mx.array):
+        return _KvbRef(_ArrayRef(wk), _ArrayRef(wv)).read()
+    return _KvbRef(wk, wv)
+
+
+class Model(CausalLM):
+    pipeline_stages = True  # a DecoderStack of independent layers: runs in --pp stages (pipeline.py)
+
+    def __init__(self, args: ModelArgs):
+        super().__init__(args, DeepseekV3Model(args))
+
+    def describe_layers(self) -> list[str]:
+        a = self.args
+        attn = (f", MLA {a.num_attention_heads} heads (q_lora {a.q_lora_rank}, kv_lora {a.kv_lora_rank}, "
+                f"nope/rope/v {a.qk_nope_head_dim}/{a.qk_rope_head_dim}/{a.v_head_dim})")
+        moe = (f", moe {a.n_routed_experts} experts top-{a.num_experts_per_tok} "
+               f"(groups {a.topk_group}/{a.n_group}) + {a.n_shared_experts} shared")
+        return [line + attn + (moe if kind == SPARSE else ", dense mlp")
+                for line, kind in zip(describe_layers(self), a.mlp_layer_types)]
+
+    def sanitize(self, weights: dict) -> dict:
+        """Drop MTP layers (N >= num_hidden_layers) and saved RoPE buffers;
+        rebuild kv_b_proj from mlx-lm's `embed_q` / `unembed_out` (unquantized);
+        stack per-expert `mlp.experts.N.<proj>.weight` into
+        `mlp.switch_mlp.<proj>.weight` (lazily); the correction bias under
+        either name (`mlp.gate.e_score_correction_bias` as the hub stores it,
+        or `mlp.e_score_correction_bias`)."""
+        n, E = self.args.num_hidden_layers, self.args.n_routed_experts
+        out, experts = {}, {}
+        for name, w in weights.items():
+            parts = name.split(".")
+            if name.endswith("rotary_emb.inv_freq") or (
+                parts[:2] == ["model", "layers"] and parts[2].isdigit() and int(parts[2]) >= n
+            ):
+                continue
+            name = name.replace(".mlp.e_score_correction_bias", ".mlp.gate.e_score_correction_bias")
+            if name.endswith(".self_attn.unembed_out.weight") and name.replace("unembed_out", "embed_q") in weights:
+                continue  # joined with embed_q
+            base = name[: -len("embed_q.weight")]
+            if name.endswith(".self_attn.embed_q.weight") and base + "unembed_out.weight" in weights:
+                out[base + "kv_b_proj.weight"] = _kv_b_proj(w, weights.get(base + "unembed_out.weight"))
+                continue
+            head, sep, tail = name.partition(".mlp.experts.")
+            e, _, rest = tail.partition(".")
+            if sep and e.isdigit():
+                experts.setdefault((head, rest), {})[int(e)] = (name, w)
+            else:
+                out[name] = w
+        for (head, rest), by in experts.items():
+            if sorted(by) != list(range(E or 0)):
+                out.update(dict(by.values()))  # not every expert: the strict load names them
+                continue
+            out[f"{head}.mlp.switch_mlp.{rest}"] = join([by[e][1] for e in range(E)], stack=True)  # lazy: a rank's slice
+        return super().sanitize(out)
+
+    def shard(self, group):
+        for layer in self.layers:
+            shard_latent_attention(layer.self_attn, group)
+            if isinstance(layer.mlp, MoE):
+                shard_stacked_experts_any(layer.mlp.switch_mlp, group)
+                shard_expert_mlps([layer.mlp.shared_experts], group)
+                if not group.single:
+                    layer.mlp.group = group
+            else:
+                shard_mlp(layer.mlp, group)
+        self.shard_head(group)
+
+    def collectives_per_token(self) -> dict:
+        """The usual ones plus one all_sum ([1, hidden], the hidden dtype) per
+        sharded MoE block (routed and shared experts together)."""
+        plan = super().collectives_per_token()
+        calls, nbytes = plan["all_sum"]
+        for layer in self.layers:
+            if isinstance(layer.mlp, MoE) and not layer.mlp.group.single:
+                down = layer.mlp.shared_experts.down_proj
+                calls += 1
+                nbytes += self.args.hidden_size * (down.scales if "scales" in down else down.weight).dtype.size
+        return {**plan, "all_sum": (calls, nbytes)}
