@@ -25,7 +25,8 @@ from .wire import KIND_IDLE, KIND_SHUTDOWN, KIND_STEP, RID_LIMIT, GenRequest, St
 
 SHUTDOWN_MESSAGE = "the server is shutting down"
 IDLE_AFTER_S = 0.5  # without a host channel: idle this long before the followers are told to sleep
-IDLE_SLEEP_S = 0.3  # ... for this long (a first request after a quiet spell waits at most this)
+IDLE_SLEEP_S = 0.3  # ... for this long (a first request after a quiet spell waits at most this),
+IDLE_SLEEP_MAX_S = 1.2  # doubling while the quiet lasts, up to this: a long-idle job wakes less often
 WAIT_S = 0.2  # how long plan() blocks on an empty queue before it looks at the stop flag again
 
 
@@ -118,6 +119,7 @@ class Scheduler:
         self.outbox: list = []  # (job, event) of the last step: sent after the next verdict
         self.next_rid = 0
         self.idle_until = None  # an idle note was sent: the followers sleep until then
+        self.idle_notes = 0  # idle notes since the last work (each sleep twice the last, up to IDLE_SLEEP_MAX_S)
         self.quiet_since = time.monotonic()
         self.times = StepTimes()
         self._t_rest = None
@@ -210,9 +212,12 @@ class Scheduler:
             if now < due:
                 self._take(min(due - now, WAIT_S))
                 continue
-            self.idle_until = now + IDLE_SLEEP_S
-            return Step(KIND_IDLE, idle_ms=int(IDLE_SLEEP_S * 1000))
+            sleep = min(IDLE_SLEEP_MAX_S, IDLE_SLEEP_S * 2 ** self.idle_notes)
+            self.idle_notes += 1
+            self.idle_until = now + sleep
+            return Step(KIND_IDLE, idle_ms=int(sleep * 1000))
         self.idle_until = None
+        self.idle_notes = 0
         if self.stopping.is_set():
             for r in self.rows.values():
                 self._end(r.job, Failed(SHUTDOWN_MESSAGE, 503))
