@@ -139,10 +139,15 @@ def _guarded(item, phase):
 # every fixture (reference_cases.mode_logits, cached on disk for both
 # workers) and run first: the longest units of work.
 LOGITS_FILES = ("test_pipeline.py", "test_tp.py", "test_reference.py")
+# Then the next longest (a clean-clone run's durations), so that no long file
+# starts last while the other worker has nothing left to run.
+LONG_FILES = ("test_serve.py", "test_faults.py", "test_batch.py", "test_decode.py", "test_serve_pp.py",
+              "test_serve_hostile.py", "test_launcher.py", "test_generate.py", "test_moe_experts.py",
+              "test_quantized.py", "test_deepseek_v3.py", "test_llama4.py", "test_minimax_m2.py", "test_multihost.py")
 
 
 def pytest_collection_modifyitems(session, config, items):
-    rank = {name: i for i, name in enumerate(LOGITS_FILES)}
+    rank = {name: i for i, name in enumerate(LOGITS_FILES + LONG_FILES)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file's order kept
 
 
