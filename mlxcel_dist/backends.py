@@ -168,17 +168,44 @@ def signame(sig: int) -> str:
 
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     """n distinct ports free on ``host`` right now (held open together so they
-    differ, then released for the ranks to bind)."""
-    socks = []
+    differ, then released for the ranks to bind). Drawn at random below the
+    kernel's ephemeral range: a port from there (bind to 0) could be taken by
+    any outgoing connection between its release and the rank's bind."""
+    import random
+
+    low = _ephemeral_low()
+    socks, ports = [], []
     try:
-        for _ in range(n):
+        for _ in range(200 * n):
+            if len(ports) == n:
+                break
+            port = random.randrange(10000, low)
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            try:
+                s.bind((host, port))
+            except OSError:
+                s.close()
+                continue
+            socks.append(s)
+            ports.append(port)
+        while len(ports) < n:  # that range is full: the kernel's choice
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             s.bind((host, 0))
             socks.append(s)
-        return [s.getsockname()[1] for s in socks]
+            ports.append(s.getsockname()[1])
+        return ports
     finally:
         for s in socks:
             s.close()
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux's setting; 32768 elsewhere)."""
+    try:
+        low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    return max(low, 10001)
 
 
 def port_from_env(var: str, default: int) -> int:
