@@ -131,7 +131,7 @@ def _segment_times(d, y, steps: int) -> dict:
     for mode in ("encode", "synced"):
         seg_t, att_t, total = [], [], []
         for _ in range(steps):
-            d._reserve()
+            d._reserve(d.pos)
             d.pos += 1
             segs, s, layers = d._segments, d.state, d.model.layers
             pos, p = s["pos"], d.pos - 1

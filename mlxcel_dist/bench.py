@@ -157,12 +157,26 @@ def check_lengths(prompt_tokens: int, gen_tokens: int) -> None:
 
 
 def run_bench(model, prompt_tokens: int, gen_tokens: int, *, group: Group = SINGLE, prefill_step: int | None = None,
-              seed: int = 0, check_every: int = 1, warmup: bool = True, compiled: bool = True) -> dict:
-    """One warm-up and one timed generation; the result dict (same on every rank)."""
+              seed: int = 0, check_every: int = 1, warmup: bool = True, compiled: bool = True, drafter=None,
+              ids=None) -> dict:
+    """One warm-up and one timed generation; the result dict (same on every rank).
+    `drafter`: speculative decoding (spec.py); `ids`: the prompt (default: seeded random ids)."""
     check_lengths(prompt_tokens, gen_tokens)
     size = group.size()
     weights_gb = mx.get_active_memory() / GB
-    ids = prompt_ids(vocab_size(model), prompt_tokens, seed)
+    if ids is None:
+        ids = prompt_ids(vocab_size(model), prompt_tokens, seed)
+    ids = np.asarray(ids, np.int32)
+    prompt_tokens = len(ids)
+
+    def generator(prompt, n):
+        if drafter is None:
+            return TokenGenerator(model, prompt, n, greedy, eos_ids=(), prefill_step=prefill_step, group=group,
+                                  check_every=check_every, compiled=compiled)
+        from .spec import SpecGenerator
+
+        return SpecGenerator(model, prompt, n, drafter, greedy, (), prefill_step, group, check_every, compiled)
+
     greedy = SamplingParams()
     counter = CollectiveCounter()
     step = decode_step_for(model)  # generate's own decode step (split where the family opts in)
@@ -170,17 +184,14 @@ def run_bench(model, prompt_tokens: int, gen_tokens: int, *, group: Group = SING
     with counter.active():
         warm_steps = 0
         if warmup:
-            warm = TokenGenerator(model, ids[: min(prompt_tokens, 32)], min(gen_tokens, 4), greedy, eos_ids=(),
-                                  prefill_step=prefill_step, group=group, check_every=check_every,
-                                  compiled=compiled)
+            warm = generator(ids[: min(prompt_tokens, 32)], min(gen_tokens, 4 if drafter is None else 16))
             for _ in warm:
                 pass
             warm_steps = warm.finish().generated
         counter.reset("other", "end", "model")  # the guard's counts: the timed run's only
         mx.synchronize()
         mx.reset_peak_memory()
-        gen = TokenGenerator(model, ids, gen_tokens, greedy, eos_ids=(), prefill_step=prefill_step,
-                             group=group, check_every=check_every, compiled=compiled)
+        gen = generator(ids, gen_tokens)
         for _ in gen:
             pass
         counter.phase = "end"  # the final agreement check, once per generation
@@ -232,6 +243,11 @@ def run_bench(model, prompt_tokens: int, gen_tokens: int, *, group: Group = SING
         "agreement_checks": stats.checks,
         "check_every": check_every,
     })
+    if drafter is not None:
+        out.update({"drafter": drafter.name, "num_draft_tokens": drafter.k, "verify_forwards": stats.rounds,
+                    "drafted": stats.drafted, "accepted": stats.accepted,
+                    "acceptance": stats.accepted / stats.drafted if stats.drafted else 0.0,
+                    "mean_accepted": stats.mean_accepted})
     return out
 
 
@@ -251,6 +267,10 @@ def format_table(r: dict) -> str:
                                  f"(plan: {r['all_gathers_per_token_plan']:g}, "
                                  f"{r['all_gather_bytes_per_token_plan']:g} bytes)"),
     ]
+    if "drafter" in r:
+        rows.append(("drafts", f"{r['drafter']}, {r['num_draft_tokens']} a round: {r['drafted']} drafted, "
+                               f"{r['accepted']} accepted ({100 * r['acceptance']:.0f}%) in {r['verify_forwards']} "
+                               f"verify forwards; mean accepted length {r['mean_accepted']:.2f}"))
     if "stage_ms_per_token" in r:
         rows.append(("stages (alone)", f"{', '.join(f'{v:.1f}' for v in r['stage_ms_per_token'])} ms/token; "
                                        f"idle share {100 * r['idle_share']:.0f}%"))

@@ -91,6 +91,47 @@ PrefillStepOpt = Annotated[
                  help="Feed the prompt through the cache in chunks of this many tokens "
                  "(default: 2048 when generating; logits: one pass)."),
 ]
+DraftModelOpt = Annotated[
+    Optional[str],
+    typer.Option("--draft-model", help="A small model with the same tokenizer that drafts tokens for the target to "
+                 "verify in one forward (speculative decoding; loaded whole on every rank)."),
+]
+NumDraftOpt = Annotated[int, typer.Option("--num-draft-tokens", help="Tokens drafted per verify forward (with --draft-model or --prompt-lookup).")]
+PromptLookupOpt = Annotated[
+    bool,
+    typer.Option("--prompt-lookup/--no-prompt-lookup", help="Draft the tokens that followed the latest earlier "
+                 "occurrence of the last n-gram of the prompt + output (no second model)."),
+]
+
+
+def _check_drafting(draft_model, prompt_lookup: bool, num_draft: int, model, sampling=None) -> None:
+    """Before launch: the draft options fit together, the target and the draft model."""
+    if draft_model is None and not prompt_lookup:
+        return
+    from .loader import build_model, open_model
+    from .spec import check_drafting, check_pair, check_target
+
+    if draft_model is not None and prompt_lookup:
+        raise UserError("--draft-model and --prompt-lookup both draft: give one")
+    check_drafting(num_draft)
+    target = build_model(open_model(model).config)
+    check_target(target, sampling)
+    if draft_model is not None:
+        check_pair(target, build_model(open_model(draft_model).config))
+
+
+def _drafter(draft_model, prompt_lookup: bool, num_draft: int, dtype, compiled: bool = True, prefill_step=None):
+    """The drafter of this rank (None: no drafts): the draft model loaded
+    whole (every rank drafts alike, no message between them), or prompt lookup."""
+    from .spec import DraftModel, PromptLookup
+
+    if prompt_lookup:
+        return PromptLookup(num_draft)
+    if draft_model is None:
+        return None
+    from .loader import load_model
+
+    return DraftModel(load_model(draft_model, dtype=dtype).model, num_draft, compiled, prefill_step)
 
 
 COLLECTIVE_ERROR_GRACE_S = 2.0  # other ranks wait this long before exiting on a CollectiveError
@@ -357,7 +398,10 @@ def generate(
     chat_template: Annotated[Optional[str], typer.Option("--chat-template", help="A chat template (jinja text, or a file holding it) instead of the checkpoint's.")] = None,
     system: Annotated[Optional[str], typer.Option("--system-prompt", "--system", help="System prompt (a chat-template turn).")] = None,
     check_every: Annotated[int, typer.Option("--check-every", help="Ranks compare a checksum of the generated ids every N tokens and at the end (0 = only at the end).")] = 1,
-    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Per-rank load time and peak memory, sampling settings and seed, EOS ids (stderr).")] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Per-rank load time and peak memory, sampling settings and seed, EOS ids, drafts accepted (stderr).")] = False,
+    draft_model: DraftModelOpt = None,
+    num_draft_tokens: NumDraftOpt = 3,
+    prompt_lookup: PromptLookupOpt = False,
     prefill_step: PrefillStepOpt = None,
     dtype: DtypeOpt = None,
     np_: NpOpt = 1,
@@ -404,9 +448,13 @@ def generate(
         ck = open_model(model)
         tok = Tokenizer(ck.dir, ck.config, chat_template=_template_text(chat_template))
         check_context(len(tok.prompt_ids(prompt, chat=chat, system=system)), max_tokens, ck.context_length)
+        if pp != 1 and (draft_model is not None or prompt_lookup):
+            raise UserError("drafts (--draft-model, --prompt-lookup) are not available with --pp")
+        _check_drafting(draft_model, prompt_lookup, num_draft_tokens, model, sampling)
     group = _distribute(ctx, np_, backend, hostfile, model, pp)
     t0 = time.perf_counter()
     loaded = _load(model, dtype, group, pp)
+    drafter = _drafter(draft_model, prompt_lookup, num_draft_tokens, dtype, prefill_step=prefill_step)
     load_s = time.perf_counter() - t0
     tok = Tokenizer(loaded.model_dir, loaded.config, chat_template=_template_text(chat_template))
     use_chat = tok.use_chat(chat)
@@ -423,7 +471,8 @@ def generate(
              "this machine; MLX caches them for later runs)...")
 
     gen = generate_text(loaded.model, tok, ids, max_tokens, sampling, stop=stops, prefill_step=prefill_step,
-                        group=group, check_every=check_every, on_compile=compiling if group.is_root else None)
+                        group=group, check_every=check_every, on_compile=compiling if group.is_root else None,
+                        drafter=drafter)
     # The echoed prompt goes out with the first text: until then stdout holds
     # no partial line that a progress line on stderr could land inside.
     echo = prompt if group.is_root and not use_chat else ""
@@ -459,6 +508,10 @@ def generate(
             agreed = (f"ranks agreed at {stats.checks} check(s)" if group.size() > 1
                       else "1 rank: the rank-agreement check is a no-op")
             _err(f"finished by {why}; {agreed}")
+            if drafter is not None:
+                _err(f"drafts ({drafter.name}, {drafter.k} a round): {stats.drafted} drafted, {stats.accepted} "
+                     f"accepted ({100 * stats.accepted / max(stats.drafted, 1):.0f}%) in {stats.rounds} verify "
+                     f"forwards; mean accepted length {stats.mean_accepted:.2f}")
             _err(f"{'rank':>4} {'load s':>8} {'MLX peak MiB':>13} {'peak RSS MiB':>13}")
             for r, (ls, peak, rss) in enumerate(resources):
                 _err(f"{r:>4} {ls:8.2f} {peak:13.1f} {rss:13.1f}")
@@ -878,6 +931,10 @@ def bench(
     check_every: Annotated[int, typer.Option("--check-every", help="Rank-agreement check every N tokens, as generate (0 = only at the end).")] = 1,
     warmup: Annotated[bool, typer.Option("--warmup/--no-warmup", help="One short untimed generation first.")] = True,
     compiled: Annotated[bool, typer.Option("--compile/--no-compile", help="Compiled decode steps (the default, as generate), or eager ones for comparison.")] = True,
+    draft_model: DraftModelOpt = None,
+    num_draft_tokens: NumDraftOpt = 3,
+    prompt_lookup: PromptLookupOpt = False,
+    prompt_file: Annotated[Optional[Path], typer.Option("--prompt-file", help="Prompt text (UTF-8, plain, no chat template) instead of random ids: drafts need real text.")] = None,
     prefill_step: PrefillStepOpt = None,
     dtype: DtypeOpt = None,
     np_: NpOpt = 1,
@@ -899,12 +956,26 @@ def bench(
     ctx.params.update(model=model, model_opt=None)
     check_lengths(prompt_tokens, gen_tokens)
     check_generation_options(check_every=check_every, prefill_step=prefill_step)
+    if prompt_file is not None and not prompt_file.is_file():
+        raise UserError(f"{prompt_file}: no such prompt file")
+    if not os.environ.get("MLXCEL_DIST_WORLD"):
+        if pp != 1 and (draft_model is not None or prompt_lookup):
+            raise UserError("drafts (--draft-model, --prompt-lookup) are not available with --pp")
+        _check_drafting(draft_model, prompt_lookup, num_draft_tokens, model)
     group = _distribute(ctx, np_, backend, hostfile, model, pp)
     t0 = time.perf_counter()
     loaded = _load(model, dtype, group, pp)
     load_s = time.perf_counter() - t0
+    drafter = _drafter(draft_model, prompt_lookup, num_draft_tokens, dtype, compiled, prefill_step)
+    ids = None
+    if prompt_file is not None:
+        from .tokenizer import Tokenizer
+
+        text = prompt_file.read_text(encoding="utf-8")
+        ids = Tokenizer(loaded.model_dir, loaded.config).prompt_ids(text, chat=False)[:prompt_tokens]
     result = run_bench(loaded.model, prompt_tokens, gen_tokens, group=group, prefill_step=prefill_step,
-                       seed=seed, check_every=check_every, warmup=warmup, compiled=compiled)
+                       seed=seed, check_every=check_every, warmup=warmup, compiled=compiled, drafter=drafter,
+                       ids=ids)
     if group.is_root:
         result = {"model": str(loaded.model_dir), "backend": os.environ.get("MLXCEL_DIST_BACKEND", "none"),
                   "load_s": load_s, "pp": pp, **result}

@@ -65,8 +65,10 @@ class StaticCache(LayerCache):
     attention uses (`offset`, `mask`, `update_and_fetch`) with `pos` as an
     array."""
 
-    def __init__(self, state: "DecodeState", index: int, window: int | None, chunk: int | None = None):
+    def __init__(self, state: "DecodeState", index: int, window: int | None, chunk: int | None = None,
+                 margin: int = 0):
         self.buffers, self.index, self.window, self.chunk = state, index, window, chunk
+        self.margin = margin  # ring slots past the window: room for drafted tokens that may be rolled back
 
     @property
     def state(self) -> list:
@@ -82,9 +84,32 @@ class StaticCache(LayerCache):
 
     def mask(self, L: int) -> mx.array:
         """[1, S] bool: the slots this step's query may see (the written ones;
-        a full ring is all visible; chunked: the current chunk's)."""
-        assert L == 1, "static buffers take one token per step"
+        a full ring is all visible; chunked: the current chunk's). With a
+        margin: [L, S] by each slot's position (`position_mask`)."""
+        if self.margin:
+            return self.position_mask(self.buffers["pos"], L)
+        assert L == 1, "static buffers without a margin take one token per step"
         return (mx.arange(self.size) <= self.last_slot(self.buffers["pos"]))[None]
+
+    def position_mask(self, pos, L: int) -> mx.array:
+        """[L, S] bool for queries at pos .. pos + L - 1 once they are
+        written: slot j holds the latest position <= the last query that is j
+        mod S (full layers: j itself); a slot is visible to query q when that
+        position is >= 0, <= q and in q's window (or chunk). Slots holding
+        rolled-back tokens or overwritten ones are then hidden, because a
+        ring of window + margin slots (margin >= L - 1 and >= any rollback)
+        never overwrites a key a later query sees (docs/architecture.md,
+        "Speculative decoding")."""
+        S = self.size
+        last = pos + (L - 1)
+        kp = last - mx.remainder(last - mx.arange(S), S)  # [S]
+        q = (pos + mx.arange(L))[:, None]  # [L, 1]
+        m = (kp >= 0) & (kp <= q)
+        if self.chunk:
+            return m & (kp // self.chunk == q // self.chunk)
+        if self.window:
+            m = m & (kp > q - self.window)
+        return m
 
     def last_slot(self, pos):
         """The last visible slot for a query at `pos`: slots 0 .. it are those
@@ -99,9 +124,15 @@ class StaticCache(LayerCache):
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         s, i = self.buffers, self.index
         pos = s["pos"]
-        start = self.slot(pos).reshape(1)
-        s[f"k{i}"] = mx.slice_update(s[f"k{i}"], keys, start, axes=(2,))
-        s[f"v{i}"] = mx.slice_update(s[f"v{i}"], values, start, axes=(2,))
+        L = keys.shape[2]
+        if L > 1 and self.window:  # a ring may wrap inside the block: a scatter to (pos + l) % S
+            idx = self.slot(pos + mx.arange(L)).reshape(1, 1, L, 1)
+            s[f"k{i}"] = mx.put_along_axis(s[f"k{i}"], mx.broadcast_to(idx, keys.shape), keys, axis=2)
+            s[f"v{i}"] = mx.put_along_axis(s[f"v{i}"], mx.broadcast_to(idx, values.shape), values, axis=2)
+        else:
+            start = self.slot(pos).reshape(1)
+            s[f"k{i}"] = mx.slice_update(s[f"k{i}"], keys, start, axes=(2,))
+            s[f"v{i}"] = mx.slice_update(s[f"v{i}"], values, start, axes=(2,))
         self.last = (s[f"k{i}"], s[f"v{i}"], pos)  # what a SharedKVCache on this layer reads
         return s[f"k{i}"], s[f"v{i}"]
 
@@ -128,7 +159,9 @@ class DecodeStep:
         self.compiled = True
         self.traces = 0  # graphs built by mx.compile (the Python step runs only while tracing)
         self.pos = 0  # host copy of state["pos"]
+        self.margin = 0  # see start
         self._compiled = mx.compile(self._step, inputs=self.state, outputs=self.state)
+        self._compiled_block = mx.compile(self._block, inputs=self.state, outputs=self.state)
         self.split = splittable(model)  # compiled segments around the attention kernels (see _split_step)
         self._segments = None
 
@@ -138,15 +171,27 @@ class DecodeStep:
         self.state["pos"] = self.state["pos"] + 1
         return logits
 
-    def start(self, cache, pos: int, compiled: bool = True) -> list:
+    def _block(self, y: mx.array) -> mx.array:
+        self.traces += self.compiled
+        logits = self.model(y, self.views)[0]
+        self.state["pos"] = self.state["pos"] + y.shape[1]
+        return logits
+
+    def start(self, cache, pos: int, compiled: bool = True, margin: int = 0) -> list:
         """Move an eager cache holding `pos` tokens into static buffers sized
         for token `pos` (the eager cache is emptied: it is not used again);
         the steps run compiled, or eagerly on the same buffers. A cache that
         is not all `static_kv` (or none) is kept as it is and stepped
-        eagerly: the static layout covers KV caches only."""
+        eagerly: the static layout covers KV caches only.
+
+        `margin` > 0 (speculative decoding, spec.py): rings hold window +
+        margin slots and masks go by slot positions, so blocks of up to
+        margin + 1 tokens (`block`) can be fed and up to margin of the
+        latest tokens rolled back (`rewind`) exactly; steps run unsplit."""
         self.state.clear()
         self.pos = pos
         self.compiled = compiled
+        self.margin = margin
         if cache is None or not all(c.static_kv for c in cache):
             self.views, self.static = cache, False
             return cache
@@ -160,7 +205,7 @@ class DecodeStep:
             window = c.window
             if c.offset == 0:
                 raise ValueError("DecodeStep.start needs a cache holding at least one token")
-            size = _size(pos + 1, window)
+            size = _size(pos + 1, window, margin)
             k, v = c.temporal()
             n = min(k.shape[2], size)
             k, v = k[..., k.shape[2] - n :, :], v[..., v.shape[2] - n :, :]
@@ -172,7 +217,7 @@ class DecodeStep:
             bk[..., slots, :] = k
             bv[..., slots, :] = v
             self.state[f"k{i}"], self.state[f"v{i}"] = bk, bv
-            self.views.append(StaticCache(self.state, i, window, c.chunk))
+            self.views.append(StaticCache(self.state, i, window, c.chunk, margin))
         for c in cache:  # taken over: the eager buffers go once the static ones are built
             c.release()
         return self.views
@@ -185,17 +230,18 @@ class DecodeStep:
         self.views = []
         self.static = False
 
-    def _reserve(self) -> None:
-        # Grow every buffer that cannot hold slot `pos`: full layers always
-        # need pos < S; sliding ones until they reach the window.
+    def _reserve(self, last: int) -> None:
+        # Grow every buffer that cannot hold slot `last` (the last position
+        # fed now): full layers always need last < S; sliding ones until
+        # they reach the window (+ margin).
         for view in self.views:
             if view.reads_layer is not None:
                 continue  # a SharedKVCache: its source's buffers grow
             i, s = view.index, self.state
             size = s[f"k{i}"].shape[2]
-            if self.pos < size or (view.window and size >= view.window):
-                continue  # slot pos exists, or a full ring
-            want = _size(self.pos + 1, view.window)
+            if last < size or (view.window and size >= view.window + self.margin):
+                continue  # slot last exists, or a full ring
+            want = _size(last + 1, view.window, self.margin)
             if want > size:
                 for name in (f"k{i}", f"v{i}"):
                     a = s[name]
@@ -206,11 +252,33 @@ class DecodeStep:
         if not self.static:
             self.pos += 1
             return self.model(y, self.views)[0, -1]
-        self._reserve()  # room for slot self.pos, the token fed now
+        self._reserve(self.pos)  # room for slot self.pos, the token fed now
         self.pos += 1
-        if self.compiled and self.split:
+        if self.compiled and self.split and not self.margin:
             return self._split_step(y)
         return self._compiled(y) if self.compiled else self._step(y)
+
+    def block(self, y: mx.array) -> mx.array:
+        """Feed L tokens y [1, L] at positions pos .. pos + L - 1 (started
+        with margin >= L - 1); the lazy logits [L, V] of each."""
+        L = y.shape[1]
+        if not self.static:
+            self.pos += L
+            return self.model(y, self.views)[0]
+        assert L - 1 <= self.margin, (L, self.margin)
+        self._reserve(self.pos + L - 1)
+        self.pos += L
+        return self._compiled_block(y) if self.compiled else self._block(y)
+
+    def rewind(self, n: int) -> None:
+        """Forget the last n tokens fed (n <= margin): later tokens overwrite
+        their slots, the masks hide them meanwhile. Static buffers only (an
+        eager cache's state is restored by its owner, spec.py)."""
+        if n <= 0:
+            return
+        assert self.static and n <= self.margin, (n, self.margin)
+        self.pos -= n
+        self.state["pos"] = self.state["pos"] - n
 
     # ------------------------------------------------------------------ split steps
     # One compiled graph per step puts attention inside the graph, where the
@@ -293,13 +361,13 @@ class _NewKV:
         return keys, values
 
 
-def _size(n: int, window: int | None) -> int:
+def _size(n: int, window: int | None, margin: int = 0) -> int:
     """Buffer length for n tokens: n plus a quarter, rounded up to a multiple
-    of STEP (at most the window). Geometric growth keeps the retraces few on
+    of STEP (at most the window + margin). Geometric growth keeps the retraces few on
     long generations (each costs a trace of the whole model: ~0.4 s, estimated, for 48
     layers on the H200) while the padding attention scans stays < n / 4 + STEP."""
     size = _round_up(n + n // 4, STEP)
-    return min(size, window) if window else size
+    return min(size, window + margin) if window else size
 
 
 def splittable(model) -> bool:

@@ -171,6 +171,14 @@ class RankAgreement:
         if self.every and self.count - self.checked >= self.every:
             self.check()
 
+    def add_many(self, ids) -> None:
+        """Record several ids read together (a speculative round's): one
+        check for them when one is due among them."""
+        for t in ids:
+            self._record(t)
+        if self.every and self.count - self.checked >= self.every:
+            self.check()
+
     def check(self) -> None:
         self._verdict(self.group.gather_rows([self.count, self.checksum, self.last], dtype=np.int32))
 
@@ -253,8 +261,17 @@ class GenStats:
     finish_reason: str = ""  # "eos" | "stop" | "length"
     stop: str | None = None  # the stop string that ended generation
     checks: int = 0  # rank-agreement checks run
+    # speculative decoding (spec.py): target forwards of a draft block, tokens drafted / accepted in them
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
     # with the logprobs option: (logprob, [(id, logprob), ...] best first) per generated id
     logprobs: list = field(default_factory=list)
+
+    @property
+    def mean_accepted(self) -> float:
+        """Drafted tokens accepted per verify forward (each also yields one target token)."""
+        return self.accepted / self.rounds if self.rounds else 0.0
 
     @property
     def prefill_tok_s(self):
@@ -331,6 +348,7 @@ class TokenGenerator:
         self._t_chunks = None
         self._notice = None
         self._compiling = False
+        self.margin = 0  # decode.DecodeStep.start's (spec.SpecGenerator: its draft length)
 
     def _prefill(self, cache) -> mx.array:
         """Feed the prompt; the lazy logits [V] of its last position."""
@@ -343,9 +361,9 @@ class TokenGenerator:
         self._t_chunks, traces = time.perf_counter(), self.decode.traces
         if last == 0:  # nothing cached yet: the one prompt token goes the eager way
             logits = self.model(mx.array(prompt[:1])[None], cache)[0, -1]
-            self.decode.start(cache, 1, self.compiled)
+            self.decode.start(cache, 1, self.compiled, self.margin)
             return logits
-        self.decode.start(cache, last, self.compiled)
+        self.decode.start(cache, last, self.compiled, self.margin)
         logits = self.decode(mx.array(prompt[last:])[None])
         if self.decode.traces > traces:  # a new graph: its kernels compile when it first runs
             self._compiling = True
@@ -438,7 +456,7 @@ def generate_tokens(model, prompt_ids, max_tokens: int, sampling: SamplingParams
 def generate_text(model, tokenizer, prompt_ids, max_tokens: int, sampling: SamplingParams | None = None,
                   stop=(), eos_ids=None, prefill_step: int | None = None, group: Group = SINGLE, check_every: int = 1,
                   context_tokens: int = 4, on_compile=None,
-                  logprobs: int | None = None, on_token=None):
+                  logprobs: int | None = None, on_token=None, drafter=None):
     """Yield text chunks as they become final; returns GenStats via
     StopIteration.value.
 
@@ -451,12 +469,20 @@ def generate_text(model, tokenizer, prompt_ids, max_tokens: int, sampling: Sampl
 
     `logprobs` (None = off): TokenGenerator's option; `on_token(id, entry)`
     is called for each generated id (EOS excepted) before the text it
-    completes is yielded, `entry` being its (logprob, top) or None."""
+    completes is yielded, `entry` being its (logprob, top) or None.
+    `drafter` (spec.DraftModel / spec.PromptLookup): speculative decoding
+    (spec.SpecGenerator), the same ids at temperature 0."""
     from .tokenizer import StopStrings, StreamDecoder
 
     stopper = StopStrings(stop)
     eos = tokenizer.eos_ids if eos_ids is None else eos_ids
-    if callable(getattr(model, "generate_ids", None)):  # the model's own generation loop (HookGenerator)
+    if drafter is not None:
+        from .spec import SpecGenerator
+
+        if logprobs is not None:
+            raise UserError("logprobs are not available with drafts")
+        gen = SpecGenerator(model, prompt_ids, max_tokens, drafter, sampling, eos, prefill_step, group, check_every)
+    elif callable(getattr(model, "generate_ids", None)):  # the model's own generation loop (HookGenerator)
         gen = HookGenerator(model, prompt_ids, max_tokens, sampling, eos, group, check_every, logprobs)
     else:
         gen = TokenGenerator(model, prompt_ids, max_tokens, sampling, eos, prefill_step, group, check_every,

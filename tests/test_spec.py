@@ -1,0 +1,241 @@
+"""Speculative decoding (spec.py): greedy ids identical to plain decoding in
+every family (drafts accepted and rejected at every index, rings wrapped,
+buffers regrown), draft-model rollback exact, prompt lookup's matches, the
+sampling rule keeping the target's distribution (a chi-square test on a
+Markov chain), the refusals, and the CLI flags at np 1 and under the real
+launcher at np 2."""
+
+import json
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from mlxcel_dist.cli import app
+from mlxcel_dist.errors import UserError
+from mlxcel_dist.launcher import launch
+from mlxcel_dist.loader import default_model_dir, load_model
+from mlxcel_dist.models import supported
+from mlxcel_dist.sampling import Sampler, SamplingParams
+from mlxcel_dist.spec import DraftModel, PromptLookup, speculative_accept
+
+from reference_cases import FIXTURES, case_id, cases
+from spec_drafts import ScriptedDrafts, plain_ids, spec_ids
+
+K = 3
+N = 20  # generated ids: past every fixture's window + K from the short prompt
+
+
+def _family_cases() -> list:
+    """Each family's first fp32 case (GQA ones first), but diffusion_gemma (its own loop: refused)."""
+    picked = {}
+    for d in sorted(cases(), key=lambda d: not d.name.startswith("gqa")):
+        fam = d.parent.name
+        if fam in supported() and fam != "diffusion_gemma" and "fp32" in d.name:
+            picked.setdefault(fam, case_id(d))
+    return sorted(picked.values())
+
+
+FAMILY_CASES = _family_cases()
+
+
+@pytest.fixture
+def small_buffers(monkeypatch):
+    import mlxcel_dist.decode as decode
+
+    monkeypatch.setattr(decode, "STEP", 8)  # full layers regrow within the generation
+
+
+@pytest.mark.parametrize("case", FAMILY_CASES)
+@pytest.mark.parametrize("prompt_len", [3, 19])
+def test_greedy_drafts_give_the_plain_ids(case, prompt_len, small_buffers):
+    # A 3-id prompt grows the rings towards window + K; a 19-id one starts
+    # them full (windows 6..16). Eager blocks: the same buffers, masks and
+    # rewinds as compiled ones (compiled below, for two families).
+    d = FIXTURES / case
+    model = load_model(d).model
+    prompt = np.load(d / "reference.npz")["ids"][:prompt_len]
+    want = plain_ids(model, prompt, N + K + 1)
+    drafts = ScriptedDrafts(want, prompt_len, K, model.args.vocab_size)
+    got, stats = spec_ids(model, prompt, N, drafts, compiled=False)
+    assert got == want[:N]
+    assert stats.accepted == drafts.expected  # every right draft accepted, none of the wrong ones
+    assert stats.drafted == K * stats.rounds and stats.rounds < N
+
+
+@pytest.mark.parametrize("case", ["gemma3/gqa_fp32", "llama4/gqa_fp32"])
+def test_compiled_blocks_give_the_plain_ids(case, small_buffers):
+    d = FIXTURES / case
+    model = load_model(d).model
+    prompt = np.load(d / "reference.npz")["ids"][:3]
+    want = plain_ids(model, prompt, N + K + 1)
+    drafts = ScriptedDrafts(want, 3, K, model.args.vocab_size)
+    got, stats = spec_ids(model, prompt, N, drafts)
+    assert got == want[:N] and stats.accepted == drafts.expected
+
+
+class MisledDraft(DraftModel):
+    """A draft model whose round r draft r % (K + 1) is turned wrong after it
+    was drawn (its cache holds the right one): with the target itself as the
+    draft, every other draft is right exactly when the draft's rollback is."""
+
+    def start(self, prompt):
+        super().start(prompt)
+        self.rounds = self.expected = 0
+
+    def propose(self, context, sampler):
+        drafts, q = super().propose(context, sampler)
+        bad = self.rounds % (self.k + 1)
+        self.rounds += 1
+        self.expected += bad
+        wrong = (drafts + 1) % self.model.args.vocab_size
+        return mx.where(mx.arange(self.k) == bad, wrong, drafts), q
+
+
+@pytest.mark.parametrize("case", ["gemma3/gqa_fp32", "gpt_oss/gqa_fp32", "llama/gqa_fp32"])
+def test_draft_model_rolls_back_exactly(case, small_buffers):
+    d = FIXTURES / case
+    model, twin = load_model(d).model, load_model(d).model
+    prompt = np.load(d / "reference.npz")["ids"][:3]
+    want = plain_ids(model, prompt, N)
+    drafter = MisledDraft(twin, K)
+    got, stats = spec_ids(model, prompt, N, drafter)
+    assert got == want
+    assert stats.accepted == drafter.expected
+
+
+def test_prompt_lookup_drafts_what_followed_the_latest_longest_match():
+    pl = PromptLookup(3)
+    assert pl.lookup([1, 2, 3, 4, 9, 2, 3, 5, 6, 7, 2, 3]) == [5, 6, 7]  # "2 3": its latest earlier occurrence
+    assert pl.lookup([1, 2, 3, 4, 5, 1, 2, 3, 8, 2, 3]) == [8, 2, 3]  # "2 3" latest at 6 ("1 2 3" is no suffix)
+    assert pl.lookup([7, 8, 9, 1, 2, 7, 8, 9]) == [1, 2, 7]  # 3-gram
+    assert pl.lookup([5, 6, 5]) == [6, 5]  # 1-gram, what is left
+    assert pl.lookup([1, 2, 3]) == []
+    assert pl.lookup([4]) == []
+
+
+def test_prompt_lookup_gives_the_plain_ids_and_accepts_repeats():
+    model = load_model(default_model_dir()).model
+    prompt = np.array([2, 10, 11, 12, 13, 14, 15, 10, 11, 12, 13, 14, 15, 10, 11, 12], np.int32)
+    want = plain_ids(model, prompt, 24)
+    got, stats = spec_ids(model, prompt, 24, PromptLookup(K))
+    assert got == want
+    assert stats.drafted and stats.accepted <= stats.drafted
+
+
+def test_speculative_sampling_keeps_the_target_distribution():
+    # A Markov chain over 6 ids stands in for both models: the target's row
+    # after id x is P[x], the draft's Q[x]. Each trial drafts K ids from Q,
+    # verifies them with speculative_accept and keeps the first two ids it
+    # yields (a second round when the first yields one); their joint counts
+    # must follow P[t, a] P[a, b].
+    V, trials = 6, 6000
+    rng = np.random.default_rng(0)
+    P = rng.dirichlet(np.ones(V) * 0.7, size=V).astype(np.float32)
+    Q = (0.5 * rng.dirichlet(np.ones(V), size=V) + 0.5 * P).astype(np.float32)
+    Q[:, 0] = 0  # the draft never proposes 0: the residual must supply it
+    Q /= Q.sum(1, keepdims=True)
+    logP, logQ = mx.log(mx.array(P)), mx.log(mx.array(Q))
+    key = mx.random.key(1)
+    counts = np.zeros((V, V))
+    for _ in range(trials):
+        ctx, out = [3], []
+        while len(out) < 2:
+            drafts, prev = [], ctx[-1]
+            for _ in range(K):
+                key, sub = mx.random.split(key)
+                prev = int(mx.random.categorical(logQ[prev], key=sub).item())
+                drafts.append(prev)
+            rows = [ctx[-1], *drafts]
+            key, sub = mx.random.split(key)
+            a, bonus = speculative_accept(logP[mx.array(rows)], mx.array(drafts), logQ[mx.array(rows[:-1])], sub)
+            emitted = drafts[: int(a.item())] + [int(bonus.item())]
+            out += emitted
+            ctx += emitted
+        counts[out[0], out[1]] += 1
+    expect = trials * P[3][:, None] * P
+    keep = expect > 5
+    chi2 = (((counts - expect) ** 2 / expect)[keep]).sum()
+    dof = keep.sum() - 1
+    assert chi2 < dof + 4 * np.sqrt(2 * dof), (chi2, dof)  # ~4 sigma; a wrong rule is off by thousands
+    assert counts[:, 0].sum() > 0.5 * expect[:, 0].sum()
+
+
+def test_sampled_drafts_are_reproducible_and_differ_by_seed():
+    model = load_model(FIXTURES / "llama" / "gqa_fp32").model
+    draft = DraftModel(load_model(FIXTURES / "llama" / "mqa_tied_fp32").model, K)
+    prompt = np.load(FIXTURES / "llama" / "gqa_fp32" / "reference.npz")["ids"][:4]
+    runs = [spec_ids(model, prompt, 12, draft, sampling=SamplingParams(temp=1.0, seed=s))[0] for s in (5, 5, 6)]
+    assert runs[0] == runs[1] != runs[2]
+    assert all(0 <= t < model.args.vocab_size for t in runs[2])
+
+
+def test_refusals():
+    from mlxcel_dist.spec import SpecGenerator, check_pair
+
+    diffusion = load_model(FIXTURES / "diffusion_gemma" / "kv4_fp32").model
+    with pytest.raises(UserError, match="its own generation loop"):
+        SpecGenerator(diffusion, [1, 2], 4, PromptLookup(2))
+    llama = load_model(FIXTURES / "llama" / "gqa_fp32").model
+    with pytest.raises(UserError, match="repetition-penalty"):
+        SpecGenerator(llama, [1, 2], 4, PromptLookup(2), SamplingParams(repetition_penalty=1.2))
+    with pytest.raises(UserError, match="cannot be a draft model"):
+        check_pair(llama, load_model(FIXTURES / "recurrent_gemma" / "mqa_fp32").model)
+    with pytest.raises(UserError, match="vocabulary"):
+        check_pair(llama, load_model(default_model_dir()).model)
+    with pytest.raises(UserError, match="--num-draft-tokens must be >= 1"):
+        PromptLookup(0)
+
+
+runner = CliRunner()
+
+
+def run(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def test_cli_refuses_bad_draft_options():
+    for args, msg in [
+        (["--draft-model", default_model_dir(), "--prompt-lookup"], "give one"),
+        (["--draft-model", FIXTURES / "llama" / "gqa_fp32"], "vocabulary"),
+        (["--prompt-lookup", "--num-draft-tokens", "0"], "--num-draft-tokens must be >= 1"),
+        (["--prompt-lookup", "--pp", "2"], "not available with --pp"),
+    ]:
+        r = run("generate", default_model_dir(), "-m", "4", *args)
+        assert r.exit_code == 2, r.output
+        assert r.output.count("error:") == 1 and msg in r.output, r.output
+
+
+def test_cli_generate_and_bench_with_drafts():
+    plain = run("generate", "-p", "The sea is calm. The sea is", "-m", "16", "--ignore-chat-template")
+    assert plain.exit_code == 0, plain.output
+    text = plain.stdout.splitlines()[0]
+    for extra in (["--prompt-lookup"], ["--draft-model", default_model_dir(), "--num-draft-tokens", "2"]):
+        r = run("generate", "-p", "The sea is calm. The sea is", "-m", "16", "--ignore-chat-template", "-v", *extra)
+        assert r.exit_code == 0, r.output
+        assert r.stdout.splitlines()[0] == text
+        assert "mean accepted length" in r.stderr
+    r = run("bench", "--prompt-tokens", "8", "--gen-tokens", "12", "--json", "--draft-model", default_model_dir())
+    assert r.exit_code == 0, r.output
+    res = json.loads(r.stdout.splitlines()[-1])
+    assert res["gen_tokens"] == 12 and res["drafter"] == "draft model"
+    assert res["accepted"] == res["drafted"] > 0  # the target drafting for itself: every draft right
+
+
+HELPER = Path(__file__).parent / "helpers" / "spec_cases.py"
+
+
+def test_greedy_drafts_give_the_plain_ids_at_np2(tmp_path):
+    # One launch: every family's plain and drafted ids at np 2 (rank 0 writes them).
+    code = launch([str(tmp_path), *[str(FIXTURES / c) for c in FAMILY_CASES]], 2, "ring", script=HELPER)
+    assert code == 0
+    for c in FAMILY_CASES:
+        r = np.load(tmp_path / f"{c.replace('/', '__')}.npz")
+        assert r["plain"].tolist() == r["scripted"].tolist(), c
+        assert int(r["accepted"]) == int(r["expected"]), c
+    r = np.load(tmp_path / "draft_model.npz")
+    assert r["plain"].tolist() == r["draft"].tolist() == r["lookup"].tolist()
+    assert int(r["accepted"]) == int(r["expected"])
