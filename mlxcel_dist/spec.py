@@ -56,7 +56,11 @@ def check_pair(target, draft) -> None:
     if tv != dv:
         raise UserError(f"the draft model's vocabulary ({dv} ids) differs from the target's ({tv}): "
                         "a draft model must use the target's tokenizer")
-    if not all(c.static_kv for c in draft.make_cache()):
+    check_draft(draft)
+
+
+def check_draft(draft) -> None:
+    if callable(getattr(draft, "generate_ids", None)) or not all(c.static_kv for c in draft.make_cache()):
         raise UserError(f"a {draft.args.model_type} model cannot be a draft model (its recurrent or conv state "
                         "cannot be rolled back cheaply); pick a draft whose layers are all attention")
 
@@ -124,6 +128,7 @@ class DraftModel:
 
     def __init__(self, model, k: int, compiled: bool = True, prefill_step: int | None = None):
         check_drafting(k)
+        check_draft(model)
         self.model, self.k, self.compiled = model, k, compiled
         self.prefill_step = prefill_step or DEFAULT_PREFILL_STEP
         self.step = DecodeStep(model)

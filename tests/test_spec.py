@@ -66,9 +66,8 @@ def test_greedy_drafts_give_the_plain_ids(case, prompt_len, small_buffers):
     assert stats.drafted == K * stats.rounds and stats.rounds < N
 
 
-@pytest.mark.parametrize("case", ["gemma3/gqa_fp32", "llama4/gqa_fp32"])
-def test_compiled_blocks_give_the_plain_ids(case, small_buffers):
-    d = FIXTURES / case
+def test_compiled_blocks_give_the_plain_ids(small_buffers):
+    d = FIXTURES / "gemma3" / "gqa_fp32"
     model = load_model(d).model
     prompt = np.load(d / "reference.npz")["ids"][:3]
     want = plain_ids(model, prompt, N + K + 1)
@@ -101,8 +100,8 @@ def test_draft_model_rolls_back_exactly(case, small_buffers):
     model, twin = load_model(d).model, load_model(d).model
     prompt = np.load(d / "reference.npz")["ids"][:3]
     want = plain_ids(model, prompt, N)
-    drafter = MisledDraft(twin, K)
-    got, stats = spec_ids(model, prompt, N, drafter)
+    drafter = MisledDraft(twin, K, compiled=False)  # eager steps: the same buffers and rewinds
+    got, stats = spec_ids(model, prompt, N, drafter, compiled=False)
     assert got == want
     assert stats.accepted == drafter.expected
 
@@ -139,20 +138,20 @@ def test_speculative_sampling_keeps_the_target_distribution():
     Q[:, 0] = 0  # the draft never proposes 0: the residual must supply it
     Q /= Q.sum(1, keepdims=True)
     logP, logQ = mx.log(mx.array(P)), mx.log(mx.array(Q))
+    Q64 = Q / Q.sum(1, keepdims=True, dtype=np.float64)
     key = mx.random.key(1)
     counts = np.zeros((V, V))
     for _ in range(trials):
         ctx, out = [3], []
         while len(out) < 2:
-            drafts, prev = [], ctx[-1]
-            for _ in range(K):
-                key, sub = mx.random.split(key)
-                prev = int(mx.random.categorical(logQ[prev], key=sub).item())
-                drafts.append(prev)
+            drafts = []
+            for _ in range(K):  # drawn from Q on the host: the rule is what is tested
+                drafts.append(int(rng.choice(V, p=Q64[(drafts or ctx)[-1]])))
             rows = [ctx[-1], *drafts]
             key, sub = mx.random.split(key)
             a, bonus = speculative_accept(logP[mx.array(rows)], mx.array(drafts), logQ[mx.array(rows[:-1])], sub)
-            emitted = drafts[: int(a.item())] + [int(bonus.item())]
+            a, bonus = np.array(mx.stack([a, bonus])).tolist()
+            emitted = drafts[:a] + [bonus]
             out += emitted
             ctx += emitted
         counts[out[0], out[1]] += 1
