@@ -229,7 +229,7 @@ HELPER = Path(__file__).parent / "helpers" / "spec_cases.py"
 
 def test_greedy_drafts_give_the_plain_ids_at_np2(tmp_path):
     # One launch: every family's plain and drafted ids at np 2 (rank 0 writes them).
-    code = launch([str(tmp_path), *[str(FIXTURES / c) for c in FAMILY_CASES]], 2, "ring", script=HELPER)
+    code = launch([str(tmp_path), *[str(FIXTURES / c) for c in FAMILY_CASES]], 2, "mpi", script=HELPER)
     assert code == 0
     for c in FAMILY_CASES:
         r = np.load(tmp_path / f"{c.replace('/', '__')}.npz")
