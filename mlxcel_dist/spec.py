@@ -122,12 +122,24 @@ class PromptLookup:
 class DraftModel:
     """A small model with the target's tokenizer drafting K tokens a round
     through its own compiled steps (a `DecodeStep` with margin K, so a
-    rejected draft is a rewind). Kept between generations (its traces)."""
+    rejected draft is a rewind). Kept between generations (its traces).
+
+    `root_of`: a group whose rank 0 alone drafts and shares the drafts (and
+    their logits, sampled) with one all_sum a round; the others then need no
+    draft model (`model` None there). The alternative to every rank drafting
+    alike (the default, no message), kept to measure the two
+    (benchmarks/spec_tp_draft.py)."""
 
     name = "draft model"
 
-    def __init__(self, model, k: int, compiled: bool = True, prefill_step: int | None = None):
+    def __init__(self, model, k: int, compiled: bool = True, prefill_step: int | None = None, root_of=None,
+                 vocab: int | None = None):
         check_drafting(k)
+        self.group = root_of if root_of is not None and not root_of.single else None
+        self.idle = self.group is not None and not self.group.is_root  # this rank only receives drafts
+        if self.idle:
+            self.k, self.vocab = k, vocab  # (the target's: the drafted logits' width)
+            return
         check_draft(model)
         self.model, self.k, self.compiled = model, k, compiled
         self.prefill_step = prefill_step or DEFAULT_PREFILL_STEP
@@ -136,6 +148,8 @@ class DraftModel:
 
     def start(self, prompt) -> None:
         """Feed all prompt ids but the last (the first round feeds it with the target's first id)."""
+        if self.idle:
+            return
         cache = self.model.make_cache()
         end = max(len(prompt) - 1, 1)  # the static buffers need one token held
         for i in range(0, end, self.prefill_step):
@@ -145,6 +159,24 @@ class DraftModel:
         self.fed = end
 
     def propose(self, context, sampler):
+        if self.group is not None:
+            return self._shared(context, sampler)
+        return self._draft(context, sampler)
+
+    def _shared(self, context, sampler):
+        """Rank 0's drafts (and logits) on every rank: an all_sum of them with the others' zeros (exact)."""
+        if self.idle:
+            drafts, q = mx.zeros((self.k,), mx.int32), None
+            if not sampler.params.greedy:  # the key chain advances alike on every rank
+                q = mx.zeros((self.k, self.vocab), mx.float32)
+                for _ in range(self.k):
+                    sampler.next_key()
+        else:
+            drafts, q = self._draft(context, sampler)
+        drafts = self.group.all_sum(drafts)
+        return drafts, None if q is None else self.group.all_sum(q.astype(mx.float32))
+
+    def _draft(self, context, sampler):
         feed = context[self.fed :]  # 1 id (t), or 2 after a round that accepted every draft
         y = mx.array(feed, mx.int32)[None]
         logits = self.step(y) if len(feed) == 1 else self.step.block(y)[-1]
@@ -161,12 +193,13 @@ class DraftModel:
         return mx.stack(drafts), (None if sampler.params.greedy else mx.stack(qs))
 
     def accepted(self, valid: int) -> None:
-        if self.fed > valid:
+        if not self.idle and self.fed > valid:
             self.step.rewind(self.fed - valid)
             self.fed = valid
 
     def release(self) -> None:
-        self.step.release()
+        if not self.idle:
+            self.step.release()
 
 
 # The accept rule ----------------------------------------------------------------

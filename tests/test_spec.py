@@ -236,5 +236,6 @@ def test_greedy_drafts_give_the_plain_ids_at_np2(tmp_path):
         assert r["plain"].tolist() == r["scripted"].tolist(), c
         assert int(r["accepted"]) == int(r["expected"]), c
     r = np.load(tmp_path / "draft_model.npz")
-    assert r["plain"].tolist() == r["draft"].tolist() == r["lookup"].tolist()
+    assert r["plain"].tolist() == r["draft"].tolist() == r["lookup"].tolist() == r["shared"].tolist()
     assert int(r["accepted"]) == int(r["expected"])
+    assert int(r["accepted_shared"]) == int(r["expected_shared"])

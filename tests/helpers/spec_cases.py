@@ -5,7 +5,8 @@ round) and prompt lookup.
 
 usage (under the launcher): spec_cases.py OUT_DIR CASE_DIR ...
 Rank 0 writes OUT_DIR/<family>__<case>.npz (plain, scripted, accepted,
-expected) and OUT_DIR/draft_model.npz (plain, draft, lookup, accepted, expected).
+expected) and OUT_DIR/draft_model.npz (plain, draft, lookup, accepted,
+expected; shared, accepted_shared, expected_shared: rank 0 alone drafting).
 """
 
 import sys
@@ -36,7 +37,7 @@ class MisledDraft(DraftModel):
         bad = self.rounds % (self.k + 1)
         self.rounds += 1
         self.expected += bad
-        return mx.where(mx.arange(self.k) == bad, (drafts + 1) % self.model.args.vocab_size, drafts), q
+        return mx.where(mx.arange(self.k) == bad, (drafts + 1) % 256, drafts), q  # (the fixtures' vocabulary)
 
 
 def main():
@@ -60,9 +61,14 @@ def main():
     drafter = MisledDraft(load_model(d).model, K, compiled=False)  # whole on every rank
     got, stats = spec_ids(model, prompt, N, drafter, group, compiled=False)
     lookup, _ = spec_ids(model, prompt, N, PromptLookup(K), group, compiled=False)
+    # rank 0 alone drafting, its drafts shared
+    shared = MisledDraft(load_model(d).model if group.is_root else None, K, compiled=False, root_of=group,
+                         vocab=model.args.vocab_size)
+    got_shared, stats_shared = spec_ids(model, prompt, N, shared, group, compiled=False)
     if group.is_root:
         np.savez(out / "draft_model.npz", plain=want, draft=got, lookup=lookup, accepted=stats.accepted,
-                 expected=drafter.expected)
+                 expected=drafter.expected, shared=got_shared, accepted_shared=stats_shared.accepted,
+                 expected_shared=shared.expected)
 
 
 if __name__ == "__main__":
