@@ -6,7 +6,6 @@ Markov chain), the refusals, and the CLI flags at np 1 and under the real
 launcher at np 2."""
 
 import json
-import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -19,7 +18,7 @@ from mlxcel_dist.errors import UserError
 from mlxcel_dist.launcher import launch
 from mlxcel_dist.loader import default_model_dir, load_model
 from mlxcel_dist.models import supported
-from mlxcel_dist.sampling import Sampler, SamplingParams
+from mlxcel_dist.sampling import SamplingParams
 from mlxcel_dist.spec import DraftModel, PromptLookup, speculative_accept
 
 from reference_cases import FIXTURES, case_id, cases
