@@ -2,8 +2,9 @@
 every family (drafts accepted and rejected at every index, rings wrapped,
 buffers regrown), draft-model rollback exact, prompt lookup's matches, the
 sampling rule keeping the target's distribution (a chi-square test on a
-Markov chain), the refusals, and the CLI flags at np 1 and under the real
-launcher at np 2."""
+Markov chain), the refusals, the CLI flags at np 1, and every family's
+drafted ids (scripted, a draft model on every rank or on rank 0 alone,
+prompt lookup) under the real launcher at np 2."""
 
 import json
 from pathlib import Path
