@@ -42,6 +42,7 @@ SLIDING = "sliding_attention"
 FULL = "full_attention"
 CHUNKED = "chunked_attention"  # llama4: attention within fixed chunks of positions
 RECURRENT = "recurrent"  # a recurrent layer's kind (recurrent_gemma): state, no keys
+LINEAR = "linear_attention"  # a gated DeltaNet layer's kind (qwen3_next, qwen3_5_moe): state, no keys
 LAYER_KINDS = (SLIDING, FULL)
 
 
@@ -375,6 +376,48 @@ class RecurrentCache(LayerCache):
     @property
     def state(self):
         return [] if self.conv_state is None else [self.conv_state, self.lru_state]
+
+
+class DeltaNetCache(LayerCache):
+    """A gated DeltaNet layer's state across chunks and decode steps
+    (deltanet.GatedDeltaNet: qwen3_next, qwen3_5_moe): `conv_state`
+    [B, conv_kernel - 1, channels] holds the last inputs of the causal
+    depthwise conv over the q/k/v channels (compute dtype; zeros before the
+    first token, as the reference pads), `recurrent_state` [B, v_heads,
+    k_head_dim, v_head_dim] the delta rule's state matrix per value head
+    (float32, as the reference keeps it). Under TP both cover this rank's
+    heads only. `fetch()` / `update(conv, state, n)`; `offset` counts the
+    tokens seen. No keys, so no mask; stepped eagerly (`static_kv` False).
+    `snapshot()` / `restore_snapshot()` copy the state out and back
+    (prompt_cache.py keeps a prefix this way: a state cannot be cut back)."""
+
+    def __init__(self):
+        self.conv_state = None
+        self.recurrent_state = None
+        self.offset = 0
+
+    def mask(self, L: int):
+        return None  # the delta rule is causal by construction
+
+    def fetch(self):
+        return self.conv_state, self.recurrent_state
+
+    def update(self, conv_state: mx.array, recurrent_state: mx.array, n: int) -> None:
+        self.conv_state, self.recurrent_state = conv_state, recurrent_state
+        self.offset += n
+
+    def release(self) -> None:
+        self.conv_state = self.recurrent_state = None
+
+    def snapshot(self) -> tuple:
+        return (self.conv_state, self.recurrent_state, self.offset)
+
+    def restore_snapshot(self, snap: tuple) -> None:
+        self.conv_state, self.recurrent_state, self.offset = snap
+
+    @property
+    def state(self):
+        return [] if self.conv_state is None else [self.conv_state, self.recurrent_state]
 
 
 class ConvKVCache(LayerCache):
