@@ -6,7 +6,9 @@ format, single process), optionally cast to a dtype and quantized the way
 dimension is a whole number of groups), then written as MLX safetensors
 (`{"format": "mlx"}` metadata; split with an index above 5 GB) with our
 module names, which are the HF names after the family's `sanitize`
-(multimodal towers dropped), plus config.json carrying `quantization` and the
+(multimodal towers dropped; a family's `export_for_mlx_lm(weights,
+config)` rewrites them where mlx-lm reads a converted checkpoint otherwise,
+e.g. qwen3_next's conv and norm layout), plus config.json carrying `quantization` and the
 same object as `quantization_config`, and the tokenizer / generation files
 copied. Both our loader and mlx-lm's `load` read the result.
 """
@@ -117,6 +119,9 @@ def convert_checkpoint(
     m = loaded.model
     quantized = quantize_for_export(m, q.group_size, q.bits, q.mode) if q else []
     weights = dict(tree_flatten(m.parameters()))
+    # a family whose mlx-lm reading of a converted checkpoint differs from ours says how to write it
+    if hasattr(m, "export_for_mlx_lm"):
+        weights, config = m.export_for_mlx_lm(weights, config)
 
     new_config = mlx_lm_compatible(config)
     if dtype is not None:

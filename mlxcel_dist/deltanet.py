@@ -368,6 +368,21 @@ def describe(model) -> list[str]:
     return out
 
 
+def export_mlx_lm_layout(model, weights: dict) -> dict:
+    """`weights` (our names and layout) in mlx-lm's converted layout, which its
+    qwen3_next reads without a sanitize: conv1d.weight [C, K, 1] and every
+    (1 + w) norm stored as 1 + w (computed in fp32, cast back)."""
+    plus_one = {f"{path}.weight" for path, m in model.named_modules() if isinstance(m, GemmaRMSNorm)}
+    out = {}
+    for name, w in weights.items():
+        if name.endswith("linear_attn.conv1d.weight"):
+            w = w.swapaxes(1, 2)
+        elif name in plus_one:
+            w = (w.astype(mx.float32) + 1.0).astype(w.dtype)
+        out[name] = w
+    return out
+
+
 def mlx_lm_norms(model, weights: dict) -> bool:
     """True for mlx-lm's layout (its sanitize moved conv1d.weight to [C, K, 1]
     and stored the (1 + w) norms as 1 + w): the model's (1 + w) norms become

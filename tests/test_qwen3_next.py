@@ -324,3 +324,24 @@ def test_serve_batched_text_is_the_text_alone(served_dir, np_, tmp_path):
     finally:
         rc = s.stop()
     assert rc in (0, 143), rc
+
+
+@pytest.mark.parametrize("d", [NEXT, HUB], ids=["qwen3_next", "qwen3_5_moe"])
+def test_our_4bit_conversion_is_what_mlx_lm_runs(tmp_path, d):
+    """`convert --quantize` writes what mlx-lm's own model reads (qwen3_next:
+    its conv / norm layout and rope keys; qwen3_5_moe: mlx-lm converts the HF
+    layout itself) and what we read back: the same logits, every mode alike."""
+    pytest.importorskip("mlx_lm")
+    from mlx_lm.utils import load_model as mlx_lm_load
+
+    from mlxcel_dist.convert import convert_checkpoint
+
+    out = convert_checkpoint(d, tmp_path / "q4", quantize=True, bits=4, group_size=32)["out"]
+    ids = np.load(d / "reference.npz")["ids"]
+    m, _ = mlx_lm_load(out)
+    ref = np.array(m(mx.array(ids)[None])[0].astype(mx.float32))
+    ours = load_model(out).model
+    assert "scales" in ours.layers[0].linear_attn.out_proj
+    for mode, logits in all_mode_logits(ours, ids).items():
+        r = compare(logits, ref, FP32_REL_TOL)
+        assert r["ok"], (mode, r)

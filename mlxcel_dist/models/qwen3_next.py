@@ -33,7 +33,7 @@ from ..experts import stack_expert_refs
 from ..layers import GemmaRMSNorm, activation
 from ..rope import RoPE
 from ..weights import swap_last_axes
-from .base import BaseModelArgs, CausalLM, DecoderStack
+from .base import FULL, BaseModelArgs, CausalLM, DecoderStack
 
 DENSE, SPARSE = "dense", "sparse"
 
@@ -130,6 +130,23 @@ class Model(CausalLM):
             weights = {k: swap_last_axes(w) if k.endswith("linear_attn.conv1d.weight") else w
                        for k, w in weights.items()}
         return super().sanitize(stack_expert_refs(weights, self.args.num_experts))
+
+    def export_for_mlx_lm(self, weights: dict, config: dict) -> tuple[dict, dict]:
+        """`convert`'s output as mlx-lm's qwen3_next reads it: its converted
+        layout (deltanet.export_mlx_lm_layout) and the transformers-4 rope keys
+        it requires (rope_theta, partial_rotary_factor). mlx-lm places full
+        layers by full_attention_interval only: written when layer_types
+        follow one (else mlx-lm cannot run the model as it is)."""
+        config = dict(config)
+        config.setdefault("rope_theta", self.args.rope["rope_theta"])
+        config.setdefault("partial_rotary_factor", self.args.rope["partial_rotary_factor"])
+        config.setdefault("mlp_only_layers", list(self.args.mlp_only_layers or []))
+        types = self.args.layer_types
+        if FULL in types:
+            p = types.index(FULL) + 1
+            if all((t == FULL) == ((i + 1) % p == 0) for i, t in enumerate(types)):
+                config.setdefault("full_attention_interval", p)
+        return deltanet.export_mlx_lm_layout(self, weights), config
 
     def shard(self, group):
         deltanet.shard_hybrid_layers(self.layers, group)
