@@ -74,7 +74,8 @@ RankWeightsOpt = Annotated[
 MoeSplitOpt = Annotated[
     str,
     typer.Option("--moe-split", help="Routed experts' placement across tensor-parallel ranks: intermediate (each rank a "
-                 "slice of every expert) or experts (each rank whole experts; qwen3_moe, glm4_moe, step3p5).",
+                 "slice of every expert) or experts (each rank whole experts; qwen3_moe, glm4_moe, step3p5, "
+                 "qwen3_next, qwen3_5_moe).",
                  metavar="intermediate|experts"),
 ]
 DtypeOpt = Annotated[

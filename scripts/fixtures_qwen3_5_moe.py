@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import sys
 
-import torch
 from transformers import (Qwen3_5MoeConfig, Qwen3_5MoeForCausalLM, Qwen3_5MoeForConditionalGeneration,
                           Qwen3_5MoeTextConfig)
 
@@ -44,10 +43,6 @@ INIT_RULES = (
 )
 COMMON = dict(rms_norm_eps=1e-6, hidden_act="silu", pad_token_id=0, eos_token_id=1, bos_token_id=2,
               linear_conv_kernel_dim=4)
-
-
-def _layers(m, attr):
-    return [getattr(layer, attr) for layer in m.model.layers if hasattr(layer, attr)]
 
 
 VISION = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=32, out_hidden_size=64, patch_size=4,

@@ -14,7 +14,6 @@ import shutil
 import sys
 import threading
 import urllib.request
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
