@@ -84,7 +84,7 @@ def _rank_plan(ck, n: int, r: int, weights, pp: int = 1, moe_split: str | None =
     if attn is not None:
         # q_b_proj: latent attention's per-head q rows (deepseek_v3 with a q LoRA)
         q = _ranges_of(plan, "self_attn.q_proj.weight") or _ranges_of(plan, "self_attn.q_b_proj.weight")
-        hd = getattr(attn, "head_dim", None)
+        hd = getattr(attn, "q_proj_width", None) or getattr(attn, "head_dim", None)  # q rows a head
         start = q[1][0][0] // hd if q and hd else 0
         heads = (start, start + attn.num_heads, attn.num_kv_heads)
     cols = _ranges_of(plan, "mlp.down_proj.weight")

@@ -66,6 +66,7 @@ class ModelArgs(BaseModelArgs):
     linear_value_head_dim: int = 128
     linear_num_key_heads: int = 16
     linear_num_value_heads: int = 32
+    intermediate_size: int | None = None  # no dense MLP (what `info` shows)
     moe_intermediate_size: int = 512
     shared_expert_intermediate_size: int = 512
     num_experts_per_tok: int = 8
