@@ -17,9 +17,10 @@ GatedDeltaNet, per token t (x [B, L, hidden]):
 - beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias) (fp32);
 - the delta rule in fp32 on q, k l2-normalised (eps 1e-6), q scaled by
   Dk^-0.5: S <- S exp(g_t); S <- S + k_t (beta_t (v_t - k_t S)); o_t = q_t S,
-  S [Hv, Dk, Dv] per sequence, carried across chunks and decode steps
-  (transformers computes a prefill in chunks of 64 with a triangular solve,
-  the same sums in another order: equal to fp32 rounding);
+  S [Hv, Dk, Dv] per sequence, carried across chunks and decode steps;
+  several tokens run as transformers' chunked form (chunks of up to 64: a UT
+  transform within a chunk, its unit-lower inverse by repeated squaring
+  instead of a triangular solve), one token as the plain step;
 - o normed per value head and gated: w * rmsnorm(o) * silu(z) (`norm`),
   then `out_proj`.
 
@@ -66,10 +67,15 @@ def _l2norm(x):
     return x * mx.rsqrt((x * x).sum(axis=-1, keepdims=True) + 1e-6)
 
 
-def gated_delta_rule(q, k, v, g, beta, state=None):
+CHUNK = 64  # the delta rule's prefill chunk (transformers' chunk_size)
+
+
+def gated_delta_rule(q, k, v, g, beta, state=None, chunked: bool | None = None):
     """q, k [B, L, Hk, Dk], v [B, L, Hv, Dv], g, beta [B, L, Hv] -> (o [B, L,
-    Hv, Dv] in v's dtype, state [B, Hv, Dk, Dv] fp32), token by token from
-    `state` (zeros: a fresh sequence)."""
+    Hv, Dv] in v's dtype, state [B, Hv, Dk, Dv] fp32), from `state` (zeros:
+    a fresh sequence). Several tokens run in chunks of up to CHUNK
+    (`_chunked`, transformers' algorithm), one token as one step (`chunked`
+    forces either: the same sums, in another order)."""
     B, L, Hk, Dk = k.shape
     Hv, Dv = v.shape[-2:]
     r = Hv // Hk
@@ -79,12 +85,64 @@ def gated_delta_rule(q, k, v, g, beta, state=None):
     if r > 1:  # value head h reads key head h // r
         q, k = mx.repeat(q, r, axis=2), mx.repeat(k, r, axis=2)
     S = mx.zeros((B, Hv, Dk, Dv), f32) if state is None else state
-    decay, beta, vf = mx.exp(g.astype(f32)), beta.astype(f32), v.astype(f32)
+    vf, g, beta = v.astype(f32), g.astype(f32), beta.astype(f32)
+    if chunked if chunked is not None else L > 1:
+        o, S = _chunked(q, k, vf, g, beta, S, min(CHUNK, L))
+        return o.astype(v.dtype), S
+    decay = mx.exp(g)
     outs = []
     for t in range(L):
         o, S = _delta_step(S, q[:, t], k[:, t], vf[:, t], decay[:, t], beta[:, t])
         outs.append(o)
     return mx.stack(outs, axis=1).astype(v.dtype), S
+
+
+def _unit_lower_inverse(A):
+    """(I + A)^-1 for A strictly lower triangular [..., C, C] (nilpotent:
+    A^C = 0): the product of (I + M^(2^i)), M = -A, i < log2 C, i.e. the
+    series sum of M^n in a few matmuls (no triangular solve on every device)."""
+    C = A.shape[-1]
+    eye = mx.eye(C, dtype=A.dtype)
+    M = -A
+    inv, p = eye + M, 2
+    while p < C:
+        M = M @ M
+        inv = inv @ (eye + M)
+        p *= 2
+    return inv
+
+
+def _chunked(q, k, v, g, beta, S, C: int):
+    """The delta rule over chunks of C tokens (transformers'
+    torch_chunk_gated_delta_rule): within a chunk its UT transform, across
+    chunks the state. q, k [B, L, H, Dk] (normed, scaled), v [B, L, H, Dv],
+    g, beta [B, L, H], S [B, H, Dk, Dv], all fp32 -> (o [B, L, H, Dv], S)."""
+    B, L, H, Dk = k.shape
+    pad = -L % C
+    q, k, v = (mx.pad(x.transpose(0, 2, 1, 3), [(0, 0), (0, 0), (0, pad), (0, 0)]) for x in (q, k, v))
+    g, beta = (mx.pad(x.transpose(0, 2, 1), [(0, 0), (0, 0), (0, pad)]) for x in (g, beta))  # padding: no update
+    N = (L + pad) // C
+    q, k, v = (x.reshape(B, H, N, C, -1) for x in (q, k, v))  # [B, H, N, C, D]
+    g, beta = g.reshape(B, H, N, C), beta.reshape(B, H, N, C)
+    k_beta, v_beta = k * beta[..., None], v * beta[..., None]
+    cum = mx.cumsum(g, axis=-1)  # [B, H, N, C]: log decay from the chunk's start
+    lower = mx.tril(mx.ones((C, C), mx.bool_))
+    pairwise = mx.exp(mx.where(lower, cum[..., :, None] - cum[..., None, :], -mx.inf))  # [.., i, j] decay j -> i
+    ut = (k_beta @ k.swapaxes(-1, -2)) * pairwise
+    intra = (q @ k.swapaxes(-1, -2)) * pairwise
+    inv = _unit_lower_inverse(mx.where(mx.tril(lower, -1), ut, 0.0))
+    new_values = inv @ v_beta
+    k_cumdecay = inv @ (k_beta * mx.exp(cum)[..., None])
+    q = q * mx.exp(cum)[..., None]
+    k = k * mx.exp(cum[..., -1:] - cum)[..., None]
+    chunk_decay = mx.exp(cum[..., -1])[..., None, None]  # [B, H, N, 1, 1]
+    outs = []
+    for i in range(N):
+        v_new = new_values[:, :, i] - k_cumdecay[:, :, i] @ S
+        outs.append(q[:, :, i] @ S + intra[:, :, i] @ v_new)  # [B, H, C, Dv]
+        S = S * chunk_decay[:, :, i] + k[:, :, i].swapaxes(-1, -2) @ v_new
+    o = mx.stack(outs, axis=2).reshape(B, H, N * C, -1)[:, :, :L]
+    return o.transpose(0, 2, 1, 3), S
 
 
 class GatedRMSNorm(nn.Module):
