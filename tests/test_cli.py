@@ -289,3 +289,62 @@ def test_moe_split_reaches_the_ranks_argv(tmp_path, ids_file, monkeypatch):
     assert "--moe-split=experts" in seen["argv"]
     r = run("plan", FIXTURES / "qwen3_moe" / "gqa_fp32", "--np", 2, "--moe-split", "experts")
     assert "routed experts: whole experts per rank (--moe-split experts): rank 0 [0, 4), rank 1 [4, 8)" in r.output
+
+
+# --help at 80 columns ----------------------------------------------------------------
+def _commands():
+    import typer
+
+    group = typer.main.get_command(app)
+    return group, [None, *group.commands]
+
+
+@pytest.mark.parametrize("name", _commands()[1], ids=lambda n: n or "root")
+def test_help_fits_80_columns_with_whole_option_names(name):
+    # Every spelling of every option appears whole in the help, no line is
+    # wider than 80 columns, and an on/off flag shows no value after its names.
+    import re
+
+    group, _ = _commands()
+    cmd = group if name is None else group.commands[name]
+    r = runner.invoke(app, [*([name] if name else []), "--help"], env={"COLUMNS": "80"})
+    assert r.exit_code == 0, r.output
+    lines = r.output.splitlines()
+    assert max(len(line) for line in lines) <= 80 and "…" not in r.output
+    rows = [re.split(r"\s{2,}", line.strip())[0] for line in lines if line.startswith("  -")]
+    names = {n for row in rows for n in re.findall(r"(?<![\w-])--?[\w-]+", row)}
+    for p in cmd.params:
+        if p.param_type_name != "option":
+            continue
+        spellings = [*p.opts, *p.secondary_opts]
+        assert set(spellings) <= names, (spellings, rows)
+        if p.is_flag:
+            row = next(row for row in rows if spellings[0] in re.findall(r"--?[\w-]+", row))
+            assert re.fullmatch(r"--?[\w-]+((, | / )--?[\w-]+)*", row), row
+
+
+def test_a_value_after_an_on_off_flag_is_one_error_line(monkeypatch, capsys):
+    # click would take the word for MODEL ("no such model directory")
+    import mlxcel_dist.cli as cli
+
+    for argv, want in [(["generate", "--verbose", "False"], "--verbose is an on/off flag: give it alone"),
+                       (["generate", "--chat", "true"], "give --chat or --ignore-chat-template alone"),
+                       (["bench", "--json", "0"], "--json is an on/off flag")]:
+        monkeypatch.setattr(sys, "argv", ["mlxcel-dist", *argv])
+        with pytest.raises(SystemExit) as e:
+            cli.main()
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.startswith("error: ") and want in err and err.count("\n") == 1, err
+
+
+def test_chat_template_file_is_read(tmp_path):
+    # '{', '}' or a newline make the value a template; anything else names a file (vLLM's rule)
+    f = tmp_path / "t.jinja"
+    f.write_text("{{ bos_token }}Q: {{ messages[-1]['content'] }}")
+    from mlxcel_dist.tokenizer import Tokenizer
+
+    n = len(Tokenizer(TINY, chat_template=f.read_text()).prompt_ids("The sea"))
+    r = run("generate", "--chat-template", f, "-n", "0", "-v")
+    assert r.exit_code == 0 and f"prompt {n} tokens (chat template: --chat-template)" in r.output, r.output
+    r = run("generate", "--chat-template", tmp_path, "-n", "0")
+    assert r.exit_code == 2 and "a directory" in r.output, r.output
