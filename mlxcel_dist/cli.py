@@ -705,8 +705,8 @@ def plan(
 
 @app.command()
 @_handle_errors
-def info(model: ModelArg = None, model_opt: ModelOpt = None):
-    """Config summary, per-layer attention kind, parameter count."""
+def info(model: ModelArg = None, model_opt: ModelOpt = None, np_: NpOpt = 1):
+    """Config summary, context length, per-layer attention kind, parameters and bytes per rank."""
     import numpy as np
 
     from .loader import build_model, open_model
@@ -714,6 +714,13 @@ def info(model: ModelArg = None, model_opt: ModelOpt = None):
     from mlx.utils import tree_flatten
 
     ck = open_model(_pick_model(model, model_opt))
+    if np_ < 1:
+        raise UserError(f"--np must be >= 1, got {np_}")
+    from .loader import check_shardable
+    from .plan import rank_plans
+
+    check_shardable(ck, np_)
+    ranks = rank_plans(ck, np_)  # on paper, as the ranks shard it
     model_dir, config = ck.dir, ck.config
     m = build_model(config)
     a = m.args
@@ -733,13 +740,17 @@ def info(model: ModelArg = None, model_opt: ModelOpt = None):
 
     for line in getattr(m, "describe_layers", lambda: describe_layers(m))():
         print(f"  {line}")
+    shared = " (tensor parallel: replicated tensors counted on every rank)" if np_ > 1 else ""
+    print(f"per rank    np {np_}{shared}")
+    for rp in ranks:
+        print(f"  rank {rp.rank:<3} {rp.params:,} parameters, {rp.bytes:,} bytes ({rp.bytes / 2**20:.2f} MiB)")
 
 
 @app.command(short_help="Write an MLX checkpoint (optionally quantized).")
 @_handle_errors
 def convert(
     model: RequiredModelArg,
-    out: Annotated[Path, typer.Argument(help="Output directory (created; must be empty).", show_default=False)],
+    out: Annotated[Path, typer.Argument(help="Output directory (created; must be empty).", metavar="OUT", show_default=False)],
     quantize: Annotated[
         bool, typer.Option("--quantize", "-q", help="Quantize Linear and Embedding weights (MLX affine, as mlx-lm).")
     ] = False,

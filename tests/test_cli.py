@@ -141,6 +141,29 @@ def test_info_counts_logical_parameters(tmp_path, quantized):
         src = convert_checkpoint(TINY, tmp_path / "q4", quantize=True)["out"]
     r = run("info", src)
     assert r.exit_code == 0 and "parameters  854,400 (" in r.output, r.output
+    assert "context     512 tokens" in r.output
+    assert "  rank 0   854,400 parameters, " in r.output, r.output  # np 1: the whole model
+
+
+def _info_ranks(*args):
+    import re
+
+    r = run("info", *args)
+    assert r.exit_code == 0, r.output
+    return [tuple(int(x.replace(",", "")) for x in m) for m in
+            re.findall(r"^  rank \d+ +([\d,]+) parameters, ([\d,]+) bytes", r.output, re.M)]
+
+
+def test_info_per_rank_is_plans_sharding():
+    # np 1: every parameter once (float32: 4 bytes each); np 3 on 4 heads: a
+    # larger first share, each rank under the whole, replicated tensors on all.
+    (p1, b1), = _info_ranks(TINY)
+    assert (p1, b1) == (854_400, 4 * 854_400)
+    three = _info_ranks(TINY, "--np", "3")
+    assert len(three) == 3 and three[0][0] > three[1][0] == three[2][0]
+    assert all(p < p1 and b == 4 * p for p, b in three) and sum(p for p, _ in three) > p1
+    r = run("info", TINY, "--np", "5")
+    assert r.exit_code == 2 and r.output.count("\n") == 1 and "5 ranks cannot split" in r.output, r.output
 
 
 @pytest.mark.parametrize(
