@@ -106,7 +106,7 @@ def server_cmd(name: str, model: Path, port: int) -> list[str]:
         "ours-np2": ours + ["--np", "2"],
         "ours-pp2": ours + ["--pp", "2"],  # two pipeline stages, whole steps
         "ours-pp2-micro2": ours + ["--pp", "2", "--micro-batches", "2"],
-        # --warmup is off by default since d611b81 (these names are the runs of docs/benchmarks.md before it)
+        # --warmup is off by default since d611b81 (these names are the runs of docs/benchmarks-log.md before it)
         "ours-np1-nowarmup": ours + ["--no-warmup"],
         "ours-np2-nowarmup": ours + ["--np", "2", "--no-warmup"],
         "ours-np1-warmup": ours + ["--warmup"],
