@@ -1001,9 +1001,11 @@ def main():
     except UserError as e:
         _err(f"error: {e}")
         sys.exit(e.exit_code)
+    except click_exceptions.NoArgsIsHelpError as e:  # no arguments at all: the help is the answer
+        print(e.format_message())
+        sys.exit(e.exit_code)
     except click_exceptions.ClickException as e:
-        if e.format_message():  # (no arguments at all: the help was the answer)
-            _err(f"error: {e.format_message()}")
+        _err(f"error: {e.format_message()}")
         sys.exit(e.exit_code)
     except (typer.Abort, KeyboardInterrupt, EOFError):
         _err("interrupted")

@@ -371,3 +371,13 @@ def test_chat_template_file_is_read(tmp_path):
     assert r.exit_code == 0 and f"prompt {n} tokens (chat template: --chat-template)" in r.output, r.output
     r = run("generate", "--chat-template", tmp_path, "-n", "0")
     assert r.exit_code == 2 and "a directory" in r.output, r.output
+
+
+def test_no_arguments_print_the_help(monkeypatch, capsys):
+    import mlxcel_dist.cli as cli
+
+    monkeypatch.setattr(sys, "argv", ["mlxcel-dist"])
+    with pytest.raises(SystemExit) as e:
+        cli.main()
+    out = capsys.readouterr()
+    assert e.value.code == 2 and out.out.startswith("Usage: ") and "generate" in out.out and out.err == ""
