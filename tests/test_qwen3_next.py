@@ -269,6 +269,8 @@ def test_prompt_cache_restores_the_states_exactly():
     eng.add("a", first)
     reply = [eng.step()["a"] for _ in range(5)]
     eng.remove("a")
+    # the prompt's entry (all but its last token) and, kept at removal, the prompt and reply fed
+    assert sorted(len(k) for k in pc.entries) == [len(first) - 1, len(first) + len(reply)]
     second = np.concatenate([first, reply, rng.integers(3, V, 6)])
     eng.add("b", second)
     got = [eng.step()["b"] for _ in range(6)]
