@@ -576,7 +576,9 @@ def check_kv_options(max_size: int | None, bits: int | None, group_size: int, he
         raise UserError("--kv-bits quantizes full-attention caches, which --max-kv-size makes rotating ones: "
                         "give one of them (mlx-lm cannot quantize a rotating cache either)")
     if head_dim and head_dim % group_size:
-        raise UserError(f"--kv-group-size {group_size} does not divide the model's head_dim {head_dim}")
+        fits = [str(g) for g in KV_GROUP_SIZES if head_dim % g == 0]
+        hint = f": use --kv-group-size {' or '.join(fits)}" if fits else " (MLX quantizes in groups of 32, 64 or 128)"
+        raise UserError(f"--kv-group-size {group_size} does not divide the model's head_dim {head_dim}{hint}")
 
 
 def kv_caches(caches: list | None, max_size: int | None = None, bits: int | None = None,
