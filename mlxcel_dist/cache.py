@@ -635,5 +635,10 @@ class KVOptions:
         the batch engine, the prompt cache, a pipeline stage's) return these caches."""
         if not self:
             return
+        refused = getattr(model, "kv_bits_refused", None)
+        if self.bits is not None and refused:
+            from .errors import UserError
+
+            raise UserError(f"--kv-bits: {model.args.model_type} cannot take a quantized cache ({refused})")
         make = model.make_cache
         model.make_cache = lambda: kv_caches(make(), self.max_size, self.bits, self.group_size)

@@ -278,8 +278,13 @@ def _kv_options(model, max_kv_size, kv_bits, kv_group_size):
     if kv_bits is None:
         return kv.check()
     from .loader import open_model
+    from .models import get_model_module
 
-    a = open_model(model).args
+    ck = open_model(model)
+    a = ck.args
+    refused = getattr(get_model_module(a.model_type).Model, "kv_bits_refused", None)
+    if refused:
+        raise UserError(f"--kv-bits: {a.model_type} cannot take a quantized cache ({refused})")
     return kv.check(getattr(a, "head_dim", None) or a.hidden_size // a.num_attention_heads)
 
 
