@@ -106,6 +106,12 @@ KvBitsOpt = Annotated[
 KvGroupSizeOpt = Annotated[
     int, typer.Option("--kv-group-size", help="Values per scale and bias with --kv-bits: 32, 64 or 128.")
 ]
+AdapterOpt = Annotated[
+    Optional[Path],
+    typer.Option("--adapter-path", metavar="DIR",
+                 help="A LoRA or DoRA adapter as mlx_lm.lora writes it (adapter_config.json, adapters.safetensors), "
+                 "applied to the model's layers.", show_default=False),
+]
 ExtraEosOpt = Annotated[
     Optional[list[str]],
     typer.Option("--extra-eos-token", metavar="TOKEN",
@@ -288,12 +294,25 @@ def _kv_options(model, max_kv_size, kv_bits, kv_group_size):
     return kv.check(getattr(a, "head_dim", None) or a.hidden_size // a.num_attention_heads)
 
 
-def _load(model, dtype, group, pp: int = 1, kv=None):
+def _adapter(model, adapter_path):
+    """--adapter-path read and checked against the model (before any rank is
+    launched; each rank reads it again)."""
+    if adapter_path is None:
+        return None
+    from .loader import build_model, open_model
+    from .lora import Adapter
+
+    adapter = Adapter(adapter_path)
+    adapter.check(build_model(open_model(model).config))
+    return adapter
+
+
+def _load(model, dtype, group, pp: int = 1, kv=None, adapter=None):
     """Load this rank's shard (or pipeline stage); rank 0 shows a progress bar on stderr."""
     from .loader import load_model
 
     if not group.is_root:
-        return load_model(model, dtype=dtype, group=group, pp=pp, kv=kv)
+        return load_model(model, dtype=dtype, group=group, pp=pp, kv=kv, adapter=adapter)
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
@@ -301,7 +320,7 @@ def _load(model, dtype, group, pp: int = 1, kv=None):
     with Progress(TextColumn("loading"), BarColumn(), MofNCompleteColumn(), console=console,
                   transient=True, disable=not console.is_terminal) as bar:
         task = bar.add_task("load", total=None)
-        loaded = load_model(model, dtype=dtype, group=group, pp=pp, kv=kv,
+        loaded = load_model(model, dtype=dtype, group=group, pp=pp, kv=kv, adapter=adapter,
                             progress=lambda i, n: bar.update(task, completed=i, total=n))
     return loaded
 
@@ -321,6 +340,7 @@ def logits(
     max_kv_size: MaxKvSizeOpt = None,
     kv_bits: KvBitsOpt = None,
     kv_group_size: KvGroupSizeOpt = 64,
+    adapter_path: AdapterOpt = None,
     dtype: DtypeOpt = None,
     np_: NpOpt = 1,
     pp: PpOpt = 1,
@@ -347,8 +367,9 @@ def logits(
     except UserError as e:
         raise UserError(f"{tokens_file}: {e}") from None
     kv = _kv_options(model, max_kv_size, kv_bits, kv_group_size)
+    adapter = _adapter(model, adapter_path)
     group = _distribute(ctx, np_, backend, hostfile, model, pp)
-    loaded = _load(model, dtype, group, pp, kv)
+    loaded = _load(model, dtype, group, pp, kv, adapter)
     result = sequence_logits(loaded.model, ids, decode_from=decode_from, prefill_step=prefill_step)
     if group.is_root:
         try:
@@ -407,6 +428,7 @@ def generate(
     max_kv_size: MaxKvSizeOpt = None,
     kv_bits: KvBitsOpt = None,
     kv_group_size: KvGroupSizeOpt = 64,
+    adapter_path: AdapterOpt = None,
     dtype: DtypeOpt = None,
     np_: NpOpt = 1,
     pp: PpOpt = 1,
@@ -453,9 +475,10 @@ def generate(
         tok = Tokenizer(ck.dir, ck.config, chat_template=_template_text(chat_template), extra_eos=extra_eos_token or ())
         check_context(len(tok.prompt_ids(prompt, chat=chat, system=system)), max_tokens, ck.context_length)
     kv = _kv_options(model, max_kv_size, kv_bits, kv_group_size)
+    adapter = _adapter(model, adapter_path)
     group = _distribute(ctx, np_, backend, hostfile, model, pp)
     t0 = time.perf_counter()
-    loaded = _load(model, dtype, group, pp, kv)
+    loaded = _load(model, dtype, group, pp, kv, adapter)
     load_s = time.perf_counter() - t0
     tok = Tokenizer(loaded.model_dir, loaded.config, chat_template=_template_text(chat_template),
                     extra_eos=extra_eos_token or ())
@@ -796,12 +819,18 @@ def convert(
         Optional[str],
         typer.Option("--dtype", help="Dtype of the stored float tensors (float32, bfloat16, float16); default: the checkpoint's."),
     ] = None,
+    adapter_path: Annotated[
+        Optional[Path],
+        typer.Option("--adapter-path", metavar="DIR", help="Fuse this LoRA or DoRA adapter (mlx_lm.lora's files) "
+                     "into the weights first.", show_default=False),
+    ] = None,
 ):
     """Write an mlx-community-style checkpoint (optionally MLX-quantized) that mlxcel-dist and mlx-lm load."""
     from .convert import convert_checkpoint
     from .loader import check_shardable
 
-    s = convert_checkpoint(model, out, quantize=quantize, bits=bits, group_size=group_size, dtype=dtype)
+    s = convert_checkpoint(model, out, quantize=quantize, bits=bits, group_size=group_size, dtype=dtype,
+                           adapter_path=adapter_path)
     q = s["quantization"]
     what = (
         f"{q.describe()}, {len(s['quantized_modules'])} layers quantized, {s['bits_per_weight']:.2f} bits per weight"
@@ -846,6 +875,7 @@ def serve(
     max_kv_size: MaxKvSizeOpt = None,
     kv_bits: KvBitsOpt = None,
     kv_group_size: KvGroupSizeOpt = 64,
+    adapter_path: AdapterOpt = None,
     dtype: DtypeOpt = None,
     np_: NpOpt = 1,
     backend: BackendOpt = "auto",
@@ -907,6 +937,7 @@ def serve(
     cache_bytes = None if prompt_cache_bytes is None else parse_size(prompt_cache_bytes, "--prompt-cache-bytes")
     defaults = Defaults(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, max_tokens=max_tokens)
     kv = _kv_options(model, max_kv_size, kv_bits, kv_group_size)
+    adapter = _adapter(model, adapter_path)
     if extra_eos_token and not os.environ.get("MLXCEL_DIST_WORLD"):  # an unknown token fails before launch
         from .loader import open_model
 
@@ -914,7 +945,7 @@ def serve(
         Tokenizer(ck.dir, ck.config, extra_eos=extra_eos_token)
     group = _distribute(ctx, np_, backend, hostfile, model, pp)
     sock = listen(host, port) if group.is_root else None  # before the load: a port in use fails at once
-    loaded = _load(model, dtype, group, pp, kv)
+    loaded = _load(model, dtype, group, pp, kv, adapter)
     tok = Tokenizer(loaded.model_dir, loaded.config, extra_eos=extra_eos_token or ())
     names = names or [str(model if model is not None else loaded.model_dir.name)]
     opts = Options(max_tokens_cap=max_tokens_cap, max_request_bytes=max_request_bytes, defaults=defaults,
@@ -942,6 +973,7 @@ def bench(
     max_kv_size: MaxKvSizeOpt = None,
     kv_bits: KvBitsOpt = None,
     kv_group_size: KvGroupSizeOpt = 64,
+    adapter_path: AdapterOpt = None,
     dtype: DtypeOpt = None,
     np_: NpOpt = 1,
     pp: PpOpt = 1,
@@ -963,9 +995,10 @@ def bench(
     check_lengths(prompt_tokens, gen_tokens)
     check_generation_options(check_every=check_every, prefill_step=prefill_step)
     kv = _kv_options(model, max_kv_size, kv_bits, kv_group_size)
+    adapter = _adapter(model, adapter_path)
     group = _distribute(ctx, np_, backend, hostfile, model, pp)
     t0 = time.perf_counter()
-    loaded = _load(model, dtype, group, pp, kv)
+    loaded = _load(model, dtype, group, pp, kv, adapter)
     load_s = time.perf_counter() - t0
     result = run_bench(loaded.model, prompt_tokens, gen_tokens, group=group, prefill_step=prefill_step,
                        seed=seed, check_every=check_every, warmup=warmup, compiled=compiled)
