@@ -642,3 +642,4 @@ class KVOptions:
             raise UserError(f"--kv-bits: {model.args.model_type} cannot take a quantized cache ({refused})")
         make = model.make_cache
         model.make_cache = lambda: kv_caches(make(), self.max_size, self.bits, self.group_size)
+        model.kv_options = self  # (harness.model_window: the modes cross N)

@@ -578,6 +578,10 @@ def modes(
     model: RequiredModelArg,
     tokens: Annotated[str, typer.Option("--tokens", help="Comma-separated token ids.")],
     out: Annotated[Path, typer.Option("--out", help="npz with one [T, V] array per mode (rank 0 writes).")],
+    max_kv_size: MaxKvSizeOpt = None,
+    kv_bits: KvBitsOpt = None,
+    kv_group_size: KvGroupSizeOpt = 64,
+    adapter_path: AdapterOpt = None,
     dtype: DtypeOpt = None,
     np_: NpOpt = 1,
     pp: PpOpt = 1,
@@ -596,8 +600,10 @@ def modes(
         ids = np.array([int(t) for t in tokens.split(",")], np.int64)
     except ValueError:
         raise UserError("--tokens must be comma-separated integers") from None
+    kv = _kv_options(model, max_kv_size, kv_bits, kv_group_size)
+    adapter = _adapter(model, adapter_path)
     group = _distribute(ctx, np_, backend, hostfile, model, pp)
-    loaded = _load(model, dtype, group, pp)
+    loaded = _load(model, dtype, group, pp, kv, adapter)
     result = all_mode_logits(loaded.model, ids)
     if group.is_root:
         np.savez(out, **result)
@@ -613,6 +619,10 @@ def logit_match(
         Optional[Path], typer.Option("--reference", help="npz with ids and logits (e.g. from transformers).")
     ] = None,
     tokens_file: Annotated[Optional[Path], typer.Option("--tokens-file", help="1-D integer .npy of token ids.")] = None,
+    max_kv_size: MaxKvSizeOpt = None,
+    kv_bits: KvBitsOpt = None,
+    kv_group_size: KvGroupSizeOpt = 64,
+    adapter_path: AdapterOpt = None,
     dtype: DtypeOpt = None,
     np_: NpOpt = 2,
     pp: Annotated[int, typer.Option("--pp", help="Compare a run in P pipeline stages (one rank each, or --np P x T: T tensor-parallel ranks each) instead of --np ranks of tensor parallelism.")] = 1,
@@ -639,7 +649,9 @@ def logit_match(
         given = ctx.get_parameter_source("np_").name not in ("DEFAULT", "DEFAULT_MAP")
         np_ = pipeline.check_pp_ranks(np_ if given else 1, pp)
     model_dir = open_model(model).dir
-    single = load_model(model_dir, dtype=dtype)
+    kv = _kv_options(model_dir, max_kv_size, kv_bits, kv_group_size)
+    adapter = _adapter(model_dir, adapter_path)
+    single = load_model(model_dir, dtype=dtype, kv=kv, adapter=adapter)
     m = single.model
     ref = None
     if reference is not None:
@@ -668,6 +680,12 @@ def logit_match(
             argv = ["modes", str(model_dir.resolve()), "--tokens", ",".join(map(str, ids.tolist())), "--out", str(out)]
             if dtype:
                 argv += ["--dtype", dtype]
+            if max_kv_size is not None:
+                argv += ["--max-kv-size", str(max_kv_size)]
+            if kv_bits is not None:
+                argv += ["--kv-bits", str(kv_bits), "--kv-group-size", str(kv_group_size)]
+            if adapter_path is not None:
+                argv += ["--adapter-path", str(Path(adapter_path).resolve())]
             split = check_moe_split(moe_split)
             argv += ["--moe-split", split]
             if pp > 1:

@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 
 from mlxcel_dist.attention import causal_attention
 from mlxcel_dist.batch import BatchEngine
-from mlxcel_dist.cache import (FULL, SLIDING, KVCache, KVOptions, QuantizedKV, QuantizedKVCache, RotatingKVCache,
+from mlxcel_dist.cache import (KVCache, KVOptions, QuantizedKV, QuantizedKVCache, RotatingKVCache,
                                SharedKVCache, kv_caches)
 from mlxcel_dist.cli import app
 from mlxcel_dist.engine import TokenGenerator, sequence_logits
@@ -164,15 +164,15 @@ def _cli():
     return [str(exe)] if exe.exists() else [sys.executable, "-m", "mlxcel_dist.cli"]
 
 
-def test_np2_max_kv_size_logits_match_transformers(tmp_path):
-    ids, ref, N, d = _bounded(FIXTURES / "max_kv" / "gemma3__gqa_fp32.npz")
-    np.save(tmp_path / "ids.npy", ids)
-    out = tmp_path / "x.npy"  # a prefill below N, then compiled decode steps on rings of N slots
-    p = run_cmd(_cli() + ["logits", str(d), "--tokens-file", str(tmp_path / "ids.npy"), "--out", str(out),
-                          "--max-kv-size", str(N), "--decode-from", str(N // 2), "--np", "2", "--backend", "mpi"],
-                timeout=300)
-    assert p.returncode == 0, p.stderr
-    assert compare(np.load(out), ref, FP32_REL_TOL)["ok"]
+@pytest.mark.parametrize("split", [["--np", "2"], ["--pp", "2"]], ids=["np2", "pp2"])
+def test_np2_and_pp2_max_kv_size_match_transformers_in_every_mode(tmp_path, split):
+    # logit-match: every mode (compiled decode on rings of N slots) at np 1 and split, against the reference
+    *_, N, d = _bounded(FIXTURES / "max_kv" / "gemma3__gqa_fp32.npz")
+    p = run_cmd(_cli() + ["logit-match", str(d), "--max-kv-size", str(N), "--reference",
+                          str(FIXTURES / "max_kv" / "gemma3__gqa_fp32.npz"), *split, "--backend", "mpi"],
+                timeout=300, cwd=tmp_path)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "15/15 comparisons match" in p.stdout, p.stdout
 
 
 def test_np2_quantized_cache_logits_match_np1(tmp_path):
