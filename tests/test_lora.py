@@ -166,3 +166,40 @@ def test_np2_serve_with_an_adapter_a_bound_and_an_extra_eos(tmp_path):
         assert s.stop() in (0, 128 + signal.SIGTERM)  # (mpirun's code on the SIGTERM that stops it)
     assert [c["text"] for c in got] == want
     assert any(c["finish_reason"] == "stop" for c in got)  # the extra EOS ended one
+
+
+@pytest.fixture(scope="module")
+def q4(tmp_path_factory):
+    """The default model MLX-quantized (4 bits, groups of 64: QLoRA's base)."""
+    out = tmp_path_factory.mktemp("q4") / "m"
+    r = runner.invoke(app, ["convert", str(default_model_dir()), str(out), "--quantize"])
+    assert r.exit_code == 0, r.output
+    return out
+
+
+def test_on_a_quantized_base_against_an_installed_mlx_lm(q4):
+    pytest.importorskip("mlx_lm")
+    sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
+    from fixtures_lora import exact_logits
+    from mlx_lm import load
+
+    ids = np.random.default_rng(8).integers(3, 512, 30).astype(np.int32)
+    for case in CASES:
+        theirs, _ = load(str(q4), adapter_path=str(LORA / case))
+        ours = load_model(q4, adapter=Adapter(LORA / case)).model
+        assert all("scales" in m.base for _, m in ours.named_modules() if isinstance(m, LoRALinear))
+        r = compare(sequence_logits(ours, ids, decode_from=10), exact_logits(theirs, ids), FP32_REL_TOL)
+        assert r["ok"], (case, r)
+
+
+def test_np2_on_a_quantized_base_matches_np1(q4, tmp_path):
+    # packed input columns of o_proj / down_proj cut A's rows; DoRA's norms of dequantized weights
+    ids = np.random.default_rng(9).integers(3, 512, 30).astype(np.int32)
+    np.save(tmp_path / "ids.npy", ids)
+    one = sequence_logits(load_model(q4, adapter=Adapter(LORA / "dora_keys")).model, ids, decode_from=10)
+    out = tmp_path / "x.npy"
+    p = run_cmd(_cli() + ["logits", str(q4), "--tokens-file", str(tmp_path / "ids.npy"), "--out", str(out),
+                          "--adapter-path", str(LORA / "dora_keys"), "--decode-from", "10", "--np", "2",
+                          "--backend", "mpi"], timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert compare(np.load(out), one, FP32_REL_TOL)["ok"]
