@@ -175,17 +175,13 @@ def test_np2_and_pp2_max_kv_size_match_transformers_in_every_mode(tmp_path, spli
     assert "15/15 comparisons match" in p.stdout, p.stdout
 
 
-def test_np2_quantized_cache_logits_match_np1(tmp_path):
-    d = default_model_dir()
-    ids = np.random.default_rng(0).integers(3, 512, 70).astype(np.int32)
-    np.save(tmp_path / "ids.npy", ids)
-    one = sequence_logits(load_model(d, kv=KVOptions(bits=4, group_size=32)).model, ids, decode_from=20)
-    out = tmp_path / "x.npy"
-    p = run_cmd(_cli() + ["logits", str(d), "--tokens-file", str(tmp_path / "ids.npy"), "--out", str(out),
-                          "--kv-bits", "4", "--kv-group-size", "32", "--decode-from", "20",
-                          "--np", "2", "--backend", "mpi"], timeout=300)
-    assert p.returncode == 0, p.stderr
-    assert compare(np.load(out), one, FP32_REL_TOL)["ok"]  # each rank quantizes its own KV heads alike
+@pytest.mark.parametrize("split", [["--np", "2"], ["--pp", "2"]], ids=["np2", "pp2"])
+def test_np2_and_pp2_quantized_cache_logits_match_np1(tmp_path, split):
+    # each rank quantizes its own KV heads (np 2) or layers (pp 2) alike: every mode as at np 1
+    p = run_cmd(_cli() + ["logit-match", "--kv-bits", "4", "--kv-group-size", "32", *split, "--backend", "mpi"],
+                timeout=300, cwd=tmp_path)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "5/5 comparisons match" in p.stdout, p.stdout
 
 
 def test_np2_generate_with_both_options_agrees_with_np1(tmp_path):
