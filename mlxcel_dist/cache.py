@@ -508,10 +508,12 @@ class QuantizedKVCache(LayerCache):
     values and returns the whole cache as `QuantizedKV`s, which attention
     multiplies with `mx.quantized_matmul` (never dequantized as a whole).
     From the first token on (mlx-lm's generate waits for
-    `--quantized-kv-start`, 5000 tokens by default). Not `static_kv`: decode
-    steps and the batch engine step it eagerly, and the prompt cache skips it."""
+    `--quantized-kv-start`, 5000 tokens by default). Not `static_kv`: the
+    batch engine steps it row by row and the prompt cache skips it; decode.py
+    moves it into quantized static buffers (`static_quantized`)."""
 
     step = 256
+    static_quantized = True
 
     def __init__(self, bits: int, group_size: int):
         self.bits, self.group_size = bits, group_size
@@ -550,6 +552,10 @@ class QuantizedKVCache(LayerCache):
                 for held in (self.keys, self.values))
         self.last = (k, v, prev)
         return k, v
+
+    def temporal(self) -> tuple[list, list]:
+        """The quantized keys' and values' (w, scales, biases), position order."""
+        return ([x[..., : self.offset, :] for x in self.keys], [x[..., : self.offset, :] for x in self.values])
 
     def release(self) -> None:
         self.keys = self.values = self.last = None

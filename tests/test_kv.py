@@ -191,3 +191,18 @@ def test_np2_generate_with_both_options_agrees_with_np1(tmp_path):
         two = run_cmd(argv + ["--np", "2", "--backend", "mpi"], timeout=300, cwd=tmp_path)
         assert one.returncode == 0 and two.returncode == 0, one.stderr + two.stderr
         assert two.stdout == one.stdout and one.stdout.strip(), (one.stdout, two.stdout)
+
+
+def test_compiled_decode_on_quantized_static_buffers(monkeypatch):
+    import mlxcel_dist.decode as decode
+
+    monkeypatch.setattr(decode, "STEP", 8)  # buffers regrow several times over the run
+    model = load_model(default_model_dir(), kv=KVOptions(bits=4, group_size=32)).model
+    ids = np.random.default_rng(0).integers(3, 512, 60)
+    one = sequence_logits(model, ids)  # the eager QuantizedKVCache over the whole sequence
+    compiled = sequence_logits(model, ids, decode_from=5)
+    step = model.decode_step
+    assert step.quantized and 1 <= step.traces < 10
+    eager = sequence_logits(model, ids, decode_from=5, compiled=False)
+    np.testing.assert_array_equal(compiled, eager)
+    assert compare(compiled, one, FP32_REL_TOL)["rel"] < 1e-5
