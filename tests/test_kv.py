@@ -186,10 +186,10 @@ def test_np2_and_pp2_quantized_cache_logits_match_np1(tmp_path, split):
 
 def test_np2_generate_with_both_options_agrees_with_np1(tmp_path):
     for args in (["--max-kv-size", "12"], ["--kv-bits", "8", "--kv-group-size", "32"]):
-        argv = _cli() + ["generate", "-n", "30", "--extra-eos-token", "355", *args]
-        one = run_cmd(argv, timeout=300, cwd=tmp_path)
-        two = run_cmd(argv + ["--np", "2", "--backend", "mpi"], timeout=300, cwd=tmp_path)
-        assert one.returncode == 0 and two.returncode == 0, one.stderr + two.stderr
+        argv = ["generate", "-n", "30", "--extra-eos-token", "355", *args]  # 355: " wind"
+        one = runner.invoke(app, argv)
+        two = run_cmd(_cli() + argv + ["--np", "2", "--backend", "mpi"], timeout=300, cwd=tmp_path)
+        assert one.exit_code == 0 and two.returncode == 0, one.output + two.stderr
         assert two.stdout == one.stdout and one.stdout.strip(), (one.stdout, two.stdout)
 
 
