@@ -104,7 +104,7 @@ KvBitsOpt = Annotated[
                  "5, 6), attention on the quantized cache (default: the compute dtype).", show_default=False),
 ]
 KvGroupSizeOpt = Annotated[
-    int, typer.Option("--kv-group-size", help="Values per scale and bias with --kv-bits: 32, 64 or 128.")
+    int, typer.Option("--kv-group-size", metavar="G", help="Values per scale and bias with --kv-bits: 32, 64 or 128.")
 ]
 AdapterOpt = Annotated[
     Optional[Path],
