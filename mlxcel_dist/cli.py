@@ -93,6 +93,33 @@ PrefillStepOpt = Annotated[
                  help="Feed the prompt through the cache in chunks of this many tokens "
                  "(default: 2048 when generating; logits: one pass)."),
 ]
+MaxKvSizeOpt = Annotated[
+    Optional[int],
+    typer.Option("--max-kv-size", metavar="N",
+                 help="Full-attention layers keep the last N positions (a rotating cache: attention sees the last N "
+                 "tokens, as mlx-lm's); sliding layers keep at most N.", show_default=False),
+]
+KvBitsOpt = Annotated[
+    Optional[int],
+    typer.Option("--kv-bits", metavar="BITS",
+                 help="Full-attention layers' keys/values held MLX-quantized with this many bits (4 or 8; also 2, 3, "
+                 "5, 6), attention on the quantized cache (default: the compute dtype).", show_default=False),
+]
+KvGroupSizeOpt = Annotated[
+    int, typer.Option("--kv-group-size", metavar="G", help="Values per scale and bias with --kv-bits: 32, 64 or 128.")
+]
+AdapterOpt = Annotated[
+    Optional[Path],
+    typer.Option("--adapter-path", metavar="DIR",
+                 help="A LoRA or DoRA adapter as mlx_lm.lora writes it (adapter_config.json, adapters.safetensors), "
+                 "applied to the model's layers.", show_default=False),
+]
+ExtraEosOpt = Annotated[
+    Optional[list[str]],
+    typer.Option("--extra-eos-token", metavar="TOKEN",
+                 help="Also stop at this token (its text, e.g. \"<end_of_turn>\", or its id; repeatable).",
+                 show_default=False),
+]
 
 
 COLLECTIVE_ERROR_GRACE_S = 2.0  # other ranks wait this long before exiting on a CollectiveError
@@ -250,12 +277,44 @@ def parse_rank_weights(text: Optional[str]):
     return weights
 
 
-def _load(model, dtype, group, pp: int = 1):
+def _kv_options(model, max_kv_size, kv_bits, kv_group_size):
+    """--max-kv-size / --kv-bits / --kv-group-size checked against the model's
+    head_dim (before any rank is launched) as a cache.KVOptions."""
+    from .cache import KVOptions
+
+    kv = KVOptions(max_kv_size, kv_bits, kv_group_size)
+    if kv_bits is None:
+        return kv.check()
+    from .loader import open_model
+    from .models import get_model_module
+
+    ck = open_model(model)
+    a = ck.args
+    refused = getattr(get_model_module(a.model_type).Model, "kv_bits_refused", None)
+    if refused:
+        raise UserError(f"--kv-bits: {a.model_type} cannot take a quantized cache ({refused})")
+    return kv.check(getattr(a, "head_dim", None) or a.hidden_size // a.num_attention_heads)
+
+
+def _adapter(model, adapter_path):
+    """--adapter-path read and checked against the model (before any rank is
+    launched; each rank reads it again)."""
+    if adapter_path is None:
+        return None
+    from .loader import build_model, open_model
+    from .lora import Adapter
+
+    adapter = Adapter(adapter_path)
+    adapter.check(build_model(open_model(model).config))
+    return adapter
+
+
+def _load(model, dtype, group, pp: int = 1, kv=None, adapter=None):
     """Load this rank's shard (or pipeline stage); rank 0 shows a progress bar on stderr."""
     from .loader import load_model
 
     if not group.is_root:
-        return load_model(model, dtype=dtype, group=group, pp=pp)
+        return load_model(model, dtype=dtype, group=group, pp=pp, kv=kv, adapter=adapter)
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
@@ -263,7 +322,7 @@ def _load(model, dtype, group, pp: int = 1):
     with Progress(TextColumn("loading"), BarColumn(), MofNCompleteColumn(), console=console,
                   transient=True, disable=not console.is_terminal) as bar:
         task = bar.add_task("load", total=None)
-        loaded = load_model(model, dtype=dtype, group=group, pp=pp,
+        loaded = load_model(model, dtype=dtype, group=group, pp=pp, kv=kv, adapter=adapter,
                             progress=lambda i, n: bar.update(task, completed=i, total=n))
     return loaded
 
@@ -280,6 +339,10 @@ def logits(
         Optional[int], typer.Option("--decode-from", help="Tokens [0, K) are the prompt; the rest are decoded one by one.")
     ] = None,
     prefill_step: PrefillStepOpt = None,
+    max_kv_size: MaxKvSizeOpt = None,
+    kv_bits: KvBitsOpt = None,
+    kv_group_size: KvGroupSizeOpt = 64,
+    adapter_path: AdapterOpt = None,
     dtype: DtypeOpt = None,
     np_: NpOpt = 1,
     pp: PpOpt = 1,
@@ -305,8 +368,10 @@ def logits(
             raise UserError(f"{len(ids)} tokens, more than the model's context of {limit} (max_position_embeddings)")
     except UserError as e:
         raise UserError(f"{tokens_file}: {e}") from None
+    kv = _kv_options(model, max_kv_size, kv_bits, kv_group_size)
+    adapter = _adapter(model, adapter_path)
     group = _distribute(ctx, np_, backend, hostfile, model, pp)
-    loaded = _load(model, dtype, group, pp)
+    loaded = _load(model, dtype, group, pp, kv, adapter)
     result = sequence_logits(loaded.model, ids, decode_from=decode_from, prefill_step=prefill_step)
     if group.is_root:
         try:
@@ -360,7 +425,12 @@ def generate(
     system: Annotated[Optional[str], typer.Option("--system-prompt", "--system", help="System prompt (a chat-template turn).")] = None,
     check_every: Annotated[int, typer.Option("--check-every", help="Ranks compare a checksum of the generated ids every N tokens and at the end (0 = only at the end).")] = 1,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Per-rank load time and peak memory, sampling settings and seed, EOS ids (stderr).")] = False,
+    extra_eos_token: ExtraEosOpt = None,
     prefill_step: PrefillStepOpt = None,
+    max_kv_size: MaxKvSizeOpt = None,
+    kv_bits: KvBitsOpt = None,
+    kv_group_size: KvGroupSizeOpt = 64,
+    adapter_path: AdapterOpt = None,
     dtype: DtypeOpt = None,
     np_: NpOpt = 1,
     pp: PpOpt = 1,
@@ -404,13 +474,16 @@ def generate(
         # template that refuses the conversation, a prompt past the model's
         # context) fail here once, before any rank is launched.
         ck = open_model(model)
-        tok = Tokenizer(ck.dir, ck.config, chat_template=_template_text(chat_template))
+        tok = Tokenizer(ck.dir, ck.config, chat_template=_template_text(chat_template), extra_eos=extra_eos_token or ())
         check_context(len(tok.prompt_ids(prompt, chat=chat, system=system)), max_tokens, ck.context_length)
+    kv = _kv_options(model, max_kv_size, kv_bits, kv_group_size)
+    adapter = _adapter(model, adapter_path)
     group = _distribute(ctx, np_, backend, hostfile, model, pp)
     t0 = time.perf_counter()
-    loaded = _load(model, dtype, group, pp)
+    loaded = _load(model, dtype, group, pp, kv, adapter)
     load_s = time.perf_counter() - t0
-    tok = Tokenizer(loaded.model_dir, loaded.config, chat_template=_template_text(chat_template))
+    tok = Tokenizer(loaded.model_dir, loaded.config, chat_template=_template_text(chat_template),
+                    extra_eos=extra_eos_token or ())
     use_chat = tok.use_chat(chat)
     ids = tok.prompt_ids(prompt, chat=chat, system=system)
     check_context(len(ids), max_tokens, open_model(model).context_length)
@@ -514,6 +587,10 @@ def modes(
     model: RequiredModelArg,
     tokens: Annotated[str, typer.Option("--tokens", help="Comma-separated token ids.")],
     out: Annotated[Path, typer.Option("--out", help="npz with one [T, V] array per mode (rank 0 writes).")],
+    max_kv_size: MaxKvSizeOpt = None,
+    kv_bits: KvBitsOpt = None,
+    kv_group_size: KvGroupSizeOpt = 64,
+    adapter_path: AdapterOpt = None,
     dtype: DtypeOpt = None,
     np_: NpOpt = 1,
     pp: PpOpt = 1,
@@ -532,8 +609,10 @@ def modes(
         ids = np.array([int(t) for t in tokens.split(",")], np.int64)
     except ValueError:
         raise UserError("--tokens must be comma-separated integers") from None
+    kv = _kv_options(model, max_kv_size, kv_bits, kv_group_size)
+    adapter = _adapter(model, adapter_path)
     group = _distribute(ctx, np_, backend, hostfile, model, pp)
-    loaded = _load(model, dtype, group, pp)
+    loaded = _load(model, dtype, group, pp, kv, adapter)
     result = all_mode_logits(loaded.model, ids)
     if group.is_root:
         np.savez(out, **result)
@@ -549,6 +628,10 @@ def logit_match(
         Optional[Path], typer.Option("--reference", help="npz with ids and logits (e.g. from transformers).")
     ] = None,
     tokens_file: Annotated[Optional[Path], typer.Option("--tokens-file", help="1-D integer .npy of token ids.")] = None,
+    max_kv_size: MaxKvSizeOpt = None,
+    kv_bits: KvBitsOpt = None,
+    kv_group_size: KvGroupSizeOpt = 64,
+    adapter_path: AdapterOpt = None,
     dtype: DtypeOpt = None,
     np_: NpOpt = 2,
     pp: Annotated[int, typer.Option("--pp", help="Compare a run in P pipeline stages (one rank each, or --np P x T: T tensor-parallel ranks each) instead of --np ranks of tensor parallelism.")] = 1,
@@ -575,7 +658,9 @@ def logit_match(
         given = ctx.get_parameter_source("np_").name not in ("DEFAULT", "DEFAULT_MAP")
         np_ = pipeline.check_pp_ranks(np_ if given else 1, pp)
     model_dir = open_model(model).dir
-    single = load_model(model_dir, dtype=dtype)
+    kv = _kv_options(model_dir, max_kv_size, kv_bits, kv_group_size)
+    adapter = _adapter(model_dir, adapter_path)
+    single = load_model(model_dir, dtype=dtype, kv=kv, adapter=adapter)
     m = single.model
     ref = None
     if reference is not None:
@@ -604,6 +689,12 @@ def logit_match(
             argv = ["modes", str(model_dir.resolve()), "--tokens", ",".join(map(str, ids.tolist())), "--out", str(out)]
             if dtype:
                 argv += ["--dtype", dtype]
+            if max_kv_size is not None:
+                argv += ["--max-kv-size", str(max_kv_size)]
+            if kv_bits is not None:
+                argv += ["--kv-bits", str(kv_bits), "--kv-group-size", str(kv_group_size)]
+            if adapter_path is not None:
+                argv += ["--adapter-path", str(Path(adapter_path).resolve())]
             split = check_moe_split(moe_split)
             argv += ["--moe-split", split]
             if pp > 1:
@@ -766,12 +857,18 @@ def convert(
         Optional[str],
         typer.Option("--dtype", help="Dtype of the stored float tensors (float32, bfloat16, float16); default: the checkpoint's."),
     ] = None,
+    adapter_path: Annotated[
+        Optional[Path],
+        typer.Option("--adapter-path", metavar="DIR", help="Fuse this LoRA or DoRA adapter (mlx_lm.lora's files) "
+                     "into the weights first.", show_default=False),
+    ] = None,
 ):
     """Write an mlx-community-style checkpoint (optionally MLX-quantized) that mlxcel-dist and mlx-lm load."""
     from .convert import convert_checkpoint
     from .loader import check_shardable
 
-    s = convert_checkpoint(model, out, quantize=quantize, bits=bits, group_size=group_size, dtype=dtype)
+    s = convert_checkpoint(model, out, quantize=quantize, bits=bits, group_size=group_size, dtype=dtype,
+                           adapter_path=adapter_path)
     q = s["quantization"]
     what = (
         f"{q.describe()}, {len(s['quantized_modules'])} layers quantized, {s['bits_per_weight']:.2f} bits per weight"
@@ -811,7 +908,12 @@ def serve(
     prompt_concurrency: Annotated[int, typer.Option("--prompt-concurrency", help="Prompts prefilled between two decode steps, at most (as mlx-lm's server).")] = 8,
     prompt_cache_size: Annotated[int, typer.Option("--prompt-cache-size", help="Prompt cache entries (KV of earlier prompts and replies, reused by a request that starts with one; 0 = off), as mlx-lm's server.")] = 10,
     prompt_cache_bytes: Annotated[Optional[str], typer.Option("--prompt-cache-bytes", help="Prompt cache limit in bytes per rank (e.g. 2GB, 500M; default: no limit), as mlx-lm's server.", show_default=False)] = None,
+    extra_eos_token: ExtraEosOpt = None,
     prefill_step: PrefillStepOpt = None,
+    max_kv_size: MaxKvSizeOpt = None,
+    kv_bits: KvBitsOpt = None,
+    kv_group_size: KvGroupSizeOpt = 64,
+    adapter_path: AdapterOpt = None,
     dtype: DtypeOpt = None,
     np_: NpOpt = 1,
     backend: BackendOpt = "auto",
@@ -872,10 +974,17 @@ def serve(
         raise UserError("--served-model-name must not be empty")
     cache_bytes = None if prompt_cache_bytes is None else parse_size(prompt_cache_bytes, "--prompt-cache-bytes")
     defaults = Defaults(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, max_tokens=max_tokens)
+    kv = _kv_options(model, max_kv_size, kv_bits, kv_group_size)
+    adapter = _adapter(model, adapter_path)
+    if extra_eos_token and not os.environ.get("MLXCEL_DIST_WORLD"):  # an unknown token fails before launch
+        from .loader import open_model
+
+        ck = open_model(model)
+        Tokenizer(ck.dir, ck.config, extra_eos=extra_eos_token)
     group = _distribute(ctx, np_, backend, hostfile, model, pp)
     sock = listen(host, port) if group.is_root else None  # before the load: a port in use fails at once
-    loaded = _load(model, dtype, group, pp)
-    tok = Tokenizer(loaded.model_dir, loaded.config)
+    loaded = _load(model, dtype, group, pp, kv, adapter)
+    tok = Tokenizer(loaded.model_dir, loaded.config, extra_eos=extra_eos_token or ())
     names = names or [str(model if model is not None else loaded.model_dir.name)]
     opts = Options(max_tokens_cap=max_tokens_cap, max_request_bytes=max_request_bytes, defaults=defaults,
                    decode_concurrency=decode_concurrency, prompt_concurrency=prompt_concurrency,
@@ -899,6 +1008,10 @@ def bench(
     warmup: Annotated[bool, typer.Option("--warmup/--no-warmup", help="One short untimed generation first.")] = True,
     compiled: Annotated[bool, typer.Option("--compile/--no-compile", help="Compiled decode steps (the default, as generate), or eager ones for comparison.")] = True,
     prefill_step: PrefillStepOpt = None,
+    max_kv_size: MaxKvSizeOpt = None,
+    kv_bits: KvBitsOpt = None,
+    kv_group_size: KvGroupSizeOpt = 64,
+    adapter_path: AdapterOpt = None,
     dtype: DtypeOpt = None,
     np_: NpOpt = 1,
     pp: PpOpt = 1,
@@ -919,9 +1032,11 @@ def bench(
     ctx.params.update(model=model, model_opt=None)
     check_lengths(prompt_tokens, gen_tokens)
     check_generation_options(check_every=check_every, prefill_step=prefill_step)
+    kv = _kv_options(model, max_kv_size, kv_bits, kv_group_size)
+    adapter = _adapter(model, adapter_path)
     group = _distribute(ctx, np_, backend, hostfile, model, pp)
     t0 = time.perf_counter()
-    loaded = _load(model, dtype, group, pp)
+    loaded = _load(model, dtype, group, pp, kv, adapter)
     load_s = time.perf_counter() - t0
     result = run_bench(loaded.model, prompt_tokens, gen_tokens, group=group, prefill_step=prefill_step,
                        seed=seed, check_every=check_every, warmup=warmup, compiled=compiled)

@@ -10,7 +10,10 @@ module names, which are the HF names after the family's `sanitize`
 config)` rewrites them where mlx-lm reads a converted checkpoint otherwise,
 e.g. qwen3_next's conv and norm layout), plus config.json carrying `quantization` and the
 same object as `quantization_config`, and the tokenizer / generation files
-copied. Both our loader and mlx-lm's `load` read the result.
+copied. Both our loader and mlx-lm's `load` read the result. With an
+adapter (`--adapter-path`, lora.py) its layers are merged into the float
+weights first (`lora.fuse`), then cast and quantized as asked: mlx-lm's
+`fuse --dequantize`, then `convert -q`.
 """
 
 from __future__ import annotations
@@ -97,6 +100,7 @@ def convert_checkpoint(
     bits: int | None = None,
     group_size: int | None = None,
     dtype: str | None = None,
+    adapter_path=None,
 ) -> dict:
     """Convert MODEL into OUT (which must not exist or be empty). Returns a
     summary: files written, tensors, bytes, quantization, bits per weight."""
@@ -115,8 +119,20 @@ def convert_checkpoint(
         raise UserError(f"{model_dir} is already quantized")
     q = QuantParams(group_size or 64, bits or 4) if quantize else None
 
+    adapter = None
+    if adapter_path is not None:
+        from .loader import build_model
+        from .lora import Adapter
+
+        adapter = Adapter(adapter_path)
+        adapter.check(build_model(config))
+
     loaded = load_model(model_dir, dtype=dtype)
     m = loaded.model
+    if adapter is not None:
+        from .lora import fuse
+
+        m.load_weights(list(fuse(dict(tree_flatten(m.parameters())), adapter).items()), strict=True)
     quantized = quantize_for_export(m, q.group_size, q.bits, q.mode) if q else []
     weights = dict(tree_flatten(m.parameters()))
     # a family whose mlx-lm reading of a converted checkpoint differs from ours says how to write it

@@ -253,10 +253,13 @@ def check_shardable(model, np_: int, weights=None, moe_split: str | None = None)
         m.shard(Group.planned(np_, r, weights, moe_split))  # on paper: parameters stay lazy
 
 
-def load_model(model, dtype: str | None = None, group: Group = SINGLE, progress=None, pp: int = 1) -> Loaded:
+def load_model(model, dtype: str | None = None, group: Group = SINGLE, progress=None, pp: int = 1,
+               kv=None, adapter=None) -> Loaded:
     """`pp` > 1: `group` is a pipeline of `pp` stages of T = size / pp ranks
     each (pipeline.py): this rank builds and reads its stage only, sharded
-    T ways inside the stage (`pipeline.stage_group`)."""
+    T ways inside the stage (`pipeline.stage_group`). `kv`: a
+    `cache.KVOptions` (--max-kv-size, --kv-bits) the model's caches follow;
+    `adapter`: a `lora.Adapter` (--adapter-path) put on the loaded layers."""
     ck = open_model(model)
     m, refs = ck.build()
     full_shapes = {name: tuple(p.shape) for name, p in tree_flatten(m.parameters())}  # before sharding
@@ -285,6 +288,12 @@ def load_model(model, dtype: str | None = None, group: Group = SINGLE, progress=
     faults.at("load", group.rank())
     load_weights(m, refs, target, progress=progress, unexpected_hint=hint, full_shapes=full_shapes)
     m.eval()
+    if adapter is not None:
+        from .lora import apply_adapter
+
+        apply_adapter(m, adapter)
+    if kv:
+        kv.apply(m)
     return Loaded(m, ck.config, ck.dir, target, group)
 
 
