@@ -293,6 +293,46 @@ def test_openai_penalties_logit_bias_and_stop_token_ids(server, model_dir):
     assert "logit_bias" in str(e.value)
 
 
+def test_openai_n_choices_share_one_prompt(server, expected):
+    """n choices: indexed 0..n-1, choice i sampled with seed + i (choice 0 is
+    the n = 1 answer), the prompt counted once in usage, streamed with OpenAI's
+    per-choice `index`, at np 1 and np 2."""
+    openai = pytest.importorskip("openai", reason="the openai package is not installed (optional)")
+    client = openai.OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0, timeout=120)
+    name = client.models.list().data[0].id
+    sampled = dict(model=name, prompt=PROMPT, max_tokens=N, temperature=0.9, top_p=0.95,
+                   extra_body={"top_k": 40, "min_p": 0.02})
+    one = [client.completions.create(**sampled, seed=7 + i).choices[0].text for i in range(3)]
+    assert one[0] == expected["sampled"] and len(set(one)) > 1
+    r = client.completions.create(**sampled, seed=7, n=3)
+    assert [c.index for c in r.choices] == [0, 1, 2] and [c.text for c in r.choices] == one
+    alone = client.completions.create(**sampled, seed=7)
+    assert r.usage.prompt_tokens == alone.usage.prompt_tokens  # the shared prompt, once
+    assert r.usage.completion_tokens == 3 * N and r.usage.total_tokens == r.usage.prompt_tokens + 3 * N
+    texts, finishes, usage = ["", "", ""], {}, None
+    for ch in client.completions.create(**sampled, seed=7, n=3, stream=True, stream_options={"include_usage": True}):
+        usage = ch.usage or usage
+        for c in ch.choices:
+            texts[c.index] += c.text
+            if c.finish_reason:
+                finishes[c.index] = c.finish_reason
+    assert texts == one and finishes == {0: "length", 1: "length", 2: "length"}
+    assert usage.prompt_tokens == alone.usage.prompt_tokens and usage.completion_tokens == 3 * N
+    # chat, greedy: every choice the one greedy answer, whole and streamed
+    r = client.chat.completions.create(model=name, messages=CHAT["messages"], max_tokens=N, temperature=0, n=2)
+    assert [c.message.content for c in r.choices] == [expected["chat"]] * 2
+    texts, roles = ["", ""], []
+    for ch in client.chat.completions.create(model=name, messages=CHAT["messages"], max_tokens=N, temperature=0,
+                                             n=2, stream=True):
+        for c in ch.choices:
+            texts[c.index] += c.delta.content or ""
+            roles += [c.index] if c.delta.role else []
+    assert texts == [expected["chat"]] * 2 and roles == [0, 1]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=name, prompt=PROMPT, max_tokens=2, n=17)
+    assert "'n' must be" in str(e.value)
+
+
 def _metrics(server) -> dict:
     with urllib.request.urlopen(server.base + "/metrics", timeout=10) as r:
         assert r.headers["Content-Type"].startswith("text/plain; version=0.0.4")

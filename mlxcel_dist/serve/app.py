@@ -167,7 +167,7 @@ def make_app(state: AppState) -> FastAPI:
         except api.ApiError as e:
             return _error(e, request)
         events: asyncio.Queue = asyncio.Queue()
-        job = Job(p.req, lambda ev: mail.post(events, ev))
+        job = Job(p.req, lambda ev: mail.post(events, ev), p.n)
         if not sched.submit(job):
             return _error(api.ApiError(SHUTDOWN_MESSAGE, status=503), request)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
@@ -214,7 +214,9 @@ class _Events:
 
 
 async def _whole(state: AppState, request: Request, job: Job, events: asyncio.Queue, p, rid: str) -> Response:
-    parts, entries = [], []
+    parts = [[] for _ in range(p.n)]
+    entries = [[] for _ in range(p.n)]
+    done: dict = {}
     feed = _Events(request, events)
     try:
         while True:
@@ -222,41 +224,54 @@ async def _whole(state: AppState, request: Request, job: Job, events: asyncio.Qu
             if ev is None:
                 return Response(status_code=499)
             if isinstance(ev, Token):
-                entries.append((ev.id, ev.logprob))
+                entries[ev.index].append((ev.id, ev.logprob))
             elif isinstance(ev, Text):
-                parts.append(ev.text)
+                parts[ev.index].append(ev.text)
             elif isinstance(ev, Failed):
                 return _error(api.ApiError(ev.message, status=ev.status), request)
             elif isinstance(ev, Done):
-                return JSONResponse(rs.whole_response(p, rid, int(time.time()), "".join(parts), ev.finish_reason,
-                                                       ev.prompt_tokens, ev.completion_tokens, entries, state.pieces))
+                done[ev.index] = ev
+                if len(done) < p.n:
+                    continue
+                choices = [rs.whole_choice(p, i, "".join(parts[i]), done[i].finish_reason, entries[i], state.pieces)
+                           for i in range(p.n)]
+                return JSONResponse(rs.whole_response(p, rid, int(time.time()), choices, ev.prompt_tokens,
+                                                      sum(d.completion_tokens for d in done.values())))
     finally:  # answered, or the client went away: an open job's row is freed
         state.scheduler.cancel(job)
 
 
+class _StreamChoice:
+    """One choice of a stream: its tokens whose logprobs ride on the next
+    text chunk, and the tool-call parser holding text that may be a call."""
+
+    def __init__(self, p):
+        self.pending, self.offset, self.completion_tokens = [], 0, 0
+        self.calls = tools.StreamParser(p.tool_format) if p.tool_format is not None else None
+
+
 async def _stream(state: AppState, request: Request, job: Job, events: asyncio.Queue, p, rid: str):
     created = int(time.time())
-    pending, offset = [], 0  # tokens whose logprobs ride on the next text chunk
+    choices = [_StreamChoice(p) for _ in range(p.n)]
+    left = p.n
     feed = _Events(request, events)
 
     def sse(obj) -> str:
         return "data: " + json.dumps(obj) + "\n\n"
 
-    def chunk(delta_or_text, finish=None) -> str:
-        nonlocal offset
-        lp = None
-        if p.req.logprobs is not None and pending:
+    def chunk(i, delta_or_text, finish=None) -> str:
+        c, lp = choices[i], None
+        if p.req.logprobs is not None and c.pending:
             if p.chat:
-                lp = rs.chat_logprobs(state.pieces, pending)
+                lp = rs.chat_logprobs(state.pieces, c.pending)
             else:
-                lp, offset = rs.completion_logprobs(state.pieces, pending, offset)
-            pending.clear()
-        return sse(rs.stream_chunk(p, rid, created, delta_or_text, finish, lp))
+                lp, c.offset = rs.completion_logprobs(state.pieces, c.pending, c.offset)
+            c.pending.clear()
+        return sse(rs.stream_chunk(p, rid, created, delta_or_text, finish, lp, i))
 
-    calls = tools.StreamParser(p.tool_format) if p.tool_format is not None else None
     try:
         if p.chat:
-            yield chunk({"role": "assistant", "content": ""})
+            yield "".join(chunk(i, {"role": "assistant", "content": ""}) for i in range(p.n))
         ended = False
         while not ended:
             ev = await feed.next()
@@ -265,28 +280,34 @@ async def _stream(state: AppState, request: Request, job: Job, events: asyncio.Q
             out = []
             while ev is not None:  # what has queued up meanwhile goes out in one write
                 if isinstance(ev, Token):
-                    pending.append((ev.id, ev.logprob))
+                    choices[ev.index].pending.append((ev.id, ev.logprob))
                 elif isinstance(ev, Text):
+                    calls = choices[ev.index].calls
                     text = calls.feed(ev.text) if calls is not None else ev.text
                     if text:
-                        out.append(chunk({"content": text} if p.chat else text))
+                        out.append(chunk(ev.index, {"content": text} if p.chat else text))
                 elif isinstance(ev, Failed):
                     out.append(sse(rs.stream_error(ev.message, ev.status)))
                     ended = True
                     break
                 elif isinstance(ev, Done):
-                    finish = rs.FINISH.get(ev.finish_reason, "stop")
+                    i, finish = ev.index, rs.FINISH.get(ev.finish_reason, "stop")
+                    calls = choices[i].calls
                     if calls is not None:  # the held text: content, or the calls (OpenAI's deltas)
                         rest, found = calls.finish()
                         if rest:
-                            out.append(chunk({"content": rest}))
-                        out += [chunk(delta) for delta in rs.tool_call_deltas(found)]
+                            out.append(chunk(i, {"content": rest}))
+                        out += [chunk(i, delta) for delta in rs.tool_call_deltas(found)]
                         finish = "tool_calls" if found and finish == "stop" else finish
-                    out.append(chunk({} if p.chat else "", finish))
-                    if p.include_usage:
-                        out.append(sse(rs.usage_chunk(p, rid, created, ev.prompt_tokens, ev.completion_tokens)))
-                    ended = True
-                    break
+                    out.append(chunk(i, {} if p.chat else "", finish))
+                    choices[i].completion_tokens = ev.completion_tokens
+                    left -= 1
+                    if left == 0:
+                        if p.include_usage:
+                            out.append(sse(rs.usage_chunk(p, rid, created, ev.prompt_tokens,
+                                                          sum(c.completion_tokens for c in choices))))
+                        ended = True
+                        break
                 ev = events.get_nowait() if not events.empty() else None
             if ended:
                 out.append("data: [DONE]\n\n")

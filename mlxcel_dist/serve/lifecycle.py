@@ -222,6 +222,7 @@ def _serve(model, tok, group, opts, sock, config, engine, link, beats, guard) ->
                            max_tokens_cap=opts.max_tokens_cap, context_length=api.context_limit(config),
                            defaults=opts.defaults or api.Defaults(), plain_chat=api.no_chat_template(tok),
                            logprobs_ok=not one_row, ignore_eos_ok=not one_row,
+                           max_n=1 if one_row else min(api.MAX_N, opts.decode_concurrency),
                            tool_format=_tool_format(tok, opts.tool_call_parser))
     health = Health(sched, beats, group.size())
     state = AppState(sched, ctx, rs.TokenPieces(tok), health, opts.max_request_bytes, int(time.time()))

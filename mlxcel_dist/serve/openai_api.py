@@ -27,6 +27,7 @@ from .wire import WIRE_LIMITS, GenRequest, check_wire
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
 DEFAULT_CHAT_TOKENS = 512  # mlx-lm's server default (--max-tokens 512)
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat's top_logprobs
+MAX_N = 16  # choices per request
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -146,6 +147,8 @@ _Stop = Annotated[str, Field(min_length=1)]
 
 class _Common(_Strict):
     model: str | None = None
+    n: int | None = Field(None, ge=1, le=MAX_N, description="choices, sharing one prefill; choice i samples "
+                                                            "with seed + i")
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     max_tokens: int | None = Field(None, ge=1)
@@ -278,6 +281,7 @@ class ParseContext:
     plain_chat: bool = False  # no chat template: mlx-lm's convert_chat rendering
     tool_format: str | None = None  # serve.tools: the format the template writes calls in (None: no tools)
     logprobs_ok: bool = True  # False for models with their own generation loop
+    max_n: int = MAX_N  # choices a request may ask for (at most the rows the batch holds)
     ignore_eos_ok: bool = True  # False for those too: their loop ends at EOS itself
 
 
@@ -289,6 +293,7 @@ class Parsed:
     model: str  # the id the responses echo
     chat: bool
     tool_format: str | None = None  # parse the answer for tool calls in this format (serve.tools)
+    n: int = 1  # choices
 
 
 def no_chat_template(tokenizer) -> bool:
@@ -337,7 +342,6 @@ def _neutral(*values):
 
 
 UNSUPPORTED = {
-    "n": (_neutral(1), "one choice per request ('n': 1)"),
     "best_of": (_neutral(1), "one candidate per request ('best_of': 1)"),
     "echo": (_neutral(False), "the prompt is not echoed"),
     "suffix": (_neutral(""), "no insertion (suffix) mode"),
@@ -548,6 +552,10 @@ def parse(body: object, chat: bool, ctx: ParseContext) -> Parsed:
         raise _from_pydantic(e, chat) from None
     model = _model(m.model, ctx)
     stream, include_usage = _stream(m)
+    n = 1 if m.n is None else m.n
+    if n > ctx.max_n:
+        raise ApiError(f"'n' must be <= {ctx.max_n} on this server (the rows a step holds: serve "
+                       f"--decode-concurrency; 1 for a model with its own generation loop), got {n}", param="n")
     logprobs = _logprobs(m, chat)
     if logprobs is not None and not ctx.logprobs_ok:
         raise ApiError("'logprobs' is not supported for this model (it runs its own generation loop)",
@@ -568,7 +576,7 @@ def parse(body: object, chat: bool, ctx: ParseContext) -> Parsed:
         name = re.match(r"'(\w+)'", str(e))
         raise ApiError(str(e), param=name and name.group(1).replace("prompt_tokens", "prompt")) from None
     tool_format = ctx.tool_format if chat and m.tools and m.tool_choice != "none" else None
-    return Parsed(req, stream, include_usage, model, chat, tool_format)
+    return Parsed(req, stream, include_usage, model, chat, tool_format, n)
 
 
 # Chat rendering without a template -------------------------------------------------
