@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from . import openai_api as api
-from . import tools
+from . import reasoning, tools
 from . import responses as rs
 from .log import log
 from .scheduler import SHUTDOWN_MESSAGE, Done, Failed, Job, Scheduler, Text, Token
@@ -167,7 +167,7 @@ def make_app(state: AppState) -> FastAPI:
         except api.ApiError as e:
             return _error(e, request)
         events: asyncio.Queue = asyncio.Queue()
-        job = Job(p.req, lambda ev: mail.post(events, ev), p.n)
+        job = Job(p.req, lambda ev: mail.post(events, ev), p.n, p.keep_special)
         if not sched.submit(job):
             return _error(api.ApiError(SHUTDOWN_MESSAGE, status=503), request)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
@@ -243,11 +243,29 @@ async def _whole(state: AppState, request: Request, job: Job, events: asyncio.Qu
 
 class _StreamChoice:
     """One choice of a stream: its tokens whose logprobs ride on the next
-    text chunk, and the tool-call parser holding text that may be a call."""
+    text chunk, the reasoning splitter (thinking apart from content) and the
+    tool-call parser holding content that may be a call."""
 
     def __init__(self, p):
         self.pending, self.offset, self.completion_tokens = [], 0, 0
-        self.calls = tools.StreamParser(p.tool_format) if p.tool_format is not None else None
+        self.calls = tools.StreamParser(p.tool_format, p.tools) if p.tool_format is not None else None
+        self.think = reasoning.Splitter(p.reasoning, p.thinking) if p.reasoning is not None else None
+
+    def deltas(self, text: str, chat: bool, end: bool = False) -> list:
+        """The deltas (chat) or texts (completions) for `text`; `end`: the
+        answer is over (what the parsers held is let out)."""
+        out = []
+        if self.think is None:
+            thought, content = "", text
+        else:
+            thought, content = self.think.finish() if end else self.think.feed(text)
+        if thought:
+            out.append({"reasoning_content": thought, "reasoning": thought})
+        if self.calls is not None:
+            content = self.calls.feed(content)
+        if content:
+            out.append({"content": content} if chat else content)
+        return out
 
 
 async def _stream(state: AppState, request: Request, job: Job, events: asyncio.Queue, p, rid: str):
@@ -282,10 +300,7 @@ async def _stream(state: AppState, request: Request, job: Job, events: asyncio.Q
                 if isinstance(ev, Token):
                     choices[ev.index].pending.append((ev.id, ev.logprob))
                 elif isinstance(ev, Text):
-                    calls = choices[ev.index].calls
-                    text = calls.feed(ev.text) if calls is not None else ev.text
-                    if text:
-                        out.append(chunk(ev.index, {"content": text} if p.chat else text))
+                    out += [chunk(ev.index, d) for d in choices[ev.index].deltas(ev.text, p.chat)]
                 elif isinstance(ev, Failed):
                     out.append(sse(rs.stream_error(ev.message, ev.status)))
                     ended = True
@@ -293,6 +308,8 @@ async def _stream(state: AppState, request: Request, job: Job, events: asyncio.Q
                 elif isinstance(ev, Done):
                     i, finish = ev.index, rs.FINISH.get(ev.finish_reason, "stop")
                     calls = choices[i].calls
+                    if choices[i].think is not None:
+                        out += [chunk(i, d) for d in choices[i].deltas("", p.chat, end=True)]
                     if calls is not None:  # the held text: content, or the calls (OpenAI's deltas)
                         rest, found = calls.finish()
                         if rest:

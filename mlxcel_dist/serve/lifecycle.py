@@ -89,6 +89,7 @@ class Options:
     served_names: list = field(default_factory=list)  # vLLM's --served-model-name: the first is the id shown
     header_timeout_s: float = HEADER_TIMEOUT_S
     tool_call_parser: str | None = None  # --tool-call-parser (serve.tools.FORMATS); None: from the chat template
+    reasoning_parser: str | None = None  # --reasoning-parser (serve.reasoning.FORMATS or "none"); None: from it too
 
 
 def batchable(model) -> bool:
@@ -223,7 +224,7 @@ def _serve(model, tok, group, opts, sock, config, engine, link, beats, guard) ->
                            defaults=opts.defaults or api.Defaults(), plain_chat=api.no_chat_template(tok),
                            logprobs_ok=not one_row, ignore_eos_ok=not one_row,
                            max_n=1 if one_row else min(api.MAX_N, opts.decode_concurrency),
-                           tool_format=_tool_format(tok, opts.tool_call_parser))
+                           **_template_formats(tok, opts.tool_call_parser, opts.reasoning_parser))
     health = Health(sched, beats, group.size())
     state = AppState(sched, ctx, rs.TokenPieces(tok), health, opts.max_request_bytes, int(time.time()))
     _raise_fd_limit()
@@ -355,17 +356,21 @@ def _route_uvicorn_logs() -> None:
         lg.propagate = False
 
 
-def _tool_format(tok, parser: str | None) -> str | None:
-    """--tool-call-parser, else the format the chat template writes (None: no tools)."""
-    from . import tools
+def _template_formats(tok, tool_parser: str | None, reasoning_parser: str | None) -> dict:
+    """ParseContext's fields read from the chat template: the tool-call format
+    (--tool-call-parser, else the template's; None: no tools), the reasoning
+    form (--reasoning-parser, else the template's; "none": off) and the
+    variables it reads."""
+    from . import reasoning, tools
 
-    if parser is not None:
-        return parser
     try:
         source, _ = tok.chat_template()
-    except Exception:  # noqa: BLE001 - no template: no tools
-        return None
-    return tools.detect(source)
+    except Exception:  # noqa: BLE001 - no template: no tools, no reasoning
+        source = None
+    think = reasoning.detect(source) if reasoning_parser is None else reasoning_parser
+    return {"tool_format": tool_parser if tool_parser is not None else tools.detect(source),
+            "reasoning_format": None if think == "none" else think,
+            "template_vars": reasoning.template_vars(source)}
 
 
 def _guarded_h11(header_timeout_s: float = HEADER_TIMEOUT_S):

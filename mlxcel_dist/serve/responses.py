@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import re
 
-from . import tools
+from . import reasoning, tools
 from .openai_api import ApiError, Parsed
 
 
@@ -114,16 +114,23 @@ def whole_response(p: Parsed, rid: str, created: int, choices: list[dict], promp
 def whole_choice(p: Parsed, index: int, text: str, finish_reason: str, entries, pieces: TokenPieces) -> dict:
     """One choice of a non-streamed answer. `finish_reason`: the engine's
     (eos / stop / length); `entries`: (id, (logprob, top)) per shown token.
-    With tools (`p.tool_format`) calls in the text become `tool_calls`."""
+    With a reasoning form (`p.reasoning`) the thinking goes to
+    `reasoning_content` (and mlx-lm's `reasoning`); with tools
+    (`p.tool_format`) calls in the rest become `tool_calls`."""
     finish = FINISH.get(finish_reason, "stop")
     want = p.req.logprobs is not None
     if p.chat:
+        thought = None
+        if p.reasoning is not None:
+            thought, text = reasoning.split(p.reasoning, text, p.thinking)
         message = {"role": "assistant", "content": text}
         if p.tool_format is not None:
-            content, calls = tools.parse(p.tool_format, text)
+            content, calls = tools.parse(p.tool_format, text, p.tools)
             if calls:
                 message = {"role": "assistant", "content": content or None, "tool_calls": calls}
                 finish = "tool_calls" if finish == "stop" else finish
+        if thought:
+            message["reasoning_content"] = message["reasoning"] = thought
         return {"index": index, "message": message,
                 "logprobs": chat_logprobs(pieces, entries) if want else None, "finish_reason": finish}
     return {"index": index, "text": text,

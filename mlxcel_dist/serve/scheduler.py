@@ -66,10 +66,12 @@ class Job:
     """One request on rank 0: its GenRequest and where its events go (`sink`
     is called on the scheduler's thread and must not block)."""
 
-    def __init__(self, req: GenRequest, sink, n: int = 1):
+    def __init__(self, req: GenRequest, sink, n: int = 1, keep_special: bool = False):
         """`n` choices: n rows admitted in one step (the engine prefills their
-        shared prompt once), row i sampling with seed (req's seed + i) mod 2^64."""
+        shared prompt once), row i sampling with seed (req's seed + i) mod 2^64.
+        `keep_special`: its text keeps special tokens (harmony's markers)."""
         self.req = req
+        self.keep_special = keep_special
         self.sink = sink
         self.n = n
         self.left = n  # choices not done yet
@@ -266,8 +268,8 @@ class Scheduler:
             ids = job.req.prompt_ids
             # stop_token_ids end a row as EOS does, also under ignore_eos (vLLM's rule)
             eos = (set() if job.req.ignore_eos else set(self.tok.eos_ids)) | set(job.req.stop_ids)
-            self.rows[rid] = _Row(job, StreamDecoder(self.tok, context=list(ids)[-4:]), StopStrings(job.req.stop), eos,
-                                  i)
+            decoder = StreamDecoder(self.tok, context=list(ids)[-4:], keep_special=job.keep_special)
+            self.rows[rid] = _Row(job, decoder, StopStrings(job.req.stop), eos, i)
             if i == 0:
                 self.metrics.admitted(len(ids))
         if self._t_rest is not None and (self.rows or step.changes):
