@@ -118,7 +118,8 @@ class Splitter:
             self.state, self.lead, self.buf = "content", True, ""
             self._emit(out, 1, buf[at + len(CLOSE):])
             return False
-        keep = 0 if final else max(_held(buf, (CLOSE,)), len(buf) - len(buf.rstrip()))
+        keep = 0 if final else _held(buf, (CLOSE,))
+        keep += 0 if final else len(buf) - keep - len(buf[: len(buf) - keep].rstrip())  # and the space before it
         self._emit(out, 0, buf[: len(buf) - keep])
         self.buf = buf[len(buf) - keep:]
         return False
@@ -178,4 +179,4 @@ SWITCHES = ("enable_thinking", "reasoning_effort", "thinking")  # the thinking s
 
 def template_vars(template: str | None) -> frozenset:
     """The thinking switches a chat template's text reads."""
-    return frozenset(v for v in SWITCHES if template and v in template)
+    return frozenset(v for v in SWITCHES if template and re.search(rf"\b{v}\b", template))

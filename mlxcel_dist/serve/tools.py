@@ -153,13 +153,13 @@ def parse(fmt: str, text: str, tools: list | None = None) -> tuple[str, list]:
         return (text, []) if not got or not got[1] else got
     if fmt == "harmony":
         calls, content, last = [], [], 0
-        for m in re.finditer(r"(?:<\|start\|>\s*assistant)?([^<]*<\|channel\|>[^<]*(?:<\|constrain\|>[^<]*)?)"
+        for m in re.finditer(r"(<\|start\|>[^<]*)?(<\|channel\|>[^<]*(?:<\|constrain\|>[^<]*)?)"
                              r"<\|message\|>(.*?)(?:<\|call\|>|<\|end\|>|$)", text, re.S):
-            to = re.search(r"to=(?:functions\.)?([^\s<]+)", m.group(1))
+            to = re.search(r"to=(?:functions\.)?([^\s<]+)", (m.group(1) or "") + m.group(2))
             if to is None:
                 continue
             try:
-                call = _call(to.group(1), json.loads(m.group(2)))
+                call = _call(to.group(1), json.loads(m.group(3)))
             except ValueError:
                 return text, []
             content.append(text[last:m.start()])
