@@ -333,6 +333,84 @@ def test_openai_n_choices_share_one_prompt(server, expected):
     assert "'n' must be" in str(e.value)
 
 
+def _cluster(server) -> dict:
+    with urllib.request.urlopen(server.base + "/v1/cluster", timeout=10) as r:
+        return json.loads(r.read())
+
+
+def test_cluster_view_and_one_prefill_for_n_choices(server, model_dir):
+    """GET /v1/cluster: every rank with its host and memory (the others' from
+    their heartbeats), rows, queue, tokens; and a prompt of n = 3 choices
+    prefilled once (the engine's count of prompt tokens run)."""
+    _, tok = _loaded(str(model_dir))
+    deadline = time.monotonic() + 10
+    while True:  # the other ranks' first heartbeats
+        c = _cluster(server)
+        if all(k["memory"] is not None for k in c["ranks"]) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert c["model"] == str(model_dir) and c["np"] == len(c["ranks"]) == (1 if server.np == 1 else 2)
+    assert c["backend"] == ("single" if server.np == 1 else "mpi") and c["health"] == {"ok": True, "reason": None}
+    assert [k["rank"] for k in c["ranks"]] == list(range(c["np"]))
+    for k in c["ranks"]:
+        assert k["host"] and k["memory"]["active"] > 0 and k["memory"]["peak"] >= k["memory"]["active"]
+    assert c["rows"] == {"active": 0, "waiting": 0, "capacity": 32}
+    # a prompt no earlier request had (no prompt-cache hit): its tokens prefilled once for 3 choices
+    prompt = f"Lighthouse {time.time_ns()} keepers count the waves"
+    ids = tok.encode(prompt)
+    before = c["tokens"]
+    r = server.json("/v1/completions", {"prompt": prompt, "max_tokens": 4, "temperature": 0.8, "n": 3, "seed": 1})
+    assert len(r["choices"]) == 3 and r["usage"]["prompt_tokens"] == len(ids)
+    after = _cluster(server)["tokens"]
+    assert after["prefilled"] - before["prefilled"] == len(ids) - 1  # the last prompt token feeds the first step
+    assert after["prompt"] - before["prompt"] == len(ids) and after["generated"] - before["generated"] == 12
+
+
+def test_the_page_in_a_headless_browser(server, expected, tmp_path):
+    """GET / in Chromium (Debian's chromium + chromium-driver, through
+    selenium): the model's name, a streamed chat reply equal to the API's,
+    the cluster panel's ranks; skipped where no browser is installed.
+    MLXCEL_DIST_PAGE_SCREENSHOT=FILE keeps a screenshot (docs/serve-page.png)."""
+    webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed")
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    browser, driver_bin = shutil.which("chromium"), shutil.which("chromedriver")
+    if browser is None or driver_bin is None:
+        pytest.skip("no chromium / chromedriver (apt-get install chromium chromium-driver)")
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = browser
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1280,760",
+                f"--user-data-dir={tmp_path / 'profile'}"):
+        opts.add_argument(arg)
+    driver = webdriver.Chrome(options=opts, service=webdriver.ChromeService(executable_path=driver_bin))
+    try:
+        wait = WebDriverWait(driver, 60)
+        with urllib.request.urlopen(server.base + "/", timeout=10) as r:
+            assert r.headers["Content-Type"].startswith("text/html")
+        driver.get(server.base + "/")
+        wait.until(lambda d: d.find_element(By.ID, "model").text == _cluster(server)["model"])
+        wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#ranks tr")) == server.np)
+        hosts = [td.text for td in driver.find_elements(By.CSS_SELECTOR, "#ranks tr td:nth-child(2)")]
+        assert all(h and h != "–" for h in hosts)
+        for field, value in (("temperature", "0"), ("max_tokens", str(N))):
+            box = driver.find_element(By.ID, field)
+            box.clear()
+            box.send_keys(value)
+        driver.find_element(By.ID, "prompt").send_keys(CHAT["messages"][0]["content"])
+        driver.find_element(By.ID, "send").click()
+        reply = wait.until(lambda d: d.find_element(By.CSS_SELECTOR, ".assistant[data-done='1']"))
+        content = reply.find_element(By.CSS_SELECTOR, ".content")
+        assert driver.execute_script("return arguments[0].textContent", content) == expected["chat"]
+        assert f"{N} tokens" in reply.find_element(By.CSS_SELECTOR, ".meta").text
+        wait.until(lambda d: d.find_element(By.ID, "c-active").text == "0 / 32")
+        shot = os.environ.get("MLXCEL_DIST_PAGE_SCREENSHOT")
+        if shot and server.np == 2:
+            driver.save_screenshot(shot)
+    finally:
+        driver.quit()
+
+
 def _metrics(server) -> dict:
     with urllib.request.urlopen(server.base + "/metrics", timeout=10) as r:
         assert r.headers["Content-Type"].startswith("text/plain; version=0.0.4")

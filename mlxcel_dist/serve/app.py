@@ -6,15 +6,17 @@ the scheduler as a Job whose events come back through an asyncio queue."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import threading
 import time
 import traceback
 import uuid
 from dataclasses import dataclass
+from importlib import resources
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
@@ -40,6 +42,7 @@ class AppState:
     health: object  # lifecycle.Health: .status() -> (ok, reason)
     max_request_bytes: int = 1_000_000
     created: int = 0
+    cluster: object = None  # () -> dict: GET /v1/cluster (lifecycle's view of the job); None: not served
 
 
 def _error(e: "api.ApiError", request: Request | None = None) -> JSONResponse:
@@ -138,6 +141,16 @@ def make_app(state: AppState) -> FastAPI:
     def model_card(name: str) -> dict:
         return {"id": name, "object": "model", "created": state.created, "owned_by": "mlxcel-dist"}
 
+    @app.get("/", include_in_schema=False)
+    async def page():
+        return HTMLResponse(_page())
+
+    @app.get("/v1/cluster")
+    async def cluster():
+        if state.cluster is None:
+            return _error(api.ApiError("no cluster view in this app", status=404, type="not_found_error"))
+        return await run_in_threadpool(state.cluster)
+
     @app.get("/metrics")
     async def metrics():
         return Response(sched.metrics.render(sched.active, sched.waiting),
@@ -188,6 +201,12 @@ def make_app(state: AppState) -> FastAPI:
             app.add_api_route(path, endpoint, methods=["POST"], openapi_extra=extra, include_in_schema=i == 0,
                               name=("chat" if chat else "completion") + ("" if i == 0 else "_bare"))
     return app
+
+
+@functools.cache
+def _page() -> str:
+    """The server's own page (package data: no network needed)."""
+    return resources.files(__package__).joinpath("page.html").read_text(encoding="utf-8")
 
 
 class _Events:
