@@ -380,7 +380,7 @@ def test_the_page_in_a_headless_browser(server, expected, tmp_path):
         pytest.skip("no chromium / chromedriver (apt-get install chromium chromium-driver)")
     opts = webdriver.ChromeOptions()
     opts.binary_location = browser
-    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1280,760",
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1280,840",
                 f"--user-data-dir={tmp_path / 'profile'}"):
         opts.add_argument(arg)
     driver = webdriver.Chrome(options=opts, service=webdriver.ChromeService(executable_path=driver_bin))
