@@ -200,3 +200,31 @@ def test_openai_client_gets_harmony_reasoning_and_tool_call():
         (got,) = _streamed(client.chat.completions.create(**kw, stream=True)).values()
         assert got[0] == "Need the weather." and got[1] == "" and got[3] == "tool_calls"
         assert [(n, json.loads(a)) for n, a in got[2]] == [("get_weather", {"city": "Paris"})]
+
+
+def test_markers_that_are_special_tokens_are_kept():
+    # A vocabulary where </think> (or a call's start) is a special token:
+    # decoding would drop it, so such rows are detokenised keeping them.
+    from mlxcel_dist.serve.lifecycle import _template_formats
+
+    class Tok:
+        def __init__(self, special):
+            self.special = special
+
+        def chat_template(self):
+            return QWEN3 + "{# tools: <tool_call> #}", "here"
+
+        def encode(self, text, add_special_tokens=True):
+            return [text]
+
+        def decode(self, ids):
+            return "".join(t for t in ids if t not in self.special)
+
+    assert _template_formats(Tok(set()), None, None) == {
+        "tool_format": "hermes", "reasoning_format": "qwen3", "template_vars": {"enable_thinking"},
+        "keep_special": False}
+    assert _template_formats(Tok({"</think>"}), None, None)["keep_special"]
+    assert _template_formats(Tok({"<tool_call>"}), None, "none") == {
+        "tool_format": "hermes", "reasoning_format": None, "template_vars": {"enable_thinking"}, "keep_special": True}
+    tok, ctx = _ctx(QWEN3, keep_special=True)
+    assert parse(CHAT, True, ctx).keep_special and not parse({"prompt": "x"}, False, ctx).keep_special

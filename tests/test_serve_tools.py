@@ -136,8 +136,9 @@ FAMILY_TEMPLATES = {
                "<think></think>",
     "minimax_m2": "{%- set toolcall_begin_token = '<minimax:tool_call>' -%}{%- if tools -%}# Tools{%- endif -%}"
                   "{{- ']~b]ai' ~ '\n' ~ '<think>' ~ '\n' }}{{- '</think>' }}",
-    "harmony": "{%- if tools -%}namespace functions {%- endif -%}<|start|>assistant to=functions.{{ name }}"
-               "<|channel|>commentary json<|message|>{{ args }}<|call|><|channel|>analysis<|message|>",
+    "harmony": '{%- if tools -%}namespace functions {%- endif -%}{{- "<|start|>assistant to=" }}'
+               '{{- "functions." + name + "<|channel|>commentary " }}json<|message|>{{ args }}{{- "<|call|>" }}'
+               '<|start|>assistant<|channel|>analysis<|message|>',
 }
 
 

@@ -433,9 +433,19 @@ def _template_formats(tok, tool_parser: str | None, reasoning_parser: str | None
     except Exception:  # noqa: BLE001 - no template: no tools, no reasoning
         source = None
     think = reasoning.detect(source) if reasoning_parser is None else reasoning_parser
-    return {"tool_format": tool_parser if tool_parser is not None else tools.detect(source),
-            "reasoning_format": None if think == "none" else think,
-            "template_vars": reasoning.template_vars(source)}
+    think = None if think == "none" else think
+    fmt = tool_parser if tool_parser is not None else tools.detect(source)
+    markers = ([reasoning.CLOSE] if think in ("qwen3", "deepseek_r1") else []) + ([tools.START[fmt]] if fmt else [])
+    return {"tool_format": fmt, "reasoning_format": think, "template_vars": reasoning.template_vars(source),
+            "keep_special": any(_vanishes(tok, m) for m in markers)}
+
+
+def _vanishes(tok, marker: str) -> bool:
+    """A marker that is a special token of this vocabulary (decoding drops it)."""
+    try:
+        return tok.decode(tok.encode(marker, add_special_tokens=False)) != marker
+    except Exception:  # noqa: BLE001 - a tokenizer that cannot take it: nothing to keep
+        return False
 
 
 def _guarded_h11(header_timeout_s: float = HEADER_TIMEOUT_S):

@@ -288,6 +288,7 @@ class ParseContext:
     tool_format: str | None = None  # serve.tools: the format the template writes calls in (None: no tools)
     reasoning_format: str | None = None  # serve.reasoning: the form the template thinks in (None: no split)
     template_vars: frozenset = frozenset()  # the names the chat template reads (reasoning_effort's check)
+    keep_special: bool = False  # the reasoning / tool markers are special tokens here: detokenise keeping them
     logprobs_ok: bool = True  # False for models with their own generation loop
     max_n: int = MAX_N  # choices a request may ask for (at most the rows the batch holds)
     ignore_eos_ok: bool = True  # False for those too: their loop ends at EOS itself
@@ -615,7 +616,8 @@ def parse(body: object, chat: bool, ctx: ParseContext) -> Parsed:
     fmt = ctx.reasoning_format if chat and not ctx.plain_chat else None
     if tool_format == "harmony" and fmt is None:  # harmony's calls are messages: the channels split first
         fmt = "gpt_oss"
-    keep = fmt in reasoning.KEEPS_SPECIAL or tool_format in tools_fmt.KEEPS_SPECIAL
+    keep = (fmt in reasoning.KEEPS_SPECIAL or tool_format in tools_fmt.KEEPS_SPECIAL
+            or (ctx.keep_special and (fmt is not None or tool_format is not None)))
     return Parsed(req, stream, include_usage, model, chat, tool_format, n, fmt,
                   fmt is not None and reasoning.starts_thinking(fmt, text), keep,
                   [t.model_dump(exclude_none=True) for t in m.tools] if tool_format else None)

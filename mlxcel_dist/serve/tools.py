@@ -49,7 +49,7 @@ DS_CALLS, DS_CALL, DS_SEP, DS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁
 KIMI_SECTION, KIMI_CALL, KIMI_ARGS, KIMI_END = ("<|tool_calls_section_begin|>", "<|tool_call_begin|>",
                                                 "<|tool_call_argument_begin|>", "<|tool_call_end|>")
 MINIMAX = "<minimax:tool_call>"
-_START = {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]", "llama3_json": "<|python_tag|>",
+START = {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]", "llama3_json": "<|python_tag|>",
           "harmony": "<|channel|>commentary to=", "deepseek_v3": DS_CALLS, "glm45": "<tool_call>",
           "kimi_k2": KIMI_SECTION, "minimax_m2": MINIMAX}
 
@@ -58,7 +58,7 @@ def detect(template: str | None) -> str | None:
     """The tool-call format a chat template's text writes, or None."""
     if not template or "tool" not in template:
         return None
-    if "<|channel|>" in template and "to=functions" in template:
+    if "<|channel|>" in template and "<|call|>" in template:  # gpt-oss's writes "to=" and "functions." apart
         return "harmony"
     for marker, fmt in ((DS_CALLS, "deepseek_v3"), (KIMI_SECTION, "kimi_k2"), (MINIMAX, "minimax_m2"),
                         ("<arg_key>", "glm45")):
@@ -265,7 +265,7 @@ class StreamParser:
         if self.fmt == "llama3_json" and not self.sent.strip() and buf.lstrip()[:1] in ("{", "<"):
             self.holding, self.held = True, buf
             return ""
-        start = _START[self.fmt]
+        start = START[self.fmt]
         at = buf.find(start)
         if at >= 0:
             self.holding, self.held = True, buf[at:]
