@@ -248,18 +248,19 @@ class Scheduler:
             self.removals.append(rid)
             log(f"client gone: row freed after {r.generated} of {r.job.req.max_tokens} tokens")
             self._end(r.job, Failed("client gone", 499))  # once per job (its other rows: already ended)
-        admissions, keep, jobs = [], [], 0
+        admissions, keep, jobs, full = [], [], 0, False
         for job in self.backlog:
             if job.cancelled.is_set():
                 log("client gone: request dropped before it took a row")
                 self._end(job, Failed("client gone", 499))
-            elif (jobs < self.prompt_concurrency
+            elif (jobs < self.prompt_concurrency and not full
                   and len(self.rows) + len(admissions) + job.n <= self.decode_concurrency):
                 jobs += 1  # a job's n rows share one prefill: one prompt
                 for i in range(job.n):
                     admissions.append((self.next_rid, job, i))
                     self.next_rid = (self.next_rid + 1) % RID_LIMIT
-            else:
+            else:  # FIFO: a job waiting for rows (n of them) is not overtaken by later, smaller ones
+                full = full or len(self.rows) + len(admissions) + job.n > self.decode_concurrency
                 keep.append(job)
         self.backlog = keep
         step = Step(KIND_STEP, self.removals, [(rid, _choice_req(job.req, i)) for rid, job, i in admissions])
