@@ -25,6 +25,7 @@ from .watchdog import DEFAULT_STALL_TIMEOUT_S
 
 app = typer.Typer(
     add_completion=False,
+    rich_markup_mode=None,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     context_settings={"help_option_names": ["-h", "--help"]},
@@ -51,9 +52,9 @@ def _root(
 ModelArg = Annotated[
     Optional[str],
     typer.Argument(help="Checkpoint directory or Hugging Face repo id (default: the embedded tiny gemma3).",
-                   show_default=False),
+                   metavar="MODEL", show_default=False),
 ]
-RequiredModelArg = Annotated[str, typer.Argument(help="Checkpoint directory or Hugging Face repo id.")]
+RequiredModelArg = Annotated[str, typer.Argument(help="Checkpoint directory or Hugging Face repo id.", metavar="MODEL")]
 # mlx-lm's spelling, --model MODEL, beside the positional MODEL (one of them, or both alike)
 ModelOpt = Annotated[Optional[str], typer.Option("--model", help="The same as MODEL (mlx-lm's spelling).",
                                                  show_default=False)]
@@ -352,9 +353,9 @@ def generate(
     repetition_penalty: Annotated[float, typer.Option("--repetition-penalty", help="Divide positive / multiply negative logits of tokens already in the context (1 = off).")] = 1.0,
     repetition_context_size: Annotated[int, typer.Option("--repetition-context-size", help="Penalise only the last N ids of the context (0 = all of it).")] = 0,
     seed: Annotated[Optional[int], typer.Option("--seed", help="Random seed, the same on every rank (default: a random one; --verbose prints it).", show_default=False)] = None,
-    stop: Annotated[Optional[list[str]], typer.Option("--stop", help="Stop at the first occurrence of this text, not printed (repeatable).")] = None,
+    stop: Annotated[Optional[list[str]], typer.Option("--stop", metavar="<str>", help="Stop at the first occurrence of this text, not printed (repeatable).")] = None,
     chat: Annotated[Optional[bool], typer.Option("--chat/--ignore-chat-template", help="Render the prompt as a user turn through the chat template (default: when the checkpoint has one), or use it as plain text.", show_default=False)] = None,
-    chat_template: Annotated[Optional[str], typer.Option("--chat-template", help="A chat template (jinja text, or a file holding it) instead of the checkpoint's.")] = None,
+    chat_template: Annotated[Optional[str], typer.Option("--chat-template", help="A chat template instead of the checkpoint's: jinja text (holding '{', '}' or a newline) or a file of it.")] = None,
     system: Annotated[Optional[str], typer.Option("--system-prompt", "--system", help="System prompt (a chat-template turn).")] = None,
     check_every: Annotated[int, typer.Option("--check-every", help="Ranks compare a checksum of the generated ids every N tokens and at the end (0 = only at the end).")] = 1,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Per-rank load time and peak memory, sampling settings and seed, EOS ids (stderr).")] = False,
@@ -485,17 +486,24 @@ def _check_text(name: str, value: Optional[str]) -> None:
         raise UserError(f"{name} is not valid UTF-8 (byte {raw[0]:#04x} at character {e.start})") from None
 
 
+TEMPLATE_CHARS = "{}\n"  # vLLM's rule: text with one of these is a template, anything else a file
+
+
 def _template_text(chat_template: Optional[str]) -> Optional[str]:
-    """--chat-template: the jinja text itself, or a file that holds it."""
-    if chat_template is None:
-        return None
+    """--chat-template: jinja text (it holds '{', '}' or a newline) or the
+    path of a file that holds it, which must exist (a template without
+    them would be constant text, whatever the conversation)."""
+    if chat_template is None or any(c in chat_template for c in TEMPLATE_CHARS):
+        return chat_template
     p = Path(chat_template).expanduser()
-    if "{" not in chat_template and p.is_file():
-        try:
-            return p.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise UserError(f"--chat-template {p}: cannot read it ({e})") from None
-    return chat_template
+    if not p.is_file():
+        why = "a directory" if p.is_dir() else "no such file"
+        raise UserError(f"--chat-template {chat_template}: {why} (a value without '{{', '}}' or a newline "
+                        "names a file of jinja text)")
+    try:
+        return p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"--chat-template {p}: cannot read it ({e})") from None
 
 
 @app.command(hidden=True)
@@ -530,7 +538,7 @@ def modes(
         np.savez(out, **result)
 
 
-@app.command("logit-match")
+@app.command("logit-match", short_help="N-rank logits against one process and a reference.")
 @_handle_errors
 def logit_match(
     ctx: typer.Context,
@@ -648,7 +656,7 @@ def _read_reference(path: Path) -> dict:
         raise UserError(f"{path}: not an npz file ({e})") from None
 
 
-@app.command()
+@app.command(short_help="Each rank's share and memory, a predicted decode time.")
 @_handle_errors
 def plan(
     model: ModelArg = None,
@@ -697,8 +705,8 @@ def plan(
 
 @app.command()
 @_handle_errors
-def info(model: ModelArg = None, model_opt: ModelOpt = None):
-    """Config summary, per-layer attention kind, parameter count."""
+def info(model: ModelArg = None, model_opt: ModelOpt = None, np_: NpOpt = 1):
+    """Config summary, context length, per-layer attention kind, parameters and bytes per rank."""
     import numpy as np
 
     from .loader import build_model, open_model
@@ -706,6 +714,13 @@ def info(model: ModelArg = None, model_opt: ModelOpt = None):
     from mlx.utils import tree_flatten
 
     ck = open_model(_pick_model(model, model_opt))
+    if np_ < 1:
+        raise UserError(f"--np must be >= 1, got {np_}")
+    from .loader import check_shardable
+    from .plan import rank_plans
+
+    check_shardable(ck, np_)
+    ranks = rank_plans(ck, np_)  # on paper, as the ranks shard it
     model_dir, config = ck.dir, ck.config
     m = build_model(config)
     a = m.args
@@ -725,13 +740,17 @@ def info(model: ModelArg = None, model_opt: ModelOpt = None):
 
     for line in getattr(m, "describe_layers", lambda: describe_layers(m))():
         print(f"  {line}")
+    shared = " (tensor parallel: replicated tensors counted on every rank)" if np_ > 1 else ""
+    print(f"per rank    np {np_}{shared}")
+    for rp in ranks:
+        print(f"  rank {rp.rank:<3} {rp.params:,} parameters, {rp.bytes:,} bytes ({rp.bytes / 2**20:.2f} MiB)")
 
 
-@app.command()
+@app.command(short_help="Write an MLX checkpoint (optionally quantized).")
 @_handle_errors
 def convert(
     model: RequiredModelArg,
-    out: Annotated[Path, typer.Argument(help="Output directory (created; must be empty).", show_default=False)],
+    out: Annotated[Path, typer.Argument(help="Output directory (created; must be empty).", metavar="OUT", show_default=False)],
     quantize: Annotated[
         bool, typer.Option("--quantize", "-q", help="Quantize Linear and Embedding weights (MLX affine, as mlx-lm).")
     ] = False,
@@ -771,7 +790,7 @@ def convert(
     _err(f"tensor-parallel rank counts that split it (of 2, 3, 4, 8): {', '.join(splits) or 'none'}")
 
 
-@app.command()
+@app.command(short_help="OpenAI-compatible HTTP server; rank 0 listens.")
 @_handle_errors
 def serve(
     ctx: typer.Context,
@@ -872,7 +891,7 @@ def serve(
     run(loaded.model, tok, group, opts, sock, loaded.config)
 
 
-@app.command()
+@app.command(short_help="Prefill/decode speed, first-token time, peak memory.")
 @_handle_errors
 def bench(
     ctx: typer.Context,
@@ -954,6 +973,27 @@ def _pick_model(model: Optional[str], model_opt: Optional[str]) -> Optional[str]
     return model if model is not None else model_opt
 
 
+BOOL_WORDS = {"true", "false", "yes", "no", "on", "off", "1", "0", "y", "n", "t", "f"}
+
+
+def _check_flag_values(args: list[str]) -> None:
+    """`--verbose False`: an on/off flag takes no value, and click would read
+    the word as the next argument (MODEL): say so instead. A word that
+    names an existing path is left to be that argument."""
+    cmd = typer.main.get_command(app)
+    name = next((a for a in args if not a.startswith("-")), None)
+    sub = getattr(cmd, "commands", {}).get(name)
+    if sub is None:
+        return
+    flags = {o: p for p in sub.params if getattr(p, "is_flag", False) for o in (*p.opts, *p.secondary_opts)}
+    rest = args[args.index(name) + 1 :]
+    for opt, nxt in zip(rest, rest[1:]):
+        if opt in flags and nxt.lower() in BOOL_WORDS and not Path(nxt).exists():
+            p = flags[opt]
+            give = f"{p.opts[0]} or {p.secondary_opts[0]}" if p.secondary_opts else "it"
+            raise UserError(f"{opt} is an on/off flag: give {give} alone, with no value (got {nxt!r} after it)")
+
+
 def main():
     """The console entry point: usage errors are one `error:` line, exit 2
     (click's own form is a multi-line box)."""
@@ -963,10 +1003,16 @@ def main():
         from click import exceptions as click_exceptions
 
     try:
+        _check_flag_values(sys.argv[1:])
         rv = app(standalone_mode=False)
+    except UserError as e:
+        _err(f"error: {e}")
+        sys.exit(e.exit_code)
+    except click_exceptions.NoArgsIsHelpError as e:  # no arguments at all: the help is the answer
+        print(e.format_message())
+        sys.exit(e.exit_code)
     except click_exceptions.ClickException as e:
-        if e.format_message():  # (no arguments at all: the help was the answer)
-            _err(f"error: {e.format_message()}")
+        _err(f"error: {e.format_message()}")
         sys.exit(e.exit_code)
     except (typer.Abort, KeyboardInterrupt, EOFError):
         _err("interrupted")
