@@ -372,6 +372,7 @@ def test_the_page_in_a_headless_browser(server, expected, tmp_path):
     the cluster panel's ranks; skipped where no browser is installed.
     MLXCEL_DIST_PAGE_SCREENSHOT=FILE keeps a screenshot (docs/serve-page.png)."""
     webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed")
+    from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
@@ -385,13 +386,15 @@ def test_the_page_in_a_headless_browser(server, expected, tmp_path):
         opts.add_argument(arg)
     driver = webdriver.Chrome(options=opts, service=webdriver.ChromeService(executable_path=driver_bin))
     try:
-        wait = WebDriverWait(driver, 60)
+        # the cluster panel is redrawn every second: an element read may be replaced meanwhile
+        wait = WebDriverWait(driver, 60, ignored_exceptions=(StaleElementReferenceException,))
         with urllib.request.urlopen(server.base + "/", timeout=10) as r:
             assert r.headers["Content-Type"].startswith("text/html")
         driver.get(server.base + "/")
         wait.until(lambda d: d.find_element(By.ID, "model").text == _cluster(server)["model"])
         wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#ranks tr")) == server.np)
-        hosts = [td.text for td in driver.find_elements(By.CSS_SELECTOR, "#ranks tr td:nth-child(2)")]
+        hosts = driver.execute_script(
+            "return [...document.querySelectorAll('#ranks tr td:nth-child(2)')].map((td) => td.textContent)")
         assert all(h and h != "–" for h in hosts)
         for field, value in (("temperature", "0"), ("max_tokens", str(N))):
             box = driver.find_element(By.ID, field)
