@@ -386,8 +386,10 @@ def test_cluster_view_and_one_prefill_for_n_choices(server, model_dir):
     prompt = f"Lighthouse {time.time_ns()} keepers count the waves"
     ids = tok.encode(prompt)
     before = c["tokens"]
-    r = server.json("/v1/completions", {"prompt": prompt, "max_tokens": 4, "temperature": 0.8, "n": 3, "seed": 1})
+    r = server.json("/v1/completions", {"prompt": prompt, "max_tokens": 4, "temperature": 0.8, "n": 3, "seed": 1,
+                                        "ignore_eos": True})  # 4 tokens each: no sampled EOS ends one early
     assert len(r["choices"]) == 3 and r["usage"]["prompt_tokens"] == len(ids)
+    assert r["usage"]["completion_tokens"] == 12
     after = _cluster(server)["tokens"]
     assert after["prefilled"] - before["prefilled"] == len(ids) - 1  # the last prompt token feeds the first step
     assert after["prompt"] - before["prompt"] == len(ids) and after["generated"] - before["generated"] == 12
