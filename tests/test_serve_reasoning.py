@@ -51,11 +51,10 @@ HARMONY = ("<|start|>system<|message|>Reasoning: {{ reasoning_effort | default('
 ])
 def test_split_whole_and_streamed_at_every_cut(fmt, thinking, text, want):
     assert reasoning.split(fmt, text, thinking) == want
-    for cut in range(len(text) + 1):
-        for parts in ([text[:cut], text[cut:]], list(text)):
-            s = reasoning.Splitter(fmt, thinking)
-            got = [s.feed(p) for p in parts] + [s.finish()]
-            assert ("".join(a for a, _ in got), "".join(b for _, b in got)) == want, (cut, parts)
+    for parts in [[text[:cut], text[cut:]] for cut in range(len(text) + 1)] + [list(text)]:  # and char by char
+        s = reasoning.Splitter(fmt, thinking)
+        got = [s.feed(p) for p in parts] + [s.finish()]
+        assert ("".join(a for a, _ in got), "".join(b for _, b in got)) == want, parts
 
 
 def test_detect_and_where_the_answer_starts():

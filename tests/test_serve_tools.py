@@ -110,16 +110,16 @@ def test_more_formats_whole(fmt, text, content, calls):
 ])
 def test_streamed_parse_equals_the_whole_parse_at_every_split(fmt, text):
     whole = tools.parse(fmt, text, TYPED)
-    for cut in range(len(text) + 1):
-        for parts in ([text[:cut], text[cut:]], list(text)):
-            sp = tools.StreamParser(fmt, TYPED)
-            sent = "".join(sp.feed(p) for p in parts)
-            rest, calls = sp.finish()
-            assert [c["function"] for c in calls] == [c["function"] for c in whole[1]], (cut, parts)
-            if whole[1]:
-                assert (sent + rest).strip() == whole[0]
-            else:
-                assert sent + rest == text
+    # every two-part cut, and one character at a time
+    for parts in [[text[:cut], text[cut:]] for cut in range(len(text) + 1)] + [list(text)]:
+        sp = tools.StreamParser(fmt, TYPED)
+        sent = "".join(sp.feed(p) for p in parts)
+        rest, calls = sp.finish()
+        assert [c["function"] for c in calls] == [c["function"] for c in whole[1]], parts
+        if whole[1]:
+            assert (sent + rest).strip() == whole[0]
+        else:
+            assert sent + rest == text
 
 
 # Each family's template, reduced to the lines that carry its markers (the
