@@ -925,7 +925,8 @@ def serve(
     stall_timeout: StallOpt = DEFAULT_STALL_TIMEOUT_S,
     served_model_name: Annotated[Optional[list[str]], typer.Option("--served-model-name", metavar="NAME", help="A name requests may give as 'model' (vLLM's flag, repeatable; the first is the id the server shows; default: MODEL as given).", show_default=False)] = None,
     header_timeout: Annotated[float, typer.Option("--header-timeout", metavar="SECONDS", help="Close a connection that has not sent a whole request head within this many seconds (at its start or after a response).")] = 10.0,
-    tool_call_parser: Annotated[Optional[str], typer.Option("--tool-call-parser", metavar="FORMAT", help="How the model writes tool calls: hermes, llama3_json or mistral (default: from markers in the chat template; none found: requests with tools get a 400).", show_default=False)] = None,
+    tool_call_parser: Annotated[Optional[str], typer.Option("--tool-call-parser", metavar="FORMAT", help="How the model writes tool calls: hermes, llama3_json, mistral, harmony (gpt-oss), deepseek_v3, glm45, kimi_k2 or minimax_m2 (default: from markers in the chat template; none found: requests with tools get a 400).", show_default=False)] = None,
+    reasoning_parser: Annotated[Optional[str], typer.Option("--reasoning-parser", metavar="FORMAT", help="How the model's answer carries its thinking, which chat answers give apart as reasoning_content: qwen3 or deepseek_r1 (<think> blocks), gpt_oss (harmony's analysis channel), or none (default: from the chat template).", show_default=False)] = None,
 ):
     """OpenAI-compatible HTTP server (/v1/models, /v1/completions, /v1/chat/completions, /health, /docs); rank 0 listens."""
     from .serve.lifecycle import listen, long_lived_env
@@ -969,6 +970,11 @@ def serve(
 
     if tool_call_parser is not None and tool_call_parser not in FORMATS:
         raise UserError(f"--tool-call-parser must be one of {', '.join(FORMATS)}, got {tool_call_parser!r}")
+    from .serve import reasoning
+
+    if reasoning_parser is not None and reasoning_parser not in (*reasoning.FORMATS, "none"):
+        raise UserError(f"--reasoning-parser must be one of {', '.join(reasoning.FORMATS)} or none, "
+                        f"got {reasoning_parser!r}")
     names = [n for n in (served_model_name or []) if n.strip()]
     if served_model_name and len(names) != len(served_model_name):
         raise UserError("--served-model-name must not be empty")
@@ -990,7 +996,8 @@ def serve(
                    decode_concurrency=decode_concurrency, prompt_concurrency=prompt_concurrency,
                    prompt_cache_size=prompt_cache_size, prompt_cache_bytes=cache_bytes, prefill_step=prefill_step,
                    warmup=warmup, micro_batches=micro_batches, served_names=list(dict.fromkeys(names)),
-                   header_timeout_s=header_timeout, tool_call_parser=tool_call_parser)
+                   header_timeout_s=header_timeout, tool_call_parser=tool_call_parser,
+                   reasoning_parser=reasoning_parser)
     run(loaded.model, tok, group, opts, sock, loaded.config)
 
 
