@@ -75,6 +75,9 @@ CASES = {
                        "MLA 6 heads (kv_b_proj as embed_q / unembed_out, unquantized at these dims), switch_mlp 6 "
                        "experts top-3 (gate/up 4-bit, down [E, 64, 16] unquantized), shared expert, a dense layer; "
                        "group size 32", {"edit": _kimi_k2, "config": "config.json", "group_size": 32}),
+    "deepseek_v32_q4": ("deepseek_v32/yarn_fp32", "deepseek_v32: MLA 8 heads with the lightning indexer (wk and "
+                        "weights_proj 4-bit, wq_b unquantized at q_lora 24), top-8 keys, switch_mlp 8 experts "
+                        "top-2 (gate/up 4-bit), shared expert, a dense layer (down 4-bit); group size 64"),
 }
 BITS, GROUP_SIZE = 4, 64
 
