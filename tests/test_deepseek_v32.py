@@ -75,6 +75,7 @@ def test_indexer_keeps_each_querys_best_visible_keys(L):
     visible, the best of a direct float64 ranking (its gaps checked to be
     far above fp32 rounding)."""
     from mlxcel_dist.masks import create_causal_mask
+    from mlxcel_dist.models.deepseek_v3 import chosen_mask
 
     model = load_model(FIX / "yarn_fp32").model
     ix = model.layers[1].self_attn.indexer
@@ -85,7 +86,9 @@ def test_indexer_keeps_each_querys_best_visible_keys(L):
     q_latent = mx.array(rng.standard_normal((2, L, model.args.q_lora_rank)), mx.float32)
     keys = ix.keys(mx.array(rng.standard_normal((2, S, model.args.hidden_size)), mx.float32), 0)  # [2, 1, S, Di]
     visible = create_causal_mask(L, OFFSET) if L > 1 else None
-    chosen = np.array(ix.select(x, q_latent, keys, visible, OFFSET))[:, 0]  # [2, L, S]
+    top = ix.select(x, q_latent, keys, visible, OFFSET)  # [2, 1, L, topk]
+    assert top.shape == (2, 1, L, ix.topk)
+    chosen = np.array(chosen_mask(top, visible, S))[:, 0]  # [2, L, S]
     direct = _direct_scores(ix, x, q_latent, keys)
     vis = np.broadcast_to(np.array(visible) if visible is not None else True, chosen.shape)
     assert not (chosen & ~vis).any()

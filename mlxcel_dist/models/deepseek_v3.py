@@ -73,7 +73,9 @@ key for each query and only its `index_topk` best stay visible to MLA:
   selected, and MLA attends the visible selected keys (the masked ones a
   query selects when it sees fewer than index_topk stay masked). A query
   that sees at most index_topk keys sees them all: no selection runs while
-  a forward's key axis is that short.
+  a forward's key axis is that short. A decode step gathers its chosen keys
+  from the latent cache and attends those index_topk only (absorbed); a
+  prefill chunk masks the others.
 The index keys are cached with the latent: the cache's "values" are
 [k_pe, index key] [B, 1, S, rope + index_head_dim], so a token and layer
 cost kv_lora + rope + index_head_dim values on every rank (704 for
@@ -260,14 +262,14 @@ class Indexer(nn.Module):
         return self._rotate(self.k_norm(self.wk(x))[:, None], offset)
 
     def select(self, x, q_latent, keys, visible, offset):
-        """Which keys each query attends: bool [B, 1, L, S], or None when no
-        query has more than `topk` keys (all of them). x [B, L, hidden],
-        q_latent [B, L, q_lora], keys [B, 1, S, index_head_dim] (every key,
-        cached ones first), `visible` bool broadcastable to [B, 1, L, S] (None:
-        every key)."""
+        """The keys each query keeps: indices [B, 1, L, topk] into the key
+        axis (its best index scores, the invisible keys scoring -inf), or None
+        when no query has more than `topk` keys (all of them). x [B, L,
+        hidden], q_latent [B, L, q_lora], keys [B, 1, S, index_head_dim]
+        (every key, cached ones first), `visible` bool broadcastable to
+        [B, 1, L, S] (None: every key)."""
         B, L, _ = x.shape
-        S = keys.shape[2]
-        if S <= self.topk:
+        if keys.shape[2] <= self.topk:
             return None
         q = self.wq_b(q_latent).reshape(B, L, self.n_heads, self.head_dim).transpose(0, 2, 1, 3)  # [B, Hi, L, Di]
         q = self._rotate(q, offset)
@@ -277,9 +279,20 @@ class Indexer(nn.Module):
         index = (w[:, :, None, :] @ scores.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)  # [B, L, 1, S] -> [B, 1, L, S]
         if visible is not None:
             index = mx.where(visible, index, -mx.inf)
-        top = mx.argpartition(-index, kth=self.topk - 1, axis=-1)[..., : self.topk]  # [B, 1, L, topk]
-        chosen = mx.put_along_axis(mx.zeros(index.shape, mx.bool_), top, mx.array(True), axis=-1)
-        return chosen if visible is None else chosen & visible
+        return mx.argpartition(-index, kth=self.topk - 1, axis=-1)[..., : self.topk]
+
+
+def chosen_mask(top, visible, S: int):
+    """bool [B, 1, L, S]: the visible keys among the chosen `top` [B, 1, L, k]
+    (a query that sees fewer than k keys also chose invisible ones)."""
+    chosen = mx.put_along_axis(mx.zeros((*top.shape[:-1], S), mx.bool_), top, mx.array(True), axis=-1)
+    return chosen if visible is None else chosen & visible
+
+
+def take_keys(a, top):
+    """a [B, 1, S, D] at one query's chosen keys top [B, 1, 1, k] -> [B, 1, k, D]."""
+    idx = top[:, :, 0, :, None]  # [B, 1, k, 1]
+    return mx.take_along_axis(a, mx.broadcast_to(idx, (*idx.shape[:-1], a.shape[-1])), axis=2)
 
 
 class LatentAttention(nn.Module):
@@ -343,12 +356,21 @@ class LatentAttention(nn.Module):
             values = k_pe if indexer is None else mx.concatenate([k_pe, indexer.keys(x, offset)], axis=-1)
             if cache is not None:
                 latent, values = cache.update_and_fetch(latent, values)
-            k_pe = values[..., : self.rope_dim]
+            k_pe, top = values[..., : self.rope_dim], None
             if indexer is not None:
-                mask = self._sparse_mask(indexer, x, q_latent, values[..., self.rope_dim :], mask, offset)
+                S = latent.shape[2]
+                causal = mask == CAUSAL if isinstance(mask, str) else (mask is None and L > 1)
+                visible = create_causal_mask(L, S - L) if causal else mask  # None: one query, every key
+                top = indexer.select(x, q_latent, values[..., self.rope_dim :], visible, offset)
             if L == 1:
+                if top is not None:  # attend the chosen keys only: topk of them, not S
+                    latent, k_pe = take_keys(latent, top), take_keys(k_pe, top)
+                    mask = None if visible is None else mx.take_along_axis(
+                        mx.broadcast_to(visible, (*top.shape[:-1], S)), top, axis=-1)  # [B, 1, 1, k]
                 o = self._absorbed(q_nope, q_pe, latent, k_pe, mask)
                 return self.o_proj(o.transpose(0, 2, 1, 3).reshape(B, L, -1))
+            if top is not None:
+                mask = chosen_mask(top, visible, S)
             k, v = self._expand(latent[:, 0], k_pe)
         else:
             k, v = self._expand(latent, k_pe)
@@ -357,16 +379,6 @@ class LatentAttention(nn.Module):
         q = mx.concatenate([q_nope, q_pe], axis=-1)
         o = causal_attention(q, k, v, self.scale, mask=mask)  # [B, H, L, v]
         return self.o_proj(o.transpose(0, 2, 1, 3).reshape(B, L, -1))
-
-    def _sparse_mask(self, indexer, x, q_latent, keys, mask, offset):
-        """The layer's mask with the indexer's choice folded in: the visible
-        keys it selected (bool [B, 1, L, S]), or `mask` itself when every
-        query keeps all its keys."""
-        L, S = x.shape[1], keys.shape[2]
-        causal = mask == CAUSAL if isinstance(mask, str) else (mask is None and L > 1)
-        visible = create_causal_mask(L, S - L) if causal else mask  # None: one query, every key
-        chosen = indexer.select(x, q_latent, keys, visible, offset)
-        return mask if chosen is None else chosen
 
     def _expand(self, latent, k_pe):
         """latent [B, S, kv_lora], k_pe [B, 1, S, rope] -> per-head K [B, H,
