@@ -39,8 +39,10 @@ def _ids(v) -> list[int]:
 
 
 class Tokenizer:
-    def __init__(self, model_dir: Path, config: dict | None = None, chat_template: str | None = None):
-        """`chat_template`: jinja text used instead of the checkpoint's (--chat-template)."""
+    def __init__(self, model_dir: Path, config: dict | None = None, chat_template: str | None = None,
+                 extra_eos=()):
+        """`chat_template`: jinja text used instead of the checkpoint's (--chat-template);
+        `extra_eos`: more tokens that end a generation (--extra-eos-token, `add_eos_token`)."""
         from tokenizers import Tokenizer as HFTokenizer
 
         self.model_dir = Path(model_dir)
@@ -73,6 +75,8 @@ class Tokenizer:
             eos_ids.add(self._tok.token_to_id(eos_tok))
         self.eos_ids = sorted(eos_ids)
         self.vocab_size = self._tok.get_vocab_size()
+        for t in extra_eos:
+            self.add_eos_token(t)
         # A tokenizer from another model: ids past the embedding table would
         # fail mid-run (or index garbage); refuse up front. Fewer tokens than
         # the vocabulary is normal (padded embedding tables).
@@ -82,6 +86,17 @@ class Tokenizer:
                 f"{path}: the tokenizer has {self.vocab_size} tokens but the model's vocabulary is "
                 f"{model_vocab}: tokenizer and checkpoint do not match"
             )
+
+    def add_eos_token(self, token: str) -> None:
+        """One more EOS, as mlx-lm's `--extra-eos-token`: a token of the
+        vocabulary (its text, e.g. "<end_of_turn>") or an id."""
+        try:
+            tid = int(token)
+        except ValueError:
+            tid = self._tok.token_to_id(token)
+        if tid is None or not 0 <= tid < self.vocab_size:
+            raise UserError(f"--extra-eos-token {token!r} is not a token of this tokenizer")
+        self.eos_ids = sorted(set(self.eos_ids) | {tid})
 
     # -- text <-> ids --------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:

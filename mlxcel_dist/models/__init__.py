@@ -20,6 +20,7 @@ MODEL_REMAP = {
     "gemma3n_text": "gemma3n",
     "llama4_text": "llama4",  # Llama4ForCausalLM; "llama4" (multimodal) is the file itself  # Gemma3nForCausalLM; multimodal gemma3n is the file itself
     "ministral": "mistral",  # the mistral decoder with layer_types
+    "qwen3_5_moe_text": "qwen3_5_moe",  # Qwen3_5MoeForCausalLM; "qwen3_5_moe" (multimodal) is the file itself
     "step3p7": "step3p5",  # multimodal Step-3.7: its text decoder (text_config)
 }
 _NOT_MODELS = {"base"}

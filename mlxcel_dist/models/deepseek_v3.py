@@ -556,6 +556,8 @@ def _kv_b_proj(wk, wv):
 
 class Model(CausalLM):
     pipeline_stages = True  # a DecoderStack of independent layers: runs in --pp stages (pipeline.py)
+    # what --kv-bits would quantize is read by this file's own matmuls, not attention.causal_attention
+    kv_bits_refused = "its MLA cache holds a latent that the absorbed decode multiplies itself"
 
     def __init__(self, args: ModelArgs):
         super().__init__(args, DeepseekV3Model(args))

@@ -45,7 +45,7 @@ STUCK_LATE_S = 1.0
 # and prompt shapes for as long as it runs, and the throw would end it with
 # every open request. The CUDA graph LRU at 2000: on one H200 host serve
 # --warmup's steady decode was 30-40% slower at 400 and not at 2000
-# (docs/benchmarks.md). A value the user sets wins. MLX reads them at its
+# (docs/benchmarks-log.md). A value the user sets wins. MLX reads them at its
 # first GPU evaluation, so the serve command sets them before anything else.
 LONG_LIVED_ENV = {"MLX_ENABLE_CACHE_THRASHING_CHECK": "0", "MLX_CUDA_GRAPH_CACHE_SIZE": "2000"}
 
