@@ -101,6 +101,9 @@ CASES = {
                        "gate_up_proj, vision tower dropped by mlx-lm): switch_mlp 8 experts top-2 + gated shared "
                        "expert; group size 32",
                        {"edit": _qwen3_5_fused_experts, "config": "config.json", "group_size": 32}),
+    "deepseek_v32_q4": ("deepseek_v32/yarn_fp32", "deepseek_v32: MLA 8 heads with the lightning indexer (wk and "
+                        "weights_proj 4-bit, wq_b unquantized at q_lora 24), top-8 keys, switch_mlp 8 experts "
+                        "top-2 (gate/up 4-bit), shared expert, a dense layer (down 4-bit); group size 64"),
 }
 BITS, GROUP_SIZE = 4, 64
 

@@ -13,6 +13,7 @@ from ..errors import UserError
 
 MODEL_REMAP = {
     "kimi_k2": "deepseek_v3",  # Kimi K2 (DeepseekV3ForCausalLM with its own model_type)
+    "deepseek_v32": "deepseek_v3",  # DeepSeek-V3.2: deepseek_v3 plus the lightning indexer (ModelArgs.indexed)
     "gemma3": "gemma3",  # multimodal checkpoint: its text tower
     "gemma3_text": "gemma3",
     "gemma4_text": "gemma4",  # the text-only model; "gemma4" (multimodal) is the file itself
