@@ -89,7 +89,7 @@ def test_hub_and_switch_mlp_layouts_are_transformers_tensors():
 
 def test_lazy_joins_read_only_the_slices_asked():
     # A rank's read of a joined tensor (hub experts, as the loader asks for
-    # shard_stacked_linear_experts' halves) equals the slice of the whole.
+    # shard_switch_glu' halves) equals the slice of the whole.
     refs = open_checkpoint(CASES / "hub_layout_fp32")
     name = "model.layers.0.block_sparse_moe.experts.{}.{}.weight"
     E = 6

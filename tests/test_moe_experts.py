@@ -19,7 +19,7 @@ from mlx.utils import tree_flatten
 from mlxcel_dist.errors import UserError
 from mlxcel_dist.harness import FP32_REL_TOL, all_mode_logits, compare, rel_tol_for
 from mlxcel_dist.launcher import find_mpirun, launch
-from mlxcel_dist.layers import activation
+from mlxcel_dist.layers import activation, gated_fp32
 from mlxcel_dist.loader import check_shardable, load_model, read_config
 from mlxcel_dist.models import get_model_module
 from mlxcel_dist.shard import expert_ranges, split_counts
@@ -196,7 +196,7 @@ def test_grouped_prefill_gives_the_gathered_logits(d, monkeypatch):
     monkeypatch.setattr(experts, "GROUP_ROWS", 1)
     calls = []
     grouped_fn = experts.SwitchGLU._grouped
-    monkeypatch.setattr(experts.SwitchGLU, "_grouped", lambda self, x, idx: calls.append(1) or grouped_fn(self, x, idx))
+    monkeypatch.setattr(experts.SwitchGLU, "_grouped", lambda self, *a: calls.append(1) or grouped_fn(self, *a))
     grouped = _logits(model, ids)
     assert calls  # the grouped path ran
     np.testing.assert_allclose(grouped, gathered, rtol=0, atol=1e-6 * np.abs(gathered).max())
@@ -215,7 +215,7 @@ def test_ranks_holding_whole_experts_sum_to_the_whole_block(n, grouped):
     want = full(x, idx, w, grouped=grouped)
     total = mx.zeros_like(want)
     for e0, e1 in expert_ranges(full.num_experts, n):
-        part = SwitchGLU(64, 64, full.num_experts, activation("silu"))
+        part = SwitchGLU(64, 64, full.num_experts, gated_fp32(activation("silu")))
         for name in ("gate_proj", "up_proj", "down_proj"):
             getattr(part, name).weight = getattr(full, name).weight[e0:e1]
         part.expert_range = (e0, e1)

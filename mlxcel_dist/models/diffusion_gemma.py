@@ -43,11 +43,12 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..blocks import MLP, Gemma4Attention, Gemma4Router, SplitGateExperts, gemma4_rope, gemma4_rope_params
+from ..blocks import MLP, Gemma4Attention, Gemma4Experts, Gemma4Router, gemma4_expert_name, gemma4_rope, \
+    gemma4_rope_params
 from ..cache import PrefixViewCache, make_layer_caches
 from ..errors import UserError
 from ..layers import RMSNormFP32Scale, activation, gated_fp32
-from ..shard import shard_attention, shard_fused_gate_up_experts, shard_mlp
+from ..shard import shard_attention, shard_mlp, shard_switch_glu
 from .base import FULL, SLIDING, BaseModelArgs, CausalLM, DecoderStack, derive_layer_types
 
 _DROP = ("model.encoder.vision_tower.", "model.encoder.embed_vision.")
@@ -176,7 +177,7 @@ class DecoderLayer(nn.Module):
             setattr(self, name, RMSNormFP32Scale(H, eps))
         self.layer_scalar = mx.ones((1,))
         self.router = Gemma4Router(H, args.num_experts, args.top_k_experts, eps)
-        self.experts = SplitGateExperts(args.num_experts, H, args.moe_intermediate_size, act)
+        self.experts = Gemma4Experts(args.num_experts, H, args.moe_intermediate_size, act)
 
     def __call__(self, x, mask=None, cache=None, scalar=None):
         h = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), mask, cache))
@@ -482,14 +483,16 @@ class Model(CausalLM):
                 continue
             if name.startswith(_ENCODER) and not name.endswith(".layer_scalar"):
                 continue
-            out[name] = w
+            out[gemma4_expert_name(name)] = w
         return super().sanitize(out)
 
     def shard(self, group):
         for layer in self.layers:
             shard_attention(layer.self_attn, group)
             shard_mlp(layer.mlp, group)
-            shard_fused_gate_up_experts(layer.experts, group)
+            shard_switch_glu(layer.experts, group)
+            if not group.single:
+                layer.experts.group = group
         self.shard_head(group)
 
     def collectives_per_token(self) -> dict:
@@ -500,5 +503,6 @@ class Model(CausalLM):
             ex = layer.experts
             if not ex.group.single:
                 calls += 1
-                nbytes += ex.down_proj.shape[1] * ex.down_proj.dtype.size
+                d = ex.down_proj
+                nbytes += d.weight.shape[1] * (d.scales if "scales" in d else d.weight).dtype.size
         return {**plan, "all_sum": (calls, nbytes)}
