@@ -1,9 +1,10 @@
 """Stacked routed experts (mlxcel_dist/experts.py) of qwen3_moe and glm4_moe:
 both config forms, both weight layouts (transformers' per-expert keys,
 mlx-lm's switch_mlp, 4-bit), the grouped prefill path, and `--moe-split
-experts` (whole experts per rank; also step3p5's stacked experts) under the
-real launcher at np 2 and np 3, against the single-process run and the
-reference."""
+experts` (whole experts per rank; every family on experts.SwitchGLU: also
+deepseek_v3, minimax_m2, llama4, step3p5, gemma4, diffusion_gemma, and the
+mlx-lm 4-bit checkpoints) under the real launcher at np 2 and np 3, against
+the single-process run and the reference."""
 
 import json
 import shutil
@@ -141,9 +142,14 @@ def test_more_ranks_than_experts_is_refused_before_launch():
 RUNS = {
     2: [(d, "experts", "") for d in MOE_CASES if d.name != "mqa_bf16"]
     + [(FIXTURES / "qwen3_moe" / "sliding_fp32", "experts", "3,1"), (FIXTURES / "step3p5" / "moe_fp32", "experts", "")]
-    + [(d, split, "") for d in MLX_LM for split in ("experts", "intermediate")],
+    + [(d, split, "") for d in MLX_LM for split in ("experts", "intermediate")]
+    + [(FIXTURES / c, "experts", "") for c in ("minimax_m2/gqa_fp32", "llama4/gqa_fp32", "deepseek_v3/yarn_fp32",
+                                               "gemma4/moe_fp32", "diffusion_gemma/moe_fp32")]
+    + [(FIXTURES / "mlx_lm" / f"{f}_q4", "experts", "") for f in ("minimax_m2", "llama4", "deepseek_v3")],
     3: [(FIXTURES / "qwen3_moe" / "gqa_fp32", "experts", ""), (FIXTURES / "glm4_moe" / "topk3_fp32", "experts", ""),
-        (FIXTURES / "glm4_moe" / "mqa_bf16", "experts", ""), (FIXTURES / "step3p5" / "moe_bf16", "experts", "")],  # (the 4-bit o_proj cannot split 8 heads 3 ways)
+        (FIXTURES / "glm4_moe" / "mqa_bf16", "experts", ""), (FIXTURES / "step3p5" / "moe_bf16", "experts", ""),
+        (FIXTURES / "minimax_m2" / "hub_layout_fp32", "experts", ""), (FIXTURES / "llama4" / "multimodal_fp32", "experts", ""),
+        (FIXTURES / "deepseek_v3" / "kimi_k2_fp32", "experts", "")],  # (the 4-bit o_proj cannot split 8 heads 3 ways)
 }
 
 
@@ -164,6 +170,7 @@ def test_expert_placement_is_exact_under_the_launcher(launched):
         label = f"{_id(d)} np{n} {split} {w}"
         ranks = [json.loads((out / f"{i}.rank{r}.json").read_text()) for r in range(n)]
         cfg = read_config(d)
+        cfg = cfg.get("text_config") or cfg
         E = next(cfg[k] for k in ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts") if cfg.get(k))
         weights = [Fraction(x) for x in w.split(",")] if w else None
         if split == "experts":  # each rank holds exactly its whole experts
@@ -175,7 +182,8 @@ def test_expert_placement_is_exact_under_the_launcher(launched):
         mlx_lm = not (d / "reference.npz").exists()
         ref = np.load(d / ("mlx_lm_reference.npz" if mlx_lm else "reference.npz"))["logits"]
         single = single_process_logits(d, "mlx_lm_reference.npz" if mlx_lm else "reference.npz")
-        tol = FP32_REL_TOL if mlx_lm else rel_tol_for(str(json.loads((d / "config.json").read_text())["dtype"]))
+        raw = json.loads((d / "config.json").read_text())
+        tol = FP32_REL_TOL if mlx_lm else rel_tol_for(str(raw.get("dtype") or raw["torch_dtype"]))  # hub configs: torch_dtype
         with np.load(out / f"{i}.npz") as z:
             for mode in z.files:
                 for what, want_logits in (("np1", single[mode]), ("reference", ref)):
