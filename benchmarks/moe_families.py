@@ -6,7 +6,8 @@ usage: python benchmarks/moe_families.py [--families qwen3_moe,glm4_moe,minimax_
 
 Per family a random checkpoint (never committed) under $MLXCEL_BENCH_CACHE or
 /tmp/mlxcel-bench: transformers 5 builds the model from a transformers-4
-config (CONFIGS; ~0.2-0.3B parameters, bf16, its own random init), saves it,
+config (CONFIGS; 40-70M parameters, bf16, its own random init: MLX's CPU
+quantized kernels make larger ones minutes a run on a shared 2-core box), saves it,
 the config is the transformers-4 form mlx-lm reads (llama4 as the multimodal
 wrapper, weights under `language_model.`, as mlx-lm wants it), and
 `mlx_lm.convert(quantize=True, q_bits=4, q_group_size=64)` writes the file
@@ -34,33 +35,33 @@ sys.path.insert(0, str(HERE))
 from compare_mlx_lm import _run, machine  # noqa: E402
 from random_ckpt import ROOT, cache_dir  # noqa: E402
 
-_COMMON = dict(vocab_size=32768, hidden_size=1024, num_attention_heads=16, num_key_value_heads=4, head_dim=64,
+_COMMON = dict(vocab_size=8192, hidden_size=512, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
                rms_norm_eps=1e-6, max_position_embeddings=8192, tie_word_embeddings=False, hidden_act="silu",
                bos_token_id=2, eos_token_id=1, pad_token_id=0, torch_dtype="bfloat16", rope_scaling=None)
 CONFIGS = {  # transformers-4 forms (what mlx-lm reads); 32 experts top-4 unless said
-    "qwen3_moe": dict(_COMMON, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_hidden_layers=6,
-                      intermediate_size=2048, moe_intermediate_size=384, num_experts=32, num_experts_per_tok=4,
+    "qwen3_moe": dict(_COMMON, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_hidden_layers=4,
+                      intermediate_size=1024, moe_intermediate_size=256, num_experts=32, num_experts_per_tok=4,
                       norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], rope_theta=1_000_000.0,
                       use_sliding_window=False, sliding_window=None),
-    "glm4_moe": dict(_COMMON, architectures=["Glm4MoeForCausalLM"], model_type="glm4_moe", num_hidden_layers=6,
-                     intermediate_size=2048, moe_intermediate_size=384, n_routed_experts=32, num_experts_per_tok=4,
+    "glm4_moe": dict(_COMMON, architectures=["Glm4MoeForCausalLM"], model_type="glm4_moe", num_hidden_layers=4,
+                     intermediate_size=1024, moe_intermediate_size=256, n_routed_experts=32, num_experts_per_tok=4,
                      n_group=4, topk_group=2, n_shared_experts=1, first_k_dense_replace=1, norm_topk_prob=True,
                      routed_scaling_factor=2.5, partial_rotary_factor=0.5, use_qk_norm=True, attention_bias=True,
                      rope_theta=1_000_000.0, num_nextn_predict_layers=0),
-    "minimax_m2": dict(_COMMON, architectures=["MiniMaxM2ForCausalLM"], model_type="minimax_m2", num_hidden_layers=6,
-                       intermediate_size=384, num_local_experts=32, num_experts_per_tok=4, rotary_dim=32,
+    "minimax_m2": dict(_COMMON, architectures=["MiniMaxM2ForCausalLM"], model_type="minimax_m2", num_hidden_layers=4,
+                       intermediate_size=256, num_local_experts=32, num_experts_per_tok=4, rotary_dim=32,
                        rope_theta=5_000_000.0, shared_intermediate_size=0),
-    "llama4": dict(_COMMON, architectures=["Llama4ForCausalLM"], model_type="llama4_text", num_hidden_layers=8,
-                   intermediate_size=1024, intermediate_size_mlp=2048, num_local_experts=16, num_experts_per_tok=1,
+    "llama4": dict(_COMMON, architectures=["Llama4ForCausalLM"], model_type="llama4_text", num_hidden_layers=4,
+                   intermediate_size=512, intermediate_size_mlp=1024, num_local_experts=16, num_experts_per_tok=1,
                    interleave_moe_layer_step=2, attention_chunk_size=8192, no_rope_layer_interval=4,
                    no_rope_layers=[], use_qk_norm=True, attn_temperature_tuning=True, floor_scale=8192,
                    attn_scale=0.1, rope_theta=500_000.0, rms_norm_eps=1e-5, attention_bias=False),  # 16 experts top-1 (Scout's)
     "deepseek_v3": dict(_COMMON, architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3",
-                        num_hidden_layers=6, num_key_value_heads=16, intermediate_size=2048,
-                        moe_intermediate_size=384, n_routed_experts=32, num_experts_per_tok=4, n_group=4,
+                        num_hidden_layers=4, num_key_value_heads=8, intermediate_size=1024,
+                        moe_intermediate_size=256, n_routed_experts=32, num_experts_per_tok=4, n_group=4,
                         topk_group=2, n_shared_experts=1, first_k_dense_replace=1, norm_topk_prob=True,
-                        routed_scaling_factor=2.5, q_lora_rank=384, kv_lora_rank=256, qk_nope_head_dim=64,
-                        qk_rope_head_dim=32, v_head_dim=64, rope_theta=10_000.0, rope_interleave=True, attention_bias=False,
+                        routed_scaling_factor=2.5, q_lora_rank=256, kv_lora_rank=128, qk_nope_head_dim=32,
+                        qk_rope_head_dim=32, v_head_dim=32, rope_theta=10_000.0, rope_interleave=True, attention_bias=False,
                         num_nextn_predict_layers=0),
 }
 

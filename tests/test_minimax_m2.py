@@ -137,6 +137,7 @@ def test_info_names_each_layer():
     lines = m.describe_layers()
     assert len(lines) == 2 and all("q/k norm over the whole projection" in x and "moe 6 experts top-3" in x
                                    and "rotary 4/8 dims" in x for x in lines)  # fmt: skip
+    assert [x.split(", ")[0] for x in lines] == ["0: full", "1: full"]  # every minimax_m2 layer: full attention, MoE
 
 
 @pytest.mark.parametrize("n", [2, 4])
