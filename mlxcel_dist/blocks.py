@@ -279,7 +279,11 @@ class SandwichBlock(PreNormBlock):
 
     def finish(self, x, a):
         h = x + self.post_attention_layernorm(a)
-        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+        return h + self.post_feedforward_layernorm(self.ffn(h))
+
+    def ffn(self, h):
+        """The feed-forward branch before its post-norm (Gemma 4 adds its experts here)."""
+        return self.mlp(self.pre_feedforward_layernorm(h))
 
 
 # --------------------------------------------------------------------------- Gemma 4 pieces
@@ -414,6 +418,43 @@ class Gemma4Experts(SwitchGLU):
     def __call__(self, x, indices, weights):
         # x [N, hidden]; indices [N, k]; weights [N, k] (float32)
         return self.group.all_sum(super().__call__(x, indices, weights))
+
+
+class Gemma4Block(SandwichBlock):
+    """Gemma 4's decoder layer (gemma4, diffusion_gemma): a SandwichBlock
+    whose feed-forward branch may add routed experts beside the dense MLP
+    (`moe` = (router, experts): each branch post-normed,
+    `post_feedforward_layernorm_1` / `_2`, then the shared post-norm; the
+    router reads the un-normed residual, the experts its
+    `pre_feedforward_layernorm_2`), the layer's output times `layer_scalar`
+    (or the caller's `scalar`: diffusion_gemma's encoder pass)."""
+
+    def __init__(self, self_attn: nn.Module, mlp: nn.Module, hidden_size: int, norm: Callable[[int], nn.Module],
+                 moe: tuple | None = None):
+        super().__init__(self_attn, mlp, hidden_size, norm)
+        self.layer_scalar = mx.ones((1,))
+        if moe is not None:
+            self.router, self.experts = moe
+            self.post_feedforward_layernorm_1 = norm(hidden_size)
+            self.post_feedforward_layernorm_2 = norm(hidden_size)
+            self.pre_feedforward_layernorm_2 = norm(hidden_size)
+
+    def __call__(self, x, mask=None, cache=None, scalar=None):
+        return self.scaled(self.finish(x, self.self_attn(self.input_layernorm(x), mask, cache)), scalar)
+
+    def ffn(self, h):
+        m = self.mlp(self.pre_feedforward_layernorm(h))
+        if "experts" not in self:
+            return m
+        B, L, D = h.shape
+        flat = h.reshape(B * L, D)  # [N, hidden]: the router reads the residual, not a normed copy
+        idx, w = self.router(flat)
+        e = self.experts(self.pre_feedforward_layernorm_2(flat), idx, w).reshape(B, L, D)
+        return self.post_feedforward_layernorm_1(m) + self.post_feedforward_layernorm_2(e)
+
+    def scaled(self, h, scalar=None):
+        s = self.layer_scalar if scalar is None else scalar
+        return h * s.astype(h.dtype)
 
 
 def gemma4_expert_name(name: str) -> str:

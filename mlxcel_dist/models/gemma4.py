@@ -45,8 +45,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..blocks import MLP, Gemma4Attention, Gemma4Experts, Gemma4Router, gemma4_expert_name, gemma4_rope, \
-    gemma4_rope_params
+from ..blocks import MLP, Gemma4Attention, Gemma4Block, Gemma4Experts, Gemma4Router, gemma4_expert_name, \
+    gemma4_rope, gemma4_rope_params
 from ..errors import UserError
 from ..layers import RMSNormFP32Scale, activation, gated_fp32
 from ..shard import shard_attention, shard_mlp, shard_switch_glu
@@ -167,9 +167,8 @@ class ModelArgs(BaseModelArgs):
         return self.kv_source[i] is not None
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(Gemma4Block):
     def __init__(self, args: ModelArgs, i: int):
-        super().__init__()
         kind = args.layer_types[i]
         head_dim, kv_heads = args.layer_heads[i]
         eps = args.rms_norm_eps
@@ -178,7 +177,7 @@ class DecoderLayer(nn.Module):
         def norm(d):
             return RMSNormFP32Scale(d, eps)
 
-        self.self_attn = Gemma4Attention(
+        attn = Gemma4Attention(
             H, args.num_attention_heads, kv_heads, head_dim,
             window=args.sliding_window if kind == SLIDING else None,
             rope=gemma4_rope(args.rope[kind], head_dim),
@@ -189,40 +188,24 @@ class DecoderLayer(nn.Module):
         )  # fmt: skip
         act = activation(args.hidden_activation)
         wide = 2 if args.use_double_wide_mlp and args.is_shared(i) else 1
-        self.mlp = MLP(H, args.intermediate_size * wide, act)
-        self.input_layernorm = norm(H)
-        self.post_attention_layernorm = norm(H)
-        self.pre_feedforward_layernorm = norm(H)
-        self.post_feedforward_layernorm = norm(H)
-        self.layer_scalar = mx.ones((1,))
+        moe = None
+        if args.enable_moe_block:
+            moe = (Gemma4Router(H, args.num_experts, args.top_k_experts, eps),
+                   Gemma4Experts(args.num_experts, H, args.moe_intermediate_size, act))
+        super().__init__(attn, MLP(H, args.intermediate_size * wide, act), H, norm, moe)
         P = args.hidden_size_per_layer_input
         if P:
             self.act = act
             self.per_layer_input_gate = nn.Linear(H, P, bias=False)
             self.per_layer_projection = nn.Linear(P, H, bias=False)
             self.post_per_layer_input_norm = norm(H)
-        if args.enable_moe_block:
-            self.router = Gemma4Router(H, args.num_experts, args.top_k_experts, eps)
-            self.experts = Gemma4Experts(args.num_experts, H, args.moe_intermediate_size, act)
-            self.post_feedforward_layernorm_1 = norm(H)
-            self.post_feedforward_layernorm_2 = norm(H)
-            self.pre_feedforward_layernorm_2 = norm(H)
 
     def __call__(self, x, mask=None, cache=None, per_layer_input=None):
-        h = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), mask, cache))
-        m = self.mlp(self.pre_feedforward_layernorm(h))
-        if "experts" in self:
-            m = self.post_feedforward_layernorm_1(m)
-            B, L, D = h.shape
-            flat = h.reshape(B * L, D)  # [N, hidden]: the router reads the residual, not a normed copy
-            idx, w = self.router(flat)
-            e = self.experts(self.pre_feedforward_layernorm_2(flat), idx, w).reshape(B, L, D)
-            m = m + self.post_feedforward_layernorm_2(e)
-        h = h + self.post_feedforward_layernorm(m)
+        h = self.finish(x, self.self_attn(self.input_layernorm(x), mask, cache))
         if per_layer_input is not None:
             g = gated_fp32(self.act)(self.per_layer_input_gate(h), per_layer_input)
             h = h + self.post_per_layer_input_norm(self.per_layer_projection(g))
-        return h * self.layer_scalar.astype(h.dtype)
+        return self.scaled(h)
 
 
 def _scale(x, s: float):
