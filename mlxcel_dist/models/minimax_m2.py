@@ -256,7 +256,7 @@ class Model(CausalLM):
         for name, w in weights.items():
             name = name.replace(".block_sparse_moe.", ".mlp.")
             if name.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")):
-                out[name + ".weight"] = w  # transformers' tensor, our StackedLinear
+                out[name + ".weight"] = w  # transformers' tensor, our fused SwitchLinear
                 continue
             if ".mlp.experts." in name and name.endswith((".w1.weight", ".w2.weight", ".w3.weight")):
                 head, rest = name.split(".mlp.experts.", 1)
