@@ -8,6 +8,7 @@ the single-process run and the reference."""
 
 import json
 import shutil
+from pathlib import Path
 from fractions import Fraction
 
 import mlx.core as mx
@@ -229,3 +230,47 @@ def test_ranks_holding_whole_experts_sum_to_the_whole_block(n, grouped):
         part.expert_range = (e0, e1)
         total = total + part(x, idx, w, grouped=grouped)
     np.testing.assert_allclose(np.array(total), np.array(want), rtol=0, atol=1e-6 * float(mx.abs(want).max()))
+
+
+# Our own 4-bit conversions (convert --quantize) at np 2, both placements ---------------------
+# group sizes: 32 cuts qwen3_moe's / glm4_moe's expert down_proj (I = 64) into two groups, so the
+# intermediate split runs on quantized down projections; llama4's I = 32 (routed and shared) is
+# one group of 32, which no 2-way cut splits, so it takes the default 64 (gate/up quantized, down not)
+CONVERT_GROUPS = {"qwen3_moe": 32, "glm4_moe": 32, "minimax_m2": 32, "llama4": 64}
+
+
+@pytest.fixture(scope="module")
+def converted_np2(tmp_path_factory):
+    from mlxcel_dist.convert import convert_checkpoint
+
+    root = tmp_path_factory.mktemp("convert-q4")
+    runs = []
+    for f, gs in CONVERT_GROUPS.items():
+        src = FIXTURES / f / "gqa_fp32"
+        d = Path(convert_checkpoint(src, root / f, quantize=True, bits=4, group_size=gs)["out"])
+        shutil.copyfile(src / "reference.npz", d / "reference.npz")  # for its ids (its logits: the fp32 model's)
+        runs += [(d, split) for split in ("intermediate", "experts")]
+    out = root / "np2"
+    out.mkdir()
+    assert launch([str(out)] + [f"{d}@{split}" for d, split in runs], 2, "mpi", script=str(HELPER)) == 0
+    return runs, out
+
+
+def test_our_4bit_conversions_run_at_np2_in_both_placements(converted_np2):
+    runs, out = converted_np2
+    for i, (d, split) in enumerate(runs):
+        label = f"{d.name} {split}"
+        model = load_model(d).model
+        sw = next(m for _, m in model.named_modules() if hasattr(m, "expert_range"))
+        gate = sw.gate_up_proj if sw.fused else sw.gate_proj
+        quantized = [type(x).__name__ == "QuantizedSwitchLinear" for x in (gate, sw.down_proj)]
+        assert quantized == [True, d.name in ("qwen3_moe", "glm4_moe")], label  # down: I a multiple of the group
+        ranks = [json.loads((out / f"{i}.rank{r}.json").read_text()) for r in range(2)]
+        want = expert_ranges(sw.num_experts, 2) if split == "experts" else [None, None]
+        assert [r["expert_range"] and tuple(r["expert_range"]) for r in ranks] == want, label
+        single = single_process_logits(d)
+        with np.load(out / f"{i}.npz") as z:
+            assert set(z.files) == set(single), label
+            for mode in z.files:
+                r = compare(z[mode], single[mode], FP32_REL_TOL)
+                assert r["ok"], (label, mode, r)
