@@ -174,7 +174,7 @@ class SwitchGLU(nn.Module):
                 e0, e1 = self.expert_range
                 w = mx.where((idx >= e0) & (idx < e1), w, mx.zeros_like(w))  # another rank's expert: 0 here
                 local = mx.clip(idx - e0, 0, e1 - e0 - 1)
-            if self.combine == "inputs":
+            if self.combine == "inputs":  # (another rank's expert: zero inputs, so exactly zero out: glu(0, 0) = 0)
                 xe = (x[:, None, :] * w[..., None])[:, :, None, :]  # [N, k, 1, hidden]: the scaled inputs
             else:
                 xe = x[:, None, None, :]  # [N, 1, 1, hidden]: one row per (token, chosen expert)
