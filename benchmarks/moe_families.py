@@ -176,10 +176,16 @@ def main() -> int:
     print(f"machine: {info.get('cpu')}, nproc {info['nproc']}; mlx {info.get('mlx')}, mlx-lm {info.get('mlx_lm')}; "
           f"commit {info.get('commit')}; {info['date']}; prompt {a.prompt_tokens}, {a.gen_tokens} generated, "
           f"{a.trials} trial(s)")
-    res = {f: bench_family(f, a) for f in fams}
-    if a.json:
-        Path(a.json).write_text(json.dumps({"machine": info, "args": vars(a), "families": res}, indent=1))
-    return 0
+    res, failed = {}, []
+    for f in fams:
+        try:
+            res[f] = bench_family(f, a)
+        except SystemExit as e:  # one run failed (compare_mlx_lm._run): report it, go on with the next family
+            failed.append(f)
+            print(f"\n### {f}: a run failed\n\n{e}", flush=True)
+        if a.json:  # after every family: a later failure keeps what was measured
+            Path(a.json).write_text(json.dumps({"machine": info, "args": vars(a), "families": res}, indent=1))
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
