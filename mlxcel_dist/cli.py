@@ -75,8 +75,8 @@ RankWeightsOpt = Annotated[
 MoeSplitOpt = Annotated[
     str,
     typer.Option("--moe-split", help="Routed experts' placement across tensor-parallel ranks: intermediate (each rank a "
-                 "slice of every expert) or experts (each rank whole experts; qwen3_moe, glm4_moe, step3p5, "
-                 "qwen3_next, qwen3_5_moe).",
+                 "slice of every expert) or experts (each rank whole experts; the stacked-expert families: qwen3_moe, "
+                 "glm4_moe, deepseek_v3, minimax_m2, llama4, step3p5, gemma4, qwen3_next, qwen3_5_moe).",
                  metavar="intermediate|experts"),
 ]
 DtypeOpt = Annotated[

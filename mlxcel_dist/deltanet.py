@@ -45,7 +45,7 @@ from .cache import FULL, LINEAR, DeltaNetCache, KVCache
 from .collectives import SINGLE
 from .errors import UserError
 from .experts import SwitchGLU, use_grouped
-from .layers import GemmaRMSNorm, RMSNormFP32Scale, activation
+from .layers import GemmaRMSNorm, RMSNormFP32Scale, activation, gated_fp32
 from .masks import layer_masks
 from .shard import shard_attention, shard_deltanet, shard_expert_mlps, shard_mlp, shard_switch_glu
 
@@ -282,7 +282,7 @@ class SharedExpertMoE(nn.Module):
         D, act = args.hidden_size, activation(args.hidden_act)
         self.top_k, self.norm_topk_prob = args.num_experts_per_tok, norm_topk_prob
         self.gate = nn.Linear(D, args.num_experts, bias=False)
-        self.switch_mlp = SwitchGLU(D, args.moe_intermediate_size, args.num_experts, act)
+        self.switch_mlp = SwitchGLU(D, args.moe_intermediate_size, args.num_experts, gated_fp32(act))
         self.shared_expert = MLP(D, args.shared_expert_intermediate_size, act)
         self.shared_expert_gate = nn.Linear(D, 1, bias=False)
         self.group = SINGLE  # the job's group once the experts are split (shard)

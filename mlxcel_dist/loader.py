@@ -246,8 +246,9 @@ def check_shardable(model, np_: int, weights=None, moe_split: str | None = None)
         m, _ = ck.build(with_refs=False)
         if not any(hasattr(x, "expert_range") for _, x in m.named_modules()):
             raise UserError(f"--moe-split experts: {ck.config.get('model_type')} has no stacked routed experts "
-                            "that place whole experts per rank (qwen3_moe, glm4_moe, step3p5, qwen3_next, qwen3_5_moe "
-                            "do); use --moe-split intermediate")
+                            "that place whole experts per rank (the families on experts.SwitchGLU do: qwen3_moe, "
+                            "glm4_moe, deepseek_v3, minimax_m2, llama4, step3p5, gemma4, qwen3_next, qwen3_5_moe); "
+                            "use --moe-split intermediate")
     for r in range(np_):
         m, _ = ck.build(with_refs=False)
         m.shard(Group.planned(np_, r, weights, moe_split))  # on paper: parameters stay lazy

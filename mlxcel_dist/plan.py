@@ -117,7 +117,7 @@ def rank_plans(ck, n: int, weights=None, pp: int = 1, moe_split: str | None = No
 
 def moe_placement(m, ranks) -> str | None:
     """plan's line on the routed experts' placement (None: no stacked routed experts)."""
-    if not any(hasattr(x, "expert_range") for _, x in m.named_modules()):  # experts.SwitchGLU, step3p5's MoE
+    if not any(hasattr(x, "expert_range") for _, x in m.named_modules()):  # an experts.SwitchGLU
         return None
     if any(rp.experts is not None for rp in ranks):
         held = ", ".join(f"rank {rp.rank} {_span(rp.experts)}" for rp in ranks)

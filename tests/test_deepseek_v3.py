@@ -178,7 +178,7 @@ def test_mlx_lm_4bit_checkpoint_matches_mlx_lm_at_np1():
 
     ref = np.load(MLX_LM / "mlx_lm_reference.npz")
     model = load_model(MLX_LM).model
-    assert type(model.layers[1].mlp.switch_mlp.gate_proj).__name__ == "QuantizedStackedLinear"
+    assert type(model.layers[1].mlp.switch_mlp.gate_proj).__name__ == "QuantizedSwitchLinear"
     for mode, logits in all_mode_logits(model, ref["ids"]).items():
         r = compare(logits, ref["logits"], FP32_REL_TOL)
         assert r["ok"], (mode, r)
@@ -234,7 +234,7 @@ def test_our_quantized_conversion_runs_in_both_caches(tmp_path, monkeypatch, lat
     out = convert_checkpoint(FIX / "no_qlora_fp32", tmp_path / "q4", quantize=True, bits=4, group_size=32)["out"]
     model = load_model(out).model
     attn, moe = model.layers[1].self_attn, model.layers[1].mlp
-    assert "scales" in attn.kv_b_proj and type(moe.switch_mlp.gate_proj).__name__ == "QuantizedStackedLinear"
+    assert "scales" in attn.kv_b_proj and type(moe.switch_mlp.gate_proj).__name__ == "QuantizedSwitchLinear"
     ids = np.load(FIX / "no_qlora_fp32" / "reference.npz")["ids"]
     modes = all_mode_logits(model, ids)
     for mode, logits in modes.items():

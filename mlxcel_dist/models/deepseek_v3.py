@@ -42,7 +42,8 @@ every released checkpoint has at 1); else MoE:
   the chosen unbiased scores, renormalised (norm_topk_prob, + 1e-20), times
   routed_scaling_factor;
 - routed experts stacked (mlx-lm's `mlp.switch_mlp.{gate,up,down}_proj`,
-  [E, I, hidden] / [E, hidden, I]); only the k chosen run (`mx.gather_mm`);
+  [E, I, hidden] / [E, hidden, I], `experts.SwitchGLU`); only the k chosen
+  run (`mx.gather_mm`);
   each product times its fp32 weight, rounded to the hidden dtype, summed in
   ascending expert order (the reference's index_add); transformers' per-expert
   keys `mlp.experts.N.*` are stacked lazily by sanitize (a rank reads only
@@ -54,9 +55,10 @@ fine): q_b_proj / q_proj rows, kv_b_proj rows and o_proj columns of its
 heads; q_a_proj, kv_a_proj_with_mqa and their norms replicated (every rank
 computes the latent). Its per-head cache holds its heads' K/V only (1/N of
 the per-head cache); the latent cache is whole on every rank. Dense MLPs
-split by columns; routed and shared experts split on their intermediate
-dimension (`shard.shard_stacked_experts_any`, `shard.shard_expert_mlps`),
-the router replicated, one all_sum per MoE block.
+split by columns; routed experts split on their intermediate dimension or
+as whole experts per rank (`--moe-split`, `shard.shard_switch_glu`), shared
+experts on their intermediate dimension (`shard.shard_expert_mlps`), the
+router replicated, one all_sum per MoE block.
 MTP layers (`model.layers.N.*`, N >= num_hidden_layers) are dropped.
 
 deepseek_v32 (DeepSeek Sparse Attention; transformers 5.24's
@@ -98,13 +100,14 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..attention import causal_attention
-from ..blocks import MLP, PreNormBlock, StackedLinear
+from ..blocks import MLP, PreNormBlock
 from ..collectives import SINGLE
 from ..errors import UserError
+from ..experts import SwitchGLU
 from ..layers import LayerNorm, RMSNorm, activation, gated_fp32
 from ..masks import CAUSAL, create_causal_mask
 from ..rope import RoPE
-from ..shard import shard_expert_mlps, shard_latent_attention, shard_mlp, shard_stacked_experts_any
+from ..shard import shard_expert_mlps, shard_latent_attention, shard_mlp, shard_switch_glu
 from ..weights import join
 from .base import FULL, BaseModelArgs, CausalLM, DecoderStack, describe_layers
 
@@ -441,30 +444,6 @@ class MoEGate(nn.Module):
         return idx, w * self.routed_scaling_factor
 
 
-class SwitchGLU(nn.Module):
-    """The routed experts stacked (mlx-lm's switch_mlp names: gate/up/down
-    `blocks.StackedLinear`, quantized as mlx-lm stores them); only each
-    token's chosen experts run (gather_mm / gather_qmm)."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, act):
-        super().__init__()
-        self.gate_proj = StackedLinear(num_experts, hidden_size, intermediate_size)
-        self.up_proj = StackedLinear(num_experts, hidden_size, intermediate_size)
-        self.down_proj = StackedLinear(num_experts, intermediate_size, hidden_size)
-        self.act = gated_fp32(act)
-
-    def __call__(self, x, idx, w):
-        """x [N, hidden], idx [N, k] ascending, w [N, k] fp32 -> [N, hidden]."""
-        xe = x[:, None, None, :]  # [N, 1, 1, hidden]: one row per (token, chosen expert)
-        h = self.act(self.gate_proj(xe, idx), self.up_proj(xe, idx))  # [N, k, 1, I]
-        out = self.down_proj(h, idx).squeeze(-2)  # [N, k, hidden]
-        parts = (out.astype(mx.float32) * w[..., None]).astype(x.dtype)  # each rounded, as index_add adds them
-        y = parts[:, 0]
-        for j in range(1, parts.shape[1]):
-            y = y + parts[:, j]
-        return y
-
-
 class MoE(nn.Module):
     """Router, routed experts and shared experts; one all_sum once sharded."""
 
@@ -473,7 +452,7 @@ class MoE(nn.Module):
         act = activation(args.hidden_act)
         I = args.moe_intermediate_size
         self.gate = MoEGate(args)
-        self.switch_mlp = SwitchGLU(args.hidden_size, I, args.n_routed_experts, act)
+        self.switch_mlp = SwitchGLU(args.hidden_size, I, args.n_routed_experts, gated_fp32(act))
         self.shared_experts = MLP(args.hidden_size, I * args.n_shared_experts, act)
         self.group = SINGLE  # the job's group once the experts are split (shard)
 
@@ -612,7 +591,7 @@ class Model(CausalLM):
         for layer in self.layers:
             shard_latent_attention(layer.self_attn, group)
             if isinstance(layer.mlp, MoE):
-                shard_stacked_experts_any(layer.mlp.switch_mlp, group)
+                shard_switch_glu(layer.mlp.switch_mlp, group)
                 shard_expert_mlps([layer.mlp.shared_experts], group)
                 if not group.single:
                     layer.mlp.group = group
