@@ -524,13 +524,35 @@ class _ArrayRef:
         return mx.concatenate([self.a[(slice(None),) * axis + (slice(s, e),)] for s, e in ranges], axis=axis)
 
 
+class _DequantizedRef:
+    """A quantized stack [H, out, in] (mlx-lm's quantized `embed_q` /
+    `unembed_out`: packed words, scales, biases) read as its dequantized
+    values, head ranges only (axis 0): kv_b_proj is rebuilt from them in the
+    float dtype, as no kv_b_proj is stored to quantize."""
+
+    def __init__(self, w, scales, biases, in_dims: int):
+        self.w, self.scales, self.biases = w, scales, biases
+        self.group_size = in_dims // scales.shape[-1]
+        self.bits = w.shape[-1] * 32 // in_dims
+        self.dtype = scales.dtype
+        self.shape = (*w.shape[:-1], in_dims)
+
+    def read(self, axis=None, ranges=None) -> mx.array:
+        assert axis in (None, 0), "read by heads only"
+        w, scales, biases = ((a.read(0, ranges) if axis == 0 else a.read()) if a is not None else None
+                             for a in (self.w, self.scales, self.biases))
+        return mx.dequantize(w, scales, biases, group_size=self.group_size, bits=self.bits)
+
+
 def _kv_b_proj(wk, wv):
-    """kv_b_proj.weight from mlx-lm's embed_q / unembed_out weights (None: names only)."""
+    """kv_b_proj.weight from mlx-lm's embed_q / unembed_out weights (None:
+    names only; either may be a _DequantizedRef)."""
     if wk is None:
         return None
-    if isinstance(wk, mx.array):
+    if isinstance(wk, mx.array) and isinstance(wv, mx.array):
         return _KvbRef(_ArrayRef(wk), _ArrayRef(wv)).read()
-    return _KvbRef(wk, wv)
+    ref = (lambda a: _ArrayRef(a) if isinstance(a, mx.array) else a)
+    return _KvbRef(ref(wk), ref(wv))
 
 
 class Model(CausalLM):
@@ -554,13 +576,27 @@ class Model(CausalLM):
 
     def sanitize(self, weights: dict) -> dict:
         """Drop MTP layers (N >= num_hidden_layers) and saved RoPE buffers;
-        rebuild kv_b_proj from mlx-lm's `embed_q` / `unembed_out` (unquantized);
+        rebuild kv_b_proj from mlx-lm's `embed_q` / `unembed_out` (quantized
+        ones dequantized: mlx-lm quantizes them when their input dims are whole
+        groups, e.g. kv_lora 512, so kv_b_proj is then a float Linear);
         stack per-expert `mlp.experts.N.<proj>.weight` into
         `mlp.switch_mlp.<proj>.weight` (lazily); the correction bias under
         either name (`mlp.gate.e_score_correction_bias` as the hub stores it,
         or `mlp.e_score_correction_bias`)."""
         n, E = self.args.num_hidden_layers, self.args.n_routed_experts
         out, experts = {}, {}
+        ins = {"embed_q": self.args.qk_nope_head_dim, "unembed_out": self.args.kv_lora_rank}
+
+        def split_weight(name):  # mlx-lm's embed_q / unembed_out, dequantized when stored quantized
+            w = weights.get(name)
+            base = name[: -len(".weight")]
+            if w is None or base + ".scales" not in weights:
+                return w
+            wrap = (lambda a: _ArrayRef(a) if isinstance(a, mx.array) else a)
+            biases = weights.get(base + ".biases")
+            return _DequantizedRef(wrap(w), wrap(weights[base + ".scales"]), None if biases is None else wrap(biases),
+                                   ins[base.rsplit(".", 1)[1]])
+
         for name, w in weights.items():
             parts = name.split(".")
             if name.endswith("rotary_emb.inv_freq") or (
@@ -568,11 +604,14 @@ class Model(CausalLM):
             ):
                 continue
             name = name.replace(".mlp.e_score_correction_bias", ".mlp.gate.e_score_correction_bias")
-            if name.endswith(".self_attn.unembed_out.weight") and name.replace("unembed_out", "embed_q") in weights:
-                continue  # joined with embed_q
-            base = name[: -len("embed_q.weight")]
-            if name.endswith(".self_attn.embed_q.weight") and base + "unembed_out.weight" in weights:
-                out[base + "kv_b_proj.weight"] = _kv_b_proj(w, weights.get(base + "unembed_out.weight"))
+            stem, _, leaf = name.rpartition(".")
+            if stem.endswith(".self_attn.unembed_out") and stem.replace("unembed_out", "embed_q") + ".weight" in weights:
+                continue  # joined with embed_q (its scales / biases too, dequantized)
+            if stem.endswith(".self_attn.embed_q") and stem.replace("embed_q", "unembed_out") + ".weight" in weights:
+                if leaf == "weight":
+                    base = stem[: -len("embed_q")]
+                    out[base + "kv_b_proj.weight"] = _kv_b_proj(split_weight(name),
+                                                                split_weight(base + "unembed_out.weight"))
                 continue
             head, sep, tail = name.partition(".mlp.experts.")
             e, _, rest = tail.partition(".")
