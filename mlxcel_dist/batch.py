@@ -192,6 +192,7 @@ class _Admit:
     start: int  # prompt tokens the prompt cache supplies
     cache: list | None  # their caches (None: a miss)
     budget: int | None = None
+    grammar: object = None  # grammar.Matcher: the row's constrained decoding
 
 
 PAD_SLACK = 1.25  # prompts prefill together while the padded tokens stay within 25% of the real ones
@@ -242,6 +243,7 @@ class Row:
     generated: list = field(default_factory=list)
     budget: int | None = None  # ids the caller will read at most (max_tokens): no step launched past it
     launched: int = 0  # steps launched for it
+    grammar: object = None  # grammar.Matcher (None: unconstrained), advanced with each id read
 
 
 @dataclass(eq=False)
@@ -250,9 +252,11 @@ class _Flight:
     (micro-batched: also each micro-batch's ids, `parts`, its rows' and pads')."""
 
     rows: list
-    ids: mx.array
+    ids: mx.array | None  # None until `_finish` has drawn the deferred rows' ids
     extras: object
     parts: list | None = None
+    deferred: list | None = None  # (b, logits [V]) of constrained rows drawn once their last id is read
+    drawn: list | None = None  # the other rows' lazy ids (the deferred rows' slots None)
 
 
 def _plain_greedy(params) -> bool:
@@ -318,20 +322,22 @@ class BatchEngine:
         self.add_many([(rid, prompt_ids, sampling)])
 
     def add_many(self, requests) -> None:
-        """`add` for several (rid, prompt_ids, sampling[, budget]) at once
-        (budget: the most ids the caller reads for it, e.g. max_tokens); the prompts
+        """`add` for several (rid, prompt_ids, sampling[, budget[, grammar]]) at once
+        (budget: the most ids the caller reads for it, e.g. max_tokens; grammar: a
+        grammar.Matcher constraining its ids); the prompts
         with tokens to prefill are prefilled together (`_prefill_together`,
         one forward per chunk over all of them) when there are two or more and
         the model's caches are all static KV; else each alone through the
         model's own caches (chunked, exact as `generate`). Rows join in a
         fixed order (every rank makes the same calls)."""
         todo = []
-        for rid, prompt_ids, sampling, *budget in requests:
+        for rid, prompt_ids, sampling, *extra in requests:
             prompt = check_tokens(prompt_ids, vocab_size(self.model))
             start, cache = 0, None
             if self.prompt_cache is not None:
                 start, cache = self.prompt_cache.lookup(prompt, self.model.make_cache)
-            todo.append(_Admit(rid, prompt, len(prompt) - 1, sampling, start, cache, budget[0] if budget else None))
+            todo.append(_Admit(rid, prompt, len(prompt) - 1, sampling, start, cache, extra[0] if extra else None,
+                               extra[1] if len(extra) > 1 else None))
         if self.static is None:
             fresh = self.model.make_cache()
             self.static = bool(fresh) and all(c.static_kv for c in fresh)
@@ -392,7 +398,7 @@ class BatchEngine:
         if self.prompt_cache is not None and a.start < last:
             self.prompt_cache.store(prompt[:last], cache)
         row = Row(a.rid, Sampler(a.sampling or SamplingParams(), len(prompt)), prompt.tolist(), last, int(prompt[last]),
-                  budget=a.budget)
+                  budget=a.budget, grammar=a.grammar)
         if not self.static:
             row.eager_cache = cache
             self.rows.append(row)
@@ -496,7 +502,7 @@ class BatchEngine:
         if self.prompt_cache is not None:
             self.prompt_cache.store_layers(a.prompt[: a.last], kv, self.windows)
         self._place(Row(a.rid, Sampler(a.sampling or SamplingParams(), len(a.prompt)), a.prompt.tolist(), a.last,
-                        int(a.prompt[a.last]), budget=a.budget), kv)
+                        int(a.prompt[a.last]), budget=a.budget, grammar=a.grammar), kv)
 
     def remove(self, rid) -> None:
         """Free `rid`'s row (kept in the prompt cache when there is one): the
@@ -716,7 +722,7 @@ class BatchEngine:
         if not self.rows:
             return
         n = len(self.rows)
-        if self.static and self.micro > 1:
+        if self.static and self.micro > 1 and not any(r.grammar is not None for r in self.rows):
             self._reserve(n, max(r.pos for r in self.rows))
             if self._capacity() > 1:
                 return self._launch_micro(n, self._capacity())
@@ -729,22 +735,53 @@ class BatchEngine:
             x = (tokens if C == n else mx.concatenate([tokens, mx.zeros((C - n,), mx.int32)])).reshape(C, 1)
             logits = self._compiled(x) if self._compiled is not None else self._forward(x)
             rows = [logits[b] for b in range(n)]
-        if self.static and all(_plain_greedy(r.sampler.params) for r in self.rows):
+        masks = [None] * n
+        deferred = []
+        if self.static and all(_plain_greedy(r.sampler.params) and r.grammar is None for r in self.rows):
             # every row greedy, no penalty: one argmax over the batch (the same ids as each
             # row's Sampler: argmax of the same float32 values), not ~5 small ops per row
             stacked = mx.argmax(logits[:n].astype(mx.float32), axis=-1).astype(mx.int32)
             ids = [stacked[b] for b in range(n)]
         else:
-            # every row's sampler on its own logits, the unread id counted as context
-            ids = [r.sampler.sample(x, r.context, pending=p) for r, x, p in zip(self.rows, rows, pending)]
-            stacked = mx.stack(ids)
-        extras = self.step_extras(rows, ids, pending)
-        mx.async_eval(stacked, extras)
+            # every row's sampler on its own logits, the unread id counted as context; a
+            # constrained row whose last id is unread waits for it (`_finish`): its mask needs it
+            ids = []
+            for b, (r, x, p) in enumerate(zip(self.rows, rows, pending)):
+                if r.grammar is not None and p is not None:
+                    deferred.append((b, x))
+                    ids.append(None)
+                    continue
+                if r.grammar is not None:
+                    masks[b] = mx.array(r.grammar.mask())
+                ids.append(r.sampler.sample(x, r.context, pending=p, mask=masks[b]))
+            stacked = None if deferred else mx.stack(ids)
+        extras = self.step_extras(rows, ids, pending, masks)
+        if deferred:
+            mx.async_eval([x for _, x in deferred], [i for i in ids if i is not None], extras)
+        else:
+            mx.async_eval(stacked, extras)
         for r in self.rows:
             r.pos += 1
             r.launched += 1
-        self._flights.append(_Flight(list(self.rows), stacked, extras))
+        self._flights.append(_Flight(list(self.rows), stacked, extras, deferred=deferred or None,
+                                     drawn=ids if deferred else None))
         self._changed = False
+
+    def _finish(self) -> None:
+        """Draw the deferred rows' ids of the step in flight: their last ids
+        are read now (`collect` advanced their grammars), so their masks are
+        known; the forward ran meanwhile. Its ids [n] are complete after."""
+        f = self._flights[-1] if self._flights else None
+        if f is None or f.deferred is None:
+            return
+        ids, extras = list(f.drawn), dict(f.extras)
+        for b, x in f.deferred:
+            r = f.rows[b]
+            mask = mx.array(r.grammar.mask())
+            ids[b] = r.sampler.sample(x, r.context, mask=mask)
+            extras.update(self._extras_of([r], [x], [ids[b]], [None], [mask]))
+        f.ids, f.extras, f.deferred, f.drawn = mx.stack(ids), extras, None, None
+        mx.async_eval(f.ids, f.extras)
 
     def collect(self) -> dict:
         """Read the oldest step in flight (the one host sync): {rid: id} of
@@ -762,6 +799,8 @@ class BatchEngine:
                 r.generated.append(tok)
                 r.token = tok
                 out[r.rid] = tok
+                if r.grammar is not None:
+                    r.grammar.advance(tok)
         self.logprobs = {rid: read_logprobs(lp) for rid, lp in (f.extras or {}).items() if rid in out}
         return out
 
@@ -778,12 +817,20 @@ class BatchEngine:
         # no step past every row's budget: its work would only be discarded (a lone request's last id)
         if self.pipelined and any(r.budget is None or r.launched < r.budget for r in self.rows):
             self.launch()
-        return self.collect()
+        out = self.collect()
+        self._finish()
+        return out
 
-    def step_extras(self, logits: list, ids: list, pending: list) -> dict:
+    def step_extras(self, logits: list, ids: list, pending: list, masks: list | None = None) -> dict:
         """Lazy arrays evaluated with a step: {rid: token_logprobs} of the
-        rows in `want`, from each row's logits, its lazy id and the id still
-        unread when the step was launched (pipelined: its context lacks it)."""
+        rows in `want`, from each row's logits, its lazy id, the id still
+        unread when the step was launched (pipelined: its context lacks it)
+        and its grammar mask (the constrained distribution); a deferred row's
+        (id None) come with its id (`_finish`)."""
+        return self._extras_of(self.rows, logits, ids, pending, masks or [None] * len(ids))
+
+    def _extras_of(self, rows, logits, ids, pending, masks) -> dict:
         return {r.rid: token_logprobs(x, r.context, r.sampler.params, prev, tok, self.want[r.rid],
-                                      r.sampler.prompt_len)
-                for r, x, tok, prev in zip(self.rows, logits, ids, pending) if r.rid in self.want}
+                                      r.sampler.prompt_len, mask)
+                for r, x, tok, prev, mask in zip(rows, logits, ids, pending, masks)
+                if r.rid in self.want and tok is not None}
