@@ -270,14 +270,16 @@ class BatchEngine:
     same calls in the same order."""
 
     def __init__(self, model, prefill_step: int | None = None, compiled: bool = True, prompt_cache=None,
-                 pipelined: bool = True, micro: int = 1):
+                 pipelined: bool = True, micro: int = 1, vocab=None):
         """`prompt_cache`: a prompt_cache.PromptCache that requests' prompts
         (and finished rows' whole sequences) are kept in and reused from.
         `pipelined=False`: each step is read before the next is built (the
         reference the pipelined steps are tested against). `micro`: each step's
         rows in that many micro-batches (serve --micro-batches, for pipeline
-        stages: `_launch_micro`)."""
+        stages: `_launch_micro`). `vocab`: a grammar.Vocab, for requests that
+        come with a grammar's text."""
         self.model = model
+        self.vocab = vocab
         self.prompt_cache = prompt_cache
         self.prefill_step = prefill_step or DEFAULT_PREFILL_STEP
         self.rows: list[Row] = []
@@ -324,7 +326,8 @@ class BatchEngine:
     def add_many(self, requests) -> None:
         """`add` for several (rid, prompt_ids, sampling[, budget[, grammar]]) at once
         (budget: the most ids the caller reads for it, e.g. max_tokens; grammar: a
-        grammar.Matcher constraining its ids); the prompts
+        grammar.Matcher constraining its ids, or a grammar's text for `vocab`'s
+        matcher); the prompts
         with tokens to prefill are prefilled together (`_prefill_together`,
         one forward per chunk over all of them) when there are two or more and
         the model's caches are all static KV; else each alone through the
@@ -336,8 +339,11 @@ class BatchEngine:
             start, cache = 0, None
             if self.prompt_cache is not None:
                 start, cache = self.prompt_cache.lookup(prompt, self.model.make_cache)
+            grammar = extra[1] if len(extra) > 1 else None
+            if isinstance(grammar, str):  # a request's grammar text (serve.wire): this rank's matcher
+                grammar = self.vocab.matcher(grammar)
             todo.append(_Admit(rid, prompt, len(prompt) - 1, sampling, start, cache, extra[0] if extra else None,
-                               extra[1] if len(extra) > 1 else None))
+                               grammar))
         if self.static is None:
             fresh = self.model.make_cache()
             self.static = bool(fresh) and all(c.static_kv for c in fresh)

@@ -10,6 +10,7 @@ group (`distributed.init_from_env`) before loading its shard.
 from __future__ import annotations
 
 import functools
+import json
 import math
 import os
 import sys
@@ -356,6 +357,8 @@ def generate(
     chat: Annotated[Optional[bool], typer.Option("--chat/--ignore-chat-template", help="Render the prompt as a user turn through the chat template (default: when the checkpoint has one), or use it as plain text.", show_default=False)] = None,
     chat_template: Annotated[Optional[str], typer.Option("--chat-template", help="A chat template (jinja text, or a file holding it) instead of the checkpoint's.")] = None,
     system: Annotated[Optional[str], typer.Option("--system-prompt", "--system", help="System prompt (a chat-template turn).")] = None,
+    json_schema: Annotated[Optional[Path], typer.Option("--json-schema", metavar="FILE", help="Constrain the answer to JSON valid under the JSON schema in FILE (constrained decoding; needs llguidance: pip install 'mlxcel-dist[grammar]').", show_default=False)] = None,
+    json_object: Annotated[bool, typer.Option("--json-object", help="Constrain the answer to a JSON object (OpenAI's json_object mode; needs llguidance).")] = False,
     check_every: Annotated[int, typer.Option("--check-every", help="Ranks compare a checksum of the generated ids every N tokens and at the end (0 = only at the end).")] = 1,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Per-rank load time and peak memory, sampling settings and seed, EOS ids (stderr).")] = False,
     prefill_step: PrefillStepOpt = None,
@@ -397,6 +400,7 @@ def generate(
     check_generation_options(max_tokens, check_every, prefill_step)  # before any rank is launched
     stops = list(stop or [])
     StopStrings(stops)
+    grammar_text = _grammar_text(json_schema, json_object)  # before launch: a bad schema is one error line
     if not launched:
         # Checkpoint and prompt problems (no config, no tokenizer, a chat
         # template that refuses the conversation, a prompt past the model's
@@ -422,8 +426,15 @@ def generate(
         _err("compiling kernels for this model's decode step (the first run of this configuration on "
              "this machine; MLX caches them for later runs)...")
 
+    matcher = None
+    if grammar_text is not None:
+        from .engine import vocab_size
+        from .grammar import Vocab
+
+        matcher = Vocab(loaded.model_dir / "tokenizer.json", vocab_size(loaded.model), tok.eos_ids).matcher(grammar_text)
     gen = generate_text(loaded.model, tok, ids, max_tokens, sampling, stop=stops, prefill_step=prefill_step,
-                        group=group, check_every=check_every, on_compile=compiling if group.is_root else None)
+                        group=group, check_every=check_every, on_compile=compiling if group.is_root else None,
+                        grammar=matcher)
     # The echoed prompt goes out with the first text: until then stdout holds
     # no partial line that a progress line on stderr could land inside.
     echo = prompt if group.is_root and not use_chat else ""
@@ -462,6 +473,28 @@ def generate(
             _err(f"{'rank':>4} {'load s':>8} {'MLX peak MiB':>13} {'peak RSS MiB':>13}")
             for r, (ls, peak, rss) in enumerate(resources):
                 _err(f"{r:>4} {ls:8.2f} {peak:13.1f} {rss:13.1f}")
+
+
+def _grammar_text(json_schema: Optional[Path], json_object: bool) -> Optional[str]:
+    """The grammar of --json-schema FILE / --json-object (grammar.py), or None."""
+    if json_schema is None and not json_object:
+        return None
+    from . import grammar
+
+    if json_schema is not None and json_object:
+        raise UserError("give --json-schema or --json-object, not both")
+    if json_object:
+        return grammar.json_object()
+    try:
+        schema = json.loads(json_schema.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise UserError(f"--json-schema: cannot read {json_schema}: {e.strerror or e}") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise UserError(f"--json-schema: {json_schema} is not JSON: {e}") from None
+    try:
+        return grammar.json_schema(schema)
+    except UserError as e:
+        raise UserError(f"--json-schema {json_schema}: {e}") from None
 
 
 def _read_stdin_text() -> str:

@@ -19,6 +19,7 @@ allowed, so a finished answer ends there.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 import threading
 
@@ -33,11 +34,7 @@ JSON_OPTIONS = {"whitespace_flexible": False}
 
 
 def available() -> bool:
-    try:
-        import llguidance  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return importlib.util.find_spec("llguidance") is not None
 
 
 def _ll():

@@ -97,15 +97,20 @@ def batchable(model) -> bool:
     return not callable(getattr(model, "generate_ids", None))
 
 
-def make_engine(model, group, opts: Options, eos_ids):
+def make_engine(model, group, opts: Options, eos_ids, tokenizer_json=None):
+    """`tokenizer_json`: the tokenizer.json constrained rows' grammars match
+    against (grammar.Vocab, built at the first such request)."""
     if not batchable(model):
         return OneRowEngine(model, group, eos_ids)
     from ..batch import BatchEngine
+    from ..engine import vocab_size
+    from ..grammar import Vocab
     from ..prompt_cache import DEFAULT_MAX_BYTES, PromptCache
 
     size, limit = opts.prompt_cache_size, opts.prompt_cache_bytes
     pc = PromptCache(size, DEFAULT_MAX_BYTES if limit is None else limit) if size else None
-    return BatchEngine(model, opts.prefill_step, prompt_cache=pc, micro=opts.micro_batches)
+    vocab = Vocab(tokenizer_json, vocab_size(model), eos_ids) if tokenizer_json else None
+    return BatchEngine(model, opts.prefill_step, prompt_cache=pc, micro=opts.micro_batches, vocab=vocab)
 
 
 class Beats:
@@ -183,7 +188,7 @@ def run(model, tok, group, opts: Options, sock: socket.socket | None = None, con
     """Every rank: set up at the same points, then serve (rank 0) or follow."""
     from ..engine import RankAgreement
 
-    engine = make_engine(model, group, opts, tok.eos_ids)
+    engine = make_engine(model, group, opts, tok.eos_ids, tok.model_dir / "tokenizer.json")
     link = Link.open(group)
     if link.channel is None and not group.single and group.is_root:
         log("no host channel to every rank (TCP to rank 0 refused or unreachable): step control goes through "
@@ -207,6 +212,17 @@ def run(model, tok, group, opts: Options, sock: socket.socket | None = None, con
     _serve(model, tok, group, opts, sock, config, engine, link, beats, guard)
 
 
+def _grammar_refusal(one_row: bool) -> str | None:
+    """Why this server cannot constrain decoding (None: it can)."""
+    from .. import grammar
+
+    if one_row:
+        return "this model runs its own generation loop"
+    if not grammar.available():
+        return f"llguidance is not installed ({grammar.INSTALL_HINT})"
+    return None
+
+
 def _serve(model, tok, group, opts, sock, config, engine, link, beats, guard) -> None:
     import uvicorn
 
@@ -221,7 +237,7 @@ def _serve(model, tok, group, opts, sock, config, engine, link, beats, guard) ->
     ctx = api.ParseContext(tokenizer=tok, vocab_size=model.args.vocab_size, model_ids=tuple(opts.served_names),
                            max_tokens_cap=opts.max_tokens_cap, context_length=api.context_limit(config),
                            defaults=opts.defaults or api.Defaults(), plain_chat=api.no_chat_template(tok),
-                           logprobs_ok=not one_row, ignore_eos_ok=not one_row,
+                           logprobs_ok=not one_row, ignore_eos_ok=not one_row, grammar_refusal=_grammar_refusal(one_row),
                            tool_format=_tool_format(tok, opts.tool_call_parser))
     health = Health(sched, beats, group.size())
     state = AppState(sched, ctx, rs.TokenPieces(tok), health, opts.max_request_bytes, int(time.time()))
