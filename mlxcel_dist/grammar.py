@@ -76,16 +76,15 @@ def _call_schema(tool: dict, args_key: str) -> dict:
             "required": ["name", args_key], "additionalProperties": False}
 
 
-def tool_calls(fmt: str, tools: list, name: str | None = None) -> str:
-    """A grammar that forces tool calls in `fmt` (serve.tools.FORMATS): one
-    call of function `name`, or (name None: tool_choice `required`) one or
-    more calls of any of `tools`; each call's arguments valid under that
-    function's parameter schema."""
+def tool_calls(fmt: str, tools: list, name: str | None = None, many: bool = False) -> str:
+    """A grammar that forces tool calls in `fmt` (serve.tools.FORMATS): of
+    function `name`, or (None: tool_choice `required`) of any of `tools`;
+    one call, or with `many` one or more (OpenAI's parallel_tool_calls);
+    each call's arguments valid under that function's parameter schema."""
     chosen = [t for t in tools if name is None or t["function"]["name"] == name]
     args_key = "parameters" if fmt == "llama3_json" else "arguments"
     schemas = [_call_schema(t, args_key) for t in chosen]
     call = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
-    many = name is None
     if fmt == "hermes":
         body = 'start: block ("\\n" block)*' if many else "start: block"
         lark = f'{body}\nblock: "<tool_call>\\n" call "\\n</tool_call>"\n'

@@ -513,7 +513,10 @@ def _grammar(m, chat: bool, ctx: ParseContext) -> tuple[str | None, bool]:
             if name is not None and name not in [t["function"]["name"] for t in tools]:
                 raise ApiError(f"'tool_choice' names function {_show(name)}, which is not in 'tools'",
                                param="tool_choice")
-            return grammar.tool_calls(ctx.tool_format, tools, name), True
+            parallel = (m.model_extra or {}).get("parallel_tool_calls", True)
+            if not isinstance(parallel, bool):
+                raise ApiError("'parallel_tool_calls' must be true or false", param="parallel_tool_calls")
+            return grammar.tool_calls(ctx.tool_format, tools, name, many=parallel and name is None), True
         if fmt == "json_object":
             return grammar.json_object(), False
         spec = m.response_format.json_schema
