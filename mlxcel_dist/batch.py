@@ -41,6 +41,17 @@ pending=)`), so the ids are those of unpipelined steps. No step is launched
 once every row has had its `budget` (the caller's max_tokens) launched: a
 lone request's last id leaves nothing running behind it.
 
+Constrained rows (a `grammar.Matcher` per row: response_format, forced tool
+calls) need their last id on the host before their next draw: the mask
+depends on it. `launch` still builds and starts the forward for every row
+from the lazy ids; a constrained row whose last id is unread keeps only its
+logits (`_Flight.deferred`), and `step` draws it in `_finish`, right after
+`collect` has read that id and advanced the row's matcher, while the device
+runs the forward. So the pipelining of the forward is kept, and only the
+small draw of those rows waits for the host. Every rank computes the same
+masks from the same ids (no collective). Micro-batched steps are skipped
+while a constrained row is in the batch.
+
 Exactness: each row is computed by the same operations as a lone sequence
 (the matmuls batch rows; a row's values do not depend on the others), so
 greedy text is the same alone or batched, prefilled alone or together

@@ -357,7 +357,7 @@ def generate(
     chat: Annotated[Optional[bool], typer.Option("--chat/--ignore-chat-template", help="Render the prompt as a user turn through the chat template (default: when the checkpoint has one), or use it as plain text.", show_default=False)] = None,
     chat_template: Annotated[Optional[str], typer.Option("--chat-template", help="A chat template (jinja text, or a file holding it) instead of the checkpoint's.")] = None,
     system: Annotated[Optional[str], typer.Option("--system-prompt", "--system", help="System prompt (a chat-template turn).")] = None,
-    json_schema: Annotated[Optional[Path], typer.Option("--json-schema", metavar="FILE", help="Constrain the answer to JSON valid under the JSON schema in FILE (constrained decoding; needs llguidance: pip install 'mlxcel-dist[grammar]').", show_default=False)] = None,
+    json_schema: Annotated[Optional[Path], typer.Option("--json-schema", metavar="FILE", help="Constrain the answer to JSON valid under the JSON schema in FILE (constrained decoding; needs llguidance: pip install 'mlxcel-dist\\[grammar]').", show_default=False)] = None,
     json_object: Annotated[bool, typer.Option("--json-object", help="Constrain the answer to a JSON object (OpenAI's json_object mode; needs llguidance).")] = False,
     check_every: Annotated[int, typer.Option("--check-every", help="Ranks compare a checksum of the generated ids every N tokens and at the end (0 = only at the end).")] = 1,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Per-rank load time and peak memory, sampling settings and seed, EOS ids (stderr).")] = False,
@@ -836,9 +836,13 @@ def serve(
     stall_timeout: StallOpt = DEFAULT_STALL_TIMEOUT_S,
     served_model_name: Annotated[Optional[list[str]], typer.Option("--served-model-name", metavar="NAME", help="A name requests may give as 'model' (vLLM's flag, repeatable; the first is the id the server shows; default: MODEL as given).", show_default=False)] = None,
     header_timeout: Annotated[float, typer.Option("--header-timeout", metavar="SECONDS", help="Close a connection that has not sent a whole request head within this many seconds (at its start or after a response).")] = 10.0,
-    tool_call_parser: Annotated[Optional[str], typer.Option("--tool-call-parser", metavar="FORMAT", help="How the model writes tool calls: hermes, llama3_json or mistral (default: from markers in the chat template; none found: requests with tools get a 400).", show_default=False)] = None,
+    tool_call_parser: Annotated[Optional[str], typer.Option("--tool-call-parser", metavar="FORMAT", help="How the model writes tool calls: hermes, llama3_json or mistral (default: from markers in the chat template; none found: requests with tools get a 400); also the format tool_choice required / named forces.", show_default=False)] = None,
 ):
-    """OpenAI-compatible HTTP server (/v1/models, /v1/completions, /v1/chat/completions, /health, /docs); rank 0 listens."""
+    """OpenAI-compatible HTTP server (/v1/models, /v1/completions, /v1/chat/completions, /health, /metrics, /docs); rank 0 listens.
+
+    Structured output (response_format json_object / json_schema) and forced tool calls (tool_choice
+    required / a named function) run by constrained decoding: install the grammar extra
+    (pip install 'mlxcel-dist\\[grammar]', llguidance); without it such requests get a 400."""
     from .serve.lifecycle import listen, long_lived_env
 
     # first: MLX reads these at its first GPU evaluation (set after one, they
