@@ -79,7 +79,7 @@ from .decode import StaticCache, _round_up, ring_slots
 from .engine import DEFAULT_PREFILL_STEP, check_tokens, vocab_size
 from .masks import create_rows_mask
 from .pipeline import outstanding_sends
-from .sampling import Sampler, SamplingParams, read_logprobs, token_logprobs
+from .sampling import NEG_INF, Sampler, SamplingParams, allowed_from_bits, read_logprobs, token_logprobs
 
 # Buffer granularity of the batch's static KV, per device. A batch step
 # attends every row over the whole buffer (masked), so slack slots cost
@@ -792,11 +792,21 @@ class BatchEngine:
         if f is None or f.deferred is None:
             return
         ids, extras = list(f.drawn), dict(f.extras)
-        for b, x in f.deferred:
+        masks = mx.array(np.stack([f.rows[b].grammar.mask() for b, _ in f.deferred]))  # [k, words]: one copy in
+        greedy = [j for j, (b, _) in enumerate(f.deferred) if _plain_greedy(f.rows[b].sampler.params)]
+        if len(greedy) > 1:
+            # greedy rows without penalties: one masked argmax over them (the ids their Samplers
+            # would draw: argmax of the same masked float32 values)
+            x = mx.stack([f.deferred[j][1] for j in greedy]).astype(mx.float32)
+            allowed = allowed_from_bits(masks[mx.array(greedy)], x.shape[-1])
+            top = mx.argmax(mx.where(allowed, x, NEG_INF), axis=-1).astype(mx.int32)
+            for i, j in enumerate(greedy):
+                ids[f.deferred[j][0]] = top[i]
+        for j, (b, x) in enumerate(f.deferred):
             r = f.rows[b]
-            mask = mx.array(r.grammar.mask())
-            ids[b] = r.sampler.sample(x, r.context, mask=mask)
-            extras.update(self._extras_of([r], [x], [ids[b]], [None], [mask]))
+            if ids[b] is None:
+                ids[b] = r.sampler.sample(x, r.context, mask=masks[j])
+            extras.update(self._extras_of([r], [x], [ids[b]], [None], [masks[j]]))
         f.ids, f.extras, f.deferred, f.drawn = mx.stack(ids), extras, None, None
         mx.async_eval(f.ids, f.extras)
 

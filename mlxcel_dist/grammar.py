@@ -117,6 +117,10 @@ class Vocab:
                 self._tok = _ll().LLTokenizer(text, n_vocab=self.n_vocab, eos_token=eos)
             return self._tok
 
+    @staticmethod
+    def available() -> bool:
+        return available()
+
     @property
     def words(self) -> int:
         return (self.n_vocab + 31) // 32

@@ -207,10 +207,10 @@ def _bit_index(V: int, words: int) -> tuple:
 
 
 def allowed_from_bits(bits: mx.array, V: int) -> mx.array:
-    """bool [V] from a grammar's int32 bitmask [words] (bit t % 32 of word t // 32
-    = token t allowed; tokens past the words are not), unpacked on the device."""
+    """bool [..., V] from grammars' int32 bitmasks [..., words] (bit t % 32 of word
+    t // 32 = token t allowed; tokens past the words are not), unpacked on the device."""
     word, shift, inside = _bit_index(V, bits.shape[-1])
-    on = (mx.take(bits.view(mx.uint32), word) >> shift) & 1
+    on = (mx.take(bits.view(mx.uint32), word, axis=-1) >> shift) & 1
     return mx.logical_and(on.astype(mx.bool_), inside)
 
 

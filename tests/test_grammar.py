@@ -60,9 +60,10 @@ def setup():
 
 
 def _run(model, vocab, rows, pipelined=True, max_tokens=120):
-    """rows: (rid, prompt ids, seed, grammar text or None) -> {rid: ids}, EOS included."""
+    """rows: (rid, prompt ids, seed (None: greedy), grammar text or None) -> {rid: ids}, EOS included."""
     eng = BatchEngine(model, pipelined=pipelined, vocab=vocab)
-    eng.add_many([(rid, p, SamplingParams(temp=1.0, seed=seed), max_tokens, g) for rid, p, seed, g in rows])
+    eng.add_many([(rid, p, SamplingParams() if seed is None else SamplingParams(temp=1.0, seed=seed), max_tokens, g)
+                  for rid, p, seed, g in rows])
     out = {rid: [] for rid, *_ in rows}
     while len(eng):
         for rid, t in eng.step().items():
@@ -76,8 +77,9 @@ def test_constrained_rows_decode_as_alone_and_unpipelined_and_always_validate(se
     model, tok, vocab = setup
     g = grammar.json_schema(SCHEMA)
     prompts = [tok.encode(p) for p in PROMPTS]
-    # even rows constrained, odd rows free: mixed in one batch, joining at different steps
-    rows = [(i, prompts[i % 4], 1000 + i, g if i % 2 == 0 else None) for i in range(12)]
+    # even rows constrained, odd rows free, every third greedy (constrained greedy rows: one masked
+    # argmax over them, which must draw what their samplers draw unpipelined)
+    rows = [(i, prompts[i % 4], None if i % 3 == 0 else 1000 + i, g if i % 2 == 0 else None) for i in range(12)]
     together = _run(model, vocab, rows)
     assert _run(model, vocab, rows, pipelined=False) == together
     for r in rows[:2]:  # two alone (the rest are the same code path)
@@ -91,7 +93,7 @@ def test_constrained_rows_decode_as_alone_and_unpipelined_and_always_validate(se
     # TokenGenerator (generate --json-schema) draws the same ids as a batch row
     for rid in (2,):
         m = vocab.matcher(g)
-        ids = list(TokenGenerator(model, prompts[rid % 4], 120, SamplingParams(temp=1.0, seed=1000 + rid),
+        ids = list(TokenGenerator(model, prompts[rid % 4], 120, SamplingParams(temp=1.0, seed=rows[rid][2]),
                                   eos_ids=tok.eos_ids, grammar=m))
         assert ids == together[rid][:-1]
 

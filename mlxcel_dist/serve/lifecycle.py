@@ -189,6 +189,12 @@ def run(model, tok, group, opts: Options, sock: socket.socket | None = None, con
     from ..engine import RankAgreement
 
     engine = make_engine(model, group, opts, tok.eos_ids, tok.model_dir / "tokenizer.json")
+    vocab = getattr(engine, "vocab", None)
+    if vocab is not None and vocab.available():
+        # llguidance's view of the vocabulary takes seconds for 150k tokens: built before the
+        # first constrained request needs it (that request's step would wait for it)
+        threading.Thread(target=_build_vocab, args=(vocab, group.is_root), name="serve-grammar-vocab",
+                         daemon=True).start()
     link = Link.open(group)
     if link.channel is None and not group.single and group.is_root:
         log("no host channel to every rank (TCP to rank 0 refused or unreachable): step control goes through "
@@ -210,6 +216,14 @@ def run(model, tok, group, opts: Options, sock: socket.socket | None = None, con
         log(f"rank {group.rank()} stopped")
         return
     _serve(model, tok, group, opts, sock, config, engine, link, beats, guard)
+
+
+def _build_vocab(vocab, root: bool) -> None:
+    try:
+        vocab.tokenizer()
+    except Exception as e:  # noqa: BLE001 - reported; a constrained request then fails with it (500)
+        if root:
+            log(f"constrained decoding unavailable: llguidance cannot read {vocab.path}: {type(e).__name__}: {e}")
 
 
 def _grammar_refusal(one_row: bool) -> str | None:
