@@ -49,7 +49,6 @@ def run_llguidance(path: str, doc: str, ids: list) -> dict:
     t = time.perf_counter()
     import llguidance
     import llguidance.numpy as lln
-    import numpy as np
     out = {"import_s": time.perf_counter() - t}
     t = time.perf_counter()
     tok = llguidance.LLTokenizer(open(path).read())
