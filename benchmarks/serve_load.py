@@ -99,18 +99,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def server_cmd(name: str, model: Path, port: int) -> list[str]:
+def server_cmd(name: str, model: Path, port: int, backend: str | None = None) -> list[str]:
     ours = [sys.executable, "-m", "mlxcel_dist.cli", "serve", str(model), "--port", str(port)]
+    multi = ["--backend", backend] if backend else []  # for our multi-rank servers
     # `python -m mlx_lm.server` where the console script is not installed (a PYTHONPATH-only setup)
     script = BIN / "mlx_lm.server"
     mlx_lm = ([str(script)] if script.exists() else [sys.executable, "-m", "mlx_lm.server"]) + [
         "--model", str(model), "--port", str(port)]
     return {
         "ours-np1": ours,
-        "ours-np2": ours + ["--np", "2"],
-        "ours-pp2": ours + ["--pp", "2"],  # two pipeline stages, whole steps
-        "ours-pp2-micro2": ours + ["--pp", "2", "--micro-batches", "2"],
-        # --warmup is off by default since d611b81 (these names are the runs of docs/benchmarks.md before it)
+        "ours-np2": ours + ["--np", "2", *multi],
+        "ours-pp2": ours + ["--pp", "2", *multi],  # two pipeline stages, whole steps
+        "ours-pp2-micro2": ours + ["--pp", "2", "--micro-batches", "2", *multi],
+        # --warmup is off by default since d611b81 (these names are the runs of docs/benchmarks-log.md before it)
         "ours-np1-nowarmup": ours + ["--no-warmup"],
         "ours-np2-nowarmup": ours + ["--np", "2", "--no-warmup"],
         "ours-np1-warmup": ours + ["--warmup"],
@@ -221,7 +222,7 @@ def _family_cpu_s(root: int) -> float:
 
 
 def bench_server(name: str, model: Path, clients: list[int], requests: int, tokens: int, log_dir: Path,
-                 root: Path = ROOT, formats=("text",)) -> list:
+                 root: Path = ROOT, backend: str | None = None, formats=("text",)) -> list:
     """`root`: the checkout whose code serves (another one's, to compare versions of ours)."""
     port = free_port()
     base = f"http://127.0.0.1:{port}"
@@ -230,7 +231,7 @@ def bench_server(name: str, model: Path, clients: list[int], requests: int, toke
     env = None
     if root != ROOT:  # that checkout first, whatever else the path holds (e.g. a staged MLX) after it
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.Popen(server_cmd(name, model, port), cwd=root, stdout=log, stderr=subprocess.STDOUT,
+    proc = subprocess.Popen(server_cmd(name, model, port, backend), cwd=root, stdout=log, stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL, start_new_session=True, env=env)
     try:
         deadline = time.monotonic() + 180
@@ -301,6 +302,7 @@ def main() -> None:
     ap.add_argument("--servers", default="mlx_lm-np1,ours-np1,mlx_lm-np2,ours-np2")
     ap.add_argument("--json", help="also write the rows here")
     ap.add_argument("--formats", default="text", help=f"comma-separated response formats ({', '.join(FORMATS)})")
+    ap.add_argument("--backend", help="our multi-rank servers' --backend (default: the launcher's auto)")
     args = ap.parse_args()
     formats = args.formats.split(",")
     model = Path(args.model) if args.model else llama_checkpoint()
@@ -312,7 +314,7 @@ def main() -> None:
         print(f"{spec}: loadavg {open('/proc/loadavg').read().split()[:3]}", file=sys.stderr, flush=True)
         try:
             got = bench_server(name, model, clients, args.requests, args.tokens, log_dir,
-                               Path(root).resolve() if root else ROOT, formats)
+                               Path(root).resolve() if root else ROOT, args.backend, formats)
             for r in got:
                 r["server"] = spec
         except RuntimeError as e:

@@ -314,6 +314,7 @@ class BatchEngine:
         self.extras = []  # step_extras of the step read last
         self.want: dict = {}  # rid -> k: that row's logprobs with each id (sampling.token_logprobs)
         self.logprobs: dict = {}  # rid -> (logprob, [(id, logprob), ...]) of the step read last
+        self.prefilled = 0  # prompt tokens run through prefill forwards (prompt-cache hits and copies excluded)
 
     # -- rows --------------------------------------------------------------
     def __len__(self) -> int:
@@ -342,19 +343,26 @@ class BatchEngine:
         with tokens to prefill are prefilled together (`_prefill_together`,
         one forward per chunk over all of them) when there are two or more and
         the model's caches are all static KV; else each alone through the
-        model's own caches (chunked, exact as `generate`). Rows join in a
-        fixed order (every rank makes the same calls)."""
-        todo = []
+        model's own caches (chunked, exact as `generate`). A prompt given
+        more than once (serve's n > 1) is prefilled once: its copies get the
+        first's keys/values (`_fork`). Rows join in a fixed order (every rank
+        makes the same calls)."""
+        todo, copies, first = [], [], {}
         for rid, prompt_ids, sampling, *extra in requests:
+            budget = extra[0] if extra else None
+            grammar = extra[1] if len(extra) > 1 else None
+            if isinstance(grammar, str):  # a request's grammar text (serve.wire): this rank's matcher, one a row
+                grammar = self.vocab.matcher(grammar)
             prompt = check_tokens(prompt_ids, vocab_size(self.model))
+            key = prompt.tobytes()
+            if key in first:  # a copy (serve's n > 1): forked after the prefill
+                copies.append((first[key], rid, sampling, budget, grammar))
+                continue
+            first[key] = rid
             start, cache = 0, None
             if self.prompt_cache is not None:
                 start, cache = self.prompt_cache.lookup(prompt, self.model.make_cache)
-            grammar = extra[1] if len(extra) > 1 else None
-            if isinstance(grammar, str):  # a request's grammar text (serve.wire): this rank's matcher
-                grammar = self.vocab.matcher(grammar)
-            todo.append(_Admit(rid, prompt, len(prompt) - 1, sampling, start, cache, extra[0] if extra else None,
-                               grammar))
+            todo.append(_Admit(rid, prompt, len(prompt) - 1, sampling, start, cache, budget, grammar))
         if self.static is None:
             fresh = self.model.make_cache()
             self.static = bool(fresh) and all(c.static_kv for c in fresh)
@@ -368,6 +376,31 @@ class BatchEngine:
                 self._add_alone(a)
         for g in together:
             self._prefill_together(g)
+        for src, rid, sampling, budget, grammar in copies:
+            self._fork(src, rid, sampling, budget, grammar)
+
+    def _fork(self, src, rid, sampling, budget, grammar=None) -> None:
+        """A new row `rid` holding row `src`'s prompt (its keys/values copied,
+        no forward), with its own sampler. Rows stepping eagerly have caches
+        of their own, so their copies are prefilled each."""
+        b = next(i for i, r in enumerate(self.rows) if r.rid == src)
+        r = self.rows[b]
+        if not self.static:
+            prompt = np.asarray(r.context, np.int32)
+            self._add_alone(_Admit(rid, prompt, len(prompt) - 1, sampling, 0, None, budget, grammar))
+            return
+        self._reserve(len(self.rows) + 1, r.pos + 1)
+        new = len(self.rows)
+        for name in list(self.buffers):
+            if name == "pos":
+                continue
+            buf = self.buffers[name]
+            buf[new : new + 1] = buf[b : b + 1]
+            self.buffers[name] = buf
+        self.rows.append(Row(rid, Sampler(sampling or SamplingParams(), len(r.context)), list(r.context), r.pos,
+                             r.token, budget=budget, grammar=grammar))
+        self._changed = True
+        self._sync_pos()
 
     def warmup(self, max_rows: int, token: int = 0) -> list:
         """Trace and compile the step for every row capacity a batch of up to
@@ -409,6 +442,7 @@ class BatchEngine:
         prompt, last, cache = a.prompt, a.last, a.cache
         if cache is None:
             cache = self.model.make_cache()
+        self.prefilled += max(last - a.start, 0)
         for i in range(a.start, last, self.prefill_step):
             self.model(mx.array(prompt[i : min(i + self.prefill_step, last)])[None], cache)
             mx.eval([c.state for c in cache] if cache else [], outstanding_sends(self.model))
@@ -458,6 +492,7 @@ class BatchEngine:
         from its real queries, land where its later tokens (or nothing it
         keeps) go, and are finite (no query row is all masked)."""
         admits = sorted(admits, key=lambda a: a.start - a.last)  # stable: ties keep their order
+        self.prefilled += sum(a.last - a.start for a in admits)
         L = min(self.prefill_step, admits[0].last - admits[0].start)
         T = max(end for _, _, end in _chunks(admits, L))  # slots written, pads included
         rings = [None if r is not None else (T if w is None else min(w + L, T))

@@ -204,7 +204,7 @@ class RankAgreement:
         The count and checksum are carried on the device from token to token
         (a lazy int64 [2], advanced from `tok` here), so no array is made from
         host data per token: on MLX's CUDA backend such an array cost about 4
-        ms per token at np 2 on two H200s (docs/benchmarks.md, "np 2
+        ms per token at np 2 on two H200s (docs/benchmarks-log.md, "np 2
         timeline"). Call it once per generated id, before its `commit`."""
         if self.group.single or not self.every:
             return None
@@ -270,7 +270,7 @@ class GenStats:
 
 
 COMPILE_NOTICE_S = 1.0  # a first decode step slower than this is announced (on_compile)
-DEFAULT_PREFILL_STEP = 2048  # as mlx-lm; on the H200 1.10x its prefill vs 0.94x at 512 (docs/benchmarks.md)
+DEFAULT_PREFILL_STEP = 2048  # as mlx-lm; on the H200 1.10x its prefill vs 0.94x at 512 (docs/benchmarks-log.md)
 
 
 def _cache_state(cache) -> list:

@@ -76,6 +76,9 @@ def _call_schema(tool: dict, args_key: str) -> dict:
             "required": ["name", args_key], "additionalProperties": False}
 
 
+FORCED_FORMATS = ("hermes", "llama3_json", "mistral")  # the tool-call formats `tool_calls` writes grammars for
+
+
 def tool_calls(fmt: str, tools: list, name: str | None = None, many: bool = False) -> str:
     """A grammar that forces tool calls in `fmt` (serve.tools.FORMATS): of
     function `name`, or (None: tool_choice `required`) of any of `tools`;

@@ -302,8 +302,8 @@ def rank_heads(attn: nn.Module, group: Group) -> tuple[int, int, list[int]]:
 def shard_attention(attn: nn.Module, group: Group) -> None:
     """Shard q/k/v/o projections of a standard attention block in place.
 
-    Needs `total_num_heads`, `total_num_kv_heads`, `head_dim`, q_proj and
-    o_proj, and k_proj / v_proj where the block has them (blocks without
+    Needs `total_num_heads`, `total_num_kv_heads`, `head_dim`, q_proj
+    (`q_proj_width` rows a head where it is not head_dim) and o_proj, and k_proj / v_proj where the block has them (blocks without
     them: k = v, or a layer reading another's KV); per-head parameters named
     in `attn.per_head_params` (e.g. attention sinks) are sliced with their heads.
     """
@@ -311,7 +311,8 @@ def shard_attention(attn: nn.Module, group: Group) -> None:
         return
     q0, q1, slots = rank_heads(attn, group)
     D = attn.head_dim
-    attn.q_proj = _sharded(attn.q_proj, "rows", [(q0 * D, q1 * D)], group)
+    W = getattr(attn, "q_proj_width", None) or D  # q_proj rows per head (a gated attention's q and gate: 2 D)
+    attn.q_proj = _sharded(attn.q_proj, "rows", [(q0 * W, q1 * W)], group)
     # k/v where the block has them (Gemma 4's k = v layers have no v_proj; a
     # layer reading another's KV has neither, and its num_kv_heads becomes
     # the slots its source keeps on this rank: the same rank_heads)
@@ -602,6 +603,44 @@ def shard_recurrent_block(block: nn.Module, group: Group) -> None:
         setattr(lru, name, _slice(getattr(lru, name), axis, rng))
     lru.shard_spec = ShardSpec(spec)
     lru.num_heads = h1 - h0
+
+
+def shard_deltanet(block: nn.Module, group: Group) -> None:
+    """Tensor-parallel gated DeltaNet (deltanet.GatedDeltaNet): rank r keeps
+    whole key-head groups, key heads [k0, k1) (`split_ranges` of
+    `total_k_heads`) and their value heads [m k0, m k1) (m value heads a key
+    head): the rows of its projections (qwen3_next's per-key-head
+    `in_proj_qkvz` / `in_proj_ba` as one range each; qwen3_5's `in_proj_qkv`
+    as three, q / k / v, and `in_proj_z` / `in_proj_b` / `in_proj_a`), the
+    same q / k / v channels of the depthwise conv1d, `dt_bias` / `A_log` of
+    its value heads, out_proj's input columns (sharded-to-all: one all_sum;
+    quantized: cuts at whole groups). The gated norm (per head dim) stays
+    whole. Each rank's conv and recurrent state cover its heads only."""
+    if group.single:
+        return
+    Hk, Hv, Dk, Dv = block.total_k_heads, block.total_v_heads, block.head_k_dim, block.head_v_dim
+    m = Hv // Hk
+    out = block.out_proj
+    unit = math.lcm(m * Dv, out.group_size) // (m * Dv) if isinstance(out, nn.QuantizedLinear) else 1
+    k0, k1 = _rank_range(Hk, group, "the linear attention's key heads", unit)
+    v0, v1 = m * k0, m * k1
+    qkv = [(k0 * Dk, k1 * Dk), (Hk * Dk + k0 * Dk, Hk * Dk + k1 * Dk), (2 * Hk * Dk + v0 * Dv, 2 * Hk * Dk + v1 * Dv)]
+    if block.fused:
+        w = 2 * Dk + 2 * m * Dv  # rows per key head: q, k, v, z
+        block.in_proj_qkvz = _sharded(block.in_proj_qkvz, "rows", [(k0 * w, k1 * w)], group)
+        block.in_proj_ba = _sharded(block.in_proj_ba, "rows", [(k0 * 2 * m, k1 * 2 * m)], group)
+    else:
+        block.in_proj_qkv = _sharded(block.in_proj_qkv, "rows", qkv, group)
+        block.in_proj_z = _sharded(block.in_proj_z, "rows", [(v0 * Dv, v1 * Dv)], group)
+        block.in_proj_b = _sharded(block.in_proj_b, "rows", [(v0, v1)], group)
+        block.in_proj_a = _sharded(block.in_proj_a, "rows", [(v0, v1)], group)
+    block.out_proj = _sharded(out, "cols", [(v0 * Dv, v1 * Dv)], group, "out_proj")
+    conv = block.conv1d
+    conv.weight = _slice(conv.weight, 0, qkv)
+    conv.shard_spec = ShardSpec({"weight": (0, qkv)})
+    block.dt_bias, block.A_log = _slice(block.dt_bias, 0, [(v0, v1)]), _slice(block.A_log, 0, [(v0, v1)])
+    block.shard_spec = ShardSpec({"dt_bias": (0, [(v0, v1)]), "A_log": (0, [(v0, v1)])})
+    block.num_k_heads, block.num_v_heads = k1 - k0, v1 - v0
 
 
 def shard_stacked_experts(moe: nn.Module, group: Group, up=("gate_proj", "up_proj"), down="down_proj") -> None:

@@ -287,7 +287,7 @@ INFO_ORDER = (
     "case", "description", "hf_class", "transformers_version", "torch_version", "dtype", "safetensors_dtypes",
     "T", "vocab_size", "sliding_window", "layer_types", "npz_keys", "rope_parameters", "rope_attention_scaling",
     "logits_std", "logits_min_top1_gap", "bf16_vs_fp32_max_abs_diff", "bf16_vs_fp32_top1_agreement",
-    "router_min_margin", "ablation_max_rel_change", "weight_prefixes", "t4_check", "init", "notes",
+    "router_min_margin", "indexer_min_margin", "ablation_max_rel_change", "weight_prefixes", "t4_check", "init", "notes",
     "safetensors_bytes",
 )  # fmt: skip
 
