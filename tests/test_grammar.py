@@ -121,7 +121,7 @@ def test_tool_call_grammars_force_valid_calls(setup):
     model, tok, vocab = setup
     prompts = [tok.encode(p) for p in PROMPTS]
     # parallel calls (`many`) on hermes only: a cut answer's complete blocks still parse there
-    for fmt, name, many in [(f, n, False) for f in tools.FORMATS for n in (None, "get_time")] + [("hermes", None, True)]:
+    for fmt, name, many in [(f, n, False) for f in grammar.FORCED_FORMATS for n in (None, "get_time")] + [("hermes", None, True)]:
         g = grammar.tool_calls(fmt, [WEATHER, CLOCK], name, many=many)
         got = _run(model, vocab, [(i, prompts[i % 4], 7 * i, g) for i in range(4)], max_tokens=160)
         for ids in got.values():
@@ -157,6 +157,10 @@ def test_parse_builds_the_grammar_and_it_crosses_the_wire(setup):
         with pytest.raises(ApiError) as e:
             parse({**chat, **bad}, True, ctx)
         assert e.value.status == 400 and e.value.param == param and says in e.value.message, e.value.message
+    other = ParseContext(tok, ctx.vocab_size, ("m",), tool_format="glm45")  # parsed, but no forced-call grammar
+    with pytest.raises(ApiError) as e:
+        parse({**chat, "tools": [WEATHER], "tool_choice": "required"}, True, other)
+    assert e.value.code == "unsupported_parameter" and "glm45" in e.value.message
     refusing = ParseContext(tok, ctx.vocab_size, ("m",), grammar_refusal="this model runs its own generation loop")
     with pytest.raises(ApiError) as e:
         parse({**chat, "response_format": {"type": "json_object"}}, True, refusing)
