@@ -807,7 +807,8 @@ class BatchEngine:
                     masks[b] = mx.array(r.grammar.mask())
                 ids.append(r.sampler.sample(x, r.context, pending=p, mask=masks[b]))
             stacked = None if deferred else mx.stack(ids)
-        extras = self.step_extras(rows, ids, pending, masks)
+        constrained = any(m is not None for m in masks)
+        extras = self.step_extras(rows, ids, pending, masks) if constrained else self.step_extras(rows, ids, pending)
         if deferred:
             mx.async_eval([x for _, x in deferred], [i for i in ids if i is not None], extras)
         else:
