@@ -10,6 +10,7 @@ group (`distributed.init_from_env`) before loading its shard.
 from __future__ import annotations
 
 import functools
+import json
 import math
 import os
 import sys
@@ -423,6 +424,8 @@ def generate(
     chat: Annotated[Optional[bool], typer.Option("--chat/--ignore-chat-template", help="Render the prompt as a user turn through the chat template (default: when the checkpoint has one), or use it as plain text.", show_default=False)] = None,
     chat_template: Annotated[Optional[str], typer.Option("--chat-template", help="A chat template instead of the checkpoint's: jinja text (holding '{', '}' or a newline) or a file of it.")] = None,
     system: Annotated[Optional[str], typer.Option("--system-prompt", "--system", help="System prompt (a chat-template turn).")] = None,
+    json_schema: Annotated[Optional[Path], typer.Option("--json-schema", metavar="FILE", help="Constrain the answer to JSON valid under the JSON schema in FILE (constrained decoding; needs llguidance: pip install 'mlxcel-dist\\[grammar]').", show_default=False)] = None,
+    json_object: Annotated[bool, typer.Option("--json-object", help="Constrain the answer to a JSON object (OpenAI's json_object mode; needs llguidance).")] = False,
     check_every: Annotated[int, typer.Option("--check-every", help="Ranks compare a checksum of the generated ids every N tokens and at the end (0 = only at the end).")] = 1,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Per-rank load time and peak memory, sampling settings and seed, EOS ids (stderr).")] = False,
     extra_eos_token: ExtraEosOpt = None,
@@ -469,6 +472,7 @@ def generate(
     check_generation_options(max_tokens, check_every, prefill_step)  # before any rank is launched
     stops = list(stop or [])
     StopStrings(stops)
+    grammar_text = _grammar_text(json_schema, json_object)  # before launch: a bad schema is one error line
     if not launched:
         # Checkpoint and prompt problems (no config, no tokenizer, a chat
         # template that refuses the conversation, a prompt past the model's
@@ -497,8 +501,15 @@ def generate(
         _err("compiling kernels for this model's decode step (the first run of this configuration on "
              "this machine; MLX caches them for later runs)...")
 
+    matcher = None
+    if grammar_text is not None:
+        from .engine import vocab_size
+        from .grammar import Vocab
+
+        matcher = Vocab(loaded.model_dir / "tokenizer.json", vocab_size(loaded.model), tok.eos_ids).matcher(grammar_text)
     gen = generate_text(loaded.model, tok, ids, max_tokens, sampling, stop=stops, prefill_step=prefill_step,
-                        group=group, check_every=check_every, on_compile=compiling if group.is_root else None)
+                        group=group, check_every=check_every, on_compile=compiling if group.is_root else None,
+                        grammar=matcher)
     # The echoed prompt goes out with the first text: until then stdout holds
     # no partial line that a progress line on stderr could land inside.
     echo = prompt if group.is_root and not use_chat else ""
@@ -537,6 +548,28 @@ def generate(
             _err(f"{'rank':>4} {'load s':>8} {'MLX peak MiB':>13} {'peak RSS MiB':>13}")
             for r, (ls, peak, rss) in enumerate(resources):
                 _err(f"{r:>4} {ls:8.2f} {peak:13.1f} {rss:13.1f}")
+
+
+def _grammar_text(json_schema: Optional[Path], json_object: bool) -> Optional[str]:
+    """The grammar of --json-schema FILE / --json-object (grammar.py), or None."""
+    if json_schema is None and not json_object:
+        return None
+    from . import grammar
+
+    if json_schema is not None and json_object:
+        raise UserError("give --json-schema or --json-object, not both")
+    if json_object:
+        return grammar.json_object()
+    try:
+        schema = json.loads(json_schema.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise UserError(f"--json-schema: cannot read {json_schema}: {e.strerror or e}") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise UserError(f"--json-schema: {json_schema} is not JSON: {e}") from None
+    try:
+        return grammar.json_schema(schema)
+    except UserError as e:
+        raise UserError(f"--json-schema {json_schema}: {e}") from None
 
 
 def _read_stdin_text() -> str:
@@ -925,10 +958,14 @@ def serve(
     stall_timeout: StallOpt = DEFAULT_STALL_TIMEOUT_S,
     served_model_name: Annotated[Optional[list[str]], typer.Option("--served-model-name", metavar="NAME", help="A name requests may give as 'model' (vLLM's flag, repeatable; the first is the id the server shows; default: MODEL as given).", show_default=False)] = None,
     header_timeout: Annotated[float, typer.Option("--header-timeout", metavar="SECONDS", help="Close a connection that has not sent a whole request head within this many seconds (at its start or after a response).")] = 10.0,
-    tool_call_parser: Annotated[Optional[str], typer.Option("--tool-call-parser", metavar="FORMAT", help="How the model writes tool calls: hermes, llama3_json, mistral, harmony (gpt-oss), deepseek_v3, glm45, kimi_k2 or minimax_m2 (default: from markers in the chat template; none found: requests with tools get a 400).", show_default=False)] = None,
+    tool_call_parser: Annotated[Optional[str], typer.Option("--tool-call-parser", metavar="FORMAT", help="How the model writes tool calls: hermes, llama3_json, mistral, harmony (gpt-oss), deepseek_v3, glm45, kimi_k2 or minimax_m2 (default: from markers in the chat template; none found: requests with tools get a 400); hermes, llama3_json and mistral also take tool_choice required / named (forced calls).", show_default=False)] = None,
     reasoning_parser: Annotated[Optional[str], typer.Option("--reasoning-parser", metavar="FORMAT", help="How the model's answer carries its thinking, which chat answers give apart as reasoning_content: qwen3 or deepseek_r1 (<think> blocks), gpt_oss (harmony's analysis channel), or none (default: from the chat template).", show_default=False)] = None,
 ):
-    """OpenAI-compatible HTTP server (/v1/models, /v1/completions, /v1/chat/completions, /health, /docs); rank 0 listens."""
+    """OpenAI-compatible HTTP server (/v1/models, /v1/completions, /v1/chat/completions, /health, /metrics, /docs); rank 0 listens.
+
+    Structured output (response_format json_object / json_schema) and forced tool calls (tool_choice
+    required / a named function) run by constrained decoding: install the grammar extra
+    (pip install 'mlxcel-dist\\[grammar]', llguidance); without it such requests get a 400."""
     from .serve.lifecycle import listen, long_lived_env
 
     # first: MLX reads these at its first GPU evaluation (set after one, they

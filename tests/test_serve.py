@@ -582,10 +582,8 @@ UNSUPPORTED_CASES = [
     ("/v1/completions", "best_of", 3),
     ("/v1/chat/completions", "reasoning_effort", "low"),  # this template has no reasoning_effort
     ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-    ("/v1/chat/completions", "tool_choice", "required"),
     ("/v1/chat/completions", "functions", [{"name": "f", "parameters": {}}]),
     ("/v1/chat/completions", "function_call", {"name": "f"}),
-    ("/v1/chat/completions", "response_format", {"type": "json_object"}),
 ]
 NEUTRAL_FIELDS = {"n": 1, "echo": False, "tools": [], "tool_choice": "none", "logit_bias": {},
                   "presence_penalty": 0, "frequency_penalty": 0.0, "response_format": {"type": "text"},

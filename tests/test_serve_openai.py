@@ -274,8 +274,7 @@ WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "paramet
 
 
 def test_unsupported_fields(ctx):
-    for name, value in [("echo", True), ("tools", [WEATHER_TOOL]), ("tool_choice", "required"),
-                        ("response_format", {"type": "json_object"})]:
+    for name, value in [("echo", True), ("tools", [WEATHER_TOOL])]:
         e = refused({**CHAT, name: value}, True, ctx)
         assert (e.param, e.code) == (name, "unsupported_parameter") and f"'{name}' is not supported" in e.message
     neutral = {"n": 1, "echo": False, "tools": [], "tool_choice": "none", "logit_bias": {}, "presence_penalty": 0,

@@ -166,11 +166,15 @@ def test_detect_and_the_template_renders_tools_and_calls():
     assert '"arguments": {"city": "Paris"}' in text  # the earlier call, arguments as an object
     assert "sunny, 21 C" in text and p.tool_format == "hermes"
     assert parse({**body, "tool_choice": "none"}, True, ctx).tool_format is None  # rendered, never parsed
-    for bad, param in [({"tool_choice": "required"}, "tool_choice"),
-                       ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice")]:
-        with pytest.raises(ApiError) as e:
+    # required / named: constrained decoding's grammar travels with the request, the answer is parsed
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        p = parse({**body, "tool_choice": choice}, True, ctx)
+        assert p.req.grammar and p.tool_format == "hermes"
+    for bad, match in [({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "not in 'tools'"),
+                       ({"tool_choice": "required", "tools": []}, "needs 'tools'")]:
+        with pytest.raises(ApiError, match=match) as e:
             parse({**body, **bad}, True, ctx)
-        assert e.value.param == param and e.value.code == "unsupported_parameter"
+        assert e.value.param == "tool_choice"
     bad_args = json.loads(json.dumps(body))
     bad_args["messages"][1]["tool_calls"][0]["function"]["arguments"] = "{not json"
     with pytest.raises(ApiError, match="arguments is not JSON"):

@@ -98,15 +98,20 @@ def batchable(model) -> bool:
     return not callable(getattr(model, "generate_ids", None))
 
 
-def make_engine(model, group, opts: Options, eos_ids):
+def make_engine(model, group, opts: Options, eos_ids, tokenizer_json=None):
+    """`tokenizer_json`: the tokenizer.json constrained rows' grammars match
+    against (grammar.Vocab, built at the first such request)."""
     if not batchable(model):
         return OneRowEngine(model, group, eos_ids)
     from ..batch import BatchEngine
+    from ..engine import vocab_size
+    from ..grammar import Vocab
     from ..prompt_cache import DEFAULT_MAX_BYTES, PromptCache
 
     size, limit = opts.prompt_cache_size, opts.prompt_cache_bytes
     pc = PromptCache(size, DEFAULT_MAX_BYTES if limit is None else limit) if size else None
-    return BatchEngine(model, opts.prefill_step, prompt_cache=pc, micro=opts.micro_batches)
+    vocab = Vocab(tokenizer_json, vocab_size(model), eos_ids) if tokenizer_json else None
+    return BatchEngine(model, opts.prefill_step, prompt_cache=pc, micro=opts.micro_batches, vocab=vocab)
 
 
 def memory() -> dict:
@@ -217,7 +222,13 @@ def run(model, tok, group, opts: Options, sock: socket.socket | None = None, con
     """Every rank: set up at the same points, then serve (rank 0) or follow."""
     from ..engine import RankAgreement
 
-    engine = make_engine(model, group, opts, tok.eos_ids)
+    engine = make_engine(model, group, opts, tok.eos_ids, tok.model_dir / "tokenizer.json")
+    vocab = getattr(engine, "vocab", None)
+    if vocab is not None and vocab.available():
+        # llguidance's view of the vocabulary takes seconds for 150k tokens: built before the
+        # first constrained request needs it (that request's step would wait for it)
+        threading.Thread(target=_build_vocab, args=(vocab, group.is_root), name="serve-grammar-vocab",
+                         daemon=True).start()
     link = Link.open(group)
     if link.channel is None and not group.single and group.is_root:
         log("no host channel to every rank (TCP to rank 0 refused or unreachable): step control goes through "
@@ -241,6 +252,25 @@ def run(model, tok, group, opts: Options, sock: socket.socket | None = None, con
     _serve(model, tok, group, opts, sock, config, engine, link, beats, guard)
 
 
+def _build_vocab(vocab, root: bool) -> None:
+    try:
+        vocab.tokenizer()
+    except Exception as e:  # noqa: BLE001 - reported; a constrained request then fails with it (500)
+        if root:
+            log(f"constrained decoding unavailable: llguidance cannot read {vocab.path}: {type(e).__name__}: {e}")
+
+
+def _grammar_refusal(one_row: bool) -> str | None:
+    """Why this server cannot constrain decoding (None: it can)."""
+    from .. import grammar
+
+    if one_row:
+        return "this model runs its own generation loop"
+    if not grammar.available():
+        return f"llguidance is not installed ({grammar.INSTALL_HINT})"
+    return None
+
+
 def _serve(model, tok, group, opts, sock, config, engine, link, beats, guard) -> None:
     import uvicorn
 
@@ -255,7 +285,7 @@ def _serve(model, tok, group, opts, sock, config, engine, link, beats, guard) ->
     ctx = api.ParseContext(tokenizer=tok, vocab_size=model.args.vocab_size, model_ids=tuple(opts.served_names),
                            max_tokens_cap=opts.max_tokens_cap, context_length=api.context_limit(config),
                            defaults=opts.defaults or api.Defaults(), plain_chat=api.no_chat_template(tok),
-                           logprobs_ok=not one_row, ignore_eos_ok=not one_row,
+                           logprobs_ok=not one_row, ignore_eos_ok=not one_row, grammar_refusal=_grammar_refusal(one_row),
                            max_n=1 if one_row else min(api.MAX_N, opts.decode_concurrency),
                            **_template_formats(tok, opts.tool_call_parser, opts.reasoning_parser))
     health = Health(sched, beats, group.size())

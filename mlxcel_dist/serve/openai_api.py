@@ -20,6 +20,7 @@ from typing import Annotated, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from .. import grammar
 from ..errors import UserError
 from ..sampling import SamplingParams
 from . import reasoning
@@ -140,6 +141,27 @@ class ToolSpec(_Strict):
     function: FunctionSpec
 
 
+class JsonSchemaFormat(_Strict):
+    name: Annotated[str, Field(min_length=1, max_length=64)]
+    description: str | None = None
+    schema_: dict | None = Field(None, alias="schema")
+    strict: bool | None = None  # constrained either way: the answer always follows the schema
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class StreamOptions(_Strict):
     include_usage: bool | None = None
 
@@ -172,6 +194,8 @@ class _Common(_Strict):
     stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(
         max_length=WIRE_LIMITS["stop_token_ids"][1])] | None = Field(
         None, description="vLLM's extra field: generation ends at any of these token ids")
+    response_format: ResponseFormat | None = Field(
+        None, description="json_object / json_schema: the answer is constrained to valid JSON (to the schema)")
 
 
 class ChatCompletionRequest(_Common):
@@ -179,7 +203,8 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     tools: Annotated[list[ToolSpec], Field(max_length=128)] | None = None
-    tool_choice: Literal["none", "auto"] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="required / a named function: the call is forced by constrained decoding")
     chat_template_kwargs: dict | None = Field(None, description="vLLM's extra field: variables for the chat "
                                                                 "template (e.g. enable_thinking)")
     reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = Field(
@@ -286,6 +311,7 @@ class ParseContext:
     defaults: Defaults = field(default_factory=Defaults)
     plain_chat: bool = False  # no chat template: mlx-lm's convert_chat rendering
     tool_format: str | None = None  # serve.tools: the format the template writes calls in (None: no tools)
+    grammar_refusal: str | None = None  # why constrained decoding is not served (None: it is)
     reasoning_format: str | None = None  # serve.reasoning: the form the template thinks in (None: no split)
     template_vars: frozenset = frozenset()  # the names the chat template reads (reasoning_effort's check)
     keep_special: bool = False  # the reasoning / tool markers are special tokens here: detokenise keeping them
@@ -358,11 +384,8 @@ UNSUPPORTED = {
     "best_of": (_neutral(1), "one candidate per request ('best_of': 1)"),
     "echo": (_neutral(False), "the prompt is not echoed"),
     "suffix": (_neutral(""), "no insertion (suffix) mode"),
-    "tool_choice": (lambda v: v is None or v in ("none", "auto"),
-                    "'none' or 'auto' only ('required' and a named function need constrained decoding)"),
     "functions": (_neutral([]), "no function calling"),
     "function_call": (_neutral("none", "auto"), "no function calling"),
-    "response_format": (lambda v: v is None or v == {"type": "text"}, "text output only (no JSON mode or schema)"),
     "modalities": (lambda v: v is None or v == ["text"], "text output only"),
     "audio": (_neutral(), "text output only"),
     "prediction": (_neutral(), "no predicted outputs"),
@@ -507,6 +530,51 @@ def _chat_ids(m: ChatCompletionRequest, ctx: ParseContext) -> tuple[list[int], s
     return ids, text
 
 
+def _grammar(m, chat: bool, ctx: ParseContext) -> tuple[str | None, bool]:
+    """(the constraining grammar's text or None, whether it forces tool calls):
+    tool_choice `required` / a named function (the served tool-call format,
+    arguments valid under each function's parameters), else response_format
+    json_object / json_schema."""
+    choice = m.tool_choice if chat else None
+    forced = choice == "required" or isinstance(choice, NamedToolChoice)
+    fmt = m.response_format.type if m.response_format is not None else "text"
+    if not forced and fmt == "text":
+        return None, False
+    param = "tool_choice" if forced else "response_format"
+    if ctx.grammar_refusal is not None:
+        raise ApiError(f"'{param}' needs constrained decoding, which this server does not serve: "
+                       f"{ctx.grammar_refusal}", param=param, code="unsupported_parameter")
+    try:
+        if forced:
+            if not m.tools:
+                raise ApiError(f"'tool_choice' {_show(choice if choice == 'required' else choice.model_dump())} "
+                               "needs 'tools'", param="tool_choice")
+            if ctx.tool_format not in grammar.FORCED_FORMATS:
+                raise ApiError(f"'tool_choice' {_show(choice if choice == 'required' else choice.model_dump())} "
+                               f"is not built for the {ctx.tool_format} tool-call format (forced calls: "
+                               f"{', '.join(grammar.FORCED_FORMATS)})", param="tool_choice",
+                               code="unsupported_parameter")
+            tools = [t.model_dump(exclude_none=True) for t in m.tools]
+            name = None if choice == "required" else choice.function.name
+            if name is not None and name not in [t["function"]["name"] for t in tools]:
+                raise ApiError(f"'tool_choice' names function {_show(name)}, which is not in 'tools'",
+                               param="tool_choice")
+            parallel = (m.model_extra or {}).get("parallel_tool_calls", True)
+            if not isinstance(parallel, bool):
+                raise ApiError("'parallel_tool_calls' must be true or false", param="parallel_tool_calls")
+            return grammar.tool_calls(ctx.tool_format, tools, name, many=parallel and name is None), True
+        if fmt == "json_object":
+            return grammar.json_object(), False
+        spec = m.response_format.json_schema
+        if spec is None or spec.schema_ is None:
+            raise ApiError("'response_format' json_schema needs 'json_schema': {'name': ..., 'schema': {...}}",
+                           param="response_format")
+        return grammar.json_schema(spec.schema_), False
+    except UserError as e:
+        code = "unsupported_parameter" if not grammar.available() else None
+        raise ApiError(f"'{param}': {e}", param=param, code=code) from None
+
+
 def _max_tokens(m, chat: bool, n_prompt: int, ctx: ParseContext) -> int:
     """The client's number (<= the cap) or the default, then the context check
     (a default, not the client's number, shrinks to what fits)."""
@@ -605,15 +673,17 @@ def parse(body: object, chat: bool, ctx: ParseContext) -> Parsed:
     stop_ids = list(m.stop_token_ids or [])
     if any(t >= ctx.vocab_size for t in stop_ids):
         raise ApiError(f"'stop_token_ids' must be token ids in [0, {ctx.vocab_size})", param="stop_token_ids")
+    gram, forced = _grammar(m, chat, ctx)
     req = GenRequest(ids, _max_tokens(m, chat, len(ids), ctx), _sampling(m, ctx.defaults, ctx.vocab_size), stops,
-                     logprobs, bool(m.ignore_eos), stop_ids)
+                     logprobs, bool(m.ignore_eos), stop_ids, gram)
     try:
         check_wire(req)  # defence in depth: the checks above should already hold every wire limit
     except ValueError as e:
         name = re.match(r"'(\w+)'", str(e))
         raise ApiError(str(e), param=name and name.group(1).replace("prompt_tokens", "prompt")) from None
-    tool_format = ctx.tool_format if chat and m.tools and m.tool_choice != "none" else None
-    fmt = ctx.reasoning_format if chat and not ctx.plain_chat else None
+    tool_format = ctx.tool_format if chat and m.tools and (m.tool_choice != "none" or forced) else None
+    # a constrained answer is the JSON / the forced call from its first token: no thinking to split off
+    fmt = ctx.reasoning_format if chat and not ctx.plain_chat and gram is None else None
     if tool_format == "harmony" and fmt is None:  # harmony's calls are messages: the channels split first
         fmt = "gpt_oss"
     keep = (fmt in reasoning.KEEPS_SPECIAL or tool_format in tools_fmt.KEEPS_SPECIAL
