@@ -12,6 +12,12 @@ Each R runs twice on one engine per R (pass 1 cold, pass 2 warm: same shapes).
     python benchmarks/batch_engine.py MODEL --rows 16 --np 2 --backend nccl
     python benchmarks/batch_engine.py MODEL --count-admission 8   # primitives of one admission
     python benchmarks/batch_engine.py MODEL --rows 8 --pp 2 --micro 1,2   # stages, micro-batched or not
+    python benchmarks/batch_engine.py MODEL --rows 8 --grammar none,json_schema   # constrained rows' cost
+
+--grammar: each pass once per format, one after another on the same engine
+(none: unconstrained; json_schema: every row under serve_load.py's schema, a
+list of at least 40 objects, so no row finishes inside --steps); the
+process's CPU seconds per token are printed beside the wall time.
 
 At np > 1 it re-launches itself through mlxcel_dist's launcher; every rank
 makes the same engine calls, rank 0 prints. One JSON line per (R, pass) with
@@ -51,13 +57,25 @@ def run(args) -> None:
     say(f"{args.model}: loaded in {load_s:.1f} s on {group.size()} rank(s), {mx.default_device()}, "
         f"slot step {slot_step()}", file=sys.stderr, flush=True)
     greedy = SamplingParams(temp=0.0)
+    grammars = {"none": None}
+    if any(g != "none" for g in args.grammar):
+        from mlxcel_dist import grammar
+        from mlxcel_dist.tokenizer import Tokenizer
+        from serve_load import FORMATS
+
+        tok = Tokenizer(loaded.model_dir, loaded.config)
+        gvocab = grammar.Vocab(loaded.model_dir / "tokenizer.json", vocab, tok.eos_ids)
+        grammars["json_schema"] = grammar.json_schema(FORMATS["json_schema"]["json_schema"]["schema"])
+        grammars["json_object"] = grammar.json_object()
     for R, micro in [(R, m) for R in args.rows for m in (args.micro or [None])]:
-        eng = BatchEngine(model, prefill_step=args.prefill_step)
+        eng = BatchEngine(model, prefill_step=args.prefill_step, vocab=gvocab if len(grammars) > 1 else None)
         if micro is not None:
             eng.micro = micro
-        for p in (1, 2):
+        for p, g in [(p, g) for p in (1, 2) for g in args.grammar]:
             rng = np.random.default_rng([R, p])
-            reqs = [(i, rng.integers(3, vocab, size=args.prompt).tolist(), greedy, args.steps) for i in range(R)]
+            reqs = [(i, rng.integers(3, vocab, size=args.prompt).tolist(), greedy, args.steps, grammars[g])
+                    for i in range(R)]
+            cpu0 = time.process_time()
             t0 = time.perf_counter()
             eng.add_many(reqs)
             mx.synchronize()
@@ -77,7 +95,8 @@ def run(args) -> None:
             times, traced = np.array(times), np.array(traced)
             steady = times[~traced][1:]  # the first step also waits for the prefill's tail
             rec = {
-                "rows": R, "pass": p, "np": group.size(), "pp": args.pp, "micro": eng.micro, "prompt": args.prompt, "steps": args.steps,
+                "rows": R, "pass": p, "grammar": g,
+                "cpu_ms_per_token": round(1e3 * (time.process_time() - cpu0) / (R * args.steps), 3), "np": group.size(), "pp": args.pp, "micro": eng.micro, "prompt": args.prompt, "steps": args.steps,
                 "slot_step": slot_step(), "prefill_s": round(prefill_s, 4),
                 "total_s": round(float(times.sum()), 4), "tok_s": round(R * args.steps / float(times.sum()), 1),
                 "retrace_steps": int(traced.sum()), "retrace_s": round(float(times[traced].sum()), 4),
@@ -87,10 +106,10 @@ def run(args) -> None:
             if args.json:
                 say(json.dumps(rec), flush=True)
             else:
-                say(f"R={R:3d} micro {eng.micro} pass {p}: {rec['tok_s']:8.1f} tok/s over {args.steps} steps "
+                say(f"R={R:3d} micro {eng.micro} pass {p} grammar {g}: {rec['tok_s']:8.1f} tok/s over {args.steps} steps "
                     f"(steady {rec['steady_ms']} ms/step = {rec['steady_tok_s']} tok/s; "
                     f"{rec['retrace_steps']} steps with a new shape took {rec['retrace_s']:.2f} s; "
-                    f"prefill {prefill_s:.2f} s)", flush=True)
+                    f"prefill {prefill_s:.2f} s; CPU {rec['cpu_ms_per_token']} ms/token)", flush=True)
 
 
 def count_admission(model_path: str, rows: int) -> dict:
@@ -135,6 +154,7 @@ def main() -> int:
     ap.add_argument("--pp", type=int, default=1, help="pipeline stages (the job has max(--np, --pp) ranks)")
     ap.add_argument("--micro", default=None, help="comma-separated micro-batch counts to run (default: the engine's, P)")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--grammar", default="none", help="comma-separated: none, json_schema, json_object")
     ap.add_argument("--count-admission", type=int, metavar="ROWS",
                     help="only count the primitives of admitting ROWS prompts into a running batch (CPU, seconds)")
     args = ap.parse_args()
@@ -142,6 +162,7 @@ def main() -> int:
         print(json.dumps(count_admission(args.model, args.count_admission)))
         return 0
     args.rows = [int(x) for x in args.rows.split(",")]
+    args.grammar = args.grammar.split(",")
     args.micro = [int(x) for x in args.micro.split(",")] if args.micro else None
     args.np = max(args.np, args.pp)
     if args.np > 1 and not os.environ.get("MLXCEL_DIST_WORLD"):

@@ -56,7 +56,9 @@ def mlx_lm_worker(model: str, prompt_tokens: int, gen_tokens: int, seed: int, pr
     m, _ = load(model)
     load_s = time.perf_counter() - t0
     weights = mx.get_active_memory() / 1e9
-    ids = prompt_ids(m.args.vocab_size, prompt_tokens, seed)
+    text = getattr(m.args, "text_config", None)  # a multimodal wrapper's (llama4): its text model's vocabulary
+    vocab = getattr(m.args, "vocab_size", None) or (text["vocab_size"] if isinstance(text, dict) else text.vocab_size)
+    ids = prompt_ids(vocab, prompt_tokens, seed)
     for _ in generate_step(mx.array(ids[: min(prompt_tokens, 32)]), m, max_tokens=min(gen_tokens, 4),
                            prefill_step_size=prefill_step):
         pass

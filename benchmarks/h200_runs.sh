@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The device runs of docs/benchmarks.md's 2026-11-30 GPU sections (second to fourth looks),
+# The device runs of docs/benchmarks-log.md's 2026-11-30 GPU sections (second to fourth looks),
 # on nvidia-h200-x2 after MLX's CUDA wheel is staged (source .dev/setup2.sh).
 # One part per device call (each well inside the 10-minute limit):
 #
@@ -21,7 +21,7 @@
 #
 # Single-process runs pin CUDA_VISIBLE_DEVICES=0: on the two-GPU host they
 # failed intermittently otherwise (cudaMemcpy ... invalid argument after an
-# mlx-lm generation in the same process; docs/benchmarks.md). np 2 ranks get
+# mlx-lm generation in the same process; docs/benchmarks-log.md). np 2 ranks get
 # one GPU each from the launcher, so those runs leave it unset.
 set -u
 O=${OUT:-/tmp/h200}
@@ -79,7 +79,7 @@ batch)
     --servers ours-np2 --json "$O/serve_np2.json" 2>&1 | grep clients
   ;;
 graphs)
-  # the suspect behind --warmup's slowdown (docs/benchmarks.md): MLX CUDA's graph cache
+  # the suspect behind --warmup's slowdown (docs/benchmarks-log.md): MLX CUDA's graph cache
   ckpt12b
   for size in 400 2000 400 2000; do
     echo "== MLX_CUDA_GRAPH_CACHE_SIZE=$size"

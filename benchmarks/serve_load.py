@@ -7,6 +7,7 @@ on one checkpoint.
     python benchmarks/serve_load.py --servers ours-np1,mlx_lm-np1
     python benchmarks/serve_load.py --servers ours-np1,ours-pp2       # pipeline stages against one rank
     python benchmarks/serve_load.py --servers ours-np1,ours-np1@../old-checkout   # this code vs another commit's
+    python benchmarks/serve_load.py --servers ours-np1 --formats text,json_schema   # constrained decoding's cost
 
 Without --model it writes a random-weight bf16 llama of ~25M parameters
 (hidden 512, 8 layers, 8 q / 4 KV heads of 64, MLP 1536) with the embedded
@@ -21,7 +22,10 @@ tokens, `stream_options.include_usage`); aggregate tok/s = completion tokens
 of all requests / wall time of the round; TTFT = first text chunk; latency =
 the whole request; a connection reset before any answer (mlx_lm.server's
 listen backlog of 5 overflows at 16 clients) is retried and counted, its wait
-included. Servers run one after another (never two at once); `loadavg` is
+included. `--formats`: each round once per response_format (text: none;
+json_schema: FORMATS' schema, a list of at least 40 small objects, so every
+answer runs its 64 tokens under the grammar; json_object), on the same
+server one after another. Servers run one after another (never two at once); `loadavg` is
 printed before each so that a loaded machine shows.
 """
 
@@ -95,18 +99,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def server_cmd(name: str, model: Path, port: int) -> list[str]:
+def server_cmd(name: str, model: Path, port: int, backend: str | None = None) -> list[str]:
     ours = [sys.executable, "-m", "mlxcel_dist.cli", "serve", str(model), "--port", str(port)]
+    multi = ["--backend", backend] if backend else []  # for our multi-rank servers
     # `python -m mlx_lm.server` where the console script is not installed (a PYTHONPATH-only setup)
     script = BIN / "mlx_lm.server"
     mlx_lm = ([str(script)] if script.exists() else [sys.executable, "-m", "mlx_lm.server"]) + [
         "--model", str(model), "--port", str(port)]
     return {
         "ours-np1": ours,
-        "ours-np2": ours + ["--np", "2"],
-        "ours-pp2": ours + ["--pp", "2"],  # two pipeline stages, whole steps
-        "ours-pp2-micro2": ours + ["--pp", "2", "--micro-batches", "2"],
-        # --warmup is off by default since d611b81 (these names are the runs of docs/benchmarks.md before it)
+        "ours-np2": ours + ["--np", "2", *multi],
+        "ours-pp2": ours + ["--pp", "2", *multi],  # two pipeline stages, whole steps
+        "ours-pp2-micro2": ours + ["--pp", "2", "--micro-batches", "2", *multi],
+        # --warmup is off by default since d611b81 (these names are the runs of docs/benchmarks-log.md before it)
         "ours-np1-nowarmup": ours + ["--no-warmup"],
         "ours-np2-nowarmup": ours + ["--np", "2", "--no-warmup"],
         "ours-np1-warmup": ours + ["--warmup"],
@@ -152,14 +157,25 @@ def post_stream(base: str, body: dict) -> tuple[int, float, float]:
     return (chunks if tokens is None else tokens), (ttft or 0.0), time.perf_counter() - t0
 
 
-def run_round(base: str, clients: int, requests: int, tokens: int, tag: str) -> dict:
+ITEM = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 9999},
+                                         "kind": {"enum": ["sea", "sky", "city"]},
+                                         "name": {"type": "string", "maxLength": 8}},
+        "required": ["id", "kind", "name"], "additionalProperties": False}
+FORMATS = {"text": None, "json_object": {"type": "json_object"},
+           "json_schema": {"type": "json_schema", "json_schema": {"name": "items", "strict": True, "schema": {
+               "type": "object", "properties": {"items": {"type": "array", "items": ITEM, "minItems": 40}},
+               "required": ["items"], "additionalProperties": False}}}}
+
+
+def run_round(base: str, clients: int, requests: int, tokens: int, tag: str, fmt: str = "text") -> dict:
     results, errors = [], []
+    extra = {"response_format": FORMATS[fmt]} if FORMATS[fmt] else {}
 
     def client(c):
         for r in range(requests):
             try:
                 results.append(post_stream(base, {"prompt": f"{tag} client {c} request {r}: the",
-                                                  "max_tokens": tokens, "temperature": 0}))
+                                                  "max_tokens": tokens, "temperature": 0, **extra}))
             except Exception as e:  # noqa: BLE001 - reported
                 errors.append(repr(e))
 
@@ -181,7 +197,7 @@ def run_round(base: str, clients: int, requests: int, tokens: int, tag: str) -> 
 
     retries = len(RETRIES)
     RETRIES.clear()
-    return {"clients": clients, "requests": len(results), "tokens": toks, "wall_s": wall, "tok_s": toks / wall,
+    return {"clients": clients, "format": fmt, "requests": len(results), "tokens": toks, "wall_s": wall, "tok_s": toks / wall,
             "connect_retries": retries,
             "ttft_p50": statistics.median(ttfts), "ttft_p95": pct(ttfts, 0.95),
             "lat_p50": statistics.median(lats), "lat_p95": pct(lats, 0.95)}
@@ -206,7 +222,7 @@ def _family_cpu_s(root: int) -> float:
 
 
 def bench_server(name: str, model: Path, clients: list[int], requests: int, tokens: int, log_dir: Path,
-                 root: Path = ROOT) -> list:
+                 root: Path = ROOT, backend: str | None = None, formats=("text",)) -> list:
     """`root`: the checkout whose code serves (another one's, to compare versions of ours)."""
     port = free_port()
     base = f"http://127.0.0.1:{port}"
@@ -215,7 +231,7 @@ def bench_server(name: str, model: Path, clients: list[int], requests: int, toke
     env = None
     if root != ROOT:  # that checkout first, whatever else the path holds (e.g. a staged MLX) after it
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.Popen(server_cmd(name, model, port), cwd=root, stdout=log, stderr=subprocess.STDOUT,
+    proc = subprocess.Popen(server_cmd(name, model, port, backend), cwd=root, stdout=log, stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL, start_new_session=True, env=env)
     try:
         deadline = time.monotonic() + 180
@@ -229,13 +245,16 @@ def bench_server(name: str, model: Path, clients: list[int], requests: int, toke
             except OSError:
                 time.sleep(0.3)
         for n in sorted(set(clients)):  # warm-up: each batch size once
-            run_round(base, n, 1, 8, "warm-up")
+            for fmt in formats:
+                run_round(base, n, 1, 8, "warm-up", fmt)
         rows = []
         for n in clients:  # the server's CPU seconds per token: its own cost, less swayed by a busy machine
-            c0 = _family_cpu_s(proc.pid)
-            row = run_round(base, n, requests, tokens, "timed")
-            row["server_cpu_ms_per_token"] = round(1000 * (_family_cpu_s(proc.pid) - c0) / max(row["tokens"], 1), 3)
-            rows.append({"server": name, **row})
+            for fmt in formats:
+                c0 = _family_cpu_s(proc.pid)
+                row = run_round(base, n, requests, tokens, "timed", fmt)
+                row["server_cpu_ms_per_token"] = round(1000 * (_family_cpu_s(proc.pid) - c0) / max(row["tokens"], 1),
+                                                       3)
+                rows.append({"server": name, **row})
         return rows
     finally:
         if proc.poll() is None:
@@ -282,7 +301,10 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--servers", default="mlx_lm-np1,ours-np1,mlx_lm-np2,ours-np2")
     ap.add_argument("--json", help="also write the rows here")
+    ap.add_argument("--formats", default="text", help=f"comma-separated response formats ({', '.join(FORMATS)})")
+    ap.add_argument("--backend", help="our multi-rank servers' --backend (default: the launcher's auto)")
     args = ap.parse_args()
+    formats = args.formats.split(",")
     model = Path(args.model) if args.model else llama_checkpoint()
     clients = [int(x) for x in args.clients.split(",")]
     log_dir = Path(tempfile.mkdtemp(prefix="serve-load-"))
@@ -292,7 +314,7 @@ def main() -> None:
         print(f"{spec}: loadavg {open('/proc/loadavg').read().split()[:3]}", file=sys.stderr, flush=True)
         try:
             got = bench_server(name, model, clients, args.requests, args.tokens, log_dir,
-                               Path(root).resolve() if root else ROOT)
+                               Path(root).resolve() if root else ROOT, args.backend, formats)
             for r in got:
                 r["server"] = spec
         except RuntimeError as e:
@@ -300,7 +322,7 @@ def main() -> None:
             continue
         rows += got
         for r in got:
-            print(f"{r['server']:>11} {r['clients']:>3} clients: {r['tok_s']:7.1f} tok/s  TTFT p50 "
+            print(f"{r['server']:>11} {r['format']:>11} {r['clients']:>3} clients: {r['tok_s']:7.1f} tok/s  TTFT p50 "
                   f"{r['ttft_p50']:.3f}s p95 {r['ttft_p95']:.3f}s  latency p50 {r['lat_p50']:.2f}s "
                   f"p95 {r['lat_p95']:.2f}s  server CPU {r['server_cpu_ms_per_token']:.1f} ms/token  "
                   f"({r['requests']} requests, {r['tokens']} tokens, "

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The device runs of docs/benchmarks.md's "np 2 timeline" section, one call on
+# The device runs of docs/benchmarks-log.md's "np 2 timeline" section, one call on
 # nvidia-h200-x2 (after MLX's CUDA wheel is staged: source .dev/setup2.sh).
 # At most 8 JSON files land in $OUT (the device tool's limit).
 set -u

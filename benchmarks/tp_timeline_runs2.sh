@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Second device call of docs/benchmarks.md's "np 2 timeline" section: the
+# Second device call of docs/benchmarks-log.md's "np 2 timeline" section: the
 # agreement check off / as before / device-resident (guard_ab), with CUDA
 # graphs on and off, and the host-array stall probe.
 set -u

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from .cache import QuantizedKV
 from .masks import CAUSAL, create_causal_mask, create_causal_mask_with_window_full
 
 
@@ -33,8 +34,11 @@ def causal_attention(
       rows with no visible key (all -inf, NaN).
     `softcap` applies tanh soft-capping to the scores (gemma2); `sinks` are
     per-head logits [n_heads] that join the softmax denominator (gpt-oss).
+    k and v may be `cache.QuantizedKV` (--kv-bits): `_attention_quantized`.
     """
     L, S = q.shape[2], k.shape[2]
+    if isinstance(k, QuantizedKV):  # --kv-bits: a full layer's cache (no window)
+        return _attention_quantized(q, k, v, scale, softcap, mask, sinks)
     if mask is None:
         if L == 1:
             if window and S > window:
@@ -79,4 +83,33 @@ def _attention_softcap(q, k, v, scale, softcap, mask, sinks):
     else:
         probs = mx.softmax(scores, axis=-1)
     out = probs.astype(v.dtype) @ mx.expand_dims(v, 2)  # [B, Hkv, rep, L, Dv]
+    return out.reshape(B, H, L, -1)
+
+
+def _attention_quantized(q, k, v, scale, softcap, mask, sinks):
+    # mlx-lm's quantized attention: scores and output by mx.quantized_matmul on
+    # the packed cache (never dequantized whole), softmax in fp32 as above.
+    B, H, L, D = q.shape
+    Hkv = k.shape[1]
+    rep = H // Hkv
+    q = (q * scale).reshape(B, Hkv, rep, L, D)  # [B, Hkv, rep, L, D]
+    kp = [mx.expand_dims(x, 2) for x in k.parts]  # [B, Hkv, 1, S, .]
+    vp = [mx.expand_dims(x, 2) for x in v.parts]
+    scores = mx.quantized_matmul(q, *kp, transpose=True, group_size=k.group_size, bits=k.bits)  # [B, Hkv, rep, L, S]
+    if softcap is not None:
+        scores = mx.tanh(scores / softcap) * softcap
+    scores = scores.astype(mx.float32)
+    if isinstance(mask, str) or (mask is None and L > 1):
+        mask = create_causal_mask(L, scores.shape[-1] - L)
+    if mask is not None:
+        if mask.ndim == 4:  # per-row [B, 1, L, S]
+            mask = mask[:, :, None]
+        scores = mx.where(mask, scores, mx.array(-mx.inf, mx.float32))
+    if sinks is not None:
+        s = sinks.astype(mx.float32).reshape(1, Hkv, rep, 1, 1)
+        s = mx.broadcast_to(s, scores.shape[:-1] + (1,))
+        probs = mx.softmax(mx.concatenate([s, scores], axis=-1), axis=-1)[..., 1:]
+    else:
+        probs = mx.softmax(scores, axis=-1)
+    out = mx.quantized_matmul(probs.astype(q.dtype), *vp, transpose=False, group_size=v.group_size, bits=v.bits)
     return out.reshape(B, H, L, -1)

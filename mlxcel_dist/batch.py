@@ -41,6 +41,17 @@ pending=)`), so the ids are those of unpipelined steps. No step is launched
 once every row has had its `budget` (the caller's max_tokens) launched: a
 lone request's last id leaves nothing running behind it.
 
+Constrained rows (a `grammar.Matcher` per row: response_format, forced tool
+calls) need their last id on the host before their next draw: the mask
+depends on it. `launch` still builds and starts the forward for every row
+from the lazy ids; a constrained row whose last id is unread keeps only its
+logits (`_Flight.deferred`), and `step` draws it in `_finish`, right after
+`collect` has read that id and advanced the row's matcher, while the device
+runs the forward. So the pipelining of the forward is kept, and only the
+small draw of those rows waits for the host. Every rank computes the same
+masks from the same ids (no collective). Micro-batched steps are skipped
+while a constrained row is in the batch.
+
 Exactness: each row is computed by the same operations as a lone sequence
 (the matmuls batch rows; a row's values do not depend on the others), so
 greedy text is the same alone or batched, prefilled alone or together
@@ -68,7 +79,7 @@ from .decode import StaticCache, _round_up, ring_slots
 from .engine import DEFAULT_PREFILL_STEP, check_tokens, vocab_size
 from .masks import create_rows_mask
 from .pipeline import outstanding_sends
-from .sampling import Sampler, SamplingParams, read_logprobs, token_logprobs
+from .sampling import NEG_INF, Sampler, SamplingParams, allowed_from_bits, read_logprobs, token_logprobs
 
 # Buffer granularity of the batch's static KV, per device. A batch step
 # attends every row over the whole buffer (masked), so slack slots cost
@@ -192,6 +203,7 @@ class _Admit:
     start: int  # prompt tokens the prompt cache supplies
     cache: list | None  # their caches (None: a miss)
     budget: int | None = None
+    grammar: object = None  # grammar.Matcher: the row's constrained decoding
 
 
 PAD_SLACK = 1.25  # prompts prefill together while the padded tokens stay within 25% of the real ones
@@ -242,6 +254,7 @@ class Row:
     generated: list = field(default_factory=list)
     budget: int | None = None  # ids the caller will read at most (max_tokens): no step launched past it
     launched: int = 0  # steps launched for it
+    grammar: object = None  # grammar.Matcher (None: unconstrained), advanced with each id read
 
 
 @dataclass(eq=False)
@@ -250,9 +263,11 @@ class _Flight:
     (micro-batched: also each micro-batch's ids, `parts`, its rows' and pads')."""
 
     rows: list
-    ids: mx.array
+    ids: mx.array | None  # None until `_finish` has drawn the deferred rows' ids
     extras: object
     parts: list | None = None
+    deferred: list | None = None  # (b, logits [V]) of constrained rows drawn once their last id is read
+    drawn: list | None = None  # the other rows' lazy ids (the deferred rows' slots None)
 
 
 def _plain_greedy(params) -> bool:
@@ -266,14 +281,16 @@ class BatchEngine:
     same calls in the same order."""
 
     def __init__(self, model, prefill_step: int | None = None, compiled: bool = True, prompt_cache=None,
-                 pipelined: bool = True, micro: int = 1):
+                 pipelined: bool = True, micro: int = 1, vocab=None):
         """`prompt_cache`: a prompt_cache.PromptCache that requests' prompts
         (and finished rows' whole sequences) are kept in and reused from.
         `pipelined=False`: each step is read before the next is built (the
         reference the pipelined steps are tested against). `micro`: each step's
         rows in that many micro-batches (serve --micro-batches, for pipeline
-        stages: `_launch_micro`)."""
+        stages: `_launch_micro`). `vocab`: a grammar.Vocab, for requests that
+        come with a grammar's text."""
         self.model = model
+        self.vocab = vocab
         self.prompt_cache = prompt_cache
         self.prefill_step = prefill_step or DEFAULT_PREFILL_STEP
         self.rows: list[Row] = []
@@ -297,6 +314,7 @@ class BatchEngine:
         self.extras = []  # step_extras of the step read last
         self.want: dict = {}  # rid -> k: that row's logprobs with each id (sampling.token_logprobs)
         self.logprobs: dict = {}  # rid -> (logprob, [(id, logprob), ...]) of the step read last
+        self.prefilled = 0  # prompt tokens run through prefill forwards (prompt-cache hits and copies excluded)
 
     # -- rows --------------------------------------------------------------
     def __len__(self) -> int:
@@ -318,20 +336,33 @@ class BatchEngine:
         self.add_many([(rid, prompt_ids, sampling)])
 
     def add_many(self, requests) -> None:
-        """`add` for several (rid, prompt_ids, sampling[, budget]) at once
-        (budget: the most ids the caller reads for it, e.g. max_tokens); the prompts
+        """`add` for several (rid, prompt_ids, sampling[, budget[, grammar]]) at once
+        (budget: the most ids the caller reads for it, e.g. max_tokens; grammar: a
+        grammar.Matcher constraining its ids, or a grammar's text for `vocab`'s
+        matcher); the prompts
         with tokens to prefill are prefilled together (`_prefill_together`,
         one forward per chunk over all of them) when there are two or more and
         the model's caches are all static KV; else each alone through the
-        model's own caches (chunked, exact as `generate`). Rows join in a
-        fixed order (every rank makes the same calls)."""
-        todo = []
-        for rid, prompt_ids, sampling, *budget in requests:
+        model's own caches (chunked, exact as `generate`). A prompt given
+        more than once (serve's n > 1) is prefilled once: its copies get the
+        first's keys/values (`_fork`). Rows join in a fixed order (every rank
+        makes the same calls)."""
+        todo, copies, first = [], [], {}
+        for rid, prompt_ids, sampling, *extra in requests:
+            budget = extra[0] if extra else None
+            grammar = extra[1] if len(extra) > 1 else None
+            if isinstance(grammar, str):  # a request's grammar text (serve.wire): this rank's matcher, one a row
+                grammar = self.vocab.matcher(grammar)
             prompt = check_tokens(prompt_ids, vocab_size(self.model))
+            key = prompt.tobytes()
+            if key in first:  # a copy (serve's n > 1): forked after the prefill
+                copies.append((first[key], rid, sampling, budget, grammar))
+                continue
+            first[key] = rid
             start, cache = 0, None
             if self.prompt_cache is not None:
                 start, cache = self.prompt_cache.lookup(prompt, self.model.make_cache)
-            todo.append(_Admit(rid, prompt, len(prompt) - 1, sampling, start, cache, budget[0] if budget else None))
+            todo.append(_Admit(rid, prompt, len(prompt) - 1, sampling, start, cache, budget, grammar))
         if self.static is None:
             fresh = self.model.make_cache()
             self.static = bool(fresh) and all(c.static_kv for c in fresh)
@@ -345,6 +376,31 @@ class BatchEngine:
                 self._add_alone(a)
         for g in together:
             self._prefill_together(g)
+        for src, rid, sampling, budget, grammar in copies:
+            self._fork(src, rid, sampling, budget, grammar)
+
+    def _fork(self, src, rid, sampling, budget, grammar=None) -> None:
+        """A new row `rid` holding row `src`'s prompt (its keys/values copied,
+        no forward), with its own sampler. Rows stepping eagerly have caches
+        of their own, so their copies are prefilled each."""
+        b = next(i for i, r in enumerate(self.rows) if r.rid == src)
+        r = self.rows[b]
+        if not self.static:
+            prompt = np.asarray(r.context, np.int32)
+            self._add_alone(_Admit(rid, prompt, len(prompt) - 1, sampling, 0, None, budget, grammar))
+            return
+        self._reserve(len(self.rows) + 1, r.pos + 1)
+        new = len(self.rows)
+        for name in list(self.buffers):
+            if name == "pos":
+                continue
+            buf = self.buffers[name]
+            buf[new : new + 1] = buf[b : b + 1]
+            self.buffers[name] = buf
+        self.rows.append(Row(rid, Sampler(sampling or SamplingParams(), len(r.context)), list(r.context), r.pos,
+                             r.token, budget=budget, grammar=grammar))
+        self._changed = True
+        self._sync_pos()
 
     def warmup(self, max_rows: int, token: int = 0) -> list:
         """Trace and compile the step for every row capacity a batch of up to
@@ -386,13 +442,14 @@ class BatchEngine:
         prompt, last, cache = a.prompt, a.last, a.cache
         if cache is None:
             cache = self.model.make_cache()
+        self.prefilled += max(last - a.start, 0)
         for i in range(a.start, last, self.prefill_step):
             self.model(mx.array(prompt[i : min(i + self.prefill_step, last)])[None], cache)
             mx.eval([c.state for c in cache] if cache else [], outstanding_sends(self.model))
         if self.prompt_cache is not None and a.start < last:
             self.prompt_cache.store(prompt[:last], cache)
         row = Row(a.rid, Sampler(a.sampling or SamplingParams(), len(prompt)), prompt.tolist(), last, int(prompt[last]),
-                  budget=a.budget)
+                  budget=a.budget, grammar=a.grammar)
         if not self.static:
             row.eager_cache = cache
             self.rows.append(row)
@@ -435,6 +492,7 @@ class BatchEngine:
         from its real queries, land where its later tokens (or nothing it
         keeps) go, and are finite (no query row is all masked)."""
         admits = sorted(admits, key=lambda a: a.start - a.last)  # stable: ties keep their order
+        self.prefilled += sum(a.last - a.start for a in admits)
         L = min(self.prefill_step, admits[0].last - admits[0].start)
         T = max(end for _, _, end in _chunks(admits, L))  # slots written, pads included
         rings = [None if r is not None else (T if w is None else min(w + L, T))
@@ -496,7 +554,7 @@ class BatchEngine:
         if self.prompt_cache is not None:
             self.prompt_cache.store_layers(a.prompt[: a.last], kv, self.windows)
         self._place(Row(a.rid, Sampler(a.sampling or SamplingParams(), len(a.prompt)), a.prompt.tolist(), a.last,
-                        int(a.prompt[a.last]), budget=a.budget), kv)
+                        int(a.prompt[a.last]), budget=a.budget, grammar=a.grammar), kv)
 
     def remove(self, rid) -> None:
         """Free `rid`'s row (kept in the prompt cache when there is one): the
@@ -716,7 +774,7 @@ class BatchEngine:
         if not self.rows:
             return
         n = len(self.rows)
-        if self.static and self.micro > 1:
+        if self.static and self.micro > 1 and not any(r.grammar is not None for r in self.rows):
             self._reserve(n, max(r.pos for r in self.rows))
             if self._capacity() > 1:
                 return self._launch_micro(n, self._capacity())
@@ -729,22 +787,64 @@ class BatchEngine:
             x = (tokens if C == n else mx.concatenate([tokens, mx.zeros((C - n,), mx.int32)])).reshape(C, 1)
             logits = self._compiled(x) if self._compiled is not None else self._forward(x)
             rows = [logits[b] for b in range(n)]
-        if self.static and all(_plain_greedy(r.sampler.params) for r in self.rows):
+        masks = [None] * n
+        deferred = []
+        if self.static and all(_plain_greedy(r.sampler.params) and r.grammar is None for r in self.rows):
             # every row greedy, no penalty: one argmax over the batch (the same ids as each
             # row's Sampler: argmax of the same float32 values), not ~5 small ops per row
             stacked = mx.argmax(logits[:n].astype(mx.float32), axis=-1).astype(mx.int32)
             ids = [stacked[b] for b in range(n)]
         else:
-            # every row's sampler on its own logits, the unread id counted as context
-            ids = [r.sampler.sample(x, r.context, pending=p) for r, x, p in zip(self.rows, rows, pending)]
-            stacked = mx.stack(ids)
-        extras = self.step_extras(rows, ids, pending)
-        mx.async_eval(stacked, extras)
+            # every row's sampler on its own logits, the unread id counted as context; a
+            # constrained row whose last id is unread waits for it (`_finish`): its mask needs it
+            ids = []
+            for b, (r, x, p) in enumerate(zip(self.rows, rows, pending)):
+                if r.grammar is not None and p is not None:
+                    deferred.append((b, x))
+                    ids.append(None)
+                    continue
+                if r.grammar is not None:
+                    masks[b] = mx.array(r.grammar.mask())
+                ids.append(r.sampler.sample(x, r.context, pending=p, mask=masks[b]))
+            stacked = None if deferred else mx.stack(ids)
+        constrained = any(m is not None for m in masks)
+        extras = self.step_extras(rows, ids, pending, masks) if constrained else self.step_extras(rows, ids, pending)
+        if deferred:
+            mx.async_eval([x for _, x in deferred], [i for i in ids if i is not None], extras)
+        else:
+            mx.async_eval(stacked, extras)
         for r in self.rows:
             r.pos += 1
             r.launched += 1
-        self._flights.append(_Flight(list(self.rows), stacked, extras))
+        self._flights.append(_Flight(list(self.rows), stacked, extras, deferred=deferred or None,
+                                     drawn=ids if deferred else None))
         self._changed = False
+
+    def _finish(self) -> None:
+        """Draw the deferred rows' ids of the step in flight: their last ids
+        are read now (`collect` advanced their grammars), so their masks are
+        known; the forward ran meanwhile. Its ids [n] are complete after."""
+        f = self._flights[-1] if self._flights else None
+        if f is None or f.deferred is None:
+            return
+        ids, extras = list(f.drawn), dict(f.extras)
+        masks = mx.array(np.stack([f.rows[b].grammar.mask() for b, _ in f.deferred]))  # [k, words]: one copy in
+        greedy = [j for j, (b, _) in enumerate(f.deferred) if _plain_greedy(f.rows[b].sampler.params)]
+        if len(greedy) > 1:
+            # greedy rows without penalties: one masked argmax over them (the ids their Samplers
+            # would draw: argmax of the same masked float32 values)
+            x = mx.stack([f.deferred[j][1] for j in greedy]).astype(mx.float32)
+            allowed = allowed_from_bits(masks[mx.array(greedy)], x.shape[-1])
+            top = mx.argmax(mx.where(allowed, x, NEG_INF), axis=-1).astype(mx.int32)
+            for i, j in enumerate(greedy):
+                ids[f.deferred[j][0]] = top[i]
+        for j, (b, x) in enumerate(f.deferred):
+            r = f.rows[b]
+            if ids[b] is None:
+                ids[b] = r.sampler.sample(x, r.context, mask=masks[j])
+            extras.update(self._extras_of([r], [x], [ids[b]], [None], [masks[j]]))
+        f.ids, f.extras, f.deferred, f.drawn = mx.stack(ids), extras, None, None
+        mx.async_eval(f.ids, f.extras)
 
     def collect(self) -> dict:
         """Read the oldest step in flight (the one host sync): {rid: id} of
@@ -762,6 +862,8 @@ class BatchEngine:
                 r.generated.append(tok)
                 r.token = tok
                 out[r.rid] = tok
+                if r.grammar is not None:
+                    r.grammar.advance(tok)
         self.logprobs = {rid: read_logprobs(lp) for rid, lp in (f.extras or {}).items() if rid in out}
         return out
 
@@ -778,12 +880,20 @@ class BatchEngine:
         # no step past every row's budget: its work would only be discarded (a lone request's last id)
         if self.pipelined and any(r.budget is None or r.launched < r.budget for r in self.rows):
             self.launch()
-        return self.collect()
+        out = self.collect()
+        self._finish()
+        return out
 
-    def step_extras(self, logits: list, ids: list, pending: list) -> dict:
+    def step_extras(self, logits: list, ids: list, pending: list, masks: list | None = None) -> dict:
         """Lazy arrays evaluated with a step: {rid: token_logprobs} of the
-        rows in `want`, from each row's logits, its lazy id and the id still
-        unread when the step was launched (pipelined: its context lacks it)."""
+        rows in `want`, from each row's logits, its lazy id, the id still
+        unread when the step was launched (pipelined: its context lacks it)
+        and its grammar mask (the constrained distribution); a deferred row's
+        (id None) come with its id (`_finish`)."""
+        return self._extras_of(self.rows, logits, ids, pending, masks or [None] * len(ids))
+
+    def _extras_of(self, rows, logits, ids, pending, masks) -> dict:
         return {r.rid: token_logprobs(x, r.context, r.sampler.params, prev, tok, self.want[r.rid],
-                                      r.sampler.prompt_len)
-                for r, x, tok, prev in zip(self.rows, logits, ids, pending) if r.rid in self.want}
+                                      r.sampler.prompt_len, mask)
+                for r, x, tok, prev, mask in zip(rows, logits, ids, pending, masks)
+                if r.rid in self.want and tok is not None}

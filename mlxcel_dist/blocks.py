@@ -18,6 +18,7 @@ import mlx.nn as nn
 
 from .attention import causal_attention
 from .errors import UserError
+from .experts import SwitchGLU
 from .layers import gated_fp32
 from .rope import RoPE
 
@@ -278,7 +279,11 @@ class SandwichBlock(PreNormBlock):
 
     def finish(self, x, a):
         h = x + self.post_attention_layernorm(a)
-        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+        return h + self.post_feedforward_layernorm(self.ffn(h))
+
+    def ffn(self, h):
+        """The feed-forward branch before its post-norm (Gemma 4 adds its experts here)."""
+        return self.mlp(self.pre_feedforward_layernorm(h))
 
 
 # --------------------------------------------------------------------------- Gemma 4 pieces
@@ -396,47 +401,67 @@ class Gemma4Router(nn.Module):
         return idx, w * self.per_expert_scale[idx].astype(mx.float32)
 
 
-def gather_mm_any(x: mx.array, w: mx.array, indices: mx.array) -> mx.array:
-    """x [..., 1, K] @ w[indices] ([E, K, M] gathered per row) -> [..., 1, M].
-    MLX's CPU gather_mm is float32-only: there half inputs multiply in fp32
-    and round once (as a half matmul with fp32 accumulation does); only the
-    routed experts are cast when fewer (row, expert) pairs than experts."""
-    if x.dtype == mx.float32 or mx.default_device() == mx.gpu:
-        return mx.gather_mm(x, w, rhs_indices=indices)
-    x32 = x.astype(mx.float32)
-    if indices.size < w.shape[0]:
-        return (x32 @ w[indices].astype(mx.float32)).astype(x.dtype)
-    return mx.gather_mm(x32, w.astype(mx.float32), rhs_indices=indices).astype(x.dtype)
-
-
-class SplitGateExperts(nn.Module):
-    """E gated experts in transformers' Linear layout: `gate_up_proj` [E, 2I,
-    hidden] (gate rows, then up rows), `down_proj` [E, hidden, I];
-    out = sum_k w_k * down_e(act(gate_e x) * up_e x) over each token's k
-    experts (`mx.gather_mm`: tokens * k expert matmuls, never tokens * E).
-    Under TP (`shard.shard_fused_gate_up_experts`) this rank holds slice
-    [i0, i1) of every expert's intermediate dimension; the partial sums are
-    summed over `group` (one all_sum per block)."""
+class Gemma4Experts(SwitchGLU):
+    """Gemma 4's routed experts: `experts.SwitchGLU` with transformers' fused
+    `gate_up_proj` [E, 2I, hidden] (gate rows, then up rows; sanitize adds
+    `.weight`, `gemma4_expert_name`) and `down_proj` [E, hidden, I]; each
+    fp32-weighted output rounded, summed in routed order. The block sums its
+    own partial output over `group` (one all_sum per block once sharded:
+    Gemma 4 norms each branch before adding them)."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, act: Callable):
-        super().__init__()
         from .collectives import SINGLE
 
-        self.gate_up_proj = mx.zeros((num_experts, 2 * intermediate_size, hidden_size))
-        self.down_proj = mx.zeros((num_experts, hidden_size, intermediate_size))
-        self.act = act
+        super().__init__(hidden_size, intermediate_size, num_experts, gated_fp32(act), fused=True, combine="sum")
         self.group = SINGLE
 
     def __call__(self, x, indices, weights):
         # x [N, hidden]; indices [N, k]; weights [N, k] (float32)
-        xe = x[:, None, None, :]  # [N, 1, 1, hidden]: one row per (token, chosen expert)
-        gu = gather_mm_any(xe, self.gate_up_proj.swapaxes(-1, -2), indices)  # [N, k, 1, 2I]
-        half = gu.shape[-1] // 2
-        h = gated_fp32(self.act)(gu[..., :half], gu[..., half:])  # [N, k, 1, I]
-        out = gather_mm_any(h, self.down_proj.swapaxes(-1, -2), indices).squeeze(-2)  # [N, k, hidden]
-        # weights are float32: the product rounds once to the hidden dtype (torch's promotion)
-        y = (out.astype(mx.float32) * weights[..., None]).astype(out.dtype).sum(axis=1)  # [N, hidden]
-        return self.group.all_sum(y)
+        return self.group.all_sum(super().__call__(x, indices, weights))
+
+
+class Gemma4Block(SandwichBlock):
+    """Gemma 4's decoder layer (gemma4, diffusion_gemma): a SandwichBlock
+    whose feed-forward branch may add routed experts beside the dense MLP
+    (`moe` = (router, experts): each branch post-normed,
+    `post_feedforward_layernorm_1` / `_2`, then the shared post-norm; the
+    router reads the un-normed residual, the experts its
+    `pre_feedforward_layernorm_2`), the layer's output times `layer_scalar`
+    (or the caller's `scalar`: diffusion_gemma's encoder pass)."""
+
+    def __init__(self, self_attn: nn.Module, mlp: nn.Module, hidden_size: int, norm: Callable[[int], nn.Module],
+                 moe: tuple | None = None):
+        super().__init__(self_attn, mlp, hidden_size, norm)
+        self.layer_scalar = mx.ones((1,))
+        if moe is not None:
+            self.router, self.experts = moe
+            self.post_feedforward_layernorm_1 = norm(hidden_size)
+            self.post_feedforward_layernorm_2 = norm(hidden_size)
+            self.pre_feedforward_layernorm_2 = norm(hidden_size)
+
+    def __call__(self, x, mask=None, cache=None, scalar=None):
+        return self.scaled(self.finish(x, self.self_attn(self.input_layernorm(x), mask, cache)), scalar)
+
+    def ffn(self, h):
+        m = self.mlp(self.pre_feedforward_layernorm(h))
+        if "experts" not in self:
+            return m
+        B, L, D = h.shape
+        flat = h.reshape(B * L, D)  # [N, hidden]: the router reads the residual, not a normed copy
+        idx, w = self.router(flat)
+        e = self.experts(self.pre_feedforward_layernorm_2(flat), idx, w).reshape(B, L, D)
+        return self.post_feedforward_layernorm_1(m) + self.post_feedforward_layernorm_2(e)
+
+    def scaled(self, h, scalar=None):
+        s = self.layer_scalar if scalar is None else scalar
+        return h * s.astype(h.dtype)
+
+
+def gemma4_expert_name(name: str) -> str:
+    """A Gemma 4 checkpoint name in our layout: transformers' bare expert
+    stacks (`experts.gate_up_proj`, `experts.down_proj`) are SwitchLinear
+    weights (`.weight`); every other name as it is."""
+    return name + ".weight" if name.endswith((".experts.gate_up_proj", ".experts.down_proj")) else name
 
 
 def gemma4_rope_params(rope_parameters: dict | None, layer_types: list, family: str) -> dict:
@@ -468,41 +493,3 @@ def gemma4_rope(params: dict, head_dim: int):
         return ProportionalRoPE(head_dim, params)
     # transformers' default RoPE for Gemma 4 ignores partial_rotary_factor
     return RoPE(head_dim, {"rope_type": "default", "rope_theta": params["rope_theta"]})
-
-
-# --------------------------------------------------------------------------- stacked expert projections
-
-
-class StackedLinear(nn.Module):
-    """E linear maps stacked in the Linear layout: `weight` [E, out, in]
-    (mlx-lm's SwitchLinear; minimax_m2's experts), applied to each (token,
-    chosen expert) row: x [..., 1, in] with indices -> [..., 1, out]
-    (`gather_mm_any`). `to_quantized` gives `QuantizedStackedLinear`, so
-    quant.quantize_model swaps it where the checkpoint has `.scales`."""
-
-    def __init__(self, num_experts: int, input_dims: int, output_dims: int):
-        super().__init__()
-        self.weight = mx.zeros((num_experts, output_dims, input_dims))
-
-    def __call__(self, x, indices):
-        return gather_mm_any(x, self.weight.swapaxes(-1, -2), indices)
-
-    def to_quantized(self, group_size: int = 64, bits: int = 4, mode: str = "affine", **_):
-        return QuantizedStackedLinear(self.weight, group_size, bits, mode)
-
-
-class QuantizedStackedLinear(nn.Module):
-    """StackedLinear quantized as mlx-lm's QuantizedSwitchLinear stores it:
-    `weight` (packed uint32) [E, out, in * bits / 32], `scales` and (affine)
-    `biases` [E, out, in / group_size]; rows run through mx.gather_qmm."""
-
-    def __init__(self, weight: mx.array, group_size: int, bits: int, mode: str = "affine"):
-        super().__init__()
-        self.group_size, self.bits, self.mode = group_size, bits, mode
-        self.weight, self.scales, *biases = mx.quantize(weight, group_size, bits, mode=mode)
-        if biases:
-            self.biases = biases[0]
-
-    def __call__(self, x, indices):
-        return mx.gather_qmm(x, self["weight"], self["scales"], self.get("biases"), rhs_indices=indices,
-                             transpose=True, group_size=self.group_size, bits=self.bits, mode=self.mode)  # fmt: skip

@@ -42,6 +42,7 @@ SLIDING = "sliding_attention"
 FULL = "full_attention"
 CHUNKED = "chunked_attention"  # llama4: attention within fixed chunks of positions
 RECURRENT = "recurrent"  # a recurrent layer's kind (recurrent_gemma): state, no keys
+LINEAR = "linear_attention"  # a gated DeltaNet layer's kind (qwen3_next, qwen3_5_moe): state, no keys
 LAYER_KINDS = (SLIDING, FULL)
 
 
@@ -377,6 +378,48 @@ class RecurrentCache(LayerCache):
         return [] if self.conv_state is None else [self.conv_state, self.lru_state]
 
 
+class DeltaNetCache(LayerCache):
+    """A gated DeltaNet layer's state across chunks and decode steps
+    (deltanet.GatedDeltaNet: qwen3_next, qwen3_5_moe): `conv_state`
+    [B, conv_kernel - 1, channels] holds the last inputs of the causal
+    depthwise conv over the q/k/v channels (compute dtype; zeros before the
+    first token, as the reference pads), `recurrent_state` [B, v_heads,
+    k_head_dim, v_head_dim] the delta rule's state matrix per value head
+    (float32, as the reference keeps it). Under TP both cover this rank's
+    heads only. `fetch()` / `update(conv, state, n)`; `offset` counts the
+    tokens seen. No keys, so no mask; stepped eagerly (`static_kv` False).
+    `snapshot()` / `restore_snapshot()` copy the state out and back
+    (prompt_cache.py keeps a prefix this way: a state cannot be cut back)."""
+
+    def __init__(self):
+        self.conv_state = None
+        self.recurrent_state = None
+        self.offset = 0
+
+    def mask(self, L: int):
+        return None  # the delta rule is causal by construction
+
+    def fetch(self):
+        return self.conv_state, self.recurrent_state
+
+    def update(self, conv_state: mx.array, recurrent_state: mx.array, n: int) -> None:
+        self.conv_state, self.recurrent_state = conv_state, recurrent_state
+        self.offset += n
+
+    def release(self) -> None:
+        self.conv_state = self.recurrent_state = None
+
+    def snapshot(self) -> tuple:
+        return (self.conv_state, self.recurrent_state, self.offset)
+
+    def restore_snapshot(self, snap: tuple) -> None:
+        self.conv_state, self.recurrent_state, self.offset = snap
+
+    @property
+    def state(self):
+        return [] if self.conv_state is None else [self.conv_state, self.recurrent_state]
+
+
 class ConvKVCache(LayerCache):
     """A KV cache (`KVCache` or `RotatingKVCache`, `kv`) plus the state of a
     short causal conv over keys and values along the sequence (Baichuan-M1):
@@ -473,3 +516,179 @@ class PrefixViewCache(LayerCache):
         pk, pv = self.source.temporal()
         pk, pv = pk[..., pk.shape[2] - n :, :], pv[..., pv.shape[2] - n :, :]
         return mx.concatenate([pk, keys], axis=2), mx.concatenate([pv, values], axis=2)
+
+
+# Bounded and quantized KV (--max-kv-size, --kv-bits) ----------------------------
+
+KV_BITS = (2, 3, 4, 5, 6, 8)  # MLX's affine quantization
+KV_GROUP_SIZES = (32, 64, 128)
+
+
+class QuantizedKV:
+    """Keys or values held MLX-quantized along head_dim (mx.quantize's affine
+    form: packed uint32 `w` [B, H, S, D * bits / 32], `scales` and `biases`
+    [B, H, S, D / group_size]); `shape` is the logical [B, H, S, D]
+    (attention.causal_attention takes it as it takes an array)."""
+
+    def __init__(self, w, scales, biases, bits: int, group_size: int):
+        self.w, self.scales, self.biases, self.bits, self.group_size = w, scales, biases, bits, group_size
+
+    @property
+    def shape(self) -> tuple:
+        return (*self.w.shape[:-1], self.w.shape[-1] * 32 // self.bits)
+
+    @property
+    def parts(self) -> tuple:
+        return self.w, self.scales, self.biases
+
+    def dequantize(self) -> mx.array:
+        return mx.dequantize(*self.parts, group_size=self.group_size, bits=self.bits)
+
+
+class QuantizedKVCache(LayerCache):
+    """A full-attention layer's KV held quantized (mlx-lm's QuantizedKVCache:
+    `--kv-bits`, `--kv-group-size`): each update quantizes the new keys and
+    values and returns the whole cache as `QuantizedKV`s, which attention
+    multiplies with `mx.quantized_matmul` (never dequantized as a whole).
+    From the first token on (mlx-lm's generate waits for
+    `--quantized-kv-start`, 5000 tokens by default). Not `static_kv`: the
+    batch engine steps it row by row and the prompt cache skips it; decode.py
+    moves it into quantized static buffers (`static_quantized`)."""
+
+    step = 256
+    static_quantized = True
+
+    def __init__(self, bits: int, group_size: int):
+        self.bits, self.group_size = bits, group_size
+        self.keys = self.values = None  # (w, scales, biases) each, room for `step` more tokens
+        self.offset = 0
+
+    def mask(self, L: int):
+        return None if L == 1 else CAUSAL
+
+    def _quantize(self, x: mx.array) -> tuple:
+        D = x.shape[-1]
+        if D % self.group_size:
+            from .errors import UserError
+
+            raise UserError(f"--kv-group-size {self.group_size} does not divide this model's head_dim {D}")
+        return mx.quantize(x, group_size=self.group_size, bits=self.bits)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        n, prev = keys.shape[2], self.offset
+        qk, qv = self._quantize(keys), self._quantize(values)
+        if self.keys is None or prev + n > self.keys[0].shape[2]:
+            grow = ((n + self.step - 1) // self.step) * self.step
+
+            def extend(held, new):
+                pad = [mx.zeros((*x.shape[:2], grow, x.shape[3]), x.dtype) for x in new]
+                if held is None:
+                    return pad
+                return [mx.concatenate([h[..., :prev, :], p], axis=2) for h, p in zip(held, pad)]
+
+            self.keys, self.values = extend(self.keys, qk), extend(self.values, qv)
+        for held, new in ((self.keys, qk), (self.values, qv)):
+            for h, x in zip(held, new):
+                h[..., prev : prev + n, :] = x
+        self.offset += n
+        k, v = (QuantizedKV(*(h[..., : self.offset, :] for h in held), self.bits, self.group_size)
+                for held in (self.keys, self.values))
+        self.last = (k, v, prev)
+        return k, v
+
+    def temporal(self) -> tuple[list, list]:
+        """The quantized keys' and values' (w, scales, biases), position order."""
+        return ([x[..., : self.offset, :] for x in self.keys], [x[..., : self.offset, :] for x in self.values])
+
+    def release(self) -> None:
+        self.keys = self.values = self.last = None
+
+    @property
+    def state(self):
+        return [] if self.keys is None else [*self.keys, *self.values]
+
+
+def check_kv_options(max_size: int | None, bits: int | None, group_size: int, head_dim: int | None = None) -> None:
+    """--max-kv-size / --kv-bits / --kv-group-size, before any rank starts
+    (`head_dim`: the config's, when it has one)."""
+    from .errors import UserError
+
+    if max_size is not None and max_size < 1:
+        raise UserError(f"--max-kv-size must be >= 1, got {max_size}")
+    if group_size not in KV_GROUP_SIZES:
+        raise UserError(f"--kv-group-size must be one of {', '.join(map(str, KV_GROUP_SIZES))}, got {group_size}")
+    if bits is None:
+        return
+    if bits not in KV_BITS:
+        raise UserError(f"--kv-bits must be one of {', '.join(map(str, KV_BITS))}, got {bits}")
+    if max_size is not None:
+        raise UserError("--kv-bits quantizes full-attention caches, which --max-kv-size makes rotating ones: "
+                        "give one of them (mlx-lm cannot quantize a rotating cache either)")
+    if head_dim and head_dim % group_size:
+        fits = [str(g) for g in KV_GROUP_SIZES if head_dim % g == 0]
+        hint = f": use --kv-group-size {' or '.join(fits)}" if fits else " (MLX quantizes in groups of 32, 64 or 128)"
+        raise UserError(f"--kv-group-size {group_size} does not divide the model's head_dim {head_dim}{hint}")
+
+
+def kv_caches(caches: list | None, max_size: int | None = None, bits: int | None = None,
+              group_size: int = 64) -> list | None:
+    """A model's fresh caches with --max-kv-size / --kv-bits applied.
+
+    `max_size` N: every full-attention layer keeps the last N positions (a
+    `RotatingKVCache(N)`: a sliding window of N, mlx-lm's rotating cache with
+    keep=0), a sliding layer the last min(window, N); chunked layers (at most
+    their chunk) and recurrent state are left as they are. `bits`: each
+    full-attention `KVCache` becomes a `QuantizedKVCache`; sliding, chunked,
+    shared and conv caches stay in the compute dtype (as mlx-lm, which
+    quantizes only its plain KVCache). Layers reading another layer's KV are
+    re-pointed at its new cache."""
+    if caches is None or (max_size is None and bits is None):
+        return caches
+
+    def one(c):
+        kind = type(c)
+        if kind is KVCache:
+            return RotatingKVCache(max_size) if max_size else QuantizedKVCache(bits, group_size)
+        if kind is RotatingKVCache and max_size and c.max_size > max_size:
+            return RotatingKVCache(max_size)
+        if kind is ConvKVCache and max_size:
+            c.kv = one(c.kv)
+        return c
+
+    new, out = {}, []
+    for c in caches:
+        if isinstance(c, SharedKVCache):
+            out.append(SharedKVCache(new.get(id(c.source), c.source), c.reads_layer))
+            continue
+        n = one(c)
+        new[id(c)] = n
+        out.append(n)
+    return out
+
+
+class KVOptions:
+    """--max-kv-size / --kv-bits / --kv-group-size as one value (`kv_caches`)."""
+
+    def __init__(self, max_size: int | None = None, bits: int | None = None, group_size: int = 64):
+        self.max_size, self.bits, self.group_size = max_size, bits, group_size
+
+    def __bool__(self) -> bool:
+        return self.max_size is not None or self.bits is not None
+
+    def check(self, head_dim: int | None = None) -> "KVOptions":
+        check_kv_options(self.max_size, self.bits, self.group_size, head_dim)
+        return self
+
+    def apply(self, model) -> None:
+        """Make the model's `make_cache` (every caller's: generation, logits,
+        the batch engine, the prompt cache, a pipeline stage's) return these caches."""
+        if not self:
+            return
+        refused = getattr(model, "kv_bits_refused", None)
+        if self.bits is not None and refused:
+            from .errors import UserError
+
+            raise UserError(f"--kv-bits: {model.args.model_type} cannot take a quantized cache ({refused})")
+        make = model.make_cache
+        model.make_cache = lambda: kv_caches(make(), self.max_size, self.bits, self.group_size)
+        model.kv_options = self  # (harness.model_window: the modes cross N)

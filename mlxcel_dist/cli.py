@@ -10,6 +10,7 @@ group (`distributed.init_from_env`) before loading its shard.
 from __future__ import annotations
 
 import functools
+import json
 import math
 import os
 import sys
@@ -25,6 +26,7 @@ from .watchdog import DEFAULT_STALL_TIMEOUT_S
 
 app = typer.Typer(
     add_completion=False,
+    rich_markup_mode=None,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     context_settings={"help_option_names": ["-h", "--help"]},
@@ -51,9 +53,9 @@ def _root(
 ModelArg = Annotated[
     Optional[str],
     typer.Argument(help="Checkpoint directory or Hugging Face repo id (default: the embedded tiny gemma3).",
-                   show_default=False),
+                   metavar="MODEL", show_default=False),
 ]
-RequiredModelArg = Annotated[str, typer.Argument(help="Checkpoint directory or Hugging Face repo id.")]
+RequiredModelArg = Annotated[str, typer.Argument(help="Checkpoint directory or Hugging Face repo id.", metavar="MODEL")]
 # mlx-lm's spelling, --model MODEL, beside the positional MODEL (one of them, or both alike)
 ModelOpt = Annotated[Optional[str], typer.Option("--model", help="The same as MODEL (mlx-lm's spelling).",
                                                  show_default=False)]
@@ -74,7 +76,8 @@ RankWeightsOpt = Annotated[
 MoeSplitOpt = Annotated[
     str,
     typer.Option("--moe-split", help="Routed experts' placement across tensor-parallel ranks: intermediate (each rank a "
-                 "slice of every expert) or experts (each rank whole experts; qwen3_moe, glm4_moe, step3p5).",
+                 "slice of every expert) or experts (each rank whole experts; the stacked-expert families: qwen3_moe, "
+                 "glm4_moe, deepseek_v3, minimax_m2, llama4, step3p5, gemma4, qwen3_next, qwen3_5_moe).",
                  metavar="intermediate|experts"),
 ]
 DtypeOpt = Annotated[
@@ -91,6 +94,33 @@ PrefillStepOpt = Annotated[
                  help="Feed the prompt through the cache in chunks of this many tokens "
                  "(default: 2048 when generating; logits: one pass)."),
 ]
+MaxKvSizeOpt = Annotated[
+    Optional[int],
+    typer.Option("--max-kv-size", metavar="N",
+                 help="Full-attention layers keep the last N positions (a rotating cache: attention sees the last N "
+                 "tokens, as mlx-lm's); sliding layers keep at most N.", show_default=False),
+]
+KvBitsOpt = Annotated[
+    Optional[int],
+    typer.Option("--kv-bits", metavar="BITS",
+                 help="Full-attention layers' keys/values held MLX-quantized with this many bits (4 or 8; also 2, 3, "
+                 "5, 6), attention on the quantized cache (default: the compute dtype).", show_default=False),
+]
+KvGroupSizeOpt = Annotated[
+    int, typer.Option("--kv-group-size", metavar="G", help="Values per scale and bias with --kv-bits: 32, 64 or 128.")
+]
+AdapterOpt = Annotated[
+    Optional[Path],
+    typer.Option("--adapter-path", metavar="DIR",
+                 help="A LoRA or DoRA adapter as mlx_lm.lora writes it (adapter_config.json, adapters.safetensors), "
+                 "applied to the model's layers.", show_default=False),
+]
+ExtraEosOpt = Annotated[
+    Optional[list[str]],
+    typer.Option("--extra-eos-token", metavar="TOKEN",
+                 help="Also stop at this token (its text, e.g. \"<end_of_turn>\", or its id; repeatable).",
+                 show_default=False),
+]
 DraftModelOpt = Annotated[
     Optional[str],
     typer.Option("--draft-model", help="A small model with the same tokenizer that drafts tokens for the target to "
@@ -104,7 +134,8 @@ PromptLookupOpt = Annotated[
 ]
 
 
-def _check_drafting(draft_model, prompt_lookup: bool, num_draft: int, model, sampling=None) -> None:
+def _check_drafting(draft_model, prompt_lookup: bool, num_draft: int, model, sampling=None, pp: int = 1,
+                    kv_bits=None, grammar: bool = False) -> None:
     """Before launch: the draft options fit together, the target and the draft model."""
     if draft_model is None and not prompt_lookup:
         return
@@ -113,6 +144,10 @@ def _check_drafting(draft_model, prompt_lookup: bool, num_draft: int, model, sam
 
     if draft_model is not None and prompt_lookup:
         raise UserError("--draft-model and --prompt-lookup both draft: give one")
+    for given, what in ((pp != 1, "--pp"), (kv_bits is not None, "--kv-bits"),
+                        (grammar, "--json-schema / --json-object")):
+        if given:
+            raise UserError(f"drafts (--draft-model, --prompt-lookup) are not available with {what}")
     check_drafting(num_draft)
     target = build_model(open_model(model).config)
     check_target(target, sampling)
@@ -289,12 +324,44 @@ def parse_rank_weights(text: Optional[str]):
     return weights
 
 
-def _load(model, dtype, group, pp: int = 1):
+def _kv_options(model, max_kv_size, kv_bits, kv_group_size):
+    """--max-kv-size / --kv-bits / --kv-group-size checked against the model's
+    head_dim (before any rank is launched) as a cache.KVOptions."""
+    from .cache import KVOptions
+
+    kv = KVOptions(max_kv_size, kv_bits, kv_group_size)
+    if kv_bits is None:
+        return kv.check()
+    from .loader import open_model
+    from .models import get_model_module
+
+    ck = open_model(model)
+    a = ck.args
+    refused = getattr(get_model_module(a.model_type).Model, "kv_bits_refused", None)
+    if refused:
+        raise UserError(f"--kv-bits: {a.model_type} cannot take a quantized cache ({refused})")
+    return kv.check(getattr(a, "head_dim", None) or a.hidden_size // a.num_attention_heads)
+
+
+def _adapter(model, adapter_path):
+    """--adapter-path read and checked against the model (before any rank is
+    launched; each rank reads it again)."""
+    if adapter_path is None:
+        return None
+    from .loader import build_model, open_model
+    from .lora import Adapter
+
+    adapter = Adapter(adapter_path)
+    adapter.check(build_model(open_model(model).config))
+    return adapter
+
+
+def _load(model, dtype, group, pp: int = 1, kv=None, adapter=None):
     """Load this rank's shard (or pipeline stage); rank 0 shows a progress bar on stderr."""
     from .loader import load_model
 
     if not group.is_root:
-        return load_model(model, dtype=dtype, group=group, pp=pp)
+        return load_model(model, dtype=dtype, group=group, pp=pp, kv=kv, adapter=adapter)
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
@@ -302,7 +369,7 @@ def _load(model, dtype, group, pp: int = 1):
     with Progress(TextColumn("loading"), BarColumn(), MofNCompleteColumn(), console=console,
                   transient=True, disable=not console.is_terminal) as bar:
         task = bar.add_task("load", total=None)
-        loaded = load_model(model, dtype=dtype, group=group, pp=pp,
+        loaded = load_model(model, dtype=dtype, group=group, pp=pp, kv=kv, adapter=adapter,
                             progress=lambda i, n: bar.update(task, completed=i, total=n))
     return loaded
 
@@ -319,6 +386,10 @@ def logits(
         Optional[int], typer.Option("--decode-from", help="Tokens [0, K) are the prompt; the rest are decoded one by one.")
     ] = None,
     prefill_step: PrefillStepOpt = None,
+    max_kv_size: MaxKvSizeOpt = None,
+    kv_bits: KvBitsOpt = None,
+    kv_group_size: KvGroupSizeOpt = 64,
+    adapter_path: AdapterOpt = None,
     dtype: DtypeOpt = None,
     np_: NpOpt = 1,
     pp: PpOpt = 1,
@@ -344,8 +415,10 @@ def logits(
             raise UserError(f"{len(ids)} tokens, more than the model's context of {limit} (max_position_embeddings)")
     except UserError as e:
         raise UserError(f"{tokens_file}: {e}") from None
+    kv = _kv_options(model, max_kv_size, kv_bits, kv_group_size)
+    adapter = _adapter(model, adapter_path)
     group = _distribute(ctx, np_, backend, hostfile, model, pp)
-    loaded = _load(model, dtype, group, pp)
+    loaded = _load(model, dtype, group, pp, kv, adapter)
     result = sequence_logits(loaded.model, ids, decode_from=decode_from, prefill_step=prefill_step)
     if group.is_root:
         try:
@@ -393,16 +466,23 @@ def generate(
     repetition_penalty: Annotated[float, typer.Option("--repetition-penalty", help="Divide positive / multiply negative logits of tokens already in the context (1 = off).")] = 1.0,
     repetition_context_size: Annotated[int, typer.Option("--repetition-context-size", help="Penalise only the last N ids of the context (0 = all of it).")] = 0,
     seed: Annotated[Optional[int], typer.Option("--seed", help="Random seed, the same on every rank (default: a random one; --verbose prints it).", show_default=False)] = None,
-    stop: Annotated[Optional[list[str]], typer.Option("--stop", help="Stop at the first occurrence of this text, not printed (repeatable).")] = None,
+    stop: Annotated[Optional[list[str]], typer.Option("--stop", metavar="<str>", help="Stop at the first occurrence of this text, not printed (repeatable).")] = None,
     chat: Annotated[Optional[bool], typer.Option("--chat/--ignore-chat-template", help="Render the prompt as a user turn through the chat template (default: when the checkpoint has one), or use it as plain text.", show_default=False)] = None,
-    chat_template: Annotated[Optional[str], typer.Option("--chat-template", help="A chat template (jinja text, or a file holding it) instead of the checkpoint's.")] = None,
+    chat_template: Annotated[Optional[str], typer.Option("--chat-template", help="A chat template instead of the checkpoint's: jinja text (holding '{', '}' or a newline) or a file of it.")] = None,
     system: Annotated[Optional[str], typer.Option("--system-prompt", "--system", help="System prompt (a chat-template turn).")] = None,
+    json_schema: Annotated[Optional[Path], typer.Option("--json-schema", metavar="FILE", help="Constrain the answer to JSON valid under the JSON schema in FILE (constrained decoding; needs llguidance: pip install 'mlxcel-dist\\[grammar]').", show_default=False)] = None,
+    json_object: Annotated[bool, typer.Option("--json-object", help="Constrain the answer to a JSON object (OpenAI's json_object mode; needs llguidance).")] = False,
     check_every: Annotated[int, typer.Option("--check-every", help="Ranks compare a checksum of the generated ids every N tokens and at the end (0 = only at the end).")] = 1,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Per-rank load time and peak memory, sampling settings and seed, EOS ids, drafts accepted (stderr).")] = False,
+    extra_eos_token: ExtraEosOpt = None,
     draft_model: DraftModelOpt = None,
     num_draft_tokens: NumDraftOpt = 3,
     prompt_lookup: PromptLookupOpt = False,
     prefill_step: PrefillStepOpt = None,
+    max_kv_size: MaxKvSizeOpt = None,
+    kv_bits: KvBitsOpt = None,
+    kv_group_size: KvGroupSizeOpt = 64,
+    adapter_path: AdapterOpt = None,
     dtype: DtypeOpt = None,
     np_: NpOpt = 1,
     pp: PpOpt = 1,
@@ -441,22 +521,25 @@ def generate(
     check_generation_options(max_tokens, check_every, prefill_step)  # before any rank is launched
     stops = list(stop or [])
     StopStrings(stops)
+    grammar_text = _grammar_text(json_schema, json_object)  # before launch: a bad schema is one error line
     if not launched:
         # Checkpoint and prompt problems (no config, no tokenizer, a chat
         # template that refuses the conversation, a prompt past the model's
         # context) fail here once, before any rank is launched.
         ck = open_model(model)
-        tok = Tokenizer(ck.dir, ck.config, chat_template=_template_text(chat_template))
+        tok = Tokenizer(ck.dir, ck.config, chat_template=_template_text(chat_template), extra_eos=extra_eos_token or ())
         check_context(len(tok.prompt_ids(prompt, chat=chat, system=system)), max_tokens, ck.context_length)
-        if pp != 1 and (draft_model is not None or prompt_lookup):
-            raise UserError("drafts (--draft-model, --prompt-lookup) are not available with --pp")
-        _check_drafting(draft_model, prompt_lookup, num_draft_tokens, model, sampling)
+        _check_drafting(draft_model, prompt_lookup, num_draft_tokens, model, sampling, pp, kv_bits,
+                        grammar_text is not None)
+    kv = _kv_options(model, max_kv_size, kv_bits, kv_group_size)
+    adapter = _adapter(model, adapter_path)
     group = _distribute(ctx, np_, backend, hostfile, model, pp)
     t0 = time.perf_counter()
-    loaded = _load(model, dtype, group, pp)
+    loaded = _load(model, dtype, group, pp, kv, adapter)
     drafter = _drafter(draft_model, prompt_lookup, num_draft_tokens, dtype, prefill_step=prefill_step)
     load_s = time.perf_counter() - t0
-    tok = Tokenizer(loaded.model_dir, loaded.config, chat_template=_template_text(chat_template))
+    tok = Tokenizer(loaded.model_dir, loaded.config, chat_template=_template_text(chat_template),
+                    extra_eos=extra_eos_token or ())
     use_chat = tok.use_chat(chat)
     ids = tok.prompt_ids(prompt, chat=chat, system=system)
     check_context(len(ids), max_tokens, open_model(model).context_length)
@@ -470,9 +553,15 @@ def generate(
         _err("compiling kernels for this model's decode step (the first run of this configuration on "
              "this machine; MLX caches them for later runs)...")
 
+    matcher = None
+    if grammar_text is not None:
+        from .engine import vocab_size
+        from .grammar import Vocab
+
+        matcher = Vocab(loaded.model_dir / "tokenizer.json", vocab_size(loaded.model), tok.eos_ids).matcher(grammar_text)
     gen = generate_text(loaded.model, tok, ids, max_tokens, sampling, stop=stops, prefill_step=prefill_step,
                         group=group, check_every=check_every, on_compile=compiling if group.is_root else None,
-                        drafter=drafter)
+                        grammar=matcher, drafter=drafter)
     # The echoed prompt goes out with the first text: until then stdout holds
     # no partial line that a progress line on stderr could land inside.
     echo = prompt if group.is_root and not use_chat else ""
@@ -517,6 +606,28 @@ def generate(
                 _err(f"{r:>4} {ls:8.2f} {peak:13.1f} {rss:13.1f}")
 
 
+def _grammar_text(json_schema: Optional[Path], json_object: bool) -> Optional[str]:
+    """The grammar of --json-schema FILE / --json-object (grammar.py), or None."""
+    if json_schema is None and not json_object:
+        return None
+    from . import grammar
+
+    if json_schema is not None and json_object:
+        raise UserError("give --json-schema or --json-object, not both")
+    if json_object:
+        return grammar.json_object()
+    try:
+        schema = json.loads(json_schema.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise UserError(f"--json-schema: cannot read {json_schema}: {e.strerror or e}") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise UserError(f"--json-schema: {json_schema} is not JSON: {e}") from None
+    try:
+        return grammar.json_schema(schema)
+    except UserError as e:
+        raise UserError(f"--json-schema {json_schema}: {e}") from None
+
+
 def _read_stdin_text() -> str:
     """`--prompt -`: the prompt from stdin, strict UTF-8."""
     data = sys.stdin.buffer.read()
@@ -538,17 +649,24 @@ def _check_text(name: str, value: Optional[str]) -> None:
         raise UserError(f"{name} is not valid UTF-8 (byte {raw[0]:#04x} at character {e.start})") from None
 
 
+TEMPLATE_CHARS = "{}\n"  # vLLM's rule: text with one of these is a template, anything else a file
+
+
 def _template_text(chat_template: Optional[str]) -> Optional[str]:
-    """--chat-template: the jinja text itself, or a file that holds it."""
-    if chat_template is None:
-        return None
+    """--chat-template: jinja text (it holds '{', '}' or a newline) or the
+    path of a file that holds it, which must exist (a template without
+    them would be constant text, whatever the conversation)."""
+    if chat_template is None or any(c in chat_template for c in TEMPLATE_CHARS):
+        return chat_template
     p = Path(chat_template).expanduser()
-    if "{" not in chat_template and p.is_file():
-        try:
-            return p.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise UserError(f"--chat-template {p}: cannot read it ({e})") from None
-    return chat_template
+    if not p.is_file():
+        why = "a directory" if p.is_dir() else "no such file"
+        raise UserError(f"--chat-template {chat_template}: {why} (a value without '{{', '}}' or a newline "
+                        "names a file of jinja text)")
+    try:
+        return p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"--chat-template {p}: cannot read it ({e})") from None
 
 
 @app.command(hidden=True)
@@ -558,6 +676,10 @@ def modes(
     model: RequiredModelArg,
     tokens: Annotated[str, typer.Option("--tokens", help="Comma-separated token ids.")],
     out: Annotated[Path, typer.Option("--out", help="npz with one [T, V] array per mode (rank 0 writes).")],
+    max_kv_size: MaxKvSizeOpt = None,
+    kv_bits: KvBitsOpt = None,
+    kv_group_size: KvGroupSizeOpt = 64,
+    adapter_path: AdapterOpt = None,
     dtype: DtypeOpt = None,
     np_: NpOpt = 1,
     pp: PpOpt = 1,
@@ -576,14 +698,16 @@ def modes(
         ids = np.array([int(t) for t in tokens.split(",")], np.int64)
     except ValueError:
         raise UserError("--tokens must be comma-separated integers") from None
+    kv = _kv_options(model, max_kv_size, kv_bits, kv_group_size)
+    adapter = _adapter(model, adapter_path)
     group = _distribute(ctx, np_, backend, hostfile, model, pp)
-    loaded = _load(model, dtype, group, pp)
+    loaded = _load(model, dtype, group, pp, kv, adapter)
     result = all_mode_logits(loaded.model, ids)
     if group.is_root:
         np.savez(out, **result)
 
 
-@app.command("logit-match")
+@app.command("logit-match", short_help="N-rank logits against one process and a reference.")
 @_handle_errors
 def logit_match(
     ctx: typer.Context,
@@ -593,6 +717,10 @@ def logit_match(
         Optional[Path], typer.Option("--reference", help="npz with ids and logits (e.g. from transformers).")
     ] = None,
     tokens_file: Annotated[Optional[Path], typer.Option("--tokens-file", help="1-D integer .npy of token ids.")] = None,
+    max_kv_size: MaxKvSizeOpt = None,
+    kv_bits: KvBitsOpt = None,
+    kv_group_size: KvGroupSizeOpt = 64,
+    adapter_path: AdapterOpt = None,
     dtype: DtypeOpt = None,
     np_: NpOpt = 2,
     pp: Annotated[int, typer.Option("--pp", help="Compare a run in P pipeline stages (one rank each, or --np P x T: T tensor-parallel ranks each) instead of --np ranks of tensor parallelism.")] = 1,
@@ -619,7 +747,9 @@ def logit_match(
         given = ctx.get_parameter_source("np_").name not in ("DEFAULT", "DEFAULT_MAP")
         np_ = pipeline.check_pp_ranks(np_ if given else 1, pp)
     model_dir = open_model(model).dir
-    single = load_model(model_dir, dtype=dtype)
+    kv = _kv_options(model_dir, max_kv_size, kv_bits, kv_group_size)
+    adapter = _adapter(model_dir, adapter_path)
+    single = load_model(model_dir, dtype=dtype, kv=kv, adapter=adapter)
     m = single.model
     ref = None
     if reference is not None:
@@ -648,6 +778,12 @@ def logit_match(
             argv = ["modes", str(model_dir.resolve()), "--tokens", ",".join(map(str, ids.tolist())), "--out", str(out)]
             if dtype:
                 argv += ["--dtype", dtype]
+            if max_kv_size is not None:
+                argv += ["--max-kv-size", str(max_kv_size)]
+            if kv_bits is not None:
+                argv += ["--kv-bits", str(kv_bits), "--kv-group-size", str(kv_group_size)]
+            if adapter_path is not None:
+                argv += ["--adapter-path", str(Path(adapter_path).resolve())]
             split = check_moe_split(moe_split)
             argv += ["--moe-split", split]
             if pp > 1:
@@ -701,7 +837,7 @@ def _read_reference(path: Path) -> dict:
         raise UserError(f"{path}: not an npz file ({e})") from None
 
 
-@app.command()
+@app.command(short_help="Each rank's share and memory, a predicted decode time.")
 @_handle_errors
 def plan(
     model: ModelArg = None,
@@ -750,8 +886,8 @@ def plan(
 
 @app.command()
 @_handle_errors
-def info(model: ModelArg = None, model_opt: ModelOpt = None):
-    """Config summary, per-layer attention kind, parameter count."""
+def info(model: ModelArg = None, model_opt: ModelOpt = None, np_: NpOpt = 1):
+    """Config summary, context length, per-layer attention kind, parameters and bytes per rank."""
     import numpy as np
 
     from .loader import build_model, open_model
@@ -759,6 +895,13 @@ def info(model: ModelArg = None, model_opt: ModelOpt = None):
     from mlx.utils import tree_flatten
 
     ck = open_model(_pick_model(model, model_opt))
+    if np_ < 1:
+        raise UserError(f"--np must be >= 1, got {np_}")
+    from .loader import check_shardable
+    from .plan import rank_plans
+
+    check_shardable(ck, np_)
+    ranks = rank_plans(ck, np_)  # on paper, as the ranks shard it
     model_dir, config = ck.dir, ck.config
     m = build_model(config)
     a = m.args
@@ -778,13 +921,17 @@ def info(model: ModelArg = None, model_opt: ModelOpt = None):
 
     for line in getattr(m, "describe_layers", lambda: describe_layers(m))():
         print(f"  {line}")
+    shared = " (tensor parallel: replicated tensors counted on every rank)" if np_ > 1 else ""
+    print(f"per rank    np {np_}{shared}")
+    for rp in ranks:
+        print(f"  rank {rp.rank:<3} {rp.params:,} parameters, {rp.bytes:,} bytes ({rp.bytes / 2**20:.2f} MiB)")
 
 
-@app.command()
+@app.command(short_help="Write an MLX checkpoint (optionally quantized).")
 @_handle_errors
 def convert(
     model: RequiredModelArg,
-    out: Annotated[Path, typer.Argument(help="Output directory (created; must be empty).", show_default=False)],
+    out: Annotated[Path, typer.Argument(help="Output directory (created; must be empty).", metavar="OUT", show_default=False)],
     quantize: Annotated[
         bool, typer.Option("--quantize", "-q", help="Quantize Linear and Embedding weights (MLX affine, as mlx-lm).")
     ] = False,
@@ -799,12 +946,18 @@ def convert(
         Optional[str],
         typer.Option("--dtype", help="Dtype of the stored float tensors (float32, bfloat16, float16); default: the checkpoint's."),
     ] = None,
+    adapter_path: Annotated[
+        Optional[Path],
+        typer.Option("--adapter-path", metavar="DIR", help="Fuse this LoRA or DoRA adapter (mlx_lm.lora's files) "
+                     "into the weights first.", show_default=False),
+    ] = None,
 ):
     """Write an mlx-community-style checkpoint (optionally MLX-quantized) that mlxcel-dist and mlx-lm load."""
     from .convert import convert_checkpoint
     from .loader import check_shardable
 
-    s = convert_checkpoint(model, out, quantize=quantize, bits=bits, group_size=group_size, dtype=dtype)
+    s = convert_checkpoint(model, out, quantize=quantize, bits=bits, group_size=group_size, dtype=dtype,
+                           adapter_path=adapter_path)
     q = s["quantization"]
     what = (
         f"{q.describe()}, {len(s['quantized_modules'])} layers quantized, {s['bits_per_weight']:.2f} bits per weight"
@@ -824,7 +977,7 @@ def convert(
     _err(f"tensor-parallel rank counts that split it (of 2, 3, 4, 8): {', '.join(splits) or 'none'}")
 
 
-@app.command()
+@app.command(short_help="OpenAI-compatible HTTP server; rank 0 listens.")
 @_handle_errors
 def serve(
     ctx: typer.Context,
@@ -844,7 +997,12 @@ def serve(
     prompt_concurrency: Annotated[int, typer.Option("--prompt-concurrency", help="Prompts prefilled between two decode steps, at most (as mlx-lm's server).")] = 8,
     prompt_cache_size: Annotated[int, typer.Option("--prompt-cache-size", help="Prompt cache entries (KV of earlier prompts and replies, reused by a request that starts with one; 0 = off), as mlx-lm's server.")] = 10,
     prompt_cache_bytes: Annotated[Optional[str], typer.Option("--prompt-cache-bytes", help="Prompt cache limit in bytes per rank (e.g. 2GB, 500M; default: no limit), as mlx-lm's server.", show_default=False)] = None,
+    extra_eos_token: ExtraEosOpt = None,
     prefill_step: PrefillStepOpt = None,
+    max_kv_size: MaxKvSizeOpt = None,
+    kv_bits: KvBitsOpt = None,
+    kv_group_size: KvGroupSizeOpt = 64,
+    adapter_path: AdapterOpt = None,
     dtype: DtypeOpt = None,
     np_: NpOpt = 1,
     backend: BackendOpt = "auto",
@@ -856,9 +1014,14 @@ def serve(
     stall_timeout: StallOpt = DEFAULT_STALL_TIMEOUT_S,
     served_model_name: Annotated[Optional[list[str]], typer.Option("--served-model-name", metavar="NAME", help="A name requests may give as 'model' (vLLM's flag, repeatable; the first is the id the server shows; default: MODEL as given).", show_default=False)] = None,
     header_timeout: Annotated[float, typer.Option("--header-timeout", metavar="SECONDS", help="Close a connection that has not sent a whole request head within this many seconds (at its start or after a response).")] = 10.0,
-    tool_call_parser: Annotated[Optional[str], typer.Option("--tool-call-parser", metavar="FORMAT", help="How the model writes tool calls: hermes, llama3_json or mistral (default: from markers in the chat template; none found: requests with tools get a 400).", show_default=False)] = None,
+    tool_call_parser: Annotated[Optional[str], typer.Option("--tool-call-parser", metavar="FORMAT", help="How the model writes tool calls: hermes, llama3_json, mistral, harmony (gpt-oss), deepseek_v3, glm45, kimi_k2 or minimax_m2 (default: from markers in the chat template; none found: requests with tools get a 400); hermes, llama3_json and mistral also take tool_choice required / named (forced calls).", show_default=False)] = None,
+    reasoning_parser: Annotated[Optional[str], typer.Option("--reasoning-parser", metavar="FORMAT", help="How the model's answer carries its thinking, which chat answers give apart as reasoning_content: qwen3 or deepseek_r1 (<think> blocks), gpt_oss (harmony's analysis channel), or none (default: from the chat template).", show_default=False)] = None,
 ):
-    """OpenAI-compatible HTTP server (/v1/models, /v1/completions, /v1/chat/completions, /health, /docs); rank 0 listens."""
+    """OpenAI-compatible HTTP server (/v1/models, /v1/completions, /v1/chat/completions, /health, /metrics, /docs); rank 0 listens.
+
+    Structured output (response_format json_object / json_schema) and forced tool calls (tool_choice
+    required / a named function) run by constrained decoding: install the grammar extra
+    (pip install 'mlxcel-dist\\[grammar]', llguidance); without it such requests get a 400."""
     from .serve.lifecycle import listen, long_lived_env
 
     # first: MLX reads these at its first GPU evaluation (set after one, they
@@ -900,25 +1063,38 @@ def serve(
 
     if tool_call_parser is not None and tool_call_parser not in FORMATS:
         raise UserError(f"--tool-call-parser must be one of {', '.join(FORMATS)}, got {tool_call_parser!r}")
+    from .serve import reasoning
+
+    if reasoning_parser is not None and reasoning_parser not in (*reasoning.FORMATS, "none"):
+        raise UserError(f"--reasoning-parser must be one of {', '.join(reasoning.FORMATS)} or none, "
+                        f"got {reasoning_parser!r}")
     names = [n for n in (served_model_name or []) if n.strip()]
     if served_model_name and len(names) != len(served_model_name):
         raise UserError("--served-model-name must not be empty")
     cache_bytes = None if prompt_cache_bytes is None else parse_size(prompt_cache_bytes, "--prompt-cache-bytes")
     defaults = Defaults(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, max_tokens=max_tokens)
+    kv = _kv_options(model, max_kv_size, kv_bits, kv_group_size)
+    adapter = _adapter(model, adapter_path)
+    if extra_eos_token and not os.environ.get("MLXCEL_DIST_WORLD"):  # an unknown token fails before launch
+        from .loader import open_model
+
+        ck = open_model(model)
+        Tokenizer(ck.dir, ck.config, extra_eos=extra_eos_token)
     group = _distribute(ctx, np_, backend, hostfile, model, pp)
     sock = listen(host, port) if group.is_root else None  # before the load: a port in use fails at once
-    loaded = _load(model, dtype, group, pp)
-    tok = Tokenizer(loaded.model_dir, loaded.config)
+    loaded = _load(model, dtype, group, pp, kv, adapter)
+    tok = Tokenizer(loaded.model_dir, loaded.config, extra_eos=extra_eos_token or ())
     names = names or [str(model if model is not None else loaded.model_dir.name)]
     opts = Options(max_tokens_cap=max_tokens_cap, max_request_bytes=max_request_bytes, defaults=defaults,
                    decode_concurrency=decode_concurrency, prompt_concurrency=prompt_concurrency,
                    prompt_cache_size=prompt_cache_size, prompt_cache_bytes=cache_bytes, prefill_step=prefill_step,
                    warmup=warmup, micro_batches=micro_batches, served_names=list(dict.fromkeys(names)),
-                   header_timeout_s=header_timeout, tool_call_parser=tool_call_parser)
+                   header_timeout_s=header_timeout, tool_call_parser=tool_call_parser,
+                   reasoning_parser=reasoning_parser)
     run(loaded.model, tok, group, opts, sock, loaded.config)
 
 
-@app.command()
+@app.command(short_help="Prefill/decode speed, first-token time, peak memory.")
 @_handle_errors
 def bench(
     ctx: typer.Context,
@@ -936,6 +1112,10 @@ def bench(
     prompt_lookup: PromptLookupOpt = False,
     prompt_file: Annotated[Optional[Path], typer.Option("--prompt-file", help="Prompt text (UTF-8, plain, no chat template) instead of random ids: drafts need real text.")] = None,
     prefill_step: PrefillStepOpt = None,
+    max_kv_size: MaxKvSizeOpt = None,
+    kv_bits: KvBitsOpt = None,
+    kv_group_size: KvGroupSizeOpt = 64,
+    adapter_path: AdapterOpt = None,
     dtype: DtypeOpt = None,
     np_: NpOpt = 1,
     pp: PpOpt = 1,
@@ -959,12 +1139,12 @@ def bench(
     if prompt_file is not None and not prompt_file.is_file():
         raise UserError(f"{prompt_file}: no such prompt file")
     if not os.environ.get("MLXCEL_DIST_WORLD"):
-        if pp != 1 and (draft_model is not None or prompt_lookup):
-            raise UserError("drafts (--draft-model, --prompt-lookup) are not available with --pp")
-        _check_drafting(draft_model, prompt_lookup, num_draft_tokens, model)
+        _check_drafting(draft_model, prompt_lookup, num_draft_tokens, model, pp=pp, kv_bits=kv_bits)
+    kv = _kv_options(model, max_kv_size, kv_bits, kv_group_size)
+    adapter = _adapter(model, adapter_path)
     group = _distribute(ctx, np_, backend, hostfile, model, pp)
     t0 = time.perf_counter()
-    loaded = _load(model, dtype, group, pp)
+    loaded = _load(model, dtype, group, pp, kv, adapter)
     load_s = time.perf_counter() - t0
     drafter = _drafter(draft_model, prompt_lookup, num_draft_tokens, dtype, compiled, prefill_step)
     ids = None
@@ -1018,6 +1198,27 @@ def _pick_model(model: Optional[str], model_opt: Optional[str]) -> Optional[str]
     return model if model is not None else model_opt
 
 
+BOOL_WORDS = {"true", "false", "yes", "no", "on", "off", "1", "0", "y", "n", "t", "f"}
+
+
+def _check_flag_values(args: list[str]) -> None:
+    """`--verbose False`: an on/off flag takes no value, and click would read
+    the word as the next argument (MODEL): say so instead. A word that
+    names an existing path is left to be that argument."""
+    cmd = typer.main.get_command(app)
+    name = next((a for a in args if not a.startswith("-")), None)
+    sub = getattr(cmd, "commands", {}).get(name)
+    if sub is None:
+        return
+    flags = {o: p for p in sub.params if getattr(p, "is_flag", False) for o in (*p.opts, *p.secondary_opts)}
+    rest = args[args.index(name) + 1 :]
+    for opt, nxt in zip(rest, rest[1:]):
+        if opt in flags and nxt.lower() in BOOL_WORDS and not Path(nxt).exists():
+            p = flags[opt]
+            give = f"{p.opts[0]} or {p.secondary_opts[0]}" if p.secondary_opts else "it"
+            raise UserError(f"{opt} is an on/off flag: give {give} alone, with no value (got {nxt!r} after it)")
+
+
 def main():
     """The console entry point: usage errors are one `error:` line, exit 2
     (click's own form is a multi-line box)."""
@@ -1027,10 +1228,16 @@ def main():
         from click import exceptions as click_exceptions
 
     try:
+        _check_flag_values(sys.argv[1:])
         rv = app(standalone_mode=False)
+    except UserError as e:
+        _err(f"error: {e}")
+        sys.exit(e.exit_code)
+    except click_exceptions.NoArgsIsHelpError as e:  # no arguments at all: the help is the answer
+        print(e.format_message())
+        sys.exit(e.exit_code)
     except click_exceptions.ClickException as e:
-        if e.format_message():  # (no arguments at all: the help was the answer)
-            _err(f"error: {e.format_message()}")
+        _err(f"error: {e.format_message()}")
         sys.exit(e.exit_code)
     except (typer.Abort, KeyboardInterrupt, EOFError):
         _err("interrupted")

@@ -6,9 +6,14 @@ format, single process), optionally cast to a dtype and quantized the way
 dimension is a whole number of groups), then written as MLX safetensors
 (`{"format": "mlx"}` metadata; split with an index above 5 GB) with our
 module names, which are the HF names after the family's `sanitize`
-(multimodal towers dropped), plus config.json carrying `quantization` and the
+(multimodal towers dropped; a family's `export_for_mlx_lm(weights,
+config)` rewrites them where mlx-lm reads a converted checkpoint otherwise,
+e.g. qwen3_next's conv and norm layout), plus config.json carrying `quantization` and the
 same object as `quantization_config`, and the tokenizer / generation files
-copied. Both our loader and mlx-lm's `load` read the result.
+copied. Both our loader and mlx-lm's `load` read the result. With an
+adapter (`--adapter-path`, lora.py) its layers are merged into the float
+weights first (`lora.fuse`), then cast and quantized as asked: mlx-lm's
+`fuse --dequantize`, then `convert -q`.
 """
 
 from __future__ import annotations
@@ -95,6 +100,7 @@ def convert_checkpoint(
     bits: int | None = None,
     group_size: int | None = None,
     dtype: str | None = None,
+    adapter_path=None,
 ) -> dict:
     """Convert MODEL into OUT (which must not exist or be empty). Returns a
     summary: files written, tensors, bytes, quantization, bits per weight."""
@@ -113,10 +119,25 @@ def convert_checkpoint(
         raise UserError(f"{model_dir} is already quantized")
     q = QuantParams(group_size or 64, bits or 4) if quantize else None
 
+    adapter = None
+    if adapter_path is not None:
+        from .loader import build_model
+        from .lora import Adapter
+
+        adapter = Adapter(adapter_path)
+        adapter.check(build_model(config))
+
     loaded = load_model(model_dir, dtype=dtype)
     m = loaded.model
+    if adapter is not None:
+        from .lora import fuse
+
+        m.load_weights(list(fuse(dict(tree_flatten(m.parameters())), adapter).items()), strict=True)
     quantized = quantize_for_export(m, q.group_size, q.bits, q.mode) if q else []
     weights = dict(tree_flatten(m.parameters()))
+    # a family whose mlx-lm reading of a converted checkpoint differs from ours says how to write it
+    if hasattr(m, "export_for_mlx_lm"):
+        weights, config = m.export_for_mlx_lm(weights, config)
 
     new_config = mlx_lm_compatible(config)
     if dtype is not None:

@@ -22,6 +22,11 @@ the step runs on `StaticCache`s instead of the growing `cache.KVCache` /
   slots 0 .. pos % chunk hold exactly the current chunk: the mask is
   `arange(S) <= pos % chunk` (while S < chunk, pos < S and that is pos).
 
+- a `--kv-bits` layer (cache.QuantizedKVCache) keeps its keys and values
+  quantized: `QuantizedStaticCache`, six buffers (words, scales, biases of
+  each), the new token quantized into slot `pos` inside the graph; such a
+  model's steps are never split (the split step attends float buffers).
+
 Slots past the mask hold zeros and get zero weight, so a step's logits are
 those of the eager decode path (tests/test_decode.py compares them, and the
 reference modes of the harness decode through this path). When `pos` reaches
@@ -40,7 +45,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from .cache import LayerCache, SharedKVCache
+from .cache import LayerCache, QuantizedKV, SharedKVCache
 
 STEP = 256  # buffer granularity (see _size)
 
@@ -71,8 +76,13 @@ class StaticCache(LayerCache):
         self.margin = margin  # ring slots past the window: room for drafted tokens that may be rolled back
 
     @property
+    def names(self) -> list:
+        """This layer's arrays in the `DecodeState`."""
+        return [f"k{self.index}", f"v{self.index}"]
+
+    @property
     def state(self) -> list:
-        return [self.buffers[f"k{self.index}"], self.buffers[f"v{self.index}"]]
+        return [self.buffers[n] for n in self.names]
 
     @property
     def offset(self) -> mx.array:
@@ -80,7 +90,7 @@ class StaticCache(LayerCache):
 
     @property
     def size(self) -> int:
-        return self.buffers[f"k{self.index}"].shape[2]
+        return self.buffers[self.names[0]].shape[2]
 
     def mask(self, L: int) -> mx.array:
         """[1, S] bool: the slots this step's query may see (the written ones;
@@ -137,6 +147,33 @@ class StaticCache(LayerCache):
         return s[f"k{i}"], s[f"v{i}"]
 
 
+class QuantizedStaticCache(StaticCache):
+    """A `cache.QuantizedKVCache`'s static form (--kv-bits): keys and values
+    each as (w, scales, biases) buffers [B, H, S, .] ("k{i}.0" ..), the new
+    token quantized into slot `pos`; attention gets `QuantizedKV`s of the
+    whole buffers and the mask hides the unwritten slots."""
+
+    def __init__(self, state, index: int, bits: int, group_size: int):
+        super().__init__(state, index, None)
+        self.bits, self.group_size = bits, group_size
+
+    @property
+    def names(self) -> list:
+        return [f"{x}{self.index}.{j}" for x in "kv" for j in range(3)]
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        s, names = self.buffers, self.names
+        pos = s["pos"]
+        start = pos.reshape(1)
+        new = [*mx.quantize(keys, group_size=self.group_size, bits=self.bits),
+               *mx.quantize(values, group_size=self.group_size, bits=self.bits)]
+        for n, x in zip(names, new):
+            s[n] = mx.slice_update(s[n], x, start, axes=(2,))
+        k, v = (QuantizedKV(*(s[n] for n in part), self.bits, self.group_size) for part in (names[:3], names[3:]))
+        self.last = (k, v, pos)
+        return k, v
+
+
 class DecodeState(dict):
     """The arrays a compiled step reads and replaces: "pos" (int32 scalar, the
     position of the token being fed) and "k{i}"/"v{i}" per layer. A dict so
@@ -156,6 +193,7 @@ class DecodeStep:
         self.state = DecodeState()
         self.views: list = []
         self.static = False
+        self.quantized = False  # some layer's buffers are QuantizedStaticCache's
         self.compiled = True
         self.traces = 0  # graphs built by mx.compile (the Python step runs only while tracing)
         self.pos = 0  # host copy of state["pos"]
@@ -192,10 +230,11 @@ class DecodeStep:
         self.pos = pos
         self.compiled = compiled
         self.margin = margin
-        if cache is None or not all(c.static_kv for c in cache):
+        if cache is None or not all(c.static_kv or getattr(c, "static_quantized", False) for c in cache):
             self.views, self.static = cache, False
             return cache
         self.static = True
+        self.quantized = False
         self.state["pos"] = mx.array(pos, mx.int32)
         self.views = []
         for i, c in enumerate(cache):
@@ -206,6 +245,16 @@ class DecodeStep:
             if c.offset == 0:
                 raise ValueError("DecodeStep.start needs a cache holding at least one token")
             size = _size(pos + 1, window, margin)
+            if getattr(c, "static_quantized", False):  # a full layer: slot = position
+                view = QuantizedStaticCache(self.state, i, c.bits, c.group_size)
+                held = c.temporal()
+                for n, x in zip(view.names, [*held[0], *held[1]]):
+                    buf = mx.zeros((*x.shape[:2], size, x.shape[3]), x.dtype)
+                    buf[..., : x.shape[2], :] = x
+                    self.state[n] = buf
+                self.views.append(view)
+                self.quantized = True
+                continue
             k, v = c.temporal()
             n = min(k.shape[2], size)
             k, v = k[..., k.shape[2] - n :, :], v[..., v.shape[2] - n :, :]
@@ -237,13 +286,13 @@ class DecodeStep:
         for view in self.views:
             if view.reads_layer is not None:
                 continue  # a SharedKVCache: its source's buffers grow
-            i, s = view.index, self.state
-            size = s[f"k{i}"].shape[2]
+            s = self.state
+            size = view.size
             if last < size or (view.window and size >= view.window + self.margin):
                 continue  # slot last exists, or a full ring
             want = _size(last + 1, view.window, self.margin)
             if want > size:
-                for name in (f"k{i}", f"v{i}"):
+                for name in view.names:
                     a = s[name]
                     pad = mx.zeros((*a.shape[:2], want - a.shape[2], a.shape[3]), a.dtype)
                     s[name] = mx.concatenate([a, pad], axis=2)
@@ -254,7 +303,7 @@ class DecodeStep:
             return self.model(y, self.views)[0, -1]
         self._reserve(self.pos)  # room for slot self.pos, the token fed now
         self.pos += 1
-        if self.compiled and self.split and not self.margin:
+        if self.compiled and self.split and not self.quantized and not self.margin:  # (float buffers, no margin)
             return self._split_step(y)
         return self._compiled(y) if self.compiled else self._step(y)
 

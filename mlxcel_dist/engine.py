@@ -212,7 +212,7 @@ class RankAgreement:
         The count and checksum are carried on the device from token to token
         (a lazy int64 [2], advanced from `tok` here), so no array is made from
         host data per token: on MLX's CUDA backend such an array cost about 4
-        ms per token at np 2 on two H200s (docs/benchmarks.md, "np 2
+        ms per token at np 2 on two H200s (docs/benchmarks-log.md, "np 2
         timeline"). Call it once per generated id, before its `commit`."""
         if self.group.single or not self.every:
             return None
@@ -287,7 +287,7 @@ class GenStats:
 
 
 COMPILE_NOTICE_S = 1.0  # a first decode step slower than this is announced (on_compile)
-DEFAULT_PREFILL_STEP = 2048  # as mlx-lm; on the H200 1.10x its prefill vs 0.94x at 512 (docs/benchmarks.md)
+DEFAULT_PREFILL_STEP = 2048  # as mlx-lm; on the H200 1.10x its prefill vs 0.94x at 512 (docs/benchmarks-log.md)
 
 
 def _cache_state(cache) -> list:
@@ -321,10 +321,13 @@ class TokenGenerator:
 
     def __init__(self, model, prompt_ids, max_tokens: int, sampling: SamplingParams | None = None,
                  eos_ids=(), prefill_step: int | None = None, group: Group = SINGLE, check_every: int = 1,
-                 compiled: bool = True, on_compile=None, logprobs: int | None = None):
+                 compiled: bool = True, on_compile=None, logprobs: int | None = None, grammar=None):
         self.prompt = check_tokens(prompt_ids, vocab_size(model))
         check_generation_options(max_tokens, check_every, prefill_step)
         self.model = model
+        # grammar.Matcher (generate --json-schema): each id drawn under its mask, which needs the id
+        # before it read, so the forward stays pipelined and the draw waits for the host
+        self.grammar = grammar
         self.max_tokens = max_tokens
         self.sampler = Sampler(faults.sampling(sampling or SamplingParams(), group), prompt_len=len(self.prompt))
         self.eos = set(int(e) for e in eos_ids)
@@ -374,11 +377,20 @@ class TokenGenerator:
         return logits
 
 
-    def _logprobs(self, logits, context, pending, tok) -> tuple:
+    def _logprobs(self, logits, context, pending, tok, mask=None) -> tuple:
         """Lazy sampling.token_logprobs when the logprobs option is on; () when off, so nothing is built."""
         if self.logprobs is None:
             return ()
-        return token_logprobs(logits, context, self.sampler.params, pending, tok, self.logprobs, self.sampler.prompt_len)
+        return token_logprobs(logits, context, self.sampler.params, pending, tok, self.logprobs, self.sampler.prompt_len,
+                              mask)
+
+    def _draw(self, logits, context) -> tuple:
+        """A constrained id (all of `context` read) and its logprobs, scheduled."""
+        mask = mx.array(self.grammar.mask())
+        y = self.sampler.sample(logits, context, mask=mask)
+        lp = self._logprobs(logits, context, None, y, mask)
+        mx.async_eval(y, *lp)
+        return y, lp
 
     def __iter__(self):
         stats = self.stats
@@ -390,9 +402,12 @@ class TokenGenerator:
         t0 = time.perf_counter()
         faults.at("prefill", self.rank)
         logits = self._prefill(cache)
-        y = self.sampler.sample(logits, context)
-        lp = self._logprobs(logits, context, None, y)  # () when off
-        mx.async_eval(y, *lp)
+        if self.grammar is not None:
+            y, lp = self._draw(logits, context)
+        else:
+            y = self.sampler.sample(logits, context)
+            lp = self._logprobs(logits, context, None, y)  # () when off
+            mx.async_eval(y, *lp)
         while True:
             # y: the lazy id of generated token n, scheduled, not read yet.
             n = stats.generated + 1
@@ -403,9 +418,12 @@ class TokenGenerator:
                 if n == 2:
                     faults.at("decode", self.rank)
                 logits = self.decode(y.reshape(1, 1))
-                next_y = self.sampler.sample(logits, context, pending=y)
-                next_lp = self._logprobs(logits, context, y, next_y)
-                mx.async_eval(next_y, *next_lp)
+                if self.grammar is None:
+                    next_y = self.sampler.sample(logits, context, pending=y)
+                    next_lp = self._logprobs(logits, context, y, next_y)
+                    mx.async_eval(next_y, *next_lp)
+                else:
+                    mx.async_eval(logits)  # drawn below, once this id is read
             got = np.array(packed)  # the one host sync of this token
             tok = int(got[0])
             if self._t_decode is None:
@@ -425,6 +443,8 @@ class TokenGenerator:
                 stats.logprobs.append(read_logprobs(lp))
             context.append(tok)
             self.guard.commit(tok, None if rows is None else got[1:].reshape(-1, 3))
+            if self.grammar is not None:
+                self.grammar.advance(tok)
             if tok in self.eos:
                 stats.finish_reason = "eos"
                 return
@@ -432,6 +452,8 @@ class TokenGenerator:
             if stats.generated >= self.max_tokens:
                 stats.finish_reason = "length"
                 return
+            if self.grammar is not None:
+                next_y, next_lp = self._draw(logits, context)
             y, lp = next_y, next_lp
 
     def finish(self) -> GenStats:
@@ -456,9 +478,9 @@ def generate_tokens(model, prompt_ids, max_tokens: int, sampling: SamplingParams
 def generate_text(model, tokenizer, prompt_ids, max_tokens: int, sampling: SamplingParams | None = None,
                   stop=(), eos_ids=None, prefill_step: int | None = None, group: Group = SINGLE, check_every: int = 1,
                   context_tokens: int = 4, on_compile=None,
-                  logprobs: int | None = None, on_token=None, drafter=None):
+                  logprobs: int | None = None, on_token=None, grammar=None, drafter=None):
     """Yield text chunks as they become final; returns GenStats via
-    StopIteration.value.
+    StopIteration.value. `grammar`: a grammar.Matcher the ids must follow.
 
     Stops at EOS (not printed), after `max_tokens`, or at the first occurrence
     of a stop string (neither it nor any part of it is yielded). Text is
@@ -479,14 +501,17 @@ def generate_text(model, tokenizer, prompt_ids, max_tokens: int, sampling: Sampl
     if drafter is not None:
         from .spec import SpecGenerator
 
-        if logprobs is not None:
-            raise UserError("logprobs are not available with drafts")
+        if logprobs is not None or grammar is not None:
+            raise UserError("logprobs and constrained decoding are not available with drafts")
         gen = SpecGenerator(model, prompt_ids, max_tokens, drafter, sampling, eos, prefill_step, group, check_every)
     elif callable(getattr(model, "generate_ids", None)):  # the model's own generation loop (HookGenerator)
+        if grammar is not None:
+            raise UserError(f"constrained decoding is not available for {model.args.model_type} "
+                            "(its own generation loop)")
         gen = HookGenerator(model, prompt_ids, max_tokens, sampling, eos, group, check_every, logprobs)
     else:
         gen = TokenGenerator(model, prompt_ids, max_tokens, sampling, eos, prefill_step, group, check_every,
-                             on_compile=on_compile, logprobs=logprobs)
+                             on_compile=on_compile, logprobs=logprobs, grammar=grammar)
     decoder = StreamDecoder(tokenizer, context=list(prompt_ids)[-context_tokens:] if context_tokens else ())
     for tok in gen:
         if on_token is not None:

@@ -1,13 +1,17 @@
 """Stacked routed experts that run only the chosen experts (mlx-lm's
-`switch_mlp` layout), shared by the MoE families that store or load their
-experts stacked.
+`switch_mlp` layout): the one implementation every MoE family with stacked
+experts uses (qwen3_moe, glm4_moe, deepseek_v3, minimax_m2, llama4, step3p5,
+gemma4, diffusion_gemma).
 
-`SwitchGLU` holds gate_proj / up_proj [E, I, hidden] and down_proj [E,
-hidden, I] (`SwitchLinear`, or `QuantizedSwitchLinear` once quantized: the
-packed [E, out, in * bits / 32] weight and [E, out, in / group_size] scales /
-biases, exactly what mlx_lm.convert writes). Each (token, chosen expert) row
-is multiplied by its expert's weights with `mx.gather_mm` / `mx.gather_qmm`:
-static shapes, so decode steps compile.
+`SwitchLinear` is one projection of every expert, `weight` [E, out, in]
+(`QuantizedSwitchLinear` once quantized: the packed [E, out, in * bits / 32]
+weight and [E, out, in / group_size] scales / biases, exactly what
+mlx_lm.convert writes). `SwitchGLU` holds gate_proj / up_proj [E, I, hidden]
+(or, `fused`, transformers' `gate_up_proj` [E, 2I, hidden]: gate rows then up
+rows) and down_proj [E, hidden, I]. Each (token, chosen expert) row is
+multiplied by its expert's weights with `mx.gather_mm` / `mx.gather_qmm`:
+static shapes, so decode steps compile. How the k outputs are combined is
+the family's reference's (`combine`), so logits round as it rounds.
 
 Checkpoints with one key per expert (`mlp.experts.N.gate_proj.weight`, what
 transformers' save_pretrained writes for qwen3_moe / glm4_moe) are stacked
@@ -15,18 +19,16 @@ lazily by `stack_expert_refs` in a family's sanitize: a `StackedRef` reads
 only the experts (axis 0) or the intermediate slice (axis 1 / 2) a rank needs.
 
 Placement (`shard.shard_switch_glu`, `--moe-split`): "intermediate" slices
-every expert's I (the default, as the other MoE families); "experts" gives
-rank r the whole experts [e0, e1) (`expert_range`): routed rows of experts
-elsewhere get weight zero and a clamped local index, so shapes stay static and
-the one all_sum of the block adds the ranks' disjoint contributions.
+every expert's I; "experts" gives rank r the whole experts [e0, e1)
+(`expert_range`): routed rows of experts elsewhere get weight zero and a
+clamped local index, so shapes stay static and the one all_sum of the block
+adds the ranks' disjoint contributions.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
-
-from .layers import gated_fp32
 
 
 # (token, expert) rows from which a prefill runs grouped by expert (`SwitchGLU._grouped`:
@@ -56,11 +58,12 @@ def _dense(x: mx.array, layer: nn.Module, e: int) -> mx.array:
     return (x.astype(mx.float32) @ w.T.astype(mx.float32)).astype(x.dtype)
 
 
-def _gather_mm(x: mx.array, w: mx.array, idx: mx.array) -> mx.array:
+def gather_mm(x: mx.array, w: mx.array, idx: mx.array) -> mx.array:
     """x [..., 1, in] @ w[idx].T for w [E, out, in] -> [..., 1, out]. Half
-    inputs on the CPU multiply in fp32 and round once (torch's half matmul:
-    fp32 accumulation): only the chosen experts are upcast when they are
-    fewer than E (a decode step), not the whole stack."""
+    inputs on the CPU (MLX's CPU gather_mm is fp32-only) multiply in fp32 and
+    round once (torch's half matmul: fp32 accumulation): only the chosen
+    experts are upcast when they are fewer than E (a decode step), not the
+    whole stack."""
     wt = w.swapaxes(-1, -2)  # [E, in, out]
     if x.dtype == mx.float32 or mx.default_device() == mx.gpu:
         return mx.gather_mm(x, wt, rhs_indices=idx)
@@ -78,9 +81,9 @@ class SwitchLinear(nn.Module):
         self.weight = mx.zeros((num_experts, out_dims, in_dims))
 
     def __call__(self, x, idx):
-        return _gather_mm(x, self.weight, idx)
+        return gather_mm(x, self.weight, idx)
 
-    def to_quantized(self, group_size: int = 64, bits: int = 4, mode: str = "affine"):
+    def to_quantized(self, group_size: int = 64, bits: int = 4, mode: str = "affine", **_):
         """nn.quantize's hook: these weights quantized (at load, before any is
         read, a lazy placeholder the loader then replaces; in `convert`, the
         loaded ones)."""
@@ -113,40 +116,74 @@ class QuantizedSwitchLinear(nn.Module):
                              group_size=self.group_size, bits=self.bits, mode=self.mode)
 
 
-class SwitchGLU(nn.Module):
-    """Routed SwiGLU experts over stacked weights. `expert_range` (e0, e1):
-    the experts this rank holds under expert placement (None: all, each
-    possibly an intermediate slice)."""
+# How a token's k expert outputs become one, as each family's reference does it:
+# "index_add": each output times its weight (promoted as torch does), rounded to x's
+#   dtype, added in ascending expert order (transformers' index_add over the experts hit);
+# "sum": each output times its (fp32) weight in fp32, rounded to x's dtype, summed in
+#   routed order (a sum over the k axis);
+# "inputs": the inputs scaled by the weights (x's dtype) before the experts, the
+#   outputs summed (llama4).
+COMBINES = ("index_add", "sum", "inputs")
 
-    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, act):
+
+class SwitchGLU(nn.Module):
+    """Routed gated experts over stacked weights: out = sum_k w_k *
+    down_e(glu(gate_e x, up_e x)). `glu(gate, up)` is the gated activation
+    (e.g. layers.gated_fp32(silu)); `fused`: one `gate_up_proj` [E, 2I, hidden]
+    (gate rows, then up rows) instead of gate_proj / up_proj; `combine`: one
+    of COMBINES. `expert_range` (e0, e1): the experts this rank holds under
+    expert placement (None: all, each possibly an intermediate slice)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, glu, fused: bool = False,
+                 combine: str = "index_add"):
         super().__init__()
-        self.num_experts = num_experts
-        self.gate_proj = SwitchLinear(num_experts, hidden_size, intermediate_size)
-        self.up_proj = SwitchLinear(num_experts, hidden_size, intermediate_size)
+        if combine not in COMBINES:
+            raise ValueError(f"combine must be one of {COMBINES}, got {combine!r}")
+        self.num_experts, self.fused, self.combine = num_experts, fused, combine
+        if fused:
+            self.gate_up_proj = SwitchLinear(num_experts, hidden_size, 2 * intermediate_size)
+        else:
+            self.gate_proj = SwitchLinear(num_experts, hidden_size, intermediate_size)
+            self.up_proj = SwitchLinear(num_experts, hidden_size, intermediate_size)
         self.down_proj = SwitchLinear(num_experts, intermediate_size, hidden_size)
-        self.act = gated_fp32(act)
+        self.glu = glu
         self.expert_range = None
 
+    def _hidden(self, x, proj):
+        """glu of the gate and up projections; `proj(layer, x)` applies one."""
+        if self.fused:
+            gu = proj(self.gate_up_proj, x)  # [..., 2I]
+            half = gu.shape[-1] // 2
+            return self.glu(gu[..., :half], gu[..., half:])
+        return self.glu(proj(self.gate_proj, x), proj(self.up_proj, x))
+
     def __call__(self, x, idx, w, grouped: bool = False):
-        """x [N, hidden], idx [N, k] (global expert ids), w [N, k] -> [N, hidden]:
-        sum_j w[:, j] * expert_idx[:, j](x) in x's dtype, added in ascending
-        expert order (transformers' index_add over the experts hit), so
-        half-precision sums round as the reference's. `grouped` (a prefill,
-        `use_grouped`): the rows run per expert block (`_grouped`), skipping
-        the experts this rank does not hold."""
-        order = mx.argsort(idx, axis=-1)
-        idx, w = mx.take_along_axis(idx, order, axis=-1), mx.take_along_axis(w, order, axis=-1)
+        """x [N, hidden], idx [N, k] (global expert ids), w [N, k] -> [N, hidden],
+        combined as `combine` says. `grouped` (a prefill, `use_grouped`): the
+        rows run per expert block (`_grouped`), skipping the experts this rank
+        does not hold."""
+        if self.combine == "index_add":
+            order = mx.argsort(idx, axis=-1)
+            idx, w = mx.take_along_axis(idx, order, axis=-1), mx.take_along_axis(w, order, axis=-1)
+        scale = w if self.combine == "inputs" else None
         if grouped:
-            out = self._grouped(x, idx)
+            out = self._grouped(x, idx, scale)
         else:
             local = idx
             if self.expert_range is not None:
                 e0, e1 = self.expert_range
                 w = mx.where((idx >= e0) & (idx < e1), w, mx.zeros_like(w))  # another rank's expert: 0 here
                 local = mx.clip(idx - e0, 0, e1 - e0 - 1)
-            xe = x[:, None, None, :]  # [N, 1, 1, hidden]: one row per (token, chosen expert)
-            h = self.act(self.gate_proj(xe, local), self.up_proj(xe, local))  # [N, k, 1, I]
+            if self.combine == "inputs":  # (another rank's expert: zero inputs, so exactly zero out: glu(0, 0) = 0)
+                xe = (x[:, None, :] * w[..., None])[:, :, None, :]  # [N, k, 1, hidden]: the scaled inputs
+            else:
+                xe = x[:, None, None, :]  # [N, 1, 1, hidden]: one row per (token, chosen expert)
+            h = self._hidden(xe, lambda layer, v: layer(v, local))  # [N, k, 1, I]
             out = self.down_proj(h, local).squeeze(-2)  # [N, k, hidden]
+        if self.combine == "inputs":
+            return out.sum(axis=1)  # the reference sums every expert's output (exact zeros off the k)
+        if self.combine == "sum":
+            return (out.astype(mx.float32) * w[..., None]).astype(x.dtype).sum(axis=1)
         # expert output times its weight (promoted as torch does), rounded to x's dtype
         parts = (out * w[..., None]).astype(x.dtype)
         y = parts[:, 0]
@@ -154,13 +191,14 @@ class SwitchGLU(nn.Module):
             y = y + parts[:, j]
         return y
 
-    def _grouped(self, x, idx):
+    def _grouped(self, x, idx, scale=None):
         """The gathered products with the N*k (token, expert) rows sorted by
         expert: each expert's block through dense matmuls (its weights read
         once per block), rows of experts held elsewhere left zero, then back
-        in token order: [N, k, hidden]. ONE HOST SYNC per call (the
-        per-expert row counts cut the blocks); routing is replicated, so every
-        rank reads the same counts."""
+        in token order: [N, k, hidden]; `scale` [N, k]: each row's input
+        scaled first ("inputs"). ONE HOST SYNC per call (the per-expert row
+        counts cut the blocks); routing is replicated, so every rank reads
+        the same counts."""
         N, k = idx.shape
         R, E = N * k, self.num_experts
         flat = idx.flatten()
@@ -168,12 +206,13 @@ class SwitchGLU(nn.Module):
         order = mx.argsort(key)
         counts = (flat[:, None] == mx.arange(E, dtype=flat.dtype)).sum(axis=0).tolist()  # the host sync
         xs = x[order // k]  # [R, hidden]: the token of each sorted row
+        if scale is not None:
+            xs = xs * scale.flatten()[order][:, None]
         e0, e1 = self.expert_range or (0, E)
         outs, start = [], 0
         for e, n in enumerate(counts):
             if n and e0 <= e < e1:
-                xb = xs[start : start + n]
-                h = self.act(_dense(xb, self.gate_proj, e - e0), _dense(xb, self.up_proj, e - e0))  # [n, I]
+                h = self._hidden(xs[start : start + n], lambda layer, v: _dense(v, layer, e - e0))  # [n, I]
                 outs.append(_dense(h, self.down_proj, e - e0))  # [n, hidden]
             elif n:
                 outs.append(mx.zeros((n, x.shape[-1]), x.dtype))  # another rank's expert

@@ -5,7 +5,7 @@ checkpoints round at the same points. mx.fast's norms return the promoted
 dtype of input and weight, so a bf16 input is passed as is with an fp32
 weight: mx.fast casts it to fp32 itself (an AsType node in mlx/fast.cpp: on
 a GPU a kernel of its own unless mx.compile fuses it with its neighbours, as
-in the decode steps; docs/benchmarks.md counts them in prefill). Gemma's
+in the decode steps; docs/benchmarks-log.md counts them in prefill). Gemma's
 1 + w (fp32) is computed once per weight array, not per call (it is not a
 parameter: the name starts with _).
 """

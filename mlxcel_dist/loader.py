@@ -246,17 +246,21 @@ def check_shardable(model, np_: int, weights=None, moe_split: str | None = None)
         m, _ = ck.build(with_refs=False)
         if not any(hasattr(x, "expert_range") for _, x in m.named_modules()):
             raise UserError(f"--moe-split experts: {ck.config.get('model_type')} has no stacked routed experts "
-                            "that place whole experts per rank (qwen3_moe, glm4_moe, step3p5 do); use --moe-split "
-                            "intermediate")
+                            "that place whole experts per rank (the families on experts.SwitchGLU do: qwen3_moe, "
+                            "glm4_moe, deepseek_v3, minimax_m2, llama4, step3p5, gemma4, qwen3_next, qwen3_5_moe); "
+                            "use --moe-split intermediate")
     for r in range(np_):
         m, _ = ck.build(with_refs=False)
         m.shard(Group.planned(np_, r, weights, moe_split))  # on paper: parameters stay lazy
 
 
-def load_model(model, dtype: str | None = None, group: Group = SINGLE, progress=None, pp: int = 1) -> Loaded:
+def load_model(model, dtype: str | None = None, group: Group = SINGLE, progress=None, pp: int = 1,
+               kv=None, adapter=None) -> Loaded:
     """`pp` > 1: `group` is a pipeline of `pp` stages of T = size / pp ranks
     each (pipeline.py): this rank builds and reads its stage only, sharded
-    T ways inside the stage (`pipeline.stage_group`)."""
+    T ways inside the stage (`pipeline.stage_group`). `kv`: a
+    `cache.KVOptions` (--max-kv-size, --kv-bits) the model's caches follow;
+    `adapter`: a `lora.Adapter` (--adapter-path) put on the loaded layers."""
     ck = open_model(model)
     m, refs = ck.build()
     full_shapes = {name: tuple(p.shape) for name, p in tree_flatten(m.parameters())}  # before sharding
@@ -285,6 +289,12 @@ def load_model(model, dtype: str | None = None, group: Group = SINGLE, progress=
     faults.at("load", group.rank())
     load_weights(m, refs, target, progress=progress, unexpected_hint=hint, full_shapes=full_shapes)
     m.eval()
+    if adapter is not None:
+        from .lora import apply_adapter
+
+        apply_adapter(m, adapter)
+    if kv:
+        kv.apply(m)
     return Loaded(m, ck.config, ck.dir, target, group)
 
 

@@ -46,6 +46,7 @@ class RankPlan:
     bytes: int
     layers: tuple | None = None  # (start, stop) of its pipeline stage; None: all layers (tensor parallel)
     experts: tuple | None = None  # whole routed experts (start, stop) held under --moe-split experts
+    params: int = 0  # logical parameters held (a quantized weight counts its unpacked elements)
 
 
 def _ranges_of(plan: dict, suffix: str):
@@ -74,17 +75,19 @@ def _rank_plan(ck, n: int, r: int, weights, pp: int = 1, moe_split: str | None =
     plan = collect_plan(m)
     from mlx.utils import tree_flatten
 
-    total = 0
-    for name, _ in tree_flatten(m.parameters()):
+    total = params = 0
+    owners = dict(m.named_modules())
+    for name, p in tree_flatten(m.parameters()):
         ref = refs[name]
         axis, ranges = plan.get(name, (None, None))
         total += stored_bytes(ref, ref.sliced_shape(axis, ranges))
+        params += _logical_size(owners.get(name.rpartition(".")[0]), name.rpartition(".")[2], p)
     heads = None
     attn = next((mod for _, mod in m.named_modules() if hasattr(mod, "total_num_heads")), None)
     if attn is not None:
         # q_b_proj: latent attention's per-head q rows (deepseek_v3 with a q LoRA)
         q = _ranges_of(plan, "self_attn.q_proj.weight") or _ranges_of(plan, "self_attn.q_b_proj.weight")
-        hd = getattr(attn, "head_dim", None)
+        hd = getattr(attn, "q_proj_width", None) or getattr(attn, "head_dim", None)  # q rows a head
         start = q[1][0][0] // hd if q and hd else 0
         heads = (start, start + attn.num_heads, attn.num_kv_heads)
     cols = _ranges_of(plan, "mlp.down_proj.weight")
@@ -92,12 +95,29 @@ def _rank_plan(ck, n: int, r: int, weights, pp: int = 1, moe_split: str | None =
     t = r % (n // pp)  # this rank's place in its stage (r itself without pipeline stages)
     held = [x.expert_range for _, x in m.named_modules() if hasattr(x, "expert_range")]
     return RankPlan(r, weights[r] if weights else 1, heads, cols[1][0] if cols else None,
-                    vocab[t] if vocab else None, total, layers, held[0] if held else None), m
+                    vocab[t] if vocab else None, total, layers, held[0] if held else None, params), m
+
+
+def _logical_size(owner, leaf: str, p) -> int:
+    """Elements of parameter `leaf` of module `owner` as the model computes
+    with them: an MLX-quantized layer's packed uint32 words hold 32 / bits
+    weights each, and its scales and biases are no parameters of the model."""
+    if owner is not None and hasattr(owner, "bits") and "scales" in owner:
+        if leaf in ("scales", "biases"):
+            return 0
+        if leaf == "weight":
+            return p.size * 32 // owner.bits
+    return p.size
+
+
+def rank_plans(ck, n: int, weights=None, pp: int = 1, moe_split: str | None = None) -> list[RankPlan]:
+    """Each rank's share of `ck` on `n` ranks, sharded on paper as the ranks shard it."""
+    return [_rank_plan(ck, n, r, weights, pp, moe_split)[0] for r in range(n)]
 
 
 def moe_placement(m, ranks) -> str | None:
     """plan's line on the routed experts' placement (None: no stacked routed experts)."""
-    if not any(hasattr(x, "expert_range") for _, x in m.named_modules()):  # experts.SwitchGLU, step3p5's MoE
+    if not any(hasattr(x, "expert_range") for _, x in m.named_modules()):  # an experts.SwitchGLU
         return None
     if any(rp.experts is not None for rp in ranks):
         held = ", ".join(f"rank {rp.rank} {_span(rp.experts)}" for rp in ranks)

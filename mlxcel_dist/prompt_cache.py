@@ -10,8 +10,11 @@ only ever reused whole, as the prefix it is). Layers that read another
 layer's KV (SharedKVCache) store nothing. Lookup takes the longest entry
 that is a proper prefix of the new prompt (at least one token is left to
 feed). Entries are evicted least recently used first, beyond `max_entries`
-or `max_bytes`. Families whose caches are not KV (recurrent or conv state)
-are not cached.
+or `max_bytes`. A layer whose cache is a state rather than keys (a
+`snapshot()`-able cache: DeltaNetCache) keeps a snapshot of its state after
+exactly `tokens` (`Snapshot`), restored as it was, so such an entry is only
+ever reused whole; families with other non-KV caches (recurrent_gemma's
+RecurrentCache, baichuan_m1's conv state) are not cached.
 
 Under TP every rank keeps its own cache of its own shards; the ranks make
 the same calls in the same order, so they hit and evict alike.
@@ -27,6 +30,21 @@ DEFAULT_MAX_ENTRIES = 10  # mlx-lm's --prompt-cache-size default
 DEFAULT_MAX_BYTES = 2**63  # mlx-lm's --prompt-cache-bytes default: no limit
 
 
+class Snapshot:
+    """A state cache's snapshot (`LayerCache.snapshot()`: arrays and offset)."""
+
+    def __init__(self, state: tuple):
+        self.state = state
+
+    @property
+    def arrays(self) -> list:
+        return [x for x in self.state if isinstance(x, mx.array)]
+
+
+def _arrays(kv) -> list:
+    return kv.arrays if isinstance(kv, Snapshot) else list(kv)
+
+
 class PromptCache:
     def __init__(self, max_entries: int = DEFAULT_MAX_ENTRIES, max_bytes: int = DEFAULT_MAX_BYTES):
         self.max_entries, self.max_bytes = max_entries, max_bytes
@@ -37,14 +55,17 @@ class PromptCache:
 
     @staticmethod
     def cacheable(cache) -> bool:
-        return bool(cache) and all(c.static_kv for c in cache)
+        return bool(cache) and all(c.static_kv or hasattr(c, "snapshot") for c in cache)
 
     def store(self, tokens, cache) -> None:
-        """Keep `cache`'s keys/values of exactly `tokens` (the cache has seen them all)."""
-        if not self.cacheable(cache):
+        """Keep `cache`'s keys/values (a state cache's snapshot) of exactly
+        `tokens` (the cache has seen them all; a state that has seen more,
+        e.g. a step in flight, cannot be cut back: nothing is kept)."""
+        if not self.cacheable(cache) or any(c.reads_layer is None and c.offset != len(tokens) for c in cache):
             return
-        self.store_layers(tokens, [None if c.reads_layer is not None else c.temporal() for c in cache],
-                          [c.window for c in cache])
+        layers = [None if c.reads_layer is not None else c.temporal() if c.static_kv else Snapshot(c.snapshot())
+                  for c in cache]
+        self.store_layers(tokens, layers, [c.window for c in cache])
 
     def store_layers(self, tokens, layers: list, windows: list) -> None:
         """Keep per-layer (keys, values) held for `tokens`, oldest first (None:
@@ -54,18 +75,19 @@ class PromptCache:
             return
         kept = []
         for kv, window in zip(layers, windows):
-            if kv is None:
-                kept.append(None)
+            if kv is None or isinstance(kv, Snapshot):
+                kept.append(kv)
                 continue
             k, v = kv
             n = min(len(tokens), window) if window else len(tokens)
             if k.shape[2] < n:
                 return  # it holds less than the entry needs
             kept.append((k[..., k.shape[2] - n :, :], v[..., v.shape[2] - n :, :]))
-        self.trimmable = all(w is None for w in windows)
+        # every layer full (no window, no state): an entry's first tokens can be reused alone
+        self.trimmable = all(w is None for w in windows) and not any(isinstance(kv, Snapshot) for kv in kept)
         layers = kept
-        mx.eval([x for kv in layers if kv is not None for x in kv])
-        size = sum(x.nbytes for kv in layers if kv is not None for x in kv)
+        mx.eval([x for kv in layers if kv is not None for x in _arrays(kv)])
+        size = sum(x.nbytes for kv in layers if kv is not None for x in _arrays(kv))
         if size > self.max_bytes:
             return
         if tokens in self.entries:
@@ -104,7 +126,9 @@ class PromptCache:
         layers, _ = self.entries[best]
         cache = make_cache()
         for c, kv in zip(cache, layers):
-            if kv is not None:
+            if isinstance(kv, Snapshot):
+                c.restore_snapshot(kv.state)  # whole entries only (not trimmable): the state after best_k tokens
+            elif kv is not None:
                 c.restore(kv[0][..., :best_k, :], kv[1][..., :best_k, :], best_k)
         return best_k, cache
 

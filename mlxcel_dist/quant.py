@@ -145,7 +145,7 @@ def infer_params(path: str, module: nn.Module, refs: dict) -> QuantParams:
     if f"{path}.weight" not in refs:
         raise UserError(f"checkpoint has {path}.scales but no {path}.weight")
     w, s = refs[f"{path}.weight"], refs[f"{path}.scales"]
-    shape = tuple(module.weight.shape)  # [out, in], or [E, out, in] for stacked experts (blocks.StackedLinear)
+    shape = tuple(module.weight.shape)  # [out, in], or [E, out, in] for stacked experts (experts.SwitchLinear)
     in_dims = shape[-1]
     ok = (
         w.dtype == "U32"

@@ -3,7 +3,7 @@ min-p, seeded categorical sampling; greedy at temperature 0.
 
 Order (transformers' `generate` order, and why)::
 
-    logit bias -> repetition penalty -> presence / frequency penalties -> (temp == 0: argmax)
+    grammar mask -> logit bias -> repetition penalty -> presence / frequency penalties -> (temp == 0: argmax)
         -> temperature -> top-k -> top-p -> min-p -> sample
 
 Each step has exactly the semantics of the transformers LogitsProcessor of the
@@ -11,6 +11,9 @@ same name (`RepetitionPenaltyLogitsProcessor`, `TemperatureLogitsWarper`,
 `TopKLogitsWarper`, `TopPLogitsWarper`, `MinPLogitsWarper`, with
 `min_tokens_to_keep=1`), on float32 logits, removed tokens set to -inf:
 
+- grammar mask (constrained decoding, mlxcel_dist.grammar): the tokens the
+  row's grammar does not allow next get -inf before anything else, as vLLM
+  applies its structured-output bitmask to the logits before its sampler;
 - repetition penalty: every distinct token id in the context (prompt +
   generated so far; with `repetition_context_size` N only the last N ids, as
   mlx-lm's `repetition_context_size`) gets `l * p` if `l < 0` else `l / p`;
@@ -196,12 +199,38 @@ def apply_presence_frequency(logits: mx.array, generated, presence: float, frequ
     return logits - frequency * counts - presence * (counts > 0).astype(mx.float32)
 
 
+@functools.lru_cache(maxsize=8)
+def _bit_index(V: int, words: int) -> tuple:
+    ids = np.arange(V)
+    return mx.array(np.minimum(ids // 32, words - 1).astype(np.int32)), mx.array((ids % 32).astype(np.uint32)), \
+        mx.array(ids < 32 * words)
+
+
+def allowed_from_bits(bits: mx.array, V: int) -> mx.array:
+    """bool [..., V] from grammars' int32 bitmasks [..., words] (bit t % 32 of word
+    t // 32 = token t allowed; tokens past the words are not), unpacked on the device."""
+    word, shift, inside = _bit_index(V, bits.shape[-1])
+    on = (mx.take(bits.view(mx.uint32), word, axis=-1) >> shift) & 1
+    return mx.logical_and(on.astype(mx.bool_), inside)
+
+
+def apply_mask(logits: mx.array, mask: mx.array | None) -> mx.array:
+    """-inf where `mask` (bool [V], or a grammar's int32 bitmask) disallows."""
+    if mask is None:
+        return logits
+    if mask.dtype != mx.bool_:
+        mask = allowed_from_bits(mask, logits.shape[-1])
+    return mx.where(mask, logits, NEG_INF)
+
+
 def penalized(logits: mx.array, context, params: "SamplingParams", pending: mx.array | None = None,
-              prompt_len: int = 0) -> mx.array:
-    """float32 logits after the logit bias and the penalties: what greedy
-    takes the argmax of, temperature scales and logprobs report. `context`:
-    prompt + generated ids, its first `prompt_len` the prompt."""
-    x = apply_logit_bias(logits.astype(mx.float32), params.logit_bias)
+              prompt_len: int = 0, mask: mx.array | None = None) -> mx.array:
+    """float32 logits after the grammar mask, the logit bias and the
+    penalties: what greedy takes the argmax of, temperature scales and
+    logprobs report. `context`: prompt + generated ids, its first
+    `prompt_len` the prompt."""
+    x = apply_mask(logits.astype(mx.float32), mask)
+    x = apply_logit_bias(x, params.logit_bias)
     x = apply_repetition_penalty(x, context, params.repetition_penalty, params.repetition_context_size, pending)
     return apply_presence_frequency(x, context[prompt_len:], params.presence_penalty, params.frequency_penalty,
                                     pending)
@@ -241,12 +270,13 @@ def apply_min_p(logits: mx.array, min_p: float) -> mx.array:
 
 
 def process_logits(logits: mx.array, context, params: SamplingParams, pending: mx.array | None = None,
-                   prompt_len: int = 0) -> mx.array:
+                   prompt_len: int = 0, mask: mx.array | None = None) -> mx.array:
     """float32 logits of the distribution a token is drawn from (the warped
     scores of transformers' sampling), in the documented order. At temp 0 only
     the bias and penalties apply (greedy takes the argmax of this).
-    `pending`: a not-yet-read last context id (see apply_repetition_penalty)."""
-    x = penalized(logits, context, params, pending, prompt_len)
+    `pending`: a not-yet-read last context id (see apply_repetition_penalty);
+    `mask`: the grammar's (apply_mask)."""
+    x = penalized(logits, context, params, pending, prompt_len, mask)
     if params.greedy:
         return x
     if params.temp != 1.0:
@@ -274,8 +304,9 @@ class Sampler:
         self.draws += 1
         return sub
 
-    def sample(self, logits: mx.array, context, pending: mx.array | None = None) -> mx.array:
-        x = process_logits(logits, context, self.params, pending, self.prompt_len)
+    def sample(self, logits: mx.array, context, pending: mx.array | None = None,
+               mask: mx.array | None = None) -> mx.array:
+        x = process_logits(logits, context, self.params, pending, self.prompt_len, mask)
         if self.params.greedy:
             tok = mx.argmax(x, axis=-1)
         else:
@@ -287,15 +318,18 @@ class Sampler:
 
 
 def token_logprobs(logits: mx.array, context, params: SamplingParams, pending, tok: mx.array, k: int,
-                   prompt_len: int = 0) -> tuple:
+                   prompt_len: int = 0, mask: mx.array | None = None) -> tuple:
     """Lazy (logprob of the drawn id `tok` [1], top-k ids, their logprobs); k = 0: the first only.
 
     Which distribution: the log-softmax of the model's logits after the
-    logit bias and the penalties and before temperature, top-k, top-p and
-    min-p, as mlx-lm's generate_step; with none it is the model's own, what
-    OpenAI's API and vLLM (raw_logprobs) return. Every rank computes the same
-    values from bit-identical logits (no collective)."""
-    x = penalized(logits.reshape(-1), context, params, pending, prompt_len)
+    grammar mask, the logit bias and the penalties and before temperature,
+    top-k, top-p and min-p, as mlx-lm's generate_step; with none it is the
+    model's own, what OpenAI's API and vLLM (raw_logprobs) return. Under a
+    grammar it is the constrained one (disallowed tokens -inf, the rest
+    renormalised), as vLLM's, whose bitmask is applied to the logits its
+    sampler computes logprobs from. Every rank computes the same values from
+    bit-identical logits (no collective)."""
+    x = penalized(logits.reshape(-1), context, params, pending, prompt_len, mask)
     lp = x - mx.logsumexp(x, axis=-1, keepdims=True)
     chosen = mx.take(lp, tok.reshape(1).astype(mx.int32))
     k = min(k, lp.shape[-1])
@@ -306,10 +340,11 @@ def token_logprobs(logits: mx.array, context, params: SamplingParams, pending, t
 
 
 def read_logprobs(lp) -> tuple:
-    """token_logprobs' arrays, read: (logprob, [(id, logprob), ...] most likely first)."""
+    """token_logprobs' arrays, read: (logprob, [(id, logprob), ...] most likely first;
+    tokens a grammar disallows (-inf) are left out, so the list may be shorter than k)."""
     chosen = float(np.array(lp[0])[0])
     if len(lp) == 1:
         return chosen, []
     ids, vals = np.array(lp[1]), np.array(lp[2])
     order = np.argsort(-vals, kind="stable")
-    return chosen, [(int(ids[i]), float(vals[i])) for i in order]
+    return chosen, [(int(ids[i]), float(vals[i])) for i in order if vals[i] > NEG_INF]

@@ -302,8 +302,8 @@ def rank_heads(attn: nn.Module, group: Group) -> tuple[int, int, list[int]]:
 def shard_attention(attn: nn.Module, group: Group) -> None:
     """Shard q/k/v/o projections of a standard attention block in place.
 
-    Needs `total_num_heads`, `total_num_kv_heads`, `head_dim`, q_proj and
-    o_proj, and k_proj / v_proj where the block has them (blocks without
+    Needs `total_num_heads`, `total_num_kv_heads`, `head_dim`, q_proj
+    (`q_proj_width` rows a head where it is not head_dim) and o_proj, and k_proj / v_proj where the block has them (blocks without
     them: k = v, or a layer reading another's KV); per-head parameters named
     in `attn.per_head_params` (e.g. attention sinks) are sliced with their heads.
     """
@@ -311,7 +311,8 @@ def shard_attention(attn: nn.Module, group: Group) -> None:
         return
     q0, q1, slots = rank_heads(attn, group)
     D = attn.head_dim
-    attn.q_proj = _sharded(attn.q_proj, "rows", [(q0 * D, q1 * D)], group)
+    W = getattr(attn, "q_proj_width", None) or D  # q_proj rows per head (a gated attention's q and gate: 2 D)
+    attn.q_proj = _sharded(attn.q_proj, "rows", [(q0 * W, q1 * W)], group)
     # k/v where the block has them (Gemma 4's k = v layers have no v_proj; a
     # layer reading another's KV has neither, and its num_kv_heads becomes
     # the slots its source keeps on this rank: the same rank_heads)
@@ -347,37 +348,6 @@ def shard_latent_attention(attn: nn.Module, group: Group) -> None:
     attn.kv_b_proj = _sharded(attn.kv_b_proj, "rows", [(h0 * attn.kv_head_dim, h1 * attn.kv_head_dim)], group)
     attn.o_proj = _sharded(o, "cols", [(h0 * attn.v_head_dim, h1 * attn.v_head_dim)], group, "o_proj")
     attn.num_heads = h1 - h0  # this rank's; total_num_heads stays the model's
-
-
-def shard_stacked_experts_any(moe: nn.Module, group: Group, up=("gate_proj", "up_proj"), down="down_proj") -> None:
-    """`shard_stacked_experts` for stacks that may be MLX-quantized (each
-    projection a module with `weight` [E, out, in], or packed weight plus
-    `scales` / `biases` [E, out, in / group_size]): rank r keeps rows [i0, i1)
-    of axis 1 of the up stacks (every parameter) and the same input columns
-    of the down stack (axis 2; quantized: packed words and whole scale
-    groups, so cuts fall on the down stack's group size). No collective here."""
-    if group.single:
-        return
-    d = getattr(moe, down)
-    unit = d.group_size if d.get("scales") is not None else 1
-    inter = getattr(moe, up[0]).weight.shape[1]
-    rng = [_rank_range(inter, group, "the experts' intermediate size", unit)]
-    for name in up:
-        stack = getattr(moe, name)
-        spec = {p: (1, rng) for p in ("weight", "scales", "biases") if stack.get(p) is not None}
-        for p, (axis, r) in spec.items():
-            setattr(stack, p, _slice(stack[p], axis, r))
-        stack.shard_spec = ShardSpec(spec)
-    if unit > 1:
-        packed, groups = quantized_col_ranges(rng, d.group_size, d.bits, f"cannot split the experts' {down}")
-        spec = {"weight": (2, packed), "scales": (2, groups)}
-        if d.get("biases") is not None:
-            spec["biases"] = (2, groups)
-    else:
-        spec = {"weight": (2, rng)}
-    for p, (axis, r) in spec.items():
-        setattr(d, p, _slice(d[p], axis, r))
-    d.shard_spec = ShardSpec(spec)
 
 
 def _quant_unit(layer) -> int:
@@ -604,91 +574,42 @@ def shard_recurrent_block(block: nn.Module, group: Group) -> None:
     lru.num_heads = h1 - h0
 
 
-def shard_stacked_experts(moe: nn.Module, group: Group, up=("gate_proj", "up_proj"), down="down_proj") -> None:
-    """Split stacked expert projections by the intermediate dimension I, with
-    no collective of their own: `moe.<up>.weight` [E, I, hidden] keep rows
-    [i0, i1) of axis 1 (`split_ranges`), `moe.<down>.weight` [E, hidden, I] the same
-    range of axis 2 (the hub layout of e.g. Step-3.5: `moe.gate_proj.weight`).
-    Every other child of `moe` (the router) stays replicated, so every rank
-    routes alike; the block sums its partial output over the group once (and
-    counts that all_sum in `collectives_per_token`).
-
-    A block with an `expert_range` attribute (it weights the routed rows of
-    experts it does not hold zero) takes --moe-split experts: every stack
-    keeps the whole experts [e0, e1) of axis 0 (`expert_ranges`)."""
+def shard_deltanet(block: nn.Module, group: Group) -> None:
+    """Tensor-parallel gated DeltaNet (deltanet.GatedDeltaNet): rank r keeps
+    whole key-head groups, key heads [k0, k1) (`split_ranges` of
+    `total_k_heads`) and their value heads [m k0, m k1) (m value heads a key
+    head): the rows of its projections (qwen3_next's per-key-head
+    `in_proj_qkvz` / `in_proj_ba` as one range each; qwen3_5's `in_proj_qkv`
+    as three, q / k / v, and `in_proj_z` / `in_proj_b` / `in_proj_a`), the
+    same q / k / v channels of the depthwise conv1d, `dt_bias` / `A_log` of
+    its value heads, out_proj's input columns (sharded-to-all: one all_sum;
+    quantized: cuts at whole groups). The gated norm (per head dim) stays
+    whole. Each rank's conv and recurrent state cover its heads only."""
     if group.single:
         return
-    if moe_split(group) == "experts" and hasattr(moe, "expert_range"):
-        E = getattr(moe, up[0]).weight.shape[0]
-        e0, e1 = expert_ranges(E, group.size(), group.weights)[group.rank()]
-        for name in (*up, down):
-            stack = getattr(moe, name)
-            stack.weight = _slice(stack.weight, 0, [(e0, e1)])
-            stack.shard_spec = ShardSpec({"weight": (0, [(e0, e1)])})
-        moe.expert_range = (e0, e1)
-        return
-    inter = getattr(moe, up[0]).weight.shape[1]
-    rng = [_rank_range(inter, group, "the experts' intermediate size")]
-    for name, axis in [(u, 1) for u in up] + [(down, 2)]:
-        stack = getattr(moe, name)
-        if stack.weight.shape[axis] != inter:
-            raise UserError(f"expert {name} has {stack.weight.shape[axis]} intermediate rows, expected {inter}")
-        stack.weight = _slice(stack.weight, axis, rng)
-        stack.shard_spec = ShardSpec({"weight": (axis, rng)})
-
-
-def shard_fused_gate_up_experts(ex: nn.Module, group: Group) -> None:
-    """Split stacked experts in transformers' Linear layout with gate and up
-    fused as two halves (Gemma 4: `gate_up_proj` [E, 2I, hidden], rows
-    [0, I) gate and [I, 2I) up; `down_proj` [E, hidden, I]) by their
-    intermediate dimension: rank r keeps gate rows [i0, i1) and up rows
-    [I + i0, I + i1) (still gate half then up half) and down columns
-    [i0, i1). No collective here: the experts module sums its partial output
-    over `group` (its `group` attribute, set here: one all_sum per block)."""
-    if group.single:
-        return
-    inter = ex.down_proj.shape[2]
-    if ex.gate_up_proj.shape[1] != 2 * inter:
-        raise UserError(f"expert gate_up_proj has {ex.gate_up_proj.shape[1]} rows, expected 2 x {inter}")
-    i0, i1 = _rank_range(inter, group, "the experts' intermediate size")
-    halves = [(i0, i1), (inter + i0, inter + i1)]
-    ex.gate_up_proj = _slice(ex.gate_up_proj, 1, halves)
-    ex.down_proj = _slice(ex.down_proj, 2, [(i0, i1)])
-    ex.shard_spec = ShardSpec({"gate_up_proj": (1, halves), "down_proj": (2, [(i0, i1)])})
-    ex.group = group
-
-
-def shard_stacked_linear_experts(ex: nn.Module, group: Group) -> None:
-    """Split experts held as `blocks.StackedLinear` modules (or their
-    quantized form) by their intermediate dimension: `ex.gate_up_proj`
-    [E, 2I, hidden] keeps gate rows [i0, i1) and up rows [I + i0, I + i1)
-    (every stored tensor: rows are whole in the packed layout), `ex.down_proj`
-    [E, hidden, I] input columns [i0, i1) (quantized: whole groups, packed
-    words and group columns). No collective here: `ex.group` (set) sums the
-    experts' partial output once."""
-    if group.single:
-        return
-    gu, down = ex.gate_up_proj, ex.down_proj
-    quantized = "scales" in down
-    inter = down.scales.shape[2] * down.group_size if quantized else down.weight.shape[2]
-    unit = down.group_size if quantized else 1
-    i0, i1 = _rank_range(inter, group, "the experts' intermediate size", unit)
-    halves = [(i0, i1), (inter + i0, inter + i1)]
-    if gu.weight.shape[1] != 2 * inter:
-        raise UserError(f"expert gate_up_proj has {gu.weight.shape[1]} rows, expected 2 x {inter}")
-    names = [n for n in ("weight", "scales", "biases") if n in gu]
-    for n in names:
-        setattr(gu, n, _slice(getattr(gu, n), 1, halves))
-    gu.shard_spec = ShardSpec({n: (1, halves) for n in names})
-    if quantized:
-        packed, groups = quantized_col_ranges([(i0, i1)], down.group_size, down.bits, "expert down_proj")
-        spec = {"weight": (2, packed), **{n: (2, groups) for n in ("scales", "biases") if n in down}}
+    Hk, Hv, Dk, Dv = block.total_k_heads, block.total_v_heads, block.head_k_dim, block.head_v_dim
+    m = Hv // Hk
+    out = block.out_proj
+    unit = math.lcm(m * Dv, out.group_size) // (m * Dv) if isinstance(out, nn.QuantizedLinear) else 1
+    k0, k1 = _rank_range(Hk, group, "the linear attention's key heads", unit)
+    v0, v1 = m * k0, m * k1
+    qkv = [(k0 * Dk, k1 * Dk), (Hk * Dk + k0 * Dk, Hk * Dk + k1 * Dk), (2 * Hk * Dk + v0 * Dv, 2 * Hk * Dk + v1 * Dv)]
+    if block.fused:
+        w = 2 * Dk + 2 * m * Dv  # rows per key head: q, k, v, z
+        block.in_proj_qkvz = _sharded(block.in_proj_qkvz, "rows", [(k0 * w, k1 * w)], group)
+        block.in_proj_ba = _sharded(block.in_proj_ba, "rows", [(k0 * 2 * m, k1 * 2 * m)], group)
     else:
-        spec = {"weight": (2, [(i0, i1)])}
-    for n, (axis, rng) in spec.items():
-        setattr(down, n, _slice(getattr(down, n), axis, rng))
-    down.shard_spec = ShardSpec(spec)
-    ex.group = group
+        block.in_proj_qkv = _sharded(block.in_proj_qkv, "rows", qkv, group)
+        block.in_proj_z = _sharded(block.in_proj_z, "rows", [(v0 * Dv, v1 * Dv)], group)
+        block.in_proj_b = _sharded(block.in_proj_b, "rows", [(v0, v1)], group)
+        block.in_proj_a = _sharded(block.in_proj_a, "rows", [(v0, v1)], group)
+    block.out_proj = _sharded(out, "cols", [(v0 * Dv, v1 * Dv)], group, "out_proj")
+    conv = block.conv1d
+    conv.weight = _slice(conv.weight, 0, qkv)
+    conv.shard_spec = ShardSpec({"weight": (0, qkv)})
+    block.dt_bias, block.A_log = _slice(block.dt_bias, 0, [(v0, v1)]), _slice(block.A_log, 0, [(v0, v1)])
+    block.shard_spec = ShardSpec({"dt_bias": (0, [(v0, v1)]), "A_log": (0, [(v0, v1)])})
+    block.num_k_heads, block.num_v_heads = k1 - k0, v1 - v0
 
 
 def shard_packed_attention(attn: nn.Module, group: Group, packed: str = "W_pack", per_kv_head=()) -> None:
@@ -734,38 +655,37 @@ def expert_ranges(num_experts: int, size: int, weights=None) -> list[tuple]:
 
 def shard_switch_glu(mlp: nn.Module, group: Group) -> None:
     """Split stacked routed experts (`experts.SwitchGLU`: gate/up [E, I,
-    hidden], down [E, hidden, I], Linear or MLX-quantized) with no collective
-    of their own; the router stays replicated and the block sums its partial
-    output over the group once.
+    hidden] or fused gate_up [E, 2I, hidden], down [E, hidden, I], Linear or
+    MLX-quantized) with no collective of their own; the router stays
+    replicated and the block sums its partial output over the group once.
 
     "intermediate": rank r keeps rows [i0, i1) of axis 1 of gate/up (weight,
-    scales, biases) and the same input columns of down (axis 2; quantized:
-    packed words and whole scale groups). "experts": rank r keeps the whole
-    experts [e0, e1) (axis 0 of every parameter) and `mlp.expert_range` says
-    which, so it weights the others' routed rows zero."""
+    scales, biases; fused: gate rows [i0, i1) and up rows [I + i0, I + i1))
+    and the same input columns of down (axis 2; quantized: packed words and
+    whole scale groups). "experts": rank r keeps the whole experts [e0, e1)
+    (axis 0 of every parameter) and `mlp.expert_range` says which, so it
+    weights the others' routed rows zero."""
     if group.single:
         return
-    names = ("gate_proj", "up_proj", "down_proj")
+    ups = ["gate_up_proj"] if mlp.fused else ["gate_proj", "up_proj"]
     if moe_split(group) == "experts":
         e0, e1 = expert_ranges(mlp.num_experts, group.size(), group.weights)[group.rank()]
-        for name in names:
-            layer = getattr(mlp, name)
-            spec = {p: (0, [(e0, e1)]) for p in ("weight", "scales", "biases") if layer.get(p) is not None}
-            for p, (axis, rng) in spec.items():
-                setattr(layer, p, _slice(layer[p], axis, rng))
-            layer.shard_spec = ShardSpec(spec)
+        for name in (*ups, "down_proj"):
+            _slice_params(getattr(mlp, name), 0, [(e0, e1)])
         mlp.expert_range = (e0, e1)
         return
     down = mlp.down_proj
     quantized = down.get("scales") is not None
-    inter = mlp.gate_proj.weight.shape[1]
+    inter = down.scales.shape[2] * down.group_size if quantized else down.weight.shape[2]
     rng = [_rank_range(inter, group, "the experts' intermediate size", down.group_size if quantized else 1)]
-    for name in names[:2]:
+    (i0, i1), = rng
+    rows = [(i0, i1), (inter + i0, inter + i1)] if mlp.fused else rng  # fused: gate half, then up half
+    for name in ups:
         layer = getattr(mlp, name)
-        spec = {p: (1, rng) for p in ("weight", "scales", "biases") if layer.get(p) is not None}
-        for p, (axis, r) in spec.items():
-            setattr(layer, p, _slice(layer[p], axis, r))
-        layer.shard_spec = ShardSpec(spec)
+        if layer.weight.shape[1] != inter * (2 if mlp.fused else 1):
+            raise UserError(f"expert {name} has {layer.weight.shape[1]} rows, expected "
+                            f"{'2 x ' if mlp.fused else ''}{inter} (down_proj's inputs)")
+        _slice_params(layer, 1, rows)
     if quantized:
         packed, groups = quantized_col_ranges(rng, down.group_size, down.bits, "cannot split the experts' down_proj")
         spec = {"weight": (2, packed), "scales": (2, groups)}
@@ -776,3 +696,12 @@ def shard_switch_glu(mlp: nn.Module, group: Group) -> None:
     for p, (axis, r) in spec.items():
         setattr(down, p, _slice(down[p], axis, r))
     down.shard_spec = ShardSpec(spec)
+
+
+def _slice_params(layer: nn.Module, axis: int, ranges: list) -> None:
+    """Every stored tensor of a (Quantized)SwitchLinear (weight, scales,
+    biases) cut to `ranges` of `axis` (not the packed one), with its ShardSpec."""
+    spec = {p: (axis, ranges) for p in ("weight", "scales", "biases") if layer.get(p) is not None}
+    for p, (ax, r) in spec.items():
+        setattr(layer, p, _slice(layer[p], ax, r))
+    layer.shard_spec = ShardSpec(spec)

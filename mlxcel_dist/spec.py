@@ -325,6 +325,8 @@ class SpecGenerator(TokenGenerator):
         logits = self._prefill(cache)
         if self._notice is not None:
             self._notice.cancel()
+        if getattr(self.decode, "quantized", False):  # its buffers take one token a step
+            raise UserError("drafts (--draft-model, --prompt-lookup) are not available with --kv-bits")
         tok = int(self.sampler.sample(logits, context).item())
         self._t_decode = time.perf_counter()
         stats.prefill_s = self._t_decode - t0

@@ -39,8 +39,10 @@ def _ids(v) -> list[int]:
 
 
 class Tokenizer:
-    def __init__(self, model_dir: Path, config: dict | None = None, chat_template: str | None = None):
-        """`chat_template`: jinja text used instead of the checkpoint's (--chat-template)."""
+    def __init__(self, model_dir: Path, config: dict | None = None, chat_template: str | None = None,
+                 extra_eos=()):
+        """`chat_template`: jinja text used instead of the checkpoint's (--chat-template);
+        `extra_eos`: more tokens that end a generation (--extra-eos-token, `add_eos_token`)."""
         from tokenizers import Tokenizer as HFTokenizer
 
         self.model_dir = Path(model_dir)
@@ -73,6 +75,8 @@ class Tokenizer:
             eos_ids.add(self._tok.token_to_id(eos_tok))
         self.eos_ids = sorted(eos_ids)
         self.vocab_size = self._tok.get_vocab_size()
+        for t in extra_eos:
+            self.add_eos_token(t)
         # A tokenizer from another model: ids past the embedding table would
         # fail mid-run (or index garbage); refuse up front. Fewer tokens than
         # the vocabulary is normal (padded embedding tables).
@@ -83,6 +87,17 @@ class Tokenizer:
                 f"{model_vocab}: tokenizer and checkpoint do not match"
             )
 
+    def add_eos_token(self, token: str) -> None:
+        """One more EOS, as mlx-lm's `--extra-eos-token`: a token of the
+        vocabulary (its text, e.g. "<end_of_turn>") or an id."""
+        try:
+            tid = int(token)
+        except ValueError:
+            tid = self._tok.token_to_id(token)
+        if tid is None or not 0 <= tid < self.vocab_size:
+            raise UserError(f"--extra-eos-token {token!r} is not a token of this tokenizer")
+        self.eos_ids = sorted(set(self.eos_ids) | {tid})
+
     # -- text <-> ids --------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
@@ -91,8 +106,9 @@ class Tokenizer:
             ids = [self.bos_id] + ids
         return ids
 
-    def decode(self, ids) -> str:
-        return self._tok.decode(list(ids), skip_special_tokens=True)
+    def decode(self, ids, keep_special: bool = False) -> str:
+        """`keep_special`: special tokens stay in the text (harmony's channel markers)."""
+        return self._tok.decode(list(ids), skip_special_tokens=not keep_special)
 
     # -- chat ----------------------------------------------------------------
     def chat_template(self) -> tuple[str, str]:
@@ -142,17 +158,20 @@ class Tokenizer:
                 out[name] = str(v)
         return out
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None) -> str:
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None,
+                    **template_kwargs) -> str:
         """transformers' apply_chat_template(messages, tools=..., tokenize=False,
-        add_generation_prompt=...)."""
+        add_generation_prompt=..., **template_kwargs) (e.g. enable_thinking)."""
         source, where = self.chat_template()
         return render_chat_template(source, messages, add_generation_prompt=add_generation_prompt,
-                                    where=where, tools=tools, **self.special_tokens_map())
+                                    where=where, tools=tools, **{**self.special_tokens_map(), **template_kwargs})
 
-    def chat_ids(self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None) -> list[int]:
+    def chat_ids(self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None,
+                 **template_kwargs) -> list[int]:
         """Ids of the rendered chat; like transformers, no special tokens are
         added (the template writes its own BOS)."""
-        return self.encode(self.render_chat(messages, add_generation_prompt, tools), add_special_tokens=False)
+        return self.encode(self.render_chat(messages, add_generation_prompt, tools, **template_kwargs),
+                           add_special_tokens=False)
 
     def prompt_ids(self, prompt: str, chat: bool | None = None, system: str | None = None) -> list[int]:
         """The generation prompt: plain text (BOS added as the tokenizer says),
@@ -244,8 +263,9 @@ class StreamDecoder:
     `context` (e.g. the prompt's last ids) is left context only, never emitted.
     """
 
-    def __init__(self, tokenizer: Tokenizer, context=()):
+    def __init__(self, tokenizer: Tokenizer, context=(), keep_special: bool = False):
         self.tok = tokenizer
+        self.keep_special = keep_special
         self.ids: list[int] = list(context)
         self.prefix = 0
         self.read = len(self.ids)
@@ -253,14 +273,17 @@ class StreamDecoder:
 
     def _delta(self, final: bool) -> str:
         if self._prefix_text is None:
-            self._prefix_text = self.tok.decode(self.ids[self.prefix : self.read])
-        text = self.tok.decode(self.ids[self.prefix :])
+            self._prefix_text = self._decode(self.ids[self.prefix : self.read])
+        text = self._decode(self.ids[self.prefix :])
         if not final and (len(text) <= len(self._prefix_text) or text.endswith("\ufffd")):
             return ""
         new = text[len(self._prefix_text) :]
         self.prefix, self.read = self.read, len(self.ids)
         self._prefix_text = None
         return new
+
+    def _decode(self, ids) -> str:
+        return self.tok.decode(ids, keep_special=True) if self.keep_special else self.tok.decode(ids)
 
     def add(self, tok_id: int) -> str:
         self.ids.append(int(tok_id))

@@ -146,6 +146,7 @@ class HeartbeatMonitor:
         self.advertise = advertise_host or bind_host
         self.last: dict[int, float] = {}
         self.pids: dict[int, int] = {}
+        self.info: dict[int, list] = {}  # what a beat carries after the pid (serve's: host and memory)
         self.started = time.monotonic()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="mlxcel-dist-heartbeats", daemon=True)
@@ -160,11 +161,11 @@ class HeartbeatMonitor:
         tok = self.token.encode()
         while not self._closed:
             try:
-                data, _ = self.sock.recvfrom(256)
+                data, _ = self.sock.recvfrom(512)
             except OSError:
                 return
             parts = data.split()
-            if len(parts) != 3 or parts[0] != tok:
+            if len(parts) < 3 or parts[0] != tok:
                 continue
             try:
                 rank, pid = int(parts[1]), int(parts[2])
@@ -172,6 +173,7 @@ class HeartbeatMonitor:
                 continue
             self.last[rank] = time.monotonic()
             self.pids[rank] = pid
+            self.info[rank] = [p.decode("utf-8", "replace") for p in parts[3:]]
 
     def stalled(self, n_ranks: int, timeout: float) -> tuple[int, float] | None:
         """(rank, seconds silent) of the rank silent longest past ``timeout``

@@ -207,6 +207,30 @@ class SwappedRef(_View):
         return self.ref.read(src, ranges).swapaxes(-1, -2)
 
 
+class RangeRef(_View):
+    """`ref` cut to [start, stop) along `axis` (e.g. one half of a fused gate_up stack)."""
+
+    def __init__(self, ref, axis: int, start: int, stop: int):
+        self.ref, self.axis, self.start, self.dtype = ref, axis, start, ref.dtype
+        self.shape = tuple(ref.shape[:axis]) + (stop - start,) + tuple(ref.shape[axis + 1 :])
+
+    def read(self, axis=None, ranges=None) -> mx.array:
+        if axis is None or axis == self.axis:
+            rng = ranges or [(0, self.shape[self.axis])]
+            return self.ref.read(self.axis, [(self.start + s, self.start + e) for s, e in rng])
+        x = self.ref.read(axis, ranges)  # the other axis's slices, then this range of them
+        return x[(slice(None),) * self.axis + (slice(self.start, self.start + self.shape[self.axis]),)]
+
+
+def take_range(ref, axis: int, start: int, stop: int):
+    """[start, stop) of `ref` along `axis`: arrays now, refs lazily (`RangeRef`), None stays None."""
+    if ref is None:
+        return None
+    if isinstance(ref, mx.array):
+        return ref[(slice(None),) * axis + (slice(start, stop),)]
+    return RangeRef(ref, axis, start, stop)
+
+
 def join(parts: list, axis: int = 0, stack: bool = False):
     """`parts` (checkpoint refs, arrays or None) joined: arrays now, refs lazily (`JoinedRef`)."""
     if any(p is None for p in parts):

@@ -233,6 +233,70 @@ def zero_biases(m) -> None:
             p.zero_()
 
 
+# Routers' correction bias (deepseek_v3, glm4_moe, exaone_moe: `mlp.gate.e_score_correction_bias`;
+# minimax_m2: `mlp.e_score_correction_bias`): a buffer, so the re-initialisation here (parameters
+# only) leaves it zero; the fixtures draw it.
+BIAS_STD = 0.1  # comparable to the sigmoid scores' spread, so it changes choices
+
+
+def router_gates(m) -> list:
+    """Every MoE layer's router (`mlp.gate`), in layer order."""
+    return [layer.mlp.gate for layer in m.model.layers if hasattr(layer.mlp, "gate")]
+
+
+def correction_biases(m) -> list:
+    """Every MoE layer's correction bias, in layer order."""
+    out = []
+    for layer in m.model.layers:
+        gate = getattr(layer.mlp, "gate", None)
+        if gate is not None and hasattr(gate, "e_score_correction_bias"):
+            out.append(gate.e_score_correction_bias)
+        elif hasattr(layer.mlp, "e_score_correction_bias"):
+            out.append(layer.mlp.e_score_correction_bias)
+    return out
+
+
+def draw_correction_biases(model, seed: int):
+    """Every correction bias drawn from N(0, BIAS_STD^2), in layer order, from `seed`."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for b in correction_biases(model):
+            b.copy_(torch.randn(b.shape, generator=gen) * BIAS_STD)
+    return model
+
+
+def with_correction_bias(model_cls, seed: int):
+    """A case's model_cls: build model_cls(cfg), then draw its correction biases."""
+
+    def build(cfg):
+        return draw_correction_biases(model_cls(cfg), seed)
+
+    return build
+
+
+def no_correction_bias(m) -> None:
+    for b in correction_biases(m):
+        b.zero_()
+
+
+def gate_bias_in_weights(m) -> None:
+    """Routers (`mlp.gate` returning logits, weights, indices; deepseek_v3-style:
+    norm_topk_prob, routed_scaling_factor) that weight experts by the biased
+    scores (the bias must only choose)."""
+    for g in router_gates(m):
+        orig = g.forward
+
+        def fwd(h, g=g, orig=orig):
+            logits, _, idx = orig(h)
+            s = logits.sigmoid() + g.e_score_correction_bias
+            w = s.gather(1, idx)
+            if g.norm_topk_prob:
+                w = w / (w.sum(-1, keepdim=True) + 1e-20)
+            return logits, w * g.routed_scaling_factor, idx
+
+        g.forward = fwd
+
+
 def default_rope(m) -> None:
     """Plain RoPE (same theta) instead of the scaled one."""
     rot = m.model.rotary_emb
@@ -287,7 +351,7 @@ INFO_ORDER = (
     "case", "description", "hf_class", "transformers_version", "torch_version", "dtype", "safetensors_dtypes",
     "T", "vocab_size", "sliding_window", "layer_types", "npz_keys", "rope_parameters", "rope_attention_scaling",
     "logits_std", "logits_min_top1_gap", "bf16_vs_fp32_max_abs_diff", "bf16_vs_fp32_top1_agreement",
-    "router_min_margin", "ablation_max_rel_change", "weight_prefixes", "t4_check", "init", "notes",
+    "router_min_margin", "indexer_min_margin", "ablation_max_rel_change", "weight_prefixes", "t4_check", "init", "notes",
     "safetensors_bytes",
 )  # fmt: skip
 

@@ -24,9 +24,8 @@ import numpy as np
 import torch
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-from fixture_lib import LLAMA_STYLE, Family, bf16_vs_fp32, default_rope, full_logits, run, t4_config
-
-BIAS_STD = 0.1  # the correction bias: comparable to the sigmoid scores' spread, so it changes choices
+from fixture_lib import (LLAMA_STYLE, Family, bf16_vs_fp32, default_rope, draw_correction_biases, full_logits,
+                         gate_bias_in_weights, no_correction_bias, router_gates, run, t4_config)
 
 
 def with_correction_bias(seed: int):
@@ -37,11 +36,7 @@ def with_correction_bias(seed: int):
     class Model(DeepseekV3ForCausalLM):
         def __init__(self, cfg):
             super().__init__(cfg)
-            gen = torch.Generator().manual_seed(seed)
-            with torch.no_grad():
-                for g in _gates(self):
-                    b = g.e_score_correction_bias
-                    b.copy_(torch.randn(b.shape, generator=gen) * BIAS_STD)
+            draw_correction_biases(self, seed)
 
         @classmethod
         def from_pretrained(cls, directory, **kwargs):
@@ -62,38 +57,13 @@ def hf_config(directory) -> DeepseekV3Config:
     return DeepseekV3Config.from_dict(d)
 
 
-def _gates(m):
-    return [layer.mlp.gate for layer in m.model.layers if hasattr(layer.mlp, "gate")]
-
-
-def no_correction_bias(m) -> None:
-    for g in _gates(m):
-        g.e_score_correction_bias.zero_()
-
-
-def bias_in_weights(m) -> None:
-    """A router that weights experts by the biased scores (the bias must only choose)."""
-    for g in _gates(m):
-        orig = g.forward
-
-        def fwd(h, g=g, orig=orig):
-            logits, _, idx = orig(h)
-            s = logits.sigmoid() + g.e_score_correction_bias
-            w = s.gather(1, idx)
-            if g.norm_topk_prob:
-                w = w / (w.sum(-1, keepdim=True) + 1e-20)
-            return logits, w * g.routed_scaling_factor, idx
-
-        g.forward = fwd
-
-
 def no_routed_scaling(m) -> None:
-    for g in _gates(m):
+    for g in router_gates(m):
         g.routed_scaling_factor = 1.0
 
 
 def no_group_limit(m) -> None:
-    for g in _gates(m):
+    for g in router_gates(m):
         g.topk_group = g.num_group
 
 
@@ -146,7 +116,7 @@ MOE_ABLATIONS = {
     "expert_order": experts_swapped,
     "routed_scaling": no_routed_scaling,
     "correction_bias": no_correction_bias,
-    "bias_only_chooses": bias_in_weights,
+    "bias_only_chooses": gate_bias_in_weights,
     "latent_norms": no_latent_norms,
     "rope": no_rope_on_k,
     "rope_interleave": rope_not_interleaved,
@@ -312,7 +282,7 @@ def router_margin(ctx) -> dict:
             top = torch.topk(choice, k + 1, dim=-1).values
             margins.append(float((top[:, k - 1] - top[:, k]).min()))
 
-    hs = [g.register_forward_hook(hook) for g in _gates(ctx.exact)]
+    hs = [g.register_forward_hook(hook) for g in router_gates(ctx.exact)]
     full_logits(ctx.exact, ctx.ids)
     for h in hs:
         h.remove()

@@ -21,26 +21,8 @@ import numpy as np
 import torch
 from transformers import ExaoneMoeConfig, ExaoneMoeForCausalLM
 
-from fixture_lib import FULL, LLAMA_STYLE, SLIDING, Family, bf16_vs_fp32, full_logits, no_window, run
-
-BIAS_STD = 0.1  # the correction bias: comparable to the sigmoid scores' spread, so it changes choices
-
-
-def with_correction_bias(seed: int):
-    """Build the model, then draw every router's correction bias (a buffer:
-    fixture_lib's re-initialisation covers parameters only)."""
-
-    def build(cfg):
-        model = ExaoneMoeForCausalLM(cfg)
-        gen = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for layer in model.model.layers:
-                if hasattr(layer.mlp, "gate"):
-                    b = layer.mlp.gate.e_score_correction_bias
-                    b.copy_(torch.randn(b.shape, generator=gen) * BIAS_STD)
-        return model
-
-    return build
+from fixture_lib import (FULL, LLAMA_STYLE, SLIDING, Family, bf16_vs_fp32, full_logits, gate_bias_in_weights,
+                         no_correction_bias, no_window, router_gates, run, with_correction_bias)
 
 
 def no_qk_norm(m) -> None:
@@ -56,38 +38,13 @@ def rope_on_global(m) -> None:
             layer.self_attn.sliding_window = None  # rotates when None; full layers get no window either way
 
 
-def _gates(m):
-    return [layer.mlp.gate for layer in m.model.layers if hasattr(layer.mlp, "gate")]
-
-
-def no_correction_bias(m) -> None:
-    for g in _gates(m):
-        g.e_score_correction_bias.zero_()
-
-
-def bias_in_weights(m) -> None:
-    """A router that weights experts by the biased scores (the bias must only choose)."""
-    for g in _gates(m):
-        orig = g.forward
-
-        def fwd(h, g=g, orig=orig):
-            logits, _, idx = orig(h)
-            s = logits.sigmoid() + g.e_score_correction_bias
-            w = s.gather(1, idx)
-            if g.norm_topk_prob:
-                w = w / (w.sum(-1, keepdim=True) + 1e-20)
-            return logits, w * g.routed_scaling_factor, idx
-
-        g.forward = fwd
-
-
 def no_routed_scaling(m) -> None:
-    for g in _gates(m):
+    for g in router_gates(m):
         g.routed_scaling_factor = 1.0
 
 
 def no_group_limit(m) -> None:
-    for g in _gates(m):
+    for g in router_gates(m):
         g.topk_group = g.num_group
 
 
@@ -124,7 +81,7 @@ CASES = [
         ),
         seed=4201,
         T=48,
-        model_cls=with_correction_bias(4201),
+        model_cls=with_correction_bias(ExaoneMoeForCausalLM, 4201),
         config=dict(
             num_hidden_layers=4,
             num_attention_heads=8,
@@ -144,7 +101,7 @@ CASES = [
         ablations={
             **COMMON_ABLATIONS,
             "correction_bias": no_correction_bias,
-            "bias_only_chooses": bias_in_weights,
+            "bias_only_chooses": gate_bias_in_weights,
             "group_limit": no_group_limit,
         },
     ),
@@ -157,7 +114,7 @@ CASES = [
         ),
         seed=4202,
         T=56,
-        model_cls=with_correction_bias(4202),
+        model_cls=with_correction_bias(ExaoneMoeForCausalLM, 4202),
         config=dict(
             num_hidden_layers=5,
             num_attention_heads=4,
@@ -176,7 +133,7 @@ CASES = [
             routed_scaling_factor=1.5,
             rope_parameters={"rope_type": "default", "rope_theta": 500_000.0},
         ),
-        ablations={**COMMON_ABLATIONS, "correction_bias": no_correction_bias, "bias_only_chooses": bias_in_weights},
+        ablations={**COMMON_ABLATIONS, "correction_bias": no_correction_bias, "bias_only_chooses": gate_bias_in_weights},
     ),
     dict(
         name="gqa_bf16",
@@ -187,7 +144,7 @@ CASES = [
         seed=4203,
         T=64,
         dtype=torch.bfloat16,
-        model_cls=with_correction_bias(4203),
+        model_cls=with_correction_bias(ExaoneMoeForCausalLM, 4203),
         config=dict(
             num_hidden_layers=3,
             num_attention_heads=8,
@@ -201,7 +158,7 @@ CASES = [
             moe_intermediate_size=16,
             rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
         ),
-        ablations={**COMMON_ABLATIONS, "bias_only_chooses": bias_in_weights},
+        ablations={**COMMON_ABLATIONS, "bias_only_chooses": gate_bias_in_weights},
     ),
 ]
 
@@ -233,7 +190,7 @@ def router_margin(ctx) -> dict:
             top = torch.topk(choice, k + 1, dim=-1).values
             margins.append(float((top[:, k - 1] - top[:, k]).min()))
 
-    hs = [g.register_forward_hook(hook) for g in _gates(model)]
+    hs = [g.register_forward_hook(hook) for g in router_gates(model)]
     full_logits(model, ctx.ids)
     for h in hs:
         h.remove()

@@ -22,30 +22,8 @@ import numpy as np
 import torch
 from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
 
-from fixture_lib import LLAMA_STYLE, Family, bf16_vs_fp32, full_logits, run, t4_config, zero_biases
-
-BIAS_STD = 0.1  # the correction bias: comparable to the sigmoid scores' spread, so it changes choices
-
-
-def with_correction_bias(seed: int):
-    """Build the model, then draw every router's correction bias (a buffer:
-    fixture_lib's re-initialisation covers parameters only)."""
-
-    def build(cfg):
-        model = Glm4MoeForCausalLM(cfg)
-        gen = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for layer in model.model.layers:
-                if hasattr(layer.mlp, "gate"):
-                    b = layer.mlp.gate.e_score_correction_bias
-                    b.copy_(torch.randn(b.shape, generator=gen) * BIAS_STD)
-        return model
-
-    return build
-
-
-def _gates(m):
-    return [layer.mlp.gate for layer in m.model.layers if hasattr(layer.mlp, "gate")]
+from fixture_lib import (LLAMA_STYLE, Family, bf16_vs_fp32, full_logits, gate_bias_in_weights, no_correction_bias,
+                         router_gates, run, t4_config, with_correction_bias, zero_biases)
 
 
 def no_qk_norm(m) -> None:
@@ -60,39 +38,18 @@ def full_rotary(m) -> None:
     rot.inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
 
 
-def no_correction_bias(m) -> None:
-    for g in _gates(m):
-        g.e_score_correction_bias.zero_()
-
-
-def bias_in_weights(m) -> None:
-    """A router that weights experts by the biased scores (the bias must only choose)."""
-    for g in _gates(m):
-        orig = g.forward
-
-        def fwd(h, g=g, orig=orig):
-            logits, _, idx = orig(h)
-            s = logits.sigmoid() + g.e_score_correction_bias
-            w = s.gather(1, idx)
-            if g.norm_topk_prob:
-                w = w / (w.sum(-1, keepdim=True) + 1e-20)
-            return logits, w * g.routed_scaling_factor, idx
-
-        g.forward = fwd
-
-
 def no_routed_scaling(m) -> None:
-    for g in _gates(m):
+    for g in router_gates(m):
         g.routed_scaling_factor = 1.0
 
 
 def flip_norm_topk(m) -> None:
-    for g in _gates(m):
+    for g in router_gates(m):
         g.norm_topk_prob = not g.norm_topk_prob
 
 
 def no_group_limit(m) -> None:
-    for g in _gates(m):
+    for g in router_gates(m):
         g.topk_group = g.num_group
 
 
@@ -119,7 +76,7 @@ COMMON = {
     "shared_expert": no_shared_expert,
     "expert_order": experts_swapped,
     "correction_bias": no_correction_bias,
-    "bias_only_chooses": bias_in_weights,
+    "bias_only_chooses": gate_bias_in_weights,
 }
 
 CASES = [
@@ -132,7 +89,7 @@ CASES = [
         ),
         seed=5401,
         T=48,
-        model_cls=with_correction_bias(5401),
+        model_cls=with_correction_bias(Glm4MoeForCausalLM, 5401),
         config=dict(
             num_hidden_layers=3,
             num_attention_heads=8,
@@ -163,7 +120,7 @@ CASES = [
         seed=5402,
         T=48,
         dtype=torch.bfloat16,
-        model_cls=with_correction_bias(5402),
+        model_cls=with_correction_bias(Glm4MoeForCausalLM, 5402),
         config=dict(
             num_hidden_layers=2,
             num_attention_heads=4,
@@ -178,7 +135,7 @@ CASES = [
             rope_parameters={"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.25},
         ),
         ablations={"partial_rotary": full_rotary, "shared_expert": no_shared_expert, "expert_order": experts_swapped,
-                   "bias_only_chooses": bias_in_weights},
+                   "bias_only_chooses": gate_bias_in_weights},
     ),
     dict(
         name="topk3_fp32",
@@ -188,7 +145,7 @@ CASES = [
         ),
         seed=5403,
         T=48,
-        model_cls=with_correction_bias(5403),
+        model_cls=with_correction_bias(Glm4MoeForCausalLM, 5403),
         config=dict(
             num_hidden_layers=4,
             num_attention_heads=6,
@@ -236,7 +193,7 @@ def router_margin(ctx) -> dict:
             top = torch.topk(choice, k + 1, dim=-1).values
             margins.append(float((top[:, k - 1] - top[:, k]).min()))
 
-    hs = [g.register_forward_hook(hook) for g in _gates(ctx.exact)]
+    hs = [g.register_forward_hook(hook) for g in router_gates(ctx.exact)]
     full_logits(ctx.exact, ctx.ids)
     for h in hs:
         h.remove()

@@ -23,25 +23,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import MiniMaxM2Config, MiniMaxM2ForCausalLM
 
-from fixture_lib import LLAMA_STYLE, Family, bf16_vs_fp32, full_logits, run, t4_config
-
-BIAS_STD = 0.1  # the correction bias: comparable to the sigmoid scores' spread, so it changes choices
-
-
-def with_correction_bias(seed: int):
-    """Build the model, then draw every router's correction bias (a buffer:
-    fixture_lib's re-initialisation covers parameters only)."""
-
-    def build(cfg):
-        model = MiniMaxM2ForCausalLM(cfg)
-        gen = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for layer in model.model.layers:
-                b = layer.mlp.e_score_correction_bias
-                b.copy_(torch.randn(b.shape, generator=gen) * BIAS_STD)
-        return model
-
-    return build
+from fixture_lib import (LLAMA_STYLE, Family, bf16_vs_fp32, full_logits, no_correction_bias, run, t4_config,
+                         with_correction_bias)
 
 
 def per_head_qk_norm(m) -> None:
@@ -71,11 +54,6 @@ def full_rotary(m) -> None:
     rot = m.model.rotary_emb
     theta, dim = m.config.rope_parameters["rope_theta"], m.config.head_dim
     rot.inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
-
-
-def no_correction_bias(m) -> None:
-    for layer in m.model.layers:
-        layer.mlp.e_score_correction_bias.zero_()
 
 
 def bias_in_weights(m) -> None:
@@ -129,7 +107,7 @@ CASES = [
         ),
         seed=5101,
         T=48,
-        model_cls=with_correction_bias(5101),
+        model_cls=with_correction_bias(MiniMaxM2ForCausalLM, 5101),
         config=dict(
             num_hidden_layers=3,
             num_attention_heads=8,
@@ -152,7 +130,7 @@ CASES = [
         seed=5102,
         T=48,
         dtype=torch.bfloat16,
-        model_cls=with_correction_bias(5102),
+        model_cls=with_correction_bias(MiniMaxM2ForCausalLM, 5102),
         config=dict(
             num_hidden_layers=2,
             num_attention_heads=4,
@@ -174,7 +152,7 @@ CASES = [
         ),
         seed=5103,
         T=44,
-        model_cls=with_correction_bias(5103),
+        model_cls=with_correction_bias(MiniMaxM2ForCausalLM, 5103),
         hub_layout=True,
         t4=t4_hub,  # the hub's config form beside its weight layout (transformers converts both)
         config=dict(

@@ -55,6 +55,25 @@ def _kimi_k2(config: dict, weights: dict):
     return {**config, "model_type": "deepseek_v3"}, weights
 
 
+def _qwen3_5_fused_experts(config: dict, weights: dict):
+    """qwen3_5_moe/hub_fp32 with its experts fused as the hub stores them (mlx-lm's qwen3_5_moe reads
+    `mlp.experts.gate_up_proj` [E, 2I, H] / `mlp.experts.down_proj` [E, H, I] only)."""
+    import re
+
+    out, per = {}, {}
+    for k, v in weights.items():
+        m = re.match(r"(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$", k)
+        if m:
+            per.setdefault(m[1], {})[(int(m[2]), m[3])] = v
+        else:
+            out[k] = v
+    for base, d in per.items():
+        E = 1 + max(e for e, _ in d)
+        out[f"{base}.gate_up_proj"] = np.stack([np.concatenate([d[(e, "gate")], d[(e, "up")]]) for e in range(E)])
+        out[f"{base}.down_proj"] = np.stack([d[(e, "down")] for e in range(E)])
+    return config, out
+
+
 # case name -> (source reference fixture, description[, options: edit(config, weights) -> what mlx-lm is given,
 # config: the source's config file (config_t4.json), group_size (GROUP_SIZE)])
 CASES = {
@@ -75,6 +94,16 @@ CASES = {
                        "MLA 6 heads (kv_b_proj as embed_q / unembed_out, unquantized at these dims), switch_mlp 6 "
                        "experts top-3 (gate/up 4-bit, down [E, 64, 16] unquantized), shared expert, a dense layer; "
                        "group size 32", {"edit": _kimi_k2, "config": "config.json", "group_size": 32}),
+    "qwen3_next_q4": ("qwen3_next/hybrid_fp32", "qwen3_next: gated DeltaNet (conv1d moved to [C, K, 1], (1 + w) norms "
+                      "stored as 1 + w), gated attention, switch_mlp 8 experts top-2 + gated shared expert quantized, "
+                      "8-bit router and shared-expert gate; group size 32", {"group_size": 32}),
+    "qwen3_5_moe_q4": ("qwen3_5_moe/hub_fp32", "qwen3_5_moe from the hub layout (multimodal config, experts fused as "
+                       "gate_up_proj, vision tower dropped by mlx-lm): switch_mlp 8 experts top-2 + gated shared "
+                       "expert; group size 32",
+                       {"edit": _qwen3_5_fused_experts, "config": "config.json", "group_size": 32}),
+    "deepseek_v32_q4": ("deepseek_v32/yarn_fp32", "deepseek_v32: MLA 8 heads with the lightning indexer (wk and "
+                        "weights_proj 4-bit, wq_b unquantized at q_lora 24), top-8 keys, switch_mlp 8 experts "
+                        "top-2 (gate/up 4-bit), shared expert, a dense layer (down 4-bit); group size 64"),
 }
 BITS, GROUP_SIZE = 4, 64
 

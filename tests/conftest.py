@@ -143,7 +143,8 @@ LOGITS_FILES = ("test_pipeline.py", "test_tp.py", "test_reference.py")
 # starts last while the other worker has nothing left to run.
 LONG_FILES = ("test_serve.py", "test_faults.py", "test_batch.py", "test_decode.py", "test_serve_pp.py",
               "test_serve_hostile.py", "test_launcher.py", "test_generate.py", "test_moe_experts.py",
-              "test_quantized.py", "test_deepseek_v3.py", "test_llama4.py", "test_minimax_m2.py", "test_multihost.py")
+              "test_quantized.py", "test_deepseek_v3.py", "test_qwen3_next.py", "test_llama4.py", "test_minimax_m2.py",
+              "test_multihost.py")
 
 
 def pytest_collection_modifyitems(session, config, items):

@@ -30,6 +30,7 @@ def _free_port() -> int:
 class Server:
     def __init__(self, model_dir, np_, tmp, extra=(), backend="mpi", env=None):
         self.port = _free_port()
+        self.np = np_
         self.base = f"http://127.0.0.1:{self.port}"
         self.log = open(tmp / f"serve-np{np_}.log", "w+")
         args = [*CLI, "serve", str(model_dir), "--port", str(self.port), "--np", str(np_), *extra]

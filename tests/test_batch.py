@@ -458,3 +458,35 @@ def test_chunked_attention_rows_give_the_single_row_logits(d, monkeypatch):
         assert len({p // chunk for p, _ in rows}) >= 2, rid  # its steps cross a chunk boundary
         r = compare(np.stack([x for _, x in rows]), want[[p for p, _ in rows]], FP32_REL_TOL)
         assert r["ok"], (rid, r)
+
+
+@pytest.mark.parametrize("d", [default_model_dir(), FAMILY_CASES["recurrent_gemma"]], ids=_ids)
+def test_copies_of_a_prompt_share_one_prefill(d):
+    # serve's n > 1: the same prompt several times in one add_many (beside
+    # another) is prefilled once; each copy decodes as it would alone with its
+    # own sampler, also while a step is in flight for an older row.
+    model = load_model(d).model
+    V = model.args.vocab_size
+    rng = np.random.default_rng(11)
+    prompt, other, old = rng.integers(3, V, 21), rng.integers(3, V, 9), rng.integers(3, V, 5)
+    params = [SamplingParams(temp=0.9, top_k=20, seed=s) for s in (4, 5, 6)] + [SamplingParams()]
+    n = 6
+    alone = [list(TokenGenerator(model, p, n, s, eos_ids=()))
+             for p, s in zip([prompt] * 3 + [other], params)]
+    eng = BatchEngine(model)
+    eng.add("old", old)
+    eng.step()
+    before = eng.prefilled
+    eng.add_many([(i, p, s) for i, (p, s) in enumerate(zip([prompt] * 3 + [other], params))])
+    copies_prefilled = eng.prefilled - before
+    got = {i: [] for i in range(4)}
+    while any(len(v) < n for v in got.values()):
+        for rid, tok in eng.step().items():
+            if rid in got and len(got[rid]) < n:
+                got[rid].append(tok)
+    assert [got[i] for i in range(4)] == alone
+    assert len({tuple(v) for v in alone[:3]}) > 1  # the seeds differ: so do the copies
+    if eng.static:
+        assert copies_prefilled == (len(prompt) - 1) + (len(other) - 1)  # the shared prompt once
+    else:  # rows that step eagerly own their caches: each copy prefilled
+        assert copies_prefilled == 3 * (len(prompt) - 1) + (len(other) - 1)

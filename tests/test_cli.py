@@ -141,6 +141,29 @@ def test_info_counts_logical_parameters(tmp_path, quantized):
         src = convert_checkpoint(TINY, tmp_path / "q4", quantize=True)["out"]
     r = run("info", src)
     assert r.exit_code == 0 and "parameters  854,400 (" in r.output, r.output
+    assert "context     512 tokens" in r.output
+    assert "  rank 0   854,400 parameters, " in r.output, r.output  # np 1: the whole model
+
+
+def _info_ranks(*args):
+    import re
+
+    r = run("info", *args)
+    assert r.exit_code == 0, r.output
+    return [tuple(int(x.replace(",", "")) for x in m) for m in
+            re.findall(r"^  rank \d+ +([\d,]+) parameters, ([\d,]+) bytes", r.output, re.M)]
+
+
+def test_info_per_rank_is_plans_sharding():
+    # np 1: every parameter once (float32: 4 bytes each); np 3 on 4 heads: a
+    # larger first share, each rank under the whole, replicated tensors on all.
+    (p1, b1), = _info_ranks(TINY)
+    assert (p1, b1) == (854_400, 4 * 854_400)
+    three = _info_ranks(TINY, "--np", "3")
+    assert len(three) == 3 and three[0][0] > three[1][0] == three[2][0]
+    assert all(p < p1 and b == 4 * p for p, b in three) and sum(p for p, _ in three) > p1
+    r = run("info", TINY, "--np", "5")
+    assert r.exit_code == 2 and r.output.count("\n") == 1 and "5 ranks cannot split" in r.output, r.output
 
 
 @pytest.mark.parametrize(
@@ -169,7 +192,7 @@ def test_prefill_step_help_names_the_engine_default():
 
     r = runner.invoke(app, ["generate", "--help"], env={"COLUMNS": "300"})
     assert r.exit_code == 0
-    assert f"(default: {DEFAULT_PREFILL_STEP} when generating; logits: one pass)" in r.output
+    assert f"(default: {DEFAULT_PREFILL_STEP} when generating; logits: one pass)" in " ".join(r.output.split())
 
 
 def test_console_script_error_has_no_traceback(tmp_path):
@@ -289,3 +312,72 @@ def test_moe_split_reaches_the_ranks_argv(tmp_path, ids_file, monkeypatch):
     assert "--moe-split=experts" in seen["argv"]
     r = run("plan", FIXTURES / "qwen3_moe" / "gqa_fp32", "--np", 2, "--moe-split", "experts")
     assert "routed experts: whole experts per rank (--moe-split experts): rank 0 [0, 4), rank 1 [4, 8)" in r.output
+
+
+# --help at 80 columns ----------------------------------------------------------------
+def _commands():
+    import typer
+
+    group = typer.main.get_command(app)
+    return group, [None, *group.commands]
+
+
+@pytest.mark.parametrize("name", _commands()[1], ids=lambda n: n or "root")
+def test_help_fits_80_columns_with_whole_option_names(name):
+    # Every spelling of every option appears whole in the help, no line is
+    # wider than 80 columns, and an on/off flag shows no value after its names.
+    import re
+
+    group, _ = _commands()
+    cmd = group if name is None else group.commands[name]
+    r = runner.invoke(app, [*([name] if name else []), "--help"], env={"COLUMNS": "80"})
+    assert r.exit_code == 0, r.output
+    lines = r.output.splitlines()
+    assert max(len(line) for line in lines) <= 80 and "…" not in r.output
+    rows = [re.split(r"\s{2,}", line.strip())[0] for line in lines if line.startswith("  -")]
+    names = {n for row in rows for n in re.findall(r"(?<![\w-])--?[\w-]+", row)}
+    for p in cmd.params:
+        if p.param_type_name != "option":
+            continue
+        spellings = [*p.opts, *p.secondary_opts]
+        assert set(spellings) <= names, (spellings, rows)
+        if p.is_flag:
+            row = next(row for row in rows if spellings[0] in re.findall(r"--?[\w-]+", row))
+            assert re.fullmatch(r"--?[\w-]+((, | / )--?[\w-]+)*", row), row
+
+
+def test_a_value_after_an_on_off_flag_is_one_error_line(monkeypatch, capsys):
+    # click would take the word for MODEL ("no such model directory")
+    import mlxcel_dist.cli as cli
+
+    for argv, want in [(["generate", "--verbose", "False"], "--verbose is an on/off flag: give it alone"),
+                       (["generate", "--chat", "true"], "give --chat or --ignore-chat-template alone"),
+                       (["bench", "--json", "0"], "--json is an on/off flag")]:
+        monkeypatch.setattr(sys, "argv", ["mlxcel-dist", *argv])
+        with pytest.raises(SystemExit) as e:
+            cli.main()
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.startswith("error: ") and want in err and err.count("\n") == 1, err
+
+
+def test_chat_template_file_is_read(tmp_path):
+    # '{', '}' or a newline make the value a template; anything else names a file (vLLM's rule)
+    f = tmp_path / "t.jinja"
+    f.write_text("{{ bos_token }}Q: {{ messages[-1]['content'] }}")
+    from mlxcel_dist.tokenizer import Tokenizer
+
+    n = len(Tokenizer(TINY, chat_template=f.read_text()).prompt_ids("The sea"))
+    r = run("generate", "--chat-template", f, "-n", "0", "-v")
+    assert r.exit_code == 0 and f"prompt {n} tokens (chat template: --chat-template)" in r.output, r.output
+    r = run("generate", "--chat-template", tmp_path, "-n", "0")
+    assert r.exit_code == 2 and "a directory" in r.output, r.output
+
+
+def test_no_arguments_print_the_help(monkeypatch, capsys):
+    import mlxcel_dist.cli as cli
+
+    monkeypatch.setattr(sys, "argv", ["mlxcel-dist"])
+    with pytest.raises(SystemExit) as e:
+        cli.main()
+    out = capsys.readouterr()
+    assert e.value.code == 2 and out.out.startswith("Usage: ") and "generate" in out.out and out.err == ""

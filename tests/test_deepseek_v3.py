@@ -90,6 +90,39 @@ def test_mlx_lm_layout_loads_alike(tmp_path, case):
     assert compare(ours, ref["logits"], FP32_REL_TOL)["ok"]
 
 
+def test_mlx_lm_quantized_split_loads_dequantized(tmp_path):
+    """mlx-lm quantizes unembed_out (and embed_q) when their input dims are
+    whole groups (real DeepSeek-V3 / Kimi K2: kv_lora 512): kv_b_proj is then
+    rebuilt from the dequantized values, a float Linear whose logits are
+    those of the same values stored unquantized, and a rank's head rows read
+    alone (np 3 of 4 heads) equal the whole tensor's."""
+    src = FIX / "no_qlora_fp32"  # kv_lora 32: unembed_out takes group size 32
+    q_dir, f_dir = tmp_path / "quantized", tmp_path / "float"
+    for d in (q_dir, f_dir):
+        d.mkdir()
+        _mlx_lm_layout(src, d)
+    w = dict(mx.load(str(q_dir / "model.safetensors")))
+    flat = dict(w)
+    for name in [k for k in w if k.endswith("unembed_out.weight")]:
+        q, scales, biases = mx.quantize(w[name], group_size=32, bits=8)
+        w[name], w[name[:-6] + "scales"], w[name[:-6] + "biases"] = q, scales, biases
+        flat[name] = mx.dequantize(q, scales, biases, group_size=32, bits=8)
+    mx.save_safetensors(str(q_dir / "model.safetensors"), w)
+    mx.save_safetensors(str(f_dir / "model.safetensors"), flat)
+    cfg = json.loads((src / "config.json").read_text())
+    (q_dir / "config.json").write_text(json.dumps({**cfg, "quantization": {"group_size": 32, "bits": 8}}))
+    ref = np.load(src / "reference.npz")
+    ours = _logits(q_dir, ref["ids"])
+    assert np.array_equal(ours, _logits(f_dir, ref["ids"]))
+    assert compare(ours, ref["logits"], 1e-2)["ok"]  # 8-bit v rows: near the float reference, not at fp32
+    refs = build_model(cfg).sanitize(open_checkpoint(q_dir))
+    kvb = refs["model.layers.0.self_attn.kv_b_proj.weight"]
+    width = cfg["qk_nope_head_dim"] + cfg["v_head_dim"]
+    whole = kvb.read()
+    for rows in ([(0, 2 * width)], [(2 * width, 3 * width)], [(3 * width, 4 * width)]):
+        assert mx.array_equal(kvb.read(0, rows), whole[rows[0][0] : rows[0][1]])
+
+
 def test_sanitized_refs_read_a_ranks_slice(tmp_path):
     """Stacked experts and a rebuilt kv_b_proj read a rank's rows (uneven
     heads: np 3 of 8) exactly as the whole tensor's."""
@@ -178,7 +211,7 @@ def test_mlx_lm_4bit_checkpoint_matches_mlx_lm_at_np1():
 
     ref = np.load(MLX_LM / "mlx_lm_reference.npz")
     model = load_model(MLX_LM).model
-    assert type(model.layers[1].mlp.switch_mlp.gate_proj).__name__ == "QuantizedStackedLinear"
+    assert type(model.layers[1].mlp.switch_mlp.gate_proj).__name__ == "QuantizedSwitchLinear"
     for mode, logits in all_mode_logits(model, ref["ids"]).items():
         r = compare(logits, ref["logits"], FP32_REL_TOL)
         assert r["ok"], (mode, r)
@@ -234,7 +267,7 @@ def test_our_quantized_conversion_runs_in_both_caches(tmp_path, monkeypatch, lat
     out = convert_checkpoint(FIX / "no_qlora_fp32", tmp_path / "q4", quantize=True, bits=4, group_size=32)["out"]
     model = load_model(out).model
     attn, moe = model.layers[1].self_attn, model.layers[1].mlp
-    assert "scales" in attn.kv_b_proj and type(moe.switch_mlp.gate_proj).__name__ == "QuantizedStackedLinear"
+    assert "scales" in attn.kv_b_proj and type(moe.switch_mlp.gate_proj).__name__ == "QuantizedSwitchLinear"
     ids = np.load(FIX / "no_qlora_fp32" / "reference.npz")["ids"]
     modes = all_mode_logits(model, ids)
     for mode, logits in modes.items():

@@ -121,13 +121,13 @@ def test_sharding_splits_experts_by_halves_and_partial_attention_blocks():
         m.shard(Group.planned(2, r))
         plans.append(collect_plan(m))
         ex = m.layers[0].experts
-        assert ex.gate_up_proj.shape == (4, 16, 32) and ex.down_proj.shape == (4, 32, 8)
+        assert ex.gate_up_proj.weight.shape == (4, 16, 32) and ex.down_proj.weight.shape == (4, 32, 8)
         assert not ex.group.single
         assert "k_proj" not in m.layers[3].self_attn and m.layers[3].self_attn.num_kv_heads == 1
         assert m.layers[0].router.proj.weight.shape == (4, 32)  # replicated
     # gate rows [r*I/2, (r+1)*I/2) and the same rows of the up half; down columns alike
-    assert plans[1]["model.layers.0.experts.gate_up_proj"] == (1, [(8, 16), (24, 32)])
-    assert plans[1]["model.layers.0.experts.down_proj"] == (2, [(8, 16)])
+    assert plans[1]["model.layers.0.experts.gate_up_proj.weight"] == (1, [(8, 16), (24, 32)])
+    assert plans[1]["model.layers.0.experts.down_proj.weight"] == (2, [(8, 16)])
     # shared-KV layer: q/o only; source layer 2 (sliding): k and v
     assert "model.layers.3.self_attn.q_proj.weight" in plans[0]
     assert not any(k.startswith("model.layers.3.self_attn.k_proj") for k in plans[0])

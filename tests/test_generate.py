@@ -679,6 +679,7 @@ def test_generate_chat(chat_ckpt):
         (["--stop", ""], "--stop must not be empty"),
         (["--ignore-chat-template", "--system", "x"], "--system-prompt is a chat-template turn"),
         (["--chat-template", "{% if %}"], "syntax error"),
+        (["--chat-template", "/nonexistent.jinja"], "--chat-template /nonexistent.jinja: no such file"),
         (["--np", "2", "--temp", "-1"], "--temp must be >= 0"),  # refused before launching
     ],
 )

@@ -51,7 +51,7 @@ def test_info_names_each_layer():
 def test_swapped_expert_stacks_read_only_the_slices_asked():
     # transformers' bmm tensors ([E, H, 2I], [E, I, H]) as our Linear layout
     # ([E, 2I, H], [E, H, I]): a rank's gate/up halves and down columns
-    # (shard_stacked_linear_experts) are slices of the swapped whole.
+    # (shard_switch_glu) are slices of the swapped whole.
     refs = open_checkpoint(CASES / "gqa_fp32")
     pre = "model.layers.1.feed_forward.experts."
     gate_up, down = swap_last_axes(refs[pre + "gate_up_proj"]), swap_last_axes(refs[pre + "down_proj"])

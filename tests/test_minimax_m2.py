@@ -89,7 +89,7 @@ def test_hub_and_switch_mlp_layouts_are_transformers_tensors():
 
 def test_lazy_joins_read_only_the_slices_asked():
     # A rank's read of a joined tensor (hub experts, as the loader asks for
-    # shard_stacked_linear_experts' halves) equals the slice of the whole.
+    # shard_switch_glu' halves) equals the slice of the whole.
     refs = open_checkpoint(CASES / "hub_layout_fp32")
     name = "model.layers.0.block_sparse_moe.experts.{}.{}.weight"
     E = 6
@@ -137,6 +137,7 @@ def test_info_names_each_layer():
     lines = m.describe_layers()
     assert len(lines) == 2 and all("q/k norm over the whole projection" in x and "moe 6 experts top-3" in x
                                    and "rotary 4/8 dims" in x for x in lines)  # fmt: skip
+    assert [x.split(", ")[0] for x in lines] == ["0: full", "1: full"]  # every minimax_m2 layer: full attention, MoE
 
 
 @pytest.mark.parametrize("n", [2, 4])

@@ -1,12 +1,14 @@
 """Stacked routed experts (mlxcel_dist/experts.py) of qwen3_moe and glm4_moe:
 both config forms, both weight layouts (transformers' per-expert keys,
 mlx-lm's switch_mlp, 4-bit), the grouped prefill path, and `--moe-split
-experts` (whole experts per rank; also step3p5's stacked experts) under the
-real launcher at np 2 and np 3, against the single-process run and the
-reference."""
+experts` (whole experts per rank; every family on experts.SwitchGLU: also
+deepseek_v3, minimax_m2, llama4, step3p5, gemma4, diffusion_gemma, and the
+mlx-lm 4-bit checkpoints) under the real launcher at np 2 and np 3, against
+the single-process run and the reference."""
 
 import json
 import shutil
+from pathlib import Path
 from fractions import Fraction
 
 import mlx.core as mx
@@ -19,7 +21,7 @@ from mlx.utils import tree_flatten
 from mlxcel_dist.errors import UserError
 from mlxcel_dist.harness import FP32_REL_TOL, all_mode_logits, compare, rel_tol_for
 from mlxcel_dist.launcher import find_mpirun, launch
-from mlxcel_dist.layers import activation
+from mlxcel_dist.layers import activation, gated_fp32
 from mlxcel_dist.loader import check_shardable, load_model, read_config
 from mlxcel_dist.models import get_model_module
 from mlxcel_dist.shard import expert_ranges, split_counts
@@ -141,9 +143,14 @@ def test_more_ranks_than_experts_is_refused_before_launch():
 RUNS = {
     2: [(d, "experts", "") for d in MOE_CASES if d.name != "mqa_bf16"]
     + [(FIXTURES / "qwen3_moe" / "sliding_fp32", "experts", "3,1"), (FIXTURES / "step3p5" / "moe_fp32", "experts", "")]
-    + [(d, split, "") for d in MLX_LM for split in ("experts", "intermediate")],
+    + [(d, split, "") for d in MLX_LM for split in ("experts", "intermediate")]
+    + [(FIXTURES / c, "experts", "") for c in ("minimax_m2/gqa_fp32", "llama4/gqa_fp32", "deepseek_v3/yarn_fp32",
+                                               "gemma4/moe_fp32", "diffusion_gemma/moe_fp32")]
+    + [(FIXTURES / "mlx_lm" / f"{f}_q4", "experts", "") for f in ("minimax_m2", "llama4", "deepseek_v3")],
     3: [(FIXTURES / "qwen3_moe" / "gqa_fp32", "experts", ""), (FIXTURES / "glm4_moe" / "topk3_fp32", "experts", ""),
-        (FIXTURES / "glm4_moe" / "mqa_bf16", "experts", ""), (FIXTURES / "step3p5" / "moe_bf16", "experts", "")],  # (the 4-bit o_proj cannot split 8 heads 3 ways)
+        (FIXTURES / "glm4_moe" / "mqa_bf16", "experts", ""), (FIXTURES / "step3p5" / "moe_bf16", "experts", ""),
+        (FIXTURES / "minimax_m2" / "hub_layout_fp32", "experts", ""), (FIXTURES / "llama4" / "multimodal_fp32", "experts", ""),
+        (FIXTURES / "deepseek_v3" / "kimi_k2_fp32", "experts", "")],  # (the 4-bit o_proj cannot split 8 heads 3 ways)
 }
 
 
@@ -164,6 +171,7 @@ def test_expert_placement_is_exact_under_the_launcher(launched):
         label = f"{_id(d)} np{n} {split} {w}"
         ranks = [json.loads((out / f"{i}.rank{r}.json").read_text()) for r in range(n)]
         cfg = read_config(d)
+        cfg = cfg.get("text_config") or cfg
         E = next(cfg[k] for k in ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts") if cfg.get(k))
         weights = [Fraction(x) for x in w.split(",")] if w else None
         if split == "experts":  # each rank holds exactly its whole experts
@@ -175,7 +183,8 @@ def test_expert_placement_is_exact_under_the_launcher(launched):
         mlx_lm = not (d / "reference.npz").exists()
         ref = np.load(d / ("mlx_lm_reference.npz" if mlx_lm else "reference.npz"))["logits"]
         single = single_process_logits(d, "mlx_lm_reference.npz" if mlx_lm else "reference.npz")
-        tol = FP32_REL_TOL if mlx_lm else rel_tol_for(str(json.loads((d / "config.json").read_text())["dtype"]))
+        raw = json.loads((d / "config.json").read_text())
+        tol = FP32_REL_TOL if mlx_lm else rel_tol_for(str(raw.get("dtype") or raw["torch_dtype"]))  # hub configs: torch_dtype
         with np.load(out / f"{i}.npz") as z:
             for mode in z.files:
                 for what, want_logits in (("np1", single[mode]), ("reference", ref)):
@@ -196,7 +205,7 @@ def test_grouped_prefill_gives_the_gathered_logits(d, monkeypatch):
     monkeypatch.setattr(experts, "GROUP_ROWS", 1)
     calls = []
     grouped_fn = experts.SwitchGLU._grouped
-    monkeypatch.setattr(experts.SwitchGLU, "_grouped", lambda self, x, idx: calls.append(1) or grouped_fn(self, x, idx))
+    monkeypatch.setattr(experts.SwitchGLU, "_grouped", lambda self, *a: calls.append(1) or grouped_fn(self, *a))
     grouped = _logits(model, ids)
     assert calls  # the grouped path ran
     np.testing.assert_allclose(grouped, gathered, rtol=0, atol=1e-6 * np.abs(gathered).max())
@@ -215,9 +224,53 @@ def test_ranks_holding_whole_experts_sum_to_the_whole_block(n, grouped):
     want = full(x, idx, w, grouped=grouped)
     total = mx.zeros_like(want)
     for e0, e1 in expert_ranges(full.num_experts, n):
-        part = SwitchGLU(64, 64, full.num_experts, activation("silu"))
+        part = SwitchGLU(64, 64, full.num_experts, gated_fp32(activation("silu")))
         for name in ("gate_proj", "up_proj", "down_proj"):
             getattr(part, name).weight = getattr(full, name).weight[e0:e1]
         part.expert_range = (e0, e1)
         total = total + part(x, idx, w, grouped=grouped)
     np.testing.assert_allclose(np.array(total), np.array(want), rtol=0, atol=1e-6 * float(mx.abs(want).max()))
+
+
+# Our own 4-bit conversions (convert --quantize) at np 2, both placements ---------------------
+# group sizes: 32 cuts qwen3_moe's / glm4_moe's expert down_proj (I = 64) into two groups, so the
+# intermediate split runs on quantized down projections; llama4's I = 32 (routed and shared) is
+# one group of 32, which no 2-way cut splits, so it takes the default 64 (gate/up quantized, down not)
+CONVERT_GROUPS = {"qwen3_moe": 32, "glm4_moe": 32, "minimax_m2": 32, "llama4": 64}
+
+
+@pytest.fixture(scope="module")
+def converted_np2(tmp_path_factory):
+    from mlxcel_dist.convert import convert_checkpoint
+
+    root = tmp_path_factory.mktemp("convert-q4")
+    runs = []
+    for f, gs in CONVERT_GROUPS.items():
+        src = FIXTURES / f / "gqa_fp32"
+        d = Path(convert_checkpoint(src, root / f, quantize=True, bits=4, group_size=gs)["out"])
+        shutil.copyfile(src / "reference.npz", d / "reference.npz")  # for its ids (its logits: the fp32 model's)
+        runs += [(d, split) for split in ("intermediate", "experts")]
+    out = root / "np2"
+    out.mkdir()
+    assert launch([str(out)] + [f"{d}@{split}" for d, split in runs], 2, "mpi", script=str(HELPER)) == 0
+    return runs, out
+
+
+def test_our_4bit_conversions_run_at_np2_in_both_placements(converted_np2):
+    runs, out = converted_np2
+    for i, (d, split) in enumerate(runs):
+        label = f"{d.name} {split}"
+        model = load_model(d).model
+        sw = next(m for _, m in model.named_modules() if hasattr(m, "expert_range"))
+        gate = sw.gate_up_proj if sw.fused else sw.gate_proj
+        quantized = [type(x).__name__ == "QuantizedSwitchLinear" for x in (gate, sw.down_proj)]
+        assert quantized == [True, d.name in ("qwen3_moe", "glm4_moe")], label  # down: I a multiple of the group
+        ranks = [json.loads((out / f"{i}.rank{r}.json").read_text()) for r in range(2)]
+        want = expert_ranges(sw.num_experts, 2) if split == "experts" else [None, None]
+        assert [r["expert_range"] and tuple(r["expert_range"]) for r in ranks] == want, label
+        single = single_process_logits(d)
+        with np.load(out / f"{i}.npz") as z:
+            assert set(z.files) == set(single), label
+            for mode in z.files:
+                r = compare(z[mode], single[mode], FP32_REL_TOL)
+                assert r["ok"], (label, mode, r)

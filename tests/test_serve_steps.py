@@ -401,3 +401,49 @@ def test_logprobs_only_where_asked(tok):
     assert [e.logprob for e in got_a if isinstance(e, Token)] == [(-0.5, [(80, -0.5)])] * 2
     assert not any(isinstance(e, Token) for e in got_b)
     assert eng.want == {}  # asked per row, dropped with the row
+
+
+def test_n_choices_take_rows_together_and_end_together(tok, monkeypatch):
+    # A job of n choices: n rows admitted in one step (seed + i each), held
+    # back until n rows are free; a Done per choice, its prompt counted once;
+    # one choice failing ends the job once and frees its other rows.
+    sched = Scheduler(tok, decode_concurrency=4)
+    eng = FakeEngine()
+    got_a, got_b = [], []
+    a = Job(GenRequest([50], 2, SamplingParams(temp=0.0, seed=7)), got_a.append, n=3)
+    b = Job(req([51], max_tokens=2), got_b.append, n=2)
+    sched.submit(a)
+    sched.submit(b)
+    s1 = run_once(sched, eng)
+    assert [r.sampling.seed for _, r in s1.admissions] == [7, 8, 9]  # b waits: 3 + 2 rows > 4
+    assert [rid for rid, _ in s1.admissions] == [0, 1, 2] and sched.metrics.prompt_tokens == 1
+    drain(sched, eng)
+    done = [e for e in got_a if isinstance(e, Done)]
+    assert sorted(e.index for e in done) == [0, 1, 2] and all(e.completion_tokens == 2 for e in done)
+    assert sorted(e.index for e in got_b if isinstance(e, Done)) == [0, 1]
+    assert sched.metrics.finished == {"length": 2}  # two requests, five rows
+    bad_got = []
+    bad = Job(req([52], max_tokens=4), bad_got.append, n=2)
+    sched.submit(bad)
+    run_once(sched, eng)
+    row = next(r for r in sched.rows.values() if r.job is bad and r.index == 1)
+    monkeypatch.setattr(row.decoder, "add", lambda _: (_ for _ in ()).throw(RuntimeError("detokeniser broke")))
+    drain(sched, eng)
+    assert [e for e in bad_got if isinstance(e, (Done, Failed))] == [
+        Failed("generation failed: RuntimeError: detokeniser broke", 500)]
+    assert not eng.rows and not sched.rows
+
+
+def test_tokens_per_second_over_the_last_whole_seconds():
+    from mlxcel_dist.serve.metrics import RATE_S, Metrics
+
+    now = [100.0]
+    m = Metrics(clock=lambda: now[0])
+    for t in range(100, 100 + 2 * RATE_S):  # 3 tokens a second for 2 x RATE_S seconds
+        for k in range(3):
+            now[0] = t + k / 4
+            m.token(now[0], first=False)
+    now[0] = 100 + 2 * RATE_S + 0.5
+    assert m.rate() == 3.0
+    now[0] += RATE_S  # quiet since
+    assert m.rate() == 0.0 and len(m.seconds) <= RATE_S + 1

@@ -60,7 +60,47 @@ def test_llama3_json_and_mistral_calls():
     assert [c["function"]["name"] for c in calls] == ["f", "g"] and _args(calls[0]) == {"a": 1}
 
 
+# The formats of DeepSeek, GLM-4.5, Kimi K2, MiniMax-M2 and gpt-oss, as their
+# chat templates write earlier calls (and their models answer).
+DS_V3 = ('Sure.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n'
+         '{"city": "Paris"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>')
+DS_V31 = ('<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris"}<｜tool▁call▁end｜>'
+          '<｜tool▁call▁begin｜>get_time<｜tool▁sep｜>{}<｜tool▁call▁end｜><｜tool▁calls▁end｜>')
+GLM = ('Checking.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>42</arg_value>\n'
+       '<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>')
+KIMI = ('Let me see.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0'
+        '<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>')
+MINIMAX = ('On it.\n<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">Paris</parameter>\n'
+           '<parameter name="days">2</parameter>\n</invoke>\n<invoke name="get_time">\n</invoke>\n</minimax:tool_call>')
+HARMONY = '<|channel|>commentary to=functions.get_weather<|message|>{"city": "Paris"}<|call|>'
+HARMONY_RAW = ('<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>'
+               '{"city": "Paris"}')
+TYPED = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
+    "city": {"type": "string"}, "days": {"type": "integer"}}}}}]
+
+
+@pytest.mark.parametrize("fmt,text,content,calls", [
+    ("deepseek_v3", DS_V3, "Sure.", [("get_weather", {"city": "Paris"})]),
+    ("deepseek_v3", DS_V31, "", [("get_weather", {"city": "Paris"}), ("get_time", {})]),
+    ("glm45", GLM, "Checking.", [("get_weather", {"city": "42", "days": 3})]),  # the schema says city is a string
+    ("kimi_k2", KIMI, "Let me see.", [("get_weather", {"city": "Paris"})]),
+    ("minimax_m2", MINIMAX, "On it.", [("get_weather", {"city": "Paris", "days": 2}), ("get_time", {})]),
+    ("harmony", HARMONY, "", [("get_weather", {"city": "Paris"})]),
+    ("harmony", HARMONY_RAW, "", [("get_weather", {"city": "Paris"})]),
+])
+def test_more_formats_whole(fmt, text, content, calls):
+    got_content, got = tools.parse(fmt, text, TYPED)
+    assert got_content == content
+    assert [(c["function"]["name"], _args(c)) for c in got] == calls
+    assert tools.parse(fmt, "just words", TYPED) == ("just words", [])
+    untyped = tools.parse(fmt, text)[1]  # no schema: a value that parses as JSON is JSON
+    assert [c["function"]["name"] for c in untyped] == [name for name, _ in calls]
+
+
 @pytest.mark.parametrize("fmt,text", [
+    ("hermes", 'Checking <tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'),
+    ("deepseek_v3", DS_V3), ("deepseek_v3", DS_V31), ("glm45", GLM), ("kimi_k2", KIMI), ("minimax_m2", MINIMAX),
+    ("harmony", "Preamble. " + HARMONY), ("deepseek_v3", "<｜tool▁calls not quite"), ("kimi_k2", "<|tool_ words"),
     ("hermes", 'Checking <tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'),
     ("hermes", "no call here, only <tool text"),
     ("llama3_json", '  {"name": "f", "parameters": {"q": "<tool_call>"}}'),
@@ -69,17 +109,42 @@ def test_llama3_json_and_mistral_calls():
     ("mistral", "[TOOL_CALL but not quite"),
 ])
 def test_streamed_parse_equals_the_whole_parse_at_every_split(fmt, text):
-    whole = tools.parse(fmt, text)
-    for cut in range(len(text) + 1):
-        for parts in ([text[:cut], text[cut:]], list(text)):
-            sp = tools.StreamParser(fmt)
-            sent = "".join(sp.feed(p) for p in parts)
-            rest, calls = sp.finish()
-            assert [c["function"] for c in calls] == [c["function"] for c in whole[1]], (cut, parts)
-            if whole[1]:
-                assert (sent + rest).strip() == whole[0]
-            else:
-                assert sent + rest == text
+    whole = tools.parse(fmt, text, TYPED)
+    # every two-part cut, and one character at a time
+    for parts in [[text[:cut], text[cut:]] for cut in range(len(text) + 1)] + [list(text)]:
+        sp = tools.StreamParser(fmt, TYPED)
+        sent = "".join(sp.feed(p) for p in parts)
+        rest, calls = sp.finish()
+        assert [c["function"] for c in calls] == [c["function"] for c in whole[1]], parts
+        if whole[1]:
+            assert (sent + rest).strip() == whole[0]
+        else:
+            assert sent + rest == text
+
+
+# Each family's template, reduced to the lines that carry its markers (the
+# real ones: DeepSeek-V3.1's, GLM-4.5's, Kimi-K2-Thinking's, MiniMax-M2's,
+# gpt-oss's chat_template.jinja).
+FAMILY_TEMPLATES = {
+    "deepseek_v3": "{% for tool in message['tool_calls'] %}{{'<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + "
+                   "tool['function']['name'] + '<｜tool▁sep｜>' + tool['function']['arguments'] + "
+                   "'<｜tool▁call▁end｜>'}}{% endfor %}{{'<｜Assistant｜>'}}{{'</think>'}}",
+    "glm45": "{%- if tools -%}<|system|>\n# Tools\n<tool_call>{function-name}\n<arg_key>{arg-key-1}</arg_key>\n"
+             "<arg_value>{arg-value-1}</arg_value>\n</tool_call>{%- endif -%}<|assistant|>\n<think></think>",
+    "kimi_k2": "{%- if tools -%}<|im_system|>tool_declare<|im_middle|>{{ tools | tojson() }}<|im_end|>{%- endif -%}"
+               "<|tool_calls_section_begin|><|tool_call_begin|>{{ formatted_id }}<|tool_call_argument_begin|>"
+               "<think></think>",
+    "minimax_m2": "{%- set toolcall_begin_token = '<minimax:tool_call>' -%}{%- if tools -%}# Tools{%- endif -%}"
+                  "{{- ']~b]ai' ~ '\n' ~ '<think>' ~ '\n' }}{{- '</think>' }}",
+    "harmony": '{%- if tools -%}namespace functions {%- endif -%}{{- "<|start|>assistant to=" }}'
+               '{{- "functions." + name + "<|channel|>commentary " }}json<|message|>{{ args }}{{- "<|call|>" }}'
+               '<|start|>assistant<|channel|>analysis<|message|>',
+}
+
+
+@pytest.mark.parametrize("fmt", sorted(FAMILY_TEMPLATES))
+def test_each_family_template_is_detected(fmt):
+    assert tools.detect(FAMILY_TEMPLATES[fmt]) == fmt
 
 
 def test_detect_and_the_template_renders_tools_and_calls():
@@ -101,11 +166,15 @@ def test_detect_and_the_template_renders_tools_and_calls():
     assert '"arguments": {"city": "Paris"}' in text  # the earlier call, arguments as an object
     assert "sunny, 21 C" in text and p.tool_format == "hermes"
     assert parse({**body, "tool_choice": "none"}, True, ctx).tool_format is None  # rendered, never parsed
-    for bad, param in [({"tool_choice": "required"}, "tool_choice"),
-                       ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice")]:
-        with pytest.raises(ApiError) as e:
+    # required / named: constrained decoding's grammar travels with the request, the answer is parsed
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        p = parse({**body, "tool_choice": choice}, True, ctx)
+        assert p.req.grammar and p.tool_format == "hermes"
+    for bad, match in [({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "not in 'tools'"),
+                       ({"tool_choice": "required", "tools": []}, "needs 'tools'")]:
+        with pytest.raises(ApiError, match=match) as e:
             parse({**body, **bad}, True, ctx)
-        assert e.value.param == param and e.value.code == "unsupported_parameter"
+        assert e.value.param == "tool_choice"
     bad_args = json.loads(json.dumps(body))
     bad_args["messages"][1]["tool_calls"][0]["function"]["arguments"] = "{not json"
     with pytest.raises(ApiError, match="arguments is not JSON"):

@@ -68,7 +68,7 @@ _RING4 = [d for d in cases("gemma3") if d.name == "mqa_fp32"]
 # np 4: 66 s, on 2 cores).
 _NP3_TWINS = {"gemma3/gqa_bf16": "gemma3/gqa_fp32", "gemma4/dense_bf16": "gemma4/dense_fp32",
               "gpt_oss/gqa_bf16": "gpt_oss/gqa_fp32", "recurrent_gemma/mqa_bf16": "recurrent_gemma/mqa_fp32",
-              "step3p5/moe_bf16": "step3p5/moe_fp32"}
+              "step3p5/moe_bf16": "step3p5/moe_fp32", "qwen3_next/hybrid_bf16": "qwen3_next/hybrid_fp32"}
 _NP3 = [d for d in CASES if case_id(d) not in _NP3_TWINS]
 _WEIGHTED = [(FIXTURES / "olmo3" / "gqa_fp32", "1,2,1")]
 

@@ -13,12 +13,14 @@ from ..errors import UserError
 
 MODEL_REMAP = {
     "kimi_k2": "deepseek_v3",  # Kimi K2 (DeepseekV3ForCausalLM with its own model_type)
+    "deepseek_v32": "deepseek_v3",  # DeepSeek-V3.2: deepseek_v3 plus the lightning indexer (ModelArgs.indexed)
     "gemma3": "gemma3",  # multimodal checkpoint: its text tower
     "gemma3_text": "gemma3",
     "gemma4_text": "gemma4",  # the text-only model; "gemma4" (multimodal) is the file itself
     "gemma3n_text": "gemma3n",
     "llama4_text": "llama4",  # Llama4ForCausalLM; "llama4" (multimodal) is the file itself  # Gemma3nForCausalLM; multimodal gemma3n is the file itself
     "ministral": "mistral",  # the mistral decoder with layer_types
+    "qwen3_5_moe_text": "qwen3_5_moe",  # Qwen3_5MoeForCausalLM; "qwen3_5_moe" (multimodal) is the file itself
     "step3p7": "step3p5",  # multimodal Step-3.7: its text decoder (text_config)
 }
 _NOT_MODELS = {"base"}

@@ -1,5 +1,7 @@
 """DeepSeek-V3 / R1 / V3.1 and Kimi K2 (`deepseek_v3`; `kimi_k2` configs
-map here), as transformers 5.24's DeepseekV3ForCausalLM runs them.
+map here), as transformers 5.24's DeepseekV3ForCausalLM runs them, and
+DeepSeek-V3.2 (`deepseek_v32`, DeepseekV32ForCausalLM: the same model plus a
+lightning indexer per layer, below).
 
 Hidden states [B, L, hidden]. Multi-head latent attention (MLA) per layer:
 - q: `q_a_proj` -> `q_a_layernorm` -> `q_b_proj` (q_lora_rank set) or one
@@ -40,7 +42,8 @@ every released checkpoint has at 1); else MoE:
   the chosen unbiased scores, renormalised (norm_topk_prob, + 1e-20), times
   routed_scaling_factor;
 - routed experts stacked (mlx-lm's `mlp.switch_mlp.{gate,up,down}_proj`,
-  [E, I, hidden] / [E, hidden, I]); only the k chosen run (`mx.gather_mm`);
+  [E, I, hidden] / [E, hidden, I], `experts.SwitchGLU`); only the k chosen
+  run (`mx.gather_mm`);
   each product times its fp32 weight, rounded to the hidden dtype, summed in
   ascending expert order (the reference's index_add); transformers' per-expert
   keys `mlp.experts.N.*` are stacked lazily by sanitize (a rank reads only
@@ -52,10 +55,40 @@ fine): q_b_proj / q_proj rows, kv_b_proj rows and o_proj columns of its
 heads; q_a_proj, kv_a_proj_with_mqa and their norms replicated (every rank
 computes the latent). Its per-head cache holds its heads' K/V only (1/N of
 the per-head cache); the latent cache is whole on every rank. Dense MLPs
-split by columns; routed and shared experts split on their intermediate
-dimension (`shard.shard_stacked_experts_any`, `shard.shard_expert_mlps`),
-the router replicated, one all_sum per MoE block.
+split by columns; routed experts split on their intermediate dimension or
+as whole experts per rank (`--moe-split`, `shard.shard_switch_glu`), shared
+experts on their intermediate dimension (`shard.shard_expert_mlps`), the
+router replicated, one all_sum per MoE block.
 MTP layers (`model.layers.N.*`, N >= num_hidden_layers) are dropped.
+
+deepseek_v32 (DeepSeek Sparse Attention; transformers 5.24's
+DeepseekV32Indexer): each layer's `self_attn.indexer` scores every visible
+key for each query and only its `index_topk` best stay visible to MLA:
+- q = `wq_b`(q_a_layernorm's output) [B, L, index_n_heads, index_head_dim],
+  k = `k_norm`(`wk` x) (a LayerNorm with bias) [B, L, index_head_dim], one
+  key per token shared by the index heads; RoPE (the model's frequencies,
+  half-split, not interleaved) on their first qk_rope_head_dim features;
+- score(q, t) = sum_h w_h * relu(q_h . k_t) * index_head_dim^-0.5 with
+  w = `weights_proj`(x) * index_n_heads^-0.5, all in fp32 (as the
+  reference, whose weights_proj stays fp32 in a bf16 model);
+- the causally masked keys score -inf, the top min(index_topk, keys) are
+  selected, and MLA attends the visible selected keys (the masked ones a
+  query selects when it sees fewer than index_topk stay masked). A query
+  that sees at most index_topk keys sees them all: no selection runs while
+  a forward's key axis is that short. A decode step gathers its chosen keys
+  from the latent cache and attends those index_topk only (absorbed); a
+  prefill chunk masks the others.
+The index keys are cached with the latent: the cache's "values" are
+[k_pe, index key] [B, 1, S, rope + index_head_dim], so a token and layer
+cost kv_lora + rope + index_head_dim values on every rank (704 for
+DeepSeek-V3.2); decode.py, the batch engine and the prompt cache take it as
+it is. deepseek_v32 always keeps the latent cache (LATENT_CACHE is
+deepseek_v3's choice) and its MLA RoPE is always interleaved, as
+transformers' (no rope_interleave key). Under TP the indexer is replicated
+(its projections whole on every rank): every rank computes the same scores
+from the same replicated inputs, so every rank selects the same keys with
+no collective (splitting its heads would need an all_sum of [B, L, S]
+scores per layer, which grows with the context).
 """
 
 from __future__ import annotations
@@ -67,12 +100,14 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..attention import causal_attention
-from ..blocks import MLP, PreNormBlock, StackedLinear
+from ..blocks import MLP, PreNormBlock
 from ..collectives import SINGLE
 from ..errors import UserError
-from ..layers import RMSNorm, activation, gated_fp32
+from ..experts import SwitchGLU
+from ..layers import LayerNorm, RMSNorm, activation, gated_fp32
+from ..masks import CAUSAL, create_causal_mask
 from ..rope import RoPE
-from ..shard import shard_expert_mlps, shard_latent_attention, shard_mlp, shard_stacked_experts_any
+from ..shard import shard_expert_mlps, shard_latent_attention, shard_mlp, shard_switch_glu
 from ..weights import join
 from .base import FULL, BaseModelArgs, CausalLM, DecoderStack, describe_layers
 
@@ -82,6 +117,8 @@ DENSE, SPARSE = "dense", "sparse"
 # (the reference's order of operations, H * (nope + rope + v) values / N a rank).
 LATENT_CACHE = True
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: transformers' RMSNorm default, not rms_norm_eps
+INDEXED = "deepseek_v32"  # the model_type whose layers carry a lightning indexer
+INDEX_NORM_EPS = 1e-6  # the indexer's k_norm (transformers' DeepseekV32Indexer)
 
 
 @dataclass
@@ -120,11 +157,23 @@ class ModelArgs(BaseModelArgs):
     rope_parameters: dict | None = None
     rope_interleave: bool = True
     attention_bias: bool = False
+    # deepseek_v32 only (DeepseekV32Config's defaults)
+    index_topk: int = 2048
+    index_n_heads: int = 64
+    index_head_dim: int = 128
+    mlp_layer_types: list | None = None  # deepseek_v32's configs write it (transformers 5)
 
     def __post_init__(self):
         n = self.num_hidden_layers
         self.layer_types = [FULL] * n  # MLA everywhere, no window
-        self.mlp_layer_types = [SPARSE if self._sparse(i) else DENSE for i in range(n)]
+        self.indexed = self.model_type == INDEXED
+        if self.indexed:
+            self._check_indexer()
+            self.rope_interleave = True  # transformers' DeepseekV32Attention: always interleaved
+        if self.mlp_layer_types is not None:
+            self._check_mlp_layer_types()
+        else:
+            self.mlp_layer_types = [SPARSE if self._sparse(i) else DENSE for i in range(n)]
         if SPARSE in self.mlp_layer_types:
             self._check_routing()
         self.rope = self.one_rope()
@@ -143,6 +192,24 @@ class ModelArgs(BaseModelArgs):
         if not isinstance(freq, int) or freq < 1:
             raise UserError(f"{self.model_type} config moe_layer_freq must be a positive integer, got {freq!r}")
         return self.n_routed_experts is not None and i >= self.first_k_dense_replace and i % freq == 0
+
+    def _check_mlp_layer_types(self):
+        kinds, n = self.mlp_layer_types, self.num_hidden_layers
+        if len(kinds) != n or set(kinds) - {DENSE, SPARSE}:
+            raise UserError(f"{self.model_type} config mlp_layer_types must be {n} of {DENSE!r} / {SPARSE!r}")
+        if SPARSE in kinds and self.n_routed_experts is None:
+            raise UserError(f"{self.model_type} config has sparse mlp_layer_types but no n_routed_experts")
+        self.mlp_layer_types = list(kinds)
+
+    def _check_indexer(self):
+        t = self.model_type
+        if self.q_lora_rank is None:
+            raise UserError(f"{t}: q_lora_rank must be set (the indexer's queries read the q latent)")
+        if self.index_topk < 1 or self.index_n_heads < 1:
+            raise UserError(f"{t}: index_topk and index_n_heads must be positive")
+        if not self.qk_rope_head_dim <= self.index_head_dim:
+            raise UserError(f"{t}: index_head_dim {self.index_head_dim} must hold qk_rope_head_dim "
+                            f"{self.qk_rope_head_dim} (its rotated part)")
 
     def _check_routing(self):
         t = self.model_type
@@ -171,6 +238,64 @@ class ModelArgs(BaseModelArgs):
             m = 1.0 if factor <= 1 else 0.1 * float(p["mscale_all_dim"]) * math.log(factor) + 1.0
             scale = scale * m * m
         return scale
+
+
+class Indexer(nn.Module):
+    """deepseek_v32's lightning indexer (module doc): which `topk` of the
+    visible keys each query's MLA attends. Replicated under TP."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        D, Di, H = args.hidden_size, args.index_head_dim, args.index_n_heads
+        self.n_heads, self.head_dim, self.topk = H, Di, args.index_topk
+        self.rope_dim = args.qk_rope_head_dim
+        self.scale = Di**-0.5
+        self.rope = RoPE(self.rope_dim, args.rope, args.max_position_embeddings)  # half-split, unlike MLA's
+        self.wq_b = nn.Linear(args.q_lora_rank, H * Di, bias=False)
+        self.wk = nn.Linear(D, Di, bias=False)
+        self.k_norm = LayerNorm(Di, INDEX_NORM_EPS, bias=True)
+        self.weights_proj = nn.Linear(D, H, bias=False)
+
+    def _rotate(self, x, offset):
+        """RoPE on the first rope_dim features only (yarn's factor scales those alone)."""
+        return mx.concatenate([self.rope(x[..., : self.rope_dim], offset), x[..., self.rope_dim :]], axis=-1)
+
+    def keys(self, x, offset):
+        """This forward's index keys: x [B, L, hidden] -> [B, 1, L, index_head_dim]."""
+        return self._rotate(self.k_norm(self.wk(x))[:, None], offset)
+
+    def select(self, x, q_latent, keys, visible, offset):
+        """The keys each query keeps: indices [B, 1, L, topk] into the key
+        axis (its best index scores, the invisible keys scoring -inf), or None
+        when no query has more than `topk` keys (all of them). x [B, L,
+        hidden], q_latent [B, L, q_lora], keys [B, 1, S, index_head_dim]
+        (every key, cached ones first), `visible` bool broadcastable to
+        [B, 1, L, S] (None: every key)."""
+        B, L, _ = x.shape
+        if keys.shape[2] <= self.topk:
+            return None
+        q = self.wq_b(q_latent).reshape(B, L, self.n_heads, self.head_dim).transpose(0, 2, 1, 3)  # [B, Hi, L, Di]
+        q = self._rotate(q, offset)
+        f32 = mx.float32
+        scores = mx.maximum((q.astype(f32) @ keys.astype(f32).swapaxes(-1, -2)) * self.scale, 0)  # [B, Hi, L, S]
+        w = self.weights_proj(x.astype(f32)).astype(f32) * self.n_heads**-0.5  # [B, L, Hi], fp32 as the reference
+        index = (w[:, :, None, :] @ scores.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)  # [B, L, 1, S] -> [B, 1, L, S]
+        if visible is not None:
+            index = mx.where(visible, index, -mx.inf)
+        return mx.argpartition(-index, kth=self.topk - 1, axis=-1)[..., : self.topk]
+
+
+def chosen_mask(top, visible, S: int):
+    """bool [B, 1, L, S]: the visible keys among the chosen `top` [B, 1, L, k]
+    (a query that sees fewer than k keys also chose invisible ones)."""
+    chosen = mx.put_along_axis(mx.zeros((*top.shape[:-1], S), mx.bool_), top, mx.array(True), axis=-1)
+    return chosen if visible is None else chosen & visible
+
+
+def take_keys(a, top):
+    """a [B, 1, S, D] at one query's chosen keys top [B, 1, 1, k] -> [B, 1, k, D]."""
+    idx = top[:, :, 0, :, None]  # [B, 1, k, 1]
+    return mx.take_along_axis(a, mx.broadcast_to(idx, (*idx.shape[:-1], a.shape[-1])), axis=2)
 
 
 class LatentAttention(nn.Module):
@@ -202,6 +327,9 @@ class LatentAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, LATENT_NORM_EPS)
         self.kv_b_proj = nn.Linear(self.kv_lora_rank, H * self.kv_head_dim, bias=False)
         self.o_proj = nn.Linear(H * self.v_head_dim, D, bias=bias)
+        if args.indexed:
+            self.indexer = Indexer(args)
+            self.latent_cache = True  # the index keys are cached beside k_pe (module doc)
 
     @property
     def num_kv_heads(self) -> int:
@@ -214,7 +342,8 @@ class LatentAttention(nn.Module):
     def __call__(self, x, mask=None, cache=None):
         B, L, _ = x.shape
         H = self.num_heads
-        q = self.q_proj(x) if "q_proj" in self else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q_latent = None if "q_proj" in self else self.q_a_layernorm(self.q_a_proj(x))
+        q = self.q_proj(x) if q_latent is None else self.q_b_proj(q_latent)
         q = q.reshape(B, L, H, self.q_head_dim).transpose(0, 2, 1, 3)  # [B, H, L, nope + rope]
         q_nope, q_pe = q[..., : self.nope], q[..., self.nope :]
         ckv = self.kv_a_proj_with_mqa(x)  # [B, L, kv_lora + rope]
@@ -224,12 +353,27 @@ class LatentAttention(nn.Module):
         q_pe, k_pe = self.rope(q_pe, offset), self.rope(k_pe, offset)
         if self.latent_cache:
             # the cache keeps latent [B, 1, S, kv_lora] as "keys" and k_pe [B, 1, S, rope] as "values"
-            latent, k_pe = latent[:, None], k_pe
+            # (with an indexer, [k_pe, index key] [B, 1, S, rope + index_head_dim])
+            latent = latent[:, None]
+            indexer = self.get("indexer")
+            values = k_pe if indexer is None else mx.concatenate([k_pe, indexer.keys(x, offset)], axis=-1)
             if cache is not None:
-                latent, k_pe = cache.update_and_fetch(latent, k_pe)
+                latent, values = cache.update_and_fetch(latent, values)
+            k_pe, top = values[..., : self.rope_dim], None
+            if indexer is not None:
+                S = latent.shape[2]
+                causal = mask == CAUSAL if isinstance(mask, str) else (mask is None and L > 1)
+                visible = create_causal_mask(L, S - L) if causal else mask  # None: one query, every key
+                top = indexer.select(x, q_latent, values[..., self.rope_dim :], visible, offset)
             if L == 1:
+                if top is not None:  # attend the chosen keys only: topk of them, not S
+                    latent, k_pe = take_keys(latent, top), take_keys(k_pe, top)
+                    mask = None if visible is None else mx.take_along_axis(
+                        mx.broadcast_to(visible, (*top.shape[:-1], S)), top, axis=-1)  # [B, 1, 1, k]
                 o = self._absorbed(q_nope, q_pe, latent, k_pe, mask)
                 return self.o_proj(o.transpose(0, 2, 1, 3).reshape(B, L, -1))
+            if top is not None:
+                mask = chosen_mask(top, visible, S)
             k, v = self._expand(latent[:, 0], k_pe)
         else:
             k, v = self._expand(latent, k_pe)
@@ -300,30 +444,6 @@ class MoEGate(nn.Module):
         return idx, w * self.routed_scaling_factor
 
 
-class SwitchGLU(nn.Module):
-    """The routed experts stacked (mlx-lm's switch_mlp names: gate/up/down
-    `blocks.StackedLinear`, quantized as mlx-lm stores them); only each
-    token's chosen experts run (gather_mm / gather_qmm)."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, act):
-        super().__init__()
-        self.gate_proj = StackedLinear(num_experts, hidden_size, intermediate_size)
-        self.up_proj = StackedLinear(num_experts, hidden_size, intermediate_size)
-        self.down_proj = StackedLinear(num_experts, intermediate_size, hidden_size)
-        self.act = gated_fp32(act)
-
-    def __call__(self, x, idx, w):
-        """x [N, hidden], idx [N, k] ascending, w [N, k] fp32 -> [N, hidden]."""
-        xe = x[:, None, None, :]  # [N, 1, 1, hidden]: one row per (token, chosen expert)
-        h = self.act(self.gate_proj(xe, idx), self.up_proj(xe, idx))  # [N, k, 1, I]
-        out = self.down_proj(h, idx).squeeze(-2)  # [N, k, hidden]
-        parts = (out.astype(mx.float32) * w[..., None]).astype(x.dtype)  # each rounded, as index_add adds them
-        y = parts[:, 0]
-        for j in range(1, parts.shape[1]):
-            y = y + parts[:, j]
-        return y
-
-
 class MoE(nn.Module):
     """Router, routed experts and shared experts; one all_sum once sharded."""
 
@@ -332,7 +452,7 @@ class MoE(nn.Module):
         act = activation(args.hidden_act)
         I = args.moe_intermediate_size
         self.gate = MoEGate(args)
-        self.switch_mlp = SwitchGLU(args.hidden_size, I, args.n_routed_experts, act)
+        self.switch_mlp = SwitchGLU(args.hidden_size, I, args.n_routed_experts, gated_fp32(act))
         self.shared_experts = MLP(args.hidden_size, I * args.n_shared_experts, act)
         self.group = SINGLE  # the job's group once the experts are split (shard)
 
@@ -404,17 +524,41 @@ class _ArrayRef:
         return mx.concatenate([self.a[(slice(None),) * axis + (slice(s, e),)] for s, e in ranges], axis=axis)
 
 
+class _DequantizedRef:
+    """A quantized stack [H, out, in] (mlx-lm's quantized `embed_q` /
+    `unembed_out`: packed words, scales, biases) read as its dequantized
+    values, head ranges only (axis 0): kv_b_proj is rebuilt from them in the
+    float dtype, as no kv_b_proj is stored to quantize."""
+
+    def __init__(self, w, scales, biases, in_dims: int):
+        self.w, self.scales, self.biases = w, scales, biases
+        self.group_size = in_dims // scales.shape[-1]
+        self.bits = w.shape[-1] * 32 // in_dims
+        self.dtype = scales.dtype
+        self.shape = (*w.shape[:-1], in_dims)
+
+    def read(self, axis=None, ranges=None) -> mx.array:
+        assert axis in (None, 0), "read by heads only"
+        w, scales, biases = ((a.read(0, ranges) if axis == 0 else a.read()) if a is not None else None
+                             for a in (self.w, self.scales, self.biases))
+        return mx.dequantize(w, scales, biases, group_size=self.group_size, bits=self.bits)
+
+
 def _kv_b_proj(wk, wv):
-    """kv_b_proj.weight from mlx-lm's embed_q / unembed_out weights (None: names only)."""
+    """kv_b_proj.weight from mlx-lm's embed_q / unembed_out weights (None:
+    names only; either may be a _DequantizedRef)."""
     if wk is None:
         return None
-    if isinstance(wk, mx.array):
+    if isinstance(wk, mx.array) and isinstance(wv, mx.array):
         return _KvbRef(_ArrayRef(wk), _ArrayRef(wv)).read()
-    return _KvbRef(wk, wv)
+    ref = (lambda a: _ArrayRef(a) if isinstance(a, mx.array) else a)
+    return _KvbRef(ref(wk), ref(wv))
 
 
 class Model(CausalLM):
     pipeline_stages = True  # a DecoderStack of independent layers: runs in --pp stages (pipeline.py)
+    # what --kv-bits would quantize is read by this file's own matmuls, not attention.causal_attention
+    kv_bits_refused = "its MLA cache holds a latent that the absorbed decode multiplies itself"
 
     def __init__(self, args: ModelArgs):
         super().__init__(args, DeepseekV3Model(args))
@@ -423,6 +567,8 @@ class Model(CausalLM):
         a = self.args
         attn = (f", MLA {a.num_attention_heads} heads (q_lora {a.q_lora_rank}, kv_lora {a.kv_lora_rank}, "
                 f"nope/rope/v {a.qk_nope_head_dim}/{a.qk_rope_head_dim}/{a.v_head_dim})")
+        if a.indexed:
+            attn += f", indexer top-{a.index_topk} keys ({a.index_n_heads} heads x {a.index_head_dim})"
         moe = (f", moe {a.n_routed_experts} experts top-{a.num_experts_per_tok} "
                f"(groups {a.topk_group}/{a.n_group}) + {a.n_shared_experts} shared")
         return [line + attn + (moe if kind == SPARSE else ", dense mlp")
@@ -430,13 +576,27 @@ class Model(CausalLM):
 
     def sanitize(self, weights: dict) -> dict:
         """Drop MTP layers (N >= num_hidden_layers) and saved RoPE buffers;
-        rebuild kv_b_proj from mlx-lm's `embed_q` / `unembed_out` (unquantized);
+        rebuild kv_b_proj from mlx-lm's `embed_q` / `unembed_out` (quantized
+        ones dequantized: mlx-lm quantizes them when their input dims are whole
+        groups, e.g. kv_lora 512, so kv_b_proj is then a float Linear);
         stack per-expert `mlp.experts.N.<proj>.weight` into
         `mlp.switch_mlp.<proj>.weight` (lazily); the correction bias under
         either name (`mlp.gate.e_score_correction_bias` as the hub stores it,
         or `mlp.e_score_correction_bias`)."""
         n, E = self.args.num_hidden_layers, self.args.n_routed_experts
         out, experts = {}, {}
+        ins = {"embed_q": self.args.qk_nope_head_dim, "unembed_out": self.args.kv_lora_rank}
+
+        def split_weight(name):  # mlx-lm's embed_q / unembed_out, dequantized when stored quantized
+            w = weights.get(name)
+            base = name[: -len(".weight")]
+            if w is None or base + ".scales" not in weights:
+                return w
+            wrap = (lambda a: _ArrayRef(a) if isinstance(a, mx.array) else a)
+            biases = weights.get(base + ".biases")
+            return _DequantizedRef(wrap(w), wrap(weights[base + ".scales"]), None if biases is None else wrap(biases),
+                                   ins[base.rsplit(".", 1)[1]])
+
         for name, w in weights.items():
             parts = name.split(".")
             if name.endswith("rotary_emb.inv_freq") or (
@@ -444,11 +604,14 @@ class Model(CausalLM):
             ):
                 continue
             name = name.replace(".mlp.e_score_correction_bias", ".mlp.gate.e_score_correction_bias")
-            if name.endswith(".self_attn.unembed_out.weight") and name.replace("unembed_out", "embed_q") in weights:
-                continue  # joined with embed_q
-            base = name[: -len("embed_q.weight")]
-            if name.endswith(".self_attn.embed_q.weight") and base + "unembed_out.weight" in weights:
-                out[base + "kv_b_proj.weight"] = _kv_b_proj(w, weights.get(base + "unembed_out.weight"))
+            stem, _, leaf = name.rpartition(".")
+            if stem.endswith(".self_attn.unembed_out") and stem.replace("unembed_out", "embed_q") + ".weight" in weights:
+                continue  # joined with embed_q (its scales / biases too, dequantized)
+            if stem.endswith(".self_attn.embed_q") and stem.replace("embed_q", "unembed_out") + ".weight" in weights:
+                if leaf == "weight":
+                    base = stem[: -len("embed_q")]
+                    out[base + "kv_b_proj.weight"] = _kv_b_proj(split_weight(name),
+                                                                split_weight(base + "unembed_out.weight"))
                 continue
             head, sep, tail = name.partition(".mlp.experts.")
             e, _, rest = tail.partition(".")
@@ -467,7 +630,7 @@ class Model(CausalLM):
         for layer in self.layers:
             shard_latent_attention(layer.self_attn, group)
             if isinstance(layer.mlp, MoE):
-                shard_stacked_experts_any(layer.mlp.switch_mlp, group)
+                shard_switch_glu(layer.mlp.switch_mlp, group)
                 shard_expert_mlps([layer.mlp.shared_experts], group)
                 if not group.single:
                     layer.mlp.group = group

@@ -43,11 +43,12 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..blocks import MLP, Gemma4Attention, Gemma4Router, SplitGateExperts, gemma4_rope, gemma4_rope_params
+from ..blocks import MLP, Gemma4Attention, Gemma4Block, Gemma4Experts, Gemma4Router, gemma4_expert_name, \
+    gemma4_rope, gemma4_rope_params
 from ..cache import PrefixViewCache, make_layer_caches
 from ..errors import UserError
 from ..layers import RMSNormFP32Scale, activation, gated_fp32
-from ..shard import shard_attention, shard_fused_gate_up_experts, shard_mlp
+from ..shard import shard_attention, shard_mlp, shard_switch_glu
 from .base import FULL, SLIDING, BaseModelArgs, CausalLM, DecoderStack, derive_layer_types
 
 _DROP = ("model.encoder.vision_tower.", "model.encoder.embed_vision.")
@@ -153,41 +154,25 @@ class ModelArgs(BaseModelArgs):
                 raise UserError(f"diffusion_gemma gives {kind} layers different head shapes: unsupported")
         return heads
 
-class DecoderLayer(nn.Module):
+
+class DecoderLayer(Gemma4Block):
     """A Gemma 4 MoE layer (weights shared by encoder and decoder); the caller
     gives the layer scalar of the pass (encoder's or decoder's)."""
 
     def __init__(self, args: ModelArgs, i: int):
-        super().__init__()
         kind = args.layer_types[i]
         head_dim, kv_heads = args.layer_heads[i]
         eps, H = args.rms_norm_eps, args.hidden_size
-        self.self_attn = Gemma4Attention(
+        attn = Gemma4Attention(
             H, args.num_attention_heads, kv_heads, head_dim,
             window=args.sliding_window if kind == SLIDING else None,
             rope=gemma4_rope(args.rope[kind], head_dim), eps=eps, bias=args.attention_bias,
             k_eq_v=kind == FULL,  # transformers builds v_proj on sliding layers only
         )  # fmt: skip
         act = activation(args.hidden_activation)
-        self.mlp = MLP(H, args.intermediate_size, act)
-        for name in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-                     "post_feedforward_layernorm", "post_feedforward_layernorm_1", "post_feedforward_layernorm_2",
-                     "pre_feedforward_layernorm_2"):  # fmt: skip
-            setattr(self, name, RMSNormFP32Scale(H, eps))
-        self.layer_scalar = mx.ones((1,))
-        self.router = Gemma4Router(H, args.num_experts, args.top_k_experts, eps)
-        self.experts = SplitGateExperts(args.num_experts, H, args.moe_intermediate_size, act)
-
-    def __call__(self, x, mask=None, cache=None, scalar=None):
-        h = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), mask, cache))
-        m = self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm(h)))
-        B, L, D = h.shape
-        flat = h.reshape(B * L, D)  # [N, hidden]: the router reads the residual
-        idx, w = self.router(flat)
-        e = self.experts(self.pre_feedforward_layernorm_2(flat), idx, w).reshape(B, L, D)
-        h = h + self.post_feedforward_layernorm(m + self.post_feedforward_layernorm_2(e))
-        s = self.layer_scalar if scalar is None else scalar
-        return h * s.astype(h.dtype)
+        moe = (Gemma4Router(H, args.num_experts, args.top_k_experts, eps),
+               Gemma4Experts(args.num_experts, H, args.moe_intermediate_size, act))
+        super().__init__(attn, MLP(H, args.intermediate_size, act), H, lambda d: RMSNormFP32Scale(d, eps), moe)
 
 
 class SelfConditioning(nn.Module):
@@ -482,14 +467,16 @@ class Model(CausalLM):
                 continue
             if name.startswith(_ENCODER) and not name.endswith(".layer_scalar"):
                 continue
-            out[name] = w
+            out[gemma4_expert_name(name)] = w
         return super().sanitize(out)
 
     def shard(self, group):
         for layer in self.layers:
             shard_attention(layer.self_attn, group)
             shard_mlp(layer.mlp, group)
-            shard_fused_gate_up_experts(layer.experts, group)
+            shard_switch_glu(layer.experts, group)
+            if not group.single:
+                layer.experts.group = group
         self.shard_head(group)
 
     def collectives_per_token(self) -> dict:
@@ -500,5 +487,6 @@ class Model(CausalLM):
             ex = layer.experts
             if not ex.group.single:
                 calls += 1
-                nbytes += ex.down_proj.shape[1] * ex.down_proj.dtype.size
+                d = ex.down_proj
+                nbytes += d.weight.shape[1] * (d.scales if "scales" in d else d.weight).dtype.size
         return {**plan, "all_sum": (calls, nbytes)}

@@ -7,7 +7,7 @@ head_dim and n_kv_heads are the layer's own: full layers have theirs
 `per_layer_config`). Per-layer inputs (PLE) [B, L, num_layers, P].
 
 What is Gemma 4's own (blocks.Gemma4Attention, blocks.Gemma4Router,
-blocks.SplitGateExperts, blocks.ProportionalRoPE):
+blocks.Gemma4Experts, blocks.ProportionalRoPE):
 - RMSNorms scale by w (not 1 + w); attention scale 1 with q/k norms and a
   weightless norm on v; on full layers with `attention_k_eq_v` v is the raw
   k projection (before k_norm), v-normed;
@@ -28,7 +28,8 @@ blocks.SplitGateExperts, blocks.ProportionalRoPE):
 Tensor parallelism: attention heads and both MLP branches split as usual,
 each branch summed (all_sum) before its own post-norm: the dense MLP's
 down_proj and the experts' partial sums (experts split on their
-intermediate dimension, router replicated). PLE tables and projections,
+intermediate dimension, or whole experts per rank with `--moe-split experts`;
+router replicated). PLE tables and projections,
 norms and layer scalars are replicated.
 
 Pipeline stages (--pp): the first stage embeds and computes every layer's
@@ -44,10 +45,11 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..blocks import MLP, Gemma4Attention, Gemma4Router, SplitGateExperts, gemma4_rope, gemma4_rope_params
+from ..blocks import MLP, Gemma4Attention, Gemma4Block, Gemma4Experts, Gemma4Router, gemma4_expert_name, \
+    gemma4_rope, gemma4_rope_params
 from ..errors import UserError
 from ..layers import RMSNormFP32Scale, activation, gated_fp32
-from ..shard import shard_attention, shard_fused_gate_up_experts, shard_mlp
+from ..shard import shard_attention, shard_mlp, shard_switch_glu
 from .base import (FULL, SLIDING, BaseModelArgs, CausalLM, DecoderStack, derive_layer_types, receive_packed,
                    send_packed, shared_kv_caches)
 
@@ -165,9 +167,8 @@ class ModelArgs(BaseModelArgs):
         return self.kv_source[i] is not None
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(Gemma4Block):
     def __init__(self, args: ModelArgs, i: int):
-        super().__init__()
         kind = args.layer_types[i]
         head_dim, kv_heads = args.layer_heads[i]
         eps = args.rms_norm_eps
@@ -176,7 +177,7 @@ class DecoderLayer(nn.Module):
         def norm(d):
             return RMSNormFP32Scale(d, eps)
 
-        self.self_attn = Gemma4Attention(
+        attn = Gemma4Attention(
             H, args.num_attention_heads, kv_heads, head_dim,
             window=args.sliding_window if kind == SLIDING else None,
             rope=gemma4_rope(args.rope[kind], head_dim),
@@ -187,40 +188,24 @@ class DecoderLayer(nn.Module):
         )  # fmt: skip
         act = activation(args.hidden_activation)
         wide = 2 if args.use_double_wide_mlp and args.is_shared(i) else 1
-        self.mlp = MLP(H, args.intermediate_size * wide, act)
-        self.input_layernorm = norm(H)
-        self.post_attention_layernorm = norm(H)
-        self.pre_feedforward_layernorm = norm(H)
-        self.post_feedforward_layernorm = norm(H)
-        self.layer_scalar = mx.ones((1,))
+        moe = None
+        if args.enable_moe_block:
+            moe = (Gemma4Router(H, args.num_experts, args.top_k_experts, eps),
+                   Gemma4Experts(args.num_experts, H, args.moe_intermediate_size, act))
+        super().__init__(attn, MLP(H, args.intermediate_size * wide, act), H, norm, moe)
         P = args.hidden_size_per_layer_input
         if P:
             self.act = act
             self.per_layer_input_gate = nn.Linear(H, P, bias=False)
             self.per_layer_projection = nn.Linear(P, H, bias=False)
             self.post_per_layer_input_norm = norm(H)
-        if args.enable_moe_block:
-            self.router = Gemma4Router(H, args.num_experts, args.top_k_experts, eps)
-            self.experts = SplitGateExperts(args.num_experts, H, args.moe_intermediate_size, act)
-            self.post_feedforward_layernorm_1 = norm(H)
-            self.post_feedforward_layernorm_2 = norm(H)
-            self.pre_feedforward_layernorm_2 = norm(H)
 
     def __call__(self, x, mask=None, cache=None, per_layer_input=None):
-        h = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), mask, cache))
-        m = self.mlp(self.pre_feedforward_layernorm(h))
-        if "experts" in self:
-            m = self.post_feedforward_layernorm_1(m)
-            B, L, D = h.shape
-            flat = h.reshape(B * L, D)  # [N, hidden]: the router reads the residual, not a normed copy
-            idx, w = self.router(flat)
-            e = self.experts(self.pre_feedforward_layernorm_2(flat), idx, w).reshape(B, L, D)
-            m = m + self.post_feedforward_layernorm_2(e)
-        h = h + self.post_feedforward_layernorm(m)
+        h = self.finish(x, self.self_attn(self.input_layernorm(x), mask, cache))
         if per_layer_input is not None:
             g = gated_fp32(self.act)(self.per_layer_input_gate(h), per_layer_input)
             h = h + self.post_per_layer_input_norm(self.per_layer_projection(g))
-        return h * self.layer_scalar.astype(h.dtype)
+        return self.scaled(h)
 
 
 def _scale(x, s: float):
@@ -350,7 +335,7 @@ class Model(CausalLM):
                     break
             if name.rsplit(".", 1)[0] + "." in shared:
                 continue
-            out[name] = w
+            out[gemma4_expert_name(name)] = w
         return super().sanitize(out)
 
     def shard(self, group):
@@ -358,7 +343,9 @@ class Model(CausalLM):
             shard_attention(layer.self_attn, group)  # k = v and shared-KV layers lack k/v projections
             shard_mlp(layer.mlp, group)
             if "experts" in layer:
-                shard_fused_gate_up_experts(layer.experts, group)
+                shard_switch_glu(layer.experts, group)
+                if not group.single:
+                    layer.experts.group = group
         self.shard_head(group)
 
     def collectives_per_token(self) -> dict:
@@ -370,5 +357,6 @@ class Model(CausalLM):
             if "experts" in layer and not layer.experts.group.single:
                 ex = layer.experts
                 calls += 1
-                nbytes += ex.down_proj.shape[1] * ex.down_proj.dtype.size
+                d = ex.down_proj
+                nbytes += d.weight.shape[1] * (d.scales if "scales" in d else d.weight).dtype.size
         return {**plan, "all_sum": (calls, nbytes)}

@@ -39,7 +39,7 @@ from ..blocks import MLP, Attention, PreNormBlock
 from ..collectives import SINGLE
 from ..errors import UserError
 from ..experts import SwitchGLU, stack_expert_refs, use_grouped
-from ..layers import RMSNorm, activation
+from ..layers import RMSNorm, activation, gated_fp32
 from ..rope import RoPE
 from ..shard import shard_attention, shard_expert_mlps, shard_mlp, shard_switch_glu
 from .base import BaseModelArgs, CausalLM, DecoderStack, derive_layer_types, describe_layers
@@ -158,7 +158,8 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         act = activation(args.hidden_act)
         self.gate = Router(args)
-        self.switch_mlp = SwitchGLU(args.hidden_size, args.moe_intermediate_size, args.n_routed_experts, act)
+        self.switch_mlp = SwitchGLU(args.hidden_size, args.moe_intermediate_size, args.n_routed_experts,
+                                    gated_fp32(act))
         self.shared_experts = MLP(args.hidden_size, args.moe_intermediate_size * args.n_shared_experts, act)
         self.group = SINGLE  # the job's group once the experts are split (shard)
 

@@ -23,13 +23,14 @@ the hidden dtype, top-k logits, weights = sigmoid of them (fp32, rounded to
 the hidden dtype); each chosen expert runs on the token SCALED by its weight
 (the reference scales the input, not the output); experts stacked in the bmm
 layout (`experts.gate_up_proj` [E, hidden, 2I]: gate columns then up,
-`experts.down_proj` [E, I, hidden]; here swapped into `blocks.StackedLinear`
-modules, so they quantize as mlx-lm writes them), only the chosen experts
-run (mx.gather_mm / gather_qmm); plus `shared_expert` (SwiGLU, I) on every
-token.
+`experts.down_proj` [E, I, hidden]; here swapped into `experts.SwitchGLU`'s
+fused SwitchLinear modules, so they quantize as mlx-lm writes them), only the
+chosen experts run (mx.gather_mm / gather_qmm); plus `shared_expert`
+(SwiGLU, I) on every token.
 
 Tensor parallelism: heads split; dense MLPs by columns; routed and shared
-experts by their intermediate dimension (`shard_stacked_linear_experts`,
+experts by their intermediate dimension (`shard_switch_glu`, which also
+places whole routed experts per rank under `--moe-split experts`;
 `shard_expert_mlps`), the router replicated; a MoE block's
 routed + shared partial sums go through one all_sum.
 """
@@ -41,14 +42,15 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..blocks import MLP, Attention, StackedLinear
+from ..blocks import MLP, Attention
 from ..cache import CHUNKED, make_layer_caches
 from ..collectives import SINGLE
 from ..errors import UserError
+from ..experts import SwitchGLU
 from ..layers import RMSNorm, activation, gated_fp32
 from ..masks import layer_masks
 from ..rope import RoPE
-from ..shard import shard_attention, shard_expert_mlps, shard_mlp, shard_stacked_linear_experts
+from ..shard import shard_attention, shard_expert_mlps, shard_mlp, shard_switch_glu
 from ..weights import join, swap_last_axes
 from .base import FULL, BaseModelArgs, CausalLM, DecoderStack, single_rope_params
 
@@ -166,32 +168,6 @@ class Llama4Attention(Attention):
         return q, k
 
 
-class Experts(nn.Module):
-    """E gated experts, stacked in the Linear layout (`blocks.StackedLinear`,
-    quantizable): `gate_up_proj.weight` [E, 2I, hidden] (gate rows, then
-    up), `down_proj.weight` [E, hidden, I]; each token's k chosen experts
-    run on the token times its weight (tokens * k expert matmuls,
-    mx.gather_mm / gather_qmm). Under TP this rank holds slice [i0, i1) of
-    every expert's intermediate dimension and returns its partial sum (the
-    MoE block sums it with the shared expert's)."""
-
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, act):
-        super().__init__()
-        self.gate_up_proj = StackedLinear(num_experts, hidden_size, 2 * intermediate_size)
-        self.down_proj = StackedLinear(num_experts, intermediate_size, hidden_size)
-        self.act = act
-        self.group = SINGLE  # set by shard_stacked_linear_experts (the MoE block sums)
-
-    def __call__(self, x, indices, weights):
-        # x [N, hidden]; indices [N, k]; weights [N, k] in x's dtype
-        xe = (x[:, None, :] * weights[..., None])[:, :, None, :]  # [N, k, 1, hidden]: the scaled inputs
-        gu = self.gate_up_proj(xe, indices)  # [N, k, 1, 2I]
-        half = gu.shape[-1] // 2
-        h = gated_fp32(self.act)(gu[..., :half], gu[..., half:])  # [N, k, 1, I]
-        out = self.down_proj(h, indices).squeeze(-2)  # [N, k, hidden]
-        return out.sum(axis=1)  # the reference sums every expert's output (exact zeros off the k)
-
-
 class MoE(nn.Module):
     """Sigmoid top-k router, scaled-input experts and the shared expert; one
     all_sum of the routed + shared partial sums once sharded (`group`)."""
@@ -201,7 +177,9 @@ class MoE(nn.Module):
         act = activation(args.hidden_act)
         self.top_k = args.num_experts_per_tok
         self.router = nn.Linear(args.hidden_size, args.num_local_experts, bias=False)
-        self.experts = Experts(args.num_local_experts, args.hidden_size, args.intermediate_size, act)
+        # transformers' names (fused gate_up); the inputs scaled by the weights, outputs summed
+        self.experts = SwitchGLU(args.hidden_size, args.intermediate_size, args.num_local_experts, gated_fp32(act),
+                                 fused=True, combine="inputs")
         self.shared_expert = MLP(args.hidden_size, args.intermediate_size, act)
         self.group = SINGLE  # Model.shard: the group that sums the partial outputs
 
@@ -316,7 +294,7 @@ class Model(CausalLM):
             shard_attention(layer.self_attn, group)
             if layer.is_moe:
                 ff = layer.feed_forward
-                shard_stacked_linear_experts(ff.experts, group)
+                shard_switch_glu(ff.experts, group)
                 shard_expert_mlps([ff.shared_expert], group)
                 if not group.single:
                     ff.group = group

@@ -15,8 +15,9 @@ causal attention (no sliding or other layer kinds in transformers' model).
   only to CHOOSE the top-k, weights = the chosen unbiased scores / their sum;
   experts stacked as transformers saves them (`mlp.experts.gate_up_proj`
   [E, 2I, hidden]: gate rows then up rows, `down_proj` [E, hidden, I]; here
-  `blocks.StackedLinear` modules, `.weight`, so they quantize), only the
-  chosen experts run (mx.gather_mm, or mx.gather_qmm quantized).
+  `experts.SwitchGLU`'s fused SwitchLinear modules, `.weight`, so they
+  quantize), only the chosen experts run (mx.gather_mm, or mx.gather_qmm
+  quantized).
 
 Weight layouts read (`sanitize`, renames and lazy stacking views: a rank still
 reads only its slices): transformers 5.24's (above); the hub's
@@ -33,9 +34,9 @@ the norm weights are sliced with their heads (`shard_head_vector`). That is
 cheaper than a replicated q/k projection: 8 bytes per token per layer on the
 wire instead of every rank reading all of q_proj and k_proj (for MiniMax-M2
 ~22M weights per layer, (n-1)/n of them extra per rank and token). Experts
-split by their intermediate dimension (`shard_stacked_linear_experts`;
-quantized down_proj at whole groups), the router replicated; one all_sum per
-MoE block.
+split by their intermediate dimension (quantized down_proj at whole groups)
+or as whole experts per rank (`--moe-split`, `shard_switch_glu`), the router
+replicated; one all_sum per MoE block.
 """
 
 from __future__ import annotations
@@ -45,9 +46,10 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..blocks import Attention, StackedLinear
+from ..blocks import Attention
 from ..collectives import SINGLE
 from ..errors import UserError
+from ..experts import SwitchGLU
 from ..layers import RMSNorm, activation, gated_fp32
 from ..rope import RoPE
 from ..shard import (
@@ -55,7 +57,7 @@ from ..shard import (
     rank_heads,
     shard_attention,
     shard_head_vector,
-    shard_stacked_linear_experts,
+    shard_switch_glu,
     slot_ranges,
 )
 from ..weights import join
@@ -167,37 +169,11 @@ class MiniMaxM2Attention(Attention):
         return q, k, v
 
 
-class Experts(nn.Module):
-    """E gated experts, stacked (`blocks.StackedLinear`, quantizable):
-    `gate_up_proj.weight` [E, 2I, hidden] (gate rows, then up rows),
-    `down_proj.weight` [E, hidden, I]; out = sum_k w_k * down_e(act(gate_e x)
-    * up_e x) over each token's k experts (tokens * k expert matmuls, never
-    tokens * E). Under TP (`shard.shard_stacked_linear_experts`) this rank
-    holds slice [i0, i1) of every expert's intermediate dimension; the
-    partial sums are summed over `group` (one all_sum per block)."""
-
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, act):
-        super().__init__()
-        self.gate_up_proj = StackedLinear(num_experts, hidden_size, 2 * intermediate_size)
-        self.down_proj = StackedLinear(num_experts, intermediate_size, hidden_size)
-        self.act = act
-        self.group = SINGLE
-
-    def __call__(self, x, indices, weights):
-        # x [N, hidden]; indices [N, k]; weights [N, k] (float32)
-        xe = x[:, None, None, :]  # [N, 1, 1, hidden]: one row per (token, chosen expert)
-        gu = self.gate_up_proj(xe, indices)  # [N, k, 1, 2I]
-        half = gu.shape[-1] // 2
-        h = gated_fp32(self.act)(gu[..., :half], gu[..., half:])  # [N, k, 1, I]
-        out = self.down_proj(h, indices).squeeze(-2)  # [N, k, hidden]
-        # weights are float32: the product rounds once to the hidden dtype (torch's promotion)
-        y = (out.astype(mx.float32) * weights[..., None]).astype(out.dtype).sum(axis=1)  # [N, hidden]
-        return self.group.all_sum(y)
-
-
 class SparseMoeBlock(nn.Module):
     """Sigmoid top-k router with a choice-only correction bias over stacked
-    experts; the experts' all_sum (once sharded) is the block's only one."""
+    experts (`experts.SwitchGLU`, fused gate_up: transformers' names; each
+    fp32-weighted output rounded, summed in routed order); one all_sum once
+    sharded."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -205,7 +181,9 @@ class SparseMoeBlock(nn.Module):
         self.top_k = args.num_experts_per_tok
         self.gate = nn.Linear(args.hidden_size, E, bias=False)
         self.e_score_correction_bias = mx.zeros((E,))
-        self.experts = Experts(E, args.hidden_size, args.intermediate_size, activation(args.hidden_act))
+        self.experts = SwitchGLU(args.hidden_size, args.intermediate_size, E, gated_fp32(activation(args.hidden_act)),
+                                 fused=True, combine="sum")
+        self.group = SINGLE  # the job's group once the experts are split (shard)
 
     def route(self, x):
         """x [N, hidden] -> (indices [N, k], weights [N, k] fp32)."""
@@ -220,7 +198,7 @@ class SparseMoeBlock(nn.Module):
         B, L, D = x.shape
         flat = x.reshape(B * L, D)  # [N, hidden]
         idx, w = self.route(flat)
-        return self.experts(flat, idx, w).reshape(B, L, D)
+        return self.group.all_sum(self.experts(flat, idx, w)).reshape(B, L, D)  # this rank's slice or experts
 
 
 class DecoderLayer(nn.Module):
@@ -278,7 +256,7 @@ class Model(CausalLM):
         for name, w in weights.items():
             name = name.replace(".block_sparse_moe.", ".mlp.")
             if name.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")):
-                out[name + ".weight"] = w  # transformers' tensor, our StackedLinear
+                out[name + ".weight"] = w  # transformers' tensor, our fused SwitchLinear
                 continue
             if ".mlp.experts." in name and name.endswith((".w1.weight", ".w2.weight", ".w3.weight")):
                 head, rest = name.split(".mlp.experts.", 1)
@@ -320,8 +298,9 @@ class Model(CausalLM):
     def shard(self, group):
         for layer in self.layers:
             shard_attention(layer.self_attn, group)
-            shard_stacked_linear_experts(layer.mlp.experts, group)
+            shard_switch_glu(layer.mlp.experts, group)
             if not group.single:
+                layer.mlp.group = group
                 self._shard_whole_norm(layer.self_attn, group)
         self.shard_head(group)
 
@@ -354,9 +333,8 @@ class Model(CausalLM):
         for layer in self.layers:
             if not layer.self_attn.norm_group.single:
                 calls, nbytes = calls + 1, nbytes + 2 * 4
-            ex = layer.mlp.experts
-            if not ex.group.single:
-                d = ex.down_proj
+            if not layer.mlp.group.single:
+                d = layer.mlp.experts.down_proj
                 dt = (d.scales if "scales" in d else d.weight).dtype
                 calls, nbytes = calls + 1, nbytes + self.args.hidden_size * dt.size
         return {**plan, "all_sum": (calls, nbytes)}

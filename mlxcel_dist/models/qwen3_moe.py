@@ -30,7 +30,7 @@ from ..blocks import MLP, Attention, PreNormBlock
 from ..collectives import SINGLE
 from ..errors import UserError
 from ..experts import SwitchGLU, stack_expert_refs, use_grouped
-from ..layers import RMSNorm, activation
+from ..layers import RMSNorm, activation, gated_fp32
 from ..rope import RoPE
 from ..shard import shard_attention, shard_mlp, shard_switch_glu
 from .base import FULL, SLIDING, BaseModelArgs, CausalLM, DecoderStack, derive_layer_types, describe_layers, \
@@ -102,7 +102,7 @@ class SparseMoeBlock(nn.Module):
         self.top_k, self.norm_topk_prob = args.num_experts_per_tok, args.norm_topk_prob
         self.gate = nn.Linear(args.hidden_size, args.num_experts, bias=False)
         self.switch_mlp = SwitchGLU(args.hidden_size, args.moe_intermediate_size, args.num_experts,
-                                    activation(args.hidden_act))
+                                    gated_fp32(activation(args.hidden_act)))
         self.group = SINGLE  # the job's group once the experts are split (shard)
 
     def route(self, x):

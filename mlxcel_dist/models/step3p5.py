@@ -46,6 +46,7 @@ from ..attention import causal_attention
 from ..blocks import Attention
 from ..collectives import SINGLE
 from ..errors import UserError
+from ..experts import SwitchGLU
 from ..layers import GemmaRMSNorm
 from ..rope import RoPE
 from ..shard import (
@@ -54,7 +55,7 @@ from ..shard import (
     shard_expert_mlps,
     shard_head_vector,
     shard_mlp,
-    shard_stacked_experts,
+    shard_switch_glu,
 )
 from .base import FULL, SLIDING, BaseModelArgs, CausalLM, DecoderStack, derive_layer_types, describe_layers
 
@@ -267,46 +268,23 @@ class ClampedMLP(nn.Module):
         return self.down_proj(clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
 
 
-def gather_mm(x: mx.array, w: mx.array, indices: mx.array) -> mx.array:
-    """x [..., 1, K] @ w[indices].T for stacked w [E, M, K] -> [..., 1, M].
-    MLX's CPU gather_mm is float32-only: half inputs are multiplied in fp32 and
-    rounded once (as a half matmul with fp32 accumulation)."""
-    wt = w.swapaxes(-1, -2)  # [E, K, M]
-    if x.dtype == mx.float32 or mx.default_device() == mx.gpu:
-        return mx.gather_mm(x, wt, rhs_indices=indices)
-    x32 = x.astype(mx.float32)
-    if indices.size < w.shape[0]:
-        return (x32 @ wt[indices].astype(mx.float32)).astype(x.dtype)
-    return mx.gather_mm(x32, wt.astype(mx.float32), rhs_indices=indices).astype(x.dtype)
-
-
-class Stacked(nn.Module):
-    """One projection of every expert, stacked: weight [E, out, in] (the hub
-    checkpoint's `moe.{gate,up,down}_proj.weight`)."""
-
-    def __init__(self, num_experts: int, out_dims: int, in_dims: int):
-        super().__init__()
-        self.weight = mx.zeros((num_experts, out_dims, in_dims))
-
-
-class MoE(nn.Module):
-    """Sigmoid-routed top-k experts plus the shared expert (`share_expert`, a
-    sibling of this module in the layer). Under TP every expert holds an
-    intermediate slice (`shard.shard_stacked_experts`, `shard.shard_expert_mlps`); the layer sums the routed
-    and shared partial outputs in one all_sum (`group`)."""
+class MoE(SwitchGLU):
+    """Sigmoid-routed top-k experts (`experts.SwitchGLU`'s stacks, the hub's
+    names `moe.{gate,up,down}_proj.weight`; each fp32-weighted output rounded,
+    summed in routed order, then scaled) beside the shared expert
+    (`share_expert`, a sibling of this module in the layer). Under TP every
+    expert holds an intermediate slice, or this rank whole experts
+    (`shard.shard_switch_glu`); the layer sums the routed and shared partial
+    outputs in one all_sum (`group`)."""
 
     def __init__(self, args: ModelArgs, limit: float | None):
-        super().__init__()
         E, H, I = args.n_routed_experts, args.hidden_size, args.moe_intermediate_size
+        super().__init__(H, I, E, lambda g, u: clamped_swiglu(g, u, limit), combine="sum")
         self.top_k = args.num_experts_per_tok
         self.scale = args.moe_router_scaling_factor
         self.limit = limit
         self.gate = nn.Linear(H, E, bias=False)
         self.router_bias = mx.zeros((E,))
-        self.gate_proj = Stacked(E, I, H)
-        self.up_proj = Stacked(E, I, H)
-        self.down_proj = Stacked(E, H, I)
-        self.expert_range = None  # --moe-split experts: the whole experts [e0, e1) this rank holds
 
     def route(self, x):
         """x [N, hidden] -> (indices [N, k], weights [N, k] fp32)."""
@@ -319,19 +297,7 @@ class MoE(nn.Module):
 
     def __call__(self, x):
         """x [N, hidden] -> this rank's partial routed output [N, hidden], scaled."""
-        idx, w = self.route(x)
-        if self.expert_range is not None:
-            e0, e1 = self.expert_range
-            w = mx.where((idx >= e0) & (idx < e1), w, mx.zeros_like(w))  # another rank's expert: 0 here
-            idx = mx.clip(idx - e0, 0, e1 - e0 - 1)
-        xe = x[:, None, None, :]  # [N, 1, 1, hidden]: one row per (token, chosen expert)
-        g = gather_mm(xe, self.gate_proj.weight, idx)  # [N, k, 1, I]
-        u = gather_mm(xe, self.up_proj.weight, idx)
-        h = clamped_swiglu(g, u, self.limit)
-        out = gather_mm(h, self.down_proj.weight, idx).squeeze(-2)  # [N, k, hidden]
-        # transformers: expert output (x dtype) * fp32 weight, summed in x's dtype, then scaled.
-        y = (out.astype(mx.float32) * w[..., None]).astype(x.dtype).sum(axis=1)  # [N, hidden]
-        return y * self.scale
+        return super().__call__(x, *self.route(x)) * self.scale
 
 
 class GatedAttention(Attention):
@@ -498,7 +464,7 @@ class Model(CausalLM):
                     if attn.g_proj.get(p) is not None:
                         shard_head_vector(attn.g_proj, p, (q0, q1), 1)
             if layer.sparse:
-                shard_stacked_experts(layer.moe, group)
+                shard_switch_glu(layer.moe, group)
                 shard_expert_mlps([layer.share_expert], group)
                 if not group.single:
                     layer.group = group

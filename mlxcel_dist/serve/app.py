@@ -6,21 +6,23 @@ the scheduler as a Job whose events come back through an asyncio queue."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import threading
 import time
 import traceback
 import uuid
 from dataclasses import dataclass
+from importlib import resources
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from . import openai_api as api
-from . import tools
+from . import reasoning, tools
 from . import responses as rs
 from .log import log
 from .scheduler import SHUTDOWN_MESSAGE, Done, Failed, Job, Scheduler, Text, Token
@@ -40,6 +42,7 @@ class AppState:
     health: object  # lifecycle.Health: .status() -> (ok, reason)
     max_request_bytes: int = 1_000_000
     created: int = 0
+    cluster: object = None  # () -> dict: GET /v1/cluster (lifecycle's view of the job); None: not served
 
 
 def _error(e: "api.ApiError", request: Request | None = None) -> JSONResponse:
@@ -138,6 +141,16 @@ def make_app(state: AppState) -> FastAPI:
     def model_card(name: str) -> dict:
         return {"id": name, "object": "model", "created": state.created, "owned_by": "mlxcel-dist"}
 
+    @app.get("/", include_in_schema=False)
+    async def page():
+        return HTMLResponse(_page())
+
+    @app.get("/v1/cluster")
+    async def cluster():
+        if state.cluster is None:
+            return _error(api.ApiError("no cluster view in this app", status=404, type="not_found_error"))
+        return await run_in_threadpool(state.cluster)
+
     @app.get("/metrics")
     async def metrics():
         return Response(sched.metrics.render(sched.active, sched.waiting),
@@ -167,7 +180,7 @@ def make_app(state: AppState) -> FastAPI:
         except api.ApiError as e:
             return _error(e, request)
         events: asyncio.Queue = asyncio.Queue()
-        job = Job(p.req, lambda ev: mail.post(events, ev))
+        job = Job(p.req, lambda ev: mail.post(events, ev), p.n, p.keep_special)
         if not sched.submit(job):
             return _error(api.ApiError(SHUTDOWN_MESSAGE, status=503), request)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
@@ -188,6 +201,12 @@ def make_app(state: AppState) -> FastAPI:
             app.add_api_route(path, endpoint, methods=["POST"], openapi_extra=extra, include_in_schema=i == 0,
                               name=("chat" if chat else "completion") + ("" if i == 0 else "_bare"))
     return app
+
+
+@functools.cache
+def _page() -> str:
+    """The server's own page (package data: no network needed)."""
+    return resources.files(__package__).joinpath("page.html").read_text(encoding="utf-8")
 
 
 class _Events:
@@ -214,7 +233,9 @@ class _Events:
 
 
 async def _whole(state: AppState, request: Request, job: Job, events: asyncio.Queue, p, rid: str) -> Response:
-    parts, entries = [], []
+    parts = [[] for _ in range(p.n)]
+    entries = [[] for _ in range(p.n)]
+    done: dict = {}
     feed = _Events(request, events)
     try:
         while True:
@@ -222,41 +243,72 @@ async def _whole(state: AppState, request: Request, job: Job, events: asyncio.Qu
             if ev is None:
                 return Response(status_code=499)
             if isinstance(ev, Token):
-                entries.append((ev.id, ev.logprob))
+                entries[ev.index].append((ev.id, ev.logprob))
             elif isinstance(ev, Text):
-                parts.append(ev.text)
+                parts[ev.index].append(ev.text)
             elif isinstance(ev, Failed):
                 return _error(api.ApiError(ev.message, status=ev.status), request)
             elif isinstance(ev, Done):
-                return JSONResponse(rs.whole_response(p, rid, int(time.time()), "".join(parts), ev.finish_reason,
-                                                       ev.prompt_tokens, ev.completion_tokens, entries, state.pieces))
+                done[ev.index] = ev
+                if len(done) < p.n:
+                    continue
+                choices = [rs.whole_choice(p, i, "".join(parts[i]), done[i].finish_reason, entries[i], state.pieces)
+                           for i in range(p.n)]
+                return JSONResponse(rs.whole_response(p, rid, int(time.time()), choices, ev.prompt_tokens,
+                                                      sum(d.completion_tokens for d in done.values())))
     finally:  # answered, or the client went away: an open job's row is freed
         state.scheduler.cancel(job)
 
 
+class _StreamChoice:
+    """One choice of a stream: its tokens whose logprobs ride on the next
+    text chunk, the reasoning splitter (thinking apart from content) and the
+    tool-call parser holding content that may be a call."""
+
+    def __init__(self, p):
+        self.pending, self.offset, self.completion_tokens = [], 0, 0
+        self.calls = tools.StreamParser(p.tool_format, p.tools) if p.tool_format is not None else None
+        self.think = reasoning.Splitter(p.reasoning, p.thinking) if p.reasoning is not None else None
+
+    def deltas(self, text: str, chat: bool, end: bool = False) -> list:
+        """The deltas (chat) or texts (completions) for `text`; `end`: the
+        answer is over (what the parsers held is let out)."""
+        out = []
+        if self.think is None:
+            thought, content = "", text
+        else:
+            thought, content = self.think.finish() if end else self.think.feed(text)
+        if thought:
+            out.append({"reasoning_content": thought, "reasoning": thought})
+        if self.calls is not None:
+            content = self.calls.feed(content)
+        if content:
+            out.append({"content": content} if chat else content)
+        return out
+
+
 async def _stream(state: AppState, request: Request, job: Job, events: asyncio.Queue, p, rid: str):
     created = int(time.time())
-    pending, offset = [], 0  # tokens whose logprobs ride on the next text chunk
+    choices = [_StreamChoice(p) for _ in range(p.n)]
+    left = p.n
     feed = _Events(request, events)
 
     def sse(obj) -> str:
         return "data: " + json.dumps(obj) + "\n\n"
 
-    def chunk(delta_or_text, finish=None) -> str:
-        nonlocal offset
-        lp = None
-        if p.req.logprobs is not None and pending:
+    def chunk(i, delta_or_text, finish=None) -> str:
+        c, lp = choices[i], None
+        if p.req.logprobs is not None and c.pending:
             if p.chat:
-                lp = rs.chat_logprobs(state.pieces, pending)
+                lp = rs.chat_logprobs(state.pieces, c.pending)
             else:
-                lp, offset = rs.completion_logprobs(state.pieces, pending, offset)
-            pending.clear()
-        return sse(rs.stream_chunk(p, rid, created, delta_or_text, finish, lp))
+                lp, c.offset = rs.completion_logprobs(state.pieces, c.pending, c.offset)
+            c.pending.clear()
+        return sse(rs.stream_chunk(p, rid, created, delta_or_text, finish, lp, i))
 
-    calls = tools.StreamParser(p.tool_format) if p.tool_format is not None else None
     try:
         if p.chat:
-            yield chunk({"role": "assistant", "content": ""})
+            yield "".join(chunk(i, {"role": "assistant", "content": ""}) for i in range(p.n))
         ended = False
         while not ended:
             ev = await feed.next()
@@ -265,28 +317,33 @@ async def _stream(state: AppState, request: Request, job: Job, events: asyncio.Q
             out = []
             while ev is not None:  # what has queued up meanwhile goes out in one write
                 if isinstance(ev, Token):
-                    pending.append((ev.id, ev.logprob))
+                    choices[ev.index].pending.append((ev.id, ev.logprob))
                 elif isinstance(ev, Text):
-                    text = calls.feed(ev.text) if calls is not None else ev.text
-                    if text:
-                        out.append(chunk({"content": text} if p.chat else text))
+                    out += [chunk(ev.index, d) for d in choices[ev.index].deltas(ev.text, p.chat)]
                 elif isinstance(ev, Failed):
                     out.append(sse(rs.stream_error(ev.message, ev.status)))
                     ended = True
                     break
                 elif isinstance(ev, Done):
-                    finish = rs.FINISH.get(ev.finish_reason, "stop")
+                    i, finish = ev.index, rs.FINISH.get(ev.finish_reason, "stop")
+                    calls = choices[i].calls
+                    if choices[i].think is not None:
+                        out += [chunk(i, d) for d in choices[i].deltas("", p.chat, end=True)]
                     if calls is not None:  # the held text: content, or the calls (OpenAI's deltas)
                         rest, found = calls.finish()
                         if rest:
-                            out.append(chunk({"content": rest}))
-                        out += [chunk(delta) for delta in rs.tool_call_deltas(found)]
+                            out.append(chunk(i, {"content": rest}))
+                        out += [chunk(i, delta) for delta in rs.tool_call_deltas(found)]
                         finish = "tool_calls" if found and finish == "stop" else finish
-                    out.append(chunk({} if p.chat else "", finish))
-                    if p.include_usage:
-                        out.append(sse(rs.usage_chunk(p, rid, created, ev.prompt_tokens, ev.completion_tokens)))
-                    ended = True
-                    break
+                    out.append(chunk(i, {} if p.chat else "", finish))
+                    choices[i].completion_tokens = ev.completion_tokens
+                    left -= 1
+                    if left == 0:
+                        if p.include_usage:
+                            out.append(sse(rs.usage_chunk(p, rid, created, ev.prompt_tokens,
+                                                          sum(c.completion_tokens for c in choices))))
+                        ended = True
+                        break
                 ev = events.get_nowait() if not events.empty() else None
             if ended:
                 out.append("data: [DONE]\n\n")

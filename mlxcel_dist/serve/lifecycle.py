@@ -45,7 +45,7 @@ STUCK_LATE_S = 1.0
 # and prompt shapes for as long as it runs, and the throw would end it with
 # every open request. The CUDA graph LRU at 2000: on one H200 host serve
 # --warmup's steady decode was 30-40% slower at 400 and not at 2000
-# (docs/benchmarks.md). A value the user sets wins. MLX reads them at its
+# (docs/benchmarks-log.md). A value the user sets wins. MLX reads them at its
 # first GPU evaluation, so the serve command sets them before anything else.
 LONG_LIVED_ENV = {"MLX_ENABLE_CACHE_THRASHING_CHECK": "0", "MLX_CUDA_GRAPH_CACHE_SIZE": "2000"}
 
@@ -89,6 +89,7 @@ class Options:
     served_names: list = field(default_factory=list)  # vLLM's --served-model-name: the first is the id shown
     header_timeout_s: float = HEADER_TIMEOUT_S
     tool_call_parser: str | None = None  # --tool-call-parser (serve.tools.FORMATS); None: from the chat template
+    reasoning_parser: str | None = None  # --reasoning-parser (serve.reasoning.FORMATS or "none"); None: from it too
 
 
 def batchable(model) -> bool:
@@ -97,21 +98,42 @@ def batchable(model) -> bool:
     return not callable(getattr(model, "generate_ids", None))
 
 
-def make_engine(model, group, opts: Options, eos_ids):
+def make_engine(model, group, opts: Options, eos_ids, tokenizer_json=None):
+    """`tokenizer_json`: the tokenizer.json constrained rows' grammars match
+    against (grammar.Vocab, built at the first such request)."""
     if not batchable(model):
         return OneRowEngine(model, group, eos_ids)
     from ..batch import BatchEngine
+    from ..engine import vocab_size
+    from ..grammar import Vocab
     from ..prompt_cache import DEFAULT_MAX_BYTES, PromptCache
 
     size, limit = opts.prompt_cache_size, opts.prompt_cache_bytes
     pc = PromptCache(size, DEFAULT_MAX_BYTES if limit is None else limit) if size else None
-    return BatchEngine(model, opts.prefill_step, prompt_cache=pc, micro=opts.micro_batches)
+    vocab = Vocab(tokenizer_json, vocab_size(model), eos_ids) if tokenizer_json else None
+    return BatchEngine(model, opts.prefill_step, prompt_cache=pc, micro=opts.micro_batches, vocab=vocab)
+
+
+def memory() -> dict:
+    """This process's memory: MLX's active and peak bytes, the resident set."""
+    import mlx.core as mx
+
+    rss = None
+    try:
+        with open("/proc/self/statm") as f:
+            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):  # no /proc (macOS): the peak resident set
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        rss = peak if os.uname().sysname == "Darwin" else peak * 1024
+    return {"active": int(mx.get_active_memory()), "peak": int(mx.get_peak_memory()), "rss": rss}
 
 
 class Beats:
     """Every rank's heartbeat to rank 0 (UDP, beside the host channel), so
     rank 0's /health knows a silent rank (stopped, or dead before the
-    launcher has noticed). Built by every rank at the same point."""
+    launcher has noticed); each beat also carries the rank's host and
+    memory (`memory()`), for GET /v1/cluster. Built by every rank at the same
+    point."""
 
     def __init__(self, monitor=None):
         self.monitor = monitor
@@ -129,19 +151,36 @@ class Beats:
             return cls(monitor)
         port, token = bytes(group.broadcast(None, (64,)).astype(np.uint8)).decode().split()
         addr = (link.channel.root_address(), int(port))
-        message = f"{token} {group.rank()} {os.getpid()}".encode()
+        head = f"{token} {group.rank()} {os.getpid()} {socket.gethostname().split()[0][:64] or '-'}"
 
         def beat():
             with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
                 while True:
+                    m = memory()
+                    message = f"{head} {m['active']} {m['peak']} {m['rss'] if m['rss'] is not None else -1}"
                     try:
-                        s.sendto(message, addr)
+                        s.sendto(message.encode(), addr)
                     except OSError:
                         pass
                     time.sleep(BEAT_S)
 
         threading.Thread(target=beat, name="serve-heartbeat", daemon=True).start()
         return cls()
+
+    def ranks(self) -> dict:
+        """rank -> what its last beat said: host, memory, seconds since (followers only)."""
+        if self.monitor is None:
+            return {}
+        out, now = {}, time.monotonic()
+        for rank, info in list(self.monitor.info.items()):
+            try:
+                active, peak, rss = (int(x) for x in info[1:4])
+            except (ValueError, IndexError):
+                continue
+            out[rank] = {"host": info[0], "pid": self.monitor.pids.get(rank),
+                         "memory": {"active": active, "peak": peak, "rss": None if rss < 0 else rss},
+                         "last_seen_s": round(now - self.monitor.last.get(rank, now), 2)}
+        return out
 
     def silent(self, n_ranks: int) -> tuple[int, float] | None:
         if self.monitor is None:
@@ -183,7 +222,13 @@ def run(model, tok, group, opts: Options, sock: socket.socket | None = None, con
     """Every rank: set up at the same points, then serve (rank 0) or follow."""
     from ..engine import RankAgreement
 
-    engine = make_engine(model, group, opts, tok.eos_ids)
+    engine = make_engine(model, group, opts, tok.eos_ids, tok.model_dir / "tokenizer.json")
+    vocab = getattr(engine, "vocab", None)
+    if vocab is not None and vocab.available():
+        # llguidance's view of the vocabulary takes seconds for 150k tokens: built before the
+        # first constrained request needs it (that request's step would wait for it)
+        threading.Thread(target=_build_vocab, args=(vocab, group.is_root), name="serve-grammar-vocab",
+                         daemon=True).start()
     link = Link.open(group)
     if link.channel is None and not group.single and group.is_root:
         log("no host channel to every rank (TCP to rank 0 refused or unreachable): step control goes through "
@@ -207,6 +252,25 @@ def run(model, tok, group, opts: Options, sock: socket.socket | None = None, con
     _serve(model, tok, group, opts, sock, config, engine, link, beats, guard)
 
 
+def _build_vocab(vocab, root: bool) -> None:
+    try:
+        vocab.tokenizer()
+    except Exception as e:  # noqa: BLE001 - reported; a constrained request then fails with it (500)
+        if root:
+            log(f"constrained decoding unavailable: llguidance cannot read {vocab.path}: {type(e).__name__}: {e}")
+
+
+def _grammar_refusal(one_row: bool) -> str | None:
+    """Why this server cannot constrain decoding (None: it can)."""
+    from .. import grammar
+
+    if one_row:
+        return "this model runs its own generation loop"
+    if not grammar.available():
+        return f"llguidance is not installed ({grammar.INSTALL_HINT})"
+    return None
+
+
 def _serve(model, tok, group, opts, sock, config, engine, link, beats, guard) -> None:
     import uvicorn
 
@@ -221,10 +285,14 @@ def _serve(model, tok, group, opts, sock, config, engine, link, beats, guard) ->
     ctx = api.ParseContext(tokenizer=tok, vocab_size=model.args.vocab_size, model_ids=tuple(opts.served_names),
                            max_tokens_cap=opts.max_tokens_cap, context_length=api.context_limit(config),
                            defaults=opts.defaults or api.Defaults(), plain_chat=api.no_chat_template(tok),
-                           logprobs_ok=not one_row, ignore_eos_ok=not one_row,
-                           tool_format=_tool_format(tok, opts.tool_call_parser))
+                           logprobs_ok=not one_row, ignore_eos_ok=not one_row, grammar_refusal=_grammar_refusal(one_row),
+                           max_n=1 if one_row else min(api.MAX_N, opts.decode_concurrency),
+                           **_template_formats(tok, opts.tool_call_parser, opts.reasoning_parser))
     health = Health(sched, beats, group.size())
-    state = AppState(sched, ctx, rs.TokenPieces(tok), health, opts.max_request_bytes, int(time.time()))
+    stage = getattr(getattr(model, "model", None), "stage", None)
+    state = AppState(sched, ctx, rs.TokenPieces(tok), health, opts.max_request_bytes, int(time.time()),
+                     cluster=_cluster_status(sched, engine, group, link, beats, health, ctx.model_ids[0],
+                                             stage.P if stage is not None else 1, opts.decode_concurrency))
     _raise_fd_limit()
     _route_uvicorn_logs()
     server = uvicorn.Server(uvicorn.Config(
@@ -255,6 +323,35 @@ def _serve(model, tok, group, opts, sock, config, engine, link, beats, guard) ->
         for sig, old in saved.items():
             signal.signal(sig, old)
         log("stopped")
+
+
+def _cluster_status(sched, engine, group, link, beats, health, model: str, pp: int, capacity: int):
+    """GET /v1/cluster's answer, built when asked: what rank 0 knows of the job
+    (its scheduler and metrics, its own memory, the other ranks' from their
+    heartbeats: none without the host channel)."""
+    from ..distributed import ENV_BACKEND
+
+    started, host = time.monotonic(), socket.gethostname()
+
+    def status() -> dict:
+        ok, reason = health.status()
+        heard = beats.ranks()
+        ranks = [{"rank": 0, "host": host, "pid": os.getpid(), "memory": memory(), "last_seen_s": 0.0}]
+        for r in range(1, group.size()):
+            ranks.append({"rank": r, **heard.get(r, {"host": None, "pid": None, "memory": None,
+                                                      "last_seen_s": None})})
+        m = sched.metrics
+        return {"model": model, "backend": os.environ.get(ENV_BACKEND) or ("single" if group.single else None),
+                "np": group.size(), "pp": pp, "host_channel": link.channel is not None,
+                "health": {"ok": ok, "reason": reason or None}, "uptime_s": round(time.monotonic() - started, 1),
+                "ranks": ranks,
+                "rows": {"active": sched.active, "waiting": sched.waiting, "capacity": capacity},
+                "tokens_per_s": m.rate(),
+                "tokens": {"prompt": m.prompt_tokens, "prefilled": getattr(engine, "prefilled", None),
+                           "generated": m.generation_tokens},
+                "requests": dict(m.finished)}
+
+    return status
 
 
 def _loop(sched, engine, link, guard) -> None:
@@ -354,17 +451,31 @@ def _route_uvicorn_logs() -> None:
         lg.propagate = False
 
 
-def _tool_format(tok, parser: str | None) -> str | None:
-    """--tool-call-parser, else the format the chat template writes (None: no tools)."""
-    from . import tools
+def _template_formats(tok, tool_parser: str | None, reasoning_parser: str | None) -> dict:
+    """ParseContext's fields read from the chat template: the tool-call format
+    (--tool-call-parser, else the template's; None: no tools), the reasoning
+    form (--reasoning-parser, else the template's; "none": off) and the
+    variables it reads."""
+    from . import reasoning, tools
 
-    if parser is not None:
-        return parser
     try:
         source, _ = tok.chat_template()
-    except Exception:  # noqa: BLE001 - no template: no tools
-        return None
-    return tools.detect(source)
+    except Exception:  # noqa: BLE001 - no template: no tools, no reasoning
+        source = None
+    think = reasoning.detect(source) if reasoning_parser is None else reasoning_parser
+    think = None if think == "none" else think
+    fmt = tool_parser if tool_parser is not None else tools.detect(source)
+    markers = ([reasoning.CLOSE] if think in ("qwen3", "deepseek_r1") else []) + ([tools.START[fmt]] if fmt else [])
+    return {"tool_format": fmt, "reasoning_format": think, "template_vars": reasoning.template_vars(source),
+            "keep_special": any(_vanishes(tok, m) for m in markers)}
+
+
+def _vanishes(tok, marker: str) -> bool:
+    """A marker that is a special token of this vocabulary (decoding drops it)."""
+    try:
+        return tok.decode(tok.encode(marker, add_special_tokens=False)) != marker
+    except Exception:  # noqa: BLE001 - a tokenizer that cannot take it: nothing to keep
+        return False
 
 
 def _guarded_h11(header_timeout_s: float = HEADER_TIMEOUT_S):

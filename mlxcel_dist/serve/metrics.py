@@ -9,10 +9,12 @@ step, before the next sync's agreement verdict sends them out).
 from __future__ import annotations
 
 import bisect
+import collections
 import threading
 import time
 
 PREFIX = "mlxcel_dist_"
+RATE_S = 5  # the cluster panel's tokens/s: over this many whole seconds
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                 20.0, 40.0, 80.0)  # vLLM's
 TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -53,6 +55,7 @@ class Metrics:
         self.ttft = Histogram(TTFT_BUCKETS)
         self.tpot = Histogram(TPOT_BUCKETS)
         self.e2e = Histogram(E2E_BUCKETS)
+        self.seconds = collections.deque()  # [second, tokens generated in it] of the last RATE_S seconds
 
     def admitted(self, prompt_tokens: int) -> None:
         with self.lock:
@@ -63,7 +66,21 @@ class Metrics:
         token) or the row's previous token."""
         with self.lock:
             self.generation_tokens += 1
-            (self.ttft if first else self.tpot).observe(self.clock() - since)
+            now = self.clock()
+            (self.ttft if first else self.tpot).observe(now - since)
+            sec = int(now)
+            if self.seconds and self.seconds[-1][0] == sec:
+                self.seconds[-1][1] += 1
+            else:
+                self.seconds.append([sec, 1])
+                while self.seconds[0][0] <= sec - RATE_S:
+                    self.seconds.popleft()
+
+    def rate(self) -> float:
+        """Generated tokens a second over the last RATE_S whole seconds (all rows together)."""
+        with self.lock:
+            now = int(self.clock())
+            return sum(n for sec, n in self.seconds if now - RATE_S <= sec < now) / RATE_S
 
     def ended(self, reason: str, arrived: float | None) -> None:
         with self.lock:

@@ -20,13 +20,17 @@ from typing import Annotated, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from .. import grammar
 from ..errors import UserError
 from ..sampling import SamplingParams
+from . import reasoning
+from . import tools as tools_fmt
 from .wire import WIRE_LIMITS, GenRequest, check_wire
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
 DEFAULT_CHAT_TOKENS = 512  # mlx-lm's server default (--max-tokens 512)
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat's top_logprobs
+MAX_N = 16  # choices per request
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -137,6 +141,27 @@ class ToolSpec(_Strict):
     function: FunctionSpec
 
 
+class JsonSchemaFormat(_Strict):
+    name: Annotated[str, Field(min_length=1, max_length=64)]
+    description: str | None = None
+    schema_: dict | None = Field(None, alias="schema")
+    strict: bool | None = None  # constrained either way: the answer always follows the schema
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class StreamOptions(_Strict):
     include_usage: bool | None = None
 
@@ -146,6 +171,8 @@ _Stop = Annotated[str, Field(min_length=1)]
 
 class _Common(_Strict):
     model: str | None = None
+    n: int | None = Field(None, ge=1, le=MAX_N, description="choices, sharing one prefill; choice i samples "
+                                                            "with seed + i")
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     max_tokens: int | None = Field(None, ge=1)
@@ -167,6 +194,8 @@ class _Common(_Strict):
     stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(
         max_length=WIRE_LIMITS["stop_token_ids"][1])] | None = Field(
         None, description="vLLM's extra field: generation ends at any of these token ids")
+    response_format: ResponseFormat | None = Field(
+        None, description="json_object / json_schema: the answer is constrained to valid JSON (to the schema)")
 
 
 class ChatCompletionRequest(_Common):
@@ -174,7 +203,12 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     tools: Annotated[list[ToolSpec], Field(max_length=128)] | None = None
-    tool_choice: Literal["none", "auto"] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="required / a named function: the call is forced by constrained decoding")
+    chat_template_kwargs: dict | None = Field(None, description="vLLM's extra field: variables for the chat "
+                                                                "template (e.g. enable_thinking)")
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = Field(
+        None, description="the template's reasoning_effort (gpt-oss); only for templates that read it")
 
 
 class CompletionRequest(_Common):
@@ -277,7 +311,12 @@ class ParseContext:
     defaults: Defaults = field(default_factory=Defaults)
     plain_chat: bool = False  # no chat template: mlx-lm's convert_chat rendering
     tool_format: str | None = None  # serve.tools: the format the template writes calls in (None: no tools)
+    grammar_refusal: str | None = None  # why constrained decoding is not served (None: it is)
+    reasoning_format: str | None = None  # serve.reasoning: the form the template thinks in (None: no split)
+    template_vars: frozenset = frozenset()  # the names the chat template reads (reasoning_effort's check)
+    keep_special: bool = False  # the reasoning / tool markers are special tokens here: detokenise keeping them
     logprobs_ok: bool = True  # False for models with their own generation loop
+    max_n: int = MAX_N  # choices a request may ask for (at most the rows the batch holds)
     ignore_eos_ok: bool = True  # False for those too: their loop ends at EOS itself
 
 
@@ -289,6 +328,11 @@ class Parsed:
     model: str  # the id the responses echo
     chat: bool
     tool_format: str | None = None  # parse the answer for tool calls in this format (serve.tools)
+    n: int = 1  # choices
+    reasoning: str | None = None  # split the answer's thinking off in this form (serve.reasoning)
+    thinking: bool = False  # ... the answer begins inside the thinking (the template opened it)
+    keep_special: bool = False  # detokenise with special tokens kept (harmony's markers)
+    tools: list | None = None  # the request's tools (their schemas type the XML call formats' values)
 
 
 def no_chat_template(tokenizer) -> bool:
@@ -337,20 +381,15 @@ def _neutral(*values):
 
 
 UNSUPPORTED = {
-    "n": (_neutral(1), "one choice per request ('n': 1)"),
     "best_of": (_neutral(1), "one candidate per request ('best_of': 1)"),
     "echo": (_neutral(False), "the prompt is not echoed"),
     "suffix": (_neutral(""), "no insertion (suffix) mode"),
-    "tool_choice": (lambda v: v is None or v in ("none", "auto"),
-                    "'none' or 'auto' only ('required' and a named function need constrained decoding)"),
     "functions": (_neutral([]), "no function calling"),
     "function_call": (_neutral("none", "auto"), "no function calling"),
-    "response_format": (lambda v: v is None or v == {"type": "text"}, "text output only (no JSON mode or schema)"),
     "modalities": (lambda v: v is None or v == ["text"], "text output only"),
     "audio": (_neutral(), "text output only"),
     "prediction": (_neutral(), "no predicted outputs"),
     "web_search_options": (_neutral(), "no web search"),
-    "reasoning_effort": (_neutral(), "no reasoning-effort control"),
 }
 
 
@@ -440,22 +479,47 @@ def _tools(m: ChatCompletionRequest, ctx: ParseContext) -> list | None:
         return None
     if ctx.plain_chat or ctx.tool_format is None:
         raise ApiError("'tools' is not supported for this model: its chat template writes no tool-call format "
-                       "this server parses (hermes, llama3_json, mistral; serve --tool-call-parser names one)",
+                       f"this server parses ({', '.join(tools_fmt.FORMATS)}; serve --tool-call-parser names one)",
                        param="tools", code="unsupported_parameter")
     return [t.model_dump(exclude_none=True) for t in m.tools]
 
 
-def _chat_ids(m: ChatCompletionRequest, ctx: ParseContext) -> list[int]:
+RESERVED_TEMPLATE_VARS = ("messages", "tools", "documents", "add_generation_prompt")
+
+
+def _template_kwargs(m: ChatCompletionRequest, ctx: ParseContext) -> dict:
+    """chat_template_kwargs, and reasoning_effort for a template that reads it."""
+    kwargs = dict(m.chat_template_kwargs or {})
+    if kwargs and ctx.plain_chat:
+        raise ApiError("'chat_template_kwargs' is not supported for this model: it has no chat template",
+                       param="chat_template_kwargs", code="unsupported_parameter")
+    for key in kwargs:
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,63}", key) or key in RESERVED_TEMPLATE_VARS:
+            raise ApiError(f"'chat_template_kwargs' keys must be template variable names other than "
+                           f"{', '.join(RESERVED_TEMPLATE_VARS)}; got {_show(key)}", param="chat_template_kwargs")
+    if m.reasoning_effort is not None:
+        if "reasoning_effort" not in ctx.template_vars:
+            raise ApiError("'reasoning_effort' is not supported for this model: its chat template has no "
+                           "reasoning_effort setting", param="reasoning_effort", code="unsupported_parameter")
+        kwargs.setdefault("reasoning_effort", m.reasoning_effort)
+    return kwargs
+
+
+def _chat_ids(m: ChatCompletionRequest, ctx: ParseContext) -> tuple[list[int], str]:
+    """The rendered conversation's ids and its text."""
     out = _chat_messages(m)
     tools = _tools(m, ctx)
+    kwargs = _template_kwargs(m, ctx)
     if ctx.plain_chat:
         rm = (m.model_extra or {}).get("role_mapping")  # mlx-lm's extra field
         if rm is not None and not (isinstance(rm, dict) and all(isinstance(v, str) for v in rm.values())):
             raise ApiError("'role_mapping' must be an object of strings", param="role_mapping")
-        ids = _encode(ctx, convert_chat(out, rm), "'messages'")
+        text = convert_chat(out, rm)
+        ids = _encode(ctx, text, "'messages'")
     else:
         try:
-            ids = ctx.tokenizer.chat_ids(out, tools=tools)
+            text = ctx.tokenizer.render_chat(out, tools=tools, **kwargs)
+            ids = ctx.tokenizer.encode(text, add_special_tokens=False)
         except UserError as e:
             raise ApiError(str(e), param="messages") from None
         except Exception as e:  # noqa: BLE001 - a tokenizer failure is the request's problem
@@ -463,7 +527,52 @@ def _chat_ids(m: ChatCompletionRequest, ctx: ParseContext) -> list[int]:
                            param="messages") from None
     if not ids:
         raise ApiError("the rendered conversation is empty", param="messages")
-    return ids
+    return ids, text
+
+
+def _grammar(m, chat: bool, ctx: ParseContext) -> tuple[str | None, bool]:
+    """(the constraining grammar's text or None, whether it forces tool calls):
+    tool_choice `required` / a named function (the served tool-call format,
+    arguments valid under each function's parameters), else response_format
+    json_object / json_schema."""
+    choice = m.tool_choice if chat else None
+    forced = choice == "required" or isinstance(choice, NamedToolChoice)
+    fmt = m.response_format.type if m.response_format is not None else "text"
+    if not forced and fmt == "text":
+        return None, False
+    param = "tool_choice" if forced else "response_format"
+    if ctx.grammar_refusal is not None:
+        raise ApiError(f"'{param}' needs constrained decoding, which this server does not serve: "
+                       f"{ctx.grammar_refusal}", param=param, code="unsupported_parameter")
+    try:
+        if forced:
+            if not m.tools:
+                raise ApiError(f"'tool_choice' {_show(choice if choice == 'required' else choice.model_dump())} "
+                               "needs 'tools'", param="tool_choice")
+            if ctx.tool_format not in grammar.FORCED_FORMATS:
+                raise ApiError(f"'tool_choice' {_show(choice if choice == 'required' else choice.model_dump())} "
+                               f"is not built for the {ctx.tool_format} tool-call format (forced calls: "
+                               f"{', '.join(grammar.FORCED_FORMATS)})", param="tool_choice",
+                               code="unsupported_parameter")
+            tools = [t.model_dump(exclude_none=True) for t in m.tools]
+            name = None if choice == "required" else choice.function.name
+            if name is not None and name not in [t["function"]["name"] for t in tools]:
+                raise ApiError(f"'tool_choice' names function {_show(name)}, which is not in 'tools'",
+                               param="tool_choice")
+            parallel = (m.model_extra or {}).get("parallel_tool_calls", True)
+            if not isinstance(parallel, bool):
+                raise ApiError("'parallel_tool_calls' must be true or false", param="parallel_tool_calls")
+            return grammar.tool_calls(ctx.tool_format, tools, name, many=parallel and name is None), True
+        if fmt == "json_object":
+            return grammar.json_object(), False
+        spec = m.response_format.json_schema
+        if spec is None or spec.schema_ is None:
+            raise ApiError("'response_format' json_schema needs 'json_schema': {'name': ..., 'schema': {...}}",
+                           param="response_format")
+        return grammar.json_schema(spec.schema_), False
+    except UserError as e:
+        code = "unsupported_parameter" if not grammar.available() else None
+        raise ApiError(f"'{param}': {e}", param=param, code=code) from None
 
 
 def _max_tokens(m, chat: bool, n_prompt: int, ctx: ParseContext) -> int:
@@ -548,6 +657,10 @@ def parse(body: object, chat: bool, ctx: ParseContext) -> Parsed:
         raise _from_pydantic(e, chat) from None
     model = _model(m.model, ctx)
     stream, include_usage = _stream(m)
+    n = 1 if m.n is None else m.n
+    if n > ctx.max_n:
+        raise ApiError(f"'n' must be <= {ctx.max_n} on this server (the rows a step holds: serve "
+                       f"--decode-concurrency; 1 for a model with its own generation loop), got {n}", param="n")
     logprobs = _logprobs(m, chat)
     if logprobs is not None and not ctx.logprobs_ok:
         raise ApiError("'logprobs' is not supported for this model (it runs its own generation loop)",
@@ -555,20 +668,29 @@ def parse(body: object, chat: bool, ctx: ParseContext) -> Parsed:
     if m.ignore_eos and not ctx.ignore_eos_ok:
         raise ApiError("'ignore_eos' is not supported for this model (its own generation loop ends at EOS)",
                        param="ignore_eos", code="unsupported_parameter")
-    ids = _chat_ids(m, ctx) if chat else _completion_ids(m, ctx)
+    ids, text = _chat_ids(m, ctx) if chat else (_completion_ids(m, ctx), "")
     stops = [_text(s, "'stop'") for s in ([m.stop] if isinstance(m.stop, str) else m.stop or [])]
     stop_ids = list(m.stop_token_ids or [])
     if any(t >= ctx.vocab_size for t in stop_ids):
         raise ApiError(f"'stop_token_ids' must be token ids in [0, {ctx.vocab_size})", param="stop_token_ids")
+    gram, forced = _grammar(m, chat, ctx)
     req = GenRequest(ids, _max_tokens(m, chat, len(ids), ctx), _sampling(m, ctx.defaults, ctx.vocab_size), stops,
-                     logprobs, bool(m.ignore_eos), stop_ids)
+                     logprobs, bool(m.ignore_eos), stop_ids, gram)
     try:
         check_wire(req)  # defence in depth: the checks above should already hold every wire limit
     except ValueError as e:
         name = re.match(r"'(\w+)'", str(e))
         raise ApiError(str(e), param=name and name.group(1).replace("prompt_tokens", "prompt")) from None
-    tool_format = ctx.tool_format if chat and m.tools and m.tool_choice != "none" else None
-    return Parsed(req, stream, include_usage, model, chat, tool_format)
+    tool_format = ctx.tool_format if chat and m.tools and (m.tool_choice != "none" or forced) else None
+    # a constrained answer is the JSON / the forced call from its first token: no thinking to split off
+    fmt = ctx.reasoning_format if chat and not ctx.plain_chat and gram is None else None
+    if tool_format == "harmony" and fmt is None:  # harmony's calls are messages: the channels split first
+        fmt = "gpt_oss"
+    keep = (fmt in reasoning.KEEPS_SPECIAL or tool_format in tools_fmt.KEEPS_SPECIAL
+            or (ctx.keep_special and (fmt is not None or tool_format is not None)))
+    return Parsed(req, stream, include_usage, model, chat, tool_format, n, fmt,
+                  fmt is not None and reasoning.starts_thinking(fmt, text), keep,
+                  [t.model_dump(exclude_none=True) for t in m.tools] if tool_format else None)
 
 
 # Chat rendering without a template -------------------------------------------------

@@ -86,7 +86,9 @@ class StepResult:
 def _admit(engine, admissions: list, keep_logprobs: bool, failed: dict) -> None:
     """add_many of a step's admissions; when it fails (every rank alike: the
     same data), each is retried alone so only the failing request ends."""
-    items = [(rid, req.prompt_ids, req.sampling, req.max_tokens) for rid, req in admissions]
+    # a grammar only where there is one (engines without constrained decoding take 4-tuples)
+    items = [(rid, req.prompt_ids, req.sampling, req.max_tokens, *((req.grammar,) if req.grammar else ()))
+             for rid, req in admissions]
     try:
         engine.add_many(items)
     except CollectiveError:

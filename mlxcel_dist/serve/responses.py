@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import re
 
-from . import tools
+from . import reasoning, tools
 from .openai_api import ApiError, Parsed
 
 
@@ -103,34 +103,46 @@ def _head(p: Parsed, rid: str, created: int, chunk: bool) -> dict:
     return {"id": rid, "object": obj, "created": created, "model": p.model}
 
 
-def whole_response(p: Parsed, rid: str, created: int, text: str, finish_reason: str, prompt_tokens: int,
-                   completion_tokens: int, entries, pieces: TokenPieces) -> dict:
-    """The non-streamed answer: chat.completion or text_completion.
-    `finish_reason`: the engine's (eos / stop / length); `completion_tokens`
-    as :func:`usage` says; `entries`: (id, (logprob, top)) per shown token.
-    With tools (`p.tool_format`) calls in the text become `tool_calls`."""
+def whole_response(p: Parsed, rid: str, created: int, choices: list[dict], prompt_tokens: int,
+                   completion_tokens: int) -> dict:
+    """The non-streamed answer: chat.completion or text_completion, its
+    `choices` from :func:`whole_choice`; usage counts the prompt once (the
+    choices share it) and every choice's tokens."""
+    return {**_head(p, rid, created, False), "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def whole_choice(p: Parsed, index: int, text: str, finish_reason: str, entries, pieces: TokenPieces) -> dict:
+    """One choice of a non-streamed answer. `finish_reason`: the engine's
+    (eos / stop / length); `entries`: (id, (logprob, top)) per shown token.
+    With a reasoning form (`p.reasoning`) the thinking goes to
+    `reasoning_content` (and mlx-lm's `reasoning`); with tools
+    (`p.tool_format`) calls in the rest become `tool_calls`."""
     finish = FINISH.get(finish_reason, "stop")
     want = p.req.logprobs is not None
     if p.chat:
+        thought = None
+        if p.reasoning is not None:
+            thought, text = reasoning.split(p.reasoning, text, p.thinking)
         message = {"role": "assistant", "content": text}
         if p.tool_format is not None:
-            content, calls = tools.parse(p.tool_format, text)
+            content, calls = tools.parse(p.tool_format, text, p.tools)
             if calls:
                 message = {"role": "assistant", "content": content or None, "tool_calls": calls}
                 finish = "tool_calls" if finish == "stop" else finish
-        choice = {"index": 0, "message": message,
-                  "logprobs": chat_logprobs(pieces, entries) if want else None, "finish_reason": finish}
-    else:
-        choice = {"index": 0, "text": text,
-                  "logprobs": completion_logprobs(pieces, entries, 0)[0] if want else None, "finish_reason": finish}
-    return {**_head(p, rid, created, False), "choices": [choice], "usage": usage(prompt_tokens, completion_tokens)}
+        if thought:
+            message["reasoning_content"] = message["reasoning"] = thought
+        return {"index": index, "message": message,
+                "logprobs": chat_logprobs(pieces, entries) if want else None, "finish_reason": finish}
+    return {"index": index, "text": text,
+            "logprobs": completion_logprobs(pieces, entries, 0)[0] if want else None, "finish_reason": finish}
 
 
 def stream_chunk(p: Parsed, rid: str, created: int, delta_or_text, finish: str | None = None,
-                 logprobs: dict | None = None) -> dict:
-    """One SSE chunk: chat's `delta` (a dict) or completions' `text`; with
-    include_usage each carries `"usage": null`, as OpenAI's do."""
-    choice = {"index": 0, "delta" if p.chat else "text": delta_or_text, "logprobs": logprobs,
+                 logprobs: dict | None = None, index: int = 0) -> dict:
+    """One SSE chunk of choice `index`: chat's `delta` (a dict) or
+    completions' `text`; with include_usage each carries `"usage": null`, as
+    OpenAI's do."""
+    choice = {"index": index, "delta" if p.chat else "text": delta_or_text, "logprobs": logprobs,
               "finish_reason": None if finish is None else FINISH.get(finish, finish)}
     out = {**_head(p, rid, created, True), "choices": [choice]}
     if p.include_usage:

@@ -16,7 +16,9 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+from ..sampling import SEED_LIMIT
 
 from ..tokenizer import StopStrings, StreamDecoder
 from .log import log
@@ -30,16 +32,19 @@ IDLE_SLEEP_MAX_S = 1.2  # doubling while the quiet lasts, up to this: a long-idl
 WAIT_S = 0.2  # how long plan() blocks on an empty queue before it looks at the stop flag again
 
 
-# Events a job's sink receives, in order: Token (with logprobs) / Text ..., then Done or Failed.
+# Events a job's sink receives, per choice (`index`, 0..n-1) in order: Token
+# (with logprobs) / Text ..., then its Done; or one Failed for the whole job.
 @dataclass
 class Token:
     id: int
     logprob: tuple  # (logprob, [(id, logprob), ...])
+    index: int = 0
 
 
 @dataclass
 class Text:
     text: str
+    index: int = 0
 
 
 @dataclass
@@ -48,6 +53,7 @@ class Done:
     prompt_tokens: int
     completion_tokens: int  # the ids the client is shown (an EOS that ended the row is not one)
     stop: str | None = None
+    index: int = 0
 
 
 @dataclass
@@ -60,9 +66,16 @@ class Job:
     """One request on rank 0: its GenRequest and where its events go (`sink`
     is called on the scheduler's thread and must not block)."""
 
-    def __init__(self, req: GenRequest, sink):
+    def __init__(self, req: GenRequest, sink, n: int = 1, keep_special: bool = False):
+        """`n` choices: n rows admitted in one step (the engine prefills their
+        shared prompt once), row i sampling with seed (req's seed + i) mod 2^64.
+        `keep_special`: its text keeps special tokens (harmony's markers)."""
         self.req = req
+        self.keep_special = keep_special
         self.sink = sink
+        self.n = n
+        self.left = n  # choices not done yet
+        self.started = False  # its first token was read (metrics' time to first token)
         self.cancelled = threading.Event()  # its client went away: the row is freed at the next step
         self.arrived = time.monotonic()
 
@@ -73,6 +86,7 @@ class _Row:
     decoder: object
     stopper: object
     eos: set
+    index: int = 0  # the job's choice this row generates
     generated: int = 0
     last_t: float = 0.0  # when its previous token was read (metrics)
 
@@ -176,6 +190,9 @@ class Scheduler:
         with self.lock:
             if job not in self.open:  # fail_all answered it already
                 return
+            if isinstance(ev, Done) and job.left > 1:  # another choice still runs
+                job.left -= 1
+                return self._emit(job, ev)
             self.open.discard(job)
         reason = ("stop" if ev.finish_reason == "eos" else ev.finish_reason) if isinstance(ev, Done) \
             else "abort" if ev.status == 499 else "error"
@@ -230,27 +247,32 @@ class Scheduler:
             r = self.rows.pop(rid)
             self.removals.append(rid)
             log(f"client gone: row freed after {r.generated} of {r.job.req.max_tokens} tokens")
-            self._end(r.job, Failed("client gone", 499))
-        admissions, keep = [], []
+            self._end(r.job, Failed("client gone", 499))  # once per job (its other rows: already ended)
+        admissions, keep, jobs, full = [], [], 0, False
         for job in self.backlog:
             if job.cancelled.is_set():
                 log("client gone: request dropped before it took a row")
                 self._end(job, Failed("client gone", 499))
-            elif (len(admissions) < self.prompt_concurrency
-                  and len(self.rows) + len(admissions) < self.decode_concurrency):
-                admissions.append((self.next_rid, job))
-                self.next_rid = (self.next_rid + 1) % RID_LIMIT
-            else:
+            elif (jobs < self.prompt_concurrency and not full
+                  and len(self.rows) + len(admissions) + job.n <= self.decode_concurrency):
+                jobs += 1  # a job's n rows share one prefill: one prompt
+                for i in range(job.n):
+                    admissions.append((self.next_rid, job, i))
+                    self.next_rid = (self.next_rid + 1) % RID_LIMIT
+            else:  # FIFO: a job waiting for rows (n of them) is not overtaken by later, smaller ones
+                full = full or len(self.rows) + len(admissions) + job.n > self.decode_concurrency
                 keep.append(job)
         self.backlog = keep
-        step = Step(KIND_STEP, self.removals, [(rid, job.req) for rid, job in admissions])
+        step = Step(KIND_STEP, self.removals, [(rid, _choice_req(job.req, i)) for rid, job, i in admissions])
         self.removals = []
-        for rid, job in admissions:
+        for rid, job, i in admissions:
             ids = job.req.prompt_ids
             # stop_token_ids end a row as EOS does, also under ignore_eos (vLLM's rule)
             eos = (set() if job.req.ignore_eos else set(self.tok.eos_ids)) | set(job.req.stop_ids)
-            self.rows[rid] = _Row(job, StreamDecoder(self.tok, context=list(ids)[-4:]), StopStrings(job.req.stop), eos)
-            self.metrics.admitted(len(ids))
+            decoder = StreamDecoder(self.tok, context=list(ids)[-4:], keep_special=job.keep_special)
+            self.rows[rid] = _Row(job, decoder, StopStrings(job.req.stop), eos, i)
+            if i == 0:
+                self.metrics.admitted(len(ids))
         if self._t_rest is not None and (self.rows or step.changes):
             self.times.rest += time.monotonic() - self._t_rest
         return step
@@ -284,6 +306,7 @@ class Scheduler:
             r = self.rows.pop(rid, None)
             if r is not None:
                 log(f"request failed at admission: {message}")
+                self._drop_job(r.job, set(result.failed))
                 self._end(r.job, Failed(f"generation failed: {message}", 500))
         for rid, tok in result.ids.items():
             r = self.rows.get(rid)
@@ -295,22 +318,31 @@ class Scheduler:
                 log(f"request failed: {type(e).__name__}: {e}")
                 self.rows.pop(rid, None)
                 self.removals.append(rid)
+                self._drop_job(r.job, set(result.failed))
                 self._end(r.job, Failed(f"generation failed: {type(e).__name__}: {e}", 500))
         if not self.rows and not self.backlog:
             self.quiet_since = time.monotonic()
+
+    def _drop_job(self, job: Job, gone: set) -> None:
+        """A failed job's other rows leave too (those not in the engine, `gone`, without a removal)."""
+        for rid in [rid for rid, r in self.rows.items() if r.job is job]:
+            self.rows.pop(rid)
+            if rid not in gone:
+                self.removals.append(rid)
 
     def _advance_row(self, rid: int, r: _Row, tok: int, lp) -> None:
         if tok in r.eos:
             return self._finish(rid, r, "eos")
         r.generated += 1
         first = r.generated == 1
-        self.metrics.token(r.job.arrived if first else r.last_t, first)
+        self.metrics.token(r.job.arrived if first else r.last_t, first and not r.job.started)
+        r.job.started = True
         r.last_t = time.monotonic()
         if r.job.req.logprobs is not None:
-            self._emit(r.job, Token(tok, lp))
+            self._emit(r.job, Token(tok, lp, r.index))
         text = r.stopper.feed(r.decoder.add(tok))
         if text:
-            self._emit(r.job, Text(text))
+            self._emit(r.job, Text(text, r.index))
         if r.stopper.stopped is not None:
             self._finish(rid, r, "stop")
         elif r.generated >= r.job.req.max_tokens:
@@ -320,7 +352,15 @@ class Scheduler:
         if reason != "stop":
             tail = r.stopper.feed(r.decoder.flush()) + r.stopper.flush()
             if tail:
-                self._emit(r.job, Text(tail))
+                self._emit(r.job, Text(tail, r.index))
         self.rows.pop(rid)
         self.removals.append(rid)
-        self._end(r.job, Done(reason, len(r.job.req.prompt_ids), r.generated, r.stopper.stopped))
+        self._end(r.job, Done(reason, len(r.job.req.prompt_ids), r.generated, r.stopper.stopped, r.index))
+
+
+def _choice_req(req: GenRequest, i: int) -> GenRequest:
+    """Choice i's request: the job's, sampling with seed (seed + i) mod 2^64
+    (so choice 0 is what n = 1 gives with the same seed)."""
+    if i == 0:
+        return req
+    return replace(req, sampling=replace(req.sampling, seed=(req.sampling.seed + i) % SEED_LIMIT))

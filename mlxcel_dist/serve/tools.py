@@ -10,7 +10,27 @@ Formats (vLLM's parser names):
   (or "arguments"): {...}}`, several joined by `;`, optionally after
   `<|python_tag|>` (Llama 3.1 - 3.3);
 - `mistral`: `[TOOL_CALLS]` then a JSON list of `{"name", "arguments"}`
-  objects, or (v11+ templates) `[TOOL_CALLS]name[ARGS]{...}` per call.
+  objects, or (v11+ templates) `[TOOL_CALLS]name[ARGS]{...}` per call;
+- `harmony` (gpt-oss): a commentary message to a function,
+  `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>ARGS`
+  (serve.reasoning's splitter hands every such message on in that form);
+- `deepseek_v3` (DeepSeek V3 / R1 / V3.1): `<｜tool▁calls▁begin｜>` then per
+  call `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME` and a ```json fenced
+  object (V3, R1), or `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}` (V3.1),
+  each up to `<｜tool▁call▁end｜>`;
+- `glm45` (GLM-4.5 / 4.6): `<tool_call>NAME` then `<arg_key>K</arg_key>
+  <arg_value>V</arg_value>` pairs, `</tool_call>`;
+- `kimi_k2`: `<|tool_calls_section_begin|>` then per call
+  `<|tool_call_begin|>functions.NAME:i<|tool_call_argument_begin|>{...}
+  <|tool_call_end|>`;
+- `minimax_m2`: `<minimax:tool_call>` blocks of `<invoke name="NAME">
+  <parameter name="K">V</parameter>...</invoke>`.
+
+The XML forms (glm45, minimax_m2) write a string value bare and any other
+value as JSON: a value is a string where the function's JSON schema says
+so, else JSON when it parses as JSON (vLLM's rule). Their markers are
+special tokens in those vocabularies: rows of these formats are
+detokenised with special tokens kept (`KEEPS_SPECIAL`).
 
 `detect` picks the format from markers in the template; `serve
 --tool-call-parser` overrides it. `StreamParser` lets text through until a
@@ -23,14 +43,27 @@ import json
 import re
 import uuid
 
-FORMATS = ("hermes", "llama3_json", "mistral")
-_START = {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]", "llama3_json": "<|python_tag|>"}
+FORMATS = ("hermes", "llama3_json", "mistral", "harmony", "deepseek_v3", "glm45", "kimi_k2", "minimax_m2")
+KEEPS_SPECIAL = ("harmony", "deepseek_v3", "glm45", "kimi_k2", "minimax_m2")
+DS_CALLS, DS_CALL, DS_SEP, DS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
+KIMI_SECTION, KIMI_CALL, KIMI_ARGS, KIMI_END = ("<|tool_calls_section_begin|>", "<|tool_call_begin|>",
+                                                "<|tool_call_argument_begin|>", "<|tool_call_end|>")
+MINIMAX = "<minimax:tool_call>"
+START = {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]", "llama3_json": "<|python_tag|>",
+          "harmony": "<|channel|>commentary to=", "deepseek_v3": DS_CALLS, "glm45": "<tool_call>",
+          "kimi_k2": KIMI_SECTION, "minimax_m2": MINIMAX}
 
 
 def detect(template: str | None) -> str | None:
     """The tool-call format a chat template's text writes, or None."""
     if not template or "tool" not in template:
         return None
+    if "<|channel|>" in template and "<|call|>" in template:  # gpt-oss's writes "to=" and "functions." apart
+        return "harmony"
+    for marker, fmt in ((DS_CALLS, "deepseek_v3"), (KIMI_SECTION, "kimi_k2"), (MINIMAX, "minimax_m2"),
+                        ("<arg_key>", "glm45")):
+        if marker in template:
+            return fmt
     if "<tool_call>" in template:
         return "hermes"
     if "[TOOL_CALLS]" in template:
@@ -61,9 +94,101 @@ def _objects(text: str) -> list:
     return out
 
 
-def parse(fmt: str, text: str) -> tuple[str, list]:
+def _schemas(tools: list | None) -> dict:
+    """function name -> its parameters' properties (the XML forms' value types)."""
+    out = {}
+    for t in tools or []:
+        f = t.get("function", t) if isinstance(t, dict) else {}
+        params = f.get("parameters") if isinstance(f, dict) else None
+        props = params.get("properties") if isinstance(params, dict) else None
+        if isinstance(f, dict) and isinstance(props, dict):
+            out[f.get("name")] = props
+    return out
+
+
+def _value(raw: str, schema) -> object:
+    """An XML form's argument: a string where the schema says so, else JSON if it parses."""
+    kind = schema.get("type") if isinstance(schema, dict) else None
+    if kind == "string" or (isinstance(kind, list) and kind == ["string"]):
+        return raw
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw
+
+
+def _xml_calls(text: str, block: str, item: str, tools) -> tuple[str, list] | None:
+    """Calls of an XML form: `block` matches each call block (group 1: its
+    body), `item` each call in a body (groups: name, arguments part)."""
+    props = _schemas(tools)
+    calls, content, last = [], [], 0
+    for m in re.finditer(block, text, re.S):
+        found = []
+        for name, body in item(m.group(1)):
+            schema = props.get(name.strip(), {})
+            args = {k.strip(): _value(v.strip("\n"), schema.get(k.strip())) for k, v in body}
+            found.append(_call(name.strip(), args))
+        if not found or any(c is None for c in found):
+            return None
+        content.append(text[last:m.start()])
+        last = m.end()
+        calls += found
+    content.append(text[last:])
+    return "".join(content).strip(), calls
+
+
+def parse(fmt: str, text: str, tools: list | None = None) -> tuple[str, list]:
     """(content, tool calls) of a whole answer; text that does not parse as
-    calls stays content (the model's words, not an error)."""
+    calls stays content (the model's words, not an error). `tools`: the
+    request's, whose schemas type the XML forms' values."""
+    if fmt in ("glm45", "minimax_m2"):
+        if fmt == "glm45":
+            got = _xml_calls(text, r"<tool_call>(.*?)(?:</tool_call>|$)", lambda b: [(
+                b.split("<arg_key>", 1)[0], re.findall(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>",
+                                                       b, re.S))], tools)
+        else:
+            got = _xml_calls(text, re.escape(MINIMAX) + r"(.*?)(?:</minimax:tool_call>|$)", lambda b: [
+                (n, re.findall(r'<parameter name="([^"]*)">(.*?)</parameter>', body, re.S))
+                for n, body in re.findall(r'<invoke name="([^"]*)">(.*?)(?:</invoke>|$)', b, re.S)], tools)
+        return (text, []) if not got or not got[1] else got
+    if fmt == "harmony":
+        calls, content, last = [], [], 0
+        for m in re.finditer(r"(<\|start\|>[^<]*)?(<\|channel\|>[^<]*(?:<\|constrain\|>[^<]*)?)"
+                             r"<\|message\|>(.*?)(?:<\|call\|>|<\|end\|>|$)", text, re.S):
+            to = re.search(r"to=(?:functions\.)?([^\s<]+)", (m.group(1) or "") + m.group(2))
+            if to is None:
+                continue
+            try:
+                call = _call(to.group(1), json.loads(m.group(3)))
+            except ValueError:
+                return text, []
+            content.append(text[last:m.start()])
+            last = m.end()
+            calls.append(call)
+        content.append(text[last:])
+        return ("".join(content).strip() if calls else text), calls
+    if fmt in ("deepseek_v3", "kimi_k2"):
+        section, begin, sep, end = ((DS_CALLS, DS_CALL, DS_SEP, DS_END) if fmt == "deepseek_v3"
+                                    else (KIMI_SECTION, KIMI_CALL, KIMI_ARGS, KIMI_END))
+        at = text.find(section)
+        if at < 0:
+            return text, []
+        calls = []
+        for part in text[at + len(section):].split(begin)[1:]:
+            head, _, args = part.split(end, 1)[0].partition(sep)
+            head = head.strip()
+            if fmt == "kimi_k2":  # functions.NAME:index
+                head = head.split(":", 1)[0].removeprefix("functions.")
+            elif head == "function":  # V3 / R1: the name on the separator's line, the arguments fenced
+                name, _, args = args.partition("\n")
+                head, args = name.strip(), re.sub(r"^\s*```(?:json)?|```\s*$", "", args.strip())
+            try:
+                calls.append(_call(head, json.loads(args)))
+            except ValueError:
+                return text, []
+        if not calls or any(c is None for c in calls):
+            return text, []
+        return text[:at].strip(), calls
     if fmt == "hermes":
         calls, content = [], []
         last = 0
@@ -123,8 +248,8 @@ class StreamParser:
     possible start of a call on, text is held; `finish()` returns (the held
     content, the calls)."""
 
-    def __init__(self, fmt: str):
-        self.fmt = fmt
+    def __init__(self, fmt: str, tools: list | None = None):
+        self.fmt, self.tools = fmt, tools
         self.sent = ""  # content already let through
         self.held = ""
         self.holding = False
@@ -140,7 +265,7 @@ class StreamParser:
         if self.fmt == "llama3_json" and not self.sent.strip() and buf.lstrip()[:1] in ("{", "<"):
             self.holding, self.held = True, buf
             return ""
-        start = _START[self.fmt]
+        start = START[self.fmt]
         at = buf.find(start)
         if at >= 0:
             self.holding, self.held = True, buf[at:]
@@ -157,6 +282,6 @@ class StreamParser:
         if not self.holding:
             out, self.held = self.held, ""
             return out, []
-        content, calls = parse(self.fmt, self.held)
+        content, calls = parse(self.fmt, self.held, self.tools)
         self.held = ""
         return content, calls

