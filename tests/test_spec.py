@@ -202,6 +202,8 @@ def test_cli_refuses_bad_draft_options():
         (["--draft-model", FIXTURES / "llama" / "gqa_fp32"], "vocabulary"),
         (["--prompt-lookup", "--num-draft-tokens", "0"], "--num-draft-tokens must be >= 1"),
         (["--prompt-lookup", "--pp", "2"], "not available with --pp"),
+        (["--prompt-lookup", "--kv-bits", "8"], "not available with --kv-bits"),
+        (["--prompt-lookup", "--json-object"], "not available with --json-schema / --json-object"),
     ]:
         r = run("generate", default_model_dir(), "-m", "4", *args)
         assert r.exit_code == 2, r.output
