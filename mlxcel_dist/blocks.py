@@ -18,7 +18,7 @@ import mlx.nn as nn
 
 from .attention import causal_attention
 from .errors import UserError
-from .experts import SwitchGLU
+from .experts import SwitchGLU, softmax_top_k
 from .layers import gated_fp32
 from .rope import RoPE
 
@@ -392,12 +392,7 @@ class Gemma4Router(nn.Module):
 
     def __call__(self, x):
         h = _scaled(mx.fast.rms_norm(x, None, self.eps) * self.scale.astype(x.dtype), self.root)
-        probs = mx.softmax(self.proj(h).astype(mx.float32), axis=-1)  # [N, E]
-        k = self.top_k
-        # the k largest (their order does not matter: the sum over experts is order-free)
-        idx = mx.argpartition(-probs, kth=k - 1, axis=-1)[:, :k]  # [N, k]
-        w = mx.take_along_axis(probs, idx, axis=-1)
-        w = w / w.sum(axis=-1, keepdims=True)
+        idx, w = softmax_top_k(self.proj(h), self.top_k, True)  # [N, k] each
         return idx, w * self.per_expert_scale[idx].astype(mx.float32)
 
 

@@ -44,7 +44,7 @@ from .blocks import MLP, Attention, fused_projection
 from .cache import FULL, LINEAR, DeltaNetCache, KVCache
 from .collectives import SINGLE
 from .errors import UserError
-from .experts import SwitchGLU, use_grouped
+from .experts import SwitchGLU, softmax_top_k, use_grouped
 from .layers import GemmaRMSNorm, RMSNormFP32Scale, activation, gated_fp32
 from .masks import layer_masks
 from .shard import shard_attention, shard_deltanet, shard_expert_mlps, shard_mlp, shard_switch_glu
@@ -290,12 +290,7 @@ class SharedExpertMoE(nn.Module):
     def route(self, x):
         """x [N, hidden] -> (indices [N, k], weights [N, k] in the router's dtype)."""
         logits = self.gate(x)
-        probs = mx.softmax(logits.astype(mx.float32), axis=-1)
-        k = self.top_k
-        idx = mx.argpartition(-probs, kth=k - 1, axis=-1)[:, :k]
-        w = mx.take_along_axis(probs, idx, axis=-1)
-        if self.norm_topk_prob:
-            w = w / w.sum(axis=-1, keepdims=True)
+        idx, w = softmax_top_k(logits, self.top_k, self.norm_topk_prob)
         return idx, w.astype(logits.dtype)
 
     def __call__(self, x):

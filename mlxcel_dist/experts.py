@@ -38,6 +38,16 @@ import mlx.nn as nn
 GROUP_ROWS = 64
 
 
+def softmax_top_k(logits: mx.array, k: int, renormalise: bool) -> tuple[mx.array, mx.array]:
+    """The softmax router's choice: logits [N, E] -> (indices [N, k], their
+    fp32 probabilities [N, k], renormalised to sum 1 when asked). The k are in
+    no order: the sum over experts does not depend on it."""
+    probs = mx.softmax(logits.astype(mx.float32), axis=-1)
+    idx = mx.argpartition(-probs, kth=k - 1, axis=-1)[:, :k]
+    w = mx.take_along_axis(probs, idx, axis=-1)
+    return idx, (w / w.sum(axis=-1, keepdims=True) if renormalise else w)
+
+
 def use_grouped(rows: int, seq_len: int) -> bool:
     """A block over `rows` (token, expert) rows of `seq_len`-token sequences
     runs grouped: prefill (seq_len > 1) from GROUP_ROWS rows; never a [B, 1]

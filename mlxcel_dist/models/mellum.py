@@ -36,6 +36,7 @@ import mlx.nn as nn
 from ..blocks import MLP, Attention, PreNormBlock
 from ..collectives import SINGLE
 from ..errors import UserError
+from ..experts import softmax_top_k
 from ..layers import RMSNorm, activation
 from ..rope import RoPE
 from ..shard import shard_attention, shard_expert_mlps, shard_mlp
@@ -139,14 +140,9 @@ class SparseMoeBlock(nn.Module):
     def routing(self, x):
         """x [N, hidden] -> routing weights [N, E] in x's dtype (zero off the top-k)."""
         logits = self.gate(x)  # [N, E]
-        probs = mx.softmax(logits.astype(mx.float32), axis=-1)
-        k = self.top_k
-        idx = mx.argpartition(-probs, kth=k - 1, axis=-1)[:, :k]  # [N, k], order irrelevant
-        top = mx.take_along_axis(probs, idx, axis=-1)
-        if self.norm_topk_prob:
-            top = top / top.sum(axis=-1, keepdims=True)
+        idx, top = softmax_top_k(logits, self.top_k, self.norm_topk_prob)
         top = top.astype(logits.dtype)
-        return mx.put_along_axis(mx.zeros(probs.shape, dtype=top.dtype), idx, top, axis=-1)
+        return mx.put_along_axis(mx.zeros(logits.shape, dtype=top.dtype), idx, top, axis=-1)
 
     def __call__(self, x):
         B, L, D = x.shape

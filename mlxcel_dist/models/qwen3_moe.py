@@ -23,13 +23,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import mlx.core as mx
 import mlx.nn as nn
 
 from ..blocks import MLP, Attention, PreNormBlock
 from ..collectives import SINGLE
 from ..errors import UserError
-from ..experts import SwitchGLU, stack_expert_refs, use_grouped
+from ..experts import SwitchGLU, softmax_top_k, stack_expert_refs, use_grouped
 from ..layers import RMSNorm, activation, gated_fp32
 from ..rope import RoPE
 from ..shard import shard_attention, shard_mlp, shard_switch_glu
@@ -108,12 +107,7 @@ class SparseMoeBlock(nn.Module):
     def route(self, x):
         """x [N, hidden] -> (indices [N, k], weights [N, k] in x's dtype)."""
         logits = self.gate(x)  # [N, E], hidden dtype as the reference
-        probs = mx.softmax(logits.astype(mx.float32), axis=-1)
-        k = self.top_k
-        idx = mx.argpartition(-probs, kth=k - 1, axis=-1)[:, :k]  # [N, k], order irrelevant
-        w = mx.take_along_axis(probs, idx, axis=-1)
-        if self.norm_topk_prob:
-            w = w / w.sum(axis=-1, keepdims=True)
+        idx, w = softmax_top_k(logits, self.top_k, self.norm_topk_prob)
         return idx, w.astype(logits.dtype)
 
     def __call__(self, x):
