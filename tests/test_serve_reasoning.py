@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import socket
-import threading
-import time
 
 import pytest
 
@@ -19,7 +16,7 @@ from mlxcel_dist.serve import reasoning
 from mlxcel_dist.serve.openai_api import ApiError, ParseContext, parse
 from mlxcel_dist.tokenizer import Tokenizer
 
-from test_serve_tools import WEATHER, ScriptedEngine
+from test_serve_tools import WEATHER, scripted_app
 
 # A Qwen3-style template, reduced: the thinking switch closes an empty block.
 QWEN3 = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
@@ -107,44 +104,9 @@ def test_template_switches_reach_the_template():
 # --------------------------------------------------------------------------- the app, in process
 @contextlib.contextmanager
 def _app(template, answer, **ctx_kw):
-    import uvicorn
-
-    from mlxcel_dist.serve import responses as rs
-    from mlxcel_dist.serve.app import AppState, make_app
-    from mlxcel_dist.serve.protocol import advance
-    from mlxcel_dist.serve.scheduler import Scheduler
-    from test_serve_steps import Guard, Single
-
     tok, ctx = _ctx(template, **ctx_kw)
-    engine = ScriptedEngine(tok.encode(answer, add_special_tokens=False), tok.eos_ids[0])
-    sched = Scheduler(tok)
-
-    class Ok:
-        def status(self):
-            return True, ""
-
-    state = AppState(sched, ctx, rs.TokenPieces(tok), Ok(), 1_000_000, int(time.time()))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(make_app(state), host="127.0.0.1", port=port, log_config=None,
-                                           lifespan="off"))
-    threading.Thread(target=server.run, daemon=True).start()
-
-    def loop():
-        while not sched.stopping.is_set():
-            step, result = advance(engine, Single(), Guard(), sched.plan(), keep_logprobs=True, agreed=sched.deliver)
-            sched.absorb(step, result)
-
-    threading.Thread(target=loop, daemon=True).start()
-    deadline = time.monotonic() + 30
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}", tok
-    finally:
-        sched.stop()
-        server.should_exit = True
+    with scripted_app(tok, ctx, answer) as base:
+        yield base, tok
 
 
 def _streamed(chunks) -> dict:

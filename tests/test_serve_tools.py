@@ -4,6 +4,7 @@ the HTTP app, in process, whose engine is scripted to answer with a call."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import threading
@@ -211,8 +212,11 @@ class ScriptedEngine:
         return out
 
 
-@pytest.fixture(scope="module")
-def app_server():
+@contextlib.contextmanager
+def scripted_app(tok, ctx, answer: str):
+    """The HTTP app in process over a ScriptedEngine answering `answer` to
+    every request (one rank: the step protocol's loop on a thread); yields
+    the base URL."""
     import uvicorn
 
     from mlxcel_dist.serve import responses as rs
@@ -221,12 +225,8 @@ def app_server():
     from mlxcel_dist.serve.scheduler import Scheduler
     from test_serve_steps import Guard, Single
 
-    d = default_model_dir()
-    tok = Tokenizer(d, read_config(d), chat_template=HERMES_TEMPLATE)
-    answer = 'I will check.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
     engine = ScriptedEngine(tok.encode(answer, add_special_tokens=False), tok.eos_ids[0])
     sched = Scheduler(tok)
-    ctx = ParseContext(tokenizer=tok, vocab_size=read_config(d)["vocab_size"], model_ids=("m",), tool_format="hermes")
 
     class Ok:
         def status(self):
@@ -249,9 +249,21 @@ def app_server():
     deadline = time.monotonic() + 30
     while not server.started and time.monotonic() < deadline:
         time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", tok, answer
-    sched.stop()
-    server.should_exit = True
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        sched.stop()
+        server.should_exit = True
+
+
+@pytest.fixture(scope="module")
+def app_server():
+    d = default_model_dir()
+    tok = Tokenizer(d, read_config(d), chat_template=HERMES_TEMPLATE)
+    answer = 'I will check.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    ctx = ParseContext(tokenizer=tok, vocab_size=read_config(d)["vocab_size"], model_ids=("m",), tool_format="hermes")
+    with scripted_app(tok, ctx, answer) as base:
+        yield base, tok, answer
 
 
 def test_openai_client_gets_tool_calls_whole_and_streamed(app_server):
