@@ -152,7 +152,11 @@ def _check_drafting(draft_model, prompt_lookup: bool, num_draft: int, model, sam
     target = build_model(open_model(model).config)
     check_target(target, sampling)
     if draft_model is not None:
-        check_pair(target, build_model(open_model(draft_model).config))
+        try:
+            draft = open_model(draft_model)
+        except UserError as e:  # say which of the two models it is
+            raise UserError(f"--draft-model: {e}") from None
+        check_pair(target, build_model(draft.config))
 
 
 def _drafter(draft_model, prompt_lookup: bool, num_draft: int, dtype, compiled: bool = True, prefill_step=None):

@@ -200,6 +200,7 @@ def test_cli_refuses_bad_draft_options():
     for args, msg in [
         (["--draft-model", default_model_dir(), "--prompt-lookup"], "give one"),
         (["--draft-model", FIXTURES / "llama" / "gqa_fp32"], "vocabulary"),
+        (["--draft-model", "/nonexistent-draft"], "--draft-model: /nonexistent-draft: no such model directory"),
         (["--prompt-lookup", "--num-draft-tokens", "0"], "--num-draft-tokens must be >= 1"),
         (["--prompt-lookup", "--pp", "2"], "not available with --pp"),
         (["--prompt-lookup", "--kv-bits", "8"], "not available with --kv-bits"),
