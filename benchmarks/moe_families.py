@@ -66,6 +66,14 @@ CONFIGS = {  # transformers-4 forms (what mlx-lm reads); 32 experts top-4 unless
                         qk_rope_head_dim=32, v_head_dim=32, rope_theta=10_000.0, rope_interleave=True, attention_bias=False,
                         num_nextn_predict_layers=0),
 }
+# a DeepSeek-V3-shaped model big enough for a GPU's step to be more than host time (~2.3B parameters, 1.3 GB
+# at 4 bits): kv_lora 512 as the real one (whole groups: mlx_lm.convert quantizes embed_q / unembed_out)
+CONFIGS["deepseek_v3_h200"] = dict(
+    CONFIGS["deepseek_v3"], vocab_size=32768, hidden_size=2048, num_hidden_layers=8, num_attention_heads=16,
+    num_key_value_heads=16, intermediate_size=4096, moe_intermediate_size=768, n_routed_experts=64,
+    num_experts_per_tok=8, n_group=8, topk_group=4, q_lora_rank=768, kv_lora_rank=512, qk_nope_head_dim=128,
+    qk_rope_head_dim=64, v_head_dim=128)
+CPU_FAMILIES = ("qwen3_moe", "glm4_moe", "minimax_m2", "llama4", "deepseek_v3")
 
 
 def checkpoint(family: str) -> Path:
@@ -89,7 +97,7 @@ def checkpoint(family: str) -> Path:
     model.save_pretrained(hf, safe_serialization=True)
     del model
     hub = dict(cfg)
-    if family == "llama4":  # mlx-lm's llama4 is the multimodal wrapper (its llama4_text has no MoE)
+    if cfg["model_type"] == "llama4_text":  # mlx-lm's llama4 is the multimodal wrapper (its llama4_text has no MoE)
         hub = {"architectures": ["Llama4ForConditionalGeneration"], "model_type": "llama4", "text_config": cfg,
                "vision_config": {}, "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
         for f in hf.glob("*.safetensors"):
@@ -122,6 +130,8 @@ def bench_family(family: str, a) -> dict:
                ("ours np1", [*cli, "--np", "1"]),
                ("ours np2 intermediate", [*cli, "--np", "2", "--backend", "mpi", "--moe-split", "intermediate"]),
                ("ours np2 experts", [*cli, "--np", "2", "--backend", "mpi", "--moe-split", "experts"])]
+    if a.np1_only:  # one GPU: two ranks would share it
+        configs = configs[:2]
     runs = {name: [] for name, _ in configs}
     loads = []
     for t in range(a.trials):
@@ -140,6 +150,9 @@ def bench_family(family: str, a) -> dict:
            for n, rows in runs.items()}
     per_rank = {n: rows[-1].get("peak_mem_gb_per_rank") for n, rows in runs.items()}
     ratios = {
+        "np1 / mlx-lm decode": paired("ours np1", "mlx-lm", "decode_tok_s"),
+        "np1 / mlx-lm prefill": paired("ours np1", "mlx-lm", "prefill_tok_s"),
+    } if a.np1_only else {
         "np1 / mlx-lm decode": paired("ours np1", "mlx-lm", "decode_tok_s"),
         "np1 / mlx-lm prefill": paired("ours np1", "mlx-lm", "prefill_tok_s"),
         "np2 intermediate / mlx-lm decode": paired("ours np2 intermediate", "mlx-lm", "decode_tok_s"),
@@ -161,7 +174,8 @@ def bench_family(family: str, a) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--families", default=",".join(CONFIGS))
+    ap.add_argument("--families", default=",".join(CPU_FAMILIES), help=f"of {', '.join(CONFIGS)}")
+    ap.add_argument("--np1-only", action="store_true", help="mlx-lm and ours at np 1 only (one GPU)")
     ap.add_argument("--trials", type=int, default=2)
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--gen-tokens", type=int, default=32)

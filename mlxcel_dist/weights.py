@@ -95,6 +95,9 @@ def read_header(path: Path) -> dict[str, TensorRef]:
     header.pop("__metadata__", None)
     base = 8 + n
     data_len = size - base
+    # one map of the file, every tensor a view of it: a map per tensor holds a file descriptor each
+    # (mmap dups it), and a per-expert checkpoint (DeepSeek-V3: ~90k tensors) would exhaust them
+    whole = np.memmap(path, dtype=np.uint8, mode="r") if data_len > 0 else None
     out = {}
     for name, info in header.items():
         try:
@@ -114,7 +117,7 @@ def read_header(path: Path) -> dict[str, TensorRef]:
         if count == 0:
             mm = np.zeros(shape, np_dt)
         else:
-            mm = np.memmap(path, dtype=np_dt, mode="r", offset=base + start, shape=shape)
+            mm = whole[base + start:base + end].view(np_dt).reshape(shape)
         out[name] = TensorRef(path, name, dtype, shape, mm)
     return out
 
