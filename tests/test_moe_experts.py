@@ -235,8 +235,13 @@ def test_ranks_holding_whole_experts_sum_to_the_whole_block(n, grouped):
 # Our own 4-bit conversions (convert --quantize) at np 2, both placements ---------------------
 # group sizes: 32 cuts qwen3_moe's / glm4_moe's expert down_proj (I = 64) into two groups, so the
 # intermediate split runs on quantized down projections; llama4's I = 32 (routed and shared) is
-# one group of 32, which no 2-way cut splits, so it takes the default 64 (gate/up quantized, down not)
-CONVERT_GROUPS = {"qwen3_moe": 32, "glm4_moe": 32, "minimax_m2": 32, "llama4": 64}
+# one group of 32, which no 2-way cut splits, so it takes the default 64 (gate/up quantized, down not);
+# deepseek_v3 / v32 take 64 too (at 32 their 8 heads of 8-wide rows are groups no 2-way cut keeps whole)
+# family -> (fixture, group size, routed down_proj quantized)
+CONVERT_GROUPS = {"qwen3_moe": ("gqa_fp32", 32, True), "glm4_moe": ("gqa_fp32", 32, True),
+                  "minimax_m2": ("gqa_fp32", 32, False), "llama4": ("gqa_fp32", 64, False),
+                  "deepseek_v3": ("yarn_fp32", 64, False), "deepseek_v32": ("yarn_fp32", 64, False),
+                  "qwen3_next": ("hybrid_fp32", 32, True), "qwen3_5_moe": ("hub_fp32", 32, True)}
 
 
 @pytest.fixture(scope="module")
@@ -245,8 +250,8 @@ def converted_np2(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("convert-q4")
     runs = []
-    for f, gs in CONVERT_GROUPS.items():
-        src = FIXTURES / f / "gqa_fp32"
+    for f, (case, gs, _) in CONVERT_GROUPS.items():
+        src = FIXTURES / f / case
         d = Path(convert_checkpoint(src, root / f, quantize=True, bits=4, group_size=gs)["out"])
         shutil.copyfile(src / "reference.npz", d / "reference.npz")  # for its ids (its logits: the fp32 model's)
         runs += [(d, split) for split in ("intermediate", "experts")]
@@ -264,7 +269,7 @@ def test_our_4bit_conversions_run_at_np2_in_both_placements(converted_np2):
         sw = next(m for _, m in model.named_modules() if hasattr(m, "expert_range"))
         gate = sw.gate_up_proj if sw.fused else sw.gate_proj
         quantized = [type(x).__name__ == "QuantizedSwitchLinear" for x in (gate, sw.down_proj)]
-        assert quantized == [True, d.name in ("qwen3_moe", "glm4_moe")], label  # down: I a multiple of the group
+        assert quantized == [True, CONVERT_GROUPS[d.name][2]], label  # down: I a multiple of the group
         ranks = [json.loads((out / f"{i}.rank{r}.json").read_text()) for r in range(2)]
         want = expert_ranges(sw.num_experts, 2) if split == "experts" else [None, None]
         assert [r["expert_range"] and tuple(r["expert_range"]) for r in ranks] == want, label
