@@ -381,3 +381,23 @@ def test_no_arguments_print_the_help(monkeypatch, capsys):
         cli.main()
     out = capsys.readouterr()
     assert e.value.code == 2 and out.out.startswith("Usage: ") and "generate" in out.out and out.err == ""
+
+
+@pytest.mark.parametrize("name", ["logits", "generate", "modes", "logit-match", "serve", "bench"])
+def test_the_ranks_argv_recreates_the_grouped_options(name):
+    # Launch and load options are declared once (cli.LaunchOptions, LoadOptions)
+    # and spread into each command: the argv each rank re-runs parses back to
+    # the same values, none lost or defaulted.
+    import typer
+
+    from mlxcel_dist.commands.launch import argv_from_ctx
+
+    cmd = typer.main.get_command(app).commands[name]
+    given = {"logits": ["M", "--tokens-file", "t.npy", "--out", "o.npy"],
+             "modes": ["M", "--tokens", "1,2", "--out", "o.npz"]}
+    argv = [*given.get(name, []), "--np", "3", "--pp", "3", "--backend", "ring", "--hostfile", "h",
+            "--rank-weights", "2,1,1", "--moe-split", "experts", "--stall-timeout", "7.5", "--dtype", "float32",
+            "--max-kv-size", "64", "--kv-bits", "4", "--kv-group-size", "32", "--adapter-path", "a"]
+    ctx = cmd.make_context(name, argv)
+    again = cmd.make_context(name, argv_from_ctx(ctx)[1:])
+    assert again.params == ctx.params and ctx.params["np_"] == 3 and ctx.params["kv_group_size"] == 32
