@@ -401,3 +401,17 @@ def test_the_ranks_argv_recreates_the_grouped_options(name):
     ctx = cmd.make_context(name, argv)
     again = cmd.make_context(name, argv_from_ctx(ctx)[1:])
     assert again.params == ctx.params and ctx.params["np_"] == 3 and ctx.params["kv_group_size"] == 32
+
+
+def test_help_loads_no_mlx_and_no_command_body():
+    # Each command's body (mlxcel_dist/commands/<name>.py) is imported when the
+    # command runs, not for --help: the help stays as quick as it was.
+    code = ("import sys, typer; from typer.testing import CliRunner; from mlxcel_dist.cli import app; "
+            "names = list(typer.main.get_command(app).commands); "
+            "codes = [CliRunner().invoke(app, [n, '--help']).exit_code for n in names]; "
+            "shared = ('mlxcel_dist.commands', 'mlxcel_dist.commands.common', 'mlxcel_dist.commands.launch'); "
+            "print(len(names), set(codes), sorted(m for m in sys.modules if m.split('.')[0] == 'mlx' "
+            "or m.startswith('mlxcel_dist.commands') and m not in shared))")
+    p = run_cmd([sys.executable, "-c", code], timeout=60, cwd=TINY.parent.parent)
+    assert p.returncode == 0 and p.stdout.split(None, 1)[1].strip() == "{0} []", (p.stdout, p.stderr)
+    assert int(p.stdout.split()[0]) >= 9
