@@ -1,6 +1,6 @@
 """Constrained decoding: the grammars of structured output and forced tool
 calls, and each row's matcher, through llguidance (the optional `grammar`
-extra; docs/benchmarks.md "Grammar engines" says why this engine).
+extra; docs/benchmarks-log.md "Grammar engines" says why this engine).
 
 A grammar is built once where a request is parsed (rank 0: `json_schema`,
 `json_object`, `tool_calls`), as llguidance's serialized grammar text, and

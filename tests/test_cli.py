@@ -381,3 +381,37 @@ def test_no_arguments_print_the_help(monkeypatch, capsys):
         cli.main()
     out = capsys.readouterr()
     assert e.value.code == 2 and out.out.startswith("Usage: ") and "generate" in out.out and out.err == ""
+
+
+@pytest.mark.parametrize("name", ["logits", "generate", "modes", "logit-match", "serve", "bench"])
+def test_the_ranks_argv_recreates_the_grouped_options(name):
+    # Launch and load options are declared once (cli.LaunchOptions, LoadOptions)
+    # and spread into each command: the argv each rank re-runs parses back to
+    # the same values, none lost or defaulted.
+    import typer
+
+    from mlxcel_dist.commands.launch import argv_from_ctx
+
+    cmd = typer.main.get_command(app).commands[name]
+    given = {"logits": ["M", "--tokens-file", "t.npy", "--out", "o.npy"],
+             "modes": ["M", "--tokens", "1,2", "--out", "o.npz"]}
+    argv = [*given.get(name, []), "--np", "3", "--pp", "3", "--backend", "ring", "--hostfile", "h",
+            "--rank-weights", "2,1,1", "--moe-split", "experts", "--stall-timeout", "7.5", "--dtype", "float32",
+            "--max-kv-size", "64", "--kv-bits", "4", "--kv-group-size", "32", "--adapter-path", "a"]
+    ctx = cmd.make_context(name, argv)
+    again = cmd.make_context(name, argv_from_ctx(ctx)[1:])
+    assert again.params == ctx.params and ctx.params["np_"] == 3 and ctx.params["kv_group_size"] == 32
+
+
+def test_help_loads_no_mlx_and_no_command_body():
+    # Each command's body (mlxcel_dist/commands/<name>.py) is imported when the
+    # command runs, not for --help: the help stays as quick as it was.
+    code = ("import sys, typer; from typer.testing import CliRunner; from mlxcel_dist.cli import app; "
+            "names = list(typer.main.get_command(app).commands); "
+            "codes = [CliRunner().invoke(app, [n, '--help']).exit_code for n in names]; "
+            "shared = ('mlxcel_dist.commands', 'mlxcel_dist.commands.common', 'mlxcel_dist.commands.launch'); "
+            "print(len(names), set(codes), sorted(m for m in sys.modules if m.split('.')[0] == 'mlx' "
+            "or m.startswith('mlxcel_dist.commands') and m not in shared))")
+    p = run_cmd([sys.executable, "-c", code], timeout=60, cwd=TINY.parent.parent)
+    assert p.returncode == 0 and p.stdout.split(None, 1)[1].strip() == "{0} []", (p.stdout, p.stderr)
+    assert int(p.stdout.split()[0]) >= 9

@@ -1,0 +1,42 @@
+"""`mlxcel-dist plan`: each rank's share and memory and a predicted decode
+time, from the checkpoint's headers only (plan.make_plan)."""
+
+from __future__ import annotations
+
+from ..errors import UserError
+from ..loader import open_model
+from ..plan import format_plan, make_plan
+from .common import pick_model
+from .launch import check_moe_split, check_placement, parse_rank_weights
+
+
+def main(ctx, a) -> None:
+    ck = open_model(pick_model(a.model, a.model_opt))
+    np_, pp, link = a.np_, a.pp, a.link
+    weights = parse_rank_weights(a.rank_weights)
+    memory = None
+    if a.hostfile is not None:
+        from ..hostfile import rank_memory, rank_weights as host_weights, read_hostfile
+
+        hosts = read_hostfile(a.hostfile).hosts
+        np_ = np_ if np_ > 1 else sum(h.slots for h in hosts)
+        weights = weights or host_weights(hosts, np_)
+        memory = rank_memory(hosts, np_)
+        if all(m is None for m in memory):
+            memory = None
+        if link == "loopback":
+            link = "10gbe"
+    if np_ < 1:
+        raise UserError(f"--np must be >= 1, got {np_}")
+    if weights is not None and len(weights) != np_:
+        raise UserError(f"--rank-weights gives {len(weights)} weights for {np_} ranks")
+    if pp > 1:
+        from ..pipeline import check_pp_ranks
+
+        np_ = check_pp_ranks(np_, pp)
+    split = check_moe_split(a.moe_split)
+    check_placement(ck, np_, pp, weights, split)
+    p = make_plan(ck, np_, weights, link, None if a.bandwidth is None else a.bandwidth * 1e9, memory, pp, split)
+    print(f"{ck.dir}: {np_} rank(s)")
+    for line in format_plan(p):
+        print(line)
