@@ -240,13 +240,13 @@ def _engine(model, prompt_cache=None):
 
 
 def test_batched_rows_give_the_ids_alone():
-    # DeltaNet state is not static KV: rows step one by one, each on its own caches.
+    # DeltaNet state in the batch buffers (decode.StaticState): the rows step together.
     model = load_model(NEXT).model
     rng = np.random.default_rng(3)
     prompts = [rng.integers(3, model.args.vocab_size, k) for k in (5, 11, 8)]
     eng = _engine(model)
     eng.add_many([(i, p, None) for i, p in enumerate(prompts)])
-    assert eng.static is False
+    assert eng.static and eng.stateful
     got = {i: [] for i in range(len(prompts))}
     for _ in range(6):
         for rid, tok in eng.step().items():
