@@ -56,10 +56,23 @@ Exactness: each row is computed by the same operations as a lone sequence
 (the matmuls batch rows; a row's values do not depend on the others), so
 greedy text is the same alone or batched, prefilled alone or together
 (tests/test_batch.py compares ids, not logits: a batched matmul or a masked
-key axis longer than a row's need not round bit for bit as the lone one).
+key axis longer than a row's need not round bit for bit as the lone one;
+tests/test_kv.py the --kv-bits rows).
 
-Models whose caches are not all `static_kv` (recurrent or conv state) are
-stepped row by row on their own caches: the same results, without batching.
+Every cache kind has its rows in the buffers (decode.static_kind): a
+--kv-bits layer holds decode.QuantizedStaticCache's six buffers [C, H, S, .]
+(`QuantizedRowCache`: each row's token quantized into its slot, attention
+through mx.quantized_matmul under the per-row mask; `QuantizedPrefillCache`
+for prompts prefilled together), a state layer (RG-LRU, conv, DeltaNet) its
+state arrays as [C, ...] buffers "s{i}.{j}" (decode.StaticState: the step
+replaces every row's in the graph; Baichuan-M1's conv state beside its KV,
+decode.StaticConvKV). A row's state is its slice: admission writes the
+prefilled state into the row (zeros when nothing was prefilled), `remove`
+moves the last row's into it, `_fork` copies it, `_keep` hands the prompt
+cache its Snapshot (DeltaNet; RG-LRU and conv state are not kept). Models
+with a state prefill each prompt alone through their own caches (a padded
+chunk would feed its pads into the state). Only a cache with no static form
+steps row by row on its own caches (`eager_cache`).
 
 Under TP every rank runs the same steps on the same rows (the scheduler on
 rank 0 decides, serve.protocol shares its decisions): the collectives are per
@@ -463,8 +476,8 @@ class BatchEngine:
         kernels are cached on disk). serve's --warmup, off by default: on MLX
         0.32 CUDA steady decode after it was slower in 13 of 15 runs on two
         H200 hosts (docs/benchmarks.md; cause not found). Models whose rows
-        step eagerly (recurrent caches) compile nothing: only the first
-        capacity runs.
+        step eagerly (a cache with no static form) compile nothing: only the
+        first capacity runs.
         Returns [(capacity, seconds)]. Every rank makes the same call."""
         import time
 

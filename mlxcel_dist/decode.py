@@ -264,8 +264,9 @@ class QuantizedStaticCache(StaticCache):
 
 class DecodeState(dict):
     """The arrays a compiled step reads and replaces: "pos" (int32 scalar, the
-    position of the token being fed) and "k{i}"/"v{i}" per layer. A dict so
-    that mx.compile can take it as the step's captured inputs and outputs."""
+    position of the token being fed), "k{i}"/"v{i}" per KV layer ("k{i}.0"
+    .. "v{i}.2" quantized), "s{i}.{j}" per state array. A dict so that
+    mx.compile can take it as the step's captured inputs and outputs."""
 
 
 class DecodeStep:
