@@ -356,7 +356,8 @@ class RecurrentCache(LayerCache):
     reference accumulates). The layer reads both with `fetch()` and writes them
     back with `update(conv_state, lru_state, n)`; `offset` counts the tokens
     seen (position 0 resets the recurrence). No keys, so no mask; decode
-    steps and batch rows hold its state in static buffers (`static_state`)."""
+    steps and batch rows hold its state in static buffers (`static_state`);
+    `snapshot()` / `restore_snapshot()` as DeltaNetCache's (the prompt cache)."""
 
     static_state = True
 
@@ -377,6 +378,12 @@ class RecurrentCache(LayerCache):
     def update(self, conv_state: mx.array, lru_state: mx.array, n: int) -> None:
         self.conv_state, self.lru_state = conv_state, lru_state
         self.offset += n
+
+    def snapshot(self) -> tuple:
+        return (self.conv_state, self.lru_state, self.offset)
+
+    def restore_snapshot(self, snap: tuple) -> None:
+        self.conv_state, self.lru_state, self.offset = snap
 
     def release(self) -> None:
         self.conv_state = self.lru_state = None

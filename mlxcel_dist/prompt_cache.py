@@ -11,10 +11,10 @@ layer's KV (SharedKVCache) store nothing. Lookup takes the longest entry
 that is a proper prefix of the new prompt (at least one token is left to
 feed). Entries are evicted least recently used first, beyond `max_entries`
 or `max_bytes`. A layer whose cache is a state rather than keys (a
-`snapshot()`-able cache: DeltaNetCache) keeps a snapshot of its state after
-exactly `tokens` (`Snapshot`), restored as it was, so such an entry is only
-ever reused whole; families with other non-KV caches (recurrent_gemma's
-RecurrentCache, baichuan_m1's conv state) are not cached. A --kv-bits
+`snapshot()`-able cache: DeltaNetCache, RecurrentCache) keeps a snapshot of
+its state after exactly `tokens` (`Snapshot`), restored as it was, so such an
+entry is only ever reused whole; baichuan_m1 (its conv state rides on its KV
+layers) is not cached. A --kv-bits
 layer keeps its quantized keys/values (`cache.QuantizedKV`s, sliced alike).
 
 Under TP every rank keeps its own cache of its own shards; the ranks make
