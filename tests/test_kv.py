@@ -5,7 +5,8 @@ and --extra-eos-token.
 (tests/fixtures/max_kv, scripts/fixtures_max_kv.py) in every feeding mode,
 compiled and eager; the batch engine and the prompt cache against lone
 generation with the same bound; quantized attention against float attention
-on the dequantized cache (the same numbers the kernel was given); np 2 under
+on the dequantized cache (the same numbers the kernel was given); quantized
+batch rows (prefilled together, forked, kept and reused) as alone; np 2 under
 the real launcher for both options; bad values are one `error:` line."""
 
 from pathlib import Path
