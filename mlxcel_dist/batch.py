@@ -56,10 +56,23 @@ Exactness: each row is computed by the same operations as a lone sequence
 (the matmuls batch rows; a row's values do not depend on the others), so
 greedy text is the same alone or batched, prefilled alone or together
 (tests/test_batch.py compares ids, not logits: a batched matmul or a masked
-key axis longer than a row's need not round bit for bit as the lone one).
+key axis longer than a row's need not round bit for bit as the lone one;
+tests/test_kv.py the --kv-bits rows).
 
-Models whose caches are not all `static_kv` (recurrent or conv state) are
-stepped row by row on their own caches: the same results, without batching.
+Every cache kind has its rows in the buffers (decode.static_kind): a
+--kv-bits layer holds decode.QuantizedStaticCache's six buffers [C, H, S, .]
+(`QuantizedRowCache`: each row's token quantized into its slot, attention
+through mx.quantized_matmul under the per-row mask; `QuantizedPrefillCache`
+for prompts prefilled together), a state layer (RG-LRU, conv, DeltaNet) its
+state arrays as [C, ...] buffers "s{i}.{j}" (decode.StaticState: the step
+replaces every row's in the graph; Baichuan-M1's conv state beside its KV,
+decode.StaticConvKV). A row's state is its slice: admission writes the
+prefilled state into the row (zeros when nothing was prefilled), `remove`
+moves the last row's into it, `_fork` copies it, `_keep` hands the prompt
+cache its Snapshot (DeltaNet; RG-LRU and conv state are not kept). Models
+with a state prefill each prompt alone through their own caches (a padded
+chunk would feed its pads into the state). Only a cache with no static form
+steps row by row on its own caches (`eager_cache`).
 
 Under TP every rank runs the same steps on the same rows (the scheduler on
 rank 0 decides, serve.protocol shares its decisions): the collectives are per
@@ -73,12 +86,14 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
-from .cache import LayerCache, SharedKVCache
+from .cache import LayerCache, QuantizedKV, SharedKVCache
 from .decode import STEP as GPU_STEP
-from .decode import StaticCache, _round_up, ring_slots
+from .decode import (QuantizedStaticCache, StaticCache, StaticConvKV, StaticState, _round_up, held_arrays,
+                     quantize_kv, ring_slots, static_kind)
 from .engine import DEFAULT_PREFILL_STEP, check_tokens, vocab_size
 from .masks import create_rows_mask
 from .pipeline import outstanding_sends
+from .prompt_cache import PromptCache, Snapshot
 from .sampling import NEG_INF, Sampler, SamplingParams, allowed_from_bits, read_logprobs, token_logprobs
 
 # Buffer granularity of the batch's static KV, per device. A batch step
@@ -131,11 +146,19 @@ class RowCache(StaticCache):
         return (mx.arange(self.size)[None, :] <= last[:, None])[:, None, None, :]
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
-        b, i = self.buffers, self.index
+        k, v = self._write([keys, values])
+        self.last = (k, v, self.offset)
+        return k, v
+
+    def _write(self, xs: list) -> list:
+        """Each row's new token (xs: one array per buffer of `names`) into its
+        slot; the buffers (this view's rows)."""
+        b = self.buffers
         pos = b["pos"]
         slot = self.slot(pos)
         C = pos.shape[0]
-        for name, x in ((f"k{i}", keys), (f"v{i}", values)):
+        out = []
+        for name, x in zip(self.names, xs):
             idx = mx.broadcast_to(slot.reshape(C, 1, 1, 1), (C, x.shape[1], 1, x.shape[3]))
             if self.rows is not None:
                 # a micro-batch writes its rows; the others' slots get their own values back
@@ -144,9 +167,24 @@ class RowCache(StaticCache):
                 old = mx.take_along_axis(b[name], idx, axis=2)
                 x = mx.concatenate([old[:a], x, old[e:]])
             b[name] = mx.put_along_axis(b[name], idx, x, axis=2)
-        k, v = b[f"k{i}"], b[f"v{i}"]
-        if self.rows is not None:
-            k, v = k[self.rows[0] : self.rows[1]], v[self.rows[0] : self.rows[1]]
+            out.append(b[name] if self.rows is None else b[name][self.rows[0] : self.rows[1]])
+        return out
+
+
+class QuantizedRowCache(RowCache):
+    """A --kv-bits layer's rows (decode.QuantizedStaticCache's buffers, `pos`
+    per row): each row's new token quantized into its slot; attention gets
+    `QuantizedKV`s of the whole buffers under RowCache's per-row mask."""
+
+    names = QuantizedStaticCache.names
+
+    def __init__(self, state, index: int, bits: int, group_size: int, rows=None):
+        super().__init__(state, index, None, rows)
+        self.bits, self.group_size = bits, group_size
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        k, v = QuantizedKV.pair(self._write(quantize_kv(keys, values, self.bits, self.group_size)),
+                                self.bits, self.group_size)
         self.last = (k, v, self.offset)
         return k, v
 
@@ -179,16 +217,39 @@ class PrefillCache(LayerCache):
             return create_rows_mask(L, self.buffers["offsets"], pos, chunk=self.chunk)
         return create_rows_mask(L, self.buffers["offsets"], pos, self.window)
 
+    names = StaticCache.names
+
     def update_and_fetch(self, keys: mx.array, values: mx.array):
-        b, i = self.buffers, self.index
-        B, H, L, _ = keys.shape
+        k, v = self._write([keys, values])
+        self.last = (k, v, self.buffers["offsets"])
+        return k, v
+
+    def _write(self, xs: list) -> list:
+        """The chunk's tokens (one array per buffer of `names`) into their
+        slots; the buffers (without a ring: the slots written so far)."""
+        b = self.buffers
+        B, H, L = xs[0].shape[:3]
         slots = ((b["offsets"].reshape(B, 1) + mx.arange(L)) % self.ring).reshape(B, 1, L, 1)
-        for name, x in ((f"k{i}", keys), (f"v{i}", values)):
+        for name, x in zip(self.names, xs):
             b[name] = mx.put_along_axis(b[name], mx.broadcast_to(slots, (B, H, L, x.shape[3])), x, axis=2)
-        k, v = b[f"k{i}"], b[f"v{i}"]
-        if not self.wraps:  # attention over the keys written so far, not the whole buffer
-            k, v = k[:, :, : b["upto"]], v[:, :, : b["upto"]]
-        self.last = (k, v, b["offsets"])
+        # no ring: attention over the keys written so far, not the whole buffer
+        return [b[n] if self.wraps else b[n][:, :, : b["upto"]] for n in self.names]
+
+
+class QuantizedPrefillCache(PrefillCache):
+    """PrefillCache for a --kv-bits layer: the chunk's keys/values quantized
+    into the six buffers of decode.QuantizedStaticCache's layout."""
+
+    names = QuantizedStaticCache.names
+
+    def __init__(self, buffers: dict, index: int, ring: int, wraps: bool, bits: int, group_size: int):
+        super().__init__(buffers, index, None, ring, wraps)
+        self.bits, self.group_size = bits, group_size
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        k, v = QuantizedKV.pair(self._write(quantize_kv(keys, values, self.bits, self.group_size)),
+                                self.bits, self.group_size)
+        self.last = (k, v, self.buffers["offsets"])
         return k, v
 
 
@@ -300,6 +361,9 @@ class BatchEngine:
         self.windows: list = []
         self.chunks: list = []
         self.reads: list = []
+        self.kinds: list = []  # per layer: decode.static_kind
+        self.stateful = False  # some layer holds a state (prefilled alone: pads would enter it)
+        self._cap = 0
         self._compiled = mx.compile(self._forward, inputs=self.buffers, outputs=self.buffers) if compiled else None
         # Pipeline stages (--pp): the rows can go through in micro-batches, one behind the other,
         # so that each stage works on a different one at once (`_launch_micro`)
@@ -324,7 +388,7 @@ class BatchEngine:
         return any(r.rid == rid for r in self.rows)
 
     def _capacity(self) -> int:
-        return self.buffers[f"k{self._first}"].shape[0] if self.buffers else 0
+        return self._cap if self.buffers else 0
 
     def _slots(self) -> int:
         """The nominal buffer length (full layers'; sliding ones stop at their window)."""
@@ -365,10 +429,10 @@ class BatchEngine:
             todo.append(_Admit(rid, prompt, len(prompt) - 1, sampling, start, cache, budget, grammar))
         if self.static is None:
             fresh = self.model.make_cache()
-            self.static = bool(fresh) and all(c.static_kv for c in fresh)
+            self.static = bool(fresh) and None not in [static_kind(c) for c in fresh]
             if self.static:
                 self._learn_layout(None, todo[0].prompt[:1])
-        together = [a for a in todo if a.start < a.last] if self.static else []
+        together = [a for a in todo if a.start < a.last] if self.static and not self.stateful else []
         groups = _pad_groups(together, self.prefill_step)
         together = [g for g in groups if len(g) > 1]
         for a in todo:
@@ -412,8 +476,8 @@ class BatchEngine:
         kernels are cached on disk). serve's --warmup, off by default: on MLX
         0.32 CUDA steady decode after it was slower in 13 of 15 runs on two
         H200 hosts (docs/benchmarks.md; cause not found). Models whose rows
-        step eagerly (recurrent caches) compile nothing: only the first
-        capacity runs.
+        step eagerly (a cache with no static form) compile nothing: only the
+        first capacity runs.
         Returns [(capacity, seconds)]. Every rank makes the same call."""
         import time
 
@@ -456,28 +520,30 @@ class BatchEngine:
             self._changed = True
             return
         self._reserve(len(self.rows) + 1, last + 1)
-        self._place(row, [None if self.reads[i] is not None or last == 0 else c.temporal()
-                          for i, c in enumerate(cache)])
+        self._place(row, [None if kind == "shared" or last == 0 else held_arrays(c, kind)
+                          for c, kind in zip(cache, self.kinds)])
         for c in cache:
             c.release()
 
-    def _place(self, row: "Row", kv: list) -> None:
-        """Append `row`, its keys/values per layer ((k, v) [1, H, n, D] of
-        positions up to row.pos, oldest first; None: nothing) moved into its
-        batch row (buffers already reserved)."""
+    def _place(self, row: "Row", layers: list) -> None:
+        """Append `row`, per layer (its keys/values in `names` order, [1, H, n, .]
+        of positions up to row.pos, oldest first; its state arrays [1, ...])
+        moved into its batch row (buffers already reserved); None: nothing
+        held (a state starts at zeros)."""
         b, last = len(self.rows), row.pos
         self.rows.append(row)
         self._changed = True
-        for i, x in enumerate(kv):
-            if x is None:
-                continue
-            S = self.buffers[f"k{i}"].shape[2]  # this layer's (a sliding one stops at its window)
-            k, v = x
-            n = min(k.shape[2], S)
-            k, v = k[..., k.shape[2] - n :, :], v[..., v.shape[2] - n :, :]
-            slots = ring_slots(last - n, n, S)
-            for name, x in ((f"k{i}", k), (f"v{i}", v)):
-                _write_row(self.buffers[name], b, slots, x)
+        for i, x in enumerate(layers):
+            held, states = x or ([], [None] * len(self.snames[i]))
+            if held:
+                S = self.buffers[self.names[i][0]].shape[2]  # this layer's (a sliding one stops at its window)
+                n = min(held[0].shape[2], S)
+                slots = ring_slots(last - n, n, S)
+                for name, a in zip(self.names[i], held):
+                    _write_row(self.buffers[name], b, slots, a[..., a.shape[2] - n :, :])
+            for name, a in zip(self.snames[i], states):
+                buf = self.buffers[name]
+                buf[b : b + 1] = mx.zeros_like(buf[:1]) if a is None else a
         self._sync_pos()
 
     def _prefill_together(self, admits: list) -> None:
@@ -495,14 +561,12 @@ class BatchEngine:
         self.prefilled += sum(a.last - a.start for a in admits)
         L = min(self.prefill_step, admits[0].last - admits[0].start)
         T = max(end for _, _, end in _chunks(admits, L))  # slots written, pads included
-        rings = [None if r is not None else (T if w is None else min(w + L, T))
-                 for w, r in zip(self.windows, self.reads)]
+        rings = [None if k == "shared" else (T if w is None else min(w + L, T))
+                 for w, k in zip(self.windows, self.kinds)]
         B = len(admits)
         bufs = {"offsets": None, "end": None, "upto": 0}
         for i, R in enumerate(rings):
-            if R is None:
-                continue
-            for name in (f"k{i}", f"v{i}"):
+            for name in self.names[i] if R is not None else ():
                 shape = self._shapes[name]
                 bufs[name] = mx.zeros((B, shape[1], R, shape[3]), self._dtypes[name])
         for b, a in enumerate(admits):  # a prompt-cache prefix: its keys/values at their slots
@@ -511,15 +575,17 @@ class BatchEngine:
             for i, c in enumerate(a.cache):
                 if rings[i] is None:
                     continue
-                k, v = c.temporal()
-                slots = ring_slots(a.start - k.shape[2], k.shape[2], rings[i])
-                for name, x in ((f"k{i}", k), (f"v{i}", v)):
+                held, _ = held_arrays(c, self.kinds[i])
+                slots = ring_slots(a.start - held[0].shape[2], held[0].shape[2], rings[i])
+                for name, x in zip(self.names[i], held):
                     _write_row(bufs[name], b, slots, x)
                 c.release()
         views = []
         for i, R in enumerate(rings):
             if R is None:
                 views.append(SharedKVCache(views[self.reads[i]], self.reads[i]))
+            elif self.kinds[i] == "quantized":
+                views.append(QuantizedPrefillCache(bufs, i, R, R < T, *self._quant[i]))
             else:
                 views.append(PrefillCache(bufs, i, self.windows[i], R, wraps=R < T, chunk=self.chunks[i]))
         self._reserve(len(self.rows) + B, max(a.last for a in admits) + 1)
@@ -550,9 +616,10 @@ class BatchEngine:
             w = self.windows[i]
             n = a.last if w is None else min(a.last, w)  # a ring of w + chunk slots holds the last w
             slots = ring_slots(a.last - n, n, R)
-            kv.append(tuple(_read_row(bufs[f"{x}{i}"], b, slots) for x in "kv"))
+            kv.append(([_read_row(bufs[name], b, slots) for name in self.names[i]], []))
         if self.prompt_cache is not None:
-            self.prompt_cache.store_layers(a.prompt[: a.last], kv, self.windows)
+            self.prompt_cache.store_layers(a.prompt[: a.last], [self._entry(i, x) for i, x in enumerate(kv)],
+                                           self.windows)
         self._place(Row(a.rid, Sampler(a.sampling or SamplingParams(), len(a.prompt)), a.prompt.tolist(), a.last,
                         int(a.prompt[a.last]), budget=a.budget, grammar=a.grammar), kv)
 
@@ -595,16 +662,29 @@ class BatchEngine:
         if not self.static:
             self.prompt_cache.store(seen, r.eager_cache)
             return
+        if not self._cacheable:  # a state the prompt cache cannot keep (PromptCache.cacheable)
+            return
         layers = []
-        for i, (window, reads) in enumerate(zip(self.windows, self.reads)):
-            if reads is not None:
-                layers.append(None)
-                continue
-            S = self.buffers[f"k{i}"].shape[2]
-            n = min(fed, S)
-            slots = ring_slots(fed - n, n, S)
-            layers.append(tuple(_read_row(self.buffers[f"{x}{i}"], b, slots) for x in "kv"))
-        self.prompt_cache.store_layers(seen, layers, self.windows)
+        for i, kind in enumerate(self.kinds):
+            held = []
+            if self.names[i]:
+                S = self.buffers[self.names[i][0]].shape[2]
+                n = min(fed, S)
+                slots = ring_slots(fed - n, n, S)
+                held = [_read_row(self.buffers[name], b, slots) for name in self.names[i]]
+            layers.append(None if kind == "shared" else (held, [self.buffers[x][b : b + 1] for x in self.snames[i]]))
+        self.prompt_cache.store_layers(seen, [self._entry(i, x, fed) for i, x in enumerate(layers)], self.windows)
+
+    def _entry(self, i: int, x, offset: int | None = None):
+        """Layer i's prompt-cache entry from (keys/values, states) of `offset`
+        tokens: (keys, values) (QuantizedKVs under --kv-bits), a state's
+        Snapshot (its arrays, then the offset: DeltaNetCache.snapshot), or None."""
+        if x is None:
+            return None
+        held, states = x
+        if self.kinds[i] == "state":
+            return Snapshot((*states, offset))
+        return QuantizedKV.pair(held, *self._quant[i]) if self.kinds[i] == "quantized" else tuple(held)
 
     def release(self) -> None:
         """Drop the buffers (no rows left)."""
@@ -628,18 +708,11 @@ class BatchEngine:
             return
         self._size = want_s
         new = {}
-        first = None
-        for i, (window, reads) in enumerate(zip(self.windows, self.reads)):
-            if reads is not None:
-                continue
-            first = i if first is None else first
+        for i, window in enumerate(self.windows):
             s = min(want_s, window) if window else want_s
-            for name in (f"k{i}", f"v{i}"):
+            for name in self.names[i]:
                 old = self.buffers.get(name)
-                if old is None:
-                    shape = self._kv_shape(i, name)
-                else:
-                    shape = old.shape
+                shape = self._shapes[name] if old is None else old.shape
                 buf = mx.zeros((want_c, shape[1], s, shape[3]), self._dtypes[name])
                 if old is not None:
                     # A sliding buffer already at the window keeps its ring; a
@@ -647,38 +720,57 @@ class BatchEngine:
                     keep = min(old.shape[2], s)
                     buf[: old.shape[0], :, :keep, :] = old[:, :, :keep, :]
                 new[name] = buf
+            for name in self.snames[i]:  # a state: rows only
+                old = self.buffers.get(name)
+                buf = mx.zeros((want_c, *self._shapes[name][1:]), self._dtypes[name])
+                if old is not None:
+                    buf[: old.shape[0]] = old
+                new[name] = buf
         self.buffers.clear()
         self.buffers.update(new)
+        self._cap = want_c
         self.views = []
-        for i, (window, reads) in enumerate(zip(self.windows, self.reads)):
-            if reads is None:
-                self.views.append(RowCache(self.buffers, i, window, chunk=self.chunks[i]))
-            else:
-                self.views.append(SharedKVCache(self.views[reads], reads))
+        for i in range(len(self.kinds)):
+            self.views.append(self._view(i, self.views))
         self._sync_pos()
 
+    def _view(self, i: int, views: list, rows=None):
+        """Layer i's cache over the batch buffers (`views`: the layers before
+        it; `rows`: a micro-batch's rows only)."""
+        kind = self.kinds[i]
+        if kind == "shared":
+            return SharedKVCache(views[self.reads[i]], self.reads[i])
+        if kind == "state":
+            return StaticState(self.buffers, i, len(self.snames[i]), rows)
+        if kind == "quantized":
+            return QuantizedRowCache(self.buffers, i, *self._quant[i], rows)
+        view = RowCache(self.buffers, i, self.windows[i], rows, self.chunks[i])
+        return view if kind == "kv" else StaticConvKV(view, StaticState(self.buffers, i, 2, rows))
+
     def _learn_layout(self, cache, probe) -> None:
-        """Per-layer window, KV source and K/V shapes and dtypes, from a
-        prefilled cache (or a one-token probe forward when the prompt had
-        nothing to prefill)."""
+        """Per-layer window, cache kind, buffer names and per-row shapes and
+        dtypes, from a prefilled cache (or a one-token probe forward when the
+        prompt had nothing to prefill)."""
         if cache is None:
             cache = self.model.make_cache()
             self.model(mx.array(probe)[None], cache)
+        self.kinds = [static_kind(c) for c in cache]
         self.windows = [c.window for c in cache]
         self.chunks = [c.chunk for c in cache]  # chunked layers (window = chunk, the chunk mask)
         self.reads = [c.reads_layer for c in cache]
-        self._first = next(i for i, r in enumerate(self.reads) if r is None)
+        self.stateful = any(k in ("state", "conv_kv") for k in self.kinds)
+        self._cacheable = PromptCache.cacheable(cache)
+        self._quant = [(c.bits, c.group_size) if k == "quantized" else None for c, k in zip(cache, self.kinds)]
+        held = [([], []) if k == "shared" else held_arrays(c, k) for c, k in zip(cache, self.kinds)]
+        self.snames = [[f"s{i}.{j}" for j in range(len(st))] for i, (_, st) in enumerate(held)]  # StaticState's
+        views = []
+        for i in range(len(cache)):
+            views.append(self._view(i, views))
+        self.names = [[] if k in ("shared", "state") else v.names for v, k in zip(views, self.kinds)]
         self._shapes, self._dtypes = {}, {}
-        for i, c in enumerate(cache):
-            if self.reads[i] is None:
-                for name, x in zip((f"k{i}", f"v{i}"), c.temporal()):
-                    self._shapes[name], self._dtypes[name] = x.shape, x.dtype
-
-    def _kv_shape(self, i: int, name: str):
-        return self._shapes[name]
-
-    def _kv_dtype(self, i: int):
-        return self._dtypes[f"k{i}"]
+        for i, (kv, st) in enumerate(held):
+            for name, x in zip(self.names[i] + self.snames[i], kv + st):
+                self._shapes[name], self._dtypes[name] = x.shape, x.dtype
 
     # -- steps -------------------------------------------------------------
     # Pipelined as engine.TokenGenerator: `step` launches step n+1 (async_eval)
@@ -696,9 +788,8 @@ class BatchEngine:
         """Rows [a, e) (a micro-batch) one step on; `pos` moves on with the last part."""
         self.traces += 1
         views = []
-        for i, (window, reads) in enumerate(zip(self.windows, self.reads)):
-            views.append(RowCache(self.buffers, i, window, (a, e), self.chunks[i]) if reads is None
-                         else SharedKVCache(views[reads], reads))
+        for i in range(len(self.kinds)):
+            views.append(self._view(i, views, (a, e)))
         logits = self.model(tokens, views)[:, -1]
         if e == self._capacity():
             self.buffers["pos"] = self.buffers["pos"] + 1

@@ -54,8 +54,10 @@ class LayerCache:
     - `chunk`: None, or the attention chunk of a chunked layer (its keys
       are those of the query's chunk, not the trailing `window`);
     - `static_kv`: True when `temporal()` hands over keys/values that
-      `decode.DecodeStep` can move into static buffers (other kinds, e.g.
-      recurrent state, are stepped eagerly);
+      `decode.DecodeStep` can move into static buffers;
+    - `static_state`: True when its state (`state_arrays()`: recurrent,
+      conv or DeltaNet state, fixed shapes) can move into static buffers
+      (`decode.StaticState`, one row of the batch engine's too);
     - `mask(L)`: the mask L new tokens need on this layer: None (a single
       token sees exactly what the cache returns), `masks.CAUSAL`, or a bool
       array [L, keys returned]. Called before the update.
@@ -65,6 +67,7 @@ class LayerCache:
     window: int | None = None
     chunk: int | None = None
     static_kv = False
+    static_state = False
     offset = 0
     reads_layer: int | None = None  # a SharedKVCache: the layer whose KV it reads
     last = None  # (keys, values, offset before) of the latest update_and_fetch
@@ -352,13 +355,19 @@ class RecurrentCache(LayerCache):
     [B, channels] the linear recurrence's hidden state (float32, as the
     reference accumulates). The layer reads both with `fetch()` and writes them
     back with `update(conv_state, lru_state, n)`; `offset` counts the tokens
-    seen (position 0 resets the recurrence). No keys, so no mask, and it stays
-    eager in decode (`static_kv` False)."""
+    seen (position 0 resets the recurrence). No keys, so no mask; decode
+    steps and batch rows hold its state in static buffers (`static_state`);
+    `snapshot()` / `restore_snapshot()` as DeltaNetCache's (the prompt cache)."""
+
+    static_state = True
 
     def __init__(self):
         self.conv_state = None
         self.lru_state = None
         self.offset = 0
+
+    def state_arrays(self) -> tuple:
+        return self.conv_state, self.lru_state
 
     def mask(self, L: int):
         return None  # recurrent layers take no mask
@@ -369,6 +378,12 @@ class RecurrentCache(LayerCache):
     def update(self, conv_state: mx.array, lru_state: mx.array, n: int) -> None:
         self.conv_state, self.lru_state = conv_state, lru_state
         self.offset += n
+
+    def snapshot(self) -> tuple:
+        return (self.conv_state, self.lru_state, self.offset)
+
+    def restore_snapshot(self, snap: tuple) -> None:
+        self.conv_state, self.lru_state, self.offset = snap
 
     def release(self) -> None:
         self.conv_state = self.lru_state = None
@@ -387,14 +402,20 @@ class DeltaNetCache(LayerCache):
     k_head_dim, v_head_dim] the delta rule's state matrix per value head
     (float32, as the reference keeps it). Under TP both cover this rank's
     heads only. `fetch()` / `update(conv, state, n)`; `offset` counts the
-    tokens seen. No keys, so no mask; stepped eagerly (`static_kv` False).
-    `snapshot()` / `restore_snapshot()` copy the state out and back
-    (prompt_cache.py keeps a prefix this way: a state cannot be cut back)."""
+    tokens seen. No keys, so no mask; decode steps and batch rows hold its
+    state in static buffers (`static_state`). `snapshot()` (the state
+    arrays, then the offset) / `restore_snapshot()` copy the state out and
+    back (prompt_cache.py keeps a prefix this way: a state cannot be cut back)."""
+
+    static_state = True
 
     def __init__(self):
         self.conv_state = None
         self.recurrent_state = None
         self.offset = 0
+
+    def state_arrays(self) -> tuple:
+        return self.conv_state, self.recurrent_state
 
     def mask(self, L: int):
         return None  # the delta rule is causal by construction
@@ -428,7 +449,10 @@ class ConvKVCache(LayerCache):
     token, as the reference's zero padding), so a chunk or a decode step
     convolves exactly as the one pass does. The mask, offset, window and what
     attention sees are the wrapped cache's; kv_heads are per rank under TP.
-    The conv state is not a static buffer: stepped eagerly (`static_kv` False)."""
+    Decode steps and batch rows hold the conv state in static buffers beside
+    the static KV (`static_state`, decode.StaticConvKV)."""
+
+    static_state = True
 
     def __init__(self, kv: LayerCache, conv_window: int):
         self.kv = kv
@@ -468,6 +492,9 @@ class ConvKVCache(LayerCache):
 
     def update_conv(self, keys: mx.array, values: mx.array) -> None:
         self.conv_state = (keys, values)
+
+    def state_arrays(self) -> tuple:
+        return self.conv_state or (None, None)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         return self.kv.update_and_fetch(keys, values)
@@ -541,6 +568,19 @@ class QuantizedKV:
     def parts(self) -> tuple:
         return self.w, self.scales, self.biases
 
+    @property
+    def nbytes(self) -> int:
+        return sum(x.nbytes for x in self.parts)
+
+    def __getitem__(self, index) -> "QuantizedKV":
+        """The same index on each part ([..., a:b, :]: positions a..b)."""
+        return QuantizedKV(*(x[index] for x in self.parts), self.bits, self.group_size)
+
+    @staticmethod
+    def pair(parts, bits: int, group_size: int) -> tuple:
+        """(keys, values) from six arrays: the keys' w, scales, biases, then the values'."""
+        return QuantizedKV(*parts[:3], bits, group_size), QuantizedKV(*parts[3:], bits, group_size)
+
     def dequantize(self) -> mx.array:
         return mx.dequantize(*self.parts, group_size=self.group_size, bits=self.bits)
 
@@ -551,9 +591,10 @@ class QuantizedKVCache(LayerCache):
     values and returns the whole cache as `QuantizedKV`s, which attention
     multiplies with `mx.quantized_matmul` (never dequantized as a whole).
     From the first token on (mlx-lm's generate waits for
-    `--quantized-kv-start`, 5000 tokens by default). Not `static_kv`: the
-    batch engine steps it row by row and the prompt cache skips it; decode.py
-    moves it into quantized static buffers (`static_quantized`)."""
+    `--quantized-kv-start`, 5000 tokens by default). Not `static_kv` (its
+    buffers are not float KV): decode.py and the batch engine move it into
+    quantized static buffers (`static_quantized`); the prompt cache keeps
+    its quantized keys/values."""
 
     step = 256
     static_quantized = True
@@ -596,12 +637,16 @@ class QuantizedKVCache(LayerCache):
         self.last = (k, v, prev)
         return k, v
 
-    def temporal(self) -> tuple[list, list]:
-        """The quantized keys' and values' (w, scales, biases), position order."""
-        return ([x[..., : self.offset, :] for x in self.keys], [x[..., : self.offset, :] for x in self.values])
+    def temporal(self) -> tuple[QuantizedKV, QuantizedKV]:
+        """The quantized keys and values held, position order."""
+        return tuple(QuantizedKV(*held, self.bits, self.group_size)[..., : self.offset, :]
+                     for held in (self.keys, self.values))
 
     def release(self) -> None:
         self.keys = self.values = self.last = None
+
+    def restore(self, keys: QuantizedKV, values: QuantizedKV, offset: int) -> None:
+        self.keys, self.values, self.offset = list(keys.parts), list(values.parts), offset
 
     @property
     def state(self):

@@ -26,6 +26,11 @@ the step runs on `StaticCache`s instead of the growing `cache.KVCache` /
   quantized: `QuantizedStaticCache`, six buffers (words, scales, biases of
   each), the new token quantized into slot `pos` inside the graph; such a
   model's steps are never split (the split step attends float buffers).
+- a state layer (`static_state`: cache.RecurrentCache, DeltaNetCache) keeps
+  its state arrays as buffers of the same state (`StaticState`: fixed
+  shapes, replaced by each step inside the graph); Baichuan-M1's conv state
+  on k/v sits beside its static KV (`StaticConvKV`). Speculative blocks
+  (`margin`) keep such models eager: a state cannot be rolled back.
 
 Slots past the mask hold zeros and get zero weight, so a step's logits are
 those of the eager decode path (tests/test_decode.py compares them, and the
@@ -45,7 +50,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from .cache import LayerCache, QuantizedKV, SharedKVCache
+from .cache import ConvKVCache, LayerCache, QuantizedKV, SharedKVCache
 
 STEP = 256  # buffer granularity (see _size)
 
@@ -147,6 +152,91 @@ class StaticCache(LayerCache):
         return s[f"k{i}"], s[f"v{i}"]
 
 
+def static_kind(c) -> str | None:
+    """How a cache moves into static buffers: "shared" (reads another
+    layer's), "kv", "quantized", "state", "conv_kv" (KV plus a conv state),
+    or None (it cannot: the model steps eagerly)."""
+    if c.reads_layer is not None:
+        return "shared"
+    if isinstance(c, ConvKVCache):
+        return "conv_kv" if c.kv.static_kv else None
+    if getattr(c, "static_quantized", False):
+        return "quantized"
+    if c.static_kv:
+        return "kv"
+    return "state" if c.static_state else None
+
+
+def held_arrays(c, kind: str) -> tuple[list, list]:
+    """What an eager cache of `kind` holds, as its static buffers take it:
+    (keys/values oldest first, in `names` order: [k, v] or the six quantized
+    parts; state arrays, None where nothing was fed yet)."""
+    kv = []
+    if kind in ("kv", "conv_kv"):
+        kv = list(c.temporal())
+    elif kind == "quantized":
+        k, v = c.temporal()
+        kv = [*k.parts, *v.parts]
+    return kv, list(c.state_arrays()) if kind in ("state", "conv_kv") else []
+
+
+def quantize_kv(keys: mx.array, values: mx.array, bits: int, group_size: int) -> list:
+    """The six arrays a token's keys and values take in quantized buffers."""
+    return [*mx.quantize(keys, group_size=group_size, bits=bits), *mx.quantize(values, group_size=group_size, bits=bits)]
+
+
+class StaticState(LayerCache):
+    """A state cache's static form (`static_state`: RG-LRU, DeltaNet): its
+    arrays are buffers "s{i}.{j}" [B, ...] of a DecodeState (the batch
+    engine's: B rows, `pos` per row), read by `fetch()` and replaced by
+    `update()` inside the graph. `rows` (a, e): a micro-batch's rows only."""
+
+    def __init__(self, state, index: int, count: int, rows=None):
+        self.buffers, self.index, self.count, self.rows = state, index, count, rows
+
+    @property
+    def names(self) -> list:
+        return [f"s{self.index}.{j}" for j in range(self.count)]
+
+    @property
+    def offset(self) -> mx.array:
+        pos = self.buffers["pos"]
+        return pos if self.rows is None else pos[self.rows[0] : self.rows[1]]
+
+    def mask(self, L: int):
+        return None
+
+    def fetch(self) -> tuple:
+        xs = [self.buffers[n] for n in self.names]
+        return tuple(xs if self.rows is None else [x[self.rows[0] : self.rows[1]] for x in xs])
+
+    def update(self, *args) -> None:
+        """update(*arrays, n): the new state (n tokens: `pos` counts them)."""
+        for name, x in zip(self.names, args[:-1]):
+            if self.rows is not None:  # the other rows keep theirs
+                old = self.buffers[name]
+                x = mx.concatenate([old[: self.rows[0]], x, old[self.rows[1] :]])
+            self.buffers[name] = x
+
+
+class StaticConvKV:
+    """cache.ConvKVCache's static form: a static KV view (`kv`) and its conv
+    state as a `StaticState` of two arrays. Everything else (mask, offset,
+    update_and_fetch, names, size ...) is the KV view's."""
+
+    def __init__(self, kv: LayerCache, conv: StaticState):
+        self.kv, self.conv = kv, conv
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__["kv"], name)
+
+    def fetch_conv(self, like) -> tuple:
+        return self.conv.fetch()
+
+    def update_conv(self, keys, values) -> None:
+        self.conv.update(keys, values, 0)
+
+
 class QuantizedStaticCache(StaticCache):
     """A `cache.QuantizedKVCache`'s static form (--kv-bits): keys and values
     each as (w, scales, biases) buffers [B, H, S, .] ("k{i}.0" ..), the new
@@ -165,19 +255,18 @@ class QuantizedStaticCache(StaticCache):
         s, names = self.buffers, self.names
         pos = s["pos"]
         start = pos.reshape(1)
-        new = [*mx.quantize(keys, group_size=self.group_size, bits=self.bits),
-               *mx.quantize(values, group_size=self.group_size, bits=self.bits)]
-        for n, x in zip(names, new):
+        for n, x in zip(names, quantize_kv(keys, values, self.bits, self.group_size)):
             s[n] = mx.slice_update(s[n], x, start, axes=(2,))
-        k, v = (QuantizedKV(*(s[n] for n in part), self.bits, self.group_size) for part in (names[:3], names[3:]))
+        k, v = QuantizedKV.pair([s[n] for n in names], self.bits, self.group_size)
         self.last = (k, v, pos)
         return k, v
 
 
 class DecodeState(dict):
     """The arrays a compiled step reads and replaces: "pos" (int32 scalar, the
-    position of the token being fed) and "k{i}"/"v{i}" per layer. A dict so
-    that mx.compile can take it as the step's captured inputs and outputs."""
+    position of the token being fed), "k{i}"/"v{i}" per KV layer ("k{i}.0"
+    .. "v{i}.2" quantized), "s{i}.{j}" per state array. A dict so that
+    mx.compile can take it as the step's captured inputs and outputs."""
 
 
 class DecodeStep:
@@ -218,44 +307,52 @@ class DecodeStep:
     def start(self, cache, pos: int, compiled: bool = True, margin: int = 0) -> list:
         """Move an eager cache holding `pos` tokens into static buffers sized
         for token `pos` (the eager cache is emptied: it is not used again);
-        the steps run compiled, or eagerly on the same buffers. A cache that
-        is not all `static_kv` (or none) is kept as it is and stepped
-        eagerly: the static layout covers KV caches only.
+        the steps run compiled, or eagerly on the same buffers. A cache with
+        a layer `static_kind` cannot move (or none) is kept as it is and
+        stepped eagerly.
 
         `margin` > 0 (speculative decoding, spec.py): rings hold window +
         margin slots and masks go by slot positions, so blocks of up to
         margin + 1 tokens (`block`) can be fed and up to margin of the
-        latest tokens rolled back (`rewind`) exactly; steps run unsplit."""
+        latest tokens rolled back (`rewind`) exactly; steps run unsplit
+        (state layers then step eagerly: no rollback of a state)."""
         self.state.clear()
         self.pos = pos
         self.compiled = compiled
         self.margin = margin
-        if cache is None or not all(c.static_kv or getattr(c, "static_quantized", False) for c in cache):
+        kinds = [static_kind(c) for c in cache or []]
+        if not kinds or None in kinds or (margin and {"state", "conv_kv"} & set(kinds)):
             self.views, self.static = cache, False
             return cache
         self.static = True
         self.quantized = False
         self.state["pos"] = mx.array(pos, mx.int32)
         self.views = []
-        for i, c in enumerate(cache):
-            if c.reads_layer is not None:  # no buffers of its own: it reads its source's
+        for i, (c, kind) in enumerate(zip(cache, kinds)):
+            if kind == "shared":  # no buffers of its own: it reads its source's
                 self.views.append(SharedKVCache(self.views[c.reads_layer], c.reads_layer))
                 continue
             window = c.window
             if c.offset == 0:
                 raise ValueError("DecodeStep.start needs a cache holding at least one token")
             size = _size(pos + 1, window, margin)
-            if getattr(c, "static_quantized", False):  # a full layer: slot = position
+            held, states = held_arrays(c, kind)
+            if states:  # fixed shapes: the arrays themselves
+                conv = StaticState(self.state, i, len(states))
+                self.state.update(zip(conv.names, states))
+            if kind == "state":
+                self.views.append(conv)
+                continue
+            if kind == "quantized":  # a full layer: slot = position
                 view = QuantizedStaticCache(self.state, i, c.bits, c.group_size)
-                held = c.temporal()
-                for n, x in zip(view.names, [*held[0], *held[1]]):
+                for n, x in zip(view.names, held):
                     buf = mx.zeros((*x.shape[:2], size, x.shape[3]), x.dtype)
                     buf[..., : x.shape[2], :] = x
                     self.state[n] = buf
                 self.views.append(view)
                 self.quantized = True
                 continue
-            k, v = c.temporal()
+            k, v = held
             n = min(k.shape[2], size)
             k, v = k[..., k.shape[2] - n :, :], v[..., v.shape[2] - n :, :]
             B, H, _, Dk = k.shape
@@ -266,7 +363,8 @@ class DecodeStep:
             bk[..., slots, :] = k
             bv[..., slots, :] = v
             self.state[f"k{i}"], self.state[f"v{i}"] = bk, bv
-            self.views.append(StaticCache(self.state, i, window, c.chunk, margin))
+            view = StaticCache(self.state, i, window, c.chunk, margin)
+            self.views.append(view if kind == "kv" else StaticConvKV(view, conv))
         for c in cache:  # taken over: the eager buffers go once the static ones are built
             c.release()
         return self.views
@@ -284,8 +382,8 @@ class DecodeStep:
         # fed now): full layers always need last < S; sliding ones until
         # they reach the window (+ margin).
         for view in self.views:
-            if view.reads_layer is not None:
-                continue  # a SharedKVCache: its source's buffers grow
+            if view.reads_layer is not None or isinstance(view, StaticState):
+                continue  # a SharedKVCache (its source's buffers grow) or a state (fixed)
             s = self.state
             size = view.size
             if last < size or (view.window and size >= view.window + self.margin):

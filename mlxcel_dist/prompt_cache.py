@@ -11,10 +11,11 @@ layer's KV (SharedKVCache) store nothing. Lookup takes the longest entry
 that is a proper prefix of the new prompt (at least one token is left to
 feed). Entries are evicted least recently used first, beyond `max_entries`
 or `max_bytes`. A layer whose cache is a state rather than keys (a
-`snapshot()`-able cache: DeltaNetCache) keeps a snapshot of its state after
-exactly `tokens` (`Snapshot`), restored as it was, so such an entry is only
-ever reused whole; families with other non-KV caches (recurrent_gemma's
-RecurrentCache, baichuan_m1's conv state) are not cached.
+`snapshot()`-able cache: DeltaNetCache, RecurrentCache) keeps a snapshot of
+its state after exactly `tokens` (`Snapshot`), restored as it was, so such an
+entry is only ever reused whole; baichuan_m1 (its conv state rides on its KV
+layers) is not cached. A --kv-bits
+layer keeps its quantized keys/values (`cache.QuantizedKV`s, sliced alike).
 
 Under TP every rank keeps its own cache of its own shards; the ranks make
 the same calls in the same order, so they hit and evict alike.
@@ -25,6 +26,8 @@ from __future__ import annotations
 from collections import OrderedDict
 
 import mlx.core as mx
+
+from .cache import QuantizedKV
 
 DEFAULT_MAX_ENTRIES = 10  # mlx-lm's --prompt-cache-size default
 DEFAULT_MAX_BYTES = 2**63  # mlx-lm's --prompt-cache-bytes default: no limit
@@ -42,7 +45,9 @@ class Snapshot:
 
 
 def _arrays(kv) -> list:
-    return kv.arrays if isinstance(kv, Snapshot) else list(kv)
+    if isinstance(kv, Snapshot):
+        return kv.arrays
+    return [y for x in kv for y in (x.parts if isinstance(x, QuantizedKV) else (x,))]
 
 
 class PromptCache:
@@ -55,7 +60,7 @@ class PromptCache:
 
     @staticmethod
     def cacheable(cache) -> bool:
-        return bool(cache) and all(c.static_kv or hasattr(c, "snapshot") for c in cache)
+        return bool(cache) and all(_keys(c) or hasattr(c, "snapshot") for c in cache)
 
     def store(self, tokens, cache) -> None:
         """Keep `cache`'s keys/values (a state cache's snapshot) of exactly
@@ -63,7 +68,7 @@ class PromptCache:
         e.g. a step in flight, cannot be cut back: nothing is kept)."""
         if not self.cacheable(cache) or any(c.reads_layer is None and c.offset != len(tokens) for c in cache):
             return
-        layers = [None if c.reads_layer is not None else c.temporal() if c.static_kv else Snapshot(c.snapshot())
+        layers = [None if c.reads_layer is not None else c.temporal() if _keys(c) else Snapshot(c.snapshot())
                   for c in cache]
         self.store_layers(tokens, layers, [c.window for c in cache])
 
@@ -131,6 +136,11 @@ class PromptCache:
             elif kv is not None:
                 c.restore(kv[0][..., :best_k, :], kv[1][..., :best_k, :], best_k)
         return best_k, cache
+
+
+def _keys(c) -> bool:
+    """A cache of keys/values (float, or --kv-bits' QuantizedKVs) rather than a state."""
+    return c.static_kv or getattr(c, "static_quantized", False)
 
 
 def _common(a: tuple, b: tuple, limit: int) -> int:

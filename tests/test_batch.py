@@ -1,6 +1,7 @@
 """Batched decoding (batch.BatchEngine): a request's tokens are the same
 whether it runs alone or beside others that join and leave, for every
-registered family (static buffers, or row-by-row for recurrent/conv caches),
+registered family (static buffers of every cache kind: KV, recurrent, conv
+and DeltaNet state; quantized KV in tests/test_kv.py),
 greedy and seeded sampling alike."""
 
 import mlx.core as mx
@@ -142,18 +143,24 @@ def test_warmup_compiles_every_capacity_once_and_changes_nothing(monkeypatch):
     assert warm.traces == traces, "a capacity warmed up was traced again"
 
 
-def test_rows_that_cannot_batch_step_one_by_one():
-    # Recurrent / conv state is not static KV: those families step each row on
-    # its own cache (the same tokens, no batching).
-    recurrent = [d for name, d in FAMILY_CASES.items() if name in ("recurrent_gemma", "baichuan_m1")]
-    if not recurrent:
-        pytest.skip("no recurrent-state family registered")
-    model = load_model(recurrent[0]).model
+STATE_CASES = [FAMILY_CASES[f] for f in ("recurrent_gemma", "baichuan_m1", "qwen3_next", "qwen3_5_moe")
+               if f in FAMILY_CASES]
+
+
+@pytest.mark.parametrize("d", STATE_CASES, ids=_ids)
+def test_state_rows_step_together_in_micro_batches(d):
+    # Recurrent, conv and DeltaNet state live in the batch buffers as slices
+    # of [C, ...] arrays (decode.StaticState), so those families' rows step
+    # in one forward (micro-batched here: each part updates its rows only);
+    # a one-token prompt starts from a zero state in a slot another row held
+    model = load_model(d).model
     rng = np.random.default_rng(1)
-    prompts = [rng.integers(3, model.args.vocab_size, k) for k in (4, 9)]
-    got, eng = _run_batched(model, prompts, [SamplingParams()] * 2, 6, joins=[0, 2])
-    assert eng.static is False
-    assert [got[0], got[1]] == [list(TokenGenerator(model, p, 6, eos_ids=())) for p in prompts]
+    prompts = [rng.integers(3, model.args.vocab_size, k) for k in (4, 9, 1, 6)]
+    params = [SamplingParams(), SamplingParams(temp=0.9, top_k=20, seed=7), SamplingParams(), SamplingParams()]
+    got, eng = _run_batched(model, prompts, params, 6, joins=[0, 0, 3, 3], micro=2)
+    assert eng.static and eng.stateful and eng.traces < 12
+    assert [got[i] for i in range(4)] == [list(TokenGenerator(model, p, 6, s, eos_ids=()))
+                                          for p, s in zip(prompts, params)]
 
 
 @pytest.mark.parametrize("d", [default_model_dir()] + [FAMILY_CASES[f] for f in ("gemma2", "gemma4", "llama")
@@ -162,7 +169,7 @@ def test_prompt_cache_reuses_a_prefix_and_changes_nothing(d):
     # Multi-turn chat resends the conversation: the second request's prompt
     # starts with the first's prompt and reply; it reuses their keys/values
     # (sliding layers included: prompts past the window) and gives the tokens
-    # it gives alone.
+    # it gives alone (DeltaNet state: tests/test_qwen3_next.py).
     from mlxcel_dist.prompt_cache import PromptCache
 
     model = load_model(d).model
@@ -373,7 +380,7 @@ def test_prompts_prefilled_together_decode_as_they_would_alone(d, monkeypatch):
         for rid, tok in eng.step().items():
             got[rid].append(tok)
     assert [got[i] for i in range(len(prompts))] == alone
-    if eng.static:
+    if eng.static and not eng.stateful:  # (a state would take in the pads: prefilled alone)
         assert together == [5] and pc.hits == 1  # all but the one-token prompt, together
         # the longest prompt's entry, kept by the prefill together, reused alone
         more = np.concatenate([prompts[0], rng.integers(3, V, 4)])
@@ -383,7 +390,7 @@ def test_prompts_prefilled_together_decode_as_they_would_alone(d, monkeypatch):
             reply += [tok for rid, tok in eng.step().items() if rid == "more"]
         assert pc.hits == 2 and reply == list(TokenGenerator(model, more, 4))
     else:
-        assert together == []
+        assert together == [] and pc.hits == PromptCache.cacheable(model.make_cache())  # (a state's: DeltaNet, RG-LRU)
 
 
 def test_prompts_group_while_their_padding_stays_small():

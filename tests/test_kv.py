@@ -5,7 +5,8 @@ and --extra-eos-token.
 (tests/fixtures/max_kv, scripts/fixtures_max_kv.py) in every feeding mode,
 compiled and eager; the batch engine and the prompt cache against lone
 generation with the same bound; quantized attention against float attention
-on the dequantized cache (the same numbers the kernel was given); np 2 under
+on the dequantized cache (the same numbers the kernel was given); quantized
+batch rows (prefilled together, forked, kept and reused) as alone; np 2 under
 the real launcher for both options; bad values are one `error:` line."""
 
 from pathlib import Path
@@ -118,18 +119,42 @@ def test_batch_engine_and_prompt_cache_with_a_bound_decode_as_alone(path):
     assert [got[i] for i in range(len(prompts))] == alone
 
 
-def test_quantized_cache_rows_step_alone_in_the_batch_engine():
-    d = default_model_dir()
-    model = load_model(d, kv=KVOptions(bits=8, group_size=32)).model
-    prompts = [np.arange(3, 3 + k) for k in (9, 1, 20)]
-    alone = [list(TokenGenerator(model, p, 12, eos_ids=())) for p in prompts]
-    eng = BatchEngine(model, prompt_cache=PromptCache())
-    eng.add_many([(i, p, None) for i, p in enumerate(prompts)])
+def test_quantized_cache_rows_batch_prefill_fork_and_reuse_as_alone(monkeypatch):
+    # --kv-bits rows in the batch buffers (batch.QuantizedRowCache): prompts
+    # prefilled together (QuantizedPrefillCache, one a prompt-cache hit), a
+    # copy of a prompt (n > 1: forked), rows leaving with a step in flight and
+    # a later prompt reusing the quantized entry: each request's ids alone
+    import mlxcel_dist.batch as batch
+    import mlxcel_dist.decode as decode
+
+    monkeypatch.setattr(decode, "STEP", 8)  # the buffers regrow
+    monkeypatch.setattr(batch, "CPU_STEP", 8)
+    model = load_model(default_model_dir(), kv=KVOptions(bits=8, group_size=32)).model
+    kept = np.arange(40, 58)
+    prompts = [np.arange(3, 3 + k) for k in (9, 1, 20)] + [np.concatenate([kept, [7, 8, 9]]), np.arange(3, 12)]
+    params = [SamplingParams()] * 4 + [SamplingParams(temp=0.9, seed=4)]
+    alone = [list(TokenGenerator(model, p, 12, s, eos_ids=())) for p, s in zip(prompts, params)]
+    together = []
+    monkeypatch.setattr(BatchEngine, "_prefill_together",
+                        lambda self, admits, f=BatchEngine._prefill_together: together.append(len(admits))
+                        or f(self, admits))
+    pc = PromptCache()
+    eng = BatchEngine(model, prompt_cache=pc, prefill_step=8)
+    eng.add("kept", kept)
+    eng.remove("kept")
+    eng.add_many([(i, p, s) for i, (p, s) in enumerate(zip(prompts, params))])
     got = {i: [] for i in range(len(prompts))}
     for _ in range(12):
         for rid, tok in eng.step().items():
             got[rid].append(tok)
-    assert not eng.static and [got[i] for i in range(3)] == alone
+    assert eng.static and together == [3] and pc.hits == 1  # prompts 0, 2 and 3 (a hit) together
+    assert eng.prefilled == 17 + 8 + 19 + 3  # prompt 4 forked from prompt 0
+    assert [got[i] for i in range(len(prompts))] == alone
+    for i in range(len(prompts)):
+        eng.remove(i)
+    more = np.concatenate([prompts[2], got[2][:11], [5, 6]])
+    eng.add("more", more)
+    assert pc.hits == 2 and [eng.step()["more"] for _ in range(6)] == list(TokenGenerator(model, more, 6))
 
 
 def test_extra_eos_token_stops_generation():

@@ -7,7 +7,8 @@ state, config forms (transformers 4 keys, the multimodal text_config),
 the other weight layouts (the hub's fused experts, mlx-lm's own 4-bit
 conversion at np 1 and np 2), the tensor-parallel split of the DeltaNet heads
 (key-head groups, state per rank), the prompt cache (a shared prefix restores
-the states exactly) and serve (greedy batched == alone)."""
+the states exactly), compiled decode (the state in static buffers: the eager
+steps' logits bit for bit), batch rows and serve (greedy batched == alone)."""
 
 import json
 import shutil
@@ -233,6 +234,30 @@ def test_collectives_per_token_counts_the_moe_all_sum():
     assert calls == 8
 
 
+def test_compiled_decode_holds_the_state_in_static_buffers(monkeypatch):
+    # decode.StaticState: the DeltaNet conv + recurrent state are buffers of
+    # the compiled step (replaced in the graph), bit for bit the eager
+    # DeltaNetCache steps' logits over buffer regrowths; with a speculative
+    # margin the state stays eager (it cannot be rolled back)
+    import mlxcel_dist.decode as decode
+
+    monkeypatch.setattr(decode, "STEP", 8)
+    model = load_model(NEXT).model
+    ids = np.load(NEXT / "reference.npz")["ids"]
+    cache = model.make_cache()
+    model(mx.array(ids[:3])[None], cache)
+    eager = np.stack([np.array(model(mx.array([[int(t)]]), cache)[0, -1]) for t in ids[3:]])
+    got = sequence_logits(model, ids, decode_from=3)[3:]
+    assert np.array_equal(got, eager) and 1 <= model.decode_step.traces < 8
+    cache = model.make_cache()
+    model(mx.array(ids[:3])[None], cache)
+    step = decode.DecodeStep(model)
+    assert [type(v).__name__ for v in step.start(cache, 3)][:2] == ["StaticState", "StaticState"]
+    cache = model.make_cache()
+    model(mx.array(ids[:3])[None], cache)
+    assert step.start(cache, 3, margin=2) is cache and not step.static
+
+
 def _engine(model, prompt_cache=None):
     from mlxcel_dist.batch import BatchEngine
 
@@ -240,13 +265,13 @@ def _engine(model, prompt_cache=None):
 
 
 def test_batched_rows_give_the_ids_alone():
-    # DeltaNet state is not static KV: rows step one by one, each on its own caches.
+    # DeltaNet state in the batch buffers (decode.StaticState): the rows step together.
     model = load_model(NEXT).model
     rng = np.random.default_rng(3)
     prompts = [rng.integers(3, model.args.vocab_size, k) for k in (5, 11, 8)]
     eng = _engine(model)
     eng.add_many([(i, p, None) for i, p in enumerate(prompts)])
-    assert eng.static is False
+    assert eng.static and eng.stateful
     got = {i: [] for i in range(len(prompts))}
     for _ in range(6):
         for rid, tok in eng.step().items():

@@ -126,6 +126,14 @@ class Conv1d(nn.Module):
         return out.astype(x.dtype), xp[:, L:, :]
 
 
+def _at_start(offset, L: int):
+    """[B or 1, L, 1] bool: the tokens at position 0, for an int offset or a
+    per-row array (static decode, batch rows); None when there are none."""
+    if isinstance(offset, int):
+        return None if offset else (mx.arange(L) == 0)[None, :, None]
+    return (offset.reshape(-1, 1) + mx.arange(L) == 0)[..., None]
+
+
 class Rglru(nn.Module):
     """The Real-Gated Linear Recurrent Unit with transformers' names and
     dtypes: gates in the compute dtype, the recurrence accumulated in fp32."""
@@ -157,9 +165,9 @@ class Rglru(nn.Module):
         a_square = mx.exp(2 * log_a)
         gated = x * input_gate
         multiplier = mx.sqrt(1 - a_square)
-        if offset == 0:
+        first = _at_start(offset, L)
+        if first is not None:
             # Position 0 resets: no decay from the (zero) state, no normalisation.
-            first = (mx.arange(L) == 0)[None, :, None]
             multiplier = mx.where(first, mx.array(1, multiplier.dtype), multiplier)
             a = mx.where(first, mx.array(0, a.dtype), a)
         normalized = gated * multiplier.astype(x.dtype)
