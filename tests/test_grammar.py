@@ -84,6 +84,8 @@ def test_constrained_rows_decode_as_alone_and_unpipelined_and_always_validate(se
     assert _run(model, vocab, rows, pipelined=False) == together
     for r in rows[:2]:  # two alone (the rest are the same code path)
         assert _run(model, vocab, [r]) == {r[0]: together[r[0]]}
+    greedy = [r for r in rows if r[2] is None and r[3] is not None]  # every row constrained and greedy:
+    assert _run(model, vocab, greedy) == {r[0]: together[r[0]] for r in greedy}  # one masked argmax a step
     for rid, *_, gr in rows:
         ids = together[rid]
         if gr is None:
