@@ -145,6 +145,9 @@ def test_tool_call_grammars_force_valid_calls(setup, special, vocabulary):
     vocabulary) and as the special tokens they are in the real ones: each
     answer parses with the format's own parser into one call (or, with
     parallel calls, one or more), its arguments valid."""
+    from mlxcel_dist.serve import tools
+
+    assert grammar.FORCED_FORMATS == tools.FORMATS  # every format the server parses can be forced
     model, tok, vocab = setup
     marks = None
     if vocabulary == "special":
