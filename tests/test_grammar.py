@@ -323,3 +323,35 @@ def test_openai_client_structured_output_and_forced_calls_validate(server):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="gemma3-tiny", messages=msgs, tool_choice="required", max_tokens=4)
     assert "needs 'tools'" in str(e.value)
+
+
+def test_thinking_grammars_take_what_the_templates_answer(setup):
+    """grammar.thinking reads where the answer starts from the rendered
+    prompt; each mode's grammar (markers written as text here) takes a
+    thinking answer whole and finishes only after its constrained part."""
+    _, tok, vocab = setup
+    assert grammar.thinking(None, "<think>") is None
+    assert grammar.thinking("deepseek_r1", "<｜Assistant｜><think>\n") == "open"
+    assert grammar.thinking("qwen3", "<|im_start|>assistant\n") == "maybe"
+    assert grammar.thinking("qwen3", "<|im_start|>assistant\n<think>\n\n</think>\n\n") is None  # switched off
+    assert grammar.thinking("qwen3", "<think>a</think>b<|im_start|>assistant\n") == "maybe"  # an earlier turn's
+    assert grammar.thinking("gpt_oss", "<|start|>assistant") == "harmony"
+    call = '{"hours":3}'
+    for think, answer in [
+        ("open", 'It is { "json" } soon.</think>\n\n{"city":"Oslo","temp":3,"sky":"fog","tags":[],"windy":true}'),
+        ("maybe", '<think>Hm.</think>\n{"city":"Oslo","temp":3,"sky":"fog","tags":[],"windy":true}'),
+        ("maybe", '{"city":"Oslo","temp":3,"sky":"fog","tags":[],"windy":true}'),
+        ("harmony", '<|channel|>analysis<|message|>Think.<|end|><|start|>assistant<|channel|>final<|message|>'
+                    '{"city":"Oslo","temp":3,"sky":"fog","tags":[],"windy":true}'),
+        ("harmony", "<|channel|>commentary to=functions.get_time <|constrain|>json<|message|>" + call),
+    ]:
+        g = (grammar.tool_calls("harmony", [CLOCK], think=think) if "commentary" in answer
+             else grammar.json_schema(SCHEMA, think))
+        m = vocab.matcher(g)
+        ids = tok.encode(answer, add_special_tokens=False)
+        for t in ids[:-1]:
+            m.advance(t)
+            assert not m._m.is_error(), (think, answer, tok.decode(ids[:ids.index(t) + 1]))
+        assert not m.done, (think, answer)  # the last token still to come
+        m.advance(ids[-1])
+        assert m.done and not m._m.is_error(), (think, answer)
