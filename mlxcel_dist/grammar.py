@@ -85,7 +85,8 @@ KIMI = ("<|tool_calls_section_begin|>", "<|tool_call_begin|>", "<|tool_call_argu
 GLM = ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")
 MINIMAX = ("<minimax:tool_call>", "</minimax:tool_call>")
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
-H_CHANNEL, H_MESSAGE, H_END, H_START, H_CONSTRAIN = "<|channel|>", "<|message|>", "<|end|>", "<|start|>", "<|constrain|>"
+H_CHANNEL, H_MESSAGE, H_END, H_START, H_CONSTRAIN = ("<|channel|>", "<|message|>", "<|end|>", "<|start|>",
+                                                    "<|constrain|>")
 MARKERS = (DS_CALLS, DS_CALL, DS_SEP, DS_END, DS_CALLS_END, *KIMI, *GLM, *MINIMAX, "[TOOL_CALLS]", THINK_OPEN,
            THINK_CLOSE, H_CHANNEL, H_MESSAGE, H_END, H_START, H_CONSTRAIN)
 

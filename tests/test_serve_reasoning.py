@@ -222,13 +222,17 @@ def test_constrained_answers_come_after_the_thinking(tmp_path):
             client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
             kw = dict(model="m", messages=CHAT["messages"], temperature=1.0, max_tokens=300, n=3,
                       logit_bias={str(i): 3 if m == "analysis" else 6 for m, i in ids.items()})
-            thoughts = []
+            thoughts, whole = [], {}
             for seed in (1, 2):
                 for c in client.chat.completions.create(**kw, seed=seed, response_format=rf).choices:
                     assert c.finish_reason == "stop", (template[:20], c)
                     jsonschema.validate(json.loads(c.message.content), SCHEMA)
                     thoughts.append((c.message.model_extra or {}).get("reasoning_content") or "")
+                    whole.setdefault(seed, {})[c.index] = (thoughts[-1], c.message.content, [], "stop")
             assert any(thoughts), template[:20]  # the model did think first
+            # streamed: the same answers (the same seeds, the same batch), thinking and content apart
+            streamed = client.chat.completions.create(**kw, seed=1, response_format=rf, stream=True)
+            assert _streamed(streamed) == whole[1]
             if ctx.tool_format == "harmony":  # a forced call after the analysis message
                 r = client.chat.completions.create(**kw, seed=3, tools=[CLOCK], tool_choice="required")
                 for c in r.choices:

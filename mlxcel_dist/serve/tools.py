@@ -52,8 +52,8 @@ KIMI_SECTION, KIMI_CALL, KIMI_ARGS, KIMI_END = ("<|tool_calls_section_begin|>", 
                                                 "<|tool_call_argument_begin|>", "<|tool_call_end|>")
 MINIMAX = "<minimax:tool_call>"
 START = {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]", "llama3_json": "<|python_tag|>",
-          "harmony": "<|channel|>commentary to=", "deepseek_v3": DS_CALLS, "deepseek_v31": DS_CALLS, "glm45": "<tool_call>",
-          "kimi_k2": KIMI_SECTION, "minimax_m2": MINIMAX}
+          "harmony": "<|channel|>commentary to=", "deepseek_v3": DS_CALLS, "deepseek_v31": DS_CALLS,
+          "glm45": "<tool_call>", "kimi_k2": KIMI_SECTION, "minimax_m2": MINIMAX}
 
 
 def detect(template: str | None) -> str | None:
