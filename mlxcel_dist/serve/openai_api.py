@@ -318,6 +318,7 @@ class ParseContext:
     logprobs_ok: bool = True  # False for models with their own generation loop
     max_n: int = MAX_N  # choices a request may ask for (at most the rows the batch holds)
     ignore_eos_ok: bool = True  # False for those too: their loop ends at EOS itself
+    special: dict | None = None  # grammar markers that are special tokens here (special_markers fills it)
 
 
 @dataclass
@@ -384,8 +385,8 @@ UNSUPPORTED = {
     "best_of": (_neutral(1), "one candidate per request ('best_of': 1)"),
     "echo": (_neutral(False), "the prompt is not echoed"),
     "suffix": (_neutral(""), "no insertion (suffix) mode"),
-    "functions": (_neutral([]), "no function calling"),
-    "function_call": (_neutral("none", "auto"), "no function calling"),
+    "functions": (_neutral([]), "the deprecated form is not served; send 'tools'"),
+    "function_call": (_neutral("none", "auto"), "the deprecated form is not served; send 'tool_choice'"),
     "modalities": (lambda v: v is None or v == ["text"], "text output only"),
     "audio": (_neutral(), "text output only"),
     "prediction": (_neutral(), "no predicted outputs"),
@@ -530,30 +531,49 @@ def _chat_ids(m: ChatCompletionRequest, ctx: ParseContext) -> tuple[list[int], s
     return ids, text
 
 
-def _grammar(m, chat: bool, ctx: ParseContext) -> tuple[str | None, bool]:
-    """(the constraining grammar's text or None, whether it forces tool calls):
-    tool_choice `required` / a named function (the served tool-call format,
-    arguments valid under each function's parameters), else response_format
-    json_object / json_schema."""
+def _forced(m, chat: bool) -> bool:
+    """tool_choice `required` or a named function: calls forced by a grammar."""
     choice = m.tool_choice if chat else None
-    forced = choice == "required" or isinstance(choice, NamedToolChoice)
+    return choice == "required" or isinstance(choice, NamedToolChoice)
+
+
+def special_markers(ctx: ParseContext) -> dict:
+    """The grammars' markers (grammar.MARKERS) that are special tokens of the
+    served vocabulary -> their ids (one token each, dropped by plain decoding);
+    computed once per context."""
+    if ctx.special is None:
+        tok, found = ctx.tokenizer, {}
+        for marker in grammar.MARKERS:
+            try:
+                ids = tok.encode(marker, add_special_tokens=False)
+                if len(ids) == 1 and tok.decode(ids) != marker:
+                    found[marker] = int(ids[0])
+            except Exception:  # noqa: BLE001 - a tokenizer that cannot take it: written as text
+                pass
+        ctx.special = found
+    return ctx.special
+
+
+def _grammar(m, chat: bool, ctx: ParseContext, think: str | None = None) -> str | None:
+    """The constraining grammar's text or None: tool_choice `required` / a
+    named function (the served tool-call format, arguments valid under each
+    function's parameters), else response_format json_object / json_schema;
+    with `think` (grammar.thinking) after the model's thinking."""
+    choice = m.tool_choice if chat else None
+    forced = _forced(m, chat)
     fmt = m.response_format.type if m.response_format is not None else "text"
     if not forced and fmt == "text":
-        return None, False
+        return None
     param = "tool_choice" if forced else "response_format"
     if ctx.grammar_refusal is not None:
         raise ApiError(f"'{param}' needs constrained decoding, which this server does not serve: "
                        f"{ctx.grammar_refusal}", param=param, code="unsupported_parameter")
+    special = special_markers(ctx)
     try:
         if forced:
             if not m.tools:
                 raise ApiError(f"'tool_choice' {_show(choice if choice == 'required' else choice.model_dump())} "
                                "needs 'tools'", param="tool_choice")
-            if ctx.tool_format not in grammar.FORCED_FORMATS:
-                raise ApiError(f"'tool_choice' {_show(choice if choice == 'required' else choice.model_dump())} "
-                               f"is not built for the {ctx.tool_format} tool-call format (forced calls: "
-                               f"{', '.join(grammar.FORCED_FORMATS)})", param="tool_choice",
-                               code="unsupported_parameter")
             tools = [t.model_dump(exclude_none=True) for t in m.tools]
             name = None if choice == "required" else choice.function.name
             if name is not None and name not in [t["function"]["name"] for t in tools]:
@@ -562,14 +582,15 @@ def _grammar(m, chat: bool, ctx: ParseContext) -> tuple[str | None, bool]:
             parallel = (m.model_extra or {}).get("parallel_tool_calls", True)
             if not isinstance(parallel, bool):
                 raise ApiError("'parallel_tool_calls' must be true or false", param="parallel_tool_calls")
-            return grammar.tool_calls(ctx.tool_format, tools, name, many=parallel and name is None), True
+            return grammar.tool_calls(ctx.tool_format, tools, name, many=parallel and name is None, think=think,
+                                      special=special)
         if fmt == "json_object":
-            return grammar.json_object(), False
+            return grammar.json_object(think, special)
         spec = m.response_format.json_schema
         if spec is None or spec.schema_ is None:
             raise ApiError("'response_format' json_schema needs 'json_schema': {'name': ..., 'schema': {...}}",
                            param="response_format")
-        return grammar.json_schema(spec.schema_), False
+        return grammar.json_schema(spec.schema_, think, special)
     except UserError as e:
         code = "unsupported_parameter" if not grammar.available() else None
         raise ApiError(f"'{param}': {e}", param=param, code=code) from None
@@ -673,7 +694,13 @@ def parse(body: object, chat: bool, ctx: ParseContext) -> Parsed:
     stop_ids = list(m.stop_token_ids or [])
     if any(t >= ctx.vocab_size for t in stop_ids):
         raise ApiError(f"'stop_token_ids' must be token ids in [0, {ctx.vocab_size})", param="stop_token_ids")
-    gram, forced = _grammar(m, chat, ctx)
+    forced = _forced(m, chat)
+    tool_format = ctx.tool_format if chat and m.tools and (m.tool_choice != "none" or forced) else None
+    fmt = ctx.reasoning_format if chat and not ctx.plain_chat else None
+    if tool_format == "harmony" and fmt is None:  # harmony's calls are messages: the channels split first
+        fmt = "gpt_oss"
+    # a constrained answer's grammar lets the model think first (its thinking split off as usual)
+    gram = _grammar(m, chat, ctx, grammar.thinking(fmt, text))
     req = GenRequest(ids, _max_tokens(m, chat, len(ids), ctx), _sampling(m, ctx.defaults, ctx.vocab_size), stops,
                      logprobs, bool(m.ignore_eos), stop_ids, gram)
     try:
@@ -681,11 +708,6 @@ def parse(body: object, chat: bool, ctx: ParseContext) -> Parsed:
     except ValueError as e:
         name = re.match(r"'(\w+)'", str(e))
         raise ApiError(str(e), param=name and name.group(1).replace("prompt_tokens", "prompt")) from None
-    tool_format = ctx.tool_format if chat and m.tools and (m.tool_choice != "none" or forced) else None
-    # a constrained answer is the JSON / the forced call from its first token: no thinking to split off
-    fmt = ctx.reasoning_format if chat and not ctx.plain_chat and gram is None else None
-    if tool_format == "harmony" and fmt is None:  # harmony's calls are messages: the channels split first
-        fmt = "gpt_oss"
     keep = (fmt in reasoning.KEEPS_SPECIAL or tool_format in tools_fmt.KEEPS_SPECIAL
             or (ctx.keep_special and (fmt is not None or tool_format is not None)))
     return Parsed(req, stream, include_usage, model, chat, tool_format, n, fmt,

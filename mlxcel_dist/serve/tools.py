@@ -14,10 +14,11 @@ Formats (vLLM's parser names):
 - `harmony` (gpt-oss): a commentary message to a function,
   `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>ARGS`
   (serve.reasoning's splitter hands every such message on in that form);
-- `deepseek_v3` (DeepSeek V3 / R1 / V3.1): `<｜tool▁calls▁begin｜>` then per
-  call `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME` and a ```json fenced
-  object (V3, R1), or `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}` (V3.1),
-  each up to `<｜tool▁call▁end｜>`;
+- `deepseek_v3` (DeepSeek V3 / R1) and `deepseek_v31` (V3.1):
+  `<｜tool▁calls▁begin｜>` then per call `<｜tool▁call▁begin｜>function<｜tool▁sep｜>
+  NAME` and a ```json fenced object, calls a line apart (V3, R1), or
+  `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}` (V3.1), each up to
+  `<｜tool▁call▁end｜>` (either name parses both forms);
 - `glm45` (GLM-4.5 / 4.6): `<tool_call>NAME` then `<arg_key>K</arg_key>
   <arg_value>V</arg_value>` pairs, `</tool_call>`;
 - `kimi_k2`: `<|tool_calls_section_begin|>` then per call
@@ -43,15 +44,16 @@ import json
 import re
 import uuid
 
-FORMATS = ("hermes", "llama3_json", "mistral", "harmony", "deepseek_v3", "glm45", "kimi_k2", "minimax_m2")
-KEEPS_SPECIAL = ("harmony", "deepseek_v3", "glm45", "kimi_k2", "minimax_m2")
+FORMATS = ("hermes", "llama3_json", "mistral", "harmony", "deepseek_v3", "deepseek_v31", "glm45", "kimi_k2",
+           "minimax_m2")
+KEEPS_SPECIAL = ("harmony", "deepseek_v3", "deepseek_v31", "glm45", "kimi_k2", "minimax_m2")
 DS_CALLS, DS_CALL, DS_SEP, DS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
 KIMI_SECTION, KIMI_CALL, KIMI_ARGS, KIMI_END = ("<|tool_calls_section_begin|>", "<|tool_call_begin|>",
                                                 "<|tool_call_argument_begin|>", "<|tool_call_end|>")
 MINIMAX = "<minimax:tool_call>"
 START = {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]", "llama3_json": "<|python_tag|>",
-          "harmony": "<|channel|>commentary to=", "deepseek_v3": DS_CALLS, "glm45": "<tool_call>",
-          "kimi_k2": KIMI_SECTION, "minimax_m2": MINIMAX}
+          "harmony": "<|channel|>commentary to=", "deepseek_v3": DS_CALLS, "deepseek_v31": DS_CALLS,
+          "glm45": "<tool_call>", "kimi_k2": KIMI_SECTION, "minimax_m2": MINIMAX}
 
 
 def detect(template: str | None) -> str | None:
@@ -60,8 +62,9 @@ def detect(template: str | None) -> str | None:
         return None
     if "<|channel|>" in template and "<|call|>" in template:  # gpt-oss's writes "to=" and "functions." apart
         return "harmony"
-    for marker, fmt in ((DS_CALLS, "deepseek_v3"), (KIMI_SECTION, "kimi_k2"), (MINIMAX, "minimax_m2"),
-                        ("<arg_key>", "glm45")):
+    if DS_CALLS in template:  # V3 / R1 fence the arguments in ```json, V3.1 does not
+        return "deepseek_v3" if "```json" in template else "deepseek_v31"
+    for marker, fmt in ((KIMI_SECTION, "kimi_k2"), (MINIMAX, "minimax_m2"), ("<arg_key>", "glm45")):
         if marker in template:
             return fmt
     if "<tool_call>" in template:
@@ -167,8 +170,8 @@ def parse(fmt: str, text: str, tools: list | None = None) -> tuple[str, list]:
             calls.append(call)
         content.append(text[last:])
         return ("".join(content).strip() if calls else text), calls
-    if fmt in ("deepseek_v3", "kimi_k2"):
-        section, begin, sep, end = ((DS_CALLS, DS_CALL, DS_SEP, DS_END) if fmt == "deepseek_v3"
+    if fmt in ("deepseek_v3", "deepseek_v31", "kimi_k2"):
+        section, begin, sep, end = ((DS_CALLS, DS_CALL, DS_SEP, DS_END) if fmt != "kimi_k2"
                                     else (KIMI_SECTION, KIMI_CALL, KIMI_ARGS, KIMI_END))
         at = text.find(section)
         if at < 0:
