@@ -1020,6 +1020,9 @@ def serve(
     header_timeout: Annotated[float, typer.Option("--header-timeout", metavar="SECONDS", help="Close a connection that has not sent a whole request head within this many seconds (at its start or after a response).")] = 10.0,
     tool_call_parser: Annotated[Optional[str], typer.Option("--tool-call-parser", metavar="FORMAT", help="How the model writes tool calls: hermes, llama3_json, mistral, harmony (gpt-oss), deepseek_v3, glm45, kimi_k2 or minimax_m2 (default: from markers in the chat template; none found: requests with tools get a 400); hermes, llama3_json and mistral also take tool_choice required / named (forced calls).", show_default=False)] = None,
     reasoning_parser: Annotated[Optional[str], typer.Option("--reasoning-parser", metavar="FORMAT", help="How the model's answer carries its thinking, which chat answers give apart as reasoning_content: qwen3 or deepseek_r1 (<think> blocks), gpt_oss (harmony's analysis channel), or none (default: from the chat template).", show_default=False)] = None,
+    draft_model: DraftModelOpt = None,
+    num_draft_tokens: NumDraftOpt = 3,
+    prompt_lookup: PromptLookupOpt = False,
 ):
     """OpenAI-compatible HTTP server (/v1/models, /v1/completions, /v1/chat/completions, /health, /metrics, /docs); rank 0 listens.
 
@@ -1076,6 +1079,8 @@ def serve(
     if served_model_name and len(names) != len(served_model_name):
         raise UserError("--served-model-name must not be empty")
     cache_bytes = None if prompt_cache_bytes is None else parse_size(prompt_cache_bytes, "--prompt-cache-bytes")
+    if not os.environ.get("MLXCEL_DIST_WORLD"):  # before launch
+        _check_drafting(draft_model, prompt_lookup, num_draft_tokens, model, pp=pp, kv_bits=kv_bits)
     defaults = Defaults(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, max_tokens=max_tokens)
     kv = _kv_options(model, max_kv_size, kv_bits, kv_group_size)
     adapter = _adapter(model, adapter_path)
@@ -1094,7 +1099,8 @@ def serve(
                    prompt_cache_size=prompt_cache_size, prompt_cache_bytes=cache_bytes, prefill_step=prefill_step,
                    warmup=warmup, micro_batches=micro_batches, served_names=list(dict.fromkeys(names)),
                    header_timeout_s=header_timeout, tool_call_parser=tool_call_parser,
-                   reasoning_parser=reasoning_parser)
+                   reasoning_parser=reasoning_parser, draft_model=draft_model, prompt_lookup=prompt_lookup,
+                   num_draft_tokens=num_draft_tokens, dtype=dtype)
     run(loaded.model, tok, group, opts, sock, loaded.config)
 
 
