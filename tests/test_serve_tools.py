@@ -213,10 +213,10 @@ class ScriptedEngine:
 
 
 @contextlib.contextmanager
-def scripted_app(tok, ctx, answer: str):
+def scripted_app(tok, ctx, answer: str = "", engine=None):
     """The HTTP app in process over a ScriptedEngine answering `answer` to
-    every request (one rank: the step protocol's loop on a thread); yields
-    the base URL."""
+    every request (or over `engine`; one rank: the step protocol's loop on a
+    thread); yields the base URL."""
     import uvicorn
 
     from mlxcel_dist.serve import responses as rs
@@ -225,7 +225,8 @@ def scripted_app(tok, ctx, answer: str):
     from mlxcel_dist.serve.scheduler import Scheduler
     from test_serve_steps import Guard, Single
 
-    engine = ScriptedEngine(tok.encode(answer, add_special_tokens=False), tok.eos_ids[0])
+    if engine is None:
+        engine = ScriptedEngine(tok.encode(answer, add_special_tokens=False), tok.eos_ids[0])
     sched = Scheduler(tok)
 
     class Ok:
