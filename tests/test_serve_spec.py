@@ -200,3 +200,18 @@ def test_live_server_np2_with_a_draft_model(tiny, tmp_path):
         out = s.output()
         rc = s.stop()
     assert rc in (0, 143), out
+
+
+def test_serve_refuses_bad_draft_options():
+    from typer.testing import CliRunner
+
+    from mlxcel_dist.cli import app
+
+    for args, msg in [
+        (["--prompt-lookup", "--num-draft-tokens", "0"], "--num-draft-tokens must be >= 1"),
+        (["--draft-model", FIXTURES / "llama" / "gqa_fp32"], "vocabulary"),
+        (["--prompt-lookup", "--pp", "2"], "not available with --pp"),
+    ]:
+        r = CliRunner().invoke(app, ["serve", str(default_model_dir()), "--port", "0", *map(str, args)])
+        assert r.exit_code == 2, r.output
+        assert r.output.count("error:") == 1 and msg in r.output, r.output
