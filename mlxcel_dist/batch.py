@@ -52,6 +52,12 @@ small draw of those rows waits for the host. Every rank computes the same
 masks from the same ids (no collective). Micro-batched steps are skipped
 while a constrained row is in the batch.
 
+Drafts (serve --draft-model / --prompt-lookup): with `spec` (a
+batch_spec.BatchDrafts) every step is its round for all rows, through
+`feed` (L ids a row at host positions; rings of window + margin slots and
+masks by slot position, so a row's rejected positions are rolled back by
+its position alone); those steps are not pipelined.
+
 Exactness: each row is computed by the same operations as a lone sequence
 (the matmuls batch rows; a row's values do not depend on the others), so
 greedy text is the same alone or batched, prefilled alone or together
