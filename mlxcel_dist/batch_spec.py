@@ -126,7 +126,7 @@ class BatchDrafts:
     # -- rows (BatchEngine's hooks) ---------------------------------------------
     def added(self, engine, requests) -> None:
         """After `engine.add_many(requests)`: the draft model prefills the drafting rows' prompts."""
-        if self.draft is None or not engine.static:
+        if self.draft is None or not self.active(engine):
             return
         rows = {r.rid: r for r in engine.rows}
         items = [(rid, ids) for rid, ids, *_ in requests if rid in rows and self._drafts(engine, rows[rid])]
@@ -138,13 +138,18 @@ class BatchDrafts:
             self.draft.remove(rid)
 
     def active(self, engine) -> bool:
-        """Whether `engine`'s steps are ours: its caches are static KV (else it steps without drafts)."""
-        if not engine.static and not self._said:
+        """Whether `engine`'s steps are ours: every layer a plain KV row cache (rolled back by
+        position alone); else it steps without drafts (said once)."""
+        from .batch import RowCache
+        from .cache import SharedKVCache
+
+        ok = bool(engine.static) and all(type(v) in (RowCache, SharedKVCache) for v in engine.views)
+        if not ok and not self._said:
             self._said = True
             if self.log is not None:
-                self.log(f"drafts ({self.name}) are off: this model's caches are not all static KV "
-                         "(its rows step one by one, without drafts)")
-        return bool(engine.static)
+                self.log(f"drafts ({self.name}) are off: this model's caches are not all attention KV "
+                         "(its steps run without drafts)")
+        return ok
 
     @staticmethod
     def _drafts(engine, r) -> bool:

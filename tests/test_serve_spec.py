@@ -42,7 +42,7 @@ def run(engine, requests, n: int, lengths=None) -> dict:
     while engine.rows:
         got = engine.step()
         if lengths is not None:
-            lengths.append({rid: len(t) for rid, t in got.items()})
+            lengths.append({rid: len(t) if isinstance(t, list) else 1 for rid, t in got.items()})
         for rid, t in got.items():
             out[rid] += t if isinstance(t, list) else [t]
             if len(out[rid]) >= n:

@@ -141,7 +141,7 @@ def apply_step(engine, step: Step, guard, keep_logprobs: bool = False, busy=None
         for t in tok if isinstance(tok, list) else (tok,):
             guard._record(t)
     spec = getattr(engine, "spec", None)
-    if spec is not None:
+    if spec is not None and out.ids:  # (an empty step ran nothing: its counts are the last step's)
         out.spec = spec.last
     if keep_logprobs:
         out.logprobs = dict(engine.logprobs)
