@@ -215,3 +215,14 @@ def test_serve_refuses_bad_draft_options():
         r = CliRunner().invoke(app, ["serve", str(default_model_dir()), "--port", "0", *map(str, args)])
         assert r.exit_code == 2, r.output
         assert r.output.count("error:") == 1 and msg in r.output, r.output
+
+
+def test_recurrent_rows_step_without_drafts_and_say_so():
+    d = FIXTURES / "recurrent_gemma" / "mqa_fp32"
+    model = load_model(d).model
+    ids = np.load(d / "reference.npz")["ids"].tolist()
+    reqs = [(0, ids[:5], GREEDY), (1, ids[:8], GREEDY)]
+    said = []
+    spec = BatchDrafts(K, log=said.append)
+    assert run(BatchEngine(model, spec=spec), reqs, 6) == run(BatchEngine(model), reqs, 6)
+    assert len(said) == 1 and "drafts (prompt lookup) are off" in said[0] and spec.total == [0, 0, 0]
