@@ -193,6 +193,10 @@ def test_live_server_np2_with_a_draft_model(tiny, tmp_path):
                                                         str(K), "--served-model-name", "m"])
     try:
         assert _ask_all(s.base) == want
+        # sampled rows draft too: the ranks accept alike (a divergence would fail the request), seeded runs repeat
+        body = {"prompt": PROMPTS[1], "max_tokens": N_SERVE, "temperature": 1.0, "seed": 3, "ignore_eos": True}
+        a, b = (s.json("/v1/completions", body) for _ in range(2))
+        assert a["choices"][0]["text"] == b["choices"][0]["text"] and a["usage"]["completion_tokens"] == N_SERVE
         m = _spec_metrics(s.base)
         assert 0 < m["num_accepted_tokens_total"] < m["num_draft_tokens_total"]
         assert "drafts: draft model, 3 a step" in s.output()
