@@ -10,6 +10,8 @@ on one checkpoint.
     python benchmarks/serve_load.py --servers ours-np1 --formats text,json_schema   # constrained decoding's cost
     python benchmarks/serve_load.py --servers ours-np1,ours-np2 --clients 8 --requests 4 \
         --formats text,json_schema,text,json_schema,text,json_schema   # its ratio at 8 clients, paired rounds
+    python benchmarks/serve_load.py --model TARGET --servers ours-np1,ours-np1-draft,ours-np1-lookup \
+        --text repeat --ignore-eos            # drafts in serve (TARGET: benchmarks/spec_pair.py's)
 
 Without --model it writes a random-weight bf16 llama of ~25M parameters
 (hidden 512, 8 layers, 8 q / 4 KV heads of 64, MLP 1536) with the embedded
@@ -30,7 +32,12 @@ answer runs its 64 tokens under the grammar; json_object), on the same
 server one after another; the last lines give each constrained format's
 tok/s over text's, mean and round by round. Servers run one after another
 (never two at once); `loadavg` is printed before each so that a loaded
-machine shows.
+machine shows. `-draft` / `-lookup`
+servers verify drafts (`--draft-model`, default the embedded gemma3-tiny, the
+spec pair's draft; `--prompt-lookup`), K = `--num-draft-tokens`; `--text
+repeat` sends benchmarks/spec_decode.py's repeated passage (each request its
+own first line), `--ignore-eos` makes every answer run its tokens; the
+drafted servers' acceptance (/metrics) is printed with their rows.
 """
 
 from __future__ import annotations
@@ -103,8 +110,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def server_cmd(name: str, model: Path, port: int, backend: str | None = None) -> list[str]:
+def server_cmd(name: str, model: Path, port: int, backend: str | None = None, draft: Path | None = None,
+               k: int = 3) -> list[str]:
     ours = [sys.executable, "-m", "mlxcel_dist.cli", "serve", str(model), "--port", str(port)]
+    drafts = ["--draft-model", str(draft or ROOT / "models" / "gemma3-tiny"), "--num-draft-tokens", str(k)]
+    lookup = ["--prompt-lookup", "--num-draft-tokens", str(k)]
     multi = ["--backend", backend] if backend else []  # for our multi-rank servers
     # `python -m mlx_lm.server` where the console script is not installed (a PYTHONPATH-only setup)
     script = BIN / "mlx_lm.server"
@@ -113,6 +123,10 @@ def server_cmd(name: str, model: Path, port: int, backend: str | None = None) ->
     return {
         "ours-np1": ours,
         "ours-np2": ours + ["--np", "2", *multi],
+        "ours-np1-draft": ours + drafts,
+        "ours-np2-draft": ours + ["--np", "2", *multi, *drafts],
+        "ours-np1-lookup": ours + lookup,
+        "ours-np2-lookup": ours + ["--np", "2", *multi, *lookup],
         "ours-pp2": ours + ["--pp", "2", *multi],  # two pipeline stages, whole steps
         "ours-pp2-micro2": ours + ["--pp", "2", "--micro-batches", "2", *multi],
         # --warmup is off by default since d611b81 (these names are the runs of docs/benchmarks-log.md before it)
@@ -171,14 +185,18 @@ FORMATS = {"text": None, "json_object": {"type": "json_object"},
                "required": ["items"], "additionalProperties": False}}}}
 
 
+TEXT = {"free": "the"}  # --text: what each prompt continues ("repeat": set from spec_decode.py in main)
+EXTRA = {}  # every request's extra fields (--ignore-eos)
+
+
 def run_round(base: str, clients: int, requests: int, tokens: int, tag: str, fmt: str = "text") -> dict:
     results, errors = [], []
-    extra = {"response_format": FORMATS[fmt]} if FORMATS[fmt] else {}
+    extra = {**EXTRA, **({"response_format": FORMATS[fmt]} if FORMATS[fmt] else {})}
 
     def client(c):
         for r in range(requests):
             try:
-                results.append(post_stream(base, {"prompt": f"{tag} client {c} request {r}: the",
+                results.append(post_stream(base, {"prompt": f"{tag} client {c} request {r}: {TEXT['text']}",
                                                   "max_tokens": tokens, "temperature": 0, **extra}))
             except Exception as e:  # noqa: BLE001 - reported
                 errors.append(repr(e))
@@ -225,8 +243,16 @@ def _family_cpu_s(root: int) -> float:
     return total
 
 
+def spec_counts(base: str) -> dict:
+    """The server's /metrics spec_decode_* values (empty: none)."""
+    with urllib.request.urlopen(base + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    return {ln.split()[0].split("spec_decode_")[1]: float(ln.split()[1]) for ln in text.splitlines()
+            if "spec_decode_" in ln and not ln.startswith("#")}
+
+
 def bench_server(name: str, model: Path, clients: list[int], requests: int, tokens: int, log_dir: Path,
-                 root: Path = ROOT, backend: str | None = None, formats=("text",)) -> list:
+                 root: Path = ROOT, backend: str | None = None, formats=("text",), draft=None, k: int = 3) -> list:
     """`root`: the checkout whose code serves (another one's, to compare versions of ours)."""
     port = free_port()
     base = f"http://127.0.0.1:{port}"
@@ -235,7 +261,7 @@ def bench_server(name: str, model: Path, clients: list[int], requests: int, toke
     env = None
     if root != ROOT:  # that checkout first, whatever else the path holds (e.g. a staged MLX) after it
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.Popen(server_cmd(name, model, port, backend), cwd=root, stdout=log, stderr=subprocess.STDOUT,
+    proc = subprocess.Popen(server_cmd(name, model, port, backend, draft, k), cwd=root, stdout=log, stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL, start_new_session=True, env=env)
     try:
         deadline = time.monotonic() + 180
@@ -254,8 +280,14 @@ def bench_server(name: str, model: Path, clients: list[int], requests: int, toke
         rows = []
         for n in clients:  # the server's CPU seconds per token: its own cost, less swayed by a busy machine
             for fmt in formats:
-                c0 = _family_cpu_s(proc.pid)
+                c0, s0 = _family_cpu_s(proc.pid), spec_counts(base)
                 row = run_round(base, n, requests, tokens, "timed", fmt)
+                s1 = spec_counts(base)
+                if s1.get("num_drafts_total", 0) > s0.get("num_drafts_total", 0):  # this round's acceptance
+                    d = {x: s1[x] - s0.get(x, 0) for x in ("num_drafts_total", "num_draft_tokens_total",
+                                                            "num_accepted_tokens_total")}
+                    row["accepted_pct"] = round(100 * d["num_accepted_tokens_total"] / d["num_draft_tokens_total"], 1)
+                    row["mean_accepted_length"] = round(1 + d["num_accepted_tokens_total"] / d["num_drafts_total"], 2)
                 row["server_cpu_ms_per_token"] = round(1000 * (_family_cpu_s(proc.pid) - c0) / max(row["tokens"], 1),
                                                        3)
                 rows.append({"server": name, **row})
@@ -326,7 +358,19 @@ def main() -> None:
     ap.add_argument("--json", help="also write the rows here")
     ap.add_argument("--formats", default="text", help=f"comma-separated response formats ({', '.join(FORMATS)})")
     ap.add_argument("--backend", help="our multi-rank servers' --backend (default: the launcher's auto)")
+    ap.add_argument("--draft-model", help="the -draft servers' draft (default: models/gemma3-tiny)")
+    ap.add_argument("--num-draft-tokens", type=int, default=3)
+    ap.add_argument("--text", default="free", choices=["free", "repeat"], help="what the prompts continue")
+    ap.add_argument("--ignore-eos", action="store_true", help="every answer runs its --tokens")
     args = ap.parse_args()
+    if args.text == "repeat":
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+        from spec_decode import repeat_text
+
+        TEXT["repeat"] = "\n" + repeat_text()
+    TEXT["text"] = TEXT[args.text]
+    if args.ignore_eos:
+        EXTRA["ignore_eos"] = True
     formats = args.formats.split(",")
     model = Path(args.model) if args.model else llama_checkpoint()
     clients = [int(x) for x in args.clients.split(",")]
@@ -337,7 +381,8 @@ def main() -> None:
         print(f"{spec}: loadavg {open('/proc/loadavg').read().split()[:3]}", file=sys.stderr, flush=True)
         try:
             got = bench_server(name, model, clients, args.requests, args.tokens, log_dir,
-                               Path(root).resolve() if root else ROOT, args.backend, formats)
+                               Path(root).resolve() if root else ROOT, args.backend, formats,
+                               args.draft_model and Path(args.draft_model), args.num_draft_tokens)
             for r in got:
                 r["server"] = spec
         except RuntimeError as e:
@@ -349,7 +394,9 @@ def main() -> None:
                   f"{r['ttft_p50']:.3f}s p95 {r['ttft_p95']:.3f}s  latency p50 {r['lat_p50']:.2f}s "
                   f"p95 {r['lat_p95']:.2f}s  server CPU {r['server_cpu_ms_per_token']:.1f} ms/token  "
                   f"({r['requests']} requests, {r['tokens']} tokens, "
-                  f"{r['connect_retries']} connections reset and retried)", flush=True)
+                  f"{r['connect_retries']} connections reset and retried)"
+                  + (f"  drafts: {r['accepted_pct']}% accepted, mean accepted length {r['mean_accepted_length']}"
+                     if "accepted_pct" in r else ""), flush=True)
     for line in ratios(rows):
         print(line, flush=True)
     print(f"logs: {log_dir}", file=sys.stderr)

@@ -52,6 +52,12 @@ small draw of those rows waits for the host. Every rank computes the same
 masks from the same ids (no collective). Micro-batched steps are skipped
 while a constrained row is in the batch.
 
+Drafts (serve --draft-model / --prompt-lookup): with `spec` (a
+batch_spec.BatchDrafts) every step is its round for all rows, through
+`feed` (L ids a row at host positions; rings of window + margin slots and
+masks by slot position, so a row's rejected positions are rolled back by
+its position alone); those steps are not pipelined.
+
 Exactness: each row is computed by the same operations as a lone sequence
 (the matmuls batch rows; a row's values do not depend on the others), so
 greedy text is the same alone or batched, prefilled alone or together
@@ -130,8 +136,9 @@ class RowCache(StaticCache):
     (`offset`) the per-row positions [C], so its mask and writes are per row.
     `rows` (a, b): the view of a micro-batch, rows [a, b) only."""
 
-    def __init__(self, state, index: int, window: int | None, rows=None, chunk: int | None = None):
-        super().__init__(state, index, window, chunk)
+    def __init__(self, state, index: int, window: int | None, rows=None, chunk: int | None = None,
+                 margin: int = 0):
+        super().__init__(state, index, window, chunk, margin)
         self.rows = rows
 
     @property
@@ -140,7 +147,14 @@ class RowCache(StaticCache):
         return pos if self.rows is None else pos[self.rows[0] : self.rows[1]]
 
     def mask(self, L: int) -> mx.array:
-        """[rows, 1, 1, S]: row b sees the slots it has written (chunked: its chunk's)."""
+        """[rows, 1, 1, S]: row b sees the slots it has written (chunked: its chunk's).
+        With a margin (drafts, batch_spec.py): [rows, 1, L, S] by each slot's position
+        (`StaticCache.position_mask`'s rule per row), for blocks of L tokens a row."""
+        if self.margin:
+            pos, S = self.offset, self.size
+            last = (pos + (L - 1)).reshape(-1, 1)
+            kp = last - mx.remainder(last - mx.arange(S)[None], S)  # [rows, S]: the position slot j holds
+            return create_rows_mask(L, pos, kp, None if self.chunk else self.window, self.chunk)
         assert L == 1, "batch rows take one token per step"
         last = self.last_slot(self.offset)
         return (mx.arange(self.size)[None, :] <= last[:, None])[:, None, None, :]
@@ -155,11 +169,11 @@ class RowCache(StaticCache):
         slot; the buffers (this view's rows)."""
         b = self.buffers
         pos = b["pos"]
-        slot = self.slot(pos)
-        C = pos.shape[0]
+        C, L = pos.shape[0], xs[0].shape[2]
+        slot = self.slot(pos.reshape(C, 1) + mx.arange(L)) if L > 1 else self.slot(pos)  # a block: L slots a row
         out = []
         for name, x in zip(self.names, xs):
-            idx = mx.broadcast_to(slot.reshape(C, 1, 1, 1), (C, x.shape[1], 1, x.shape[3]))
+            idx = mx.broadcast_to(slot.reshape(C, 1, L, 1), (C, x.shape[1], L, x.shape[3]))
             if self.rows is not None:
                 # a micro-batch writes its rows; the others' slots get their own values back
                 # (one gathered slot per row), so the write stays one in-place scatter
@@ -265,6 +279,7 @@ class _Admit:
     cache: list | None  # their caches (None: a miss)
     budget: int | None = None
     grammar: object = None  # grammar.Matcher: the row's constrained decoding
+    drafts: bool = True  # drafts may be verified for it (batch_spec.py)
 
 
 PAD_SLACK = 1.25  # prompts prefill together while the padded tokens stay within 25% of the real ones
@@ -316,6 +331,7 @@ class Row:
     budget: int | None = None  # ids the caller will read at most (max_tokens): no step launched past it
     launched: int = 0  # steps launched for it
     grammar: object = None  # grammar.Matcher (None: unconstrained), advanced with each id read
+    drafts: bool = True  # the request lets drafts be verified for it (batch_spec.py; serve's "speculative")
 
 
 @dataclass(eq=False)
@@ -343,15 +359,19 @@ class BatchEngine:
     same calls in the same order."""
 
     def __init__(self, model, prefill_step: int | None = None, compiled: bool = True, prompt_cache=None,
-                 pipelined: bool = True, micro: int = 1, vocab=None):
+                 pipelined: bool = True, micro: int = 1, vocab=None, spec=None, margin: int = 0):
         """`prompt_cache`: a prompt_cache.PromptCache that requests' prompts
         (and finished rows' whole sequences) are kept in and reused from.
         `pipelined=False`: each step is read before the next is built (the
         reference the pipelined steps are tested against). `micro`: each step's
         rows in that many micro-batches (serve --micro-batches, for pipeline
         stages: `_launch_micro`). `vocab`: a grammar.Vocab, for requests that
-        come with a grammar's text."""
+        come with a grammar's text. `spec`: a batch_spec.BatchDrafts that
+        drafts for the rows and runs every step (`feed` blocks, rollback);
+        `margin`: ring slots past each window for drafted tokens (its K)."""
         self.model = model
+        self.spec = spec
+        self.margin = spec.k if spec is not None else margin
         self.vocab = vocab
         self.prompt_cache = prompt_cache
         self.prefill_step = prefill_step or DEFAULT_PREFILL_STEP
@@ -366,6 +386,8 @@ class BatchEngine:
         self.stateful = False  # some layer holds a state (prefilled alone: pads would enter it)
         self._cap = 0
         self._compiled = mx.compile(self._forward, inputs=self.buffers, outputs=self.buffers) if compiled else None
+        self._compiled_block = (mx.compile(self._forward_block, inputs=self.buffers, outputs=self.buffers)
+                                if compiled else None)
         # Pipeline stages (--pp): the rows can go through in micro-batches, one behind the other,
         # so that each stage works on a different one at once (`_launch_micro`)
         self.micro = micro
@@ -416,18 +438,19 @@ class BatchEngine:
         for rid, prompt_ids, sampling, *extra in requests:
             budget = extra[0] if extra else None
             grammar = extra[1] if len(extra) > 1 else None
+            drafts = extra[2] if len(extra) > 2 else True  # False: a request that opted out of drafts
             if isinstance(grammar, str):  # a request's grammar text (serve.wire): this rank's matcher, one a row
                 grammar = self.vocab.matcher(grammar)
             prompt = check_tokens(prompt_ids, vocab_size(self.model))
             key = prompt.tobytes()
             if key in first:  # a copy (serve's n > 1): forked after the prefill
-                copies.append((first[key], rid, sampling, budget, grammar))
+                copies.append((first[key], rid, sampling, budget, grammar, drafts))
                 continue
             first[key] = rid
             start, cache = 0, None
             if self.prompt_cache is not None:
                 start, cache = self.prompt_cache.lookup(prompt, self.model.make_cache)
-            todo.append(_Admit(rid, prompt, len(prompt) - 1, sampling, start, cache, budget, grammar))
+            todo.append(_Admit(rid, prompt, len(prompt) - 1, sampling, start, cache, budget, grammar, drafts))
         if self.static is None:
             fresh = self.model.make_cache()
             self.static = bool(fresh) and None not in [static_kind(c) for c in fresh]
@@ -441,10 +464,12 @@ class BatchEngine:
                 self._add_alone(a)
         for g in together:
             self._prefill_together(g)
-        for src, rid, sampling, budget, grammar in copies:
-            self._fork(src, rid, sampling, budget, grammar)
+        for src, rid, sampling, budget, grammar, drafts in copies:
+            self._fork(src, rid, sampling, budget, grammar, drafts)
+        if self.spec is not None:
+            self.spec.added(self, requests)
 
-    def _fork(self, src, rid, sampling, budget, grammar=None) -> None:
+    def _fork(self, src, rid, sampling, budget, grammar=None, drafts=True) -> None:
         """A new row `rid` holding row `src`'s prompt (its keys/values copied,
         no forward), with its own sampler. Rows stepping eagerly have caches
         of their own, so their copies are prefilled each."""
@@ -452,7 +477,7 @@ class BatchEngine:
         r = self.rows[b]
         if not self.static:
             prompt = np.asarray(r.context, np.int32)
-            self._add_alone(_Admit(rid, prompt, len(prompt) - 1, sampling, 0, None, budget, grammar))
+            self._add_alone(_Admit(rid, prompt, len(prompt) - 1, sampling, 0, None, budget, grammar, drafts))
             return
         self._reserve(len(self.rows) + 1, r.pos + 1)
         new = len(self.rows)
@@ -463,7 +488,7 @@ class BatchEngine:
             buf[new : new + 1] = buf[b : b + 1]
             self.buffers[name] = buf
         self.rows.append(Row(rid, Sampler(sampling or SamplingParams(), len(r.context)), list(r.context), r.pos,
-                             r.token, budget=budget, grammar=grammar))
+                             r.token, budget=budget, grammar=grammar, drafts=drafts))
         self._changed = True
         self._sync_pos()
 
@@ -514,7 +539,7 @@ class BatchEngine:
         if self.prompt_cache is not None and a.start < last:
             self.prompt_cache.store(prompt[:last], cache)
         row = Row(a.rid, Sampler(a.sampling or SamplingParams(), len(prompt)), prompt.tolist(), last, int(prompt[last]),
-                  budget=a.budget, grammar=a.grammar)
+                  budget=a.budget, grammar=a.grammar, drafts=a.drafts)
         if not self.static:
             row.eager_cache = cache
             self.rows.append(row)
@@ -622,13 +647,15 @@ class BatchEngine:
             self.prompt_cache.store_layers(a.prompt[: a.last], [self._entry(i, x) for i, x in enumerate(kv)],
                                            self.windows)
         self._place(Row(a.rid, Sampler(a.sampling or SamplingParams(), len(a.prompt)), a.prompt.tolist(), a.last,
-                        int(a.prompt[a.last]), budget=a.budget, grammar=a.grammar), kv)
+                        int(a.prompt[a.last]), budget=a.budget, grammar=a.grammar, drafts=a.drafts), kv)
 
     def remove(self, rid) -> None:
         """Free `rid`'s row (kept in the prompt cache when there is one): the
         last row moves into it (rows stay [0, n))."""
         b = next(i for i, r in enumerate(self.rows) if r.rid == rid)
         self.want.pop(rid, None)
+        if self.spec is not None:
+            self.spec.removed(rid)
         if self.prompt_cache is not None:
             self._keep(b)
         last = len(self.rows) - 1
@@ -710,7 +737,7 @@ class BatchEngine:
         self._size = want_s
         new = {}
         for i, window in enumerate(self.windows):
-            s = min(want_s, window) if window else want_s
+            s = min(want_s, window + self.margin) if window else want_s  # a margin: room for rolled-back drafts
             for name in self.names[i]:
                 old = self.buffers.get(name)
                 shape = self._shapes[name] if old is None else old.shape
@@ -745,7 +772,7 @@ class BatchEngine:
             return StaticState(self.buffers, i, len(self.snames[i]), rows)
         if kind == "quantized":
             return QuantizedRowCache(self.buffers, i, *self._quant[i], rows)
-        view = RowCache(self.buffers, i, self.windows[i], rows, self.chunks[i])
+        view = RowCache(self.buffers, i, self.windows[i], rows, self.chunks[i], self.margin)
         return view if kind == "kv" else StaticConvKV(view, StaticState(self.buffers, i, 2, rows))
 
     def _learn_layout(self, cache, probe) -> None:
@@ -784,6 +811,24 @@ class BatchEngine:
         logits = self.model(tokens, self.views)[:, -1]
         self.buffers["pos"] = self.buffers["pos"] + 1
         return logits
+
+    def _forward_block(self, tokens: mx.array) -> mx.array:
+        self.traces += 1
+        return self.model(tokens, self.views)
+
+    def feed(self, tokens: mx.array, pos: list) -> mx.array:
+        """Feed row b the ids tokens[b] [n, L] at positions pos[b] .. pos[b] + L - 1
+        (engine built with a margin >= L - 1: each row's later positions may then
+        be rolled back by feeding it from an earlier `pos`); lazy logits [n, L, V].
+        The rows' `pos` is left to the caller."""
+        n, L = tokens.shape
+        assert self.margin >= L - 1, (L, self.margin)
+        self._reserve(n, max(pos) + L - 1)
+        C = self._capacity()
+        self.buffers["pos"] = mx.array(list(pos) + [0] * (C - n), mx.int32)
+        x = tokens if C == n else mx.concatenate([tokens, mx.zeros((C - n, L), mx.int32)])
+        logits = self._compiled_block(x) if self._compiled_block is not None else self._forward_block(x)
+        return logits[:n]
 
     def _forward_part(self, tokens: mx.array, a: int, e: int) -> mx.array:
         """Rows [a, e) (a micro-batch) one step on; `pos` moves on with the last part."""
@@ -970,10 +1015,13 @@ class BatchEngine:
         """One token for every row: {rid: sampled id} (read from the device).
         Pipelined, the next step is launched before this one is read, so a
         row that the caller removes after this call has already been fed its
-        last id once more: that step's work for it is discarded."""
+        last id once more: that step's work for it is discarded. With drafts
+        (`spec`, static caches): {rid: [ids]}, 1 .. K + 1 a row, unpipelined."""
         if not self.rows:
             self._flights.clear()
             return {}
+        if self.spec is not None and self.spec.active(self):
+            return self.spec.step(self)
         if not self._flights:
             self.launch()
         # no step past every row's budget: its work would only be discarded (a lone request's last id)

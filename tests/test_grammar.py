@@ -59,17 +59,19 @@ def setup():
     return model, tok, grammar.Vocab(d / "tokenizer.json", model.args.vocab_size, tok.eos_ids)
 
 
-def _run(model, vocab, rows, pipelined=True, max_tokens=120):
+def _run(model, vocab, rows, pipelined=True, max_tokens=120, spec=None):
     """rows: (rid, prompt ids, seed (None: greedy), grammar text or None) -> {rid: ids}, EOS included."""
-    eng = BatchEngine(model, pipelined=pipelined, vocab=vocab)
+    eng = BatchEngine(model, pipelined=pipelined, vocab=vocab, spec=spec)
     eng.add_many([(rid, p, SamplingParams() if seed is None else SamplingParams(temp=1.0, seed=seed), max_tokens, g)
                   for rid, p, seed, g in rows])
     out = {rid: [] for rid, *_ in rows}
     while len(eng):
-        for rid, t in eng.step().items():
-            out[rid].append(t)
-            if t in vocab.eos_ids or len(out[rid]) >= max_tokens:
-                eng.remove(rid)
+        for rid, got in eng.step().items():
+            for t in got if isinstance(got, list) else [got]:  # (drafts: a list)
+                out[rid].append(t)
+                if t in vocab.eos_ids or len(out[rid]) >= max_tokens:
+                    eng.remove(rid)
+                    break
     return out
 
 
@@ -92,6 +94,14 @@ def test_constrained_rows_decode_as_alone_and_unpipelined_and_always_validate(se
             continue
         assert ids[-1] in tok.eos_ids, "a bounded schema's answer ends by EOS"
         jsonschema.validate(json.loads(tok.decode(ids[:-1])), SCHEMA)
+    # with drafts (serve --prompt-lookup): constrained rows take none and draw what they draw without
+    # (key for key), greedy free rows verify theirs
+    from mlxcel_dist.batch_spec import BatchDrafts
+
+    spec = BatchDrafts(3)
+    greedy_or_constrained = [r for r in rows if r[2] is None or r[3] is not None]
+    assert _run(model, vocab, greedy_or_constrained, spec=spec) == {r[0]: together[r[0]] for r in greedy_or_constrained}
+    assert spec.total[1] > 0  # the free rows drafted
     # TokenGenerator (generate --json-schema) draws the same ids as a batch row
     for rid in (2,):
         m = vocab.matcher(g)

@@ -326,9 +326,11 @@ def test_every_rank_makes_the_same_engine_calls(tok):
 def test_a_step_crosses_the_wire_bit_exact():
     """Rank 0 applies the decoded step too, so every rank samples with the same bits."""
     s = wire.Step(KIND_STEP, [3], [(5, GenRequest([1, 2], 9, SamplingParams(temp=0.1 + 0.2, top_p=0.3, seed=2**64 - 1),
-                                                  ["x", "é"], 2, True))])
+                                                  ["x", "é"], 2, True)),
+                               (6, GenRequest([4], 3, SamplingParams(), speculative=False))])
     got = wire.decode_step(wire.encode_step(s))
     assert got == s and got.admissions[0][1].sampling.temp == 0.1 + 0.2
+    assert [r.speculative for _, r in got.admissions] == [True, False]  # the opt-out of drafts crosses too
 
 
 @pytest.mark.parametrize("field,value", [("max_tokens", 2**31), ("top_k", 2**31), ("seed", 2**64),

@@ -62,6 +62,10 @@ def main(ctx, a) -> None:
     if a.served_model_name and len(names) != len(a.served_model_name):
         raise UserError("--served-model-name must not be empty")
     cache_bytes = None if a.prompt_cache_bytes is None else parse_size(a.prompt_cache_bytes, "--prompt-cache-bytes")
+    if not os.environ.get("MLXCEL_DIST_WORLD"):  # before launch
+        from .generate import check_drafting
+
+        check_drafting(a.draft_model, a.prompt_lookup, a.num_draft_tokens, model, pp=launch.pp, kv_bits=load.kv_bits)
     defaults = Defaults(temp=a.temp, top_p=a.top_p, top_k=a.top_k, min_p=a.min_p, max_tokens=a.max_tokens)
     kv, adapter = checked(model, load)
     if a.extra_eos_token and not os.environ.get("MLXCEL_DIST_WORLD"):  # an unknown token fails before launch
@@ -79,5 +83,7 @@ def main(ctx, a) -> None:
                    prompt_cache_size=a.prompt_cache_size, prompt_cache_bytes=cache_bytes,
                    prefill_step=a.prefill_step, warmup=a.warmup, micro_batches=a.micro_batches,
                    served_names=list(dict.fromkeys(names)), header_timeout_s=a.header_timeout,
-                   tool_call_parser=a.tool_call_parser, reasoning_parser=a.reasoning_parser)
+                   tool_call_parser=a.tool_call_parser, reasoning_parser=a.reasoning_parser,
+                   draft_model=a.draft_model, prompt_lookup=a.prompt_lookup, num_draft_tokens=a.num_draft_tokens,
+                   dtype=load.dtype)
     run(loaded.model, tok, group, opts, sock, loaded.config)

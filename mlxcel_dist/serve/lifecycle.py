@@ -90,6 +90,10 @@ class Options:
     header_timeout_s: float = HEADER_TIMEOUT_S
     tool_call_parser: str | None = None  # --tool-call-parser (serve.tools.FORMATS); None: from the chat template
     reasoning_parser: str | None = None  # --reasoning-parser (serve.reasoning.FORMATS or "none"); None: from it too
+    draft_model: str | None = None  # --draft-model: drafts verified in the batched steps (batch_spec.py)
+    prompt_lookup: bool = False  # --prompt-lookup: drafts from the rows' own ids
+    num_draft_tokens: int = 3
+    dtype: str | None = None  # the draft model's (--dtype)
 
 
 def batchable(model) -> bool:
@@ -104,6 +108,7 @@ def make_engine(model, group, opts: Options, eos_ids, tokenizer_json=None):
     if not batchable(model):
         return OneRowEngine(model, group, eos_ids)
     from ..batch import BatchEngine
+    from ..batch_spec import serve_drafts
     from ..engine import vocab_size
     from ..grammar import Vocab
     from ..prompt_cache import DEFAULT_MAX_BYTES, PromptCache
@@ -111,7 +116,9 @@ def make_engine(model, group, opts: Options, eos_ids, tokenizer_json=None):
     size, limit = opts.prompt_cache_size, opts.prompt_cache_bytes
     pc = PromptCache(size, DEFAULT_MAX_BYTES if limit is None else limit) if size else None
     vocab = Vocab(tokenizer_json, vocab_size(model), eos_ids) if tokenizer_json else None
-    return BatchEngine(model, opts.prefill_step, prompt_cache=pc, micro=opts.micro_batches, vocab=vocab)
+    spec = serve_drafts(opts.num_draft_tokens, opts.draft_model, opts.prompt_lookup, opts.dtype, opts.prefill_step,
+                        log if group.is_root else None)
+    return BatchEngine(model, opts.prefill_step, prompt_cache=pc, micro=opts.micro_batches, vocab=vocab, spec=spec)
 
 
 def memory() -> dict:
@@ -314,6 +321,9 @@ def _serve(model, tok, group, opts, sock, config, engine, link, beats, guard) ->
         stage = getattr(getattr(model, "model", None), "stage", None)
         pp = f", pp {stage.P}" if stage is not None else ""
         log(f"{ctx.model_ids[0]} on http://{h}:{p}/v1 (np {group.size()}{pp})")
+        spec = getattr(engine, "spec", None)
+        if spec is not None:
+            log(f"drafts: {spec.name}, {spec.k} a step (a request opts out with \"speculative\": false)")
         _loop(sched, engine, link, guard)
     finally:
         loop_done.set()

@@ -56,6 +56,11 @@ class Metrics:
         self.tpot = Histogram(TPOT_BUCKETS)
         self.e2e = Histogram(E2E_BUCKETS)
         self.seconds = collections.deque()  # [second, tokens generated in it] of the last RATE_S seconds
+        self.spec = [0, 0, 0]  # drafts: verifies of a row with drafts, tokens drafted, drafts accepted
+
+    def drafted(self, drafts: int, tokens: int, accepted: int) -> None:
+        with self.lock:
+            self.spec = [self.spec[0] + drafts, self.spec[1] + tokens, self.spec[2] + accepted]
 
     def admitted(self, prompt_tokens: int) -> None:
         with self.lock:
@@ -111,5 +116,21 @@ class Metrics:
                 *self.tpot.lines(f"{p}time_per_output_token_seconds"),
                 f"# HELP {p}e2e_request_latency_seconds Arrival to the end of the request.",
                 f"# TYPE {p}e2e_request_latency_seconds histogram", *self.e2e.lines(f"{p}e2e_request_latency_seconds"),
+            ]
+            drafts, tokens, accepted = self.spec
+            lines += [
+                f"# HELP {p}spec_decode_num_drafts_total Verify forwards of a row with drafts (serve --draft-model "
+                "/ --prompt-lookup).",
+                f"# TYPE {p}spec_decode_num_drafts_total counter", f"{p}spec_decode_num_drafts_total {drafts}",
+                f"# HELP {p}spec_decode_num_draft_tokens_total Tokens drafted.",
+                f"# TYPE {p}spec_decode_num_draft_tokens_total counter",
+                f"{p}spec_decode_num_draft_tokens_total {tokens}",
+                f"# HELP {p}spec_decode_num_accepted_tokens_total Drafted tokens the target accepted.",
+                f"# TYPE {p}spec_decode_num_accepted_tokens_total counter",
+                f"{p}spec_decode_num_accepted_tokens_total {accepted}",
+                f"# HELP {p}spec_decode_mean_accepted_length Tokens a verify forward of a row with drafts yields "
+                "(1 + accepted / drafts; 0: none yet).",
+                f"# TYPE {p}spec_decode_mean_accepted_length gauge",
+                f"{p}spec_decode_mean_accepted_length {1 + accepted / drafts if drafts else 0.0}",
             ]
         return "\n".join(lines) + "\n"

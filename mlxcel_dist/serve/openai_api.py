@@ -185,6 +185,8 @@ class _Common(_Strict):
     stop: _Stop | Annotated[list[_Stop], Field(max_length=16)] | None = None
     top_logprobs: int | None = Field(None, ge=-1, le=MAX_TOP_LOGPROBS)
     ignore_eos: bool | None = Field(None, description="vLLM's extra field: EOS is an ordinary token")
+    speculative: bool | None = Field(None, description="false: no drafts for this request (a server started "
+                                                       "with --draft-model / --prompt-lookup)")
     presence_penalty: float | None = Field(None, ge=-2, le=2, allow_inf_nan=False,
                                            description="OpenAI's, over the generated tokens; 0 = off")
     frequency_penalty: float | None = Field(None, ge=-2, le=2, allow_inf_nan=False,
@@ -702,7 +704,7 @@ def parse(body: object, chat: bool, ctx: ParseContext) -> Parsed:
     # a constrained answer's grammar lets the model think first (its thinking split off as usual)
     gram = _grammar(m, chat, ctx, grammar.thinking(fmt, text))
     req = GenRequest(ids, _max_tokens(m, chat, len(ids), ctx), _sampling(m, ctx.defaults, ctx.vocab_size), stops,
-                     logprobs, bool(m.ignore_eos), stop_ids, gram)
+                     logprobs, bool(m.ignore_eos), stop_ids, gram, m.speculative is not False)
     try:
         check_wire(req)  # defence in depth: the checks above should already hold every wire limit
     except ValueError as e:

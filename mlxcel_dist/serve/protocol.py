@@ -76,9 +76,10 @@ class StepResult:
     """What one applied step gave: each row's id, its logprobs (rank 0's
     engine only), and the admissions that failed (every rank alike)."""
 
-    ids: dict = field(default_factory=dict)
+    ids: dict = field(default_factory=dict)  # rid -> id, or [ids] (a step with drafts: 1 .. K + 1 a row)
     logprobs: dict = field(default_factory=dict)
     failed: dict = field(default_factory=dict)  # rid -> message
+    spec: tuple = (0, 0, 0)  # drafts: (rows that drafted, tokens drafted, drafts accepted) in this step
     step_s: float = 0.0
     admit_s: float = 0.0
 
@@ -86,8 +87,11 @@ class StepResult:
 def _admit(engine, admissions: list, keep_logprobs: bool, failed: dict) -> None:
     """add_many of a step's admissions; when it fails (every rank alike: the
     same data), each is retried alone so only the failing request ends."""
-    # a grammar only where there is one (engines without constrained decoding take 4-tuples)
-    items = [(rid, req.prompt_ids, req.sampling, req.max_tokens, *((req.grammar,) if req.grammar else ()))
+    # a grammar only where there is one (engines without constrained decoding take 4-tuples); an opt-out of
+    # drafts only where the engine drafts
+    drafting = getattr(engine, "spec", None) is not None
+    items = [(rid, req.prompt_ids, req.sampling, req.max_tokens,
+              *((req.grammar, False) if drafting and not req.speculative else (req.grammar,) if req.grammar else ()))
              for rid, req in admissions]
     try:
         engine.add_many(items)
@@ -134,7 +138,11 @@ def apply_step(engine, step: Step, guard, keep_logprobs: bool = False, busy=None
             busy(None)
     out.step_s, out.admit_s = time.monotonic() - t1, t1 - t0
     for tok in out.ids.values():
-        guard._record(tok)
+        for t in tok if isinstance(tok, list) else (tok,):
+            guard._record(t)
+    spec = getattr(engine, "spec", None)
+    if spec is not None and out.ids:  # (an empty step ran nothing: its counts are the last step's)
+        out.spec = spec.last
     if keep_logprobs:
         out.logprobs = dict(engine.logprobs)
     return out

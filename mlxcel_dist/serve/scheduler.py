@@ -299,7 +299,7 @@ class Scheduler:
             t.prompt_tokens += sum(len(req.prompt_ids) for _, req in step.admissions)
         if result.ids:
             t.steps += 1
-            t.tokens += len(result.ids)
+            t.tokens += sum(len(x) if isinstance(x, list) else 1 for x in result.ids.values())
             t.step += result.step_s
             self.step_s = 0.9 * self.step_s + 0.1 * result.step_s
         for rid, message in result.failed.items():
@@ -308,12 +308,18 @@ class Scheduler:
                 log(f"request failed at admission: {message}")
                 self._drop_job(r.job, set(result.failed))
                 self._end(r.job, Failed(f"generation failed: {message}", 500))
-        for rid, tok in result.ids.items():
+        if result.spec[0]:
+            self.metrics.drafted(*result.spec)
+        for rid, toks in result.ids.items():
             r = self.rows.get(rid)
             if r is None:  # freed at this step's plan: its last id is dropped
                 continue
             try:
-                self._advance_row(rid, r, tok, result.logprobs.get(rid))
+                # a step with drafts gives a row 1 .. K + 1 ids (a row with logprobs: one)
+                for tok in toks if isinstance(toks, list) else (toks,):
+                    if rid not in self.rows:  # ended inside the list (EOS, stop, max_tokens): the rest is dropped
+                        break
+                    self._advance_row(rid, r, tok, result.logprobs.get(rid))
             except Exception as e:  # noqa: BLE001 - one request's failure ends that request alone
                 log(f"request failed: {type(e).__name__}: {e}")
                 self.rows.pop(rid, None)

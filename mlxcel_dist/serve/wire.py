@@ -10,7 +10,8 @@ A request (:func:`encode_request`):
    byte count, max_tokens, top_k, repetition context size, the logprobs
    setting (0 = off, k + 1 = the drawn token's and the top k), ignore_eos
    (0 / 1), the logit-bias and stop-token-id counts, the grammar's byte
-   count (0: unconstrained), the seed in four 16-bit
+   count (0: unconstrained), speculative (1, 0: the request opted out of
+   drafts), the seed in four 16-bit
    parts, and the float64 sampling values (temperature, top_p, min_p,
    repetition, presence and frequency penalties) bit-copied as int32 pairs,
    so every rank samples with the very same values rank 0 does;
@@ -40,7 +41,7 @@ KIND_JOB = 1
 KIND_SHUTDOWN = 2
 KIND_STEP = 3
 KIND_IDLE = 4
-HEADER_INTS = 12 + 4 + 2 * 6  # ints, seed parts, float64 pairs
+HEADER_INTS = 13 + 4 + 2 * 6  # ints, seed parts, float64 pairs
 CONTROL_INTS = 4  # magic, kind, payload length, idle milliseconds
 INT32_MAX = 2**31 - 1
 RID_LIMIT = 1 << 30  # row ids wrap below this
@@ -72,6 +73,7 @@ class GenRequest:
     ignore_eos: bool = False  # vLLM's extra field: EOS is an ordinary token (runs to max_tokens or a stop string)
     stop_ids: list = field(default_factory=list)  # vLLM's stop_token_ids: generation ends at one, as at EOS
     grammar: str | None = None  # constrained decoding (mlxcel_dist.grammar's text): response_format, forced tools
+    speculative: bool = True  # False: the request opted out of drafts (serve --draft-model / --prompt-lookup)
 
 
 def check_wire(req: GenRequest) -> None:
@@ -105,11 +107,11 @@ def encode_request(req: GenRequest) -> tuple[np.ndarray, np.ndarray]:
     stop_bytes = np.frombuffer(json.dumps(req.stop).encode("utf-8"), np.uint8).astype(np.int32)
     grammar = (req.grammar or "").encode("utf-8")
     s = req.sampling
-    header[1:12] = [KIND_JOB, len(req.prompt_ids), len(stop_bytes), req.max_tokens, s.top_k,
+    header[1:13] = [KIND_JOB, len(req.prompt_ids), len(stop_bytes), req.max_tokens, s.top_k,
                     s.repetition_context_size, 0 if req.logprobs is None else req.logprobs + 1, int(req.ignore_eos),
-                    len(s.logit_bias), len(req.stop_ids), len(grammar)]
-    header[12:16] = [(s.seed >> (16 * i)) & 0xFFFF for i in range(4)]
-    header[16:28] = np.array([s.temp, s.top_p, s.min_p, s.repetition_penalty, s.presence_penalty,
+                    len(s.logit_bias), len(req.stop_ids), len(grammar), int(req.speculative)]
+    header[13:17] = [(s.seed >> (16 * i)) & 0xFFFF for i in range(4)]
+    header[17:29] = np.array([s.temp, s.top_p, s.min_p, s.repetition_penalty, s.presence_penalty,
                               s.frequency_penalty], np.float64).view(np.int32)
     bias_ids = np.array([t for t, _ in s.logit_bias], np.int32)
     bias_bits = np.array([b for _, b in s.logit_bias], np.float32).view(np.int32)
@@ -122,11 +124,11 @@ def encode_request(req: GenRequest) -> tuple[np.ndarray, np.ndarray]:
 def decode_request(header: np.ndarray, payload: np.ndarray) -> GenRequest:
     if int(header[0]) != MAGIC or int(header[1]) != KIND_JOB:
         raise RuntimeError(f"serve: bad request header (magic {int(header[0]):#x}, kind {int(header[1])})")
-    n_ids, n_stop, max_tokens, top_k, rep_ctx, lp, ignore_eos, n_bias, n_stop_ids, n_grammar = (
-        int(x) for x in header[2:12])
-    seed = sum(int(header[12 + i]) << (16 * i) for i in range(4))
+    n_ids, n_stop, max_tokens, top_k, rep_ctx, lp, ignore_eos, n_bias, n_stop_ids, n_grammar, speculative = (
+        int(x) for x in header[2:13])
+    seed = sum(int(header[13 + i]) << (16 * i) for i in range(4))
     temp, top_p, min_p, rep, presence, frequency = (
-        float(x) for x in np.ascontiguousarray(header[16:28]).view(np.float64))
+        float(x) for x in np.ascontiguousarray(header[17:29]).view(np.float64))
     stop = json.loads(payload[n_ids:n_ids + n_stop].astype(np.uint8).tobytes().decode("utf-8"))
     at = n_ids + n_stop
     bias_ids = payload[at:at + n_bias].tolist()
@@ -139,7 +141,7 @@ def decode_request(header: np.ndarray, payload: np.ndarray) -> GenRequest:
                               repetition_context_size=rep_ctx, seed=seed, presence_penalty=presence,
                               frequency_penalty=frequency, logit_bias=tuple(zip(bias_ids, bias)))
     return GenRequest(payload[:n_ids].tolist(), max_tokens, sampling, stop, None if lp == 0 else lp - 1,
-                      bool(ignore_eos), stop_ids, grammar)
+                      bool(ignore_eos), stop_ids, grammar, bool(speculative))
 
 
 @dataclass
