@@ -133,7 +133,7 @@ def convert_checkpoint(
         from .lora import fuse
 
         m.load_weights(list(fuse(dict(tree_flatten(m.parameters())), adapter).items()), strict=True)
-    quantized = quantize_for_export(m, q.group_size, q.bits, q.mode) if q else []
+    quantized, overrides = quantize_for_export(m, q.group_size, q.bits, q.mode) if q else ([], {})
     weights = dict(tree_flatten(m.parameters()))
     # a family whose mlx-lm reading of a converted checkpoint differs from ours says how to write it
     if hasattr(m, "export_for_mlx_lm"):
@@ -144,8 +144,8 @@ def convert_checkpoint(
         _set_dtype(new_config, dtype)
     if q is not None:
         # mlx-lm writes the same object under both keys (the HF tree reads the second).
-        new_config["quantization"] = q.kwargs()
-        new_config["quantization_config"] = q.kwargs()
+        new_config["quantization"] = {**q.kwargs(), **overrides}
+        new_config["quantization_config"] = {**q.kwargs(), **overrides}
 
     out.mkdir(parents=True, exist_ok=True)
     shards = _shards(weights)
@@ -171,7 +171,8 @@ def convert_checkpoint(
                 copied.append(src.name)
 
     n_weights = sum(
-        (w.size * 32 // q.bits if name.endswith(".weight") and w.dtype == mx.uint32 else w.size)
+        (w.size * 32 // overrides.get(name[: -len(".weight")], {}).get("bits", q.bits)
+         if name.endswith(".weight") and w.dtype == mx.uint32 else w.size)
         for name, w in weights.items()
         if not name.endswith((".scales", ".biases"))
     ) if q else sum(w.size for w in weights.values())

@@ -203,18 +203,27 @@ def quantize_model(model: nn.Module, quant: Quantization, refs: dict) -> list[st
     return done
 
 
-def quantize_for_export(model: nn.Module, group_size: int, bits: int, mode: str = "affine") -> list[str]:
+def quantize_for_export(model: nn.Module, group_size: int, bits: int, mode: str = "affine") -> tuple[list, dict]:
     """Quantize every Linear and Embedding whose input dimension is a whole
-    number of groups (as mlx-lm's convert does); weights must be loaded."""
+    number of groups (as mlx-lm's convert does); weights must be loaded. A
+    model's `quant_override(path)` (mlx-lm's `quant_predicate`) may give a
+    layer its own {"group_size", "bits"}; returns the quantized paths and
+    those overrides (config.json's `quantization` carries them)."""
     if mode != "affine":
         raise UserError(f"only affine quantization is written (got mode {mode!r})")
     if bits not in AFFINE_BITS:
         raise UserError(f"--bits must be one of {', '.join(map(str, AFFINE_BITS))}, got {bits}")
     if group_size not in AFFINE_GROUP_SIZES:
         raise UserError(f"--group-size must be one of {', '.join(map(str, AFFINE_GROUP_SIZES))}, got {group_size}")
-    done = []
+    done, overrides = [], {}
+    special = getattr(model, "quant_override", None)
 
     def predicate(path, module):
+        own = special(path) if special is not None and hasattr(module, "to_quantized") else None
+        if own is not None and module.weight.shape[-1] % own["group_size"] == 0:
+            overrides[path] = own
+            done.append(path)
+            return own
         if not hasattr(module, "to_quantized") or module.weight.shape[-1] % group_size:
             return False
         done.append(path)
@@ -222,7 +231,7 @@ def quantize_for_export(model: nn.Module, group_size: int, bits: int, mode: str 
 
     nn.quantize(model, group_size, bits, mode=mode, class_predicate=predicate)
     mx.eval(model.parameters())
-    return done
+    return done, overrides
 
 
 def quantized_col_ranges(ranges, group_size: int, bits: int, what: str = "layer"):

@@ -131,6 +131,12 @@ class Model(CausalLM):
                        for k, w in weights.items()}
         return super().sanitize(stack_expert_refs(weights, self.args.num_experts))
 
+    def quant_override(self, path: str):
+        """The router and the shared expert's gate at 8 bits, as mlx_lm.convert writes them."""
+        if path.endswith("mlp.gate") or path.endswith("shared_expert_gate"):
+            return {"group_size": 64, "bits": 8}
+        return None
+
     def export_for_mlx_lm(self, weights: dict, config: dict) -> tuple[dict, dict]:
         """`convert`'s output as mlx-lm's qwen3_next reads it: its converted
         layout (deltanet.export_mlx_lm_layout) and the transformers-4 rope keys
