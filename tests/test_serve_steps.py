@@ -449,3 +449,45 @@ def test_tokens_per_second_over_the_last_whole_seconds():
     assert m.rate() == 3.0
     now[0] += RATE_S  # quiet since
     assert m.rate() == 0.0 and len(m.seconds) <= RATE_S + 1
+
+
+def test_drafted_ids_share_their_step_in_time_per_output_token(tok):
+    # a step with drafts gives a row several ids at once: each takes its share of
+    # the gap since the row's previous step, not a gap of ~0 after the first
+    class Clock:
+        t = 0.0
+
+        def __call__(self):
+            return self.t
+
+    class DraftingEngine(FakeEngine):
+        def step(self):
+            clock.t += 0.3  # every step 0.3 s; step 1 gives a row 1 id, later steps 3
+            out = {}
+            for rid, r in self.rows.items():
+                script, n = r
+                k = 1 if n == 0 else 3
+                out[rid] = [script[(n + j) % len(script)] for j in range(k)]
+                r[1] += k
+            return out
+
+    from mlxcel_dist.serve.metrics import Metrics
+
+    clock = Clock()
+    sched = Scheduler(tok)
+    sched.metrics = Metrics(clock)
+    a, got = job(req([1000], max_tokens=7))
+    a.arrived = clock()
+    sched.submit(a)
+    import mlxcel_dist.serve.scheduler as scheduler_mod
+
+    real = scheduler_mod.time.monotonic
+    scheduler_mod.time.monotonic = clock
+    try:
+        drain(sched, DraftingEngine({1000: [5, 6, 7, 8, 9, 10, 11]}))
+    finally:
+        scheduler_mod.time.monotonic = real
+    assert got[-1] == Done("length", 1, 7)
+    tpot = sched.metrics.tpot
+    assert sum(tpot.counts) == 6 and abs(tpot.sum - 6 * 0.1) < 1e-9  # 2 steps of 3 ids, 0.3 s each: 0.1 s an id
+    assert tpot.counts[tpot.buckets.index(0.1)] == 6  # every one in (0.075, 0.1]: none ~0 s

@@ -66,13 +66,15 @@ class Metrics:
         with self.lock:
             self.prompt_tokens += prompt_tokens
 
-    def token(self, since: float, first: bool) -> None:
+    def token(self, since: float, first: bool, share: int = 1) -> None:
         """A generated token read now; `since`: the request's arrival (first
-        token) or the row's previous token."""
+        token) or the row's previous step. `share`: the tokens that step gave
+        the row (drafts accepted): each takes its part of the gap, so the
+        histogram's mean stays the time a token."""
         with self.lock:
             self.generation_tokens += 1
             now = self.clock()
-            (self.ttft if first else self.tpot).observe(now - since)
+            (self.ttft if first else self.tpot).observe((now - since) / (1 if first else share))
             sec = int(now)
             if self.seconds and self.seconds[-1][0] == sec:
                 self.seconds[-1][1] += 1

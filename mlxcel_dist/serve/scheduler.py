@@ -316,10 +316,12 @@ class Scheduler:
                 continue
             try:
                 # a step with drafts gives a row 1 .. K + 1 ids (a row with logprobs: one)
-                for tok in toks if isinstance(toks, list) else (toks,):
+                ids = toks if isinstance(toks, list) else (toks,)
+                since = r.last_t if r.generated else None  # the row's previous step: the gap its ids share
+                for tok in ids:
                     if rid not in self.rows:  # ended inside the list (EOS, stop, max_tokens): the rest is dropped
                         break
-                    self._advance_row(rid, r, tok, result.logprobs.get(rid))
+                    self._advance_row(rid, r, tok, result.logprobs.get(rid), since, len(ids))
             except Exception as e:  # noqa: BLE001 - one request's failure ends that request alone
                 log(f"request failed: {type(e).__name__}: {e}")
                 self.rows.pop(rid, None)
@@ -336,12 +338,17 @@ class Scheduler:
             if rid not in gone:
                 self.removals.append(rid)
 
-    def _advance_row(self, rid: int, r: _Row, tok: int, lp) -> None:
+    def _advance_row(self, rid: int, r: _Row, tok: int, lp, since: float | None, share: int) -> None:
         if tok in r.eos:
             return self._finish(rid, r, "eos")
         r.generated += 1
         first = r.generated == 1
-        self.metrics.token(r.job.arrived if first else r.last_t, first and not r.job.started)
+        if first:
+            self.metrics.token(r.job.arrived, not r.job.started)
+        elif since is None:  # given by the step that gave the row's first id: it came with that one
+            self.metrics.token(r.last_t, False)
+        else:
+            self.metrics.token(since, False, share)
         r.job.started = True
         r.last_t = time.monotonic()
         if r.job.req.logprobs is not None:
