@@ -301,3 +301,17 @@ def test_openai_client_gets_tool_calls_whole_and_streamed(app_server):
                                        max_tokens=200)
     assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason == "stop"
     assert r.choices[0].message.content == tok.decode(tok.encode(answer, add_special_tokens=False))
+
+
+def test_a_call_cut_by_max_tokens_is_not_a_call():
+    # an answer cut inside a call must not give that call with half its arguments
+    from mlxcel_dist.serve import tools
+
+    whole = "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Oslo</arg_value>\n</tool_call>"
+    cut = "\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Pa"
+    content, calls = tools.parse("glm45", whole + cut, [WEATHER])
+    assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"city": "Oslo"}] and "Pa" in content
+    mm = ('<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">Oslo</parameter>\n</invoke>\n'
+          '<invoke name="get_weather">\n<parameter name="city">Pa')
+    assert [json.loads(c["function"]["arguments"]) for c in tools.parse("minimax_m2", mm, [WEATHER])[1]] == [
+        {"city": "Oslo"}]

@@ -146,13 +146,15 @@ def parse(fmt: str, text: str, tools: list | None = None) -> tuple[str, list]:
     request's, whose schemas type the XML forms' values."""
     if fmt in ("glm45", "minimax_m2"):
         if fmt == "glm45":
-            got = _xml_calls(text, r"<tool_call>(.*?)(?:</tool_call>|$)", lambda b: [(
+            # a block without its closing tag (an answer cut by max_tokens) stays text: its arguments may be cut
+            got = _xml_calls(text, r"<tool_call>(.*?)</tool_call>", lambda b: [(
                 b.split("<arg_key>", 1)[0], re.findall(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>",
                                                        b, re.S))], tools)
         else:
+            # one block holds every call: an answer cut inside it keeps its whole invokes, drops a cut one
             got = _xml_calls(text, re.escape(MINIMAX) + r"(.*?)(?:</minimax:tool_call>|$)", lambda b: [
                 (n, re.findall(r'<parameter name="([^"]*)">(.*?)</parameter>', body, re.S))
-                for n, body in re.findall(r'<invoke name="([^"]*)">(.*?)(?:</invoke>|$)', b, re.S)], tools)
+                for n, body in re.findall(r'<invoke name="([^"]*)">(.*?)</invoke>', b, re.S)], tools)
         return (text, []) if not got or not got[1] else got
     if fmt == "harmony":
         calls, content, last = [], [], 0
