@@ -144,8 +144,10 @@ def convert_checkpoint(
         _set_dtype(new_config, dtype)
     if q is not None:
         # mlx-lm writes the same object under both keys (the HF tree reads the second).
-        new_config["quantization"] = {**q.kwargs(), **overrides}
-        new_config["quantization_config"] = {**q.kwargs(), **overrides}
+        path = getattr(m, "mlx_lm_path", lambda p, _: p)
+        written = {path(k, config): v for k, v in overrides.items()}
+        new_config["quantization"] = {**q.kwargs(), **written}
+        new_config["quantization_config"] = {**q.kwargs(), **written}
 
     out.mkdir(parents=True, exist_ok=True)
     shards = _shards(weights)

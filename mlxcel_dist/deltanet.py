@@ -450,3 +450,11 @@ def mlx_lm_norms(model, weights: dict) -> bool:
             if isinstance(child, GemmaRMSNorm):
                 setattr(m, name, RMSNormFP32Scale(child.weight.shape[0], child.eps))
     return True
+
+
+def gate_quant_override(path: str):
+    """convert's bits for the Qwen3-Next / Qwen3.5 MoE router and shared-expert
+    gate: 8, as mlx-lm's `quant_predicate` for both families writes them."""
+    if path.endswith("mlp.gate") or path.endswith("shared_expert_gate"):
+        return {"group_size": 64, "bits": 8}
+    return None

@@ -390,11 +390,13 @@ def test_our_4bit_conversion_is_what_mlx_lm_runs(tmp_path, d):
     ref = np.array(m(mx.array(ids)[None])[0].astype(mx.float32))
     ours = load_model(out).model
     assert "scales" in ours.layers[0].linear_attn.out_proj
-    if d == NEXT:  # the router and the shared expert's gate at 8 bits, as mlx_lm.convert writes them
-        q = json.loads((out / "config.json").read_text())["quantization"]
-        assert q["model.layers.0.mlp.gate"] == q["model.layers.0.mlp.shared_expert_gate"] == {"group_size": 64,
-                                                                                              "bits": 8}
-        assert ours.layers[0].mlp.gate.bits == 8 and ours.layers[0].linear_attn.out_proj.bits == 4
+    # the router and the shared expert's gate at 8 bits, as mlx_lm.convert writes them (keyed by
+    # mlx-lm's module paths: the multimodal qwen3_5_moe wraps the text model in language_model)
+    q = json.loads((out / "config.json").read_text())["quantization"]
+    at = "" if d == NEXT else "language_model."
+    assert q[f"{at}model.layers.0.mlp.gate"] == q[f"{at}model.layers.0.mlp.shared_expert_gate"] == {
+        "group_size": 64, "bits": 8}
+    assert ours.layers[0].mlp.gate.bits == 8 and ours.layers[0].linear_attn.out_proj.bits == 4
     for mode, logits in all_mode_logits(ours, ids).items():
         r = compare(logits, ref, FP32_REL_TOL)
         assert r["ok"], (mode, r)

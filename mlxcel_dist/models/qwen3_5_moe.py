@@ -119,6 +119,14 @@ class Model(CausalLM):
     def make_cache(self):
         return deltanet.make_cache(self.model.stage_layer_types)
 
+    def quant_override(self, path: str):
+        return deltanet.gate_quant_override(path)
+
+    def mlx_lm_path(self, path: str, config: dict) -> str:
+        """A module's path in mlx-lm's model of this config (config.json's per-layer
+        quantization is keyed by it): the multimodal form wraps the text model."""
+        return "language_model." + path if config.get("model_type") == "qwen3_5_moe" else path
+
     def describe_layers(self) -> list[str]:
         return deltanet.describe(self)
 

@@ -132,10 +132,7 @@ class Model(CausalLM):
         return super().sanitize(stack_expert_refs(weights, self.args.num_experts))
 
     def quant_override(self, path: str):
-        """The router and the shared expert's gate at 8 bits, as mlx_lm.convert writes them."""
-        if path.endswith("mlp.gate") or path.endswith("shared_expert_gate"):
-            return {"group_size": 64, "bits": 8}
-        return None
+        return deltanet.gate_quant_override(path)
 
     def export_for_mlx_lm(self, weights: dict, config: dict) -> tuple[dict, dict]:
         """`convert`'s output as mlx-lm's qwen3_next reads it: its converted
