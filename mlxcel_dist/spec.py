@@ -44,9 +44,12 @@ from .errors import UserError
 from .sampling import process_logits
 
 
+MAX_DRAFT_TOKENS = 64  # each sliding ring holds window + K slots a row: an unbounded K is a memory error
+
+
 def check_drafting(num_draft_tokens: int) -> None:
-    if num_draft_tokens < 1:
-        raise UserError(f"--num-draft-tokens must be >= 1, got {num_draft_tokens}")
+    if not 1 <= num_draft_tokens <= MAX_DRAFT_TOKENS:
+        raise UserError(f"--num-draft-tokens must be in [1, {MAX_DRAFT_TOKENS}], got {num_draft_tokens}")
 
 
 def check_pair(target, draft) -> None:

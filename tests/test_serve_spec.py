@@ -216,7 +216,8 @@ def test_serve_refuses_bad_draft_options():
     from mlxcel_dist.cli import app
 
     for args, msg in [
-        (["--prompt-lookup", "--num-draft-tokens", "0"], "--num-draft-tokens must be >= 1"),
+        (["--prompt-lookup", "--num-draft-tokens", "0"], "--num-draft-tokens must be in [1, 64], got 0"),
+        (["--prompt-lookup", "--num-draft-tokens", "100000"], "--num-draft-tokens must be in [1, 64], got 100000"),
         (["--draft-model", FIXTURES / "llama" / "gqa_fp32"], "vocabulary"),
         (["--prompt-lookup", "--pp", "2"], "not available with --pp"),
     ]:

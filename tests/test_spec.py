@@ -185,7 +185,7 @@ def test_refusals():
         check_pair(llama, load_model(FIXTURES / "recurrent_gemma" / "mqa_fp32").model)
     with pytest.raises(UserError, match="vocabulary"):
         check_pair(llama, load_model(default_model_dir()).model)
-    with pytest.raises(UserError, match="--num-draft-tokens must be >= 1"):
+    with pytest.raises(UserError, match="--num-draft-tokens must be in \\[1, 64\\], got 0"):
         PromptLookup(0)
 
 
@@ -201,7 +201,8 @@ def test_cli_refuses_bad_draft_options():
         (["--draft-model", default_model_dir(), "--prompt-lookup"], "give one"),
         (["--draft-model", FIXTURES / "llama" / "gqa_fp32"], "vocabulary"),
         (["--draft-model", "/nonexistent-draft"], "--draft-model: /nonexistent-draft: no such model directory"),
-        (["--prompt-lookup", "--num-draft-tokens", "0"], "--num-draft-tokens must be >= 1"),
+        (["--prompt-lookup", "--num-draft-tokens", "0"], "--num-draft-tokens must be in [1, 64], got 0"),
+        (["--prompt-lookup", "--num-draft-tokens", "100000"], "--num-draft-tokens must be in [1, 64], got 100000"),
         (["--prompt-lookup", "--pp", "2"], "not available with --pp"),
         (["--prompt-lookup", "--kv-bits", "8"], "not available with --kv-bits"),
         (["--prompt-lookup", "--json-object"], "not available with --json-schema / --json-object"),
