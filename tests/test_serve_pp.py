@@ -9,6 +9,7 @@ import shutil
 import signal
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -106,15 +107,18 @@ def test_stage_killed_mid_serve_ends_every_stream(model_dir, tmp_path):
                 n += 1
                 if n == 2:
                     started.release()
-            ends[i] = ("ended", n)
+            ends[i] = ("ended", n, time.monotonic())
         except openai.APIError as e:
-            ends[i] = ("error", type(e).__name__)
+            ends[i] = ("error", type(e).__name__, time.monotonic())
         finally:
             started.release()
 
     threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(8)]
-    rc, out, _ = kill_rank_during(s, threads, started, 1)
-    assert all(e is not None and e[0] == "error" for e in ends), ends  # 400 tokens never end by themselves first
+    rc, out, t0 = kill_rank_during(s, threads, started, 1)
+    # every stream still running at the kill gets an error; on a loaded box one admitted first may have
+    # made its 400 tokens before the last of the 8 had its second chunk (seen once in CI)
+    assert all(e is not None and (e[0] == "error" or e[2] < t0) for e in ends), ends
+    assert sum(e[0] == "error" for e in ends) >= 4, ends
     assert rc != 0 and re.search(r"rank 1\b.*(killed|SIGKILL)", out), out
 
 
