@@ -37,7 +37,9 @@ servers verify drafts (`--draft-model`, default the embedded gemma3-tiny, the
 spec pair's draft; `--prompt-lookup`), K = `--num-draft-tokens`; `--text
 repeat` sends benchmarks/spec_decode.py's repeated passage (each request its
 own first line), `--ignore-eos` makes every answer run its tokens; the
-drafted servers' acceptance (/metrics) is printed with their rows.
+drafted servers' acceptance (/metrics) is printed with their rows; a server
+without /metrics (mlx_lm.server answers 404) gets one line saying so and no
+acceptance.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -243,10 +246,15 @@ def _family_cpu_s(root: int) -> float:
     return total
 
 
-def spec_counts(base: str) -> dict:
-    """The server's /metrics spec_decode_* values (empty: none)."""
-    with urllib.request.urlopen(base + "/metrics", timeout=30) as r:
-        text = r.read().decode()
+def spec_counts(base: str) -> dict | None:
+    """The server's /metrics spec_decode_* values (empty: none; None: no /metrics at all, as mlx_lm.server)."""
+    try:
+        with urllib.request.urlopen(base + "/metrics", timeout=30) as r:
+            text = r.read().decode()
+    except urllib.error.HTTPError as e:
+        if e.code == 404:
+            return None
+        raise
     return {ln.split()[0].split("spec_decode_")[1]: float(ln.split()[1]) for ln in text.splitlines()
             if "spec_decode_" in ln and not ln.startswith("#")}
 
@@ -278,11 +286,14 @@ def bench_server(name: str, model: Path, clients: list[int], requests: int, toke
             for fmt in formats:
                 run_round(base, n, 1, 8, "warm-up", fmt)
         rows = []
+        metrics = spec_counts(base) is not None
+        if not metrics:
+            print(f"{tag}: no /metrics (404): no draft acceptance counted", file=sys.stderr, flush=True)
         for n in clients:  # the server's CPU seconds per token: its own cost, less swayed by a busy machine
             for fmt in formats:
-                c0, s0 = _family_cpu_s(proc.pid), spec_counts(base)
+                c0, s0 = _family_cpu_s(proc.pid), spec_counts(base) if metrics else {}
                 row = run_round(base, n, requests, tokens, "timed", fmt)
-                s1 = spec_counts(base)
+                s1 = spec_counts(base) if metrics else {}
                 if s1.get("num_drafts_total", 0) > s0.get("num_drafts_total", 0):  # this round's acceptance
                     d = {x: s1[x] - s0.get(x, 0) for x in ("num_drafts_total", "num_draft_tokens_total",
                                                             "num_accepted_tokens_total")}
