@@ -117,6 +117,16 @@ def slot_step() -> int:
     return CPU_STEP if mx.default_device() == mx.cpu else GPU_STEP
 
 
+# serve's --max-num-batched-tokens by device: the tokens a step computes while prompts
+# prefill beside decoding rows (a running stream's gap grows by that chunk's time)
+CPU_TOKEN_BUDGET = 256
+GPU_TOKEN_BUDGET = 2048
+
+
+def default_token_budget() -> int:
+    return CPU_TOKEN_BUDGET if mx.default_device() == mx.cpu else GPU_TOKEN_BUDGET
+
+
 class RowCache(StaticCache):
     """One layer's view of the batch buffers: decode.StaticCache with `pos`
     (`offset`) the per-row positions [C], so its mask and writes are per row.

@@ -130,12 +130,15 @@ def apply_step(engine, step: Step, guard, keep_logprobs: bool = False, busy=None
         _admit(engine, step.admissions, keep_logprobs, out.failed)
     t1 = time.monotonic()
     if busy:
-        busy(t1)
+        # a step of prefill forwards alone (no row decodes yet) runs a whole chunk a prompt: never judged stuck
+        busy(None if engine.prefilling and not len(engine) else t1)
     try:
         out.ids = engine.step()
     finally:
         if busy:
             busy(None)
+    out.failed.update(engine.failed)  # prompts whose prefill failed in the step (every rank alike)
+    engine.failed.clear()
     out.step_s, out.admit_s = time.monotonic() - t1, t1 - t0
     for tok in out.ids.values():
         for t in tok if isinstance(tok, list) else (tok,):
@@ -174,6 +177,7 @@ class OneRowEngine:
     `eos` (its first EOS id) so the scheduler finishes the row as at EOS."""
 
     capacity = 1
+    prefilling = False  # its loop prefills inside the first step
 
     def __init__(self, model, group: Group, eos_ids):
         self.model, self.group = model, group
@@ -183,6 +187,7 @@ class OneRowEngine:
         self.gen = None
         self.want: dict = {}  # logprobs are refused at parse time for these models
         self.logprobs: dict = {}
+        self.failed: dict = {}
 
     def __len__(self) -> int:
         return int(self.rid is not None)
