@@ -45,6 +45,7 @@ acceptance.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -259,9 +260,11 @@ def spec_counts(base: str) -> dict | None:
             if "spec_decode_" in ln and not ln.startswith("#")}
 
 
-def bench_server(name: str, model: Path, clients: list[int], requests: int, tokens: int, log_dir: Path,
-                 root: Path = ROOT, backend: str | None = None, formats=("text",), draft=None, k: int = 3) -> list:
-    """`root`: the checkout whose code serves (another one's, to compare versions of ours)."""
+@contextlib.contextmanager
+def started(name: str, model: Path, log_dir: Path, root: Path = ROOT, backend: str | None = None, draft=None,
+            k: int = 3, extra: list | None = None):
+    """A server (`server_cmd(name, ...)` + `extra` flags) from checkout `root`,
+    answering: yields (base URL, process); ends its whole session after."""
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     tag = name if root == ROOT else f"{name}@{root.name}"
@@ -269,8 +272,9 @@ def bench_server(name: str, model: Path, clients: list[int], requests: int, toke
     env = None
     if root != ROOT:  # that checkout first, whatever else the path holds (e.g. a staged MLX) after it
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.Popen(server_cmd(name, model, port, backend, draft, k), cwd=root, stdout=log, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, start_new_session=True, env=env)
+    proc = subprocess.Popen(server_cmd(name, model, port, backend, draft, k) + list(extra or []), cwd=root,
+                            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                            env=env)
     try:
         deadline = time.monotonic() + 180
         while True:
@@ -282,6 +286,31 @@ def bench_server(name: str, model: Path, clients: list[int], requests: int, toke
                     break
             except OSError:
                 time.sleep(0.3)
+        yield base, proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                pass
+        # mlx.launch can exit on SIGTERM and leave its ranks running (seen:
+        # mlx_lm.server np 2 ranks spinning for an hour): end the whole
+        # session, and any process still serving this port.
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        _kill_port_servers(port)
+        proc.wait()
+        log.close()
+
+
+def bench_server(name: str, model: Path, clients: list[int], requests: int, tokens: int, log_dir: Path,
+                 root: Path = ROOT, backend: str | None = None, formats=("text",), draft=None, k: int = 3) -> list:
+    """`root`: the checkout whose code serves (another one's, to compare versions of ours)."""
+    tag = name if root == ROOT else f"{name}@{root.name}"
+    with started(name, model, log_dir, root, backend, draft, k) as (base, proc):
         for n in sorted(set(clients)):  # warm-up: each batch size once
             for fmt in formats:
                 run_round(base, n, 1, 8, "warm-up", fmt)
@@ -303,23 +332,6 @@ def bench_server(name: str, model: Path, clients: list[int], requests: int, toke
                                                        3)
                 rows.append({"server": name, **row})
         return rows
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                pass
-        # mlx.launch can exit on SIGTERM and leave its ranks running (seen:
-        # mlx_lm.server np 2 ranks spinning for an hour): end the whole
-        # session, and any process still serving this port.
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        _kill_port_servers(port)
-        proc.wait()
-        log.close()
 
 
 def _kill_port_servers(port: int) -> None:

@@ -99,7 +99,7 @@ from .decode import (QuantizedStaticCache, StaticCache, StaticConvKV, StaticStat
                      quantize_kv, ring_slots, static_kind)
 from .engine import DEFAULT_PREFILL_STEP, check_tokens, vocab_size
 from .masks import create_rows_mask
-from .prefill import Admission, Alone, Prefills, Together, _read_row, _write_row, pad_groups
+from .prefill import Admission, Alone, Budget, Prefills, Together, _read_row, _write_row, pad_groups
 from .prompt_cache import PromptCache, Snapshot
 from .sampling import NEG_INF, Sampler, SamplingParams, allowed_from_bits, read_logprobs, token_logprobs
 
@@ -117,14 +117,17 @@ def slot_step() -> int:
     return CPU_STEP if mx.default_device() == mx.cpu else GPU_STEP
 
 
-# serve's --max-num-batched-tokens by device: the tokens a step computes while prompts
-# prefill beside decoding rows (a running stream's gap grows by that chunk's time)
-CPU_TOKEN_BUDGET = 256
-GPU_TOKEN_BUDGET = 2048
+# serve's prefill beside decoding rows, by device (prefill.Budget). A CPU step is
+# compute-bound: a prompt token costs about what a decoding row's token costs (the
+# 24M bf16 llama of benchmarks/serve_stall.py: 18-23 ms against 25 ms), so a step
+# gives prompts twice its rows' tokens: the rows' gap grows to ~3x while prompts get
+# 2/3 of the work. A GPU step of few rows is bound by reading the weights, which a
+# chunk shares: a fixed budget there (vLLM's --max-num-batched-tokens).
+GPU_TOKEN_BUDGET = 512
 
 
-def default_token_budget() -> int:
-    return CPU_TOKEN_BUDGET if mx.default_device() == mx.cpu else GPU_TOKEN_BUDGET
+def default_budget() -> "Budget":
+    return Budget() if mx.default_device() == mx.cpu else Budget(GPU_TOKEN_BUDGET)
 
 
 class RowCache(StaticCache):
@@ -242,7 +245,7 @@ class BatchEngine:
 
     def __init__(self, model, prefill_step: int | None = None, compiled: bool = True, prompt_cache=None,
                  pipelined: bool = True, micro: int = 1, vocab=None, spec=None, margin: int = 0,
-                 token_budget: int | None = None):
+                 budget: Budget | None = None):
         """`prompt_cache`: a prompt_cache.PromptCache that requests' prompts
         (and finished rows' whole sequences) are kept in and reused from.
         `pipelined=False`: each step is read before the next is built (the
@@ -252,9 +255,9 @@ class BatchEngine:
         come with a grammar's text. `spec`: a batch_spec.BatchDrafts that
         drafts for the rows and runs every step (`feed` blocks, rollback);
         `margin`: ring slots past each window for drafted tokens (its K).
-        `token_budget`: the tokens a step computes while prompts are being
-        prefilled beside decoding rows (serve's --max-num-batched-tokens;
-        prefill.py); None: `add_many` prefills its prompts whole at once."""
+        `budget`: a prefill.Budget, the prompt tokens a step computes beside
+        its decoding rows (serve; prefill.py); None: `add_many` prefills its
+        prompts whole at once."""
         self.model = model
         self.spec = spec
         self.margin = spec.k if spec is not None else margin
@@ -288,7 +291,7 @@ class BatchEngine:
         self.want: dict = {}  # rid -> k: that row's logprobs with each id (sampling.token_logprobs)
         self.logprobs: dict = {}  # rid -> (logprob, [(id, logprob), ...]) of the step read last
         self.prefilled = 0  # prompt tokens run through prefill forwards (prompt-cache hits and copies excluded)
-        self.token_budget = token_budget
+        self.budget = budget
         self.prefills = Prefills()  # prompts being prefilled (prefill.py)
         self._copies: dict = {}  # rid -> copies of its prompt (n > 1) forked once it is placed
         self.failed: dict = {}  # rid -> message: requests whose prefill failed (taken by the caller)
@@ -324,7 +327,7 @@ class BatchEngine:
         model's caches are all static KV; else each alone through the model's
         own caches (chunked, exact as `generate`). A prompt given more than once
         (serve's n > 1) is prefilled once: its copies get the first's
-        keys/values (`_fork`) when it is placed. Without a `token_budget` the
+        keys/values (`_fork`) when it is placed. Without a `budget` the
         jobs run to the end here; with one, `step` runs them a budget at a time
         beside the decode rows. Every rank makes the same calls."""
         todo, first = [], {}
@@ -356,7 +359,7 @@ class BatchEngine:
         jobs += [Together(self, g, min(self.prefill_step, max(a.last - a.start for a in g))) for g in groups]
         self.prefilled += sum(a.last - a.start for a in todo)
         self.prefills.jobs += jobs
-        if self.token_budget is None:
+        if self.budget is None:
             self._prefill(None, drain=True)
 
     @property
@@ -922,14 +925,13 @@ class BatchEngine:
         return out
 
     def _step_budget(self) -> int | None:
-        """This step's prefill tokens: the token budget less one token a
-        decoding row (K + 1 with drafts), at least a quarter of it so prompts
-        keep moving under many rows; None (a full chunk a prompt) when no row
-        decodes, or without a budget."""
-        if self.token_budget is None or not self.rows:
+        """This step's prefill tokens (`budget` of the decoding rows' tokens:
+        one a row, K + 1 with drafts); None (a full chunk a prompt) when no row
+        decodes."""
+        if self.budget is None or not self.rows:
             return None
         per_row = 1 + (self.spec.k if self.spec is not None and self.static else 0)
-        return max(self.token_budget - per_row * len(self.rows), self.token_budget // 4)
+        return self.budget.prefill(per_row * len(self.rows))
 
     def step_extras(self, logits: list, ids: list, pending: list, masks: list | None = None) -> dict:
         """Lazy arrays evaluated with a step: {rid: token_logprobs} of the

@@ -7,14 +7,19 @@ through the model's own caches, chunk by chunk, exact as `generate`) or
 `Together` (several prompts in one forward per chunk over [B, chunk] in
 `PrefillCache` buffers, each row at its own offset; a shorter prompt's chunk
 padded after its end, its pad keys masked from its real queries). Each
-engine step gives the queue a token budget (`BatchEngine.token_budget`, less
-what the decode rows take: vLLM's `max_num_batched_tokens`): the oldest job
-runs first, a job's forward takes at most what is left, and a job whose
+engine step gives the queue its prompt tokens (`Budget`, from what the
+decoding rows take): the oldest job runs first, a job's forward takes at most what is left, and a job whose
 prompts are done moves them into rows before the step's decode forward, so
 their first ids come from that step. With no rows decoding, nothing waits on
 a prefill: each job runs one forward of its full chunk (`prefill_step` a
 prompt) per step. Every rank makes the same queue decisions (they depend on
 rows and prompt lengths only).
+
+How many prompt tokens a step takes beside its rows is the `Budget`: a fixed
+token budget per step (vLLM's `--max-num-batched-tokens`: the rows' tokens
+first, prompts take the rest, at least a quarter), or, by default on a CPU,
+PREFILL_PER_DECODE times the rows' tokens (docs/benchmarks.md, "Streams
+beside a long prompt").
 
 Chunks of any size give the same keys as one pass (the sliding-window
 invariant, docs/architecture.md): a budgeted chunk changes when a prompt's
@@ -49,6 +54,24 @@ class Admission:
     budget: int | None = None
     grammar: object = None  # grammar.Matcher: the row's constrained decoding
     drafts: bool = True  # drafts may be verified for it (batch_spec.py)
+
+
+PREFILL_PER_DECODE = 2  # the CPU default: prompt tokens a step per decoding token
+MIN_PREFILL = 8  # ... and at least this many
+
+
+@dataclass(frozen=True)
+class Budget:
+    """The prompt tokens one step computes beside `decoding` row tokens:
+    `tokens` a step in all (less the rows', at least a quarter of it), or
+    without it PREFILL_PER_DECODE x the rows' (at least MIN_PREFILL)."""
+
+    tokens: int | None = None
+
+    def prefill(self, decoding: int) -> int:
+        if self.tokens is None:
+            return max(PREFILL_PER_DECODE * decoding, MIN_PREFILL)
+        return max(self.tokens - decoding, self.tokens // 4, 1)
 
 
 PAD_SLACK = 1.25  # prompts prefill together while the padded tokens stay within 25% of the real ones

@@ -13,6 +13,7 @@ from mlxcel_dist.batch import BatchEngine
 from mlxcel_dist.cache import KVOptions
 from mlxcel_dist.engine import TokenGenerator
 from mlxcel_dist.loader import default_model_dir, load_model
+from mlxcel_dist.prefill import Budget
 from mlxcel_dist.models import supported
 from mlxcel_dist.sampling import SamplingParams
 
@@ -90,7 +91,7 @@ def test_long_prompts_admitted_while_rows_decode_give_the_ids_alone(d):
     early, late = _requests(model.args.vocab_size)
     n = 12
     want = {rid: alone(model, p, n, s) for rid, p, s in early + late}
-    eng = BatchEngine(model, prefill_step=16, token_budget=8)
+    eng = BatchEngine(model, prefill_step=16, budget=Budget(8))
     got, steps, fed = drive(eng, early, late, n)
     assert got == want
     assert fed, "a running row went without its id while prompts were prefilled"
@@ -101,7 +102,7 @@ def test_quantized_rows_mixed_with_a_chunked_admission():
     model = load_model(default_model_dir(), kv=KVOptions(bits=8, group_size=32)).model
     early, late = _requests(model.args.vocab_size, seed=4)
     want = {rid: alone(model, p, 10, s) for rid, p, s in early + late}
-    got, steps, fed = drive(BatchEngine(model, prefill_step=16, token_budget=8), early, late, 10)
+    got, steps, fed = drive(BatchEngine(model, prefill_step=16, budget=Budget(8)), early, late, 10)
     assert got == want and fed and steps >= 5
 
 
@@ -112,7 +113,7 @@ def test_budget_leaves_no_prompt_behind_many_rows():
     V = model.args.vocab_size
     early = [(i, rng.integers(3, V, 3), GREEDY) for i in range(10)]
     late = [(99, rng.integers(3, V, 40), GREEDY)]
-    eng = BatchEngine(model, token_budget=8)
+    eng = BatchEngine(model, budget=Budget(8))
     got, steps, fed = drive(eng, early, late, 30)
     assert got[99] == alone(model, late[0][1], 30) and fed
     assert steps <= 40 // 2 + 2  # 2 tokens a step (8 // 4) at the least
@@ -135,7 +136,7 @@ def test_drafts_and_grammar_rows_beside_a_chunked_admission():
     story = tok.encode("The sea is calm today. The sky is clear. The sea is calm today. The sky is")
     long = tok.encode("A city by the sea. " * 12)
     n = 16
-    eng = BatchEngine(model, vocab=vocab, spec=BatchDrafts(3), token_budget=8)
+    eng = BatchEngine(model, vocab=vocab, spec=BatchDrafts(3), budget=Budget(8))
     eng.add_many([(0, story, GREEDY, n), (1, tok.encode("Numbers:"), GREEDY, n, g)])
     got = {0: [], 1: [], 2: []}
     step = 0
@@ -167,7 +168,7 @@ def test_a_request_cancelled_or_failing_in_its_prefill_leaves_the_others_alone(m
     rng = np.random.default_rng(1)
     V = model.args.vocab_size
     p = {rid: rng.integers(3, V, k) for rid, k in ((0, 4), (1, 40), (2, 30), (3, 50))}
-    eng = BatchEngine(model, token_budget=8)
+    eng = BatchEngine(model, budget=Budget(8))
     got = {0: [], 2: []}
     eng.add_many([(0, p[0], GREEDY, 20)])
     got[0].append(eng.step()[0])
@@ -195,3 +196,17 @@ def test_a_request_cancelled_or_failing_in_its_prefill_leaves_the_others_alone(m
                 eng.remove(rid)
     assert eng.failed == {3: "RuntimeError: no memory"}
     assert got == {0: alone(model, p[0], 20), 2: alone(model, p[2], 20)}
+
+
+def test_budget_rules():
+    from mlxcel_dist import prefill
+
+    fixed = Budget(64)
+    for rows in range(0, 200):
+        got = fixed.prefill(rows)
+        assert got >= 16  # a quarter at least: prompts keep moving under any number of rows
+        if rows <= 48:
+            assert rows + got == 64  # the rows' tokens first, the prompts the rest
+    share = Budget()
+    assert share.prefill(1) == prefill.MIN_PREFILL
+    assert share.prefill(32) == prefill.PREFILL_PER_DECODE * 32

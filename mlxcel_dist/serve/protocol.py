@@ -16,12 +16,30 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
 from ..collectives import CollectiveError, Group, HostChannel
 from . import wire
 from .wire import CONTROL_INTS, KIND_IDLE, KIND_SHUTDOWN, KIND_STEP, Step
+
+class Engine(Protocol):
+    """What every rank's engine answers (batch.BatchEngine, OneRowEngine, the
+    tests' scripted engines): rows by request id, added and removed in the
+    step's order, `step` their next ids."""
+
+    want: dict  # rid -> k: logprobs asked with each id
+    logprobs: dict  # rid -> logprobs of the last step (rank 0 reads them)
+    failed: dict  # rid -> message: prompts whose prefill failed in a step (taken by apply_step)
+    prefilling: bool  # prompts still prefilling, no row yet (a step of prefill alone is never judged stuck)
+
+    def __len__(self) -> int: ...
+    def __contains__(self, rid) -> bool: ...
+    def add_many(self, items) -> None: ...
+    def remove(self, rid) -> None: ...
+    def step(self) -> dict: ...
+
 
 IDLE_MARGIN_S = 0.02  # a follower wakes this much before rank 0 enters the next collective
 
