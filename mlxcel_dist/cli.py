@@ -94,6 +94,17 @@ StallOpt = Annotated[
     float,
     typer.Option("--stall-timeout", help="Stop the job when a rank sends no heartbeat for this many seconds (a stopped or cut-off rank); 0 = never."),
 ]
+FetchOpt = Annotated[
+    bool,
+    typer.Option("--fetch/--no-fetch", help="With --hostfile: send each host without MODEL (or with another revision "
+                 "of it) just its ranks' shards from this one, kept in its shard cache (--no-fetch: every host must "
+                 "hold MODEL)."),
+]
+ShardCacheOpt = Annotated[
+    Optional[str],
+    typer.Option("--shard-cache", metavar="DIR", help="Each host's shard cache (default: $MLXCEL_DIST_CACHE on "
+                 "that host, else ~/.cache/mlxcel-dist).", show_default=False),
+]
 # 2048: engine.DEFAULT_PREFILL_STEP (not imported here: it would load mlx for --help)
 PrefillStepOpt = Annotated[
     Optional[int],
@@ -161,6 +172,8 @@ class LaunchOptions:
     rank_weights: RankWeightsOpt = None
     moe_split: MoeSplitOpt = "intermediate"
     stall_timeout: StallOpt = DEFAULT_STALL_TIMEOUT_S
+    fetch: FetchOpt = True
+    shard_cache: ShardCacheOpt = None
 
 
 @dataclass
