@@ -323,6 +323,8 @@ def plan(
     moe_split: MoeSplitOpt = "intermediate",
     link: Annotated[str, typer.Option("--link", help="The link between ranks for the predicted time: loopback (one machine), tb5 (Thunderbolt 5 RDMA), 10gbe.")] = "loopback",
     bandwidth: Annotated[Optional[float], typer.Option("--bandwidth", help="Memory bandwidth of a rank in GB/s for the predicted time (default: measured here).", show_default=False)] = None,
+    ask_hosts: Annotated[bool, typer.Option("--ask-hosts", help="With --hostfile: ask each other host (over ssh) how many bytes of its shards a launch would send it (default: the most it could).")] = False,
+    shard_cache: ShardCacheOpt = None,
 ):
     """Per rank: heads, MLP columns, vocabulary rows and weight memory; per token: collectives and a predicted decode time (from the checkpoint's headers only)."""
     return _run("plan", locals())
