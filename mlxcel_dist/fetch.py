@@ -183,6 +183,7 @@ def fetch_shards(ck, model_arg: str, hosts: dict, rank_pieces: dict, cache=None,
     Returns (the ranks' shardcache.ENV value, or None when no rank reads a
     cache; host name -> _HostState). A host that fails is one UserError."""
     from . import faults
+    from .hostfile import host_ip
     from .watchdog import advertise_address
 
     if not hosts:
@@ -207,7 +208,7 @@ def fetch_shards(ck, model_arg: str, hosts: dict, rank_pieces: dict, cache=None,
     cut = faults.fetch_cut()
     try:
         for name, (h, _) in hosts.items():
-            ip = "127.0.0.1" if h.is_local else advertise_address(h.ips[0] if h.ips else h.address)
+            ip = "127.0.0.1" if h.is_local else advertise_address(h.ips[0] if h.ips else host_ip(h))
             procs[name] = _start_receiver(h, _receiver_cmd(python, f"{ip}:{port}", token, name, cache))
         tensors = {n: [r.dtype, list(r.shape)] for n, r in ck.refs.items()}  # every rank sees the whole header
         jobs = {}
