@@ -17,6 +17,11 @@ returns the faulted one:
 - ``nomodel:RANK``: that rank does not find the model (:func:`model_present`);
 - ``no-channel``: the last rank reaches none of rank 0's host channel
   addresses (:func:`channel_addresses`), so the job runs without the channel.
+
+Shard-fetch faults (fetch.py, several joined by commas): ``nocopy`` (every
+host acts as if it held no copy of MODEL: :func:`no_copy`), ``fetch-cut:N``
+(the launcher cuts each link after N bytes: :func:`fetch_cut`), ``diskfull``
+(a receiver's first cache write fails: :func:`disk_full`).
 """
 
 from __future__ import annotations

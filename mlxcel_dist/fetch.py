@@ -26,7 +26,6 @@ import hashlib
 import json
 import os
 import secrets
-import shutil
 import socket
 import struct
 import subprocess
@@ -104,7 +103,9 @@ class _HostState:
 def _serve_host(conn, job: dict, refs: dict, files: dict, st: _HostState, cut_after: int | None) -> None:
     """One receiving host's stream: the job out, its needs in, the bytes out."""
     st.wire += send_msg(conn, job)
+    conn.settimeout(None)  # the host may first hash its own copy (minutes, once); its exit ends the wait
     need = recv_msg(conn)
+    conn.settimeout(IO_TIMEOUT_S)
     if "error" in need:
         raise RuntimeError(need["error"])
     st.result = need
@@ -188,7 +189,7 @@ def fetch_shards(ck, model_arg: str, hosts: dict, rank_pieces: dict, cache=None,
 
     if not hosts:
         return None, {}
-    root = sc.cache_root()
+    root = sc.cache_root(cache)  # the launching host's own: its files' hashes, kept by stat
     rev = sc.revision(ck.dir, root)
     key = sc.revision_key(rev)
     files = {n: ck.dir / n for n in sc.small_files(ck.dir)}

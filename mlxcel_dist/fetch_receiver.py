@@ -50,7 +50,8 @@ class _Rank:
         m = sc.read_manifest(self.entry)
         if m is not None:
             good = sc.verified_pieces(self.entry, m) if m.get("key") == rev_key else {}
-            if len(good) == len(self.pieces) and all(_file_ok(self.entry / n, h) for n, h in m.get("files", {}).items()):
+            files_ok = all(_file_ok(self.entry / n, h) for n, h in m.get("files", {}).items())
+            if len(good) == len(self.pieces) and files_ok:
                 return True
             shutil.rmtree(self.partial, ignore_errors=True)
             (self.entry / sc.MANIFEST).unlink()  # not valid from here on
