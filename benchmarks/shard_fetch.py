@@ -61,6 +61,26 @@ def link_rate(nbytes: int) -> float:
     return got[0] / (time.perf_counter() - t0)
 
 
+def machine_rates(work: Path, nbytes: int = 1 << 28) -> dict:
+    """sha256 (each side hashes every byte) and write + fsync (the cache is
+    kept on disk) in bytes/s: what bounds a fetch besides the link."""
+    import hashlib
+    import os
+
+    data = os.urandom(1 << 22) * (nbytes >> 22)
+    t0 = time.perf_counter()
+    hashlib.sha256(data).digest()
+    sha = len(data) / (time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    with open(work / "w.bin", "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    disk = len(data) / (time.perf_counter() - t0)
+    (work / "w.bin").unlink()
+    return {"sha256_Bps": sha, "write_fsync_Bps": disk}
+
+
 def load_time(model, np_: int, rank: int, pp: int) -> float:
     t0 = time.perf_counter()
     load_model(model, group=Group.planned(np_, rank), pp=pp)
@@ -107,7 +127,8 @@ def main() -> None:
     src = gemma3_checkpoint(**dict(BENCH_200M, num_hidden_layers=a.layers))
     work = Path(tempfile.mkdtemp(prefix="mlxcel-fetch-bench-"))
     try:
-        rows = [one(src, pp, work) for pp in (1, 2)]
+        rates = machine_rates(work)
+        rows = [dict(one(src, pp, work), **rates) for pp in (1, 2)]
     finally:
         shutil.rmtree(work, ignore_errors=True)
     for r in rows:

@@ -51,19 +51,21 @@ def send_msg(sock, obj) -> int:
     return 4 + len(raw)
 
 
-def _recv_exact(sock, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = sock.recv(min(n - len(buf), CHUNK))
-        if not chunk:
+def _recv_exact(sock, n: int, buf: bytearray | None = None) -> memoryview:
+    """n bytes from the socket (into `buf` when given: no copy per chunk)."""
+    view = memoryview(buf if buf is not None and len(buf) >= n else bytearray(n))[:n]
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if not k:
             raise ConnectionError("the link dropped")
-        buf += chunk
-    return bytes(buf)
+        got += k
+    return view
 
 
 def recv_msg(sock):
     (n,) = struct.unpack("<I", _recv_exact(sock, 4))
-    return json.loads(_recv_exact(sock, n))
+    return json.loads(bytes(_recv_exact(sock, n)))
 
 
 def _chunks(ref, piece: sc.Piece):

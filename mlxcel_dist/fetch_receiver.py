@@ -280,6 +280,7 @@ def _receive(sock, job: dict, host: str, root: Path) -> dict:
             if k in rk.offset and k not in rk.done:
                 _pwrite(rk.fd, data, rk.offset[k])
                 rk.wrote(k, digest)
+    buf = bytearray(CHUNK)
     while True:
         msg = recv_msg(sock)
         if msg.get("end"):
@@ -290,18 +291,18 @@ def _receive(sock, job: dict, host: str, root: Path) -> dict:
             targets = [rk for rk in todo.values() if p.key in rk.offset and p.key not in rk.done]
             h, pos = hashlib.sha256(), 0
             while pos < n:
-                chunk = _recv_exact(sock, min(CHUNK, n - pos))
+                chunk = _recv_exact(sock, min(CHUNK, n - pos), buf)
                 for rk in targets:
                     _pwrite(rk.fd, chunk, rk.offset[p.key] + pos)
                 h.update(chunk)
                 pos += len(chunk)
-            if _recv_exact(sock, 32) != h.digest():
+            if bytes(_recv_exact(sock, 32)) != h.digest():
                 raise UserError(f"piece {p.key} arrived corrupted (sha256 differs)")
             for rk in targets:
                 rk.wrote(p.key, h.hexdigest())
         else:
-            data = _recv_exact(sock, n)
-            if _recv_exact(sock, 32) != hashlib.sha256(data).digest():
+            data = bytes(_recv_exact(sock, n))
+            if bytes(_recv_exact(sock, 32)) != hashlib.sha256(data).digest():
                 raise UserError(f"file {msg['file']} arrived corrupted (sha256 differs)")
             path = dest[msg["file"]]
             path.parent.mkdir(parents=True, exist_ok=True)
