@@ -257,6 +257,10 @@ def fetch_shards(ck, model_arg: str, hosts: dict, rank_pieces: dict, cache=None,
             t.join()
         if bar is not None:
             bar.stop()
+    except BaseException:  # Ctrl-C or a failure here: the receivers stop (their links drop) now
+        for p in procs.values():
+            p.kill()
+        raise
     finally:
         srv.close()
         for name, p in procs.items():
@@ -295,8 +299,8 @@ def _run_host(conn, job, refs, files, st, cut, errors) -> None:
         _serve_host(conn, job, refs, files, st, cut)
     except (OSError, ConnectionError) as e:
         errors[st.name] = f"the link dropped after {st.sent} of {st.total} bytes ({e})"
-    except (RuntimeError, ValueError) as e:
-        errors[st.name] = str(e)
+    except Exception as e:  # noqa: BLE001 - a bad reply from the host: its message, not a dead thread
+        errors[st.name] = str(e) or type(e).__name__
     finally:
         st.end = st.end or time.monotonic()
         conn.close()

@@ -205,10 +205,14 @@ def receive(addr: str, token: str, host: str, cache=None) -> dict:
     except OSError as e:
         raise UserError(f"host {host}: cannot reach the launcher at {addr}: {e.strerror or e}") from None
     with sock:
-        send_msg(sock, {"token": token, "host": host})
-        job = recv_msg(sock)
         try:
-            return _receive(sock, job, host, sc.cache_root(job.get("cache") or cache))
+            send_msg(sock, {"token": token, "host": host})
+            job = recv_msg(sock)
+        except (OSError, ValueError) as e:
+            raise UserError(f"host {host}: the launcher at {addr} closed the link before sending the job "
+                            f"({e})") from None
+        try:
+            return _locked(sock, job, host, sc.cache_root(job.get("cache") or cache))
         except (ConnectionError, TimeoutError) as e:
             raise UserError(f"host {host}: the link to the launcher dropped while receiving its shards ({e}); "
                             "the next launch resumes") from None
@@ -226,6 +230,18 @@ def receive(addr: str, token: str, host: str, cache=None) -> dict:
             except OSError:
                 pass
             raise UserError(f"host {host}: {e}") from None
+
+
+def _locked(sock, job: dict, host: str, root: Path) -> dict:
+    """`_receive` holding this revision's lock: two launches on one host do
+    not write the same entries at once (the second waits, then finds them)."""
+    import fcntl
+
+    d = root / job["key"]
+    d.mkdir(parents=True, exist_ok=True)
+    with open(d / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _receive(sock, job, host, root)
 
 
 def _receive(sock, job: dict, host: str, root: Path) -> dict:

@@ -243,3 +243,22 @@ def test_no_fetch_keeps_the_refusal(tmp_path):
                         str(tmp_path / "a.npy"), "--np", "2", "--hostfile", str(tmp_path / "hosts"), "--no-fetch",
                         "--backend", "ring"], fault="nomodel:1")
     assert p.returncode != 0 and "not found on rank 1" in p.stderr and "without --no-fetch" in p.stderr, p.stderr
+
+
+def test_cli_cut_link_fails_in_one_line_and_the_next_launch_resumes(tmp_path):
+    (tmp_path / "hosts").write_text("localhost slots=2\n")
+    np.save(tmp_path / "ids.npy", np.arange(5, 30))
+    args = ["logits", str(GEMMA), "--tokens-file", str(tmp_path / "ids.npy"), "--out", str(tmp_path / "a.npy"),
+            "--np", "2", "--hostfile", str(tmp_path / "hosts"), "--shard-cache", str(tmp_path / "cache"),
+            "--backend", "ring"]
+    _, dry, _ = _fetch(GEMMA, tmp_path / "other-cache", dry=True)
+    total = dry.result["bytes"]  # what a first launch sends
+    p = _cli(tmp_path, args, fault=f"nocopy,fetch-cut:{total // 3}")
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.startswith("error: fetching the shards to host localhost failed: host localhost: the link ")
+    assert p.stderr.count("\n") == 1 and "the next launch resumes" in p.stderr, p.stderr
+    assert not (tmp_path / "a.npy").exists()
+    p = _cli(tmp_path, args)
+    assert p.returncode == 0, p.stderr
+    sent = int(p.stderr.split("mlxcel-dist: fetch localhost: sent ")[1].split("(")[1].split(" bytes")[0])
+    assert 0 < sent < total - total // 6, p.stderr  # the pieces written before the cut were kept
