@@ -32,6 +32,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from . import shardcache as sc
@@ -66,6 +67,13 @@ def _recv_exact(sock, n: int, buf: bytearray | None = None) -> memoryview:
 def recv_msg(sock):
     (n,) = struct.unpack("<I", _recv_exact(sock, 4))
     return json.loads(bytes(_recv_exact(sock, n)))
+
+
+def _digest(ref, piece: sc.Piece) -> bytes:
+    h = hashlib.sha256()
+    for chunk in _chunks(ref, piece):
+        h.update(chunk)
+    return h.digest()
 
 
 def _chunks(ref, piece: sc.Piece):
@@ -116,21 +124,24 @@ def _serve_host(conn, job: dict, refs: dict, files: dict, st: _HostState, cut_af
     st.total = need["bytes"]
     st.start = time.monotonic()
     pieces = [sc.Piece.from_json(j) for j in job["pieces"]]
-    for i in need["pieces"]:
-        p = pieces[i]
-        st.wire += send_msg(conn, {"piece": i, "n": p.nbytes})
-        h = hashlib.sha256()
-        for chunk in _chunks(refs[p.name], p):
-            if cut_after is not None and st.sent + len(chunk) > cut_after:  # test hook: the link cut here
-                conn.sendall(chunk[:max(0, cut_after - st.sent)])
-                conn.shutdown(socket.SHUT_RDWR)
-                raise ConnectionError("the link dropped (injected)")
-            conn.sendall(chunk)
-            h.update(chunk)
-            st.sent += len(chunk)
-            st.wire += len(chunk)
-        conn.sendall(h.digest())
-        st.wire += 32
+    order = [pieces[i] for i in need["pieces"]]
+    pool = ThreadPoolExecutor(1)  # the pieces' sha256 computed ahead, beside the sends (hashlib frees the GIL)
+    try:
+        digests = [pool.submit(_digest, refs[p.name], p) for p in order]
+        for i, p, digest in zip(need["pieces"], order, digests):
+            st.wire += send_msg(conn, {"piece": i, "n": p.nbytes})
+            for chunk in _chunks(refs[p.name], p):
+                if cut_after is not None and st.sent + len(chunk) > cut_after:  # test hook: the link cut here
+                    conn.sendall(chunk[:max(0, cut_after - st.sent)])
+                    conn.shutdown(socket.SHUT_RDWR)
+                    raise ConnectionError("the link dropped (injected)")
+                conn.sendall(chunk)
+                st.sent += len(chunk)
+                st.wire += len(chunk)
+            conn.sendall(digest.result())
+            st.wire += 32
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
     for name in need["files"]:
         data = files[name].read_bytes()
         st.wire += send_msg(conn, {"file": name, "n": len(data)})

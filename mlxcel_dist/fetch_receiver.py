@@ -296,33 +296,11 @@ def _receive(sock, job: dict, host: str, root: Path) -> dict:
             if k in rk.offset and k not in rk.done:
                 _pwrite(rk.fd, data, rk.offset[k])
                 rk.wrote(k, digest)
-    buf = bytearray(CHUNK)
-    while True:
-        msg = recv_msg(sock)
-        if msg.get("end"):
-            break
-        n = msg["n"]
-        if "piece" in msg:
-            p = pieces[msg["piece"]]
-            targets = [rk for rk in todo.values() if p.key in rk.offset and p.key not in rk.done]
-            h, pos = hashlib.sha256(), 0
-            while pos < n:
-                chunk = _recv_exact(sock, min(CHUNK, n - pos), buf)
-                for rk in targets:
-                    _pwrite(rk.fd, chunk, rk.offset[p.key] + pos)
-                h.update(chunk)
-                pos += len(chunk)
-            if bytes(_recv_exact(sock, 32)) != h.digest():
-                raise UserError(f"piece {p.key} arrived corrupted (sha256 differs)")
-            for rk in targets:
-                rk.wrote(p.key, h.hexdigest())
-        else:
-            data = bytes(_recv_exact(sock, n))
-            if bytes(_recv_exact(sock, 32)) != hashlib.sha256(data).digest():
-                raise UserError(f"file {msg['file']} arrived corrupted (sha256 differs)")
-            path = dest[msg["file"]]
-            path.parent.mkdir(parents=True, exist_ok=True)
-            sc.write_atomic(path, data)
+    writer = _Writer()
+    try:
+        _receive_pieces(sock, pieces, todo, dest, writer)
+    finally:
+        writer.close()  # what arrived whole is written and journaled, also when the link dropped
     for rk in todo.values():
         lacking = [p.key for p in rk.pieces if p.key not in rk.done]
         if lacking:
@@ -338,6 +316,95 @@ def _receive(sock, job: dict, host: str, root: Path) -> dict:
     done = {"entries": {r: rk.entry.name for r, rk in ranks.items()}}
     send_msg(sock, done)
     return {**reply, **done}
+
+
+def _receive_pieces(sock, pieces: list, todo: dict, dest: dict, writer: "_Writer") -> None:
+    """The launcher's stream until its end: pieces go to the writer (disk and
+    hash beside the socket), small files straight to their place."""
+    while True:
+        msg = recv_msg(sock)
+        if msg.get("end"):
+            return
+        n = msg["n"]
+        if "piece" in msg:
+            p = pieces[msg["piece"]]
+            targets = [rk for rk in todo.values() if p.key in rk.offset and p.key not in rk.done]
+            writer.put(("begin",))
+            pos = 0
+            while pos < n:
+                buf = writer.buffer()
+                k = len(_recv_exact(sock, min(CHUNK, n - pos), buf))
+                writer.put(("data", buf, k, [(rk.fd, rk.offset[p.key] + pos) for rk in targets]))
+                pos += k
+            writer.put(("end", p, bytes(_recv_exact(sock, 32)), targets))
+        else:
+            data = bytes(_recv_exact(sock, n))
+            if bytes(_recv_exact(sock, 32)) != hashlib.sha256(data).digest():
+                raise UserError(f"file {msg['file']} arrived corrupted (sha256 differs)")
+            path = dest[msg["file"]]
+            path.parent.mkdir(parents=True, exist_ok=True)
+            sc.write_atomic(path, data)
+
+
+class _Writer:
+    """Writes and hashes a piece's chunks on a thread of its own while the
+    socket reads the next ones (pwrite, sha256 and recv all free the GIL),
+    through a few rotating buffers; a piece's digest is checked at its end,
+    then journaled. Its first error is raised by the next `buffer()` or by `close()`."""
+
+    def __init__(self, n: int = 4):
+        import queue
+        import threading
+
+        self.q, self.free = queue.Queue(), queue.Queue()
+        for _ in range(n):
+            self.free.put(bytearray(CHUNK))
+        self.error: BaseException | None = None
+        self.h = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def buffer(self) -> bytearray:
+        buf = self.free.get()
+        if self.error is not None:
+            raise self.error
+        return buf
+
+    def put(self, item) -> None:
+        self.q.put(item)
+
+    def _run(self) -> None:
+        while (item := self.q.get()) is not None:
+            try:
+                if self.error is None:
+                    self._do(item)
+            except BaseException as e:  # noqa: BLE001 - handed to the socket's thread
+                self.error = e
+            finally:
+                if item[0] == "data":
+                    self.free.put(item[1])
+
+    def _do(self, item) -> None:
+        if item[0] == "begin":
+            self.h = hashlib.sha256()
+        elif item[0] == "data":
+            _, buf, k, targets = item
+            view = memoryview(buf)[:k]
+            for fd, offset in targets:
+                _pwrite(fd, view, offset)
+            self.h.update(view)
+        else:
+            _, p, digest, rks = item
+            if digest != self.h.digest():
+                raise UserError(f"piece {p.key} arrived corrupted (sha256 differs)")
+            for rk in rks:
+                rk.wrote(p.key, self.h.hexdigest())
+
+    def close(self) -> None:
+        self.q.put(None)
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
 
 
 def _existing_parent(p: Path) -> Path:
