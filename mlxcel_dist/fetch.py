@@ -321,12 +321,12 @@ class _Progress:
     """Per host: bytes, rate, time left on the launching terminal (rich, as
     huggingface_hub's downloads); nothing when stderr is not a terminal."""
 
-    def __init__(self, states: dict, show=None):
+    def __init__(self, states: dict, show=None, console=None):
         from rich.console import Console
         from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, \
             TransferSpeedColumn
 
-        console = Console(stderr=True)
+        console = console or Console(stderr=True)
         self.states = states
         self.bar = Progress(TextColumn("fetch {task.description}"), BarColumn(), DownloadColumn(),
                             TransferSpeedColumn(), TimeRemainingColumn(), console=console, transient=True,

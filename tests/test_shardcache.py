@@ -262,3 +262,36 @@ def test_cli_cut_link_fails_in_one_line_and_the_next_launch_resumes(tmp_path):
     assert p.returncode == 0, p.stderr
     sent = int(p.stderr.split("mlxcel-dist: fetch localhost: sent ")[1].split("(")[1].split(" bytes")[0])
     assert 0 < sent < total - total // 6, p.stderr  # the pieces written before the cut were kept
+
+
+def test_progress_shows_each_hosts_bytes_rate_and_time_left():
+    import io
+    import time
+
+    from rich.console import Console
+
+    out = io.StringIO()
+    st = fetch._HostState("mac-2")
+    st.total = 400_000_000
+    bar = fetch._Progress({"mac-2": st}, show=True,
+                          console=Console(file=out, force_terminal=True, width=120, color_system=None))
+    for i in range(1, 6):
+        st.sent = i * 40_000_000
+        time.sleep(0.25)
+    bar.stop()
+    text = out.getvalue()
+    assert "fetch mac-2" in text and "/400.0 MB" in text and "MB/s" in text, text
+    assert any(c.isdigit() for c in text.split("MB/s")[-1]), text  # a time left after the rate
+
+
+def test_plan_with_a_hostfile_says_what_each_other_host_could_receive(tmp_path):
+    from typer.testing import CliRunner
+
+    from mlxcel_dist.cli import app
+
+    (tmp_path / "hosts").write_text("localhost slots=1\nmac-2 slots=1\n")
+    r = CliRunner().invoke(app, ["plan", str(GEMMA), "--hostfile", str(tmp_path / "hosts")])
+    assert r.exit_code == 0, r.output
+    shard = sum(p.nbytes for p in sc.rank_pieces(open_model(GEMMA), 2, 1))
+    assert f"fetch mac-2: at most {shard / 1e3:.2f} kB ({shard} bytes: its ranks' shards;" in r.output, r.output
+    assert "fetch localhost" not in r.output
