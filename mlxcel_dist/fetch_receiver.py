@@ -245,6 +245,10 @@ def _locked(sock, job: dict, host: str, root: Path) -> dict:
 
 
 def _receive(sock, job: dict, host: str, root: Path) -> dict:
+    for n in job["files"]:  # plain names (an adapter's under adapter/): nothing lands outside the cache
+        base = n[len("adapter/"):] if n.startswith("adapter/") else n
+        if not base or "/" in base or base.startswith("."):
+            raise UserError(f"the launcher named a file {n!r}, not a plain file name")
     local, note = _same_copy(job, root)
     if local:
         send_msg(sock, {"local": True})
