@@ -21,6 +21,10 @@ first, prompts take the rest, at least a quarter), or, by default on a CPU,
 PREFILL_PER_DECODE times the rows' tokens (docs/benchmarks.md, "Streams
 beside a long prompt").
 
+A job's forward is evaluated before the step goes on (its time is the step's,
+which serve's pacing reads), after the decode step in flight, which it
+follows on the device.
+
 Chunks of any size give the same keys as one pass (the sliding-window
 invariant, docs/architecture.md): a budgeted chunk changes when a prompt's
 keys are written, not which.
@@ -209,7 +213,7 @@ class Alone:
         if m > 0:
             model = self.engine.model
             model(mx.array(self.a.prompt[self.at : self.at + m])[None], self.cache)
-            mx.async_eval([c.state for c in self.cache] if self.cache else [], outstanding_sends(model))
+            mx.eval([c.state for c in self.cache] if self.cache else [], outstanding_sends(model))
             self.at += m
         return m
 
@@ -284,7 +288,7 @@ class Together:
         bufs["end"], bufs["upto"] = bufs["offsets"] + m, max(o + m for o in offs)
         model = self.engine.model
         model(mx.array(tokens), self.views)
-        mx.async_eval([x for name, x in bufs.items() if name[0] in "kv"], outstanding_sends(model))
+        mx.eval([x for name, x in bufs.items() if name[0] in "kv"], outstanding_sends(model))
         keep = sum(o + k < a.last for a, o, k in zip(self.admits, offs, lens))  # the finished are the last rows
         for b in range(keep, B):
             self._finish_row(self.admits[b], b)
