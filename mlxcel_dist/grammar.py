@@ -34,6 +34,18 @@ INSTALL_HINT = "pip install 'mlxcel-dist[grammar]' (llguidance)"
 JSON_OPTIONS = {"whitespace_flexible": False}
 
 
+# llguidance's parser limits, raised where its defaults refuse what clients
+# send: a row of an Earley set holds ~4 items per optional property, so the
+# default 2000 gave up mid-answer on an object of 500 optional properties
+# (tools with thousands of optional parameters); 200k holds 50k of them.
+LIMITS = {"max_items_in_row": 200_000, "step_max_items": 500_000}
+
+
+@functools.cache
+def _limits():
+    return _ll().LLParserLimits(**LIMITS)
+
+
 def available() -> bool:
     return importlib.util.find_spec("llguidance") is not None
 
@@ -46,11 +58,18 @@ def _ll():
     return llguidance
 
 
+def _brief(message) -> str:
+    """llguidance's message without the grammar it quotes (a large schema's
+    would make a 400 of megabytes): its first line, at most 300 characters."""
+    line = str(message).strip().split("\n", 1)[0]
+    return line if len(line) <= 300 else line[:297] + "..."
+
+
 def _checked(grammar: str) -> str:
     """`grammar` if llguidance accepts it, else UserError with its message."""
-    is_error, messages = _ll().LLMatcher.validate_grammar_with_warnings(grammar)
+    is_error, messages = _ll().LLMatcher.validate_grammar_with_warnings(grammar, limits=_limits())
     if is_error:
-        raise UserError(f"the grammar is not usable: {messages[0] if messages else 'invalid'}")
+        raise UserError(f"the grammar is not usable: {_brief(messages[0] if messages else 'invalid')}")
     return grammar
 
 
@@ -63,7 +82,7 @@ def json_schema(schema, think: str | None = None, special: dict | None = None) -
         try:
             grammar = _ll().LLMatcher.grammar_from_json_schema(closed(schema), defaults=JSON_OPTIONS)
         except ValueError as e:
-            raise UserError(f"the JSON schema is not usable: {e}") from None
+            raise UserError(f"the JSON schema is not usable: {_brief(e)}") from None
         return _checked(grammar)
     head = _seq(H_CHANNEL + "final" + H_MESSAGE, special) if think == "harmony" else ""
     return _lark(["start: " + " ".join(x for x in (_thought(think, special), head, "answer") if x),
@@ -147,7 +166,7 @@ def _lark(rules: list) -> str:
     try:
         return _checked(_ll().LLMatcher.grammar_from_lark("\n".join(rules) + "\n"))
     except ValueError as e:
-        raise UserError(f"the grammar is not usable: {e}") from None
+        raise UserError(f"the grammar is not usable: {_brief(e)}") from None
 
 
 # Thinking before the constrained part (vLLM applies structured output after
@@ -427,9 +446,11 @@ class Matcher:
 
     def __init__(self, vocab: Vocab, grammar: str | None, matcher=None):
         self.vocab = vocab
-        self._m = matcher if matcher is not None else _ll().LLMatcher(vocab.tokenizer(), grammar, log_level=0)
+        if matcher is None:
+            matcher = _ll().LLMatcher(vocab.tokenizer(), grammar, log_level=0, limits=_limits())
+        self._m = matcher
         if self._m.is_error():
-            raise UserError(f"the grammar is not usable: {self._m.get_error()}")
+            raise UserError(f"the grammar is not usable: {_brief(self._m.get_error())}")
         self._bits = np.empty((1, vocab.words), np.int32)
 
     def copy(self) -> "Matcher":
@@ -449,6 +470,11 @@ class Matcher:
     def advance(self, tok: int) -> None:
         if not (self._m.is_stopped() or self._m.is_error()):
             self._m.consume_token(int(tok))
+
+    @property
+    def error(self) -> str | None:
+        """llguidance's reason when the grammar gave up (a limit hit), else None."""
+        return _brief(self._m.get_error()) if self._m.is_error() else None
 
     @property
     def done(self) -> bool:

@@ -87,6 +87,7 @@ class _Row:
     stopper: object
     eos: set
     index: int = 0  # the job's choice this row generates
+    check: object = None  # grammar.Matcher over the ids read: the grammar gave up (llguidance's error)
     generated: int = 0
     last_t: float = 0.0  # when its previous token was read (metrics)
 
@@ -115,11 +116,15 @@ class StepTimes:
 
 class Scheduler:
     def __init__(self, tokenizer, decode_concurrency: int = 32, prompt_concurrency: int = 8,
-                 sleeping_followers: bool = True):
+                 sleeping_followers: bool = True, vocab=None):
         """`sleeping_followers`: the other ranks wait for the next step asleep
         (host channel, or np 1), so an idle scheduler sends nothing; else it
-        sends idle notes that let them sleep between collectives."""
+        sends idle notes that let them sleep between collectives. `vocab`
+        (grammar.Vocab, the engine's): a constrained row's ids are matched
+        here too, so a grammar llguidance gives up on mid-answer (which the
+        ranks' masks turn into EOS) ends its request with an error, not "stop"."""
         self.tok = tokenizer
+        self.vocab = vocab
         self.decode_concurrency = decode_concurrency
         self.prompt_concurrency = prompt_concurrency
         self.sleeping_followers = sleeping_followers
@@ -270,7 +275,8 @@ class Scheduler:
             # stop_token_ids end a row as EOS does, also under ignore_eos (vLLM's rule)
             eos = (set() if job.req.ignore_eos else set(self.tok.eos_ids)) | set(job.req.stop_ids)
             decoder = StreamDecoder(self.tok, context=list(ids)[-4:], keep_special=job.keep_special)
-            self.rows[rid] = _Row(job, decoder, StopStrings(job.req.stop), eos, i)
+            check = self._checker(job.req.grammar)
+            self.rows[rid] = _Row(job, decoder, StopStrings(job.req.stop), eos, i, check)
             if i == 0:
                 self.metrics.admitted(len(ids))
         if self._t_rest is not None and (self.rows or step.changes):
@@ -339,6 +345,10 @@ class Scheduler:
                 self.removals.append(rid)
 
     def _advance_row(self, rid: int, r: _Row, tok: int, lp, since: float | None, share: int) -> None:
+        if r.check is not None:
+            r.check.advance(tok)
+            if r.check.error is not None:
+                return self._grammar_failed(rid, r)
         if tok in r.eos:
             return self._finish(rid, r, "eos")
         r.generated += 1
@@ -360,6 +370,24 @@ class Scheduler:
             self._finish(rid, r, "stop")
         elif r.generated >= r.job.req.max_tokens:
             self._finish(rid, r, "length")
+
+    def _checker(self, grammar: str | None):
+        if self.vocab is None or not grammar:
+            return None
+        try:
+            return self.vocab.matcher(grammar)
+        except Exception as e:  # noqa: BLE001 - the engine's own matcher fails that admission alike
+            log(f"grammar check unavailable for a request: {type(e).__name__}: {e}")
+            return None
+
+    def _grammar_failed(self, rid: int, r: _Row) -> None:
+        log(f"grammar gave up after {r.generated} tokens: {r.check.error}")
+        self.rows.pop(rid)
+        self.removals.append(rid)
+        self._drop_job(r.job, set())
+        self._end(r.job, Failed(f"constrained decoding stopped after {r.generated} tokens: the request's grammar "
+                                f"(response_format or forced tool call) hit a limit of llguidance: {r.check.error}; "
+                                "a smaller schema (fewer optional properties) avoids it", 400))
 
     def _finish(self, rid: int, r: _Row, reason: str) -> None:
         if reason != "stop":
