@@ -114,3 +114,129 @@ def test_a_grammar_that_gives_up_mid_answer_is_an_error_not_stop(monkeypatch):
         # the server goes on: a plain request after it is answered
         r = client.chat.completions.create(model="m", messages=MSGS, max_tokens=4)
         assert r.choices[0].finish_reason == "length"
+
+
+# ------------------------------------------------------------------ items 5 and 1: forced calls on any template
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
+                                                           "unit": {"enum": ["C", "F"]}},
+                          "required": ["city", "unit"]}}}
+
+
+def test_forced_calls_need_no_tool_call_parser(app):
+    """The embedded default's template writes no tool format: tool_choice
+    required / named render the tools into the prompt (a Hermes system block)
+    and force a Hermes call, read back as tool_calls; auto is the one 400."""
+    from mlxcel_dist.serve.openai_api import parse
+
+    client, tok, ctx = app
+    assert ctx.tool_format is None
+    history = MSGS + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "rain, 4 C"}, {"role": "user", "content": "And Rome?"}]
+    prompt = tok.decode(parse({"messages": history, "tools": [WEATHER], "tool_choice": "required", "max_tokens": 4},
+                              True, ctx).req.prompt_ids)
+    assert "<tools>" in prompt and "the weather in a city" in prompt  # the tools, rendered
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>' in prompt
+    assert "<tool_response>\nrain, 4 C\n</tool_response>" in prompt  # the earlier call and its result
+    for seed, choice in enumerate(["required", {"type": "function", "function": {"name": "get_weather"}}] * 2):
+        r = client.chat.completions.create(model="m", messages=MSGS, tools=[WEATHER], tool_choice=choice,
+                                           temperature=1.0, seed=seed, max_tokens=100, parallel_tool_calls=False)
+        c = r.choices[0]
+        assert c.finish_reason == "tool_calls" and c.message.content is None, c
+        (call,) = c.message.tool_calls
+        assert call.function.name == "get_weather"
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    # streamed: the call as OpenAI streams it, no content
+    content, names, args, finish = "", [], "", None
+    for ch in client.chat.completions.create(model="m", messages=MSGS, tools=[WEATHER], tool_choice="required",
+                                             temperature=1.0, seed=7, max_tokens=100, stream=True,
+                                             parallel_tool_calls=False):
+        d = ch.choices[0].delta
+        content += d.content or ""
+        names += [tc.function.name for tc in d.tool_calls or [] if tc.function.name]
+        args += "".join(tc.function.arguments or "" for tc in d.tool_calls or [])
+        finish = ch.choices[0].finish_reason or finish
+    assert content == "" and names == ["get_weather"] and finish == "tool_calls"
+    jsonschema.validate(json.loads(args), WEATHER["function"]["parameters"])
+    # tool_choice none: answered as text, the tools unused; auto: the 400 names the flag
+    r = client.chat.completions.create(model="m", messages=MSGS, tools=[WEATHER], tool_choice="none", max_tokens=5)
+    assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason == "length"
+    for choice in ("auto", None):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="m", messages=MSGS, tools=[WEATHER], max_tokens=5,
+                                           **({"tool_choice": choice} if choice else {}))
+        assert "--tool-call-parser" in str(e.value) and "'required'" in str(e.value)
+
+
+def test_pydantic_nested_and_recursive_tools_through_the_client(app, monkeypatch):
+    """The openai SDK's `pydantic_function_tool` (strict: $defs, refs,
+    every property required): forced calls whose arguments the models
+    themselves validate, nested and recursive (hermes, as --tool-call-parser
+    would give on this template, which leaves the tools out of the prompt:
+    two tools' block would not fit the toy model's 512-token context)."""
+    from typing import Optional
+
+    from pydantic import BaseModel, Field
+
+    class Item(BaseModel):
+        name: str = Field(max_length=6)
+        qty: int = Field(ge=1, le=9)
+
+    class Order(BaseModel):
+        items: list[Item] = Field(max_length=2)
+
+    class Node(BaseModel):
+        value: int = Field(ge=0, le=9)
+        left: Optional["Node"]
+
+    client, _, ctx = app
+    monkeypatch.setattr(ctx, "tool_format", "hermes")
+    order, tree = openai.pydantic_function_tool(Order), openai.pydantic_function_tool(Node)
+    assert "$defs" in order["function"]["parameters"] and "$defs" in tree["function"]["parameters"]
+    ended = 0
+    for seed in range(6):
+        model, tool = (Order, order) if seed % 2 else (Node, tree)
+        r = client.chat.completions.create(model="m", messages=MSGS, tools=[order, tree], temperature=1.0, seed=seed,
+                                           tool_choice={"type": "function", "function": {"name": model.__name__}},
+                                           max_tokens=200)
+        c = r.choices[0]
+        if c.finish_reason == "length":  # a deep tree may run past max_tokens: no call, no markup
+            assert not c.message.tool_calls and not c.message.content, c
+            continue
+        ended += 1
+        (call,) = c.message.tool_calls
+        model.model_validate_json(call.function.arguments)
+    assert ended >= 3, ended
+
+
+# ------------------------------------------------------------------ item 6: a parallel call cut by max_tokens
+def test_a_cut_second_call_leaves_no_markup_in_content():
+    """required with parallel calls: the answer's second call is cut by
+    max_tokens; the first is the call, the cut one is dropped (not content),
+    finish_reason stays "length", whole and streamed."""
+    d = default_model_dir()
+    cfg = read_config(d)
+    tok = Tokenizer(d, cfg)
+    ctx = ParseContext(tokenizer=tok, vocab_size=cfg["vocab_size"], model_ids=("m",), tool_format="hermes")
+    first = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "C"}}\n</tool_call>'
+    answer = first + '\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome", "unit": "C"}}\n</tool_call>'
+    cut = len(tok.encode(first, add_special_tokens=False)) + 8  # inside the second call
+    with scripted_app(tok, ctx, answer) as base:
+        client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=60)
+        kw = dict(model="m", messages=MSGS, tools=[WEATHER], tool_choice="required", max_tokens=cut)
+        c = client.chat.completions.create(**kw).choices[0]
+        assert c.finish_reason == "length" and c.message.content is None, c
+        assert [json.loads(t.function.arguments) for t in c.message.tool_calls] == [{"city": "Oslo", "unit": "C"}]
+        content, args, finish = "", "", None
+        for ch in client.chat.completions.create(**kw, stream=True):
+            content += ch.choices[0].delta.content or ""
+            args += "".join(tc.function.arguments or "" for tc in ch.choices[0].delta.tool_calls or [])
+            finish = ch.choices[0].finish_reason or finish
+        assert content == "" and json.loads(args) == {"city": "Oslo", "unit": "C"} and finish == "length"
+        # the only call cut: forced, so it is markup, not content
+        c = client.chat.completions.create(**{**kw, "max_tokens": 6}).choices[0]
+        assert c.finish_reason == "length" and not c.message.content and not c.message.tool_calls, c
+        # auto: an answer cut inside its only call keeps its words (it may not be a call)
+        c = client.chat.completions.create(**{**kw, "tool_choice": "auto", "max_tokens": 6}).choices[0]
+        assert c.finish_reason == "length" and c.message.content == tok.decode(tok.encode(answer, add_special_tokens=False)[:6]), c

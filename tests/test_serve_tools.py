@@ -311,8 +311,31 @@ def test_a_call_cut_by_max_tokens_is_not_a_call():
     whole = "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Oslo</arg_value>\n</tool_call>"
     cut = "\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Pa"
     content, calls = tools.parse("glm45", whole + cut, [WEATHER])
-    assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"city": "Oslo"}] and "Pa" in content
+    # ... nor content: its markup is dropped (OpenAI returns no call markup as content)
+    assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"city": "Oslo"}] and content == ""
     mm = ('<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">Oslo</parameter>\n</invoke>\n'
           '<invoke name="get_weather">\n<parameter name="city">Pa')
     assert [json.loads(c["function"]["arguments"]) for c in tools.parse("minimax_m2", mm, [WEATHER])[1]] == [
         {"city": "Oslo"}]
+
+
+@pytest.mark.parametrize("fmt,text", [
+    ("hermes", 'Sure.<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'),
+    ("glm45", GLM), ("deepseek_v3", DS_V3.replace("<｜tool▁calls▁end｜>", "")),
+    ("deepseek_v31", DS_V31.replace("<｜tool▁calls▁end｜>", "")), ("kimi_k2", KIMI.replace("<|tool_calls_section_end|>", "")),
+])
+def test_a_cut_last_call_is_dropped_in_every_block_format(fmt, text):
+    """Parallel calls cut by max_tokens inside the last one (or inside its
+    start marker): the calls before it, the content before them, and none of
+    the cut call's markup; the same streamed, at every split."""
+    want = tools.parse(fmt, text, TYPED)
+    assert want[1]
+    begin = tools.BLOCKS[fmt][0]
+    for tail in (begin[:3], begin, begin + 'get_weather<｜tool▁sep｜>{"ci', "\n" + begin + '{"name": "get_w'):
+        got = tools.parse(fmt, text + tail, TYPED)
+        assert got[0] == want[0] and [c["function"] for c in got[1]] == [c["function"] for c in want[1]], tail
+        for cut in range(0, len(text + tail), 7):
+            sp = tools.StreamParser(fmt, TYPED)
+            sent = sp.feed((text + tail)[:cut]) + sp.feed((text + tail)[cut:])
+            rest, calls = sp.finish()
+            assert (sent + rest).strip() == want[0] and [c["function"] for c in calls] == [c["function"] for c in want[1]]

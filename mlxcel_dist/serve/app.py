@@ -267,7 +267,7 @@ class _StreamChoice:
 
     def __init__(self, p):
         self.pending, self.offset, self.completion_tokens = [], 0, 0
-        self.calls = tools.StreamParser(p.tool_format, p.tools) if p.tool_format is not None else None
+        self.calls = tools.StreamParser(p.tool_format, p.tools, p.forced) if p.tool_format is not None else None
         self.think = reasoning.Splitter(p.reasoning, p.thinking) if p.reasoning is not None else None
 
     def deltas(self, text: str, chat: bool, end: bool = False) -> list:

@@ -336,6 +336,7 @@ class Parsed:
     thinking: bool = False  # ... the answer begins inside the thinking (the template opened it)
     keep_special: bool = False  # detokenise with special tokens kept (harmony's markers)
     tools: list | None = None  # the request's tools (their schemas type the XML call formats' values)
+    forced: bool = False  # tool_choice required / named: the answer is calls only (a cut one is dropped)
 
 
 def no_chat_template(tokenizer) -> bool:
@@ -476,15 +477,25 @@ def _chat_messages(m: ChatCompletionRequest) -> list[dict]:
     return out
 
 
-def _tools(m: ChatCompletionRequest, ctx: ParseContext) -> list | None:
-    """The request's tools as the chat template takes them (None: none)."""
-    if not m.tools:
-        return None
-    if ctx.plain_chat or ctx.tool_format is None:
-        raise ApiError("'tools' is not supported for this model: its chat template writes no tool-call format "
-                       f"this server parses ({', '.join(tools_fmt.FORMATS)}; serve --tool-call-parser names one)",
-                       param="tools", code="unsupported_parameter")
-    return [t.model_dump(exclude_none=True) for t in m.tools]
+def _tool_format(m, chat: bool, ctx: ParseContext) -> tuple[str | None, bool]:
+    """(the format the answer's calls are parsed in, None: no tools; whether
+    the tools go into the prompt as serve.tools' fallback block because the
+    template writes no format): calls forced (required / named) need no
+    template format, `auto` does (a 400 naming the flag), `none` renders
+    what the template renders, or nothing."""
+    if not chat or not m.tools:
+        return None, False
+    known = ctx.tool_format is not None and not ctx.plain_chat
+    if known:
+        return (ctx.tool_format if m.tool_choice != "none" else None), False
+    if _forced(m, chat):
+        return tools_fmt.FALLBACK, True
+    if m.tool_choice == "none":
+        return None, False
+    raise ApiError("'tools' is not supported for this model with tool_choice 'auto': its chat template writes no "
+                   f"tool-call format this server parses ({', '.join(tools_fmt.FORMATS)}; serve --tool-call-parser "
+                   "names one); tool_choice 'required' or a named function works without one",
+                   param="tools", code="unsupported_parameter")
 
 
 RESERVED_TEMPLATE_VARS = ("messages", "tools", "documents", "add_generation_prompt")
@@ -508,10 +519,15 @@ def _template_kwargs(m: ChatCompletionRequest, ctx: ParseContext) -> dict:
     return kwargs
 
 
-def _chat_ids(m: ChatCompletionRequest, ctx: ParseContext) -> tuple[list[int], str]:
-    """The rendered conversation's ids and its text."""
+def _chat_ids(m: ChatCompletionRequest, ctx: ParseContext, fallback: bool) -> tuple[list[int], str]:
+    """The rendered conversation's ids and its text; `fallback`: the tools
+    written into the messages (serve.tools.fallback_messages), not given to the template."""
     out = _chat_messages(m)
-    tools = _tools(m, ctx)
+    tools = [t.model_dump(exclude_none=True) for t in m.tools] if m.tools else None
+    if fallback:
+        out, tools = tools_fmt.fallback_messages(out, tools), None
+    elif ctx.plain_chat or ctx.tool_format is None:
+        tools = None  # tool_choice none, no format: nothing of the tools is rendered
     kwargs = _template_kwargs(m, ctx)
     if ctx.plain_chat:
         rm = (m.model_extra or {}).get("role_mapping")  # mlx-lm's extra field
@@ -556,7 +572,7 @@ def special_markers(ctx: ParseContext) -> dict:
     return ctx.special
 
 
-def _grammar(m, chat: bool, ctx: ParseContext, think: str | None = None) -> str | None:
+def _grammar(m, chat: bool, ctx: ParseContext, think: str | None = None, tool_format: str | None = None):
     """The constraining grammar's text or None: tool_choice `required` / a
     named function (the served tool-call format, arguments valid under each
     function's parameters), else response_format json_object / json_schema;
@@ -584,8 +600,8 @@ def _grammar(m, chat: bool, ctx: ParseContext, think: str | None = None) -> str 
             parallel = (m.model_extra or {}).get("parallel_tool_calls", True)
             if not isinstance(parallel, bool):
                 raise ApiError("'parallel_tool_calls' must be true or false", param="parallel_tool_calls")
-            return grammar.tool_calls(ctx.tool_format, tools, name, many=parallel and name is None, think=think,
-                                      special=special)
+            return grammar.tool_calls(tool_format or ctx.tool_format, tools, name, many=parallel and name is None,
+                                      think=think, special=special)
         if fmt == "json_object":
             return grammar.json_object(think, special)
         spec = m.response_format.json_schema
@@ -691,18 +707,17 @@ def parse(body: object, chat: bool, ctx: ParseContext) -> Parsed:
     if m.ignore_eos and not ctx.ignore_eos_ok:
         raise ApiError("'ignore_eos' is not supported for this model (its own generation loop ends at EOS)",
                        param="ignore_eos", code="unsupported_parameter")
-    ids, text = _chat_ids(m, ctx) if chat else (_completion_ids(m, ctx), "")
+    tool_format, fallback = _tool_format(m, chat, ctx)
+    ids, text = _chat_ids(m, ctx, fallback) if chat else (_completion_ids(m, ctx), "")
     stops = [_text(s, "'stop'") for s in ([m.stop] if isinstance(m.stop, str) else m.stop or [])]
     stop_ids = list(m.stop_token_ids or [])
     if any(t >= ctx.vocab_size for t in stop_ids):
         raise ApiError(f"'stop_token_ids' must be token ids in [0, {ctx.vocab_size})", param="stop_token_ids")
-    forced = _forced(m, chat)
-    tool_format = ctx.tool_format if chat and m.tools and (m.tool_choice != "none" or forced) else None
     fmt = ctx.reasoning_format if chat and not ctx.plain_chat else None
     if tool_format == "harmony" and fmt is None:  # harmony's calls are messages: the channels split first
         fmt = "gpt_oss"
     # a constrained answer's grammar lets the model think first (its thinking split off as usual)
-    gram = _grammar(m, chat, ctx, grammar.thinking(fmt, text))
+    gram = _grammar(m, chat, ctx, grammar.thinking(fmt, text), tool_format)
     req = GenRequest(ids, _max_tokens(m, chat, len(ids), ctx), _sampling(m, ctx.defaults, ctx.vocab_size), stops,
                      logprobs, bool(m.ignore_eos), stop_ids, gram, m.speculative is not False)
     try:
@@ -714,7 +729,8 @@ def parse(body: object, chat: bool, ctx: ParseContext) -> Parsed:
             or (ctx.keep_special and (fmt is not None or tool_format is not None)))
     return Parsed(req, stream, include_usage, model, chat, tool_format, n, fmt,
                   fmt is not None and reasoning.starts_thinking(fmt, text), keep,
-                  [t.model_dump(exclude_none=True) for t in m.tools] if tool_format else None)
+                  [t.model_dump(exclude_none=True) for t in m.tools] if tool_format else None,
+                  _forced(m, chat) and tool_format is not None)
 
 
 # Chat rendering without a template -------------------------------------------------
