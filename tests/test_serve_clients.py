@@ -240,3 +240,36 @@ def test_a_cut_second_call_leaves_no_markup_in_content():
         # auto: an answer cut inside its only call keeps its words (it may not be a call)
         c = client.chat.completions.create(**{**kw, "tool_choice": "auto", "max_tokens": 6}).choices[0]
         assert c.finish_reason == "length" and c.message.content == tok.decode(tok.encode(answer, add_special_tokens=False)[:6]), c
+
+
+# ------------------------------------------------------------------ item 4: several prompts in one completions request
+def test_a_list_of_prompts_is_one_choice_per_prompt_and_n(app):
+    """Strings, id lists, a list of id lists: prompt p's n choices at
+    indexes p * n .. p * n + n - 1, each what that prompt alone answers with
+    the same seed (the rows batched together in the engine), usage summed;
+    streamed alike. A single id list stays one prompt."""
+    client, tok, _ = app
+    texts = ["The sea", "A city by the sea is", "Numbers:"]
+    kw = dict(model="m", max_tokens=6, temperature=1.0, seed=11)
+    alone = [[c.text for c in client.completions.create(prompt=t, n=2, **kw).choices] for t in texts]
+    r = client.completions.create(prompt=texts, n=2, **kw)
+    assert [c.index for c in r.choices] == list(range(6))
+    assert [c.text for c in r.choices] == [t for pair in alone for t in pair]
+    ids = [tok.encode(t) for t in texts]
+    assert r.usage.prompt_tokens == sum(map(len, ids)) and r.usage.completion_tokens == 6 * 6
+    by_ids = client.completions.create(prompt=ids, n=2, **kw)
+    assert [c.text for c in by_ids.choices] == [c.text for c in r.choices]
+    one = client.completions.create(prompt=ids[1], **kw)  # a list of ids: one prompt
+    assert len(one.choices) == 1 and one.choices[0].text == alone[1][0]
+    streamed, usage = {}, None
+    for ch in client.completions.create(prompt=texts, n=2, stream=True, stream_options={"include_usage": True}, **kw):
+        for c in ch.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+        usage = ch.usage or usage
+    assert [streamed[i] for i in range(6)] == [c.text for c in r.choices]
+    assert usage.prompt_tokens == r.usage.prompt_tokens and usage.completion_tokens == 36
+    for bad, says in (([], "'prompt' must be"), ([[]], "'prompt' must be"), ([[5], [10**6]], "'prompt'[1]"),
+                      (["a"] * 1025, "at most 1024")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(prompt=bad, **kw)
+        assert says in str(e.value), e.value

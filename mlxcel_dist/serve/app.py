@@ -180,7 +180,7 @@ def make_app(state: AppState) -> FastAPI:
         except api.ApiError as e:
             return _error(e, request)
         events: asyncio.Queue = asyncio.Queue()
-        job = Job(p.req, lambda ev: mail.post(events, ev), p.n, p.keep_special)
+        job = Job(p.req, lambda ev: mail.post(events, ev), p.n, p.keep_special, p.prompts)
         if not sched.submit(job):
             return _error(api.ApiError(SHUTDOWN_MESSAGE, status=503), request)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
@@ -233,8 +233,8 @@ class _Events:
 
 
 async def _whole(state: AppState, request: Request, job: Job, events: asyncio.Queue, p, rid: str) -> Response:
-    parts = [[] for _ in range(p.n)]
-    entries = [[] for _ in range(p.n)]
+    parts = [[] for _ in range(p.choices)]
+    entries = [[] for _ in range(p.choices)]
     done: dict = {}
     feed = _Events(request, events)
     try:
@@ -250,11 +250,11 @@ async def _whole(state: AppState, request: Request, job: Job, events: asyncio.Qu
                 return _error(api.ApiError(ev.message, status=ev.status), request)
             elif isinstance(ev, Done):
                 done[ev.index] = ev
-                if len(done) < p.n:
+                if len(done) < p.choices:
                     continue
                 choices = [rs.whole_choice(p, i, "".join(parts[i]), done[i].finish_reason, entries[i], state.pieces)
-                           for i in range(p.n)]
-                return JSONResponse(rs.whole_response(p, rid, int(time.time()), choices, ev.prompt_tokens,
+                           for i in range(p.choices)]
+                return JSONResponse(rs.whole_response(p, rid, int(time.time()), choices, p.prompt_tokens,
                                                       sum(d.completion_tokens for d in done.values())))
     finally:  # answered, or the client went away: an open job's row is freed
         state.scheduler.cancel(job)
@@ -289,8 +289,8 @@ class _StreamChoice:
 
 async def _stream(state: AppState, request: Request, job: Job, events: asyncio.Queue, p, rid: str):
     created = int(time.time())
-    choices = [_StreamChoice(p) for _ in range(p.n)]
-    left = p.n
+    choices = [_StreamChoice(p) for _ in range(p.choices)]
+    left = p.choices
     feed = _Events(request, events)
 
     def sse(obj) -> str:
@@ -308,7 +308,7 @@ async def _stream(state: AppState, request: Request, job: Job, events: asyncio.Q
 
     try:
         if p.chat:
-            yield "".join(chunk(i, {"role": "assistant", "content": ""}) for i in range(p.n))
+            yield "".join(chunk(i, {"role": "assistant", "content": ""}) for i in range(p.choices))
         ended = False
         while not ended:
             ev = await feed.next()
@@ -340,7 +340,7 @@ async def _stream(state: AppState, request: Request, job: Job, events: asyncio.Q
                     left -= 1
                     if left == 0:
                         if p.include_usage:
-                            out.append(sse(rs.usage_chunk(p, rid, created, ev.prompt_tokens,
+                            out.append(sse(rs.usage_chunk(p, rid, created, p.prompt_tokens,
                                                           sum(c.completion_tokens for c in choices))))
                         ended = True
                         break

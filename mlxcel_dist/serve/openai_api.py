@@ -31,6 +31,7 @@ DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
 DEFAULT_CHAT_TOKENS = 512  # mlx-lm's server default (--max-tokens 512)
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat's top_logprobs
 MAX_N = 16  # choices per request
+MAX_PROMPTS = 1024  # prompts in one completions request (each its n choices)
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -214,8 +215,10 @@ class ChatCompletionRequest(_Common):
 
 
 class CompletionRequest(_Common):
-    prompt: (str | Annotated[list[str], Field(min_length=1, max_length=1)]
-             | Annotated[list[int], Field(min_length=1, fail_fast=True)])
+    prompt: (str | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)]
+             | Annotated[list[int], Field(min_length=1, fail_fast=True)]
+             | Annotated[list[Annotated[list[int], Field(min_length=1, fail_fast=True)]],
+                         Field(min_length=1, max_length=MAX_PROMPTS)])
     logprobs: bool | int | None = Field(None, description="k: the k most likely tokens (true: the chat form)")
 
 
@@ -225,7 +228,8 @@ _SHAPES = {
     True: {"stop": STOP_MESSAGE, "logprobs": "'logprobs' must be true or false (the number of alternatives "
                                              "is 'top_logprobs')"},
     False: {"stop": STOP_MESSAGE,
-            "prompt": "'prompt' must be a string, a list of one string, or a non-empty list of token ids",
+            "prompt": f"'prompt' must be a string, a non-empty list of token ids, or a list of at most {MAX_PROMPTS} "
+                      "of either",
             "logprobs": f"'logprobs' must be an integer in [0, {MAX_TOP_LOGPROBS}], or true / false"},
 }
 _KINDS = {"int_type": "an integer", "float_type": "a number", "bool_type": "true or false",
@@ -337,6 +341,16 @@ class Parsed:
     keep_special: bool = False  # detokenise with special tokens kept (harmony's markers)
     tools: list | None = None  # the request's tools (their schemas type the XML call formats' values)
     forced: bool = False  # tool_choice required / named: the answer is calls only (a cut one is dropped)
+    prompts: list | None = None  # several prompts (completions): their ids, n choices each (None: req's alone)
+
+    @property
+    def choices(self) -> int:
+        return self.n * (len(self.prompts) if self.prompts else 1)
+
+    @property
+    def prompt_tokens(self) -> int:
+        """usage's prompt_tokens: each prompt once (its n choices share it)."""
+        return sum(map(len, self.prompts)) if self.prompts else len(self.req.prompt_ids)
 
 
 def no_chat_template(tokenizer) -> bool:
@@ -432,19 +446,25 @@ def _encode(ctx: ParseContext, text: str, where: str) -> list[int]:
                        param=where.strip("'")) from None
 
 
-def _completion_ids(m: CompletionRequest, ctx: ParseContext) -> list[int]:
-    p = m.prompt[0] if isinstance(m.prompt, list) and isinstance(m.prompt[0], str) else m.prompt
-    if isinstance(p, str):
-        ids = _encode(ctx, p, "'prompt'")
-    else:
-        bad = [t for t in p if not 0 <= t < ctx.vocab_size]
-        if bad:
-            raise ApiError(f"token id {_show(bad[0])} in 'prompt' is outside the vocabulary [0, {ctx.vocab_size})",
-                           param="prompt")
-        ids = list(p)
-    if not ids:
-        raise ApiError("'prompt' is empty and the tokenizer adds no BOS token", param="prompt")
-    return ids
+def _completion_ids(m: CompletionRequest, ctx: ParseContext) -> list[list[int]]:
+    """Each prompt's ids: a string or an id list is one prompt, a list of
+    strings or of id lists several (OpenAI's four forms)."""
+    many = isinstance(m.prompt, list) and not isinstance(m.prompt[0], int)
+    out = []
+    for i, p in enumerate(m.prompt if many else [m.prompt]):
+        where = f"'prompt'[{i}]" if many else "'prompt'"
+        if isinstance(p, str):
+            ids = _encode(ctx, p, where)
+        else:
+            bad = [t for t in p if not 0 <= t < ctx.vocab_size]
+            if bad:
+                raise ApiError(f"token id {_show(bad[0])} in {where} is outside the vocabulary [0, {ctx.vocab_size})",
+                               param="prompt")
+            ids = list(p)
+        if not ids:
+            raise ApiError(f"{where} is empty and the tokenizer adds no BOS token", param="prompt")
+        out.append(ids)
+    return out
 
 
 def _chat_messages(m: ChatCompletionRequest) -> list[dict]:
@@ -708,7 +728,12 @@ def parse(body: object, chat: bool, ctx: ParseContext) -> Parsed:
         raise ApiError("'ignore_eos' is not supported for this model (its own generation loop ends at EOS)",
                        param="ignore_eos", code="unsupported_parameter")
     tool_format, fallback = _tool_format(m, chat, ctx)
-    ids, text = _chat_ids(m, ctx, fallback) if chat else (_completion_ids(m, ctx), "")
+    if chat:
+        ids, text = _chat_ids(m, ctx, fallback)
+        prompts = [ids]
+    else:
+        prompts, text = _completion_ids(m, ctx), ""
+        ids = prompts[0]
     stops = [_text(s, "'stop'") for s in ([m.stop] if isinstance(m.stop, str) else m.stop or [])]
     stop_ids = list(m.stop_token_ids or [])
     if any(t >= ctx.vocab_size for t in stop_ids):
@@ -718,7 +743,8 @@ def parse(body: object, chat: bool, ctx: ParseContext) -> Parsed:
         fmt = "gpt_oss"
     # a constrained answer's grammar lets the model think first (its thinking split off as usual)
     gram = _grammar(m, chat, ctx, grammar.thinking(fmt, text), tool_format)
-    req = GenRequest(ids, _max_tokens(m, chat, len(ids), ctx), _sampling(m, ctx.defaults, ctx.vocab_size), stops,
+    longest = max(prompts, key=len)  # every prompt must fit with max_tokens
+    req = GenRequest(ids, _max_tokens(m, chat, len(longest), ctx), _sampling(m, ctx.defaults, ctx.vocab_size), stops,
                      logprobs, bool(m.ignore_eos), stop_ids, gram, m.speculative is not False)
     try:
         check_wire(req)  # defence in depth: the checks above should already hold every wire limit
@@ -730,7 +756,7 @@ def parse(body: object, chat: bool, ctx: ParseContext) -> Parsed:
     return Parsed(req, stream, include_usage, model, chat, tool_format, n, fmt,
                   fmt is not None and reasoning.starts_thinking(fmt, text), keep,
                   [t.model_dump(exclude_none=True) for t in m.tools] if tool_format else None,
-                  _forced(m, chat) and tool_format is not None)
+                  _forced(m, chat) and tool_format is not None, prompts if len(prompts) > 1 else None)
 
 
 # Chat rendering without a template -------------------------------------------------
