@@ -111,6 +111,14 @@ def test_a_grammar_that_gives_up_mid_answer_is_an_error_not_stop(monkeypatch):
                                                     max_tokens=50, stream=True):
                 pass
         assert "grammar" in str(e.value) and "llguidance" in str(e.value)
+        # the Responses API alike: a 400 whole, an error event then response.failed streamed
+        fmt = {"format": {"type": "json_schema", "name": "wide", "schema": _optional(601)}}
+        with pytest.raises(openai.BadRequestError) as e:
+            client.responses.create(model="m", input="x", text=fmt, max_output_tokens=50)
+        assert "grammar" in str(e.value)
+        events = list(client.responses.create(model="m", input="x", text=fmt, max_output_tokens=50, stream=True))
+        assert [e.type for e in events[-2:]] == ["error", "response.failed"] and "grammar" in events[-2].message
+        assert events[-1].response.status == "failed" and "grammar" in events[-1].response.error.message
         # the server goes on: a plain request after it is answered
         r = client.chat.completions.create(model="m", messages=MSGS, max_tokens=4)
         assert r.choices[0].finish_reason == "length"
@@ -273,3 +281,129 @@ def test_a_list_of_prompts_is_one_choice_per_prompt_and_n(app):
         with pytest.raises(openai.BadRequestError) as e:
             client.completions.create(prompt=bad, **kw)
         assert says in str(e.value), e.value
+
+
+# ------------------------------------------------------------------ item 8: the Responses API, /tokenize, /detokenize
+def test_responses_whole_and_streamed(app):
+    """client.responses.create: a string input with instructions, whole
+    and streamed (the same answer: the same seed), usage, max_output_tokens
+    cutting it (status incomplete), text.format json_schema."""
+    client, tok, _ = app
+    kw = dict(model="m", instructions="Answer briefly.", input="The sea", temperature=1.0,
+              max_output_tokens=8, extra_body={"seed": 4})
+    r = client.responses.create(**kw)
+    assert r.object == "response" and r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    (msg,) = r.output
+    assert msg.type == "message" and msg.role == "assistant" and r.output_text == msg.content[0].text
+    chat = client.chat.completions.create(model="m", messages=[{"role": "system", "content": "Answer briefly."},
+                                                               {"role": "user", "content": "The sea"}],
+                                          temperature=1.0, max_tokens=8, seed=4)
+    assert r.output_text == chat.choices[0].message.content  # the same path as chat completions
+    assert r.usage.input_tokens == chat.usage.prompt_tokens and r.usage.output_tokens == 8
+    events = list(client.responses.create(**kw, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.incomplete"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == r.output_text and events[-1].response.output_text == text
+    assert events[-1].response.usage.output_tokens == 8
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
+                                                                                  "maximum": 9}},
+              "required": ["ok", "n"]}
+    r = client.responses.create(model="m", input=[{"role": "user", "content": "Is it?"}], max_output_tokens=40,
+                                text={"format": {"type": "json_schema", "name": "yn", "schema": schema}})
+    assert r.status == "completed"
+    jsonschema.validate(json.loads(r.output_text), {**schema, "additionalProperties": False})
+
+
+def test_responses_function_tools_round_trip(app):
+    """Function tools as openai-agents sends them (strict, tool_choice
+    required): a function_call item, then the conversation sent back with
+    the call and its function_call_output item; streamed calls as
+    output_item / function_call_arguments events; auto without a format
+    and stored state are clear 400s."""
+    client, _, _ = app
+    tool = {"type": "function", "name": "get_weather", "description": "the weather in a city", "strict": True,
+            "parameters": {**WEATHER["function"]["parameters"], "additionalProperties": False}}
+    first = client.responses.create(model="m", input="Weather in Oslo?", tools=[tool], tool_choice="required",
+                                    parallel_tool_calls=False, temperature=1.0, max_output_tokens=100)
+    assert first.status == "completed"
+    (call,) = first.output
+    assert call.type == "function_call" and call.name == "get_weather" and call.call_id
+    jsonschema.validate(json.loads(call.arguments), tool["parameters"])
+    follow = [{"role": "user", "content": "Weather in Oslo?"}, call.model_dump(exclude_none=True),
+              {"type": "function_call_output", "call_id": call.call_id, "output": "rain, 4 C"}]
+    r = client.responses.create(model="m", input=follow, tools=[tool], tool_choice="none", max_output_tokens=5)
+    assert r.output[0].type == "message" and r.status == "incomplete"
+    events = list(client.responses.create(model="m", input="Weather?", tools=[tool], parallel_tool_calls=False,
+                                          tool_choice={"type": "function", "name": "get_weather"},
+                                          max_output_tokens=100, stream=True))
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert [i.type for i in done] == ["function_call"] and events[-1].type == "response.completed"
+    args = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    assert args == done[0].arguments == events[-1].response.output[0].arguments
+    for bad, says in ((dict(tools=[tool]), "--tool-call-parser"), (dict(previous_response_id="resp_1"), "stored"),
+                      (dict(tools=[{"type": "web_search"}]), "only function tools"),
+                      (dict(input=[{"type": "image_generation_call"}]), "not supported"),
+                      (dict(max_output_tokens=10**6), "'max_output_tokens' must be <=")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.responses.create(**{"model": "m", "input": "x", **bad})
+        assert says in str(e.value), e.value
+
+
+def test_tokenize_and_detokenize(app):
+    client, tok, ctx = app
+    base = str(client.base_url).removesuffix("/v1/")
+    t = client.post(base + "/tokenize", body={"prompt": "The sea is calm", "return_token_strs": True}, cast_to=object)
+    assert t["tokens"] == tok.encode("The sea is calm") and t["count"] == len(t["tokens"])
+    assert t["max_model_len"] == ctx.context_length and "".join(t["token_strs"][1:]) == "The sea is calm"
+    bare = client.post(base + "/tokenize", body={"prompt": "The sea", "add_special_tokens": False}, cast_to=object)
+    assert bare["tokens"] == tok.encode("The sea", add_special_tokens=False) and bare["token_strs"] is None
+    chat = client.post(base + "/tokenize", body={"messages": MSGS}, cast_to=object)
+    from mlxcel_dist.serve.openai_api import parse
+
+    assert chat["tokens"] == parse({"messages": MSGS, "max_tokens": 1}, True, ctx).req.prompt_ids  # as chat renders
+    assert chat["count"] == client.chat.completions.create(model="m", messages=MSGS, max_tokens=1).usage.prompt_tokens
+    d = client.post(base + "/detokenize", body={"tokens": t["tokens"]}, cast_to=object)
+    assert d == {"prompt": tok.decode(t["tokens"])}
+    for path, body in (("/detokenize", {"tokens": [10**9]}), ("/tokenize", {}), ("/tokenize", {"prompt": 5})):
+        with pytest.raises(openai.BadRequestError):
+            client.post(base + path, body=body, cast_to=object)
+
+
+def test_responses_stream_puts_thinking_in_a_reasoning_item():
+    """A thinking answer streamed: a reasoning item (reasoning_text deltas)
+    closed before the message item opens; the final response lists both."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from mlxcel_dist.serve import responses_api as rapi
+    from mlxcel_dist.serve.app import _StreamChoice
+    from mlxcel_dist.serve.scheduler import Done, Text
+
+    p = SimpleNamespace(tool_format=None, tools=None, forced=False, reasoning="qwen3", thinking=True, model="m",
+                        prompt_tokens=3)
+
+    class Feed:
+        evs = [Text("Hm, the sea"), Text(".</think>\n\nCalm"), Text(" today."), Done("eos", 3, 5)]
+
+        async def next(self):
+            return self.evs.pop(0)
+
+    state = SimpleNamespace(scheduler=SimpleNamespace(cancel=lambda job: None))
+
+    async def run():
+        return [x async for x in rapi.stream(state, Feed(), None, p, {}, _StreamChoice(p))]
+
+    events = [json.loads(e.split("data: ", 1)[1]) for chunk in asyncio.run(run()) for e in chunk.split("\n\n") if e]
+    kinds = [e["type"] for e in events]
+    assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
+    assert "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta") == "Hm, the sea."
+    assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == "Calm today."
+    final = events[-1]
+    assert final["type"] == "response.completed" and [i["type"] for i in final["response"]["output"]] == [
+        "reasoning", "message"]
+    assert final["response"]["usage"]["output_tokens"] == 5

@@ -24,6 +24,7 @@ from starlette.requests import ClientDisconnect
 from . import openai_api as api
 from . import reasoning, tools
 from . import responses as rs
+from . import responses_api as rapi
 from .log import log
 from .scheduler import SHUTDOWN_MESSAGE, Done, Failed, Job, Scheduler, Text, Token
 
@@ -168,12 +169,15 @@ def make_app(state: AppState) -> FastAPI:
                                        code="model_not_found"), request)
         return model_card(name)
 
-    async def complete(request: Request, chat: bool):
+    async def complete(request: Request, chat: bool, responses: bool = False):
         mail.loop = mail.loop or asyncio.get_running_loop()
         try:
             raw = await _read_body(request, state.max_request_bytes)
             body = await run_in_threadpool(api.loads_limited, raw)
-            p = await run_in_threadpool(api.parse, body, chat, state.parse_ctx)
+            if responses:  # the Responses API: the chat body it means (responses_api), echoed fields apart
+                p, echo = await run_in_threadpool(rapi.parse, body, state.parse_ctx)
+            else:
+                p = await run_in_threadpool(api.parse, body, chat, state.parse_ctx)
             ok, reason = state.health.status()
             if not ok:
                 raise api.ApiError(f"the server is unavailable: {reason}", status=503)
@@ -183,11 +187,37 @@ def make_app(state: AppState) -> FastAPI:
         job = Job(p.req, lambda ev: mail.post(events, ev), p.n, p.keep_special, p.prompts)
         if not sched.submit(job):
             return _error(api.ApiError(SHUTDOWN_MESSAGE, status=503), request)
+        if responses:
+            feed = _Events(request, events)
+            if p.stream:
+                return StreamingResponse(rapi.stream(state, feed, job, p, echo, _StreamChoice(p)),
+                                         media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            return await rapi.whole(state, feed, job, p, echo)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         if p.stream:
             return StreamingResponse(_stream(state, request, job, events, p, rid), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         return await _whole(state, request, job, events, p, rid)
+
+    @app.post("/v1/responses")
+    @app.post("/responses", include_in_schema=False)
+    async def responses(request: Request):
+        return await complete(request, True, responses=True)
+
+    async def tokens(request: Request, fn):
+        try:
+            body = await run_in_threadpool(api.loads_limited, await _read_body(request, state.max_request_bytes))
+            return await run_in_threadpool(fn, body, state.parse_ctx)
+        except api.ApiError as e:
+            return _error(e, request)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):  # vLLM's
+        return await tokens(request, rapi.tokenize)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        return await tokens(request, rapi.detokenize)
 
     schemas = {True: api.ChatCompletionRequest, False: api.CompletionRequest}
     for chat, paths in ((False, COMPLETIONS), (True, CHAT)):
