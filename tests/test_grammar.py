@@ -462,3 +462,32 @@ def test_objects_without_additional_properties_get_no_other_keys(setup):
     for t in tok.encode('<tool_call>\n{"name":"f","arguments":{"a":1,"', add_special_tokens=False):
         m.advance(t)
     assert m._m.is_error()
+
+
+def test_openai_client_prompt_lists_responses_and_tokenize_across_ranks(server):
+    """Issue 40's client shapes through a real server at np 1 and np 2: a
+    list of prompts in one completions request (each prompt's choices what
+    it answers alone, the rows batched on every rank), the Responses API
+    whole and streamed with a forced function call (glm45's format here),
+    vLLM's /tokenize."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0, timeout=120)
+    kw = dict(model="gemma3-tiny", max_tokens=8, temperature=1.0, seed=21)
+    alone = [c.text for t in PROMPTS[:3] for c in client.completions.create(prompt=t, n=2, **kw).choices]
+    together = client.completions.create(prompt=PROMPTS[:3], n=2, **kw)
+    assert [c.index for c in together.choices] == list(range(6)) and [c.text for c in together.choices] == alone
+    r = client.responses.create(model="gemma3-tiny", input="The sea", max_output_tokens=8, temperature=1.0,
+                                extra_body={"seed": 3})
+    events = list(client.responses.create(model="gemma3-tiny", input="The sea", max_output_tokens=8,
+                                          temperature=1.0, extra_body={"seed": 3}, stream=True))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == r.output_text
+    assert events[-1].type == "response.incomplete" and r.status == "incomplete"
+    tool = {"type": "function", "name": "get_time", "parameters": CLOCK["function"]["parameters"], "strict": True}
+    r = client.responses.create(model="gemma3-tiny", input="What time is it?", tools=[tool], tool_choice="required",
+                                temperature=1.0, max_output_tokens=100, parallel_tool_calls=False)
+    (call,) = r.output
+    assert call.type == "function_call" and r.status == "completed"
+    jsonschema.validate(json.loads(call.arguments), PARAMS["get_time"])
+    t = client.post(server.base + "/tokenize", body={"prompt": "The sea"}, cast_to=object)
+    assert t["count"] == len(t["tokens"]) and client.post(server.base + "/detokenize", body={"tokens": t["tokens"]},
+                                                          cast_to=object)["prompt"] == "The sea"

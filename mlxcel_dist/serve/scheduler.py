@@ -265,11 +265,11 @@ class Scheduler:
             self._end(r.job, Failed("client gone", 499))  # once per job (its other rows: already ended)
         admissions, keep, jobs, full = [], [], 0, False
         for job in self.backlog:
+            if job not in self.open:  # ended while admitted in part (its client gone, a row failed)
+                continue
             if job.cancelled.is_set():
                 log("client gone: request dropped before it took a row")
                 self._end(job, Failed("client gone", 499))
-                continue
-            if job not in self.open:  # ended while admitted in part (a row failed)
                 continue
             while (job.admitted < job.n and jobs < self.prompt_concurrency and not full
                    and len(self.rows) + len(admissions) + job.group <= self.decode_concurrency):
