@@ -37,12 +37,15 @@ servers verify drafts (`--draft-model`, default the embedded gemma3-tiny, the
 spec pair's draft; `--prompt-lookup`), K = `--num-draft-tokens`; `--text
 repeat` sends benchmarks/spec_decode.py's repeated passage (each request its
 own first line), `--ignore-eos` makes every answer run its tokens; the
-drafted servers' acceptance (/metrics) is printed with their rows.
+drafted servers' acceptance (/metrics) is printed with their rows; a server
+without /metrics (mlx_lm.server answers 404) gets one line saying so and no
+acceptance.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -55,6 +58,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -243,17 +247,24 @@ def _family_cpu_s(root: int) -> float:
     return total
 
 
-def spec_counts(base: str) -> dict:
-    """The server's /metrics spec_decode_* values (empty: none)."""
-    with urllib.request.urlopen(base + "/metrics", timeout=30) as r:
-        text = r.read().decode()
+def spec_counts(base: str) -> dict | None:
+    """The server's /metrics spec_decode_* values (empty: none; None: no /metrics at all, as mlx_lm.server)."""
+    try:
+        with urllib.request.urlopen(base + "/metrics", timeout=30) as r:
+            text = r.read().decode()
+    except urllib.error.HTTPError as e:
+        if e.code == 404:
+            return None
+        raise
     return {ln.split()[0].split("spec_decode_")[1]: float(ln.split()[1]) for ln in text.splitlines()
             if "spec_decode_" in ln and not ln.startswith("#")}
 
 
-def bench_server(name: str, model: Path, clients: list[int], requests: int, tokens: int, log_dir: Path,
-                 root: Path = ROOT, backend: str | None = None, formats=("text",), draft=None, k: int = 3) -> list:
-    """`root`: the checkout whose code serves (another one's, to compare versions of ours)."""
+@contextlib.contextmanager
+def started(name: str, model: Path, log_dir: Path, root: Path = ROOT, backend: str | None = None, draft=None,
+            k: int = 3, extra: list | None = None):
+    """A server (`server_cmd(name, ...)` + `extra` flags) from checkout `root`,
+    answering: yields (base URL, process); ends its whole session after."""
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     tag = name if root == ROOT else f"{name}@{root.name}"
@@ -261,8 +272,9 @@ def bench_server(name: str, model: Path, clients: list[int], requests: int, toke
     env = None
     if root != ROOT:  # that checkout first, whatever else the path holds (e.g. a staged MLX) after it
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.Popen(server_cmd(name, model, port, backend, draft, k), cwd=root, stdout=log, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, start_new_session=True, env=env)
+    proc = subprocess.Popen(server_cmd(name, model, port, backend, draft, k) + list(extra or []), cwd=root,
+                            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                            env=env)
     try:
         deadline = time.monotonic() + 180
         while True:
@@ -274,24 +286,7 @@ def bench_server(name: str, model: Path, clients: list[int], requests: int, toke
                     break
             except OSError:
                 time.sleep(0.3)
-        for n in sorted(set(clients)):  # warm-up: each batch size once
-            for fmt in formats:
-                run_round(base, n, 1, 8, "warm-up", fmt)
-        rows = []
-        for n in clients:  # the server's CPU seconds per token: its own cost, less swayed by a busy machine
-            for fmt in formats:
-                c0, s0 = _family_cpu_s(proc.pid), spec_counts(base)
-                row = run_round(base, n, requests, tokens, "timed", fmt)
-                s1 = spec_counts(base)
-                if s1.get("num_drafts_total", 0) > s0.get("num_drafts_total", 0):  # this round's acceptance
-                    d = {x: s1[x] - s0.get(x, 0) for x in ("num_drafts_total", "num_draft_tokens_total",
-                                                            "num_accepted_tokens_total")}
-                    row["accepted_pct"] = round(100 * d["num_accepted_tokens_total"] / d["num_draft_tokens_total"], 1)
-                    row["mean_accepted_length"] = round(1 + d["num_accepted_tokens_total"] / d["num_drafts_total"], 2)
-                row["server_cpu_ms_per_token"] = round(1000 * (_family_cpu_s(proc.pid) - c0) / max(row["tokens"], 1),
-                                                       3)
-                rows.append({"server": name, **row})
-        return rows
+        yield base, proc
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
@@ -309,6 +304,34 @@ def bench_server(name: str, model: Path, clients: list[int], requests: int, toke
         _kill_port_servers(port)
         proc.wait()
         log.close()
+
+
+def bench_server(name: str, model: Path, clients: list[int], requests: int, tokens: int, log_dir: Path,
+                 root: Path = ROOT, backend: str | None = None, formats=("text",), draft=None, k: int = 3) -> list:
+    """`root`: the checkout whose code serves (another one's, to compare versions of ours)."""
+    tag = name if root == ROOT else f"{name}@{root.name}"
+    with started(name, model, log_dir, root, backend, draft, k) as (base, proc):
+        for n in sorted(set(clients)):  # warm-up: each batch size once
+            for fmt in formats:
+                run_round(base, n, 1, 8, "warm-up", fmt)
+        rows = []
+        metrics = spec_counts(base) is not None
+        if not metrics:
+            print(f"{tag}: no /metrics (404): no draft acceptance counted", file=sys.stderr, flush=True)
+        for n in clients:  # the server's CPU seconds per token: its own cost, less swayed by a busy machine
+            for fmt in formats:
+                c0, s0 = _family_cpu_s(proc.pid), spec_counts(base) if metrics else {}
+                row = run_round(base, n, requests, tokens, "timed", fmt)
+                s1 = spec_counts(base) if metrics else {}
+                if s1.get("num_drafts_total", 0) > s0.get("num_drafts_total", 0):  # this round's acceptance
+                    d = {x: s1[x] - s0.get(x, 0) for x in ("num_drafts_total", "num_draft_tokens_total",
+                                                            "num_accepted_tokens_total")}
+                    row["accepted_pct"] = round(100 * d["num_accepted_tokens_total"] / d["num_draft_tokens_total"], 1)
+                    row["mean_accepted_length"] = round(1 + d["num_accepted_tokens_total"] / d["num_drafts_total"], 2)
+                row["server_cpu_ms_per_token"] = round(1000 * (_family_cpu_s(proc.pid) - c0) / max(row["tokens"], 1),
+                                                       3)
+                rows.append({"server": name, **row})
+        return rows
 
 
 def _kill_port_servers(port: int) -> None:

@@ -92,13 +92,14 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
-from .cache import LayerCache, QuantizedKV, SharedKVCache
+from .cache import QuantizedKV, SharedKVCache
+from .collectives import CollectiveError
 from .decode import STEP as GPU_STEP
 from .decode import (QuantizedStaticCache, StaticCache, StaticConvKV, StaticState, _round_up, held_arrays,
                      quantize_kv, ring_slots, static_kind)
 from .engine import DEFAULT_PREFILL_STEP, check_tokens, vocab_size
 from .masks import create_rows_mask
-from .pipeline import outstanding_sends
+from .prefill import Admission, Alone, Budget, Prefills, Together, _read_row, _write_row, pad_groups
 from .prompt_cache import PromptCache, Snapshot
 from .sampling import NEG_INF, Sampler, SamplingParams, allowed_from_bits, read_logprobs, token_logprobs
 
@@ -116,19 +117,17 @@ def slot_step() -> int:
     return CPU_STEP if mx.default_device() == mx.cpu else GPU_STEP
 
 
-def _read_row(buf: mx.array, b: int, slots) -> mx.array:
-    """buf[b, :, slots, :] as [1, H, n, D] (a view when `slots` is a slice)."""
-    return buf[b : b + 1][:, :, slots, :]
+# serve's prefill beside decoding rows, by device (prefill.Budget). A CPU step is
+# compute-bound: a prompt token costs about what a decoding row's token costs (the
+# 24M bf16 llama of benchmarks/serve_stall.py: 18-23 ms against 25 ms), so a step
+# gives prompts twice its rows' tokens: the rows' gap grows to ~3x while prompts get
+# 2/3 of the work. A GPU step of few rows is bound by reading the weights, which a
+# chunk shares: a fixed budget there (vLLM's --max-num-batched-tokens).
+GPU_TOKEN_BUDGET = 512
 
 
-def _write_row(buf: mx.array, b: int, slots, x: mx.array) -> None:
-    """buf[b, :, slots, :] = x[0] in place of the Python object `buf`."""
-    if isinstance(slots, slice):
-        buf[b : b + 1, :, slots, :] = x
-        return
-    row_buf = buf[b : b + 1]
-    row_buf[..., slots, :] = x
-    buf[b : b + 1] = row_buf
+def default_budget() -> "Budget":
+    return Budget() if mx.default_device() == mx.cpu else Budget(GPU_TOKEN_BUDGET)
 
 
 class RowCache(StaticCache):
@@ -203,120 +202,6 @@ class QuantizedRowCache(RowCache):
         return k, v
 
 
-class PrefillCache(LayerCache):
-    """One layer's keys/values of B prompts prefilled together: [B, H, R, D],
-    row b's position p in slot p % R (R: the window plus a chunk on a sliding
-    layer, so a chunk never overwrites a key its queries see; the longest
-    prompt plus a chunk on a full layer, so slot = position). `offset` is the
-    chunk's first position per row ([B], for RoPE); the mask comes from each
-    slot's position after this chunk's writes (masks.create_rows_mask)."""
-
-    static_kv = True
-
-    def __init__(self, buffers: dict, index: int, window: int | None, ring: int, wraps: bool, chunk=None):
-        self.buffers, self.index, self.window, self.ring, self.wraps = buffers, index, window, ring, wraps
-        self.chunk = chunk  # a chunked layer: its window is the chunk, the mask the chunk rule
-
-    @property
-    def offset(self) -> mx.array:
-        return self.buffers["offsets"]
-
-    def mask(self, L: int) -> mx.array:
-        if not self.wraps:  # slot = position: the slots up to this chunk's last end
-            pos = mx.arange(self.buffers["upto"])
-        else:  # slot k: the latest position = k (mod R) before the row's chunk end (pads included); < 0: empty
-            end = self.buffers["end"].reshape(-1, 1)
-            pos = end - 1 - (end - 1 - mx.arange(self.ring)[None]) % self.ring
-        if self.chunk:
-            return create_rows_mask(L, self.buffers["offsets"], pos, chunk=self.chunk)
-        return create_rows_mask(L, self.buffers["offsets"], pos, self.window)
-
-    names = StaticCache.names
-
-    def update_and_fetch(self, keys: mx.array, values: mx.array):
-        k, v = self._write([keys, values])
-        self.last = (k, v, self.buffers["offsets"])
-        return k, v
-
-    def _write(self, xs: list) -> list:
-        """The chunk's tokens (one array per buffer of `names`) into their
-        slots; the buffers (without a ring: the slots written so far)."""
-        b = self.buffers
-        B, H, L = xs[0].shape[:3]
-        slots = ((b["offsets"].reshape(B, 1) + mx.arange(L)) % self.ring).reshape(B, 1, L, 1)
-        for name, x in zip(self.names, xs):
-            b[name] = mx.put_along_axis(b[name], mx.broadcast_to(slots, (B, H, L, x.shape[3])), x, axis=2)
-        # no ring: attention over the keys written so far, not the whole buffer
-        return [b[n] if self.wraps else b[n][:, :, : b["upto"]] for n in self.names]
-
-
-class QuantizedPrefillCache(PrefillCache):
-    """PrefillCache for a --kv-bits layer: the chunk's keys/values quantized
-    into the six buffers of decode.QuantizedStaticCache's layout."""
-
-    names = QuantizedStaticCache.names
-
-    def __init__(self, buffers: dict, index: int, ring: int, wraps: bool, bits: int, group_size: int):
-        super().__init__(buffers, index, None, ring, wraps)
-        self.bits, self.group_size = bits, group_size
-
-    def update_and_fetch(self, keys: mx.array, values: mx.array):
-        k, v = QuantizedKV.pair(self._write(quantize_kv(keys, values, self.bits, self.group_size)),
-                                self.bits, self.group_size)
-        self.last = (k, v, self.buffers["offsets"])
-        return k, v
-
-
-@dataclass(eq=False)
-class _Admit:
-    """A request on its way into a row: its prompt, the prompt-cache prefix."""
-
-    rid: object
-    prompt: np.ndarray
-    last: int  # its last prompt token's position (the row's first input)
-    sampling: SamplingParams | None
-    start: int  # prompt tokens the prompt cache supplies
-    cache: list | None  # their caches (None: a miss)
-    budget: int | None = None
-    grammar: object = None  # grammar.Matcher: the row's constrained decoding
-    drafts: bool = True  # drafts may be verified for it (batch_spec.py)
-
-
-PAD_SLACK = 1.25  # prompts prefill together while the padded tokens stay within 25% of the real ones
-
-
-def _chunks(admits: list, L: int):
-    """The chunk schedule of prompts sorted by tokens left (most first):
-    per forward (each active row's offset, its tokens in the chunk, the
-    largest end); a row leaves after its last chunk, so the active rows are
-    always the first ones."""
-    offs = [a.start for a in admits]
-    while offs:
-        lens = [min(L, a.last - o) for a, o in zip(admits, offs)]
-        n = max(lens)
-        yield offs, lens, max(o + n for o in offs)
-        offs = [o + m for a, o, m in zip(admits, offs, lens) if o + m < a.last]
-
-
-def _pad_groups(admits: list, step: int) -> list:
-    """Prompts (sorted by tokens left) in groups prefilled together: a prompt
-    joins the group before it while the group's forwards, padded to their
-    longest chunk, cost at most PAD_SLACK x its real tokens (on a CPU the
-    padding is pure cost; a GPU gains by fewer, larger forwards)."""
-    admits = sorted(admits, key=lambda a: a.start - a.last)
-    groups = []
-    for a in admits:
-        g = groups[-1] + [a] if groups else None
-        if g is not None:
-            L = min(step, g[0].last - g[0].start)
-            padded = sum(len(offs) * max(lens) for offs, lens, _ in _chunks(g, L))
-            if padded <= PAD_SLACK * sum(x.last - x.start for x in g):
-                groups[-1] = g
-                continue
-        groups.append([a])
-    return groups
-
-
 @dataclass(eq=False)
 class Row:
     """One sequence in the batch."""
@@ -359,7 +244,8 @@ class BatchEngine:
     same calls in the same order."""
 
     def __init__(self, model, prefill_step: int | None = None, compiled: bool = True, prompt_cache=None,
-                 pipelined: bool = True, micro: int = 1, vocab=None, spec=None, margin: int = 0):
+                 pipelined: bool = True, micro: int = 1, vocab=None, spec=None, margin: int = 0,
+                 budget: Budget | None = None):
         """`prompt_cache`: a prompt_cache.PromptCache that requests' prompts
         (and finished rows' whole sequences) are kept in and reused from.
         `pipelined=False`: each step is read before the next is built (the
@@ -368,7 +254,10 @@ class BatchEngine:
         stages: `_launch_micro`). `vocab`: a grammar.Vocab, for requests that
         come with a grammar's text. `spec`: a batch_spec.BatchDrafts that
         drafts for the rows and runs every step (`feed` blocks, rollback);
-        `margin`: ring slots past each window for drafted tokens (its K)."""
+        `margin`: ring slots past each window for drafted tokens (its K).
+        `budget`: a prefill.Budget, the prompt tokens a step computes beside
+        its decoding rows (serve; prefill.py); None: `add_many` prefills its
+        prompts whole at once."""
         self.model = model
         self.spec = spec
         self.margin = spec.k if spec is not None else margin
@@ -402,13 +291,19 @@ class BatchEngine:
         self.want: dict = {}  # rid -> k: that row's logprobs with each id (sampling.token_logprobs)
         self.logprobs: dict = {}  # rid -> (logprob, [(id, logprob), ...]) of the step read last
         self.prefilled = 0  # prompt tokens run through prefill forwards (prompt-cache hits and copies excluded)
+        self.budget = budget
+        self.prefills = Prefills()  # prompts being prefilled (prefill.py)
+        self._copies: dict = {}  # rid -> copies of its prompt (n > 1) forked once it is placed
+        self.failed: dict = {}  # rid -> message: requests whose prefill failed (taken by the caller)
 
     # -- rows --------------------------------------------------------------
     def __len__(self) -> int:
         return len(self.rows)
 
     def __contains__(self, rid) -> bool:
-        return any(r.rid == rid for r in self.rows)
+        """A row, or a request still being prefilled."""
+        return (any(r.rid == rid for r in self.rows) or rid in self.prefills
+                or any(rid == c[0] for cs in self._copies.values() for c in cs))
 
     def _capacity(self) -> int:
         return self._cap if self.buffers else 0
@@ -423,51 +318,150 @@ class BatchEngine:
         self.add_many([(rid, prompt_ids, sampling)])
 
     def add_many(self, requests) -> None:
-        """`add` for several (rid, prompt_ids, sampling[, budget[, grammar]]) at once
-        (budget: the most ids the caller reads for it, e.g. max_tokens; grammar: a
-        grammar.Matcher constraining its ids, or a grammar's text for `vocab`'s
-        matcher); the prompts
-        with tokens to prefill are prefilled together (`_prefill_together`,
-        one forward per chunk over all of them) when there are two or more and
-        the model's caches are all static KV; else each alone through the
-        model's own caches (chunked, exact as `generate`). A prompt given
-        more than once (serve's n > 1) is prefilled once: its copies get the
-        first's keys/values (`_fork`). Rows join in a fixed order (every rank
-        makes the same calls)."""
-        todo, copies, first = [], [], {}
+        """`add` for several (rid, prompt_ids, sampling[, budget[, grammar[, drafts]]])
+        at once (budget: the most ids the caller reads for it, e.g. max_tokens;
+        grammar: a grammar.Matcher constraining its ids, or a grammar's text for
+        `vocab`'s matcher; drafts False: the request opted out of drafts). The
+        prompts become prefill jobs (prefill.py): two or more with tokens to
+        prefill go together (one forward per chunk over all of them) when the
+        model's caches are all static KV; else each alone through the model's
+        own caches (chunked, exact as `generate`). A prompt given more than once
+        (serve's n > 1) is prefilled once: its copies get the first's
+        keys/values (`_fork`) when it is placed. Without a `budget` the
+        jobs run to the end here; with one, `step` runs them a budget at a time
+        beside the decode rows. Every rank makes the same calls."""
+        todo, first = [], {}
         for rid, prompt_ids, sampling, *extra in requests:
             budget = extra[0] if extra else None
             grammar = extra[1] if len(extra) > 1 else None
-            drafts = extra[2] if len(extra) > 2 else True  # False: a request that opted out of drafts
+            drafts = extra[2] if len(extra) > 2 else True
             if isinstance(grammar, str):  # a request's grammar text (serve.wire): this rank's matcher, one a row
                 grammar = self.vocab.matcher(grammar)
             prompt = check_tokens(prompt_ids, vocab_size(self.model))
             key = prompt.tobytes()
-            if key in first:  # a copy (serve's n > 1): forked after the prefill
-                copies.append((first[key], rid, sampling, budget, grammar, drafts))
+            if key in first:  # a copy (serve's n > 1): forked once its source is placed
+                self._copies.setdefault(first[key], []).append((rid, sampling, budget, grammar, drafts))
                 continue
             first[key] = rid
             start, cache = 0, None
             if self.prompt_cache is not None:
                 start, cache = self.prompt_cache.lookup(prompt, self.model.make_cache)
-            todo.append(_Admit(rid, prompt, len(prompt) - 1, sampling, start, cache, budget, grammar, drafts))
-        if self.static is None:
+            todo.append(Admission(rid, prompt, len(prompt) - 1, sampling, start, cache, budget, grammar, drafts))
+        if self.static is None and todo:
             fresh = self.model.make_cache()
             self.static = bool(fresh) and None not in [static_kind(c) for c in fresh]
             if self.static:
                 self._learn_layout(None, todo[0].prompt[:1])
         together = [a for a in todo if a.start < a.last] if self.static and not self.stateful else []
-        groups = _pad_groups(together, self.prefill_step)
-        together = [g for g in groups if len(g) > 1]
-        for a in todo:
-            if not any(a is t for g in together for t in g):
-                self._add_alone(a)
-        for g in together:
-            self._prefill_together(g)
-        for src, rid, sampling, budget, grammar, drafts in copies:
-            self._fork(src, rid, sampling, budget, grammar, drafts)
+        groups = [g for g in pad_groups(together, self.prefill_step) if len(g) > 1]
+        grouped = {id(a) for g in groups for a in g}
+        jobs = [Alone(self, a) for a in todo if id(a) not in grouped]
+        jobs += [Together(self, g, min(self.prefill_step, max(a.last - a.start for a in g))) for g in groups]
+        self.prefilled += sum(a.last - a.start for a in todo)
+        self.prefills.jobs += jobs
+        if self.budget is None:
+            self._prefill(None, drain=True)
+
+    @property
+    def prefilling(self) -> bool:
+        """Prompts still being prefilled (their rows not placed yet)."""
+        return bool(self.prefills)
+
+    def _prefill(self, budget: int | None, drain: bool = False) -> None:
+        """Run the prefill queue, oldest job first: with a `budget` (tokens)
+        until it is spent, a job's forward taking at most what is left; without
+        one, one forward of `prefill_step` tokens a prompt per job, or every
+        job to its end (`drain`). A job that fails ends its own requests
+        (`failed`), no other."""
+        while self.prefills:
+            for job in list(self.prefills.jobs):
+                if budget is not None and budget <= 0:
+                    return
+                try:
+                    ran = job.run(self.prefill_step * job.width() if budget is None else budget)
+                    if job.left() == 0:
+                        self.prefills.jobs.remove(job)
+                        job.finish()
+                except CollectiveError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - that job's requests alone
+                    self._fail(job, f"{type(e).__name__}: {e}")
+                    continue
+                if budget is not None:
+                    budget -= ran
+            if not drain:
+                return
+
+    def _fail(self, job, message: str) -> None:
+        if job in self.prefills.jobs:
+            self.prefills.jobs.remove(job)
+        for a in job.admits:
+            for rid in [a.rid, *(c[0] for c in self._copies.pop(a.rid, ()))]:
+                self.failed[rid] = message
+                self.prefills.cancelled.discard(rid)
+
+    def place_prefilled(self, a: Admission, cache: list) -> None:
+        """Prompt `a`, prefilled in its own caches `cache`, into a new row."""
+        row = self._row(a)
+        if not self.static:
+            row.eager_cache = cache
+            self._join(row, None)
+            return
+        self._reserve(len(self.rows) + 1, a.last + 1)
+        self._join(row, [None if kind == "shared" or a.last == 0 else held_arrays(c, kind)
+                         for c, kind in zip(cache, self.kinds)])
+        for c in cache:
+            c.release()
+
+    def place_layers(self, a: Admission, layers: list) -> None:
+        """Prompt `a`, prefilled together with others, into a new row: `layers`
+        as `_place` takes them."""
+        self._reserve(len(self.rows) + 1, a.last + 1)
+        self._join(self._row(a), layers)
+
+    def _row(self, a: Admission) -> Row:
+        return Row(a.rid, Sampler(a.sampling or SamplingParams(), len(a.prompt)), a.prompt.tolist(), a.last,
+                   int(a.prompt[a.last]), budget=a.budget, grammar=a.grammar, drafts=a.drafts)
+
+    def _join(self, row: Row, layers: list | None) -> None:
+        """A prefilled row joins the batch (before the next launch), then its
+        copies; a request cancelled meanwhile leaves again at once."""
+        if layers is None:
+            self.rows.append(row)
+            self._changed = True
+        else:
+            self._place(row, layers)
+        copies = self._copies.pop(row.rid, ())
+        for copy in copies:
+            self._fork(row.rid, *copy)
+        rids = [row.rid, *(c[0] for c in copies)]
         if self.spec is not None:
-            self.spec.added(self, requests)
+            self.spec.added(self, [(rid, row.context) for rid in rids])
+        for rid in rids:
+            if rid in self.prefills.cancelled and rid in self:
+                self.prefills.cancelled.discard(rid)
+                self.remove(rid)
+
+    def _place(self, row: "Row", layers: list) -> None:
+        """Append `row`, per layer (its keys/values in `names` order, [1, H, n, .]
+        of positions up to row.pos, oldest first; its state arrays [1, ...])
+        moved into its batch row (buffers already reserved); None: nothing
+        held (a state starts at zeros)."""
+        b, last = len(self.rows), row.pos
+        self.rows.append(row)
+        self._changed = True
+        for i, x in enumerate(layers):
+            held, states = x or ([], [None] * len(self.snames[i]))
+            if held:
+                S = self.buffers[self.names[i][0]].shape[2]  # this layer's (a sliding one stops at its window)
+                n = min(held[0].shape[2], S)
+                slots = ring_slots(last - n, n, S)
+                for name, a in zip(self.names[i], held):
+                    _write_row(self.buffers[name], b, slots, a[..., a.shape[2] - n :, :])
+            for name, a in zip(self.snames[i], states):
+                buf = self.buffers[name]
+                buf[b : b + 1] = mx.zeros_like(buf[:1]) if a is None else a
+        self._sync_pos()
 
     def _fork(self, src, rid, sampling, budget, grammar=None, drafts=True) -> None:
         """A new row `rid` holding row `src`'s prompt (its keys/values copied,
@@ -477,7 +471,8 @@ class BatchEngine:
         r = self.rows[b]
         if not self.static:
             prompt = np.asarray(r.context, np.int32)
-            self._add_alone(_Admit(rid, prompt, len(prompt) - 1, sampling, 0, None, budget, grammar, drafts))
+            self.prefills.jobs.append(Alone(self, Admission(rid, prompt, len(prompt) - 1, sampling, 0, None, budget,
+                                                            grammar, drafts)))
             return
         self._reserve(len(self.rows) + 1, r.pos + 1)
         new = len(self.rows)
@@ -528,131 +523,17 @@ class BatchEngine:
         finally:
             self.prompt_cache = saved
 
-    def _add_alone(self, a: "_Admit") -> None:
-        prompt, last, cache = a.prompt, a.last, a.cache
-        if cache is None:
-            cache = self.model.make_cache()
-        self.prefilled += max(last - a.start, 0)
-        for i in range(a.start, last, self.prefill_step):
-            self.model(mx.array(prompt[i : min(i + self.prefill_step, last)])[None], cache)
-            mx.eval([c.state for c in cache] if cache else [], outstanding_sends(self.model))
-        if self.prompt_cache is not None and a.start < last:
-            self.prompt_cache.store(prompt[:last], cache)
-        row = Row(a.rid, Sampler(a.sampling or SamplingParams(), len(prompt)), prompt.tolist(), last, int(prompt[last]),
-                  budget=a.budget, grammar=a.grammar, drafts=a.drafts)
-        if not self.static:
-            row.eager_cache = cache
-            self.rows.append(row)
-            self._changed = True
-            return
-        self._reserve(len(self.rows) + 1, last + 1)
-        self._place(row, [None if kind == "shared" or last == 0 else held_arrays(c, kind)
-                          for c, kind in zip(cache, self.kinds)])
-        for c in cache:
-            c.release()
-
-    def _place(self, row: "Row", layers: list) -> None:
-        """Append `row`, per layer (its keys/values in `names` order, [1, H, n, .]
-        of positions up to row.pos, oldest first; its state arrays [1, ...])
-        moved into its batch row (buffers already reserved); None: nothing
-        held (a state starts at zeros)."""
-        b, last = len(self.rows), row.pos
-        self.rows.append(row)
-        self._changed = True
-        for i, x in enumerate(layers):
-            held, states = x or ([], [None] * len(self.snames[i]))
-            if held:
-                S = self.buffers[self.names[i][0]].shape[2]  # this layer's (a sliding one stops at its window)
-                n = min(held[0].shape[2], S)
-                slots = ring_slots(last - n, n, S)
-                for name, a in zip(self.names[i], held):
-                    _write_row(self.buffers[name], b, slots, a[..., a.shape[2] - n :, :])
-            for name, a in zip(self.snames[i], states):
-                buf = self.buffers[name]
-                buf[b : b + 1] = mx.zeros_like(buf[:1]) if a is None else a
-        self._sync_pos()
-
-    def _prefill_together(self, admits: list) -> None:
-        """Prefill several prompts in one forward per chunk of at most
-        `prefill_step` tokens per prompt (PrefillCache: per-row offsets and
-        masks), then move each into a row as `_add_alone` does.
-
-        Rows are sorted by tokens left (most first), so the prompts finished
-        after a chunk are the last rows: they move into the batch and the
-        prefill buffers keep the first rows. A shorter prompt's chunk is padded
-        with id 0 at the positions after its end; its pad keys are masked
-        from its real queries, land where its later tokens (or nothing it
-        keeps) go, and are finite (no query row is all masked)."""
-        admits = sorted(admits, key=lambda a: a.start - a.last)  # stable: ties keep their order
-        self.prefilled += sum(a.last - a.start for a in admits)
-        L = min(self.prefill_step, admits[0].last - admits[0].start)
-        T = max(end for _, _, end in _chunks(admits, L))  # slots written, pads included
-        rings = [None if k == "shared" else (T if w is None else min(w + L, T))
-                 for w, k in zip(self.windows, self.kinds)]
-        B = len(admits)
-        bufs = {"offsets": None, "end": None, "upto": 0}
-        for i, R in enumerate(rings):
-            for name in self.names[i] if R is not None else ():
-                shape = self._shapes[name]
-                bufs[name] = mx.zeros((B, shape[1], R, shape[3]), self._dtypes[name])
-        for b, a in enumerate(admits):  # a prompt-cache prefix: its keys/values at their slots
-            if a.cache is None:
-                continue
-            for i, c in enumerate(a.cache):
-                if rings[i] is None:
-                    continue
-                held, _ = held_arrays(c, self.kinds[i])
-                slots = ring_slots(a.start - held[0].shape[2], held[0].shape[2], rings[i])
-                for name, x in zip(self.names[i], held):
-                    _write_row(bufs[name], b, slots, x)
-                c.release()
-        views = []
-        for i, R in enumerate(rings):
-            if R is None:
-                views.append(SharedKVCache(views[self.reads[i]], self.reads[i]))
-            elif self.kinds[i] == "quantized":
-                views.append(QuantizedPrefillCache(bufs, i, R, R < T, *self._quant[i]))
-            else:
-                views.append(PrefillCache(bufs, i, self.windows[i], R, wraps=R < T, chunk=self.chunks[i]))
-        self._reserve(len(self.rows) + B, max(a.last for a in admits) + 1)
-        for offs, lens, upto in _chunks(admits, L):
-            n = max(lens)
-            tokens = np.zeros((len(offs), n), np.int32)
-            for b, (a, o, m) in enumerate(zip(admits, offs, lens)):
-                tokens[b, :m] = a.prompt[o : o + m]
-            bufs["offsets"] = mx.array(offs, mx.int32)
-            bufs["end"], bufs["upto"] = bufs["offsets"] + n, upto
-            self.model(mx.array(tokens), views)
-            mx.eval([x for name, x in bufs.items() if name[0] in "kv"], outstanding_sends(self.model))
-            keep = sum(o + m < a.last for a, o, m in zip(admits, offs, lens))  # the finished are the last rows
-            for b in range(keep, len(offs)):
-                self._finish_prefill(admits[b], b, bufs, rings)
-            for name in list(bufs):
-                if name[0] in "kv":
-                    bufs[name] = bufs[name][:keep]
-
-    def _finish_prefill(self, a: "_Admit", b: int, bufs: dict, rings: list) -> None:
-        """Row b of the prefill buffers holds prompt `a` up to a.last: keep it
-        in the prompt cache and move it into a batch row."""
-        kv = []
-        for i, R in enumerate(rings):
-            if R is None:
-                kv.append(None)
-                continue
-            w = self.windows[i]
-            n = a.last if w is None else min(a.last, w)  # a ring of w + chunk slots holds the last w
-            slots = ring_slots(a.last - n, n, R)
-            kv.append(([_read_row(bufs[name], b, slots) for name in self.names[i]], []))
-        if self.prompt_cache is not None:
-            self.prompt_cache.store_layers(a.prompt[: a.last], [self._entry(i, x) for i, x in enumerate(kv)],
-                                           self.windows)
-        self._place(Row(a.rid, Sampler(a.sampling or SamplingParams(), len(a.prompt)), a.prompt.tolist(), a.last,
-                        int(a.prompt[a.last]), budget=a.budget, grammar=a.grammar, drafts=a.drafts), kv)
-
     def remove(self, rid) -> None:
         """Free `rid`'s row (kept in the prompt cache when there is one): the
         last row moves into it (rows stay [0, n))."""
-        b = next(i for i, r in enumerate(self.rows) if r.rid == rid)
+        b = next((i for i, r in enumerate(self.rows) if r.rid == rid), None)
+        if b is None:  # still being prefilled: it leaves when placed; a copy leaves its list
+            for cs in self._copies.values():
+                cs[:] = [c for c in cs if c[0] != rid]
+            if rid in self.prefills:
+                self.prefills.cancel(rid)
+            self.want.pop(rid, None)
+            return
         self.want.pop(rid, None)
         if self.spec is not None:
             self.spec.removed(rid)
@@ -701,9 +582,9 @@ class BatchEngine:
                 slots = ring_slots(fed - n, n, S)
                 held = [_read_row(self.buffers[name], b, slots) for name in self.names[i]]
             layers.append(None if kind == "shared" else (held, [self.buffers[x][b : b + 1] for x in self.snames[i]]))
-        self.prompt_cache.store_layers(seen, [self._entry(i, x, fed) for i, x in enumerate(layers)], self.windows)
+        self.prompt_cache.store_layers(seen, [self.entry(i, x, fed) for i, x in enumerate(layers)], self.windows)
 
-    def _entry(self, i: int, x, offset: int | None = None):
+    def entry(self, i: int, x, offset: int | None = None):
         """Layer i's prompt-cache entry from (keys/values, states) of `offset`
         tokens: (keys, values) (QuantizedKVs under --kv-bits), a state's
         Snapshot (its arrays, then the offset: DeltaNetCache.snapshot), or None."""
@@ -713,6 +594,16 @@ class BatchEngine:
         if self.kinds[i] == "state":
             return Snapshot((*states, offset))
         return QuantizedKV.pair(held, *self._quant[i]) if self.kinds[i] == "quantized" else tuple(held)
+
+    def layout_shape(self, name: str) -> tuple:
+        return self._shapes[name]
+
+    def layout_dtype(self, name: str):
+        return self._dtypes[name]
+
+    def quant(self, i: int) -> tuple:
+        """Layer i's (bits, group_size) under --kv-bits."""
+        return self._quant[i]
 
     def release(self) -> None:
         """Drop the buffers (no rows left)."""
@@ -1017,6 +908,8 @@ class BatchEngine:
         row that the caller removes after this call has already been fed its
         last id once more: that step's work for it is discarded. With drafts
         (`spec`, static caches): {rid: [ids]}, 1 .. K + 1 a row, unpipelined."""
+        if self.prefills:
+            self._prefill(self._step_budget())
         if not self.rows:
             self._flights.clear()
             return {}
@@ -1030,6 +923,15 @@ class BatchEngine:
         out = self.collect()
         self._finish()
         return out
+
+    def _step_budget(self) -> int | None:
+        """This step's prefill tokens (`budget` of the decoding rows' tokens:
+        one a row, K + 1 with drafts); None (a full chunk a prompt) when no row
+        decodes."""
+        if self.budget is None or not self.rows:
+            return None
+        per_row = 1 + (self.spec.k if self.spec is not None and self.static else 0)
+        return self.budget.prefill(per_row * len(self.rows))
 
     def step_extras(self, logits: list, ids: list, pending: list, masks: list | None = None) -> dict:
         """Lazy arrays evaluated with a step: {rid: token_logprobs} of the

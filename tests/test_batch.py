@@ -8,7 +8,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from mlxcel_dist import prefill
 from mlxcel_dist.batch import BatchEngine
+from mlxcel_dist.prefill import Together
 from mlxcel_dist.engine import TokenGenerator
 from mlxcel_dist.loader import default_model_dir, load_model
 from mlxcel_dist.models import supported
@@ -366,10 +368,10 @@ def test_prompts_prefilled_together_decode_as_they_would_alone(d, monkeypatch):
     n, step = 8, 16
     alone = [list(TokenGenerator(model, p, n, s, eos_ids=(), prefill_step=step)) for p, s in zip(prompts, params)]
     together = []
-    monkeypatch.setattr(batch, "PAD_SLACK", 100.0)  # one group however uneven: padding tested too
-    monkeypatch.setattr(BatchEngine, "_prefill_together",
-                        lambda self, admits, f=BatchEngine._prefill_together: together.append(len(admits))
-                        or f(self, admits))
+    monkeypatch.setattr(prefill, "PAD_SLACK", 100.0)  # one group however uneven: padding tested too
+    monkeypatch.setattr(Together, "__init__",
+                        lambda self, engine, admits, L, f=Together.__init__: together.append(len(admits))
+                        or f(self, engine, admits, L))
     pc = PromptCache()
     eng = BatchEngine(model, prefill_step=step, prompt_cache=pc)
     eng.add("kept", kept)  # keeps kept[:-1]: a prefix of the last prompt
@@ -396,18 +398,18 @@ def test_prompts_prefilled_together_decode_as_they_would_alone(d, monkeypatch):
 def test_prompts_group_while_their_padding_stays_small():
     # Prompts prefill together while padding each chunk to its longest row
     # costs at most PAD_SLACK x their tokens; a group of one goes alone.
-    from mlxcel_dist.batch import _Admit, _pad_groups
+    from mlxcel_dist.prefill import Admission, pad_groups
 
     def admits(*left):
-        return [_Admit(i, None, n, None, 0, None) for i, n in enumerate(left)]
+        return [Admission(i, None, n, None, 0, None) for i, n in enumerate(left)]
 
     sizes = lambda groups: [[a.last for a in g] for g in groups]  # noqa: E731
-    assert sizes(_pad_groups(admits(300, 250, 200, 180, 150, 120, 100, 64), 2048)) == \
+    assert sizes(pad_groups(admits(300, 250, 200, 180, 150, 120, 100, 64), 2048)) == \
         [[300, 250, 200], [180, 150, 120], [100, 64]]
-    assert sizes(_pad_groups(admits(20, 20, 20, 3), 2048)) == [[20, 20, 20], [3]]
+    assert sizes(pad_groups(admits(20, 20, 20, 3), 2048)) == [[20, 20, 20], [3]]
     # chunks of 16: the long prompts' unpadded chunks amortise a short one's padding
-    assert sizes(_pad_groups(admits(5, 70, 60), 16)) == [[70, 60, 5]]
-    assert sizes(_pad_groups(admits(5, 70), 2048)) == [[70], [5]]
+    assert sizes(pad_groups(admits(5, 70, 60), 16)) == [[70, 60, 5]]
+    assert sizes(pad_groups(admits(5, 70), 2048)) == [[70], [5]]
 
 
 def _prefilled(model, tokens):
@@ -436,10 +438,10 @@ def test_chunked_attention_rows_give_the_single_row_logits(d, monkeypatch):
     prompts = {i: rng.integers(3, V, n) for i, n in enumerate((21, 5, 13, 30, 2))}
     late = rng.integers(3, V, 11)
     together = []
-    monkeypatch.setattr(batch, "PAD_SLACK", 100.0)
-    monkeypatch.setattr(BatchEngine, "_prefill_together",
-                        lambda self, admits, f=BatchEngine._prefill_together: together.append(len(admits))
-                        or f(self, admits))
+    monkeypatch.setattr(prefill, "PAD_SLACK", 100.0)
+    monkeypatch.setattr(Together, "__init__",
+                        lambda self, engine, admits, L, f=Together.__init__: together.append(len(admits))
+                        or f(self, engine, admits, L))
     eng = BatchEngine(model, prefill_step=6)
     seen = {}
     extras = eng.step_extras

@@ -219,15 +219,17 @@ def test_rank_count_the_heads_cannot_take(fixture, np_, message, ids_file, tmp_p
     assert message in r.output and r.output.strip().count("\n") == 0
 
 
-def test_readme_model_table_is_the_registry():
-    # The README's "Supported models" table names exactly the registered
-    # model_types: a new family file without its row (or a stale row) fails.
+@pytest.mark.parametrize("doc", ["README.md", "docs/models.md"])
+def test_readme_model_table_is_the_registry(doc):
+    # The "Supported models" tables (the README's short one, docs/models.md's
+    # full one) name exactly the registered model_types: a new family file
+    # without its row (or a stale row) fails.
     import re
 
     from mlxcel_dist.models import supported
 
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
-    section = readme.split("## Supported models", 1)[1].split("\n### ", 1)[0]
+    readme = (Path(__file__).parent.parent / doc).read_text()
+    section = re.split(r"\n##+ ", readme.split("## Supported models", 1)[1], maxsplit=1)[0]
     rows = [line for line in section.splitlines() if line.startswith("| `") and "`model_type`" not in line]
     listed = [t for line in rows for t in re.findall(r"`([a-z0-9_]+)`", line.split("|")[1])]
     assert sorted(listed) == supported()

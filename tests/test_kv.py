@@ -18,6 +18,7 @@ from typer.testing import CliRunner
 
 from mlxcel_dist.attention import causal_attention
 from mlxcel_dist.batch import BatchEngine
+from mlxcel_dist.prefill import Together
 from mlxcel_dist.cache import (KVCache, KVOptions, QuantizedKV, QuantizedKVCache, RotatingKVCache,
                                SharedKVCache, kv_caches)
 from mlxcel_dist.cli import app
@@ -135,9 +136,9 @@ def test_quantized_cache_rows_batch_prefill_fork_and_reuse_as_alone(monkeypatch)
     params = [SamplingParams()] * 4 + [SamplingParams(temp=0.9, seed=4)]
     alone = [list(TokenGenerator(model, p, 12, s, eos_ids=())) for p, s in zip(prompts, params)]
     together = []
-    monkeypatch.setattr(BatchEngine, "_prefill_together",
-                        lambda self, admits, f=BatchEngine._prefill_together: together.append(len(admits))
-                        or f(self, admits))
+    monkeypatch.setattr(Together, "__init__",
+                        lambda self, engine, admits, L, f=Together.__init__: together.append(len(admits))
+                        or f(self, engine, admits, L))
     pc = PromptCache()
     eng = BatchEngine(model, prompt_cache=pc, prefill_step=8)
     eng.add("kept", kept)

@@ -130,3 +130,58 @@ def test_stage_killed_mid_decode_ends_generate_naming_it(tmp_path, backend):
     assert "Traceback" not in p.stderr
     assert reaction < 5, f"{reaction:.1f} s from the kill to the launcher's exit"
     assert descendants() == []
+
+
+LONG = "A city by the sea. Boats came in at dusk, and the old man counted them. " * 12  # ~250 tokens
+
+
+def _mixed(s):
+    """Three greedy streams of 60 ids (EOS ignored); once each has sent a
+    chunk, a long prompt (its 8 ids). Texts in that order."""
+    texts, started, errors = [""] * 3, threading.Semaphore(0), []
+
+    def stream(i):
+        try:
+            r = _client(s).completions.create(model=NAME, prompt=PROMPTS[i], max_tokens=60, temperature=0,
+                                              stream=True, extra_body={"ignore_eos": True})
+            for n, ch in enumerate(r):
+                texts[i] += ch.choices[0].text if ch.choices else ""
+                if n == 0:
+                    started.release()
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(repr(e))
+            started.release()
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for _ in threads:
+        started.acquire(timeout=300)
+    long = _client(s).completions.create(model=NAME, prompt=LONG, max_tokens=8, temperature=0).choices[0].text
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors, errors
+    return texts + [long]
+
+
+@pytest.fixture(scope="module")
+def mixed_alone(model_dir, tmp_path_factory):
+    s = Server(model_dir, 1, tmp_path_factory.mktemp("mixed-np1"), extra=["--served-model-name", NAME])
+    try:
+        return [_client(s).completions.create(model=NAME, prompt=p, max_tokens=n, temperature=0,
+                                              extra_body={"ignore_eos": i < 3}).choices[0].text
+                for i, (p, n) in enumerate([(PROMPTS[0], 60), (PROMPTS[1], 60), (PROMPTS[2], 60), (LONG, 8)])]
+    finally:
+        assert s.stop() == 0
+
+
+@pytest.mark.parametrize("np_,extra", [(2, []), (2, ["--pp", "2"])], ids=["np2", "pp2"])
+def test_a_long_prompt_prefilled_beside_running_streams(model_dir, mixed_alone, np_, extra, tmp_path):
+    # 16 tokens a step: the long prompt takes ~16 steps beside the streams, on every rank alike;
+    # every text is the one a lone server gives each prompt
+    s = Server(model_dir, np_, tmp_path, extra=[*extra, "--max-num-batched-tokens", "16", "--served-model-name", NAME])
+    try:
+        assert _mixed(s) == mixed_alone
+    finally:
+        rc = s.stop()
+    assert rc in (0, 128 + signal.SIGTERM), rc

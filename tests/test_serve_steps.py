@@ -30,11 +30,14 @@ class FakeEngine:
     """BatchEngine's calls: each row's ids are `script[n]` of its prompt's
     first id's script (cycled), logged in `calls`."""
 
+    prefilling = False  # its prompts take their rows at once
+
     def __init__(self, scripts=None):
         self.rows = {}
         self.calls = []
         self.want = {}
         self.logprobs = {}
+        self.failed = {}
         self.scripts = scripts or {}
 
     def __contains__(self, rid):

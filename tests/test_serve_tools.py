@@ -192,9 +192,11 @@ def test_detect_and_the_template_renders_tools_and_calls():
 class ScriptedEngine:
     """BatchEngine's calls; every row answers with `answer`'s ids, then EOS."""
 
+    prefilling = False
+
     def __init__(self, ids, eos):
         self.ids, self.eos = list(ids) + [eos], eos
-        self.rows, self.want, self.logprobs = {}, {}, {}
+        self.rows, self.want, self.logprobs, self.failed = {}, {}, {}, {}
 
     def __contains__(self, rid):
         return rid in self.rows

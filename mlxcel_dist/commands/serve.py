@@ -41,6 +41,8 @@ def main(ctx, a) -> None:
         raise UserError(f"--decode-concurrency must be >= 1, got {a.decode_concurrency}")
     if a.prompt_concurrency < 1:
         raise UserError(f"--prompt-concurrency must be >= 1, got {a.prompt_concurrency}")
+    if a.max_num_batched_tokens is not None and a.max_num_batched_tokens < 1:
+        raise UserError(f"--max-num-batched-tokens must be >= 1, got {a.max_num_batched_tokens}")
     if not 1 <= a.micro_batches <= 64:
         raise UserError(f"--micro-batches must be in [1, 64], got {a.micro_batches}")
     if a.micro_batches > 1 and launch.pp <= 1:
@@ -81,7 +83,8 @@ def main(ctx, a) -> None:
     opts = Options(max_tokens_cap=a.max_tokens_cap, max_request_bytes=a.max_request_bytes, defaults=defaults,
                    decode_concurrency=a.decode_concurrency, prompt_concurrency=a.prompt_concurrency,
                    prompt_cache_size=a.prompt_cache_size, prompt_cache_bytes=cache_bytes,
-                   prefill_step=a.prefill_step, warmup=a.warmup, micro_batches=a.micro_batches,
+                   prefill_step=a.prefill_step, max_num_batched_tokens=a.max_num_batched_tokens, warmup=a.warmup,
+                   micro_batches=a.micro_batches,
                    served_names=list(dict.fromkeys(names)), header_timeout_s=a.header_timeout,
                    tool_call_parser=a.tool_call_parser, reasoning_parser=a.reasoning_parser,
                    draft_model=a.draft_model, prompt_lookup=a.prompt_lookup, num_draft_tokens=a.num_draft_tokens,

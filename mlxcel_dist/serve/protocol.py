@@ -16,12 +16,30 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
 from ..collectives import CollectiveError, Group, HostChannel
 from . import wire
 from .wire import CONTROL_INTS, KIND_IDLE, KIND_SHUTDOWN, KIND_STEP, Step
+
+class Engine(Protocol):
+    """What every rank's engine answers (batch.BatchEngine, OneRowEngine, the
+    tests' scripted engines): rows by request id, added and removed in the
+    step's order, `step` their next ids."""
+
+    want: dict  # rid -> k: logprobs asked with each id
+    logprobs: dict  # rid -> logprobs of the last step (rank 0 reads them)
+    failed: dict  # rid -> message: prompts whose prefill failed in a step (taken by apply_step)
+    prefilling: bool  # prompts still prefilling, no row yet (a step of prefill alone is never judged stuck)
+
+    def __len__(self) -> int: ...
+    def __contains__(self, rid) -> bool: ...
+    def add_many(self, items) -> None: ...
+    def remove(self, rid) -> None: ...
+    def step(self) -> dict: ...
+
 
 IDLE_MARGIN_S = 0.02  # a follower wakes this much before rank 0 enters the next collective
 
@@ -130,12 +148,15 @@ def apply_step(engine, step: Step, guard, keep_logprobs: bool = False, busy=None
         _admit(engine, step.admissions, keep_logprobs, out.failed)
     t1 = time.monotonic()
     if busy:
-        busy(t1)
+        # a step of prefill forwards alone (no row decodes yet) runs a whole chunk a prompt: never judged stuck
+        busy(None if engine.prefilling and not len(engine) else t1)
     try:
         out.ids = engine.step()
     finally:
         if busy:
             busy(None)
+    out.failed.update(engine.failed)  # prompts whose prefill failed in the step (every rank alike)
+    engine.failed.clear()
     out.step_s, out.admit_s = time.monotonic() - t1, t1 - t0
     for tok in out.ids.values():
         for t in tok if isinstance(tok, list) else (tok,):
@@ -174,6 +195,7 @@ class OneRowEngine:
     `eos` (its first EOS id) so the scheduler finishes the row as at EOS."""
 
     capacity = 1
+    prefilling = False  # its loop prefills inside the first step
 
     def __init__(self, model, group: Group, eos_ids):
         self.model, self.group = model, group
@@ -183,6 +205,7 @@ class OneRowEngine:
         self.gen = None
         self.want: dict = {}  # logprobs are refused at parse time for these models
         self.logprobs: dict = {}
+        self.failed: dict = {}
 
     def __len__(self) -> int:
         return int(self.rid is not None)

@@ -1,0 +1,131 @@
+"""Do running streams stall while a long prompt is admitted? (issue 39)
+
+    python benchmarks/serve_stall.py                              # ours np 1 and np 2, 1500 and 4000 tokens
+    python benchmarks/serve_stall.py --servers ours-np1 --vs /path/to/old/checkout --rounds 2
+    python benchmarks/serve_stall.py --servers mlx_lm-np1         # mlx_lm.server (pip install mlx-lm)
+
+The 24M bf16 llama of serve_load.py (random weights, the embedded
+tokenizer). Per server and prompt length, a round: 4 streams decode
+(`--stream-tokens` each, EOS ignored, short prompts); once each has sent
+`--settle` chunks, one long prompt of random text ids is sent (max_tokens 1,
+streamed) and its time to first token taken. Each stream's gaps between
+chunks: the median over the whole stream, and the longest while the long
+prompt was in (from its send to its first token). Reported: the worst
+stream's longest / median gap ("stall x"), the long prompt's time to first
+token, and that time for the same prompt with nothing else running (the
+server then idle), so `ttft x` = mixed / alone. Ratios are within one run,
+as the machine's load moves absolute times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from serve_load import _open, llama_checkpoint, started  # noqa: E402
+
+STREAMS = 4
+
+
+def stream(base: str, body: dict, times: list, first: list | None = None) -> None:
+    """POST a streamed completion; append each text chunk's arrival time."""
+    data = json.dumps({**body, "stream": True}).encode()
+    req = urllib.request.Request(base + "/v1/completions", data=data, headers={"Content-Type": "application/json"})
+    with _open(req) as r:
+        for line in r:
+            line = line.strip()
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            d = json.loads(line[6:])
+            if any(c.get("text") or c.get("finish_reason") for c in d.get("choices") or []):
+                times.append(time.perf_counter())
+                if first is not None and not first:
+                    first.append(times[-1])
+
+
+def long_ids(n: int, seed: int, vocab: int = 512) -> list:
+    import random
+
+    rng = random.Random(seed)
+    return [rng.randrange(3, vocab) for _ in range(n)]
+
+
+def alone_ttft(base: str, ids: list) -> float:
+    t0, first = time.perf_counter(), []
+    stream(base, {"prompt": ids, "max_tokens": 1}, [], first)
+    return first[0] - t0
+
+
+def one_round(base: str, n: int, seed: int, stream_tokens: int, settle: int) -> dict:
+    times = [[] for _ in range(STREAMS)]
+    body = {"max_tokens": stream_tokens, "ignore_eos": True, "temperature": 0}
+    threads = [threading.Thread(target=stream, args=(base, {**body, "prompt": f"The sea {i}"}, times[i]))
+               for i in range(STREAMS)]
+    for t in threads:
+        t.start()
+    while min(len(x) for x in times) < settle:
+        time.sleep(0.01)
+    ids = long_ids(n, seed)
+    t0, first = time.perf_counter(), []
+    stream(base, {"prompt": ids, "max_tokens": 1}, [], first)
+    t1 = first[0]
+    for t in threads:
+        t.join()
+    worst = 0.0
+    for x in times:
+        gaps = [b - a for a, b in zip(x, x[1:])]
+        median = statistics.median(gaps)
+        during = [b - a for a, b in zip(x, x[1:]) if b > t0 and a < t1]
+        if during and median > 0:
+            worst = max(worst, max(during) / median)
+    medians = [statistics.median([b - a for a, b in zip(x, x[1:])]) for x in times]
+    if max(len(x) for x in times) and min(x[-1] for x in times) < t1:
+        print(f"  (a stream ended before the long prompt's first token: --stream-tokens too few)", file=sys.stderr)
+    return {"stall_x": round(worst, 1), "ttft_s": round(t1 - t0, 3), "median_gap_ms": round(1000 * max(medians), 1),
+            "ttft_alone_s": round(alone_ttft(base, long_ids(n, seed + 1000)), 3)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--servers", default="ours-np1,ours-np2")
+    ap.add_argument("--lengths", default="1500,4000")
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--stream-tokens", type=int, default=600)
+    ap.add_argument("--settle", type=int, default=20, help="chunks each stream sends before the long prompt")
+    ap.add_argument("--vs", type=Path, help="another checkout of ours: its servers too, interleaved")
+    ap.add_argument("--flags", default="", help="extra flags for our servers (e.g. '--max-num-batched-tokens 128')")
+    ap.add_argument("--json", type=Path, help="write the rows here")
+    a = ap.parse_args()
+    model = llama_checkpoint()
+    log_dir = Path("/tmp/serve_stall_logs")
+    log_dir.mkdir(exist_ok=True)
+    roots = [HERE.parent] + ([a.vs.resolve()] if a.vs else [])
+    rows = []
+    for r in range(a.rounds):
+        for name in a.servers.split(","):
+            for root in roots:
+                extra = a.flags.split() if name.startswith("ours") and root == HERE.parent else []
+                with started(name, model, log_dir, root, extra=extra) as (base, _):
+                    stream(base, {"prompt": "warm", "max_tokens": 4}, [])
+                    alone_ttft(base, long_ids(64, 1))
+                    for n in map(int, a.lengths.split(",")):
+                        row = {"server": name, "root": root.name, "round": r, "prompt": n,
+                               **one_round(base, n, 7 * n + r, a.stream_tokens, a.settle)}
+                        row["ttft_x"] = round(row["ttft_s"] / row["ttft_alone_s"], 2)
+                        rows.append(row)
+                        print(json.dumps(row), flush=True)
+    if a.json:
+        a.json.write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()

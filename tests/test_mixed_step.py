@@ -1,0 +1,212 @@
+"""The mixed step (prefill.py): prompts admitted while rows decode are
+prefilled a token budget a step beside them. Every running row still gets
+its id each step, and every request's ids are the ids it gets alone: for
+every registered family (every cache kind: full, sliding ring, chunked,
+latent, recurrent, conv, DeltaNet; quantized in its own test), with drafts and
+grammar rows in the batch. The launched forms (np 2, pp 2) are in
+tests/test_serve_steps.py."""
+
+import numpy as np
+import pytest
+
+from mlxcel_dist.batch import BatchEngine
+from mlxcel_dist.cache import KVOptions
+from mlxcel_dist.engine import TokenGenerator
+from mlxcel_dist.loader import default_model_dir, load_model
+from mlxcel_dist.prefill import Budget
+from mlxcel_dist.models import supported
+from mlxcel_dist.sampling import SamplingParams
+
+from reference_cases import case_id, cases
+
+FAMILY_CASES = {}
+for d in cases():
+    if d.parent.name in supported() and "fp32" in d.name:
+        FAMILY_CASES.setdefault(d.parent.name, d)
+CASES = [default_model_dir()] + list(FAMILY_CASES.values())
+GREEDY = SamplingParams()
+
+
+def _ids(d):
+    return "default" if d == default_model_dir() else case_id(d)
+
+
+@pytest.fixture(autouse=True)
+def small_buffers(monkeypatch):
+    # Buffers of 8 slots: the steps cross regrowths and sliding rings wrap.
+    import mlxcel_dist.batch as batch
+    import mlxcel_dist.decode as decode
+
+    monkeypatch.setattr(decode, "STEP", 8)
+    monkeypatch.setattr(batch, "CPU_STEP", 8)
+    monkeypatch.setattr(batch, "GPU_STEP", 8)
+
+
+def alone(model, prompt, n, sampling=GREEDY):
+    return list(TokenGenerator(model, np.asarray(prompt), n, sampling, eos_ids=()))
+
+
+def drive(eng, early, late, n, at=2):
+    """`early` requests (rid, ids, sampling) admitted first, `late` ones at step
+    `at`; each row leaves after n ids. Returns ({rid: ids}, the steps from the
+    late admission until every late row had its first id, and whether each of
+    those steps gave every early row still running an id)."""
+    eng.add_many([(rid, p, s, n) for rid, p, s in early])
+    got = {rid: [] for rid, *_ in early + late}
+    step, admitting, steps, fed = 0, False, 0, True
+    while len(eng) or eng.prefilling or step <= at:
+        if step == at:
+            eng.add_many([(rid, p, s, n) for rid, p, s in late])
+            admitting = True
+        out = eng.step()
+        step += 1
+        if admitting:
+            steps += 1
+            running = [rid for rid, *_ in early if rid in eng and len(got[rid]) < n]
+            fed = fed and all(rid in out for rid in running)
+        for rid, t in out.items():
+            got[rid] += t if isinstance(t, list) else [t]
+            if len(got[rid]) >= n:
+                eng.remove(rid)
+        if admitting and all(got[rid] for rid, *_ in late):
+            admitting = False
+    return {rid: ids[:n] for rid, ids in got.items()}, steps, fed
+
+
+def _requests(V, seed=3):
+    rng = np.random.default_rng(seed)
+    early = [(0, rng.integers(3, V, 5), GREEDY), (1, rng.integers(3, V, 9), SamplingParams(temp=0.9, seed=5)),
+             (2, rng.integers(3, V, 2), SamplingParams(repetition_penalty=1.2))]
+    late = [(10, rng.integers(3, V, 45), GREEDY), (11, rng.integers(3, V, 33), SamplingParams(temp=1.0, seed=9)),
+            (12, rng.integers(3, V, 1), GREEDY)]
+    return early, late
+
+
+@pytest.mark.parametrize("d", CASES, ids=_ids)
+def test_long_prompts_admitted_while_rows_decode_give_the_ids_alone(d):
+    # a budget of 8 tokens a step: two long prompts (prefilled together where the
+    # caches allow, else one by one) take several steps, every early row gets
+    # its id at each of them, and every request's ids are its ids alone
+    model = load_model(d).model
+    early, late = _requests(model.args.vocab_size)
+    n = 12
+    want = {rid: alone(model, p, n, s) for rid, p, s in early + late}
+    eng = BatchEngine(model, prefill_step=16, budget=Budget(8))
+    got, steps, fed = drive(eng, early, late, n)
+    assert got == want
+    assert fed, "a running row went without its id while prompts were prefilled"
+    assert steps >= 5, steps  # 77 prompt tokens at most 8 (or 2 a row, when 3 decode) a step
+
+
+def test_quantized_rows_mixed_with_a_chunked_admission():
+    model = load_model(default_model_dir(), kv=KVOptions(bits=8, group_size=32)).model
+    early, late = _requests(model.args.vocab_size, seed=4)
+    want = {rid: alone(model, p, 10, s) for rid, p, s in early + late}
+    got, steps, fed = drive(BatchEngine(model, prefill_step=16, budget=Budget(8)), early, late, 10)
+    assert got == want and fed and steps >= 5
+
+
+def test_budget_leaves_no_prompt_behind_many_rows():
+    # more decoding rows than the budget: prompts still move (a quarter of the budget a step)
+    model = load_model(default_model_dir()).model
+    rng = np.random.default_rng(0)
+    V = model.args.vocab_size
+    early = [(i, rng.integers(3, V, 3), GREEDY) for i in range(10)]
+    late = [(99, rng.integers(3, V, 40), GREEDY)]
+    eng = BatchEngine(model, budget=Budget(8))
+    got, steps, fed = drive(eng, early, late, 30)
+    assert got[99] == alone(model, late[0][1], 30) and fed
+    assert steps <= 40 // 2 + 2  # 2 tokens a step (8 // 4) at the least
+
+
+def test_drafts_and_grammar_rows_beside_a_chunked_admission():
+    pytest.importorskip("llguidance")
+    from mlxcel_dist import grammar
+    from mlxcel_dist.batch_spec import BatchDrafts
+    from mlxcel_dist.loader import read_config
+    from mlxcel_dist.tokenizer import Tokenizer
+
+    d = default_model_dir()
+    model = load_model(d).model
+    tok = Tokenizer(d, read_config(d))
+    vocab = grammar.Vocab(d / "tokenizer.json", model.args.vocab_size, tok.eos_ids)
+    schema = {"type": "object", "properties": {"a": {"enum": ["x", "y"]}}, "required": ["a"],
+              "additionalProperties": False}
+    g = grammar.json_schema(schema)
+    story = tok.encode("The sea is calm today. The sky is clear. The sea is calm today. The sky is")
+    long = tok.encode("A city by the sea. " * 12)
+    n = 16
+    eng = BatchEngine(model, vocab=vocab, spec=BatchDrafts(3), budget=Budget(8))
+    eng.add_many([(0, story, GREEDY, n), (1, tok.encode("Numbers:"), GREEDY, n, g)])
+    got = {0: [], 1: [], 2: []}
+    step = 0
+    while len(eng) or eng.prefilling or step < 2:
+        if step == 1:
+            eng.add_many([(2, long, GREEDY, n)])
+        step += 1
+        for rid, t in eng.step().items():
+            got[rid] += t if isinstance(t, list) else [t]
+            if len(got[rid]) >= n or got[rid][-1] in tok.eos_ids:
+                eng.remove(rid)
+    assert eng.spec.total[2] > 0  # the story row accepted drafts
+    assert got[0][:n] == alone(model, story, n)
+    assert got[2][:n] == alone(model, long, n)
+    lone = BatchEngine(model, vocab=vocab)  # the constrained row alone
+    lone.add_many([(1, tok.encode("Numbers:"), GREEDY, n, g)])
+    ids = []
+    while len(lone):
+        ids.append(lone.step()[1])
+        if len(ids) >= n or ids[-1] in tok.eos_ids:
+            lone.remove(1)
+    assert got[1] == ids
+
+
+def test_a_request_cancelled_or_failing_in_its_prefill_leaves_the_others_alone(monkeypatch):
+    from mlxcel_dist import prefill
+
+    model = load_model(default_model_dir()).model
+    rng = np.random.default_rng(1)
+    V = model.args.vocab_size
+    p = {rid: rng.integers(3, V, k) for rid, k in ((0, 4), (1, 40), (2, 30), (3, 50))}
+    eng = BatchEngine(model, budget=Budget(8))
+    got = {0: [], 2: []}
+    eng.add_many([(0, p[0], GREEDY, 20)])
+    got[0].append(eng.step()[0])
+    eng.add_many([(1, p[1], GREEDY, 20), (2, p[2], GREEDY, 20), (4, p[2], GREEDY, 20)])  # 4: a copy of 2
+    out = eng.step()
+    assert list(out) == [0]  # the prompts are still prefilling: row 0 alone has an id
+    got[0].append(out[0])
+    assert 1 in eng and 4 in eng and eng.prefilling
+    eng.remove(1)  # gone mid-prefill (with 2, in one group): 1 never gets a row, 2 and its copy do
+    eng.remove(4)
+    real = prefill.Alone.run
+
+    def broken(self, n):
+        if self.a.rid == 3:
+            raise RuntimeError("no memory")
+        return real(self, n)
+
+    monkeypatch.setattr(prefill.Alone, "run", broken)
+    eng.add_many([(3, p[3], GREEDY, 20)])
+    while len(eng) or eng.prefilling:
+        for rid, t in eng.step().items():
+            assert rid in got
+            got[rid].append(t)
+            if len(got[rid]) == 20:
+                eng.remove(rid)
+    assert eng.failed == {3: "RuntimeError: no memory"}
+    assert got == {0: alone(model, p[0], 20), 2: alone(model, p[2], 20)}
+
+
+def test_budget_rules():
+    from mlxcel_dist import prefill
+
+    fixed = Budget(64)
+    for rows in range(0, 200):
+        got = fixed.prefill(rows)
+        assert got >= 16  # a quarter at least: prompts keep moving under any number of rows
+        if rows <= 48:
+            assert rows + got == 64  # the rows' tokens first, the prompts the rest
+    share = Budget()
+    assert share.prefill(1) == prefill.MIN_PREFILL
+    assert share.prefill(32) == prefill.PREFILL_PER_DECODE * 32
