@@ -186,6 +186,13 @@ def test_detect_and_the_template_renders_tools_and_calls():
     with pytest.raises(ApiError) as e:
         parse(body, True, plain)
     assert e.value.param == "tools" and "'tools' is not supported" in e.value.message
+    # forced calls need no format: the tools as a Hermes block, the call parsed as Hermes'; none: not rendered
+    for ctx_ in (plain, ParseContext(tokenizer=tok, vocab_size=ctx.vocab_size, model_ids=("m",), plain_chat=True)):
+        p = parse({**body, "tool_choice": "required"}, True, ctx_)
+        assert p.tool_format == "hermes" and p.forced and p.req.grammar
+        assert "<tools>" in tok.decode(p.req.prompt_ids) and "<tool_response>" in tok.decode(p.req.prompt_ids)
+        p = parse({**body, "tool_choice": "none"}, True, ctx_)
+        assert p.tool_format is None and "<tools>" not in tok.decode(p.req.prompt_ids)
 
 
 # --------------------------------------------------------------------------- the app, in process
