@@ -407,3 +407,58 @@ def test_responses_stream_puts_thinking_in_a_reasoning_item():
     assert final["type"] == "response.completed" and [i["type"] for i in final["response"]["output"]] == [
         "reasoning", "message"]
     assert final["response"]["usage"]["output_tokens"] == 5
+
+
+def test_openai_agents_function_tool_with_a_model_parameter(app, monkeypatch):
+    """openai-agents (optional: skipped when absent) drives the server through
+    its Responses model and its Chat Completions model, whole and streamed: a
+    function_tool whose parameter is a pydantic model ($defs / $ref), forced
+    (tool_choice required), its output the run's final output (hermes, as
+    `--tool-call-parser hermes` gives: the later turns are `auto`)."""
+    import asyncio
+    import importlib.metadata
+
+    try:
+        importlib.metadata.version("openai-agents")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("openai-agents is not installed (optional)")
+    from agents import (Agent, ModelSettings, OpenAIChatCompletionsModel, OpenAIResponsesModel, Runner,
+                        function_tool, set_tracing_disabled)
+    from pydantic import BaseModel, Field
+
+    class Place(BaseModel):
+        city: str = Field(max_length=8)
+        country: str = Field(max_length=8)
+
+    calls = []
+
+    def get_weather(place: Place) -> str:
+        """The weather at a place."""
+        calls.append(place)
+        return "rain, 4 C"
+
+    get_weather.__annotations__ = {"place": Place, "return": str}  # the class, not this module's string
+    get_weather = function_tool(get_weather)
+
+    set_tracing_disabled(True)  # no traces sent anywhere
+    client, _, ctx = app
+    monkeypatch.setattr(ctx, "tool_format", "hermes")
+    settings = ModelSettings(tool_choice="required", parallel_tool_calls=False, max_tokens=250, temperature=1.0)
+
+    async def run(kind, streamed: bool):
+        model = kind(model="m", openai_client=openai.AsyncOpenAI(base_url=str(client.base_url), api_key="unused",
+                                                                 max_retries=0))
+        agent = Agent(name="a", instructions="Be brief.", tools=[get_weather], model=model, model_settings=settings,
+                      tool_use_behavior="stop_on_first_tool")
+        if not streamed:
+            return (await Runner.run(agent, "Weather in Oslo?", max_turns=2)).final_output
+        res = Runner.run_streamed(agent, "Weather in Oslo?", max_turns=2)
+        async for _ in res.stream_events():
+            pass
+        return res.final_output
+
+    for kind in (OpenAIResponsesModel, OpenAIChatCompletionsModel):
+        for streamed in (False, True):
+            calls.clear()
+            assert asyncio.run(run(kind, streamed)) == "rain, 4 C"
+            assert len(calls) == 1 and isinstance(calls[0], Place)
