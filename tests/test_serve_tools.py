@@ -348,3 +348,23 @@ def test_a_cut_last_call_is_dropped_in_every_block_format(fmt, text):
             sent = sp.feed((text + tail)[:cut]) + sp.feed((text + tail)[cut:])
             rest, calls = sp.finish()
             assert (sent + rest).strip() == want[0] and [c["function"] for c in calls] == [c["function"] for c in want[1]]
+
+
+def test_forced_answers_never_leave_call_markup_as_content():
+    """Forced calls (the answer is calls only): an answer cut before any
+    whole call is no content in any format; llama3_json's calls joined by
+    ";" keep the whole ones before a cut last one."""
+    cut = {"hermes": '<tool_call>\n{"name": "get_wea', "llama3_json": '{"name": "get_weather", "parameters": {"ci',
+           "mistral": '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Os', "glm45": "<tool_call>get_w",
+           "deepseek_v31": "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{\"ci",
+           "kimi_k2": "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0",
+           "minimax_m2": '<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">Os',
+           "harmony": '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"ci'}
+    for fmt, text in cut.items():
+        assert tools.parse(fmt, text, TYPED, forced=True) == ("", []), fmt
+        assert tools.parse(fmt, text, TYPED)[1] == []  # auto: its words stay (they may be no call at all)
+    two = '{"name": "get_weather", "parameters": {"city": "Oslo"}}; {"name": "get_time", "param'
+    for forced in (True, False):
+        content, calls = tools.parse("llama3_json", two, TYPED, forced=forced)
+        assert content == "" and [(c["function"]["name"], _args(c)) for c in calls] == [("get_weather",
+                                                                                          {"city": "Oslo"})]

@@ -150,8 +150,9 @@ def parse(fmt: str, text: str, tools: list | None = None, forced: bool = False) 
     calls stays content (the model's words, not an error). `tools`: the
     request's, whose schemas type the XML forms' values. A last call block
     cut by the answer's end (max_tokens) is dropped, never left as content
-    beside the calls before it (OpenAI returns no call markup), and with
-    `forced` calls (the whole answer is calls) also when it is the only one."""
+    beside the calls before it (OpenAI returns no call markup); with
+    `forced` calls (the whole answer is calls) an answer with no whole call
+    is no content either."""
     block = BLOCKS.get(fmt)
     at = text.rfind(block[0]) if block else -1
     if block and (at < 0 or block[1] in text[at:]):  # or cut inside its start marker
@@ -160,7 +161,12 @@ def parse(fmt: str, text: str, tools: list | None = None, forced: bool = False) 
         content, calls = _parse(fmt, text[:at], tools)
         if calls or forced:  # forced: all of it was call markup (thinking is split off before)
             return (content if calls else ""), calls
-    return _parse(fmt, text, tools)
+    content, calls = _parse(fmt, text, tools)
+    if not calls and fmt == "llama3_json" and ";" in text:  # calls joined by ";": the cut last one dropped
+        head = _parse(fmt, text[:text.rfind(";")], tools)
+        if head[1] and (forced or text.lstrip().startswith(("{", "<|python_tag|>"))):
+            return head
+    return ("", calls) if forced and not calls else (content, calls)
 
 
 def _parse(fmt: str, text: str, tools: list | None = None) -> tuple[str, list]:
