@@ -34,6 +34,7 @@ sys.path.insert(0, str(HERE))
 from serve_load import _open, llama_checkpoint, started  # noqa: E402
 
 STREAMS = 4
+VERBOSE = False
 
 
 def stream(base: str, body: dict, times: list, first: list | None = None) -> None:
@@ -81,6 +82,11 @@ def one_round(base: str, n: int, seed: int, stream_tokens: int, settle: int) -> 
     for t in threads:
         t.join()
     worst = 0.0
+    if VERBOSE:
+        for i, x in enumerate(times):
+            gaps = sorted(((b - a, a - t0, b - t0) for a, b in zip(x, x[1:])), reverse=True)[:3]
+            print(f"  stream {i}: {len(x)} chunks, longest gaps (s, from, to after the send; first token at "
+                  f"{t1 - t0:.2f}): {[tuple(round(v, 2) for v in g) for g in gaps]}", file=sys.stderr)
     for x in times:
         gaps = [b - a for a, b in zip(x, x[1:])]
         median = statistics.median(gaps)
@@ -104,8 +110,12 @@ def main() -> None:
     ap.add_argument("--vs", type=Path, help="another checkout of ours: its servers too, interleaved")
     ap.add_argument("--flags", default="", help="extra flags for our servers (e.g. '--max-num-batched-tokens 128')")
     ap.add_argument("--json", type=Path, help="write the rows here")
+    ap.add_argument("--model", type=Path, help="instead of the 24M llama")
+    ap.add_argument("--verbose", action="store_true", help="each stream's longest gaps")
     a = ap.parse_args()
-    model = llama_checkpoint()
+    global VERBOSE
+    VERBOSE = a.verbose
+    model = a.model or llama_checkpoint()
     log_dir = Path("/tmp/serve_stall_logs")
     log_dir.mkdir(exist_ok=True)
     roots = [HERE.parent] + ([a.vs.resolve()] if a.vs else [])

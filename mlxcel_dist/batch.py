@@ -357,7 +357,6 @@ class BatchEngine:
         grouped = {id(a) for g in groups for a in g}
         jobs = [Alone(self, a) for a in todo if id(a) not in grouped]
         jobs += [Together(self, g, min(self.prefill_step, max(a.last - a.start for a in g))) for g in groups]
-        self.prefilled += sum(a.last - a.start for a in todo)
         self.prefills.jobs += jobs
         if self.budget is None:
             self._prefill(None, drain=True)
@@ -387,6 +386,7 @@ class BatchEngine:
                 except Exception as e:  # noqa: BLE001 - that job's requests alone
                     self._fail(job, f"{type(e).__name__}: {e}")
                     continue
+                self.prefilled += ran
                 if budget is not None:
                     budget -= ran
             if not drain:
@@ -902,14 +902,16 @@ class BatchEngine:
         self.logprobs = {rid: read_logprobs(lp) for rid, lp in (f.extras or {}).items() if rid in out}
         return out
 
-    def step(self) -> dict:
-        """One token for every row: {rid: sampled id} (read from the device).
+    def step(self, prefill: int | None = None) -> dict:
+        """One token for every row: {rid: sampled id} (read from the device);
+        first the prefill queue's forwards (`prefill` prompt tokens when given
+        and rows decode, else the engine's `budget`).
         Pipelined, the next step is launched before this one is read, so a
         row that the caller removes after this call has already been fed its
         last id once more: that step's work for it is discarded. With drafts
         (`spec`, static caches): {rid: [ids]}, 1 .. K + 1 a row, unpipelined."""
         if self.prefills:
-            self._prefill(self._step_budget())
+            self._prefill(prefill if prefill and self.rows and self.budget is not None else self._step_budget())
         if not self.rows:
             self._flights.clear()
             return {}

@@ -94,6 +94,17 @@ StallOpt = Annotated[
     float,
     typer.Option("--stall-timeout", help="Stop the job when a rank sends no heartbeat for this many seconds (a stopped or cut-off rank); 0 = never."),
 ]
+FetchOpt = Annotated[
+    bool,
+    typer.Option("--fetch/--no-fetch", help="With --hostfile: send each host without MODEL (or with another revision "
+                 "of it) just its ranks' shards from this one, kept in its shard cache (--no-fetch: every host must "
+                 "hold MODEL)."),
+]
+ShardCacheOpt = Annotated[
+    Optional[str],
+    typer.Option("--shard-cache", metavar="DIR", help="Each host's shard cache (default: $MLXCEL_DIST_CACHE on "
+                 "that host, else ~/.cache/mlxcel-dist).", show_default=False),
+]
 # 2048: engine.DEFAULT_PREFILL_STEP (not imported here: it would load mlx for --help)
 PrefillStepOpt = Annotated[
     Optional[int],
@@ -161,6 +172,8 @@ class LaunchOptions:
     rank_weights: RankWeightsOpt = None
     moe_split: MoeSplitOpt = "intermediate"
     stall_timeout: StallOpt = DEFAULT_STALL_TIMEOUT_S
+    fetch: FetchOpt = True
+    shard_cache: ShardCacheOpt = None
 
 
 @dataclass
@@ -310,6 +323,8 @@ def plan(
     moe_split: MoeSplitOpt = "intermediate",
     link: Annotated[str, typer.Option("--link", help="The link between ranks for the predicted time: loopback (one machine), tb5 (Thunderbolt 5 RDMA), 10gbe.")] = "loopback",
     bandwidth: Annotated[Optional[float], typer.Option("--bandwidth", help="Memory bandwidth of a rank in GB/s for the predicted time (default: measured here).", show_default=False)] = None,
+    ask_hosts: Annotated[bool, typer.Option("--ask-hosts", help="With --hostfile: ask each other host (over ssh) how many bytes of its shards a launch would send it (default: the most it could).")] = False,
+    shard_cache: ShardCacheOpt = None,
 ):
     """Per rank: heads, MLP columns, vocabulary rows and weight memory; per token: collectives and a predicted decode time (from the checkpoint's headers only)."""
     return _run("plan", locals())

@@ -148,8 +148,9 @@ def _model_present(model) -> bool:
     from pathlib import Path
 
     from .loader import looks_like_repo_id
+    from .shardcache import local_model
 
-    if model is None:
+    if model is None or local_model(model) is not None:
         return True
     m = str(model)
     return Path(m).expanduser().exists() or looks_like_repo_id(m)
@@ -196,7 +197,8 @@ def check_cluster(group: Group, model=None) -> None:
     if missing:
         where = ", ".join(f"rank {r} ({hosts[r]})" for r in missing)
         name = "the embedded default model" if model is None else f"model {model}"
-        raise CollectiveError(f"{name} not found on {where} (copy it to the same path on every host)")
+        raise CollectiveError(f"{name} not found on {where} (launch without --no-fetch to send each host "
+                              "its shard, or copy it to the same path on every host)")
 
 
 # --------------------------------------------------------------------------- #

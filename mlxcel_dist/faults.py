@@ -17,6 +17,11 @@ returns the faulted one:
 - ``nomodel:RANK``: that rank does not find the model (:func:`model_present`);
 - ``no-channel``: the last rank reaches none of rank 0's host channel
   addresses (:func:`channel_addresses`), so the job runs without the channel.
+
+Shard-fetch faults (fetch.py, several joined by commas): ``nocopy`` (every
+host acts as if it held no copy of MODEL: :func:`no_copy`), ``fetch-cut:N``
+(the launcher cuts each link after N bytes: :func:`fetch_cut`), ``diskfull``
+(a receiver's first cache write fails: :func:`disk_full`).
 """
 
 from __future__ import annotations
@@ -90,3 +95,22 @@ def channel_addresses(addrs: list[str], group) -> list[str]:
     """The addresses a rank tries for rank 0's host channel; none under
     ``no-channel`` on the last rank (the star fails, every rank falls back)."""
     return [] if _last_rank("no-channel", group) else addrs
+
+
+def no_copy() -> bool:
+    """``nocopy``: every host of a fetch acts as if it held no copy of MODEL,
+    this one too (the shard cache tested on one machine)."""
+    return "nocopy" in _spec().split(",")
+
+
+def fetch_cut() -> int | None:
+    """``fetch-cut:N``: the launcher cuts each fetch's link after N bytes of shard data."""
+    for part in _spec().split(","):
+        if part.startswith("fetch-cut:") and part[10:].isdigit():
+            return int(part[10:])
+    return None
+
+
+def disk_full() -> bool:
+    """``diskfull``: a receiver's first write to the shard cache fails with ENOSPC."""
+    return "diskfull" in _spec().split(",")

@@ -59,6 +59,11 @@ def looks_like_repo_id(s: str) -> bool:
 def resolve_model_dir(model: str | os.PathLike | None) -> Path:
     if model is None or str(model) == "":
         return default_model_dir()
+    from .shardcache import local_model
+
+    cached = local_model(model)  # a rank on a host the launcher sent its shard to
+    if cached is not None:
+        return cached
     p = Path(model).expanduser()
     if p.exists():
         if not p.is_dir():
@@ -192,14 +197,15 @@ class Checkpoint:
         """Tensor name -> its stored bytes (from the headers)."""
         return {name: stored_bytes(ref) for name, ref in self.refs.items()}
 
-    def build(self, with_refs: bool = True):
+    def build(self, with_refs: bool = True, refs: dict | None = None):
         """The model (parameters lazy), with the layers the checkpoint stores
         MLX-quantized swapped for quantized ones, and its sanitized refs
         (None when not asked for and not needed: an unquantized checkpoint's
-        shapes come from the config alone)."""
+        shapes come from the config alone). `refs`: stand-ins for the
+        checkpoint's tensors (shardcache records what a rank reads)."""
         m = build_model(self.config)
         need = with_refs or self.quantization is not None  # quantized: its tensors say which layers are
-        refs = m.sanitize(dict(self.refs)) if need else None
+        refs = m.sanitize(dict(self.refs if refs is None else refs)) if need else None
         if self.quantization is not None:
             quantize_model(m, self.quantization, refs)
         return m, refs
@@ -262,21 +268,8 @@ def load_model(model, dtype: str | None = None, group: Group = SINGLE, progress=
     `cache.KVOptions` (--max-kv-size, --kv-bits) the model's caches follow;
     `adapter`: a `lora.Adapter` (--adapter-path) put on the loaded layers."""
     ck = open_model(model)
-    m, refs = ck.build()
-    full_shapes = {name: tuple(p.shape) for name, p in tree_flatten(m.parameters())}  # before sharding
     target = parse_dtype(dtype) or ck.dtype
-    if pp > 1:
-        from .pipeline import comm_stream, stage_group
-
-        comm_stream(group)
-        refs = cut_stage(m, refs, group, pp, target)
-        tp = stage_group(group, pp)
-        if not tp.single:
-            tp.moe_split = group.moe_split  # the stage's ranks place experts as the job says
-            m.shard(tp)
-            m.model.stage.tp = tp
-    elif not group.single:
-        m.shard(group)
+    m, refs, full_shapes = build_rank(ck, group, pp, target)
     method = ck.foreign_quant
     hint = (
         f"config.json quantization_config has quant_method {method!r}, which mlxcel-dist does not read "
@@ -296,6 +289,28 @@ def load_model(model, dtype: str | None = None, group: Group = SINGLE, progress=
     if kv:
         kv.apply(m)
     return Loaded(m, ck.config, ck.dir, target, group)
+
+
+def build_rank(ck: Checkpoint, group: Group, pp: int, target, refs: dict | None = None):
+    """This rank's model (built, quantized, cut to its stage, sharded; still
+    lazy), the sanitized refs it reads and the unsharded shapes. `refs`: as
+    in `Checkpoint.build` (a planned group and recording refs: the reads on
+    paper, shardcache.rank_pieces)."""
+    m, refs = ck.build(refs=refs)
+    full_shapes = {name: tuple(p.shape) for name, p in tree_flatten(m.parameters())}  # before sharding
+    if pp > 1:
+        from .pipeline import comm_stream, stage_group
+
+        comm_stream(group)
+        refs = cut_stage(m, refs, group, pp, target)
+        tp = stage_group(group, pp)
+        if not tp.single:
+            tp.moe_split = group.moe_split  # the stage's ranks place experts as the job says
+            m.shard(tp)
+            m.model.stage.tp = tp
+    elif not group.single:
+        m.shard(group)
+    return m, refs, full_shapes
 
 
 def cut_stage(m, refs: dict, group: Group, pp: int, target) -> dict:
@@ -345,10 +360,25 @@ def load_weights(model: nn.Module, refs: dict, dtype=None, progress=None, unexpe
         elif any(n.endswith(".scales") for n in unexpected) and not any(n.endswith(".scales") for n in expected):
             hint = " (quantized tensors, but config.json has no MLX `quantization`)"
         raise UserError(f"checkpoint has unexpected tensors: {', '.join(unexpected[:3])}{more}{hint}")
-    plan = collect_plan(model)
     weights = []
-    names = sorted(expected)
-    for i, name in enumerate(names):
+    reads = list(planned_reads(model, refs, full_shapes))
+    for i, (name, ref, axis, ranges) in enumerate(reads):
+        w = ref.read(axis, ranges)
+        if dtype is not None and mx.issubdtype(w.dtype, mx.floating):
+            w = w.astype(dtype)
+        weights.append((name, w))
+        if progress is not None:
+            progress(i + 1, len(reads))
+    model.load_weights(weights, strict=True)
+    mx.eval(model.parameters())
+
+
+def planned_reads(model: nn.Module, refs: dict, full_shapes: dict | None = None):
+    """(name, ref, axis, ranges) of every parameter, in name order: the read
+    that fills it (this rank's slice), its shape checked against the ref's."""
+    expected = dict(tree_flatten(model.parameters()))
+    plan = collect_plan(model)
+    for name in sorted(expected):
         ref, param = refs[name], expected[name]
         axis, ranges = plan.get(name, (None, None))
         if axis is not None and (axis >= len(ref.shape) or max(e for _, e in ranges) > ref.shape[axis]):
@@ -366,11 +396,4 @@ def load_weights(model: nn.Module, refs: dict, dtype=None, progress=None, unexpe
             raise UserError(f"tensor {name!r} has shape {list(ref.shape)}, expected {full}{hint}")
         if param.dtype == mx.uint32 and ref.dtype != "U32":
             raise UserError(f"tensor {name!r} is {ref.dtype}, expected packed quantized weights (U32)")
-        w = ref.read(axis, ranges)
-        if dtype is not None and mx.issubdtype(w.dtype, mx.floating):
-            w = w.astype(dtype)
-        weights.append((name, w))
-        if progress is not None:
-            progress(i + 1, len(names))
-    model.load_weights(weights, strict=True)
-    mx.eval(model.parameters())
+        yield name, ref, axis, ranges

@@ -48,7 +48,9 @@ class Adapter:
     `layers` {module path: {"lora_a", "lora_b"[, "m"]}: mx.array}."""
 
     def __init__(self, path):
-        self.path = Path(path).expanduser()
+        from .shardcache import local_adapter
+
+        self.path = local_adapter(path) or Path(path).expanduser()
         if not self.path.is_dir():
             raise UserError(f"--adapter-path {path}: no such directory")
         cfg_file, weights = self.path / CONFIG, self.path / WEIGHTS

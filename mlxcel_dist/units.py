@@ -14,3 +14,11 @@ def parse_size(text: str, flag: str) -> int:
     if n < 1:
         raise UserError(f"{flag} must be >= 1 byte, got {text!r}")
     return n
+
+
+def format_size(n: float) -> str:
+    """Bytes as people read them (1000-based, as the plan and download bars print)."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"

@@ -123,7 +123,12 @@ def read_header(path: Path) -> dict[str, TensorRef]:
 
 
 def open_checkpoint(model_dir: Path) -> dict[str, TensorRef]:
-    """All tensors of a checkpoint directory (sharded index or plain files)."""
+    """All tensors of a checkpoint directory (sharded index or plain files;
+    a shard cache entry: its pieces, shardcache.open_cached)."""
+    from . import shardcache
+
+    if (model_dir / shardcache.MANIFEST).exists():
+        return shardcache.open_cached(model_dir)
     index = model_dir / "model.safetensors.index.json"
     if index.exists():
         try:

@@ -399,10 +399,12 @@ def test_the_ranks_argv_recreates_the_grouped_options(name):
              "modes": ["M", "--tokens", "1,2", "--out", "o.npz"]}
     argv = [*given.get(name, []), "--np", "3", "--pp", "3", "--backend", "ring", "--hostfile", "h",
             "--rank-weights", "2,1,1", "--moe-split", "experts", "--stall-timeout", "7.5", "--dtype", "float32",
-            "--max-kv-size", "64", "--kv-bits", "4", "--kv-group-size", "32", "--adapter-path", "a"]
+            "--max-kv-size", "64", "--kv-bits", "4", "--kv-group-size", "32", "--adapter-path", "a",
+            "--no-fetch", "--shard-cache", "/c"]
     ctx = cmd.make_context(name, argv)
     again = cmd.make_context(name, argv_from_ctx(ctx)[1:])
     assert again.params == ctx.params and ctx.params["np_"] == 3 and ctx.params["kv_group_size"] == 32
+    assert ctx.params["fetch"] is False and ctx.params["shard_cache"] == "/c"
 
 
 def test_help_loads_no_mlx_and_no_command_body():

@@ -210,3 +210,23 @@ def test_budget_rules():
     share = Budget()
     assert share.prefill(1) == prefill.MIN_PREFILL
     assert share.prefill(32) == prefill.PREFILL_PER_DECODE * 32
+
+
+def test_pacer_keeps_a_mixed_step_within_its_stall_bound():
+    # decode steps of 100 ms, prompt tokens of 5 ms inside a step: (STALL - 1) x 100 / 5 tokens,
+    # so a mixed step takes STALL x the plain one
+    from mlxcel_dist.serve import pacing
+
+    p = pacing.Pacer()
+    assert p.tokens() == 0  # nothing measured: the engine's own budget
+    p.observe(0.1, 4, 0)
+    assert p.tokens() == 0
+    for _ in range(50):
+        n = p.tokens() or 8
+        p.observe(0.1 + 0.005 * n, 4, n)
+        p.observe(0.1, 4, 0)
+    n = p.tokens()
+    assert n == int((pacing.STALL - 1) * 0.1 / 0.005)
+    assert abs((0.1 + 0.005 * n) / 0.1 - pacing.STALL) <= 0.1
+    p.observe(5.0, 0, 10)  # a prefill alone (no rows): the token's whole cost
+    assert p.tokens() >= pacing.MIN_TOKENS

@@ -7,6 +7,9 @@ the ranks it starts see their own host name (mlx-a, mlx-b). A throwaway
 ed25519 key logs in; an ssh wrapper first in PATH points the real OpenSSH
 client (ours and mpirun's) at a config naming the two hosts. Jobs over ring
 and over mpirun with a hostfile must reproduce single-process logits.
+Each sshd also runs in its own mount namespace: on mlx-b an empty directory
+hides the copy of the model at `model` (that host has no checkpoint), and
+each host's `cache` is a directory of its own (the shard cache, issue 43).
 Everything is torn down afterwards (sshd processes, the privilege-separation
 user and directory if this test made them).
 
@@ -116,10 +119,17 @@ def ssh_hosts():
         client.append(f"Host mlx-*\n  User root\n  IdentityFile {work / 'client_key'}\n"
                       "  StrictHostKeyChecking no\n  UserKnownHostsFile /dev/null\n  LogLevel ERROR\n")
         (work / "ssh_config").write_text("".join(client))
+        shutil.copytree(CASE, work / "model")
+        for d in ("empty", "cache", "cache-mlx-a", "cache-mlx-b"):
+            (work / d).mkdir()
         for name, ip in HOSTS.items():
             log = work / f"sshd-{name}.log"
-            # its own UTS namespace: what runs there sees host name `name`
-            cmd = ["unshare", "--uts", "sh", "-c", f'hostname {name} && exec "$@"', "sh",
+            # its own UTS namespace: what runs there sees host name `name`; its own mounts: its own
+            # shard cache at work/cache, and on mlx-b no model at work/model
+            mounts = f"mount --bind {work / f'cache-{name}'} {work / 'cache'}"
+            if name == "mlx-b":
+                mounts += f" && mount --bind {work / 'empty'} {work / 'model'}"
+            cmd = ["unshare", "--uts", "--mount", "sh", "-c", f'hostname {name} && {mounts} && exec "$@"', "sh",
                    sshd, "-D", "-e", "-f", str(work / "sshd_config"), "-o", f"ListenAddress={ip}", "-p", str(port)]
             procs.append(subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT,
                                           stdin=subprocess.DEVNULL, env=dict(os.environ, **sshd_env)))
@@ -132,7 +142,8 @@ def ssh_hosts():
         os.environ["PATH"] = f"{bindir}{os.pathsep}{saved_path}"
         hostfile = work / "hosts"
         hostfile.write_text("".join(f"{name} slots=1\n" for name in HOSTS))
-        yield {"hostfile": hostfile, "logs": [work / f"sshd-{n}.log" for n in HOSTS], "work": work}
+        yield {"hostfile": hostfile, "logs": [work / f"sshd-{n}.log" for n in HOSTS], "work": work,
+               "model": work / "model", "cache": work / "cache"}
     finally:
         os.environ["PATH"] = saved_path
         for p in procs:
@@ -194,3 +205,43 @@ def test_host_channel_between_two_hosts(ssh_hosts, tmp_path):
     # rank 0 advertises its addresses, rank 1 connects; 30 exchanges equal the device gather
     text = _launch_helper(ssh_hosts, tmp_path, "channel_rank.py", ["--steps", "30"])
     assert "channel ok ranks=2 steps=30" in text, text
+
+
+@pytest.mark.parametrize("split", [["--np", "2"], ["--np", "2", "--pp", "2"]], ids=["np2", "pp2"])
+def test_second_host_without_the_model_gets_its_shard(ssh_hosts, tmp_path, split):
+    # mlx-b has no copy of the model: the launcher (which has it) sends rank 1 its shard's pieces, the
+    # small files, nothing more; a second launch sends nothing; the logits are those of a launch with
+    # the model on both hosts (CASE is visible to both), bit for bit
+    import re
+
+    from mlxcel_dist import shardcache
+    from mlxcel_dist.loader import open_model
+
+    ids = np.load(CASE / "reference.npz")["ids"]
+    np.save(tmp_path / "ids.npy", ids)
+    model = ssh_hosts["model"]
+    common = ["--tokens-file", str(tmp_path / "ids.npy"), *split, "--hostfile", str(ssh_hosts["hostfile"]),
+              "--backend", "ring"]
+
+    def run(model_dir, out, *extra):
+        p = run_cmd([*CLI, "logits", str(model_dir), *common, "--out", str(tmp_path / out), *extra],
+                    timeout=240, cwd=tmp_path)
+        assert p.returncode == 0, p.stdout + p.stderr
+        return (p.stdout + p.stderr).replace("\r", "")
+
+    pp = 2 if "--pp" in split else 1
+    shard = sum(p.nbytes for p in shardcache.rank_pieces(open_model(model), 2, 1, pp))
+    files = sum((model / n).stat().st_size for n in shardcache.small_files(model))
+    cache = str(ssh_hosts["cache"] / f"pp{pp}")  # on each host its own directory (its mount)
+    first = run(model, "first.npy", "--shard-cache", cache)
+    assert "fetch mlx-a: holds MODEL at the same revision, sent nothing" in first, first
+    m = re.search(r"fetch mlx-b: sent \S+ \S+ \((\d+) bytes;", first)
+    assert m and int(m.group(1)) == shard + files, (first, shard, files)
+    assert "no copy of MODEL on the host" in first
+    assert not list((ssh_hosts["work"] / "cache-mlx-a").glob("**/shards.json"))  # mlx-a read its own copy
+    assert len(list((ssh_hosts["work"] / "cache-mlx-b").glob(f"pp{pp}/*/*/shards.json"))) == 1
+    second = run(model, "second.npy", "--shard-cache", cache)
+    assert "fetch mlx-b: sent 0 B (0 bytes;" in second, second
+    run(CASE, "both.npy", "--no-fetch")
+    a, b, c = (np.load(tmp_path / f"{x}.npy") for x in ("first", "second", "both"))
+    assert np.array_equal(a, c) and np.array_equal(b, c)

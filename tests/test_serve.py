@@ -221,7 +221,9 @@ def test_hand_off_round_trip():
     reqs = [GenRequest([2, 651, 9], 17, SamplingParams(temp=0.7, top_p=0.9, top_k=40, min_p=0.05,
                                                          repetition_penalty=1.1, repetition_context_size=12,
                                                          seed=(1 << 63) + 12345), ["\n\n", "é"], 3, True),
-            GenRequest([5], 0, SamplingParams(temp=0.0, seed=0))]
+            GenRequest([5], 0, SamplingParams(temp=0.0, seed=0)),
+            GenRequest([7, 8], 3, SamplingParams(temp=1.3, logit_bias=((3, -100.0), (9, 0.1))), [], None, False, [1, 2],
+                       '{"grammars": []}', False, 2)]
     for req in reqs:
         assert decode_request(*encode_request(req)) == req
     for step in (Step(removals=[4, 9], admissions=list(enumerate(reqs))), Step(KIND_IDLE, idle_ms=300),

@@ -31,6 +31,7 @@ class FakeEngine:
     first id's script (cycled), logged in `calls`."""
 
     prefilling = False  # its prompts take their rows at once
+    prefilled = 0
 
     def __init__(self, scripts=None):
         self.rows = {}
@@ -56,7 +57,7 @@ class FakeEngine:
         self.rows.pop(rid)
         self.want.pop(rid, None)
 
-    def step(self):
+    def step(self, prefill=None):
         self.calls.append(("step", tuple(sorted(self.rows))))
         out = {}
         for rid, r in self.rows.items():
@@ -464,7 +465,7 @@ def test_drafted_ids_share_their_step_in_time_per_output_token(tok):
             return self.t
 
     class DraftingEngine(FakeEngine):
-        def step(self):
+        def step(self, prefill=None):
             clock.t += 0.3  # every step 0.3 s; step 1 gives a row 1 id, later steps 3
             out = {}
             for rid, r in self.rows.items():

@@ -200,6 +200,7 @@ class ScriptedEngine:
     """BatchEngine's calls; every row answers with `answer`'s ids, then EOS."""
 
     prefilling = False
+    prefilled = 0
 
     def __init__(self, ids, eos):
         self.ids, self.eos = list(ids) + [eos], eos
@@ -215,7 +216,7 @@ class ScriptedEngine:
     def remove(self, rid):
         self.rows.pop(rid)
 
-    def step(self):
+    def step(self, prefill=None):
         out = {}
         for rid, n in self.rows.items():
             out[rid] = self.ids[min(n, len(self.ids) - 1)]

@@ -12,6 +12,7 @@ declared in cli.py."""
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -58,9 +59,36 @@ def distribute(ctx: typer.Context, launch, model=None):
     from .. import launcher  # looked up at the call: tests replace launcher.launch
 
     check_placement(model, np_, pp, weights, split)
+    env = fetch_env(model, launch, np_, pp, weights, split, ctx.params.get("adapter_path"))
     code = launcher.launch(argv_from_ctx(ctx), np_, launch.backend, str(hostfile) if hostfile else None,
-                           stall_timeout=launch.stall_timeout)
+                           stall_timeout=launch.stall_timeout, **({"env": env} if env else {}))
     raise typer.Exit(code)
+
+
+def fetch_env(model, launch, np_: int, pp: int, weights, split: str, adapter_path=None, dry: bool = False):
+    """With a hostfile (and not --no-fetch): each host without MODEL at this
+    revision gets its ranks' shards (fetch.py); the ranks' environment that
+    points them at their cache entries (None: every rank reads MODEL).
+    `dry`: only the per-host byte counts (plan --ask-hosts), as fetch summary lines."""
+    if launch.hostfile is None or not launch.fetch or model is None:
+        return None
+    from .. import fetch, shardcache
+    from ..hostfile import assign_ranks, read_hostfile
+    from ..loader import open_model
+
+    placement = assign_ranks(read_hostfile(launch.hostfile).hosts, np_)
+    hosts = fetch.receiving_hosts(placement)
+    if not hosts:
+        return None
+    ck = open_model(model)
+    pieces = {r: shardcache.rank_pieces(ck, np_, r, pp, weights, split) for _, rs in hosts.values() for r in rs}
+    spec, states = fetch.fetch_shards(ck, str(model), hosts, pieces, launch.shard_cache, adapter_path, dry=dry)
+    lines = fetch.summary(states, dry)
+    if dry:
+        return lines
+    for line in lines:
+        print(f"mlxcel-dist: fetch {line}", file=sys.stderr, flush=True)
+    return {shardcache.ENV: spec} if spec else None
 
 
 def argv_from_ctx(ctx: typer.Context) -> list[str]:

@@ -14,7 +14,7 @@ from ..errors import UserError
 from ..harness import all_mode_logits, compare, default_tokens, model_window, rel_tol_for
 from ..loader import load_model, open_model
 from .common import err, pick_model, pp_note, read_tokens
-from .launch import (check_moe_split, check_placement, checked, distribute, hostfile_weights, load_shard,
+from .launch import (check_moe_split, check_placement, checked, distribute, fetch_env, hostfile_weights, load_shard,
                      parse_rank_weights)
 
 
@@ -100,8 +100,10 @@ def _ranks_logits(ctx, a, model_dir: Path, ids, np_: int) -> dict:
                 raise UserError(f"--rank-weights gives {len(weights)} weights for {np_} ranks")
             argv += ["--rank-weights", ",".join(map(str, weights))]
         check_placement(model_dir, np_, launch.pp, weights, split)
+        env = fetch_env(str(model_dir.resolve()), launch, np_, launch.pp, weights, split,
+                        None if load.adapter_path is None else str(Path(load.adapter_path).resolve()))
         code = launcher.launch(argv, np_, launch.backend, str(launch.hostfile) if launch.hostfile else None,
-                               stall_timeout=launch.stall_timeout)
+                               stall_timeout=launch.stall_timeout, **({"env": env} if env else {}))
         if code != 0:
             raise UserError(f"the {np_}-rank run failed (exit code {code})")
         with np.load(out) as z:

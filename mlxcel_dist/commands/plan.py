@@ -40,3 +40,33 @@ def main(ctx, a) -> None:
     print(f"{ck.dir}: {np_} rank(s)")
     for line in format_plan(p):
         print(line)
+    if a.hostfile is not None:
+        for line in _fetch_lines(a, ck, np_, pp, weights, split):
+            print(line)
+
+
+def _fetch_lines(a, ck, np_: int, pp: int, weights, split) -> list[str]:
+    """Per other host, the bytes a launch would send it (fetch.py): asked
+    (--ask-hosts), or the most it could be (its ranks' shards)."""
+    from types import SimpleNamespace
+
+    from .. import fetch, shardcache
+    from ..hostfile import assign_ranks, read_hostfile
+    from ..units import format_size
+    from .launch import fetch_env
+
+    model = pick_model(a.model, a.model_opt)
+    if model is None:  # the embedded default: every host has it
+        return []
+    if a.ask_hosts:
+        launch = SimpleNamespace(hostfile=a.hostfile, fetch=True, shard_cache=a.shard_cache)
+        lines = fetch_env(model, launch, np_, pp, weights, split, dry=True) or []
+        return [f"fetch {line}" for line in lines]
+    hosts = fetch.receiving_hosts(assign_ranks(read_hostfile(a.hostfile).hosts, np_))
+    out = []
+    for name, (_, ranks) in hosts.items():
+        pieces = {p.key: p for r in ranks for p in shardcache.rank_pieces(ck, np_, r, pp, weights, split)}
+        n = sum(p.nbytes for p in pieces.values())
+        out.append(f"fetch {name}: at most {format_size(n)} ({n} bytes: its ranks' shards; nothing if it holds "
+                   "MODEL at this revision or has them cached; --ask-hosts asks it)")
+    return out

@@ -33,12 +33,13 @@ class Engine(Protocol):
     logprobs: dict  # rid -> logprobs of the last step (rank 0 reads them)
     failed: dict  # rid -> message: prompts whose prefill failed in a step (taken by apply_step)
     prefilling: bool  # prompts still prefilling, no row yet (a step of prefill alone is never judged stuck)
+    prefilled: int  # prompt tokens run through prefill forwards so far
 
     def __len__(self) -> int: ...
     def __contains__(self, rid) -> bool: ...
     def add_many(self, items) -> None: ...
     def remove(self, rid) -> None: ...
-    def step(self) -> dict: ...
+    def step(self, prefill: int | None = None) -> dict: ...  # prefill: this step's prompt tokens (None: its own)
 
 
 IDLE_MARGIN_S = 0.02  # a follower wakes this much before rank 0 enters the next collective
@@ -100,6 +101,7 @@ class StepResult:
     spec: tuple = (0, 0, 0)  # drafts: (rows that drafted, tokens drafted, drafts accepted) in this step
     step_s: float = 0.0
     admit_s: float = 0.0
+    prefilled: int = 0  # prompt tokens the step ran through prefill forwards
 
 
 def _admit(engine, admissions: list, keep_logprobs: bool, failed: dict) -> None:
@@ -150,11 +152,13 @@ def apply_step(engine, step: Step, guard, keep_logprobs: bool = False, busy=None
     if busy:
         # a step of prefill forwards alone (no row decodes yet) runs a whole chunk a prompt: never judged stuck
         busy(None if engine.prefilling and not len(engine) else t1)
+    before = engine.prefilled
     try:
-        out.ids = engine.step()
+        out.ids = engine.step(step.prefill_tokens or None)
     finally:
         if busy:
             busy(None)
+    out.prefilled = engine.prefilled - before
     out.failed.update(engine.failed)  # prompts whose prefill failed in the step (every rank alike)
     engine.failed.clear()
     out.step_s, out.admit_s = time.monotonic() - t1, t1 - t0
@@ -196,6 +200,7 @@ class OneRowEngine:
 
     capacity = 1
     prefilling = False  # its loop prefills inside the first step
+    prefilled = 0
 
     def __init__(self, model, group: Group, eos_ids):
         self.model, self.group = model, group
@@ -228,7 +233,7 @@ class OneRowEngine:
             self.gen.close()  # every rank leaves the loop at the same id
             self.rid = self.gen = None
 
-    def step(self) -> dict:
+    def step(self, prefill: int | None = None) -> dict:
         if self.rid is None:
             return {}
         try:

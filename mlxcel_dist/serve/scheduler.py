@@ -23,6 +23,7 @@ from ..sampling import SEED_LIMIT
 from ..tokenizer import StopStrings, StreamDecoder
 from .log import log
 from .metrics import Metrics
+from .pacing import Pacer
 from .wire import KIND_IDLE, KIND_SHUTDOWN, KIND_STEP, RID_LIMIT, GenRequest, Step
 
 SHUTDOWN_MESSAGE = "the server is shutting down"
@@ -126,10 +127,12 @@ class StepTimes:
 
 class Scheduler:
     def __init__(self, tokenizer, decode_concurrency: int = 32, prompt_concurrency: int = 8,
-                 sleeping_followers: bool = True, vocab=None):
+                 sleeping_followers: bool = True, pace: bool = True, vocab=None):
         """`sleeping_followers`: the other ranks wait for the next step asleep
         (host channel, or np 1), so an idle scheduler sends nothing; else it
-        sends idle notes that let them sleep between collectives. `vocab`
+        sends idle notes that let them sleep between collectives. `pace`: each
+        step's prompt tokens from the steps' times (serve.pacing); False: the
+        engine's fixed budget (--max-num-batched-tokens). `vocab`
         (grammar.Vocab, the engine's): a constrained row's ids are matched
         here too, so a grammar llguidance gives up on mid-answer (which the
         ranks' masks turn into EOS) ends its request with an error, not "stop"."""
@@ -155,6 +158,7 @@ class Scheduler:
         self.busy_since = None  # when the engine step in progress started (stuck-rank watchdog)
         self.step_s = 0.0  # moving average of an engine step
         self.metrics = Metrics()  # GET /metrics
+        self.pacer = Pacer() if pace else None
 
     # -- HTTP side (any thread) --------------------------------------------------
     def submit(self, job: Job) -> bool:
@@ -282,7 +286,8 @@ class Scheduler:
                 full = full or len(self.rows) + len(admissions) + job.group > self.decode_concurrency
                 keep.append(job)
         self.backlog = keep
-        step = Step(KIND_STEP, self.removals, [(rid, job.choice_req(i)) for rid, job, i in admissions])
+        step = Step(KIND_STEP, self.removals, [(rid, job.choice_req(i)) for rid, job, i in admissions],
+                    prefill_tokens=self.pacer.tokens() if self.pacer is not None else 0)
         self.removals = []
         for rid, job, i in admissions:
             ids = job.prompts[i // job.group]
@@ -317,6 +322,8 @@ class Scheduler:
             t.groups += 1
             t.prompts += len(step.admissions)
             t.prompt_tokens += sum(len(req.prompt_ids) for _, req in step.admissions)
+        if self.pacer is not None:
+            self.pacer.observe(result.step_s, len(result.ids), result.prefilled)
         if result.ids:
             t.steps += 1
             t.tokens += sum(len(x) if isinstance(x, list) else 1 for x in result.ids.values())
