@@ -34,6 +34,18 @@ INSTALL_HINT = "pip install 'mlxcel-dist[grammar]' (llguidance)"
 JSON_OPTIONS = {"whitespace_flexible": False}
 
 
+# llguidance's parser limits, raised where its defaults refuse what clients
+# send: a row of an Earley set holds ~4 items per optional property, so the
+# default 2000 gave up mid-answer on an object of 500 optional properties
+# (tools with thousands of optional parameters); 200k holds 50k of them.
+LIMITS = {"max_items_in_row": 200_000, "step_max_items": 500_000}
+
+
+@functools.cache
+def _limits():
+    return _ll().LLParserLimits(**LIMITS)
+
+
 def available() -> bool:
     return importlib.util.find_spec("llguidance") is not None
 
@@ -46,11 +58,18 @@ def _ll():
     return llguidance
 
 
+def _brief(message) -> str:
+    """llguidance's message without the grammar it quotes (a large schema's
+    would make a 400 of megabytes): its first line, at most 300 characters."""
+    line = str(message).strip().split("\n", 1)[0]
+    return line if len(line) <= 300 else line[:297] + "..."
+
+
 def _checked(grammar: str) -> str:
     """`grammar` if llguidance accepts it, else UserError with its message."""
-    is_error, messages = _ll().LLMatcher.validate_grammar_with_warnings(grammar)
+    is_error, messages = _ll().LLMatcher.validate_grammar_with_warnings(grammar, limits=_limits())
     if is_error:
-        raise UserError(f"the grammar is not usable: {messages[0] if messages else 'invalid'}")
+        raise UserError(f"the grammar is not usable: {_brief(messages[0] if messages else 'invalid')}")
     return grammar
 
 
@@ -61,9 +80,9 @@ def json_schema(schema, think: str | None = None, special: dict | None = None) -
         raise UserError(f"a JSON schema must be a JSON object, got {type(schema).__name__}")
     if think is None:
         try:
-            grammar = _ll().LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+            grammar = _ll().LLMatcher.grammar_from_json_schema(closed(schema), defaults=JSON_OPTIONS)
         except ValueError as e:
-            raise UserError(f"the JSON schema is not usable: {e}") from None
+            raise UserError(f"the JSON schema is not usable: {_brief(e)}") from None
         return _checked(grammar)
     head = _seq(H_CHANNEL + "final" + H_MESSAGE, special) if think == "harmony" else ""
     return _lark(["start: " + " ".join(x for x in (_thought(think, special), head, "answer") if x),
@@ -108,14 +127,46 @@ def _seq(text: str, special: dict | None) -> str:
 
 
 def _json(schema: dict) -> str:
-    return "%json " + json.dumps({**schema, "x-guidance": JSON_OPTIONS})
+    return "%json " + json.dumps({**closed(schema), "x-guidance": JSON_OPTIONS})
+
+
+# A schema's sub-schemas, by how a keyword holds them (everything else, e.g.
+# const / enum / default, is a value: never rewritten).
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "allOf", "oneOf", "prefixItems")
+_SCHEMA_ONE = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames",
+               "unevaluatedItems", "unevaluatedProperties", "additionalItems")
+
+
+def closed(schema, keep_open: bool = False):
+    """`schema` with every object that lists `properties` (or
+    `patternProperties`) and says nothing of `additionalProperties` closed:
+    no keys beyond its own, as xgrammar (vLLM's default backend) and outlines
+    do; `additionalProperties: true` (or a schema) keeps them open, and an
+    object without properties (json_object) stays any object. An `allOf`
+    branch is left open (`keep_open`): its keys are the other branches' too."""
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for k, v in schema.items():
+        if k in _SCHEMA_MAPS and isinstance(v, dict):
+            v = {name: closed(sub) for name, sub in v.items()}
+        elif k in _SCHEMA_LISTS and isinstance(v, list):
+            v = [closed(sub, k == "allOf") for sub in v]
+        elif k in _SCHEMA_ONE:
+            v = closed(v)
+        out[k] = v
+    if not keep_open and ("properties" in out or "patternProperties" in out) and not any(
+            k in out for k in ("additionalProperties", "unevaluatedProperties")):
+        out["additionalProperties"] = False
+    return out
 
 
 def _lark(rules: list) -> str:
     try:
         return _checked(_ll().LLMatcher.grammar_from_lark("\n".join(rules) + "\n"))
     except ValueError as e:
-        raise UserError(f"the grammar is not usable: {e}") from None
+        raise UserError(f"the grammar is not usable: {_brief(e)}") from None
 
 
 # Thinking before the constrained part (vLLM applies structured output after
@@ -166,10 +217,37 @@ def _thought_rules(think: str | None, special: dict | None) -> list:
     return rules + ([] if think == "harmony" else ["THINK_WS: /[ \\t\\n]{1,4}/"])
 
 
-def _call_schema(tool: dict, args_key: str) -> dict:
-    fn = tool["function"]
-    return {"type": "object", "properties": {"name": {"const": fn["name"]}, args_key: _params(tool)},
+def _call_schema(tool: dict, args_key: str, defs: dict) -> dict:
+    """A call's JSON object: the name, the arguments under `args_key`. The
+    parameters' own refs (`#/$defs/X`, `#` itself: pydantic's nested and
+    recursive models) would point into the wrapper: they move into `defs`
+    (the wrapper's root `$defs`, under the tool's index), their refs rewritten."""
+    fn, params = tool["function"], _params(tool)
+    if _has_ref(params):
+        key = f"tool{len(defs)}"
+        defs[key] = _rebased(params, f"#/$defs/{key}")
+        params = {"$ref": f"#/$defs/{key}"}
+    return {"type": "object", "properties": {"name": {"const": fn["name"]}, args_key: params},
             "required": ["name", args_key], "additionalProperties": False}
+
+
+_LITERAL_KEYS = ("const", "enum", "default", "examples")  # values, not schemas: no refs inside
+
+
+def _has_ref(schema) -> bool:
+    if isinstance(schema, dict):
+        return any(k == "$ref" or (k not in _LITERAL_KEYS and _has_ref(v)) for k, v in schema.items())
+    return isinstance(schema, list) and any(_has_ref(v) for v in schema)
+
+
+def _rebased(schema, base: str):
+    """`schema` with its local refs (`#...`) made relative to `base`, where it now lives."""
+    if isinstance(schema, list):
+        return [_rebased(v, base) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    return {k: (base + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#")
+                else v if k in _LITERAL_KEYS else _rebased(v, base)) for k, v in schema.items()}
 
 
 def _params(tool: dict) -> dict:
@@ -197,6 +275,10 @@ def _xml_args(tool: dict, fmt: str, special: dict | None) -> str:
     other as JSON."""
     params = _params(tool)
     fn = tool["function"]["name"]
+    root = re.fullmatch(r"#/(\$defs|definitions)/([^/~]+)", str(params.get("$ref", "")))
+    target = root and (params.get(root.group(1)) or {}).get(root.group(2))
+    if isinstance(target, dict):  # pydantic's recursive model: the object itself is a definition
+        params = {**{k: v for k, v in params.items() if k != "$ref"}, **target}
     if params.get("type", "object") != "object" or any(k in params for k in ("anyOf", "oneOf", "allOf", "$ref")):
         raise UserError(f"function {fn!r}: the {fmt} format's forced calls need 'parameters' of type object")
     defs = {k: params[k] for k in ("$defs", "definitions") if k in params}
@@ -249,8 +331,9 @@ def tool_calls(fmt: str, tools: list, name: str | None = None, many: bool = Fals
 
     if fmt in ("hermes", "llama3_json", "mistral"):
         args_key = "parameters" if fmt == "llama3_json" else "arguments"
-        schemas = [_call_schema(t, args_key) for t in chosen]
-        call = _json(schemas[0] if len(schemas) == 1 else {"anyOf": schemas})
+        defs = {}
+        schemas = [_call_schema(t, args_key, defs) for t in chosen]
+        call = _json({**(schemas[0] if len(schemas) == 1 else {"anyOf": schemas}), **({"$defs": defs} if defs else {})})
         if fmt == "hermes":
             body = repeat(" ".join((_seq("<tool_call>" + NL, s), call, _seq(NL + "</tool_call>", s))), NL)
         elif fmt == "llama3_json":
@@ -363,9 +446,11 @@ class Matcher:
 
     def __init__(self, vocab: Vocab, grammar: str | None, matcher=None):
         self.vocab = vocab
-        self._m = matcher if matcher is not None else _ll().LLMatcher(vocab.tokenizer(), grammar, log_level=0)
+        if matcher is None:
+            matcher = _ll().LLMatcher(vocab.tokenizer(), grammar, log_level=0, limits=_limits())
+        self._m = matcher
         if self._m.is_error():
-            raise UserError(f"the grammar is not usable: {self._m.get_error()}")
+            raise UserError(f"the grammar is not usable: {_brief(self._m.get_error())}")
         self._bits = np.empty((1, vocab.words), np.int32)
 
     def copy(self) -> "Matcher":
@@ -385,6 +470,11 @@ class Matcher:
     def advance(self, tok: int) -> None:
         if not (self._m.is_stopped() or self._m.is_error()):
             self._m.consume_token(int(tok))
+
+    @property
+    def error(self) -> str | None:
+        """llguidance's reason when the grammar gave up (a limit hit), else None."""
+        return _brief(self._m.get_error()) if self._m.is_error() else None
 
     @property
     def done(self) -> bool:

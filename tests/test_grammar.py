@@ -370,3 +370,124 @@ def test_thinking_grammars_take_what_the_templates_answer(setup):
         assert not m.done, (think, answer)  # the last token still to come
         m.advance(ids[-1])
         assert m.done and not m._m.is_error(), (think, answer)
+
+
+def _pydantic_tools() -> list:
+    """Two tools whose parameters are pydantic models' schemas with `$defs`:
+    a nested model (an order of items, their colour an enum definition) and
+    a recursive one (a tree), bounded so a call ends within max_tokens."""
+    import enum
+    from typing import Optional
+
+    from pydantic import BaseModel, Field
+
+    class Colour(str, enum.Enum):
+        red = "red"
+        blue = "blue"
+
+    class Item(BaseModel):
+        name: str = Field(max_length=6)
+        colour: Colour
+
+    class Order(BaseModel):
+        items: list[Item] = Field(max_length=2)
+
+    class Node(BaseModel):
+        value: int = Field(ge=0, le=9)
+        left: Optional["Node"] = None
+
+    order, tree = Order.model_json_schema(), Node.model_json_schema()
+    assert "$defs" in order and tree.get("$ref") == "#/$defs/Node"  # what pydantic writes: refs into $defs
+    return [{"type": "function", "function": {"name": "order", "parameters": order}},
+            {"type": "function", "function": {"name": "tree", "parameters": tree}}]
+
+
+def test_forced_calls_whose_parameters_use_defs_and_recursive_refs(setup):
+    """The parameters sit inside the call's wrapper schema: their `#/$defs/X`
+    refs (and a recursive model's) are rebased so they resolve, in every
+    format; each answer that ends parses into calls whose arguments validate
+    against the tool's own schema (with its $defs)."""
+    model, tok, vocab = setup
+    tools_ = _pydantic_tools()
+    params = {t["function"]["name"]: t["function"]["parameters"] for t in tools_}
+    rows, want = [], {}
+    for f, fmt in enumerate(grammar.FORCED_FORMATS):
+        for j, name in enumerate((None, "order", "tree")):
+            rid = 3 * f + j
+            rows.append((rid, tok.encode(PROMPTS[rid % 4]), 11 * rid + 3, grammar.tool_calls(fmt, tools_, name)))
+            want[rid] = fmt, name
+    ended = 0
+    for rid, ids in _run(model, vocab, rows, max_tokens=200).items():
+        fmt, name = want[rid]
+        if ids[-1] not in tok.eos_ids:  # a deep tree may run past max_tokens: nothing to check
+            continue
+        ended += 1
+        text = tok.decode(ids[:-1], keep_special=True)
+        if fmt == "harmony":
+            from mlxcel_dist.serve import reasoning
+            text = reasoning.split("gpt_oss", text)[1]
+        from mlxcel_dist.serve import tools
+        _, calls = tools.parse(fmt, text, tools_)
+        assert len(calls) == 1, (fmt, text)
+        fn = calls[0]["function"]
+        assert name is None or fn["name"] == name
+        jsonschema.validate(json.loads(fn["arguments"]), params[fn["name"]])
+    assert ended >= len(rows) * 2 // 3, ended  # most calls end (the random model rarely nests deep)
+
+
+def test_objects_without_additional_properties_get_no_other_keys(setup):
+    """A schema that lists properties and says nothing of additionalProperties
+    takes no other keys (vLLM's xgrammar default): a model cannot ramble in
+    keys of its own; `true` opens it again, and json_object stays any object."""
+    _, tok, vocab = setup
+    props = {"type": "object", "properties": {"a": {"type": "integer"}}}
+
+    def takes(schema, text) -> bool:
+        m = vocab.matcher(grammar.json_schema(schema))
+        for t in tok.encode(text, add_special_tokens=False):
+            m.advance(t)
+        return not m._m.is_error() and m.done
+
+    assert takes(props, '{"a":1}') and not takes(props, '{"a":1,"b":2}')
+    nested = {"type": "object", "properties": {"x": props}, "$defs": {"D": props}}
+    assert not takes(nested, '{"x":{"a":1,"zz":0}}')
+    assert takes({**props, "additionalProperties": True}, '{"a":1,"b":2}')
+    assert takes({"type": "object"}, '{"b":2}')  # json_object: any object
+    # a property named "properties" is a name, not a keyword; const values are kept as written
+    named = {"type": "object", "properties": {"properties": {"const": {"k": 1}}}}
+    assert takes(named, '{"properties":{"k":1}}') and not takes(named, '{"properties":{"k":1},"z":1}')
+    # the tool-call wrapper closes the parameters too (all formats share grammar._json)
+    m = vocab.matcher(grammar.tool_calls("hermes", [{"type": "function", "function": {"name": "f",
+                                                                                       "parameters": props}}], "f"))
+    for t in tok.encode('<tool_call>\n{"name":"f","arguments":{"a":1,"', add_special_tokens=False):
+        m.advance(t)
+    assert m._m.is_error()
+
+
+def test_openai_client_prompt_lists_responses_and_tokenize_across_ranks(server):
+    """Issue 40's client shapes through a real server at np 1 and np 2: a
+    list of prompts in one completions request (each prompt's choices what
+    it answers alone, the rows batched on every rank), the Responses API
+    whole and streamed with a forced function call (glm45's format here),
+    vLLM's /tokenize."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0, timeout=120)
+    kw = dict(model="gemma3-tiny", max_tokens=8, temperature=1.0, seed=21)
+    alone = [c.text for t in PROMPTS[:3] for c in client.completions.create(prompt=t, n=2, **kw).choices]
+    together = client.completions.create(prompt=PROMPTS[:3], n=2, **kw)
+    assert [c.index for c in together.choices] == list(range(6)) and [c.text for c in together.choices] == alone
+    r = client.responses.create(model="gemma3-tiny", input="The sea", max_output_tokens=8, temperature=1.0,
+                                extra_body={"seed": 3})
+    events = list(client.responses.create(model="gemma3-tiny", input="The sea", max_output_tokens=8,
+                                          temperature=1.0, extra_body={"seed": 3}, stream=True))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == r.output_text
+    assert events[-1].type == "response.incomplete" and r.status == "incomplete"
+    tool = {"type": "function", "name": "get_time", "parameters": CLOCK["function"]["parameters"], "strict": True}
+    r = client.responses.create(model="gemma3-tiny", input="What time is it?", tools=[tool], tool_choice="required",
+                                temperature=1.0, max_output_tokens=100, parallel_tool_calls=False)
+    (call,) = r.output
+    assert call.type == "function_call" and r.status == "completed"
+    jsonschema.validate(json.loads(call.arguments), PARAMS["get_time"])
+    t = client.post(server.base + "/tokenize", body={"prompt": "The sea"}, cast_to=object)
+    assert t["count"] == len(t["tokens"]) and client.post(server.base + "/detokenize", body={"tokens": t["tokens"]},
+                                                          cast_to=object)["prompt"] == "The sea"

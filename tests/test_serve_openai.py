@@ -321,7 +321,11 @@ def test_ignore_eos_and_stop(ctx):
 def test_prompt_shapes(ctx, tok):
     assert parse({"prompt": ["The sea"]}, False, ctx).req.prompt_ids == tok.encode("The sea")
     assert parse({"prompt": [2, 5, 7]}, False, ctx).req.prompt_ids == [2, 5, 7]
-    for p in ([], ["a", "b"], [1, True], 5, [10**30]):
+    several = parse({"prompt": ["The sea", "a"], "n": 2}, False, ctx)  # several prompts: n choices each
+    assert several.prompts == [tok.encode("The sea"), tok.encode("a")] and several.choices == 4
+    assert several.prompt_tokens == len(tok.encode("The sea")) + len(tok.encode("a"))
+    assert parse({"prompt": [[2, 5], [7]]}, False, ctx).prompts == [[2, 5], [7]]
+    for p in ([], [1, True], 5, [10**30], [[1], []], [[1], "a"], [[1], 2]):
         e = refused({"prompt": p}, False, ctx)
         assert e.param == "prompt" and ("'prompt' must be" in e.message or "outside the vocabulary" in e.message)
 

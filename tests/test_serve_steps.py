@@ -495,3 +495,35 @@ def test_drafted_ids_share_their_step_in_time_per_output_token(tok):
     tpot = sched.metrics.tpot
     assert sum(tpot.counts) == 6 and abs(tpot.sum - 6 * 0.1) < 1e-9  # 2 steps of 3 ids, 0.3 s each: 0.1 s an id
     assert tpot.counts[tpot.buckets.index(0.1)] == 6  # every one in (0.075, 0.1]: none ~0 s
+
+
+def test_several_prompts_in_one_job_take_rows_prompt_by_prompt(tok):
+    # A completions request of several prompts: n rows a prompt (seed + i),
+    # choice p * n + i prompt p's i-th; the prompts join the batch together
+    # where they fit, the rest as rows free up (FIFO: a later job waits);
+    # each Done counts its own prompt.
+    sched = Scheduler(tok, decode_concurrency=4, prompt_concurrency=8)
+    eng = FakeEngine({60: [11, 12], 61: [13, 14], 62: [15, 16]})
+    got, later = [], []
+    many = Job(GenRequest([60], 2, SamplingParams(temp=0.0, seed=5)), got.append, n=2,
+               prompts=[[60], [61, 61], [62, 62, 62]])
+    other = Job(req([70], max_tokens=2), later.append)
+    sched.submit(many)
+    sched.submit(other)
+    s1 = run_once(sched, eng)
+    assert [(r.prompt_ids, r.sampling.seed) for _, r in s1.admissions] == [([60], 5), ([60], 6), ([61, 61], 5),
+                                                                           ([61, 61], 6)]
+    assert sched.metrics.prompt_tokens == 3  # each prompt once
+    s2 = run_once(sched, eng)
+    assert s2.admissions == []  # four rows run: the third prompt (and the later job) wait
+    s3 = run_once(sched, eng)
+    assert [r.prompt_ids for _, r in s3.admissions] == [[62, 62, 62]] * 2 + [[70]]  # the freed rows, `other` after
+    drain(sched, eng)
+    done = sorted((e.index, e.prompt_tokens) for e in got if isinstance(e, Done))
+    assert done == [(0, 1), (1, 1), (2, 2), (3, 2), (4, 3), (5, 3)]
+    texts = {}
+    for e in got:
+        if isinstance(e, Text):
+            texts[e.index] = texts.get(e.index, "") + e.text
+    assert texts[0] == texts[1] != texts[2] == texts[3] != texts[4]  # each choice its own prompt's rows
+    assert [type(e) for e in later][-1] is Done

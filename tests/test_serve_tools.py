@@ -186,6 +186,13 @@ def test_detect_and_the_template_renders_tools_and_calls():
     with pytest.raises(ApiError) as e:
         parse(body, True, plain)
     assert e.value.param == "tools" and "'tools' is not supported" in e.value.message
+    # forced calls need no format: the tools as a Hermes block, the call parsed as Hermes'; none: not rendered
+    for ctx_ in (plain, ParseContext(tokenizer=tok, vocab_size=ctx.vocab_size, model_ids=("m",), plain_chat=True)):
+        p = parse({**body, "tool_choice": "required"}, True, ctx_)
+        assert p.tool_format == "hermes" and p.forced and p.req.grammar
+        assert "<tools>" in tok.decode(p.req.prompt_ids) and "<tool_response>" in tok.decode(p.req.prompt_ids)
+        p = parse({**body, "tool_choice": "none"}, True, ctx_)
+        assert p.tool_format is None and "<tools>" not in tok.decode(p.req.prompt_ids)
 
 
 # --------------------------------------------------------------------------- the app, in process
@@ -218,11 +225,12 @@ class ScriptedEngine:
 
 
 @contextlib.contextmanager
-def scripted_app(tok, ctx, answer: str | None, make_engine=None):
+def scripted_app(tok, ctx, answer: str | None, make_engine=None, vocab=None):
     """The HTTP app in process over a ScriptedEngine answering `answer` to
     every request, or over the engine `make_engine()` builds on the loop's
     thread (MLX streams are per thread) (one rank: the step protocol's loop
-    on a thread); yields the base URL."""
+    on a thread); `vocab`: the scheduler's grammar.Vocab (its grammar
+    check); yields the base URL."""
     import uvicorn
 
     from mlxcel_dist.serve import responses as rs
@@ -234,7 +242,7 @@ def scripted_app(tok, ctx, answer: str | None, make_engine=None):
     if make_engine is None:
         def make_engine():
             return ScriptedEngine(tok.encode(answer, add_special_tokens=False), tok.eos_ids[0])
-    sched = Scheduler(tok)
+    sched = Scheduler(tok, vocab=vocab)
 
     class Ok:
         def status(self):
@@ -313,8 +321,51 @@ def test_a_call_cut_by_max_tokens_is_not_a_call():
     whole = "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Oslo</arg_value>\n</tool_call>"
     cut = "\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Pa"
     content, calls = tools.parse("glm45", whole + cut, [WEATHER])
-    assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"city": "Oslo"}] and "Pa" in content
+    # ... nor content: its markup is dropped (OpenAI returns no call markup as content)
+    assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"city": "Oslo"}] and content == ""
     mm = ('<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">Oslo</parameter>\n</invoke>\n'
           '<invoke name="get_weather">\n<parameter name="city">Pa')
     assert [json.loads(c["function"]["arguments"]) for c in tools.parse("minimax_m2", mm, [WEATHER])[1]] == [
         {"city": "Oslo"}]
+
+
+@pytest.mark.parametrize("fmt,text", [
+    ("hermes", 'Sure.<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'),
+    ("glm45", GLM), ("deepseek_v3", DS_V3.replace("<｜tool▁calls▁end｜>", "")),
+    ("deepseek_v31", DS_V31.replace("<｜tool▁calls▁end｜>", "")), ("kimi_k2", KIMI.replace("<|tool_calls_section_end|>", "")),
+])
+def test_a_cut_last_call_is_dropped_in_every_block_format(fmt, text):
+    """Parallel calls cut by max_tokens inside the last one (or inside its
+    start marker): the calls before it, the content before them, and none of
+    the cut call's markup; the same streamed, at every split."""
+    want = tools.parse(fmt, text, TYPED)
+    assert want[1]
+    begin = tools.BLOCKS[fmt][0]
+    for tail in (begin[:3], begin, begin + 'get_weather<｜tool▁sep｜>{"ci', "\n" + begin + '{"name": "get_w'):
+        got = tools.parse(fmt, text + tail, TYPED)
+        assert got[0] == want[0] and [c["function"] for c in got[1]] == [c["function"] for c in want[1]], tail
+        for cut in range(0, len(text + tail), 7):
+            sp = tools.StreamParser(fmt, TYPED)
+            sent = sp.feed((text + tail)[:cut]) + sp.feed((text + tail)[cut:])
+            rest, calls = sp.finish()
+            assert (sent + rest).strip() == want[0] and [c["function"] for c in calls] == [c["function"] for c in want[1]]
+
+
+def test_forced_answers_never_leave_call_markup_as_content():
+    """Forced calls (the answer is calls only): an answer cut before any
+    whole call is no content in any format; llama3_json's calls joined by
+    ";" keep the whole ones before a cut last one."""
+    cut = {"hermes": '<tool_call>\n{"name": "get_wea', "llama3_json": '{"name": "get_weather", "parameters": {"ci',
+           "mistral": '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Os', "glm45": "<tool_call>get_w",
+           "deepseek_v31": "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{\"ci",
+           "kimi_k2": "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0",
+           "minimax_m2": '<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">Os',
+           "harmony": '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"ci'}
+    for fmt, text in cut.items():
+        assert tools.parse(fmt, text, TYPED, forced=True) == ("", []), fmt
+        assert tools.parse(fmt, text, TYPED)[1] == []  # auto: its words stay (they may be no call at all)
+    two = '{"name": "get_weather", "parameters": {"city": "Oslo"}}; {"name": "get_time", "param'
+    for forced in (True, False):
+        content, calls = tools.parse("llama3_json", two, TYPED, forced=forced)
+        assert content == "" and [(c["function"]["name"], _args(c)) for c in calls] == [("get_weather",
+                                                                                          {"city": "Oslo"})]

@@ -24,6 +24,7 @@ from starlette.requests import ClientDisconnect
 from . import openai_api as api
 from . import reasoning, tools
 from . import responses as rs
+from . import responses_api as rapi
 from .log import log
 from .scheduler import SHUTDOWN_MESSAGE, Done, Failed, Job, Scheduler, Text, Token
 
@@ -168,26 +169,55 @@ def make_app(state: AppState) -> FastAPI:
                                        code="model_not_found"), request)
         return model_card(name)
 
-    async def complete(request: Request, chat: bool):
+    async def complete(request: Request, chat: bool, responses: bool = False):
         mail.loop = mail.loop or asyncio.get_running_loop()
         try:
             raw = await _read_body(request, state.max_request_bytes)
             body = await run_in_threadpool(api.loads_limited, raw)
-            p = await run_in_threadpool(api.parse, body, chat, state.parse_ctx)
+            if responses:  # the Responses API: the chat body it means (responses_api), echoed fields apart
+                p, echo = await run_in_threadpool(rapi.parse, body, state.parse_ctx)
+            else:
+                p = await run_in_threadpool(api.parse, body, chat, state.parse_ctx)
             ok, reason = state.health.status()
             if not ok:
                 raise api.ApiError(f"the server is unavailable: {reason}", status=503)
         except api.ApiError as e:
             return _error(e, request)
         events: asyncio.Queue = asyncio.Queue()
-        job = Job(p.req, lambda ev: mail.post(events, ev), p.n, p.keep_special)
+        job = Job(p.req, lambda ev: mail.post(events, ev), p.n, p.keep_special, p.prompts)
         if not sched.submit(job):
             return _error(api.ApiError(SHUTDOWN_MESSAGE, status=503), request)
+        if responses:
+            feed = _Events(request, events)
+            if p.stream:
+                return StreamingResponse(rapi.stream(state, feed, job, p, echo, _StreamChoice(p)),
+                                         media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            return await rapi.whole(state, feed, job, p, echo)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         if p.stream:
             return StreamingResponse(_stream(state, request, job, events, p, rid), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         return await _whole(state, request, job, events, p, rid)
+
+    @app.post("/v1/responses")
+    @app.post("/responses", include_in_schema=False)
+    async def responses(request: Request):
+        return await complete(request, True, responses=True)
+
+    async def tokens(request: Request, fn):
+        try:
+            body = await run_in_threadpool(api.loads_limited, await _read_body(request, state.max_request_bytes))
+            return await run_in_threadpool(fn, body, state.parse_ctx)
+        except api.ApiError as e:
+            return _error(e, request)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):  # vLLM's
+        return await tokens(request, rapi.tokenize)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        return await tokens(request, rapi.detokenize)
 
     schemas = {True: api.ChatCompletionRequest, False: api.CompletionRequest}
     for chat, paths in ((False, COMPLETIONS), (True, CHAT)):
@@ -233,8 +263,8 @@ class _Events:
 
 
 async def _whole(state: AppState, request: Request, job: Job, events: asyncio.Queue, p, rid: str) -> Response:
-    parts = [[] for _ in range(p.n)]
-    entries = [[] for _ in range(p.n)]
+    parts = [[] for _ in range(p.choices)]
+    entries = [[] for _ in range(p.choices)]
     done: dict = {}
     feed = _Events(request, events)
     try:
@@ -250,11 +280,11 @@ async def _whole(state: AppState, request: Request, job: Job, events: asyncio.Qu
                 return _error(api.ApiError(ev.message, status=ev.status), request)
             elif isinstance(ev, Done):
                 done[ev.index] = ev
-                if len(done) < p.n:
+                if len(done) < p.choices:
                     continue
                 choices = [rs.whole_choice(p, i, "".join(parts[i]), done[i].finish_reason, entries[i], state.pieces)
-                           for i in range(p.n)]
-                return JSONResponse(rs.whole_response(p, rid, int(time.time()), choices, ev.prompt_tokens,
+                           for i in range(p.choices)]
+                return JSONResponse(rs.whole_response(p, rid, int(time.time()), choices, p.prompt_tokens,
                                                       sum(d.completion_tokens for d in done.values())))
     finally:  # answered, or the client went away: an open job's row is freed
         state.scheduler.cancel(job)
@@ -267,7 +297,7 @@ class _StreamChoice:
 
     def __init__(self, p):
         self.pending, self.offset, self.completion_tokens = [], 0, 0
-        self.calls = tools.StreamParser(p.tool_format, p.tools) if p.tool_format is not None else None
+        self.calls = tools.StreamParser(p.tool_format, p.tools, p.forced) if p.tool_format is not None else None
         self.think = reasoning.Splitter(p.reasoning, p.thinking) if p.reasoning is not None else None
 
     def deltas(self, text: str, chat: bool, end: bool = False) -> list:
@@ -289,8 +319,8 @@ class _StreamChoice:
 
 async def _stream(state: AppState, request: Request, job: Job, events: asyncio.Queue, p, rid: str):
     created = int(time.time())
-    choices = [_StreamChoice(p) for _ in range(p.n)]
-    left = p.n
+    choices = [_StreamChoice(p) for _ in range(p.choices)]
+    left = p.choices
     feed = _Events(request, events)
 
     def sse(obj) -> str:
@@ -308,7 +338,7 @@ async def _stream(state: AppState, request: Request, job: Job, events: asyncio.Q
 
     try:
         if p.chat:
-            yield "".join(chunk(i, {"role": "assistant", "content": ""}) for i in range(p.n))
+            yield "".join(chunk(i, {"role": "assistant", "content": ""}) for i in range(p.choices))
         ended = False
         while not ended:
             ev = await feed.next()
@@ -340,7 +370,7 @@ async def _stream(state: AppState, request: Request, job: Job, events: asyncio.Q
                     left -= 1
                     if left == 0:
                         if p.include_usage:
-                            out.append(sse(rs.usage_chunk(p, rid, created, ev.prompt_tokens,
+                            out.append(sse(rs.usage_chunk(p, rid, created, p.prompt_tokens,
                                                           sum(c.completion_tokens for c in choices))))
                         ended = True
                         break

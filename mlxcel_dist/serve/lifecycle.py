@@ -294,7 +294,7 @@ def _serve(model, tok, group, opts, sock, config, engine, link, beats, guard) ->
     one_row = not batchable(model)
     sched = Scheduler(tok, 1 if one_row else opts.decode_concurrency, 1 if one_row else opts.prompt_concurrency,
                       sleeping_followers=group.single or link.channel is not None,
-                      pace=not one_row and not opts.max_num_batched_tokens)
+                      pace=not one_row and not opts.max_num_batched_tokens, vocab=getattr(engine, "vocab", None))
     ctx = api.ParseContext(tokenizer=tok, vocab_size=model.args.vocab_size, model_ids=tuple(opts.served_names),
                            max_tokens_cap=opts.max_tokens_cap, context_length=api.context_limit(config),
                            defaults=opts.defaults or api.Defaults(), plain_chat=api.no_chat_template(tok),

@@ -31,6 +31,7 @@ DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
 DEFAULT_CHAT_TOKENS = 512  # mlx-lm's server default (--max-tokens 512)
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat's top_logprobs
 MAX_N = 16  # choices per request
+MAX_PROMPTS = 1024  # prompts in one completions request (each its n choices)
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -214,8 +215,10 @@ class ChatCompletionRequest(_Common):
 
 
 class CompletionRequest(_Common):
-    prompt: (str | Annotated[list[str], Field(min_length=1, max_length=1)]
-             | Annotated[list[int], Field(min_length=1, fail_fast=True)])
+    prompt: (str | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)]
+             | Annotated[list[int], Field(min_length=1, fail_fast=True)]
+             | Annotated[list[Annotated[list[int], Field(min_length=1, fail_fast=True)]],
+                         Field(min_length=1, max_length=MAX_PROMPTS)])
     logprobs: bool | int | None = Field(None, description="k: the k most likely tokens (true: the chat form)")
 
 
@@ -225,7 +228,8 @@ _SHAPES = {
     True: {"stop": STOP_MESSAGE, "logprobs": "'logprobs' must be true or false (the number of alternatives "
                                              "is 'top_logprobs')"},
     False: {"stop": STOP_MESSAGE,
-            "prompt": "'prompt' must be a string, a list of one string, or a non-empty list of token ids",
+            "prompt": f"'prompt' must be a string, a non-empty list of token ids, or a list of at most {MAX_PROMPTS} "
+                      "of either",
             "logprobs": f"'logprobs' must be an integer in [0, {MAX_TOP_LOGPROBS}], or true / false"},
 }
 _KINDS = {"int_type": "an integer", "float_type": "a number", "bool_type": "true or false",
@@ -336,6 +340,17 @@ class Parsed:
     thinking: bool = False  # ... the answer begins inside the thinking (the template opened it)
     keep_special: bool = False  # detokenise with special tokens kept (harmony's markers)
     tools: list | None = None  # the request's tools (their schemas type the XML call formats' values)
+    forced: bool = False  # tool_choice required / named: the answer is calls only (a cut one is dropped)
+    prompts: list | None = None  # several prompts (completions): their ids, n choices each (None: req's alone)
+
+    @property
+    def choices(self) -> int:
+        return self.n * (len(self.prompts) if self.prompts else 1)
+
+    @property
+    def prompt_tokens(self) -> int:
+        """usage's prompt_tokens: each prompt once (its n choices share it)."""
+        return sum(map(len, self.prompts)) if self.prompts else len(self.req.prompt_ids)
 
 
 def no_chat_template(tokenizer) -> bool:
@@ -431,19 +446,25 @@ def _encode(ctx: ParseContext, text: str, where: str) -> list[int]:
                        param=where.strip("'")) from None
 
 
-def _completion_ids(m: CompletionRequest, ctx: ParseContext) -> list[int]:
-    p = m.prompt[0] if isinstance(m.prompt, list) and isinstance(m.prompt[0], str) else m.prompt
-    if isinstance(p, str):
-        ids = _encode(ctx, p, "'prompt'")
-    else:
-        bad = [t for t in p if not 0 <= t < ctx.vocab_size]
-        if bad:
-            raise ApiError(f"token id {_show(bad[0])} in 'prompt' is outside the vocabulary [0, {ctx.vocab_size})",
-                           param="prompt")
-        ids = list(p)
-    if not ids:
-        raise ApiError("'prompt' is empty and the tokenizer adds no BOS token", param="prompt")
-    return ids
+def _completion_ids(m: CompletionRequest, ctx: ParseContext) -> list[list[int]]:
+    """Each prompt's ids: a string or an id list is one prompt, a list of
+    strings or of id lists several (OpenAI's four forms)."""
+    many = isinstance(m.prompt, list) and not isinstance(m.prompt[0], int)
+    out = []
+    for i, p in enumerate(m.prompt if many else [m.prompt]):
+        where = f"'prompt'[{i}]" if many else "'prompt'"
+        if isinstance(p, str):
+            ids = _encode(ctx, p, where)
+        else:
+            bad = [t for t in p if not 0 <= t < ctx.vocab_size]
+            if bad:
+                raise ApiError(f"token id {_show(bad[0])} in {where} is outside the vocabulary [0, {ctx.vocab_size})",
+                               param="prompt")
+            ids = list(p)
+        if not ids:
+            raise ApiError(f"{where} is empty and the tokenizer adds no BOS token", param="prompt")
+        out.append(ids)
+    return out
 
 
 def _chat_messages(m: ChatCompletionRequest) -> list[dict]:
@@ -476,15 +497,25 @@ def _chat_messages(m: ChatCompletionRequest) -> list[dict]:
     return out
 
 
-def _tools(m: ChatCompletionRequest, ctx: ParseContext) -> list | None:
-    """The request's tools as the chat template takes them (None: none)."""
-    if not m.tools:
-        return None
-    if ctx.plain_chat or ctx.tool_format is None:
-        raise ApiError("'tools' is not supported for this model: its chat template writes no tool-call format "
-                       f"this server parses ({', '.join(tools_fmt.FORMATS)}; serve --tool-call-parser names one)",
-                       param="tools", code="unsupported_parameter")
-    return [t.model_dump(exclude_none=True) for t in m.tools]
+def _tool_format(m, chat: bool, ctx: ParseContext) -> tuple[str | None, bool]:
+    """(the format the answer's calls are parsed in, None: no tools; whether
+    the tools go into the prompt as serve.tools' fallback block because the
+    template writes no format): calls forced (required / named) need no
+    template format, `auto` does (a 400 naming the flag), `none` renders
+    what the template renders, or nothing."""
+    if not chat or not m.tools:
+        return None, False
+    known = ctx.tool_format is not None and not ctx.plain_chat
+    if known:
+        return (ctx.tool_format if m.tool_choice != "none" else None), False
+    if _forced(m, chat):
+        return tools_fmt.FALLBACK, True
+    if m.tool_choice == "none":
+        return None, False
+    raise ApiError("'tools' is not supported for this model with tool_choice 'auto': its chat template writes no "
+                   f"tool-call format this server parses ({', '.join(tools_fmt.FORMATS)}; serve --tool-call-parser "
+                   "names one); tool_choice 'required' or a named function works without one",
+                   param="tools", code="unsupported_parameter")
 
 
 RESERVED_TEMPLATE_VARS = ("messages", "tools", "documents", "add_generation_prompt")
@@ -508,10 +539,15 @@ def _template_kwargs(m: ChatCompletionRequest, ctx: ParseContext) -> dict:
     return kwargs
 
 
-def _chat_ids(m: ChatCompletionRequest, ctx: ParseContext) -> tuple[list[int], str]:
-    """The rendered conversation's ids and its text."""
+def _chat_ids(m: ChatCompletionRequest, ctx: ParseContext, fallback: bool) -> tuple[list[int], str]:
+    """The rendered conversation's ids and its text; `fallback`: the tools
+    written into the messages (serve.tools.fallback_messages), not given to the template."""
     out = _chat_messages(m)
-    tools = _tools(m, ctx)
+    tools = [t.model_dump(exclude_none=True) for t in m.tools] if m.tools else None
+    if fallback:
+        out, tools = tools_fmt.fallback_messages(out, tools), None
+    elif ctx.plain_chat or ctx.tool_format is None:
+        tools = None  # tool_choice none, no format: nothing of the tools is rendered
     kwargs = _template_kwargs(m, ctx)
     if ctx.plain_chat:
         rm = (m.model_extra or {}).get("role_mapping")  # mlx-lm's extra field
@@ -556,7 +592,7 @@ def special_markers(ctx: ParseContext) -> dict:
     return ctx.special
 
 
-def _grammar(m, chat: bool, ctx: ParseContext, think: str | None = None) -> str | None:
+def _grammar(m, chat: bool, ctx: ParseContext, think: str | None = None, tool_format: str | None = None):
     """The constraining grammar's text or None: tool_choice `required` / a
     named function (the served tool-call format, arguments valid under each
     function's parameters), else response_format json_object / json_schema;
@@ -584,8 +620,8 @@ def _grammar(m, chat: bool, ctx: ParseContext, think: str | None = None) -> str 
             parallel = (m.model_extra or {}).get("parallel_tool_calls", True)
             if not isinstance(parallel, bool):
                 raise ApiError("'parallel_tool_calls' must be true or false", param="parallel_tool_calls")
-            return grammar.tool_calls(ctx.tool_format, tools, name, many=parallel and name is None, think=think,
-                                      special=special)
+            return grammar.tool_calls(tool_format or ctx.tool_format, tools, name, many=parallel and name is None,
+                                      think=think, special=special)
         if fmt == "json_object":
             return grammar.json_object(think, special)
         spec = m.response_format.json_schema
@@ -691,19 +727,24 @@ def parse(body: object, chat: bool, ctx: ParseContext) -> Parsed:
     if m.ignore_eos and not ctx.ignore_eos_ok:
         raise ApiError("'ignore_eos' is not supported for this model (its own generation loop ends at EOS)",
                        param="ignore_eos", code="unsupported_parameter")
-    ids, text = _chat_ids(m, ctx) if chat else (_completion_ids(m, ctx), "")
+    tool_format, fallback = _tool_format(m, chat, ctx)
+    if chat:
+        ids, text = _chat_ids(m, ctx, fallback)
+        prompts = [ids]
+    else:
+        prompts, text = _completion_ids(m, ctx), ""
+        ids = prompts[0]
     stops = [_text(s, "'stop'") for s in ([m.stop] if isinstance(m.stop, str) else m.stop or [])]
     stop_ids = list(m.stop_token_ids or [])
     if any(t >= ctx.vocab_size for t in stop_ids):
         raise ApiError(f"'stop_token_ids' must be token ids in [0, {ctx.vocab_size})", param="stop_token_ids")
-    forced = _forced(m, chat)
-    tool_format = ctx.tool_format if chat and m.tools and (m.tool_choice != "none" or forced) else None
     fmt = ctx.reasoning_format if chat and not ctx.plain_chat else None
     if tool_format == "harmony" and fmt is None:  # harmony's calls are messages: the channels split first
         fmt = "gpt_oss"
     # a constrained answer's grammar lets the model think first (its thinking split off as usual)
-    gram = _grammar(m, chat, ctx, grammar.thinking(fmt, text))
-    req = GenRequest(ids, _max_tokens(m, chat, len(ids), ctx), _sampling(m, ctx.defaults, ctx.vocab_size), stops,
+    gram = _grammar(m, chat, ctx, grammar.thinking(fmt, text), tool_format)
+    longest = max(prompts, key=len)  # every prompt must fit with max_tokens
+    req = GenRequest(ids, _max_tokens(m, chat, len(longest), ctx), _sampling(m, ctx.defaults, ctx.vocab_size), stops,
                      logprobs, bool(m.ignore_eos), stop_ids, gram, m.speculative is not False)
     try:
         check_wire(req)  # defence in depth: the checks above should already hold every wire limit
@@ -714,7 +755,8 @@ def parse(body: object, chat: bool, ctx: ParseContext) -> Parsed:
             or (ctx.keep_special and (fmt is not None or tool_format is not None)))
     return Parsed(req, stream, include_usage, model, chat, tool_format, n, fmt,
                   fmt is not None and reasoning.starts_thinking(fmt, text), keep,
-                  [t.model_dump(exclude_none=True) for t in m.tools] if tool_format else None)
+                  [t.model_dump(exclude_none=True) for t in m.tools] if tool_format else None,
+                  _forced(m, chat) and tool_format is not None, prompts if len(prompts) > 1 else None)
 
 
 # Chat rendering without a template -------------------------------------------------

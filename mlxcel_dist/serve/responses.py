@@ -125,9 +125,9 @@ def whole_choice(p: Parsed, index: int, text: str, finish_reason: str, entries, 
             thought, text = reasoning.split(p.reasoning, text, p.thinking)
         message = {"role": "assistant", "content": text}
         if p.tool_format is not None:
-            content, calls = tools.parse(p.tool_format, text, p.tools)
-            if calls:
-                message = {"role": "assistant", "content": content or None, "tool_calls": calls}
+            content, calls = tools.parse(p.tool_format, text, p.tools, p.forced)
+            if calls or p.forced:
+                message = {"role": "assistant", "content": content or None, **({"tool_calls": calls} if calls else {})}
                 finish = "tool_calls" if finish == "stop" else finish
         if thought:
             message["reasoning_content"] = message["reasoning"] = thought

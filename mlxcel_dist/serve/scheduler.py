@@ -67,18 +67,28 @@ class Job:
     """One request on rank 0: its GenRequest and where its events go (`sink`
     is called on the scheduler's thread and must not block)."""
 
-    def __init__(self, req: GenRequest, sink, n: int = 1, keep_special: bool = False):
+    def __init__(self, req: GenRequest, sink, n: int = 1, keep_special: bool = False, prompts: list | None = None):
         """`n` choices: n rows admitted in one step (the engine prefills their
         shared prompt once), row i sampling with seed (req's seed + i) mod 2^64.
-        `keep_special`: its text keeps special tokens (harmony's markers)."""
+        `keep_special`: its text keeps special tokens (harmony's markers).
+        `prompts` (several in one completions request; None: req's alone): n
+        choices of each, choice p * n + i prompt p's i-th; prompt by prompt
+        the groups join the batch as rows free up, together where they fit."""
         self.req = req
         self.keep_special = keep_special
         self.sink = sink
-        self.n = n
-        self.left = n  # choices not done yet
+        self.prompts = prompts or [req.prompt_ids]
+        self.group = n  # one prompt's rows: admitted together, one prefill
+        self.n = n * len(self.prompts)  # rows in all
+        self.admitted = 0  # rows admitted so far
+        self.left = self.n  # choices not done yet
         self.started = False  # its first token was read (metrics' time to first token)
         self.cancelled = threading.Event()  # its client went away: the row is freed at the next step
         self.arrived = time.monotonic()
+
+    def choice_req(self, i: int) -> GenRequest:
+        """Row i's request: its prompt's, choice i % n's seed."""
+        return _choice_req(self.req, i % self.group, self.prompts[i // self.group])
 
 
 @dataclass
@@ -88,6 +98,7 @@ class _Row:
     stopper: object
     eos: set
     index: int = 0  # the job's choice this row generates
+    check: object = None  # grammar.Matcher over the ids read: the grammar gave up (llguidance's error)
     generated: int = 0
     last_t: float = 0.0  # when its previous token was read (metrics)
 
@@ -116,13 +127,17 @@ class StepTimes:
 
 class Scheduler:
     def __init__(self, tokenizer, decode_concurrency: int = 32, prompt_concurrency: int = 8,
-                 sleeping_followers: bool = True, pace: bool = True):
+                 sleeping_followers: bool = True, pace: bool = True, vocab=None):
         """`sleeping_followers`: the other ranks wait for the next step asleep
         (host channel, or np 1), so an idle scheduler sends nothing; else it
         sends idle notes that let them sleep between collectives. `pace`: each
         step's prompt tokens from the steps' times (serve.pacing); False: the
-        engine's fixed budget (--max-num-batched-tokens)."""
+        engine's fixed budget (--max-num-batched-tokens). `vocab`
+        (grammar.Vocab, the engine's): a constrained row's ids are matched
+        here too, so a grammar llguidance gives up on mid-answer (which the
+        ranks' masks turn into EOS) ends its request with an error, not "stop"."""
         self.tok = tokenizer
+        self.vocab = vocab
         self.decode_concurrency = decode_concurrency
         self.prompt_concurrency = prompt_concurrency
         self.sleeping_followers = sleeping_followers
@@ -254,29 +269,34 @@ class Scheduler:
             self._end(r.job, Failed("client gone", 499))  # once per job (its other rows: already ended)
         admissions, keep, jobs, full = [], [], 0, False
         for job in self.backlog:
+            if job not in self.open:  # ended while admitted in part (its client gone, a row failed)
+                continue
             if job.cancelled.is_set():
                 log("client gone: request dropped before it took a row")
                 self._end(job, Failed("client gone", 499))
-            elif (jobs < self.prompt_concurrency and not full
-                  and len(self.rows) + len(admissions) + job.n <= self.decode_concurrency):
-                jobs += 1  # a job's n rows share one prefill: one prompt
-                for i in range(job.n):
+                continue
+            while (job.admitted < job.n and jobs < self.prompt_concurrency and not full
+                   and len(self.rows) + len(admissions) + job.group <= self.decode_concurrency):
+                jobs += 1  # a prompt's n rows share one prefill: one prompt
+                for i in range(job.admitted, job.admitted + job.group):
                     admissions.append((self.next_rid, job, i))
                     self.next_rid = (self.next_rid + 1) % RID_LIMIT
-            else:  # FIFO: a job waiting for rows (n of them) is not overtaken by later, smaller ones
-                full = full or len(self.rows) + len(admissions) + job.n > self.decode_concurrency
+                job.admitted += job.group
+            if job.admitted < job.n:  # FIFO: a job waiting for rows (n of them) is not overtaken by later ones
+                full = full or len(self.rows) + len(admissions) + job.group > self.decode_concurrency
                 keep.append(job)
         self.backlog = keep
-        step = Step(KIND_STEP, self.removals, [(rid, _choice_req(job.req, i)) for rid, job, i in admissions],
+        step = Step(KIND_STEP, self.removals, [(rid, job.choice_req(i)) for rid, job, i in admissions],
                     prefill_tokens=self.pacer.tokens() if self.pacer is not None else 0)
         self.removals = []
         for rid, job, i in admissions:
-            ids = job.req.prompt_ids
+            ids = job.prompts[i // job.group]
             # stop_token_ids end a row as EOS does, also under ignore_eos (vLLM's rule)
             eos = (set() if job.req.ignore_eos else set(self.tok.eos_ids)) | set(job.req.stop_ids)
             decoder = StreamDecoder(self.tok, context=list(ids)[-4:], keep_special=job.keep_special)
-            self.rows[rid] = _Row(job, decoder, StopStrings(job.req.stop), eos, i)
-            if i == 0:
+            check = self._checker(job.req.grammar)
+            self.rows[rid] = _Row(job, decoder, StopStrings(job.req.stop), eos, i, check)
+            if i % job.group == 0:
                 self.metrics.admitted(len(ids))
         if self._t_rest is not None and (self.rows or step.changes):
             self.times.rest += time.monotonic() - self._t_rest
@@ -346,6 +366,10 @@ class Scheduler:
                 self.removals.append(rid)
 
     def _advance_row(self, rid: int, r: _Row, tok: int, lp, since: float | None, share: int) -> None:
+        if r.check is not None:
+            r.check.advance(tok)
+            if r.check.error is not None:
+                return self._grammar_failed(rid, r)
         if tok in r.eos:
             return self._finish(rid, r, "eos")
         r.generated += 1
@@ -368,6 +392,24 @@ class Scheduler:
         elif r.generated >= r.job.req.max_tokens:
             self._finish(rid, r, "length")
 
+    def _checker(self, grammar: str | None):
+        if self.vocab is None or not grammar:
+            return None
+        try:
+            return self.vocab.matcher(grammar)
+        except Exception as e:  # noqa: BLE001 - the engine's own matcher fails that admission alike
+            log(f"grammar check unavailable for a request: {type(e).__name__}: {e}")
+            return None
+
+    def _grammar_failed(self, rid: int, r: _Row) -> None:
+        log(f"grammar gave up after {r.generated} tokens: {r.check.error}")
+        self.rows.pop(rid)
+        self.removals.append(rid)
+        self._drop_job(r.job, set())
+        self._end(r.job, Failed(f"constrained decoding stopped after {r.generated} tokens: the request's grammar "
+                                f"(response_format or forced tool call) hit a limit of llguidance: {r.check.error}; "
+                                "a smaller schema (fewer optional properties) avoids it", 400))
+
     def _finish(self, rid: int, r: _Row, reason: str) -> None:
         if reason != "stop":
             tail = r.stopper.feed(r.decoder.flush()) + r.stopper.flush()
@@ -375,12 +417,15 @@ class Scheduler:
                 self._emit(r.job, Text(tail, r.index))
         self.rows.pop(rid)
         self.removals.append(rid)
-        self._end(r.job, Done(reason, len(r.job.req.prompt_ids), r.generated, r.stopper.stopped, r.index))
+        prompt = r.job.prompts[r.index // r.job.group]
+        self._end(r.job, Done(reason, len(prompt), r.generated, r.stopper.stopped, r.index))
 
 
-def _choice_req(req: GenRequest, i: int) -> GenRequest:
+def _choice_req(req: GenRequest, i: int, prompt: list | None = None) -> GenRequest:
     """Choice i's request: the job's, sampling with seed (seed + i) mod 2^64
     (so choice 0 is what n = 1 gives with the same seed)."""
+    if prompt is not None and prompt is not req.prompt_ids:
+        req = replace(req, prompt_ids=prompt)
     if i == 0:
         return req
     return replace(req, sampling=replace(req.sampling, seed=(req.sampling.seed + i) % SEED_LIMIT))

@@ -140,10 +140,36 @@ def _xml_calls(text: str, block: str, item: str, tools) -> tuple[str, list] | No
     return "".join(content).strip(), calls
 
 
-def parse(fmt: str, text: str, tools: list | None = None) -> tuple[str, list]:
+# Formats whose calls are blocks of their own: (a block's start, its end).
+BLOCKS = {"hermes": ("<tool_call>", "</tool_call>"), "glm45": ("<tool_call>", "</tool_call>"),
+          "deepseek_v3": (DS_CALL, DS_END), "deepseek_v31": (DS_CALL, DS_END), "kimi_k2": (KIMI_CALL, KIMI_END)}
+
+
+def parse(fmt: str, text: str, tools: list | None = None, forced: bool = False) -> tuple[str, list]:
     """(content, tool calls) of a whole answer; text that does not parse as
     calls stays content (the model's words, not an error). `tools`: the
-    request's, whose schemas type the XML forms' values."""
+    request's, whose schemas type the XML forms' values. A last call block
+    cut by the answer's end (max_tokens) is dropped, never left as content
+    beside the calls before it (OpenAI returns no call markup); with
+    `forced` calls (the whole answer is calls) an answer with no whole call
+    is no content either."""
+    block = BLOCKS.get(fmt)
+    at = text.rfind(block[0]) if block else -1
+    if block and (at < 0 or block[1] in text[at:]):  # or cut inside its start marker
+        at = next((len(text) - k for k in range(len(block[0]) - 1, 0, -1) if text.endswith(block[0][:k])), -1)
+    if at >= 0 and (block[0] not in text[at:] or block[1] not in text[at:]):
+        content, calls = _parse(fmt, text[:at], tools)
+        if calls or forced:  # forced: all of it was call markup (thinking is split off before)
+            return (content if calls else ""), calls
+    content, calls = _parse(fmt, text, tools)
+    if not calls and fmt == "llama3_json" and ";" in text:  # calls joined by ";": the cut last one dropped
+        head = _parse(fmt, text[:text.rfind(";")], tools)
+        if head[1] and (forced or text.lstrip().startswith(("{", "<|python_tag|>"))):
+            return head
+    return ("", calls) if forced and not calls else (content, calls)
+
+
+def _parse(fmt: str, text: str, tools: list | None = None) -> tuple[str, list]:
     if fmt in ("glm45", "minimax_m2"):
         if fmt == "glm45":
             # a block without its closing tag (an answer cut by max_tokens) stays text: its arguments may be cut
@@ -253,8 +279,8 @@ class StreamParser:
     possible start of a call on, text is held; `finish()` returns (the held
     content, the calls)."""
 
-    def __init__(self, fmt: str, tools: list | None = None):
-        self.fmt, self.tools = fmt, tools
+    def __init__(self, fmt: str, tools: list | None = None, forced: bool = False):
+        self.fmt, self.tools, self.forced = fmt, tools, forced
         self.sent = ""  # content already let through
         self.held = ""
         self.holding = False
@@ -287,6 +313,41 @@ class StreamParser:
         if not self.holding:
             out, self.held = self.held, ""
             return out, []
-        content, calls = parse(self.fmt, self.held, self.tools)
+        content, calls = parse(self.fmt, self.held, self.tools, self.forced)
         self.held = ""
         return content, calls
+
+
+# A template that writes no tool format (or no template): forced calls
+# (tool_choice required / named) still work, as vLLM forces them for any
+# model. The tools go into the prompt as a system block in Hermes' words
+# (Qwen's and NousResearch's templates), earlier calls and results as
+# Hermes' blocks, and the grammar writes the call in that format.
+FALLBACK = "hermes"
+FALLBACK_PROMPT = ("# Tools\n\nYou may call one or more of these functions:\n<tools>\n{tools}\n</tools>\n\n"
+                   "Write each call as <tool_call>\n{{\"name\": <function-name>, \"arguments\": "
+                   "<args-json-object>}}\n</tool_call>")
+
+
+def fallback_messages(messages: list, tools: list) -> list:
+    """`messages` (as the chat template takes them) with the tools described
+    in the system message (the first one, or a new one) and earlier calls /
+    tool results written as Hermes' blocks, for a template that renders
+    neither."""
+    block = FALLBACK_PROMPT.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
+    out = []
+    for m in messages:
+        m = dict(m)
+        calls = m.pop("tool_calls", None)
+        if calls:
+            m["content"] = (m.get("content") or "") + "".join(
+                "<tool_call>\n" + json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]},
+                                             ensure_ascii=False) + "\n</tool_call>" for c in calls)
+        if m["role"] == "tool":
+            m = {"role": "user", "content": f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"}
+        out.append(m)
+    if out and out[0]["role"] in ("system", "developer"):
+        out[0] = {**out[0], "content": block + "\n\n" + (out[0].get("content") or "")}
+    else:
+        out.insert(0, {"role": "system", "content": block})
+    return out
