@@ -288,6 +288,10 @@ class Backend:
         """What this rank's environment says about a failed start, or None."""
         return None
 
+    def finish_rank(self) -> None:
+        """A rank that succeeded, about to exit: whatever the backend needs
+        for the job to count as a success (nothing: MLX's teardown does it)."""
+
     def __repr__(self) -> str:
         return f"<backend {self.name}>"
 
@@ -713,6 +717,37 @@ class Mpi(Backend):
         if not os.path.exists(lib):
             return f"MLX_MPI_LIBNAME={lib} does not exist on this host"
         return f"MLX_MPI_LIBNAME={lib}"
+
+    def finish_rank(self) -> None:
+        """MPI_Finalize now, then exit 0 without the interpreter's teardown.
+        MLX finalizes in its MPI group's destructor, which runs only once
+        nothing holds the group; a compiled step's cached graph (its
+        send/recv/all_sum primitives) can hold it past exit (gemma4 and
+        recurrent_gemma at --np 4 --pp 2), and a rank that exits without
+        finalizing makes mpirun fail the whole job after a correct run."""
+        import atexit
+        import ctypes
+
+        lib = os.environ.get("MLX_MPI_LIBNAME")
+        try:
+            mpi = ctypes.CDLL(lib, mode=os.RTLD_NOLOAD | ctypes.RTLD_GLOBAL) if lib else None
+        except OSError:
+            mpi = None  # not loaded here: MLX never started MPI in this process
+        if mpi is None:
+            return
+        started, ended = ctypes.c_int(0), ctypes.c_int(0)
+        mpi.MPI_Initialized(ctypes.byref(started))
+        mpi.MPI_Finalized(ctypes.byref(ended))
+        if not started.value or ended.value:
+            return
+        atexit._run_exitfuncs()  # what a normal exit would run first
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        rc = mpi.MPI_Finalize()
+        os._exit(0 if rc == 0 else 1)  # MLX's destructor must not finalize a second time
 
 
 # --------------------------------------------------------------------------- #

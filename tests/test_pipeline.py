@@ -267,6 +267,50 @@ def _run_id(b, n, P, d):
     return f"{b}-pp{P}" + (f"x{n // P}" if n > P else "") + f"-{case_id(d)}"
 
 
+# Every family at pp 2 x tp 2, ending in compiled decode steps, once per backend: the
+# job must exit 0 (issue 41: under mpirun a rank whose run ended so never finalized
+# MPI). One job per backend, not one per family: the failure is the process's (a
+# reference MLX keeps to the MPI group past exit), so one family that leaves it fails
+# the whole job (gemma4 then llama failed), and each family's logits are checked.
+DECODE_RUNS = {(b, 4, 2, "--decode"): _ONE_PER_FAMILY for b in ("mpi", "ring")}
+
+
+@pytest.fixture(scope="module")
+def decode_results(tmp_path_factory):
+    return launched_results(tmp_path_factory, DECODE_RUNS, str(HELPER), "ppdecode", str)
+
+
+@pytest.mark.parametrize("backend", ["mpi", "ring"])
+@pytest.mark.parametrize("d", _ONE_PER_FAMILY, ids=case_id)
+def test_every_family_pp2x2_decodes_and_exits_0(decode_results, backend, d):
+    from helpers.pp_cases import DECODE_STEPS, DECODE_TOKENS
+    from mlxcel_dist.engine import sequence_logits
+    from reference_cases import _model
+
+    out = decode_results(backend, 4, 2, "--decode")  # asserts the job's exit code 0
+    with np.load(out / f"{d.parent.name}__{d.name}.npz") as z:
+        got = z["decode"]
+    ids = np.load(_reference(d))["ids"][:DECODE_TOKENS]
+    one = sequence_logits(_model(d), ids, decode_from=DECODE_TOKENS - DECODE_STEPS)
+    for what, want in (("reference", np.load(_reference(d))["logits"][:DECODE_TOKENS]), ("np1", one)):
+        r = compare(got, want, _tol(d))
+        assert r["ok"], (backend, case_id(d), "vs", what, r)
+
+
+def test_logits_pp2x2_decode_exits_0_under_mpi(tmp_path):
+    # the reported command (gemma4: exit 1 after writing the right logits)
+    d = FIXTURES / "gemma4/dense_fp32"
+    ids = tmp_path / "ids.npy"
+    np.save(ids, np.load(_reference(d))["ids"][:24])
+    out = tmp_path / "o.npy"
+    p = _cli("logits", d, "--tokens-file", ids, "--out", out, "--np", 4, "--pp", 2, "--decode-from", 20,
+             "--backend", "mpi", cwd=tmp_path, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert p.stderr.strip().splitlines() == [f"wrote {out} [24, 256] float32 (np 4, pp 2: layers [0, 2) [2, 6))"]
+    r = compare(np.load(out), np.load(_reference(d))["logits"][:24], _tol(d))
+    assert r["ok"], r
+
+
 @pytest.mark.parametrize("backend,n,P,d", COMBOS, ids=[_run_id(*c) for c in COMBOS])
 def test_pp_matches_reference_and_single_process(pp_results, single, backend, n, P, d):
     out = pp_results(backend, n, P)
