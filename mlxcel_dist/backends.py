@@ -251,6 +251,10 @@ class Backend:
     # MLX's backend logs "[<name>] ..." for every failed socket operation once
     # a peer is gone; the launcher shows those lines with --verbose only.
     logs_peer_loss: ClassVar[bool] = False
+    # MLX's send/recv work on it (pipeline stages hand on by them; else by
+    # collectives: pipeline.handoff_mode) and a group splits (Group.split)
+    point_to_point: ClassVar[bool] = True
+    splits: ClassVar[bool] = False
 
     # auto ------------------------------------------------------------------ #
     def available(self, python: str | None = None) -> bool:
@@ -627,6 +631,7 @@ class Mpi(Backend):
 
     name = "mpi"
     auto_order = 30
+    splits = True  # MPI_Comm_split
     identity_vars = ()
     hint = (
         "start the job with mpirun and export MLX_MPI_LIBNAME to every rank "
@@ -765,6 +770,7 @@ class Nccl(Backend):
 
     name = "nccl"
     auto_order = 0
+    point_to_point = False  # MLX 0.32's NCCL group: "Send not supported" (and no split)
     beats_hostfile = True
     real_at_one_rank = True
     port_var = "MLXCEL_NCCL_PORT"

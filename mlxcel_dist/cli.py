@@ -87,6 +87,13 @@ MoeSplitOpt = Annotated[
                  "glm4_moe, deepseek_v3, minimax_m2, llama4, step3p5, gemma4, qwen3_next, qwen3_5_moe).",
                  metavar="intermediate|experts"),
 ]
+PpHandoffOpt = Annotated[
+    str,
+    typer.Option("--pp-handoff", help="How pipeline stages hand on hidden states: send (MLX's send/recv), "
+                 "collective (no point-to-point op: an all_gather over the two stages' ranks where the backend "
+                 "splits groups (mpi), else over every rank), auto (send where the backend has it; nccl: "
+                 "collective).", metavar="auto|send|collective"),
+]
 DtypeOpt = Annotated[
     Optional[str], typer.Option("--dtype", help="Compute dtype (float32, bfloat16, float16); default: the checkpoint's.")
 ]
@@ -160,6 +167,7 @@ class LaunchOptions:
     hostfile: HostfileOpt = None
     rank_weights: RankWeightsOpt = None
     moe_split: MoeSplitOpt = "intermediate"
+    pp_handoff: PpHandoffOpt = "auto"
     stall_timeout: StallOpt = DEFAULT_STALL_TIMEOUT_S
 
 

@@ -125,6 +125,7 @@ def init_from_env() -> Group:
             f"process rank {raw.rank()}"
         )
     _group = Group(raw)
+    _group.backend = backend
     return _group
 
 

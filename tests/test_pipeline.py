@@ -230,6 +230,11 @@ def test_refusals_are_one_line(tmp_path):
          "error: --pp 5 needs at least 5 layers, the model has 4"),
         (["logits", FIXTURES / "llama/gqa_fp32", "--tokens-file", ids, "--out", out, "--pp", "2",
           "--rank-weights", "3,1,1"], "error: --rank-weights gives 3 weights for 2 ranks"),
+        # no path: before launch (nccl is refused so even where it cannot start)
+        (["logits", FIXTURES / "llama/gqa_fp32", "--tokens-file", ids, "--out", out, "--pp", "2",
+          "--backend", "nccl", "--pp-handoff", "send"], "error: --pp-handoff send: backend nccl has no point-to-point"),
+        (["logits", FIXTURES / "llama/gqa_fp32", "--tokens-file", ids, "--out", out, "--pp", "2", "--np", "4",
+          "--backend", "nccl"], "error: --np 4 --pp 2 on backend nccl: 2 tensor-parallel ranks per stage need"),
     ]
     for argv, line in checks:
         p = _cli(*argv, cwd=tmp_path)
@@ -326,6 +331,61 @@ def test_pp_matches_reference_and_single_process(pp_results, single, backend, n,
     rows = short_length_of(d) if (backend, n, P) in SHORT else None
     assert_modes_match(out / f"{key}.npz", np.load(_reference(d))["logits"], single[d], _tol(d), (backend, n, P),
                        rows)
+
+
+# --pp-handoff collective (no send/recv: MLX's NCCL backend has none) against the send/recv
+# runs above, bit for bit: over the whole group (ring: NCCL's own path, as it cannot split
+# either; pp 3: a middle stage's hops and gemma4's per-stage message widths) and over split
+# groups at pp 2 x tp 2 (mpi: the hop's group and a SplitGroup inside each stage; cohere2's
+# parallel block, gemma3n's packed AltUp streams, the recurrent block)
+# (backend, ranks, stages) -> the send/recv run it is held to (at pp 3 x tp 1 MPI's: one rank a
+# stage, nothing summed but the logits with zeros, so the backend changes no bit)
+AGAINST = {("ring", 2, 2): ("ring", 2, 2), ("ring", 3, 3): ("mpi", 3, 3), ("mpi", 4, 2): ("mpi", 4, 2)}
+COLLECTIVE_RUNS = {
+    ("ring", 2, 2, "--collective"): RUNS[("ring", 2, 2)],
+    ("ring", 3, 3, "--collective"): RUNS[("mpi", 3, 3)],
+    ("mpi", 4, 2, "--collective"): [d for d in RUNS[("mpi", 4, 2)]
+                                    if d.parent.name in ("cohere2", "gemma3n", "recurrent_gemma")],
+}
+SHORT_COLLECTIVE = {k for k in COLLECTIVE_RUNS if AGAINST[k[:3]] in SHORT}  # the same tokens as the send run
+COLLECTIVE_COMBOS = [(*k[:3], d) for k, ds in COLLECTIVE_RUNS.items() for d in ds]
+
+
+@pytest.fixture(scope="module")
+def collective_results(tmp_path_factory):
+    return launched_results(tmp_path_factory, COLLECTIVE_RUNS, str(HELPER), "ppcoll", str, SHORT_COLLECTIVE)
+
+
+@pytest.mark.parametrize("backend,n,P,d", COLLECTIVE_COMBOS, ids=[_run_id(*c) for c in COLLECTIVE_COMBOS])
+def test_collective_handoff_equals_send_recv(pp_results, collective_results, backend, n, P, d):
+    key = f"{d.parent.name}__{d.name}.npz"
+    sent = pp_results(*AGAINST[(backend, n, P)]) / key
+    got = collective_results(backend, n, P, "--collective") / key
+    with np.load(sent) as a, np.load(got) as b:
+        assert set(a.files) == set(b.files)
+        for mode in a.files:
+            assert np.array_equal(a[mode], b[mode]), (backend, n, P, case_id(d), mode)
+
+
+@pytest.mark.parametrize("backend,requested,T,want", [
+    ("ring", "auto", 1, "send"), ("ring", "collective", 1, "collective"), ("ring", "send", 2, "send"),
+    ("mpi", "auto", 2, "send"), ("mpi", "collective", 2, "collective"), ("nccl", "auto", 1, "collective"),
+    ("nccl", "collective", 1, "collective"), ("jaccl", "auto", 2, "send"), (None, "auto", 2, "send"),
+    ("nccl", "send", 1, "error: --pp-handoff send: backend nccl has no point-to-point ops"),
+    ("nccl", "auto", 2, "error: --np 4 --pp 2 on backend nccl: 2 tensor-parallel ranks per stage need"),
+    ("ring", "collective", 2, "error: --np 4 --pp 2 on backend ring: 2 tensor-parallel ranks per stage need"),
+    ("jaccl", "collective", 2, "error: --np 4 --pp 2 on backend jaccl"),
+    ("mpi", "recv", 1, "error: --pp-handoff must be one of auto, send, collective"),
+])
+def test_handoff_mode_per_backend(backend, requested, T, want):
+    from mlxcel_dist.pipeline import handoff_mode
+
+    if not want.startswith("error: "):
+        assert handoff_mode(requested, backend, 2, T) == want
+        return
+    with pytest.raises(UserError) as e:
+        handoff_mode(requested, backend, 2, T)
+    assert f"error: {e.value}".startswith(want), e.value
 
 
 def test_generate_pp2_prints_the_same_text_as_np1(tmp_path):

@@ -1,8 +1,10 @@
 """Rank job for the pipeline tests: every fixture case in every mode, in
 P stages of size / P ranks each (tensor parallel inside a stage), one launch.
 
-usage (under the launcher): pp_cases.py OUT_DIR P [--decode] [--short] CASE_DIR [CASE_DIR ...]
+usage (under the launcher): pp_cases.py OUT_DIR P [--collective] [--decode] [--short] CASE_DIR [CASE_DIR ...]
 --short: the first harness.short_length tokens only.
+--collective: the stages hand on by collectives (--pp-handoff collective:
+no send/recv, what MLX's NCCL backend needs).
 --decode: the first DECODE_TOKENS tokens only, the last DECODE_STEPS of them
 decoded one at a time (compiled decode steps, as `logits --decode-from`:
 a job ending so left MPI unfinalized, issue 41); written as mode "decode".
@@ -32,6 +34,7 @@ def main():
     group = distributed.init_from_env()
     P = int(sys.argv[2])
     flags = {a for a in sys.argv[3:] if a.startswith("--")}
+    group.pp_handoff = "collective" if "--collective" in flags else "auto"
     for d in (Path(a) for a in sys.argv[3:] if not a.startswith("--")):
         ids = np.load(d / ("reference.npz" if (d / "reference.npz").exists() else "mlx_lm_reference.npz"))["ids"]
         model = load_model(d, group=group, pp=P).model
