@@ -318,6 +318,9 @@ def plan(
     moe_split: MoeSplitOpt = "intermediate",
     link: Annotated[str, typer.Option("--link", help="The link between ranks for the predicted time: loopback (one machine), tb5 (Thunderbolt 5 RDMA), 10gbe.")] = "loopback",
     bandwidth: Annotated[Optional[float], typer.Option("--bandwidth", help="Memory bandwidth of a rank in GB/s for the predicted time (default: measured here).", show_default=False)] = None,
+    context: Annotated[int, typer.Option("--context", help="Tokens already in the KV cache: a decoded token's attention reads their keys and values (latent attention: its latent cache).")] = 0,
+    host_us_per_layer: Annotated[Optional[float], typer.Option("--host-us-per-layer", help="Host time a decoded token spends per layer, in microseconds, on every rank (default: a hostfile's per-host host_us_per_layer=, else measured here).", show_default=False)] = None,
+    host_ms_per_token: Annotated[Optional[float], typer.Option("--host-ms-per-token", help="Host time a decoded token spends outside the layers (sampling, the host read), in milliseconds (default: measured here).", show_default=False)] = None,
 ):
     """Per rank: heads, MLP columns, vocabulary rows and weight memory; per token: collectives and a predicted decode time (from the checkpoint's headers only)."""
     return _run("plan", locals())
