@@ -732,6 +732,7 @@ class Mpi(Backend):
         finalizing makes mpirun fail the whole job after a correct run."""
         import atexit
         import ctypes
+        import threading
 
         lib = os.environ.get("MLX_MPI_LIBNAME")
         try:
@@ -745,7 +746,10 @@ class Mpi(Backend):
         mpi.MPI_Finalized(ctypes.byref(ended))
         if not started.value or ended.value:
             return
-        atexit._run_exitfuncs()  # what a normal exit would run first
+        for t in threading.enumerate():  # what a normal exit would do first: wait for non-daemon threads,
+            if t is not threading.main_thread() and not t.daemon:
+                t.join()
+        atexit._run_exitfuncs()  # then run the atexit functions
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
