@@ -33,6 +33,8 @@ zeros [B, L, V]           zeros [B, L, V]                logits [B, L, V]
   compiled decode step (decode.DecodeStep) runs under pp as it is. Split
   decode steps (attention kernels between compiled segments) are not used
   under pp (their first segment embeds): the whole-step graph runs instead.
+  A backend without them (NCCL) hands on by collectives instead
+  (`handoff_mode`, `--pp-handoff`; `collectives.HandOff`), the same bits.
 - Every point-to-point transfer goes through `Stage.receive_tensor(shape,
   dtype)` (from the previous stage) and `Stage.send_tensor(x)` (to the next;
   each forward's sends are kept in `sent`, so the logits' zeros depend on all
@@ -287,11 +289,8 @@ def stage_group(group, P: int):
     s, _, T = stage_of(group.rank(), group.size(), P)
     if T == 1:
         return SINGLE
-    if handoff_mode(group.pp_handoff, group.backend, P, T) == "collective":
-        chain = SplitGroup(group, s)
-        chain.set_weights(member_weights(group.weights, group.rank(), P))
-        return chain
-    chain = ChainGroup(group, s * T, T)
+    collective = handoff_mode(group.pp_handoff, group.backend, P, T) == "collective"
+    chain = SplitGroup(group, s) if collective else ChainGroup(group, s * T, T)
     chain.set_weights(member_weights(group.weights, group.rank(), P))
     return chain
 
