@@ -247,6 +247,52 @@ def machine_bandwidth(dtype=None, quant=None) -> float:
     return nbytes / best
 
 
+def _tiny_llama(layers: int):
+    from .models.llama import Model, ModelArgs
+
+    return Model(ModelArgs(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096))
+
+
+def decode_primitives(m) -> int | None:
+    """The primitives in the graph of one decoded token of model `m` (its
+    parameters swapped for zero-stride stand-ins, so nothing is read or
+    allocated; the graph is built, never run), or None where the model will
+    not build one so. Host time a token grows with them."""
+    import tempfile
+
+    import mlx.core as mx
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    try:
+        stand_ins = [(n, mx.broadcast_to(mx.zeros((), p.dtype), p.shape)) for n, p in tree_flatten(m.parameters())]
+        m.update(tree_unflatten(stand_ins))
+        mx.eval(m.parameters())
+        out = m(mx.zeros((1, 1), mx.int32), m.make_cache())
+        with tempfile.TemporaryDirectory() as tmp:
+            mx.export_to_dot(f"{tmp}/g.dot", out)
+            with open(f"{tmp}/g.dot") as f:
+                return sum("shape=rectangle" in line for line in f)
+    except Exception:  # noqa: BLE001 - a family that needs more than ids to decode: no count
+        return None
+
+
+@functools.cache
+def layer_kernel_ratio(ck) -> float:
+    """A layer of `ck`'s model against the tiny llama's layer that
+    `machine_host_costs` times, in decode primitives (1.0 where uncounted):
+    a MoE layer's routing, a latent-attention layer's or an indexer's extra
+    kernels cost host time the llama layer does not."""
+    one, five = decode_primitives(_tiny_llama(1)), decode_primitives(_tiny_llama(5))
+    m, _ = ck.build(with_refs=False)
+    total = decode_primitives(m)
+    layers = int(ck.args.num_hidden_layers)
+    if None in (one, five, total) or five <= one or not layers:
+        return 1.0
+    per = (five - one) / 4
+    return max(0.5, (total - (one - per)) / layers / per)
+
+
 @functools.cache
 def machine_host_costs(tokens: int = 40) -> tuple[float, float]:
     """(per token, per layer) host seconds of this machine's generation loop
@@ -257,11 +303,9 @@ def machine_host_costs(tokens: int = 40) -> tuple[float, float]:
     import mlx.core as mx
 
     from .engine import TokenGenerator
-    from .models.llama import Model, ModelArgs
 
     def per_token(layers: int) -> float:
-        m = Model(ModelArgs(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096))
+        m = _tiny_llama(layers)
         mx.eval(m.parameters())
         best = float("inf")
         for _ in range(2):
@@ -349,7 +393,8 @@ def make_plan(ck, n: int, weights=None, link: str = "loopback", bandwidth: float
     bw = bandwidth or machine_bandwidth(ck.dtype, q.default if q is not None else None)
     here = machine_host_costs() if host_token is None or None in host_layer else (None, None)
     per_token = here[0] if host_token is None else host_token
-    layer_s = [here[1] if x is None else x for x in host_layer]
+    ratio = layer_kernel_ratio(ck) if None in host_layer else 1.0  # a measured llama layer, scaled to this model's
+    layer_s = [here[1] * ratio if x is None else x for x in host_layer]
     layers = int(ck.args.num_hidden_layers)
     calls = sum(c for c, _ in coll.values())
     payload = sum(b for _, b in coll.values())
@@ -372,7 +417,7 @@ def make_plan(ck, n: int, weights=None, link: str = "loopback", bandwidth: float
     return {"ranks": ranks, "collectives": coll, "link": (link, lat, link_bw, source), "bandwidth": bw,
             "host": (per_token, max(layer_s)), "layers": layers, "compute_s": compute, "comm_s": comm,
             "token_s": compute + comm, "pp": pp, "moe": moe_placement(model, ranks), "stages": stages,
-            "context": context, "measured": measured}
+            "context": context, "measured": measured, "layer_ratio": ratio}
 
 
 def _size(n: int) -> str:
@@ -421,6 +466,8 @@ def format_plan(p: dict) -> list[str]:
                        f"(reads {_size(st['reads'])}: {1000 * st['read_s']:.2f} ms; host {1000 * st['host_s']:.2f} ms)")
     m = p["measured"]
     said = {k: "measured here" if v else "given" for k, v in m.items()}
+    if m["host per layer"]:
+        said["host per layer"] = f"measured here: a llama layer's x {p['layer_ratio']:.2f} (this model's kernels a layer)"
     out.append(f"predicted decode: {1000 * p['token_s']:.2f} ms/token ({1 / p['token_s']:.1f} tok/s): compute "
                f"{1000 * p['compute_s']:.2f} ms (reads at {p['bandwidth'] / 1e9:.1f} GB/s, {said['bandwidth']}; host "
                f"{1e3 * tok:.2f} ms a token, {said['host']}, + {1e6 * lay:.0f} us a layer (the slowest rank's), {said['host per layer']}), "
