@@ -297,3 +297,20 @@ def test_hosts_own_host_time(tmp_path):
     hf.write_text("a host_us_per_layer=fast\n")
     r = CliRunner().invoke(app, ["plan", str(d), "--hostfile", str(hf)])
     assert r.exit_code == 2 and "host_us_per_layer must be a number" in r.output, r.output
+
+
+def test_the_measured_layer_host_time_follows_the_layer_kernels():
+    """The host time a layer is measured on a tiny llama and scaled by the
+    model's decode primitives a layer against that llama's (a built graph,
+    never run): about 1 for llama, more for MoE and latent attention."""
+    from mlxcel_dist.plan import decode_primitives, layer_kernel_ratio
+    from reference_cases import FIXTURES
+
+    assert layer_kernel_ratio(open_model(FIXTURES / "llama/gqa_fp32")) == pytest.approx(1.0, abs=0.1)
+    moe = layer_kernel_ratio(open_model(FIXTURES / "qwen3_moe/gqa_fp32"))
+    mla = layer_kernel_ratio(open_model(FIXTURES / "deepseek_v3/yarn_fp32"))
+    assert 1.1 < moe < mla, (moe, mla)
+    m, _ = open_model(FIXTURES / "qwen3_moe/gqa_fp32").build()
+    assert decode_primitives(m) == decode_primitives(open_model(FIXTURES / "qwen3_moe/gqa_fp32").build()[0]) > 0
+    p = make_plan(open_model(FIXTURES / "qwen3_moe/gqa_fp32"), 1, bandwidth=5e9, host_token=0.0)
+    assert p["layer_ratio"] == moe and "a llama layer's x" in format_plan(p)[-1]
