@@ -336,13 +336,15 @@ def test_pp_matches_reference_and_single_process(pp_results, single, backend, n,
 # --pp-handoff collective (no send/recv: MLX's NCCL backend has none) against the send/recv
 # runs above, bit for bit: over the whole group (ring: NCCL's own path, as it cannot split
 # either; pp 3: a middle stage's hops and gemma4's per-stage message widths) and over split
-# groups at pp 2 x tp 2 (mpi: the hop's group and a SplitGroup inside each stage; cohere2's
+# groups at pp 2 and pp 2 x tp 2 (mpi: the hop's group and a SplitGroup inside each stage; cohere2's
 # parallel block, gemma3n's packed AltUp streams, the recurrent block)
 # (backend, ranks, stages) -> the send/recv run it is held to (at pp 3 x tp 1 MPI's: one rank a
 # stage, nothing summed but the logits with zeros, so the backend changes no bit)
-AGAINST = {("ring", 2, 2): ("ring", 2, 2), ("ring", 3, 3): ("mpi", 3, 3), ("mpi", 4, 2): ("mpi", 4, 2)}
+AGAINST = {("ring", 2, 2): ("ring", 2, 2), ("ring", 3, 3): ("mpi", 3, 3), ("mpi", 4, 2): ("mpi", 4, 2),
+           ("mpi", 2, 2): ("mpi", 2, 2)}
 COLLECTIVE_RUNS = {
     ("ring", 2, 2, "--collective"): RUNS[("ring", 2, 2)],
+    ("mpi", 2, 2, "--collective"): RUNS[("ring", 2, 2)],  # a two-rank split group per hop
     ("ring", 3, 3, "--collective"): RUNS[("mpi", 3, 3)],
     ("mpi", 4, 2, "--collective"): [d for d in RUNS[("mpi", 4, 2)]
                                     if d.parent.name in ("cohere2", "gemma3n", "recurrent_gemma")],
