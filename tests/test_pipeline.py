@@ -369,6 +369,17 @@ def test_collective_handoff_equals_send_recv(pp_results, collective_results, bac
             assert np.array_equal(a[mode], b[mode]), (backend, n, P, case_id(d), mode)
 
 
+def test_bench_counts_the_collective_handoff(tmp_path):
+    # ring, one rank a stage: NCCL's path; a hop is one all_gather of [1, 1, H] that the plan counts too
+    p = _cli("bench", "--pp", "2", "--pp-handoff", "collective", "--backend", "ring", "--prompt-tokens", 20,
+             "--gen-tokens", 8, "--json", cwd=tmp_path, timeout=300)
+    assert p.returncode == 0, p.stderr
+    b = json.loads(p.stdout)
+    assert b["all_gathers_per_token"] == b["all_gathers_per_token_plan"] == 1
+    assert b["all_gather_bytes_per_token"] == b["all_gather_bytes_per_token_plan"] > 0
+    assert b["all_sums_per_token"] == b["all_sums_per_token_plan"] == 2
+
+
 @pytest.mark.parametrize("backend,requested,T,want", [
     ("ring", "auto", 1, "send"), ("ring", "collective", 1, "collective"), ("ring", "send", 2, "send"),
     ("mpi", "auto", 2, "send"), ("mpi", "collective", 2, "collective"), ("nccl", "auto", 1, "collective"),
