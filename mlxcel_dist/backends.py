@@ -251,6 +251,10 @@ class Backend:
     # MLX's backend logs "[<name>] ..." for every failed socket operation once
     # a peer is gone; the launcher shows those lines with --verbose only.
     logs_peer_loss: ClassVar[bool] = False
+    # MLX's send/recv work on it (pipeline stages hand on by them; else by
+    # collectives: pipeline.handoff_mode) and a group splits (Group.split)
+    point_to_point: ClassVar[bool] = True
+    splits: ClassVar[bool] = False
 
     # auto ------------------------------------------------------------------ #
     def available(self, python: str | None = None) -> bool:
@@ -287,6 +291,10 @@ class Backend:
     def failure_detail(self, env: Mapping[str, str] | None = None) -> str | None:
         """What this rank's environment says about a failed start, or None."""
         return None
+
+    def finish_rank(self) -> None:
+        """A rank that succeeded, about to exit: whatever the backend needs
+        for the job to count as a success (nothing: MLX's teardown does it)."""
 
     def __repr__(self) -> str:
         return f"<backend {self.name}>"
@@ -623,6 +631,7 @@ class Mpi(Backend):
 
     name = "mpi"
     auto_order = 30
+    splits = True  # MPI_Comm_split
     identity_vars = ()
     hint = (
         "start the job with mpirun and export MLX_MPI_LIBNAME to every rank "
@@ -714,6 +723,41 @@ class Mpi(Backend):
             return f"MLX_MPI_LIBNAME={lib} does not exist on this host"
         return f"MLX_MPI_LIBNAME={lib}"
 
+    def finish_rank(self) -> None:
+        """MPI_Finalize now, then exit 0 without the interpreter's teardown.
+        MLX finalizes in its MPI group's destructor, which runs only once
+        nothing holds the group; a compiled step's cached graph (its
+        send/recv/all_sum primitives) can hold it past exit (gemma4 and
+        recurrent_gemma at --np 4 --pp 2), and a rank that exits without
+        finalizing makes mpirun fail the whole job after a correct run."""
+        import atexit
+        import ctypes
+        import threading
+
+        lib = os.environ.get("MLX_MPI_LIBNAME")
+        try:
+            mpi = ctypes.CDLL(lib, mode=os.RTLD_NOLOAD | ctypes.RTLD_GLOBAL) if lib else None
+        except OSError:
+            mpi = None  # not loaded here: MLX never started MPI in this process
+        if mpi is None:
+            return
+        started, ended = ctypes.c_int(0), ctypes.c_int(0)
+        mpi.MPI_Initialized(ctypes.byref(started))
+        mpi.MPI_Finalized(ctypes.byref(ended))
+        if not started.value or ended.value:
+            return
+        for t in threading.enumerate():  # what a normal exit would do first: wait for non-daemon threads,
+            if t is not threading.main_thread() and not t.daemon:
+                t.join()
+        atexit._run_exitfuncs()  # then run the atexit functions
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        rc = mpi.MPI_Finalize()
+        os._exit(0 if rc == 0 else 1)  # MLX's destructor must not finalize a second time
+
 
 # --------------------------------------------------------------------------- #
 # nccl
@@ -730,6 +774,7 @@ class Nccl(Backend):
 
     name = "nccl"
     auto_order = 0
+    point_to_point = False  # MLX 0.32's NCCL group: "Send not supported" (and no split)
     beats_hostfile = True
     real_at_one_rank = True
     port_var = "MLXCEL_NCCL_PORT"

@@ -87,6 +87,13 @@ MoeSplitOpt = Annotated[
                  "glm4_moe, deepseek_v3, minimax_m2, llama4, step3p5, gemma4, qwen3_next, qwen3_5_moe).",
                  metavar="intermediate|experts"),
 ]
+PpHandoffOpt = Annotated[
+    str,
+    typer.Option("--pp-handoff", help="How pipeline stages hand on hidden states: send (MLX's send/recv), "
+                 "collective (no point-to-point op: an all_gather over the two stages' ranks where the backend "
+                 "splits groups (mpi), else over every rank), auto (send where the backend has it; nccl: "
+                 "collective).", metavar="auto|send|collective"),
+]
 DtypeOpt = Annotated[
     Optional[str], typer.Option("--dtype", help="Compute dtype (float32, bfloat16, float16); default: the checkpoint's.")
 ]
@@ -171,6 +178,7 @@ class LaunchOptions:
     hostfile: HostfileOpt = None
     rank_weights: RankWeightsOpt = None
     moe_split: MoeSplitOpt = "intermediate"
+    pp_handoff: PpHandoffOpt = "auto"
     stall_timeout: StallOpt = DEFAULT_STALL_TIMEOUT_S
     fetch: FetchOpt = True
     shard_cache: ShardCacheOpt = None
@@ -325,6 +333,9 @@ def plan(
     bandwidth: Annotated[Optional[float], typer.Option("--bandwidth", help="Memory bandwidth of a rank in GB/s for the predicted time (default: measured here).", show_default=False)] = None,
     ask_hosts: Annotated[bool, typer.Option("--ask-hosts", help="With --hostfile: ask each other host (over ssh) how many bytes of its shards a launch would send it (default: the most it could).")] = False,
     shard_cache: ShardCacheOpt = None,
+    context: Annotated[int, typer.Option("--context", help="Tokens already in the KV cache: a decoded token's attention reads their keys and values (latent attention: its latent cache).")] = 0,
+    host_us_per_layer: Annotated[Optional[float], typer.Option("--host-us-per-layer", help="Host time a decoded token spends per layer, in microseconds, on every rank (default: a hostfile's per-host host_us_per_layer=, else measured here).", show_default=False)] = None,
+    host_ms_per_token: Annotated[Optional[float], typer.Option("--host-ms-per-token", help="Host time a decoded token spends outside the layers (sampling, the host read), in milliseconds (default: measured here).", show_default=False)] = None,
 ):
     """Per rank: heads, MLP columns, vocabulary rows and weight memory; per token: collectives and a predicted decode time (from the checkpoint's headers only)."""
     return _run("plan", locals())

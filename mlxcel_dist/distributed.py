@@ -125,6 +125,7 @@ def init_from_env() -> Group:
             f"process rank {raw.rank()}"
         )
     _group = Group(raw)
+    _group.backend = backend
     return _group
 
 
@@ -293,4 +294,6 @@ def _rank_main() -> None:
         code = 1
     if code != 0 and (launched_world() or 1) > 1:
         exit_rank(code)
+    if _group is not None:  # a joined rank that succeeded: the backend's own ending (mpi: finalize)
+        backends.get(os.environ[ENV_BACKEND].strip()).finish_rank()
     sys.exit(code)

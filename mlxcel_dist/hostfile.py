@@ -17,6 +17,9 @@ Two formats are accepted, detected from the first non-blank character:
   ``memory=64GB`` (also an extension) is the host's memory for its ranks:
   without weights, ranks get shares proportional to their memory (the host's
   divided by its slots), and ``plan`` refuses a placement past it.
+  ``host_us_per_layer=US`` (an extension, ``plan`` only) is the host time a
+  decoded token spends per layer on that host (its own measure: plan
+  otherwise takes this machine's).
 
 * MLX JSON hostfiles (what ``mlx.launch --hostfile`` reads), either a list::
 
@@ -24,8 +27,8 @@ Two formats are accepted, detected from the first non-blank character:
        {"ssh": "mac2", "ips": ["192.168.10.2"]}]
 
   or an object ``{"backend": "ring", "envs": ["K=V"], "hosts": [...]}``. Each
-  host entry is one rank (``"slots": N``, ``"weight": W`` and ``"memory":
-  "64GB"`` are accepted as mlxcel extensions); ``"rdma"`` (JACCL device names) is kept.
+  host entry is one rank (``"slots": N``, ``"weight": W``, ``"memory":
+  "64GB"`` and ``"host_us_per_layer": US`` are accepted as mlxcel extensions); ``"rdma"`` (JACCL device names) is kept.
 
 Every malformed input raises :class:`~mlxcel_dist.errors.UserError` whose
 message names the file and the line.
@@ -75,6 +78,7 @@ class Host:
     rdma: list | None = None
     weight: Fraction | None = None  # each of its ranks' tensor-parallel weight (None: 1)
     memory: int | None = None  # bytes of memory for its ranks together (None: not said)
+    host_us_per_layer: float | None = None  # plan: a decoded token's host time per layer here (None: not said)
 
     @property
     def address(self) -> str:
@@ -170,6 +174,21 @@ def rank_memory(hosts: list[Host], np: int) -> list:
     return [None if h.memory is None else h.memory // h.slots for h in assign_ranks(hosts, np)]
 
 
+def rank_host_layer(hosts: list[Host], np: int) -> list:
+    """Each rank's host seconds per layer (its host's ``host_us_per_layer``), None where not said."""
+    return [None if h.host_us_per_layer is None else h.host_us_per_layer * 1e-6 for h in assign_ranks(hosts, np)]
+
+
+def _host_us(path: str, line: int | None, value) -> float:
+    try:
+        us = float(value)
+    except (TypeError, ValueError):
+        us = -1.0
+    if not (us >= 0 and us < float("inf")):
+        raise _err(path, line, f"host_us_per_layer must be a number of microseconds >= 0, got {value!r}")
+    return us
+
+
 def _memory(path: str, line: int | None, value) -> int:
     from .units import parse_size
 
@@ -255,6 +274,7 @@ def parse_hostfile_text(text: str, path: str = "<string>") -> list[Host]:
         max_slots: int | None = None
         weight: Fraction | None = None
         memory: int | None = None
+        host_us: float | None = None
         for opt in opts:
             key, eq, value = opt.partition("=")
             key_l = key.lower()
@@ -270,9 +290,12 @@ def parse_hostfile_text(text: str, path: str = "<string>") -> list[Host]:
                 weight = _weight(path, lineno, value)
             elif key_l == "memory":
                 memory = _memory(path, lineno, value)
+            elif key_l == "host_us_per_layer":
+                host_us = _host_us(path, lineno, value)
             else:
                 raise _err(
-                    path, lineno, f"unknown option {key!r} (expected slots=N, max_slots=N, weight=W or memory=SIZE)"
+                    path, lineno, f"unknown option {key!r} (expected slots=N, max_slots=N, weight=W, memory=SIZE "
+                    "or host_us_per_layer=US)"
                 )
         if slots is None:
             slots = 1
@@ -284,8 +307,9 @@ def parse_hostfile_text(text: str, path: str = "<string>") -> list[Host]:
             hosts[name].slots += slots
             hosts[name].weight = hosts[name].weight or weight
             hosts[name].memory = hosts[name].memory or memory
+            hosts[name].host_us_per_layer = hosts[name].host_us_per_layer or host_us
         else:
-            hosts[name] = Host(name=name, slots=slots, weight=weight, memory=memory)
+            hosts[name] = Host(name=name, slots=slots, weight=weight, memory=memory, host_us_per_layer=host_us)
     if not hosts:
         raise UserError(f"hostfile {path}: no hosts in it")
     return list(hosts.values())
@@ -369,7 +393,9 @@ def _parse_json(text: str, path: str) -> HostfileInfo:
             raise _err(path, line, f'"rdma" of host {name!r} must be a list')
         weight = _weight(path, line, h["weight"]) if "weight" in h else None
         memory = _memory(path, line, h["memory"]) if "memory" in h else None
-        hosts.append(Host(name=name, slots=slots, ips=list(ips), rdma=rdma, weight=weight, memory=memory))
+        host_us = _host_us(path, line, h["host_us_per_layer"]) if "host_us_per_layer" in h else None
+        hosts.append(Host(name=name, slots=slots, ips=list(ips), rdma=rdma, weight=weight, memory=memory,
+                          host_us_per_layer=host_us))
     if not hosts:
         raise UserError(f"hostfile {path}: no hosts in it")
     return HostfileInfo(path=path, format="json", hosts=hosts, backend=backend, envs=envs)

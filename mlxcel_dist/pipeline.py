@@ -33,6 +33,8 @@ zeros [B, L, V]           zeros [B, L, V]                logits [B, L, V]
   compiled decode step (decode.DecodeStep) runs under pp as it is. Split
   decode steps (attention kernels between compiled segments) are not used
   under pp (their first segment embeds): the whole-step graph runs instead.
+  A backend without them (NCCL) hands on by collectives instead
+  (`handoff_mode`, `--pp-handoff`; `collectives.HandOff`), the same bits.
 - Every point-to-point transfer goes through `Stage.receive_tensor(shape,
   dtype)` (from the previous stage) and `Stage.send_tensor(x)` (to the next;
   each forward's sends are kept in `sent`, so the logits' zeros depend on all
@@ -249,15 +251,46 @@ def comm_stream(group) -> None:
         group.stream = mx.new_stream(mx.cpu)
 
 
+HANDOFFS = ("auto", "send", "collective")
+
+
+def handoff_mode(requested: str, backend: str | None, P: int, T: int) -> str:
+    """How the stages of a `backend` job hand on: "send" (MLX's send/recv;
+    a stage's T ranks sum by `ChainGroup`s of them) or "collective" (no
+    point-to-point op: `collectives.HandOff`, and a stage's ranks sum over a
+    `SplitGroup`). auto: send where the backend has point-to-point ops
+    (`Backend.point_to_point`; not nccl). A UserError (before launch) where
+    no path exists: send on a backend without it, or T > 1 ranks per stage
+    without point-to-point on a backend that cannot split a group."""
+    from . import backends
+
+    if requested not in HANDOFFS:
+        raise UserError(f"--pp-handoff must be one of {', '.join(HANDOFFS)}, got {requested!r}")
+    spec = backends.get(backend) if backend else None  # None: a planned group (on paper)
+    p2p = spec is None or spec.point_to_point
+    mode = requested if requested != "auto" else "send" if p2p else "collective"
+    if mode == "send" and not p2p:
+        raise UserError(f"--pp-handoff send: backend {backend} has no point-to-point ops (MLX's send/recv); "
+                        f"its stages hand on by collectives (--pp-handoff auto or collective)")
+    if mode == "collective" and T > 1 and spec is not None and not spec.splits:
+        why = "no point-to-point ops" if not p2p else "--pp-handoff collective"
+        raise UserError(f"--np {P * T} --pp {P} on backend {backend}: {T} tensor-parallel ranks per stage need "
+                        f"point-to-point ops or a group split, and {backend} cannot split groups ({why}); "
+                        f"run --np {P} (one rank per stage)" + (" or --pp-handoff send" if p2p else ""))
+    return mode
+
+
 def stage_group(group, P: int):
     """The tensor-parallel group inside this rank's stage: `SINGLE` at T = 1,
-    else a `collectives.ChainGroup` of the stage's T ranks."""
-    from .collectives import SINGLE, ChainGroup
+    else a `collectives.ChainGroup` of the stage's T ranks (a `SplitGroup`
+    where the stages hand on by collectives)."""
+    from .collectives import SINGLE, ChainGroup, SplitGroup
 
     s, _, T = stage_of(group.rank(), group.size(), P)
     if T == 1:
         return SINGLE
-    chain = ChainGroup(group, s * T, T)
+    collective = handoff_mode(group.pp_handoff, group.backend, P, T) == "collective"
+    chain = SplitGroup(group, s) if collective else ChainGroup(group, s * T, T)
     chain.set_weights(member_weights(group.weights, group.rank(), P))
     return chain
 
@@ -297,6 +330,7 @@ class Stage:
         self.hidden_size, self.dtype = hidden_size, dtype
         self.sent = []  # this forward's lazy sends (callers that evaluate only the caches need them)
         self.tp = None  # the stage's ChainGroup at T > 1 (loader: the model is sharded over it)
+        self.handoff = None  # a collectives.HandOff where the stages hand on by collectives
         self.alone = False  # `timed_alone`: this stage's work without the other stages
 
     @property
@@ -315,8 +349,9 @@ class Stage:
         """A new forward (the stack's `__call__`): the previous one's sends are
         dropped (evaluated with its logits, or traced inside a compiled step)."""
         self.sent = []
-        if self.tp is not None:
-            self.tp.reset()
+        for chained in (self.tp, self.handoff):
+            if chained is not None:
+                chained.reset()
 
     def receive_tensor(self, shape, dtype) -> mx.array:
         """The previous stage's tensor (shape, dtype), forwarded to this
@@ -325,6 +360,8 @@ class Stage:
         r = self.group.rank()
         if self.alone:
             return mx.zeros(tuple(shape), dtype)
+        if self.handoff is not None:
+            return self.handoff.receive(shape, dtype)
         x = mx.distributed.recv(tuple(shape), dtype, r - 1, group=self.group.raw, stream=self.group.stream)
         if self.member < self.T - 1:
             (x,) = mx.depends([x], [mx.distributed.send(x, r + 1, group=self.group.raw, stream=self.group.stream)])
@@ -340,6 +377,10 @@ class Stage:
             # stage's last all_sum, which the sending member evaluates (or their chains part ways)
             self.sent.append(x)
             return x
+        if self.handoff is not None:
+            hops = self.handoff.send(x)
+            self.sent += hops
+            return hops[0]
         x = mx.distributed.send(x, self.group.rank() + 1, group=self.group.raw, stream=self.group.stream)
         self.sent.append(x)
         return x
@@ -431,4 +472,10 @@ def make_stage(model, group, P: int, ranges: list, dtype) -> Stage:
         if "lm_head" in model:
             del model["lm_head"]
     stack.stage = stage
+    if P > 1 and group.raw is not None and handoff_mode(group.pp_handoff, group.backend, P, T) == "collective":
+        from . import backends
+        from .collectives import HandOff
+
+        widths = [model.stage_send_width(stop) for _, stop in ranges[:-1]]
+        stage.handoff = HandOff(group, P, T, widths, split=backends.get(group.backend).splits)
     return stage

@@ -8,18 +8,30 @@ slices it would read. Per generated token: the collectives of one
 single-token forward (`bench.plan_collectives`, the model contract) and a
 predicted decode time from a simple model (docs/launching.md, "plan"):
 
-    t = weight bytes per rank / decode bandwidth + host time per token
+    t = bytes a token reads per rank / decode bandwidth + host time per token
         + layers x host time per layer + collectives x (link latency + payload / link bandwidth)
+
+The bytes a token reads (`read_shares`) are not all it holds: of a routed
+MoE layer's experts it reads top-k of E (in expectation, under either
+--moe-split), of an embedding table one row (unless it is also the head),
+and besides the weights its layers' KV cache over the context (`--context`:
+2 x positions x kv heads x head_dim a full layer, a sliding one at most its
+window, latent attention's [kv_lora_rank + rope dim] a position).
+With --pp the stages run in turn for one stream: each stage's time is its
+slowest rank's reads plus its layers' host time.
 
 The bandwidth and both host times are measured on this machine when plan
 runs (`machine_bandwidth`: MLX's matrix-vector product, what decode does;
-`machine_host_costs`: our own generation loop on a tiny model).
+`machine_host_costs`: our own generation loop on a tiny model) unless given
+(--bandwidth, --host-us-per-layer / --host-ms-per-token, a hostfile's
+per-host host_us_per_layer=).
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import re
 import time
 from dataclasses import dataclass
 
@@ -47,6 +59,8 @@ class RankPlan:
     layers: tuple | None = None  # (start, stop) of its pipeline stage; None: all layers (tensor parallel)
     experts: tuple | None = None  # whole routed experts (start, stop) held under --moe-split experts
     params: int = 0  # logical parameters held (a quantized weight counts its unpacked elements)
+    reads: int = 0  # weight bytes a decoded token reads (routed experts top-k of E, an embedding row)
+    cache_reads: int = 0  # KV cache bytes a decoded token reads over the plan's context
 
 
 def _ranges_of(plan: dict, suffix: str):
@@ -56,7 +70,76 @@ def _ranges_of(plan: dict, suffix: str):
     return None
 
 
-def _rank_plan(ck, n: int, r: int, weights, pp: int = 1, moe_split: str | None = None) -> tuple[RankPlan, object]:
+def read_shares(m) -> dict:
+    """Parameter name -> the share of its bytes one decoded token reads
+    (absent: all of them): a routed expert stack's (`experts.SwitchLinear`,
+    gpt_oss's `Experts`) top_k / num_experts of its layer, an embedding
+    table's one row of its rows (unless this rank's head reads it whole: a
+    tied head). A layer's routing is its module with an int `top_k`."""
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+
+    from .experts import QuantizedSwitchLinear, SwitchGLU, SwitchLinear
+
+    shares = {}
+    stage = getattr(m.model, "stage", None)
+    head_from_embedding = "lm_head" not in m and (stage is None or stage.last)
+    for name, mod in m.named_modules():
+        if isinstance(mod, (nn.Embedding, nn.QuantizedEmbedding)):
+            if head_from_embedding and name == "model.embed_tokens":
+                continue
+            rows = mod.weight.shape[0]
+            for leaf, _ in tree_flatten(mod.parameters()):
+                shares[f"{name}.{leaf}"] = 1 / rows
+    for i, layer in enumerate(getattr(m.model, "layers", [])):
+        mods = dict(layer.named_modules())
+        k = next((x.top_k for x in mods.values() if type(getattr(x, "top_k", None)) is int), None)
+        if k is None:
+            continue
+        for name, mod in mods.items():
+            E = getattr(mod, "num_experts", None)
+            if type(E) is not int or E < 1:
+                continue
+            for leaf, _ in tree_flatten(mod.parameters()):
+                full = f"{name}.{leaf}" if name else leaf
+                owner = mods.get(full.rpartition(".")[0])
+                # a SwitchGLU's stacks are its SwitchLinears (it may hold its router too: step3p5);
+                # another expert module (gpt_oss's Experts) holds its stacks itself
+                if isinstance(owner, (SwitchLinear, QuantizedSwitchLinear)) or (
+                        owner is mod and not isinstance(mod, SwitchGLU)):
+                    shares[f"model.layers.{i}.{full}"] = min(1.0, k / E)
+        listed = {}  # experts as a list of MLPs (mellum, exaone_moe): experts.<j>.*
+        for leaf, _ in tree_flatten(layer.parameters()):
+            j = re.search(r"(?:^|\.)experts\.(\d+)\.", leaf)
+            if j:
+                listed[leaf] = j.group(1)
+        for leaf in listed:
+            shares[f"model.layers.{i}.{leaf}"] = min(1.0, k / len(set(listed.values())))
+    return shares
+
+
+def cache_read_bytes(m, context: int, itemsize: int) -> int:
+    """KV cache bytes one decoded token reads on this rank over `context`
+    cached positions: per held layer, a `num_kv_heads` / `head_dim` attention
+    2 x min(context, its window) x kv heads x head_dim, latent attention
+    (`kv_lora_rank`, `rope_dim`) context x (rank + rope dim); recurrent and
+    linear layers' fixed states are not counted."""
+    total = 0
+    for layer in getattr(m.model, "layers", []):
+        for _, mod in layer.named_modules():
+            if isinstance(getattr(mod, "kv_lora_rank", None), int):
+                total += context * (mod.kv_lora_rank + int(getattr(mod, "rope_dim", 0) or 0)) * itemsize
+                break
+            if isinstance(getattr(mod, "num_kv_heads", None), int) and isinstance(getattr(mod, "head_dim", None), int):
+                window = getattr(mod, "window", None)
+                span = context if not window else min(context, int(window))
+                total += 2 * span * mod.num_kv_heads * mod.head_dim * itemsize
+                break
+    return total
+
+
+def _rank_plan(ck, n: int, r: int, weights, pp: int = 1, moe_split: str | None = None,
+               context: int = 0) -> tuple[RankPlan, object]:
     from .shard import collect_plan
 
     m, refs = ck.build()
@@ -75,13 +158,18 @@ def _rank_plan(ck, n: int, r: int, weights, pp: int = 1, moe_split: str | None =
     plan = collect_plan(m)
     from mlx.utils import tree_flatten
 
-    total = params = 0
+    total = params = reads = 0
     owners = dict(m.named_modules())
+    shares = read_shares(m)
     for name, p in tree_flatten(m.parameters()):
         ref = refs[name]
         axis, ranges = plan.get(name, (None, None))
-        total += stored_bytes(ref, ref.sliced_shape(axis, ranges))
+        held = stored_bytes(ref, ref.sliced_shape(axis, ranges))
+        total += held
+        reads += held * shares.get(name, 1.0)
         params += _logical_size(owners.get(name.rpartition(".")[0]), name.rpartition(".")[2], p)
+    itemsize = getattr(getattr(getattr(m.model, "stage", None), "dtype", None), "size", None) or _float_size(ck)
+    cache = cache_read_bytes(m, context, itemsize) if context else 0
     heads = None
     attn = next((mod for _, mod in m.named_modules() if hasattr(mod, "total_num_heads")), None)
     if attn is not None:
@@ -95,7 +183,14 @@ def _rank_plan(ck, n: int, r: int, weights, pp: int = 1, moe_split: str | None =
     t = r % (n // pp)  # this rank's place in its stage (r itself without pipeline stages)
     held = [x.expert_range for _, x in m.named_modules() if hasattr(x, "expert_range")]
     return RankPlan(r, weights[r] if weights else 1, heads, cols[1][0] if cols else None,
-                    vocab[t] if vocab else None, total, layers, held[0] if held else None, params), m
+                    vocab[t] if vocab else None, total, layers, held[0] if held else None, params,
+                    int(reads), cache), m
+
+
+def _float_size(ck) -> int:
+    """The compute dtype's bytes (a quantized checkpoint's: its scales' float dtype, else 2)."""
+    size = getattr(ck.dtype, "size", None)
+    return size if size in (2, 4) else 2
 
 
 def _logical_size(owner, leaf: str, p) -> int:
@@ -152,6 +247,52 @@ def machine_bandwidth(dtype=None, quant=None) -> float:
     return nbytes / best
 
 
+def _tiny_llama(layers: int):
+    from .models.llama import Model, ModelArgs
+
+    return Model(ModelArgs(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096))
+
+
+def decode_primitives(m) -> int | None:
+    """The primitives in the graph of one decoded token of model `m` (its
+    parameters swapped for zero-stride stand-ins, so nothing is read or
+    allocated; the graph is built, never run), or None where the model will
+    not build one so. Host time a token grows with them."""
+    import tempfile
+
+    import mlx.core as mx
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    try:
+        stand_ins = [(n, mx.broadcast_to(mx.zeros((), p.dtype), p.shape)) for n, p in tree_flatten(m.parameters())]
+        m.update(tree_unflatten(stand_ins))
+        mx.eval(m.parameters())
+        out = m(mx.zeros((1, 1), mx.int32), m.make_cache())
+        with tempfile.TemporaryDirectory() as tmp:
+            mx.export_to_dot(f"{tmp}/g.dot", out)
+            with open(f"{tmp}/g.dot") as f:
+                return sum("shape=rectangle" in line for line in f)
+    except Exception:  # noqa: BLE001 - a family that needs more than ids to decode: no count
+        return None
+
+
+@functools.cache
+def layer_kernel_ratio(ck) -> float:
+    """A layer of `ck`'s model against the tiny llama's layer that
+    `machine_host_costs` times, in decode primitives (1.0 where uncounted):
+    a MoE layer's routing, a latent-attention layer's or an indexer's extra
+    kernels cost host time the llama layer does not."""
+    one, five = decode_primitives(_tiny_llama(1)), decode_primitives(_tiny_llama(5))
+    m, _ = ck.build(with_refs=False)
+    total = decode_primitives(m)
+    layers = int(ck.args.num_hidden_layers)
+    if None in (one, five, total) or five <= one or not layers:
+        return 1.0
+    per = (five - one) / 4
+    return max(0.5, (total - (one - per)) / layers / per)
+
+
 @functools.cache
 def machine_host_costs(tokens: int = 40) -> tuple[float, float]:
     """(per token, per layer) host seconds of this machine's generation loop
@@ -162,11 +303,9 @@ def machine_host_costs(tokens: int = 40) -> tuple[float, float]:
     import mlx.core as mx
 
     from .engine import TokenGenerator
-    from .models.llama import Model, ModelArgs
 
     def per_token(layers: int) -> float:
-        m = Model(ModelArgs(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096))
+        m = _tiny_llama(layers)
         mx.eval(m.parameters())
         best = float("inf")
         for _ in range(2):
@@ -215,22 +354,26 @@ def _stage_sums(stage_models: list, T: int) -> tuple:
 
 def make_plan(ck, n: int, weights=None, link: str = "loopback", bandwidth: float | None = None,
               memory: list | None = None, pp: int = 1, moe_split: str | None = None,
-              host: tuple | None = None) -> dict:
+              host_token: float | None = None, host_layer=None, context: int = 0) -> dict:
     """The placement of `ck` on `n` ranks (`pp` > 1: n = pp pipeline
-    stages): per rank its share and bytes, per token the collectives and a
-    predicted decode time (stages run one after another for one stream).
-    `memory`: each rank's bytes available (None: this machine's, shared by
-    its ranks); a rank that would not fit is a UserError naming it.
-    `bandwidth` (B/s) and `host` ((per token, per layer) seconds): measured
-    here when not given."""
+    stages): per rank its share, bytes held and bytes a decoded token reads
+    (`context` cached positions), per token the collectives and a predicted
+    decode time (stages run one after another for one stream, each as slow
+    as its slowest rank). `memory`: each rank's bytes available (None: this
+    machine's, shared by its ranks); a rank that would not fit is a
+    UserError naming it. `bandwidth` (B/s), `host_token` (seconds of host
+    time a token) and `host_layer` (seconds a layer: one number, or one per
+    rank with None for "not said"): measured here when not given."""
     from .bench import plan_collectives
 
     if link not in LINKS:
         raise UserError(f"--link must be one of {', '.join(LINKS)}, got {link!r}")
+    if context < 0:
+        raise UserError(f"--context must be >= 0 tokens, got {context}")
     ranks, model, firsts = [], None, []
     T = n // pp
     for r in range(n):
-        rp, m = _rank_plan(ck, n, r, weights, pp, moe_split)
+        rp, m = _rank_plan(ck, n, r, weights, pp, moe_split, context)
         ranks.append(rp)
         model = model or m
         if r % T == 0:
@@ -243,16 +386,26 @@ def make_plan(ck, n: int, weights=None, link: str = "loopback", bandwidth: float
         coll = plan_collectives(model, check_every=1, size=n)
     lat, link_bw, source = LINKS[link]
     q = ck.quantization
+    if not isinstance(host_layer, (list, tuple)):
+        host_layer = [host_layer] * n
+    measured = {"bandwidth": bandwidth is None, "host": host_token is None,
+                "host per layer": all(x is None for x in host_layer)}
     bw = bandwidth or machine_bandwidth(ck.dtype, q.default if q is not None else None)
-    per_token, per_layer = host if host is not None else machine_host_costs()
+    here = machine_host_costs() if host_token is None or None in host_layer else (None, None)
+    per_token = here[0] if host_token is None else host_token
+    ratio = layer_kernel_ratio(ck) if None in host_layer else 1.0  # a measured llama layer, scaled to this model's
+    layer_s = [here[1] * ratio if x is None else x for x in host_layer]
     layers = int(ck.args.num_hidden_layers)
     calls = sum(c for c, _ in coll.values())
     payload = sum(b for _, b in coll.values())
-    if pp > 1:  # one stream: the stages in turn (each as fast as its largest rank)
-        reads = sum(max(rp.bytes for rp in ranks[s * T : (s + 1) * T]) for s in range(pp)) / bw
-    else:
-        reads = max(rp.bytes for rp in ranks) / bw
-    compute = reads + per_token + layers * per_layer
+    stages = []  # one stream: the stages in turn, each as slow as its slowest rank (tensor parallel: one stage)
+    groups = [ranks[s * T : (s + 1) * T] for s in range(pp)] if pp > 1 else [ranks]
+    for g in groups:
+        span = (g[0].layers[1] - g[0].layers[0]) if g[0].layers else layers
+        reads = max(rp.reads + rp.cache_reads for rp in g)
+        stages.append({"layers": g[0].layers, "reads": reads, "read_s": reads / bw,
+                       "host_s": span * max(layer_s[rp.rank] for rp in g)})
+    compute = per_token + sum(st["read_s"] + st["host_s"] for st in stages)
     comm = (calls * lat + payload / link_bw) if n > 1 else 0.0
     if memory is None:
         total = machine_memory()
@@ -262,8 +415,9 @@ def make_plan(ck, n: int, weights=None, link: str = "loopback", bandwidth: float
             raise UserError(f"rank {rp.rank} needs {_size(rp.bytes)} of weights, more than its {_size(avail)} "
                             "of memory (use more ranks, or --rank-weights / the hosts' memory= to shift shares)")
     return {"ranks": ranks, "collectives": coll, "link": (link, lat, link_bw, source), "bandwidth": bw,
-            "host": (per_token, per_layer), "layers": layers, "compute_s": compute, "comm_s": comm,
-            "token_s": compute + comm, "pp": pp, "moe": moe_placement(model, ranks)}
+            "host": (per_token, max(layer_s)), "layers": layers, "compute_s": compute, "comm_s": comm,
+            "token_s": compute + comm, "pp": pp, "moe": moe_placement(model, ranks), "stages": stages,
+            "context": context, "measured": measured, "layer_ratio": ratio}
 
 
 def _size(n: int) -> str:
@@ -300,8 +454,22 @@ def format_plan(p: dict) -> list[str]:
     per_tok = ", ".join(f"{c:g} {op} ({b:,.0f} B)" for op, (c, b) in p["collectives"].items() if c)
     out.append(f"per token: {per_tok or 'no collective'}")
     tok, lay = p["host"]
+    held = max(rp.bytes for rp in p["ranks"])
+    reads = max(rp.reads for rp in p["ranks"])
+    kv = max(rp.cache_reads for rp in p["ranks"])
+    out.append(f"a token reads: {_size(reads)} of weights on the busiest rank (of {_size(held)} held"
+               + ("; routed experts top-k of E, an embedding row" if reads < held else "")
+               + f"), {_size(kv)} of KV cache at --context {p['context']}")
+    if p["pp"] > 1:
+        for s, st in enumerate(p["stages"]):
+            out.append(f"stage {s} {_span(st['layers'])}: {1000 * (st['read_s'] + st['host_s']):.2f} ms "
+                       f"(reads {_size(st['reads'])}: {1000 * st['read_s']:.2f} ms; host {1000 * st['host_s']:.2f} ms)")
+    m = p["measured"]
+    said = {k: "measured here" if v else "given" for k, v in m.items()}
+    if m["host per layer"]:
+        said["host per layer"] = f"measured here: a llama layer's x {p['layer_ratio']:.2f} (this model's kernels a layer)"
     out.append(f"predicted decode: {1000 * p['token_s']:.2f} ms/token ({1 / p['token_s']:.1f} tok/s): compute "
-               f"{1000 * p['compute_s']:.2f} ms (weights at {p['bandwidth'] / 1e9:.1f} GB/s, host "
-               f"{1e3 * tok:.2f} ms a token + {1e6 * lay:.0f} us a layer), collectives "
-               f"{1000 * p['comm_s']:.2f} ms over {link} ({lat * 1e6:.0f} us, {bw / 1e9:g} GB/s: {source})")
+               f"{1000 * p['compute_s']:.2f} ms (reads at {p['bandwidth'] / 1e9:.1f} GB/s, {said['bandwidth']}; host "
+               f"{1e3 * tok:.2f} ms a token, {said['host']}, + {1e6 * lay:.0f} us a layer (the slowest rank's), {said['host per layer']}), "
+               f"collectives {1000 * p['comm_s']:.2f} ms over {link} ({lat * 1e6:.0f} us, {bw / 1e9:g} GB/s: {source})")
     return out

@@ -230,6 +230,11 @@ def test_refusals_are_one_line(tmp_path):
          "error: --pp 5 needs at least 5 layers, the model has 4"),
         (["logits", FIXTURES / "llama/gqa_fp32", "--tokens-file", ids, "--out", out, "--pp", "2",
           "--rank-weights", "3,1,1"], "error: --rank-weights gives 3 weights for 2 ranks"),
+        # no path: before launch (nccl is refused so even where it cannot start)
+        (["logits", FIXTURES / "llama/gqa_fp32", "--tokens-file", ids, "--out", out, "--pp", "2",
+          "--backend", "nccl", "--pp-handoff", "send"], "error: --pp-handoff send: backend nccl has no point-to-point"),
+        (["logits", FIXTURES / "llama/gqa_fp32", "--tokens-file", ids, "--out", out, "--pp", "2", "--np", "4",
+          "--backend", "nccl"], "error: --np 4 --pp 2 on backend nccl: 2 tensor-parallel ranks per stage need"),
     ]
     for argv, line in checks:
         p = _cli(*argv, cwd=tmp_path)
@@ -267,6 +272,50 @@ def _run_id(b, n, P, d):
     return f"{b}-pp{P}" + (f"x{n // P}" if n > P else "") + f"-{case_id(d)}"
 
 
+# Every family at pp 2 x tp 2, ending in compiled decode steps, once per backend: the
+# job must exit 0 (issue 41: under mpirun a rank whose run ended so never finalized
+# MPI). One job per backend, not one per family: the failure is the process's (a
+# reference MLX keeps to the MPI group past exit), so one family that leaves it fails
+# the whole job (gemma4 then llama failed), and each family's logits are checked.
+DECODE_RUNS = {(b, 4, 2, "--decode"): _ONE_PER_FAMILY for b in ("mpi", "ring")}
+
+
+@pytest.fixture(scope="module")
+def decode_results(tmp_path_factory):
+    return launched_results(tmp_path_factory, DECODE_RUNS, str(HELPER), "ppdecode", str)
+
+
+@pytest.mark.parametrize("backend", ["mpi", "ring"])
+@pytest.mark.parametrize("d", _ONE_PER_FAMILY, ids=case_id)
+def test_every_family_pp2x2_decodes_and_exits_0(decode_results, backend, d):
+    from helpers.pp_cases import DECODE_STEPS, DECODE_TOKENS
+    from mlxcel_dist.engine import sequence_logits
+    from reference_cases import _model
+
+    out = decode_results(backend, 4, 2, "--decode")  # asserts the job's exit code 0
+    with np.load(out / f"{d.parent.name}__{d.name}.npz") as z:
+        got = z["decode"]
+    ids = np.load(_reference(d))["ids"][:DECODE_TOKENS]
+    one = sequence_logits(_model(d), ids, decode_from=DECODE_TOKENS - DECODE_STEPS)
+    for what, want in (("reference", np.load(_reference(d))["logits"][:DECODE_TOKENS]), ("np1", one)):
+        r = compare(got, want, _tol(d))
+        assert r["ok"], (backend, case_id(d), "vs", what, r)
+
+
+def test_logits_pp2x2_decode_exits_0_under_mpi(tmp_path):
+    # the reported command (gemma4: exit 1 after writing the right logits)
+    d = FIXTURES / "gemma4/dense_fp32"
+    ids = tmp_path / "ids.npy"
+    np.save(ids, np.load(_reference(d))["ids"][:24])
+    out = tmp_path / "o.npy"
+    p = _cli("logits", d, "--tokens-file", ids, "--out", out, "--np", 4, "--pp", 2, "--decode-from", 20,
+             "--backend", "mpi", cwd=tmp_path, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert p.stderr.strip().splitlines() == [f"wrote {out} [24, 256] float32 (np 4, pp 2: layers [0, 2) [2, 6))"]
+    r = compare(np.load(out), np.load(_reference(d))["logits"][:24], _tol(d))
+    assert r["ok"], r
+
+
 @pytest.mark.parametrize("backend,n,P,d", COMBOS, ids=[_run_id(*c) for c in COMBOS])
 def test_pp_matches_reference_and_single_process(pp_results, single, backend, n, P, d):
     out = pp_results(backend, n, P)
@@ -282,6 +331,74 @@ def test_pp_matches_reference_and_single_process(pp_results, single, backend, n,
     rows = short_length_of(d) if (backend, n, P) in SHORT else None
     assert_modes_match(out / f"{key}.npz", np.load(_reference(d))["logits"], single[d], _tol(d), (backend, n, P),
                        rows)
+
+
+# --pp-handoff collective (no send/recv: MLX's NCCL backend has none) against the send/recv
+# runs above, bit for bit: over the whole group (ring: NCCL's own path, as it cannot split
+# either; pp 3: a middle stage's hops and gemma4's per-stage message widths) and over split
+# groups at pp 2 and pp 2 x tp 2 (mpi: the hop's group and a SplitGroup inside each stage; cohere2's
+# parallel block, gemma3n's packed AltUp streams, the recurrent block)
+# (backend, ranks, stages) -> the send/recv run it is held to (at pp 3 x tp 1 MPI's: one rank a
+# stage, nothing summed but the logits with zeros, so the backend changes no bit)
+AGAINST = {("ring", 2, 2): ("ring", 2, 2), ("ring", 3, 3): ("mpi", 3, 3), ("mpi", 4, 2): ("mpi", 4, 2),
+           ("mpi", 2, 2): ("mpi", 2, 2)}
+COLLECTIVE_RUNS = {
+    ("ring", 2, 2, "--collective"): RUNS[("ring", 2, 2)],
+    ("mpi", 2, 2, "--collective"): RUNS[("ring", 2, 2)],  # a two-rank split group per hop
+    ("ring", 3, 3, "--collective"): RUNS[("mpi", 3, 3)],
+    ("mpi", 4, 2, "--collective"): [d for d in RUNS[("mpi", 4, 2)]
+                                    if d.parent.name in ("cohere2", "gemma3n", "recurrent_gemma")],
+}
+SHORT_COLLECTIVE = {k for k in COLLECTIVE_RUNS if AGAINST[k[:3]] in SHORT}  # the same tokens as the send run
+COLLECTIVE_COMBOS = [(*k[:3], d) for k, ds in COLLECTIVE_RUNS.items() for d in ds]
+
+
+@pytest.fixture(scope="module")
+def collective_results(tmp_path_factory):
+    return launched_results(tmp_path_factory, COLLECTIVE_RUNS, str(HELPER), "ppcoll", str, SHORT_COLLECTIVE)
+
+
+@pytest.mark.parametrize("backend,n,P,d", COLLECTIVE_COMBOS, ids=[_run_id(*c) for c in COLLECTIVE_COMBOS])
+def test_collective_handoff_equals_send_recv(pp_results, collective_results, backend, n, P, d):
+    key = f"{d.parent.name}__{d.name}.npz"
+    sent = pp_results(*AGAINST[(backend, n, P)]) / key
+    got = collective_results(backend, n, P, "--collective") / key
+    with np.load(sent) as a, np.load(got) as b:
+        assert set(a.files) == set(b.files)
+        for mode in a.files:
+            assert np.array_equal(a[mode], b[mode]), (backend, n, P, case_id(d), mode)
+
+
+def test_bench_counts_the_collective_handoff(tmp_path):
+    # ring, one rank a stage: NCCL's path; a hop is one all_gather of [1, 1, H] that the plan counts too
+    p = _cli("bench", "--pp", "2", "--pp-handoff", "collective", "--backend", "ring", "--prompt-tokens", 20,
+             "--gen-tokens", 8, "--json", cwd=tmp_path, timeout=300)
+    assert p.returncode == 0, p.stderr
+    b = json.loads(p.stdout)
+    assert b["all_gathers_per_token"] == b["all_gathers_per_token_plan"] == 1
+    assert b["all_gather_bytes_per_token"] == b["all_gather_bytes_per_token_plan"] > 0
+    assert b["all_sums_per_token"] == b["all_sums_per_token_plan"] == 2
+
+
+@pytest.mark.parametrize("backend,requested,T,want", [
+    ("ring", "auto", 1, "send"), ("ring", "collective", 1, "collective"), ("ring", "send", 2, "send"),
+    ("mpi", "auto", 2, "send"), ("mpi", "collective", 2, "collective"), ("nccl", "auto", 1, "collective"),
+    ("nccl", "collective", 1, "collective"), ("jaccl", "auto", 2, "send"), (None, "auto", 2, "send"),
+    ("nccl", "send", 1, "error: --pp-handoff send: backend nccl has no point-to-point ops"),
+    ("nccl", "auto", 2, "error: --np 4 --pp 2 on backend nccl: 2 tensor-parallel ranks per stage need"),
+    ("ring", "collective", 2, "error: --np 4 --pp 2 on backend ring: 2 tensor-parallel ranks per stage need"),
+    ("jaccl", "collective", 2, "error: --np 4 --pp 2 on backend jaccl"),
+    ("mpi", "recv", 1, "error: --pp-handoff must be one of auto, send, collective"),
+])
+def test_handoff_mode_per_backend(backend, requested, T, want):
+    from mlxcel_dist.pipeline import handoff_mode
+
+    if not want.startswith("error: "):
+        assert handoff_mode(requested, backend, 2, T) == want
+        return
+    with pytest.raises(UserError) as e:
+        handoff_mode(requested, backend, 2, T)
+    assert f"error: {e.value}".startswith(want), e.value
 
 
 def test_generate_pp2_prints_the_same_text_as_np1(tmp_path):

@@ -5,7 +5,7 @@ joins the group and loads its shard (`load`); what a rank would refuse
 take) is refused here first, once, before any rank is launched.
 
 `launch` is the command's LaunchOptions (--np, --pp, --backend, --hostfile,
---rank-weights, --moe-split, --stall-timeout) and `load` its LoadOptions
+--rank-weights, --moe-split, --pp-handoff, --stall-timeout) and `load` its LoadOptions
 (--max-kv-size, --kv-bits, --kv-group-size, --adapter-path, --dtype), both
 declared in cli.py."""
 
@@ -39,6 +39,7 @@ def distribute(ctx: typer.Context, launch, model=None):
         if weights is not None and not group.single:  # every rank re-runs the same argv: the same weights
             group.set_weights(weights)
         group.moe_split = split  # the same argv on every rank: the same placement
+        group.pp_handoff = launch.pp_handoff  # resolved with the backend where the stages are cut
         distributed.check_cluster(group, model)
         return group
     if np_ < 1:
@@ -52,6 +53,10 @@ def distribute(ctx: typer.Context, launch, model=None):
     if weights is None and hostfile is not None:
         weights = hostfile_weights(ctx, hostfile, np_)
     backends.check_choice(launch.backend)
+    if pp > 1 or launch.pp_handoff != "auto":
+        from .. import pipeline
+
+        pipeline.handoff_mode(launch.pp_handoff, job_backend(launch.backend, hostfile), pp, np_ // pp)
     if np_ == 1 and hostfile is None:
         from ..collectives import SINGLE
 
@@ -89,6 +94,16 @@ def fetch_env(model, launch, np_: int, pp: int, weights, split: str, adapter_pat
     for line in lines:
         print(f"mlxcel-dist: fetch {line}", file=sys.stderr, flush=True)
     return {shardcache.ENV: spec} if spec else None
+
+
+def job_backend(backend: str, hostfile) -> str:
+    """The backend a launch will use (`auto` resolved as the launcher will)."""
+    if backend != "auto":
+        return backend
+    from ..hostfile import read_hostfile
+
+    info = read_hostfile(hostfile) if hostfile is not None else None
+    return backends.default_backend(info is None, info)
 
 
 def argv_from_ctx(ctx: typer.Context) -> list[str]:

@@ -14,8 +14,8 @@ from ..errors import UserError
 from ..harness import all_mode_logits, compare, default_tokens, model_window, rel_tol_for
 from ..loader import load_model, open_model
 from .common import err, pick_model, pp_note, read_tokens
-from .launch import (check_moe_split, check_placement, checked, distribute, fetch_env, hostfile_weights, load_shard,
-                     parse_rank_weights)
+from .launch import (check_moe_split, check_placement, checked, distribute, fetch_env, hostfile_weights, job_backend,
+                     load_shard, parse_rank_weights)
 
 
 def main(ctx, a) -> None:
@@ -91,7 +91,11 @@ def _ranks_logits(ctx, a, model_dir: Path, ids, np_: int) -> dict:
         split = check_moe_split(launch.moe_split)
         argv += ["--moe-split", split]
         if launch.pp > 1:
-            argv += ["--pp", str(launch.pp)]
+            from .. import pipeline
+
+            argv += ["--pp", str(launch.pp), "--pp-handoff", launch.pp_handoff]
+            pipeline.handoff_mode(launch.pp_handoff, job_backend(launch.backend, launch.hostfile), launch.pp,
+                                  np_ // launch.pp)
         weights = parse_rank_weights(launch.rank_weights)
         if weights is None and launch.hostfile is not None:
             weights = hostfile_weights(ctx, launch.hostfile, np_)

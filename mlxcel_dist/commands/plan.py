@@ -15,8 +15,12 @@ def main(ctx, a) -> None:
     np_, pp, link = a.np_, a.pp, a.link
     weights = parse_rank_weights(a.rank_weights)
     memory = None
+    for name, v in (("--host-us-per-layer", a.host_us_per_layer), ("--host-ms-per-token", a.host_ms_per_token)):
+        if v is not None and not 0 <= v < float("inf"):
+            raise UserError(f"{name} must be >= 0, got {v}")
+    host_layer = None if a.host_us_per_layer is None else a.host_us_per_layer * 1e-6
     if a.hostfile is not None:
-        from ..hostfile import rank_memory, rank_weights as host_weights, read_hostfile
+        from ..hostfile import rank_host_layer, rank_memory, rank_weights as host_weights, read_hostfile
 
         hosts = read_hostfile(a.hostfile).hosts
         np_ = np_ if np_ > 1 else sum(h.slots for h in hosts)
@@ -24,6 +28,8 @@ def main(ctx, a) -> None:
         memory = rank_memory(hosts, np_)
         if all(m is None for m in memory):
             memory = None
+        if host_layer is None:  # the flag, when given, is every host's
+            host_layer = rank_host_layer(hosts, np_)
         if link == "loopback":
             link = "10gbe"
     if np_ < 1:
@@ -36,7 +42,8 @@ def main(ctx, a) -> None:
         np_ = check_pp_ranks(np_, pp)
     split = check_moe_split(a.moe_split)
     check_placement(ck, np_, pp, weights, split)
-    p = make_plan(ck, np_, weights, link, None if a.bandwidth is None else a.bandwidth * 1e9, memory, pp, split)
+    p = make_plan(ck, np_, weights, link, None if a.bandwidth is None else a.bandwidth * 1e9, memory, pp, split,
+                  None if a.host_ms_per_token is None else a.host_ms_per_token * 1e-3, host_layer, a.context)
     print(f"{ck.dir}: {np_} rank(s)")
     for line in format_plan(p):
         print(line)

@@ -343,6 +343,11 @@ class CausalLM(nn.Module):
             dt = (head.scales if "scales" in head else head.weight).dtype
             per = max(e - s for s, e in self._head_rows)
             plan["all_gather"] = (1, per * dt.size)
+        handoff = getattr(stage, "handoff", None)
+        if handoff is not None:  # --pp-handoff collective: an all_gather of [1, 1, width] per hop it takes part in
+            calls, nbytes = plan["all_gather"]
+            hops = sorted(handoff.hops)
+            plan["all_gather"] = (calls + len(hops), nbytes + sum(handoff.widths[k] for k in hops) * stage.dtype.size)
         return plan
 
     @property

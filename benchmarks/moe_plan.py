@@ -1,0 +1,141 @@
+"""`plan` for MoE against published figures and against `bench` (issue 41).
+
+    python benchmarks/moe_plan.py published     # Qwen3-235B-A22B, two published setups
+    python benchmarks/moe_plan.py bench [--rounds 3] [FIXTURE ...]
+
+published: header-only checkpoints of Qwen3-235B-A22B (its real config:
+tests/helpers/header_ckpt.py writes the header of every tensor our model
+holds, bf16 and MLX 8-bit, and a hole for the data) planned for
+  exo 1.0, 4 x M3 Ultra over Thunderbolt 5 RDMA (tensor parallel), 8-bit: 31.9 tok/s
+      (Jeff Geerling, 2025-12, "1.5 TB of VRAM on Mac Studio - RDMA over Thunderbolt 5")
+  mlx-lm pipeline, 2 x M3 Ultra, 8-bit: 17.8 tok/s (issue 41)
+with the M3 Ultra's memory bandwidth (819 GB/s) and the tb5 link as inputs,
+and the host time per layer, which this machine cannot measure for a Mac,
+fitted on one setup and used to predict the other (both ways printed), and
+with none (what the bytes alone predict).
+
+bench: for each MoE fixture, plan (bandwidth and host costs measured here,
+--context the bench's prompt + half its generation) and `bench` (128-token
+prompt, 48 tokens decoded) in turn, --rounds times each, each in a fresh
+process; the medians and their ratio, and the ratio of the fastest runs
+(the least disturbed by a loaded box).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests" / "helpers"))
+
+QWEN3_235B = {
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "torch_dtype": "bfloat16",
+    "hidden_size": 4096, "intermediate_size": 12288, "moe_intermediate_size": 1536, "num_hidden_layers": 94,
+    "num_attention_heads": 64, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
+    "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+    "vocab_size": 151936, "max_position_embeddings": 40960, "rope_theta": 1000000.0, "rms_norm_eps": 1e-06,
+    "tie_word_embeddings": False, "attention_bias": False, "hidden_act": "silu", "bos_token_id": 151643,
+    "eos_token_id": 151645, "sliding_window": None, "use_sliding_window": False,
+}
+# (name, published tok/s, plan arguments)
+SETUPS = [
+    ("exo 4 x M3 Ultra, TB5 RDMA, tensor parallel", 31.9, dict(n=4, weights=(1, 1, 1, 1), link="tb5")),
+    ("mlx-lm pipeline 2 x M3 Ultra", 17.8, dict(n=2, pp=2, link="tb5")),
+]
+M3_ULTRA_BW = 819e9
+CONTEXT = 128  # a short prompt (the published runs' prompts were short)
+
+
+def published() -> None:
+    from header_ckpt import write_header_only
+
+    from mlxcel_dist.loader import open_model
+    from mlxcel_dist.plan import make_plan
+
+    with tempfile.TemporaryDirectory() as tmp:
+        ck = open_model(write_header_only(Path(tmp) / "q8", QWEN3_235B, {"group_size": 64, "bits": 8}))
+        bf16 = open_model(write_header_only(Path(tmp) / "bf16", QWEN3_235B))
+        mem = [512e9] * 4
+        held = sum(ck.tensor_bytes().values())
+        print(f"Qwen3-235B-A22B 8-bit: {held / 1e9:.1f} GB held (bf16 {sum(bf16.tensor_bytes().values()) / 1e9:.1f} GB)")
+
+        def plan(setup, host_layer):
+            _, _, kw = setup
+            kw = dict(kw)
+            n = kw.pop("n")
+            return make_plan(ck, n, bandwidth=M3_ULTRA_BW, memory=mem[:n], host_token=0.0, host_layer=host_layer,
+                             context=CONTEXT, **kw)
+
+        bare = [plan(s, 0.0) for s in SETUPS]
+        for s, p in zip(SETUPS, bare):
+            r = max(rp.reads for rp in p["ranks"])
+            print(f"{s[0]}: reads {r / 1e9:.2f} GB a token on the busiest rank; bytes and links alone: "
+                  f"{1e3 * p['token_s']:.2f} ms ({1 / p['token_s']:.1f} tok/s) vs published {s[1]} tok/s")
+        layers = QWEN3_235B["num_hidden_layers"]
+        for i, fit in enumerate(SETUPS):
+            h = (1 / fit[1] - bare[i]["token_s"]) / layers  # the host seconds a layer that fit this one
+            for j, other in enumerate(SETUPS):
+                p = plan(other, h)
+                tok = 1 / p["token_s"]
+                print(f"  host {1e6 * h:.0f} us/layer (fitted on {fit[0]}): {other[0]}: {tok:.1f} tok/s, "
+                      f"published {other[1]}: {100 * (tok / other[1] - 1):+.0f}%" + ("  (the fit)" if i == j else ""))
+
+
+def _median_run(cmd, key, rounds):
+    out = []
+    for _ in range(rounds):
+        p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+        if p.returncode != 0:
+            raise SystemExit(f"{cmd}: {p.stderr[-1000:]}")
+        out.append(json.loads(p.stdout.strip().splitlines()[-1])[key])
+    return statistics.median(out), out
+
+
+PLAN_CODE = """
+import json, sys
+from mlxcel_dist.loader import open_model
+from mlxcel_dist.plan import make_plan
+p = make_plan(open_model(sys.argv[1]), 1, context=int(sys.argv[2]))
+print(json.dumps({"ms": 1e3 * p["token_s"], "host": p["host"], "bw": p["bandwidth"]}))
+"""
+
+
+def bench(fixtures, rounds) -> None:
+    print(f"{'fixture':28} {'plan ms':>8} {'bench ms':>8} {'ratio':>6} {'min/min':>7}  plan runs / bench runs")
+    for d in fixtures:
+        plans, benches = [], []
+        for _ in range(rounds):  # interleaved: the box's load hits both alike
+            plans.append(_median_run([sys.executable, "-c", PLAN_CODE, d, str(128 + 24)], "ms", 1)[0])
+            benches.append(_median_run([sys.executable, "-m", "mlxcel_dist.cli", "bench", d, "--json"],
+                                       "decode_ms_per_token", 1)[0])
+        pm, bm = statistics.median(plans), statistics.median(benches)
+        print(f"{Path(d).parent.name + '/' + Path(d).name:28} {pm:8.2f} {bm:8.2f} {pm / bm:6.2f} "
+              f"{min(plans) / min(benches):7.2f}  "
+              f"{', '.join(f'{x:.2f}' for x in plans)} / {', '.join(f'{x:.2f}' for x in benches)}", flush=True)
+
+
+MOE_FIXTURES = ["qwen3_moe/gqa_fp32", "glm4_moe/gqa_fp32", "deepseek_v3/yarn_fp32", "deepseek_v32/yarn_fp32",
+                "minimax_m2/gqa_fp32", "gpt_oss/gqa_fp32", "llama4/gqa_fp32", "step3p5/moe_fp32",
+                "exaone_moe/gqa_fp32", "qwen3_next/hybrid_fp32", "qwen3_5_moe/text_fp32", "gemma4/moe_fp32"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("what", choices=["published", "bench"])
+    ap.add_argument("fixtures", nargs="*")
+    ap.add_argument("--rounds", type=int, default=3)
+    a = ap.parse_args()
+    if a.what == "published":
+        published()
+    else:
+        bench([str(ROOT / "tests" / "fixtures" / f) for f in (a.fixtures or MOE_FIXTURES)], a.rounds)
+
+
+if __name__ == "__main__":
+    main()
