@@ -5,7 +5,7 @@
     python benchmarks/serve_stall.py --servers mlx_lm-np1         # mlx_lm.server (pip install mlx-lm)
 
 The 24M bf16 llama of serve_load.py (random weights, the embedded
-tokenizer). Per server and prompt length, a round: 4 streams decode
+tokenizer); the streams' ids biased to printable tokens, so each is a chunk. Per server and prompt length, a round: 4 streams decode
 (`--stream-tokens` each, EOS ignored, short prompts); once each has sent
 `--settle` chunks, one long prompt of random text ids is sent (max_tokens 1,
 streamed) and its time to first token taken. Each stream's gaps between
@@ -66,9 +66,21 @@ def alone_ttft(base: str, ids: list) -> float:
     return first[0] - t0
 
 
+def printable_bias() -> dict:
+    """+100 on every token that is printable ASCII text on its own, so each
+    stream token is a text chunk: a random model's ids are often byte pieces
+    that decode to nothing yet, and the server (rightly) sends no chunk for
+    them, which would read as a gap."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(HERE.parent / "models" / "gemma3-tiny" / "tokenizer.json"))
+    ids = [i for i in range(tok.get_vocab_size()) if (t := tok.decode([i])) and t.isascii() and t.isprintable()]
+    return {str(i): 100 for i in ids[:300]}
+
+
 def one_round(base: str, n: int, seed: int, stream_tokens: int, settle: int) -> dict:
     times = [[] for _ in range(STREAMS)]
-    body = {"max_tokens": stream_tokens, "ignore_eos": True, "temperature": 0}
+    body = {"max_tokens": stream_tokens, "ignore_eos": True, "temperature": 0, "logit_bias": printable_bias()}
     threads = [threading.Thread(target=stream, args=(base, {**body, "prompt": f"The sea {i}"}, times[i]))
                for i in range(STREAMS)]
     for t in threads:
