@@ -157,8 +157,9 @@ def _open(req, attempts: int = 20):
             time.sleep(0.05 * (i + 1))
 
 
-def post_stream(base: str, body: dict) -> tuple[int, float, float]:
-    """(completion tokens, ttft s, latency s) of one streaming request."""
+def post_stream(base: str, body: dict, on_text=None) -> tuple[int, float, float]:
+    """(completion tokens, ttft s, latency s) of one streaming request;
+    `on_text(t)` at each text chunk's arrival (perf_counter)."""
     data = json.dumps({**body, "stream": True, "stream_options": {"include_usage": True}}).encode()
     req = urllib.request.Request(base + "/v1/completions", data=data, headers={"Content-Type": "application/json"})
     t0 = time.perf_counter()
@@ -174,6 +175,8 @@ def post_stream(base: str, body: dict) -> tuple[int, float, float]:
             for c in d.get("choices") or []:
                 if c.get("text"):
                     chunks += 1
+                    if on_text is not None:
+                        on_text(time.perf_counter())
                     if ttft is None:
                         ttft = time.perf_counter() - t0
     return (chunks if tokens is None else tokens), (ttft or 0.0), time.perf_counter() - t0

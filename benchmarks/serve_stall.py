@@ -20,18 +20,18 @@ as the machine's load moves absolute times.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from serve_load import _open, llama_checkpoint, started  # noqa: E402
+from serve_load import llama_checkpoint, post_stream, started  # noqa: E402
 
 STREAMS = 4
 VERBOSE = False
@@ -39,18 +39,12 @@ VERBOSE = False
 
 def stream(base: str, body: dict, times: list, first: list | None = None) -> None:
     """POST a streamed completion; append each text chunk's arrival time."""
-    data = json.dumps({**body, "stream": True}).encode()
-    req = urllib.request.Request(base + "/v1/completions", data=data, headers={"Content-Type": "application/json"})
-    with _open(req) as r:
-        for line in r:
-            line = line.strip()
-            if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                continue
-            d = json.loads(line[6:])
-            if any(c.get("text") or c.get("finish_reason") for c in d.get("choices") or []):
-                times.append(time.perf_counter())
-                if first is not None and not first:
-                    first.append(times[-1])
+    def seen(t):
+        times.append(t)
+        if first is not None and not first:
+            first.append(t)
+
+    post_stream(base, body, seen)
 
 
 def long_ids(n: int, seed: int, vocab: int = 512) -> list:
@@ -62,10 +56,11 @@ def long_ids(n: int, seed: int, vocab: int = 512) -> list:
 
 def alone_ttft(base: str, ids: list) -> float:
     t0, first = time.perf_counter(), []
-    stream(base, {"prompt": ids, "max_tokens": 1}, [], first)
+    stream(base, {"prompt": ids, "max_tokens": 1, "logit_bias": printable_bias()}, [], first)
     return first[0] - t0
 
 
+@functools.cache
 def printable_bias() -> dict:
     """+100 on every token that is printable ASCII text on its own, so each
     stream token is a text chunk: a random model's ids are often byte pieces
@@ -89,7 +84,7 @@ def one_round(base: str, n: int, seed: int, stream_tokens: int, settle: int) -> 
         time.sleep(0.01)
     ids = long_ids(n, seed)
     t0, first = time.perf_counter(), []
-    stream(base, {"prompt": ids, "max_tokens": 1}, [], first)
+    stream(base, {"prompt": ids, "max_tokens": 1, "logit_bias": printable_bias()}, [], first)
     t1 = first[0]
     for t in threads:
         t.join()
@@ -107,7 +102,7 @@ def one_round(base: str, n: int, seed: int, stream_tokens: int, settle: int) -> 
             worst = max(worst, max(during) / median)
     medians = [statistics.median([b - a for a, b in zip(x, x[1:])]) for x in times]
     if max(len(x) for x in times) and min(x[-1] for x in times) < t1:
-        print(f"  (a stream ended before the long prompt's first token: --stream-tokens too few)", file=sys.stderr)
+        print("  (a stream ended before the long prompt's first token: --stream-tokens too few)", file=sys.stderr)
     return {"stall_x": round(worst, 1), "ttft_s": round(t1 - t0, 3), "median_gap_ms": round(1000 * max(medians), 1),
             "ttft_alone_s": round(alone_ttft(base, long_ids(n, seed + 1000)), 3)}
 

@@ -99,7 +99,7 @@ from .decode import (QuantizedStaticCache, StaticCache, StaticConvKV, StaticStat
                      quantize_kv, ring_slots, static_kind)
 from .engine import DEFAULT_PREFILL_STEP, check_tokens, vocab_size
 from .masks import create_rows_mask
-from .prefill import Admission, Alone, Budget, Prefills, Together, _read_row, _write_row, pad_groups
+from .prefill import Admission, Alone, Budget, Prefills, Request, Together, _read_row, _write_row, pad_groups
 from .prompt_cache import PromptCache, Snapshot
 from .sampling import NEG_INF, Sampler, SamplingParams, allowed_from_bits, read_logprobs, token_logprobs
 
@@ -295,6 +295,7 @@ class BatchEngine:
         self.prefills = Prefills()  # prompts being prefilled (prefill.py)
         self._copies: dict = {}  # rid -> copies of its prompt (n > 1) forked once it is placed
         self.failed: dict = {}  # rid -> message: requests whose prefill failed (taken by the caller)
+        self.prompt_logprobs: dict = {}  # rid -> its prompt's logprobs (echo; taken by the caller)
 
     # -- rows --------------------------------------------------------------
     def __len__(self) -> int:
@@ -331,28 +332,26 @@ class BatchEngine:
         jobs run to the end here; with one, `step` runs them a budget at a time
         beside the decode rows. Every rank makes the same calls."""
         todo, first = [], {}
-        for rid, prompt_ids, sampling, *extra in requests:
-            budget = extra[0] if extra else None
-            grammar = extra[1] if len(extra) > 1 else None
-            drafts = extra[2] if len(extra) > 2 else True
+        for rid, prompt_ids, sampling, budget, grammar, drafts, echo in (Request(*r) for r in requests):
             if isinstance(grammar, str):  # a request's grammar text (serve.wire): this rank's matcher, one a row
                 grammar = self.vocab.matcher(grammar)
             prompt = check_tokens(prompt_ids, vocab_size(self.model))
-            key = prompt.tobytes()
+            key = prompt.tobytes() if budget != 0 else rid  # (a request of no ids takes no row to copy)
             if key in first:  # a copy (serve's n > 1): forked once its source is placed
                 self._copies.setdefault(first[key], []).append((rid, sampling, budget, grammar, drafts))
                 continue
             first[key] = rid
             start, cache = 0, None
-            if self.prompt_cache is not None:
+            if self.prompt_cache is not None and echo is None:  # (an echo runs the whole prompt: its logprobs)
                 start, cache = self.prompt_cache.lookup(prompt, self.model.make_cache)
-            todo.append(Admission(rid, prompt, len(prompt) - 1, sampling, start, cache, budget, grammar, drafts))
+            todo.append(Admission(rid, prompt, len(prompt) - 1, sampling, start, cache, budget, grammar, drafts,
+                                  echo))
         if self.static is None and todo:
             fresh = self.model.make_cache()
             self.static = bool(fresh) and None not in [static_kind(c) for c in fresh]
             if self.static:
                 self._learn_layout(None, todo[0].prompt[:1])
-        together = [a for a in todo if a.start < a.last] if self.static and not self.stateful else []
+        together = [a for a in todo if a.start < a.last and a.echo is None] if self.static and not self.stateful else []
         groups = [g for g in pad_groups(together, self.prefill_step) if len(g) > 1]
         grouped = {id(a) for g in groups for a in g}
         jobs = [Alone(self, a) for a in todo if id(a) not in grouped]
@@ -400,8 +399,19 @@ class BatchEngine:
                 self.failed[rid] = message
                 self.prefills.cancelled.discard(rid)
 
+    def echoed(self, a: Admission, logprobs: list) -> None:
+        """Prompt `a`'s logprobs (its copies' too), for the caller (`prompt_logprobs`)."""
+        for rid in [a.rid, *(c[0] for c in self._copies.get(a.rid, ()))]:
+            self.prompt_logprobs[rid] = logprobs
+
     def place_prefilled(self, a: Admission, cache: list) -> None:
-        """Prompt `a`, prefilled in its own caches `cache`, into a new row."""
+        """Prompt `a`, prefilled in its own caches `cache`, into a new row
+        (none for a request that reads no ids: its prompt's logprobs only)."""
+        if a.budget == 0:
+            self._copies.pop(a.rid, None)
+            for c in cache:
+                c.release()
+            return
         row = self._row(a)
         if not self.static:
             row.eager_cache = cache

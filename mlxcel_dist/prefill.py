@@ -33,6 +33,7 @@ keys are written, not which.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import mlx.core as mx
 import numpy as np
@@ -58,6 +59,44 @@ class Admission:
     budget: int | None = None
     grammar: object = None  # grammar.Matcher: the row's constrained decoding
     drafts: bool = True  # drafts may be verified for it (batch_spec.py)
+    echo: int | None = None  # its prompt's logprobs, with the k most likely each (OpenAI's echo)
+
+
+class Request(NamedTuple):
+    """What `BatchEngine.add_many` takes for one request (a plain tuple in
+    this order does too)."""
+
+    rid: object
+    prompt_ids: object
+    sampling: SamplingParams | None = None
+    budget: int | None = None  # ids the caller reads at most (max_tokens); 0: the prompt's logprobs only
+    grammar: object = None  # a grammar.Matcher, or a grammar's text for the engine's vocab
+    drafts: bool = True  # False: opted out of drafts
+    echo: int | None = None  # the prompt's logprobs (k most likely each)
+
+
+def prompt_logprobs(logits: mx.array, following: np.ndarray, k: int) -> tuple:
+    """Lazy (logprob of each following id [m], top-k ids [m, k], their
+    logprobs [m, k]) from one forward's logits [m, V]: the model's own
+    distribution (log-softmax, as vLLM's prompt_logprobs)."""
+    x = logits.astype(mx.float32)
+    lse = mx.logsumexp(x, axis=-1, keepdims=True)
+    lp = mx.take_along_axis(x, mx.array(following, mx.int32)[:, None], axis=-1)[:, 0] - lse[:, 0]
+    if not k:
+        return lp, None, None
+    top = mx.argsort(-x, axis=-1)[:, :k]
+    return lp, top, mx.take_along_axis(x, top, axis=-1) - lse
+
+
+def read_prompt_logprobs(prompt, parts: list) -> list:
+    """Per prompt token: None (the first), else (logprob, [(id, logprob), ...])."""
+    out = [None]
+    for lp, top, top_lp in parts:
+        lp = np.array(lp).tolist()
+        tops = np.array(top).tolist() if top is not None else [[] for _ in lp]
+        tlps = np.array(top_lp).tolist() if top_lp is not None else [[] for _ in lp]
+        out += [(v, list(zip(t, tl))) for v, t, tl in zip(lp, tops, tlps)]
+    return out[: len(prompt)]
 
 
 PREFILL_PER_DECODE = 2  # the CPU default: prompt tokens a step per decoding token
@@ -200,6 +239,7 @@ class Alone:
         self.cache = a.cache if a.cache is not None else engine.model.make_cache()
         self.at = a.start
         self.admits = [a]
+        self.echoed = []  # (logprobs, top ids, top logprobs) per forward: the prompt's, when a.echo is set
 
     def left(self) -> int:
         return self.a.last - self.at
@@ -212,8 +252,12 @@ class Alone:
         m = min(n, self.left())
         if m > 0:
             model = self.engine.model
-            model(mx.array(self.a.prompt[self.at : self.at + m])[None], self.cache)
-            mx.eval([c.state for c in self.cache] if self.cache else [], outstanding_sends(model))
+            logits = model(mx.array(self.a.prompt[self.at : self.at + m])[None], self.cache)
+            if self.a.echo is not None:  # every rank: the head's collectives run alike
+                self.echoed.append(prompt_logprobs(logits[0], self.a.prompt[self.at + 1 : self.at + m + 1],
+                                                   self.a.echo))
+            mx.eval([c.state for c in self.cache] if self.cache else [], outstanding_sends(model),
+                    [x for x in (self.echoed[-1] if self.a.echo is not None else ()) if x is not None])
             self.at += m
         return m
 
@@ -221,6 +265,8 @@ class Alone:
         e, a = self.engine, self.a
         if e.prompt_cache is not None and a.start < a.last:
             e.prompt_cache.store(a.prompt[: a.last], self.cache)
+        if a.echo is not None:
+            e.echoed(a, read_prompt_logprobs(a.prompt, self.echoed))
         e.place_prefilled(a, self.cache)
 
 

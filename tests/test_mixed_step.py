@@ -4,7 +4,7 @@ its id each step, and every request's ids are the ids it gets alone: for
 every registered family (every cache kind: full, sliding ring, chunked,
 latent, recurrent, conv, DeltaNet; quantized in its own test), with drafts and
 grammar rows in the batch. The launched forms (np 2, pp 2) are in
-tests/test_serve_steps.py."""
+tests/test_serve_pp.py."""
 
 import numpy as np
 import pytest
@@ -14,32 +14,11 @@ from mlxcel_dist.cache import KVOptions
 from mlxcel_dist.engine import TokenGenerator
 from mlxcel_dist.loader import default_model_dir, load_model
 from mlxcel_dist.prefill import Budget
-from mlxcel_dist.models import supported
 from mlxcel_dist.sampling import SamplingParams
 
-from reference_cases import case_id, cases
+from test_batch import CASES, _ids, small_buffers  # noqa: F401 (the fixture: 8-slot buffers, as there)
 
-FAMILY_CASES = {}
-for d in cases():
-    if d.parent.name in supported() and "fp32" in d.name:
-        FAMILY_CASES.setdefault(d.parent.name, d)
-CASES = [default_model_dir()] + list(FAMILY_CASES.values())
 GREEDY = SamplingParams()
-
-
-def _ids(d):
-    return "default" if d == default_model_dir() else case_id(d)
-
-
-@pytest.fixture(autouse=True)
-def small_buffers(monkeypatch):
-    # Buffers of 8 slots: the steps cross regrowths and sliding rings wrap.
-    import mlxcel_dist.batch as batch
-    import mlxcel_dist.decode as decode
-
-    monkeypatch.setattr(decode, "STEP", 8)
-    monkeypatch.setattr(batch, "CPU_STEP", 8)
-    monkeypatch.setattr(batch, "GPU_STEP", 8)
 
 
 def alone(model, prompt, n, sampling=GREEDY):

@@ -39,17 +39,18 @@ class FakeEngine:
         self.want = {}
         self.logprobs = {}
         self.failed = {}
+        self.prompt_logprobs = {}
         self.scripts = scripts or {}
 
     def __contains__(self, rid):
         return rid in self.rows
 
     def add_many(self, items):
-        self.calls.append(("add_many", tuple((rid, tuple(p), mt) for rid, p, _, mt in items)))
-        for rid, prompt, _, _ in items:
+        self.calls.append(("add_many", tuple((rid, tuple(p), mt) for rid, p, _, mt, *_ in items)))
+        for rid, prompt, *_ in items:
             if POISON in prompt:
                 raise ValueError("poisoned prompt")
-        for rid, prompt, _, _ in items:
+        for rid, prompt, *_ in items:
             self.rows[rid] = [self.scripts.get(prompt[0], [prompt[0]]), 0]
 
     def remove(self, rid):

@@ -205,6 +205,7 @@ class ScriptedEngine:
     def __init__(self, ids, eos):
         self.ids, self.eos = list(ids) + [eos], eos
         self.rows, self.want, self.logprobs, self.failed = {}, {}, {}, {}
+        self.prompt_logprobs = {}
 
     def __contains__(self, rid):
         return rid in self.rows

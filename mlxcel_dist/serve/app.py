@@ -26,7 +26,7 @@ from . import reasoning, tools
 from . import responses as rs
 from . import responses_api as rapi
 from .log import log
-from .scheduler import SHUTDOWN_MESSAGE, Done, Failed, Job, Scheduler, Text, Token
+from .scheduler import SHUTDOWN_MESSAGE, Done, Failed, Job, Prompt, Scheduler, Text, Token
 
 POLL_S = 0.25  # a waiting request checks that its client is still there this often
 BODY_TIMEOUT_S = 30.0  # the whole body must arrive within this
@@ -276,6 +276,9 @@ async def _whole(state: AppState, request: Request, job: Job, events: asyncio.Qu
                 entries[ev.index].append((ev.id, ev.logprob))
             elif isinstance(ev, Text):
                 parts[ev.index].append(ev.text)
+            elif isinstance(ev, Prompt):  # echo: the prompt's text and tokens lead the choice
+                parts[ev.index].insert(0, state.parse_ctx.tokenizer.decode(ev.ids))
+                entries[ev.index][:0] = rs.echo_entries(ev)
             elif isinstance(ev, Failed):
                 return _error(api.ApiError(ev.message, status=ev.status), request)
             elif isinstance(ev, Done):
@@ -348,6 +351,10 @@ async def _stream(state: AppState, request: Request, job: Job, events: asyncio.Q
             while ev is not None:  # what has queued up meanwhile goes out in one write
                 if isinstance(ev, Token):
                     choices[ev.index].pending.append((ev.id, ev.logprob))
+                elif isinstance(ev, Prompt):  # echo: the prompt's text (and its tokens' logprobs) first
+                    if p.req.logprobs is not None:
+                        choices[ev.index].pending[:0] = rs.echo_entries(ev)
+                    out.append(chunk(ev.index, state.parse_ctx.tokenizer.decode(ev.ids)))
                 elif isinstance(ev, Text):
                     out += [chunk(ev.index, d) for d in choices[ev.index].deltas(ev.text, p.chat)]
                 elif isinstance(ev, Failed):

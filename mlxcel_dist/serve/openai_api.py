@@ -220,6 +220,9 @@ class CompletionRequest(_Common):
              | Annotated[list[Annotated[list[int], Field(min_length=1, fail_fast=True)]],
                          Field(min_length=1, max_length=MAX_PROMPTS)])
     logprobs: bool | int | None = Field(None, description="k: the k most likely tokens (true: the chat form)")
+    echo: bool | None = Field(None, description="the prompt before the answer, with its tokens' logprobs when "
+                                                "'logprobs' is given (the first null); max_tokens 0: the prompt only")
+    max_tokens: int | None = Field(None, ge=0)
 
 
 STOP_MESSAGE = "'stop' must be a non-empty string or a list of at most 16 non-empty strings"
@@ -342,6 +345,7 @@ class Parsed:
     tools: list | None = None  # the request's tools (their schemas type the XML call formats' values)
     forced: bool = False  # tool_choice required / named: the answer is calls only (a cut one is dropped)
     prompts: list | None = None  # several prompts (completions): their ids, n choices each (None: req's alone)
+    echo: bool = False  # completions' echo: the prompt (and its logprobs) before each choice's answer
 
     @property
     def choices(self) -> int:
@@ -400,7 +404,6 @@ def _neutral(*values):
 
 UNSUPPORTED = {
     "best_of": (_neutral(1), "one candidate per request ('best_of': 1)"),
-    "echo": (_neutral(False), "the prompt is not echoed"),
     "suffix": (_neutral(""), "no insertion (suffix) mode"),
     "functions": (_neutral([]), "the deprecated form is not served; send 'tools'"),
     "function_call": (_neutral("none", "auto"), "the deprecated form is not served; send 'tool_choice'"),
@@ -744,8 +747,23 @@ def parse(body: object, chat: bool, ctx: ParseContext) -> Parsed:
     # a constrained answer's grammar lets the model think first (its thinking split off as usual)
     gram = _grammar(m, chat, ctx, grammar.thinking(fmt, text), tool_format)
     longest = max(prompts, key=len)  # every prompt must fit with max_tokens
-    req = GenRequest(ids, _max_tokens(m, chat, len(longest), ctx), _sampling(m, ctx.defaults, ctx.vocab_size), stops,
-                     logprobs, bool(m.ignore_eos), stop_ids, gram, m.speculative is not False)
+    echo = bool(not chat and m.echo)
+    if chat and body.get("echo"):
+        raise ApiError("'echo' is a completions field: chat answers never repeat the messages", param="echo",
+                       code="unsupported_parameter")
+    if echo and not ctx.logprobs_ok:
+        raise ApiError("'echo' is not supported for this model (it runs its own generation loop)", param="echo",
+                       code="unsupported_parameter")
+    max_tokens = _max_tokens(m, chat, len(longest), ctx)
+    if max_tokens == 0 and not echo:
+        raise ApiError("'max_tokens' must be >= 1 (0 only with 'echo': the prompt's logprobs alone)",
+                       param="max_tokens")
+    if echo and gram is not None:
+        raise ApiError("'echo' with a constrained answer (response_format, forced tools) is not served",
+                       param="echo", code="unsupported_parameter")
+    req = GenRequest(ids, max_tokens, _sampling(m, ctx.defaults, ctx.vocab_size), stops,
+                     logprobs, bool(m.ignore_eos), stop_ids, gram, m.speculative is not False,
+                     (logprobs or 0) if echo else None)
     try:
         check_wire(req)  # defence in depth: the checks above should already hold every wire limit
     except ValueError as e:
@@ -756,7 +774,7 @@ def parse(body: object, chat: bool, ctx: ParseContext) -> Parsed:
     return Parsed(req, stream, include_usage, model, chat, tool_format, n, fmt,
                   fmt is not None and reasoning.starts_thinking(fmt, text), keep,
                   [t.model_dump(exclude_none=True) for t in m.tools] if tool_format else None,
-                  _forced(m, chat) and tool_format is not None, prompts if len(prompts) > 1 else None)
+                  _forced(m, chat) and tool_format is not None, prompts if len(prompts) > 1 else None, echo)
 
 
 # Chat rendering without a template -------------------------------------------------

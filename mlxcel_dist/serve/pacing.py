@@ -16,7 +16,7 @@ averages are known it answers 0: the engine's own `prefill.Budget` applies.
 
 from __future__ import annotations
 
-STALL = 2.5  # a running stream's gap while prompts prefill, at most this x its plain gap
+STALL = 3.0  # a running stream's gap while prompts prefill, at most this x its plain gap
 MIN_TOKENS = 8  # prompt tokens a step at the least (prompts always move)
 MAX_TOKENS = 8192
 EMA = 0.2  # weight of the newest step in each average

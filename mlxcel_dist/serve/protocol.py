@@ -21,6 +21,7 @@ from typing import Protocol
 import numpy as np
 
 from ..collectives import CollectiveError, Group, HostChannel
+from ..prefill import Request
 from . import wire
 from .wire import CONTROL_INTS, KIND_IDLE, KIND_SHUTDOWN, KIND_STEP, Step
 
@@ -32,12 +33,13 @@ class Engine(Protocol):
     want: dict  # rid -> k: logprobs asked with each id
     logprobs: dict  # rid -> logprobs of the last step (rank 0 reads them)
     failed: dict  # rid -> message: prompts whose prefill failed in a step (taken by apply_step)
+    prompt_logprobs: dict  # rid -> its prompt's logprobs (echo), once prefilled (taken by apply_step)
     prefilling: bool  # prompts still prefilling, no row yet (a step of prefill alone is never judged stuck)
     prefilled: int  # prompt tokens run through prefill forwards so far
 
     def __len__(self) -> int: ...
     def __contains__(self, rid) -> bool: ...
-    def add_many(self, items) -> None: ...
+    def add_many(self, items) -> None: ...  # prefill.Request records
     def remove(self, rid) -> None: ...
     def step(self, prefill: int | None = None) -> dict: ...  # prefill: this step's prompt tokens (None: its own)
 
@@ -102,16 +104,13 @@ class StepResult:
     step_s: float = 0.0
     admit_s: float = 0.0
     prefilled: int = 0  # prompt tokens the step ran through prefill forwards
+    prompt_logprobs: dict = field(default_factory=dict)  # rid -> its prompt's logprobs (echo), rank 0's
 
 
 def _admit(engine, admissions: list, keep_logprobs: bool, failed: dict) -> None:
     """add_many of a step's admissions; when it fails (every rank alike: the
     same data), each is retried alone so only the failing request ends."""
-    # a grammar only where there is one (engines without constrained decoding take 4-tuples); an opt-out of
-    # drafts only where the engine drafts
-    drafting = getattr(engine, "spec", None) is not None
-    items = [(rid, req.prompt_ids, req.sampling, req.max_tokens,
-              *((req.grammar, False) if drafting and not req.speculative else (req.grammar,) if req.grammar else ()))
+    items = [Request(rid, req.prompt_ids, req.sampling, req.max_tokens, req.grammar, req.speculative, req.echo)
              for rid, req in admissions]
     try:
         engine.add_many(items)
@@ -159,6 +158,9 @@ def apply_step(engine, step: Step, guard, keep_logprobs: bool = False, busy=None
         if busy:
             busy(None)
     out.prefilled = engine.prefilled - before
+    if keep_logprobs:
+        out.prompt_logprobs = dict(engine.prompt_logprobs)
+    engine.prompt_logprobs.clear()
     out.failed.update(engine.failed)  # prompts whose prefill failed in the step (every rank alike)
     engine.failed.clear()
     out.step_s, out.admit_s = time.monotonic() - t1, t1 - t0
@@ -211,6 +213,7 @@ class OneRowEngine:
         self.want: dict = {}  # logprobs are refused at parse time for these models
         self.logprobs: dict = {}
         self.failed: dict = {}
+        self.prompt_logprobs: dict = {}  # echo is refused at parse time for these models
 
     def __len__(self) -> int:
         return int(self.rid is not None)
@@ -221,7 +224,7 @@ class OneRowEngine:
     def add_many(self, items) -> None:
         from ..engine import HookGenerator
 
-        for rid, prompt_ids, sampling, max_tokens in items:
+        for rid, prompt_ids, sampling, max_tokens, *_ in items:
             if self.rid is not None:
                 raise RuntimeError("one row at a time: this model has its own generation loop")
             gen = HookGenerator(self.model, prompt_ids, max_tokens, sampling, self.eos_ids, self.group,

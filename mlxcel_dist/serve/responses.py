@@ -78,11 +78,11 @@ def completion_logprobs(pieces: TokenPieces, entries, offset: int) -> tuple[dict
     """OpenAI's (legacy) completions `logprobs` object; `offset`: the text
     offset of the first token, returned advanced past the last."""
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    for t, (lp, top) in entries:
+    for t, got in entries:  # got None: an echoed prompt's first token (nothing predicts it)
         text = pieces(t)[0]
         out["tokens"].append(text)
-        out["token_logprobs"].append(_lp(lp))
-        out["top_logprobs"].append({pieces(i)[0]: _lp(v) for i, v in top})
+        out["token_logprobs"].append(None if got is None else _lp(got[0]))
+        out["top_logprobs"].append(None if got is None else {pieces(i)[0]: _lp(v) for i, v in got[1]})
         out["text_offset"].append(offset)
         offset += len(text)
     return out, offset
@@ -109,6 +109,11 @@ def whole_response(p: Parsed, rid: str, created: int, choices: list[dict], promp
     `choices` from :func:`whole_choice`; usage counts the prompt once (the
     choices share it) and every choice's tokens."""
     return {**_head(p, rid, created, False), "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def echo_entries(ev) -> list:
+    """(id, (logprob, top) or None) per token of an echoed prompt (scheduler.Prompt)."""
+    return list(zip(ev.ids, ev.logprobs))
 
 
 def whole_choice(p: Parsed, index: int, text: str, finish_reason: str, entries, pieces: TokenPieces) -> dict:

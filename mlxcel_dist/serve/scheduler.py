@@ -43,6 +43,15 @@ class Token:
 
 
 @dataclass
+class Prompt:
+    """A choice's prompt, before its tokens (completions' echo)."""
+
+    ids: list
+    logprobs: list  # per prompt token: None (the first), else (logprob, [(id, logprob), ...])
+    index: int = 0
+
+
+@dataclass
 class Text:
     text: str
     index: int = 0
@@ -337,6 +346,12 @@ class Scheduler:
                 self._end(r.job, Failed(f"generation failed: {message}", 500))
         if result.spec[0]:
             self.metrics.drafted(*result.spec)
+        for rid, lps in result.prompt_logprobs.items():  # echo: the prompt first; max_tokens 0 ends there
+            r = self.rows.get(rid)
+            if r is not None:
+                self._emit(r.job, Prompt(list(r.job.prompts[r.index // r.job.group]), lps, r.index))
+                if r.job.req.max_tokens == 0:
+                    self._finish(rid, r, "length", removal=False)
         for rid, toks in result.ids.items():
             r = self.rows.get(rid)
             if r is None:  # freed at this step's plan: its last id is dropped
@@ -410,13 +425,15 @@ class Scheduler:
                                 f"(response_format or forced tool call) hit a limit of llguidance: {r.check.error}; "
                                 "a smaller schema (fewer optional properties) avoids it", 400))
 
-    def _finish(self, rid: int, r: _Row, reason: str) -> None:
+    def _finish(self, rid: int, r: _Row, reason: str, removal: bool = True) -> None:
+        """`removal` False: the engine holds no row for it (an echo of max_tokens 0)."""
         if reason != "stop":
             tail = r.stopper.feed(r.decoder.flush()) + r.stopper.flush()
             if tail:
                 self._emit(r.job, Text(tail, r.index))
         self.rows.pop(rid)
-        self.removals.append(rid)
+        if removal:
+            self.removals.append(rid)
         prompt = r.job.prompts[r.index // r.job.group]
         self._end(r.job, Done(reason, len(prompt), r.generated, r.stopper.stopped, r.index))
 
