@@ -579,7 +579,7 @@ def check_logprobs(server, model_dir):
 
 
 UNSUPPORTED_CASES = [
-    ("/v1/completions", "echo", True),
+    ("/v1/chat/completions", "echo", True),  # (completions echo the prompt: tests/test_serve_echo.py)
     ("/v1/completions", "suffix", "and so on"),
     ("/v1/completions", "best_of", 3),
     ("/v1/chat/completions", "reasoning_effort", "low"),  # this template has no reasoning_effort

@@ -749,14 +749,14 @@ def parse(body: object, chat: bool, ctx: ParseContext) -> Parsed:
     longest = max(prompts, key=len)  # every prompt must fit with max_tokens
     echo = bool(not chat and m.echo)
     if chat and body.get("echo"):
-        raise ApiError("'echo' is a completions field: chat answers never repeat the messages", param="echo",
-                       code="unsupported_parameter")
+        raise ApiError("'echo' is not supported by this server for chat: a completions field (chat answers never "
+                       f"repeat the messages); got {_show(body['echo'])}", param="echo", code="unsupported_parameter")
     if echo and not ctx.logprobs_ok:
         raise ApiError("'echo' is not supported for this model (it runs its own generation loop)", param="echo",
                        code="unsupported_parameter")
     max_tokens = _max_tokens(m, chat, len(longest), ctx)
     if max_tokens == 0 and not echo:
-        raise ApiError("'max_tokens' must be >= 1 (0 only with 'echo': the prompt's logprobs alone)",
+        raise ApiError("'max_tokens' must be >= 1, got 0 (0 only with 'echo': the prompt's logprobs alone)",
                        param="max_tokens")
     if echo and gram is not None:
         raise ApiError("'echo' with a constrained answer (response_format, forced tools) is not served",
