@@ -12,15 +12,11 @@ one scatter per layer (`mx.put_along_axis`), so rows never see each other.
 
 Rows. A request's prompt (all but its last token, less a prompt-cache
 prefix) is prefilled, then its keys/values move into a free row (the last
-prompt token is that row's first input). Requests admitted together
-(`add_many`) are prefilled together in groups of two or more whose padding
-stays within PAD_SLACK of their tokens (`_pad_groups`): one forward per chunk of `prefill_step` tokens per prompt over [B, chunk]
-(shorter chunks padded with id 0 after their end), each row at its own
-offset (RoPE) in `PrefillCache` buffers [B, kv_heads, R, D] where position
-p sits in slot p % R (full layers: R covers the longest prompt, slot =
-position; sliding: R = window + chunk, a ring), masks [B, 1, chunk, R] from
-each slot's position (`masks.create_rows_mask`: windowed per row, pad keys
-hidden from real queries, no all-masked row). A lone request is prefilled
+prompt token is that row's first input). Prefilling is prefill.py's: the
+prompts admitted by `add_many` become jobs that `step` runs a chunk at a
+time beside the decoding rows (or at once without a budget), prompts
+admitted together in one forward per chunk where their padding stays
+small (`PrefillCache` buffers, per-row offsets and masks), a lone one
 through the model's own caches (chunked, exact as `generate`), as are all
 of a model that cannot batch. `C` (the buffer's row count) is a
 power of two that covers the active rows: a step over 3 sequences computes 4

@@ -1,8 +1,8 @@
 """The mixed step (prefill.py): prompts admitted while rows decode are
 prefilled a token budget a step beside them. Every running row still gets
 its id each step, and every request's ids are the ids it gets alone: for
-every registered family (every cache kind: full, sliding ring, chunked,
-latent, recurrent, conv, DeltaNet; quantized in its own test), with drafts and
+a family of every cache kind (full, sliding ring, chunked, latent,
+recurrent, conv, DeltaNet, shared KV; quantized in its own test), with drafts and
 grammar rows in the batch. The launched forms (np 2, pp 2) are in
 tests/test_serve_pp.py."""
 
@@ -16,7 +16,13 @@ from mlxcel_dist.loader import default_model_dir, load_model
 from mlxcel_dist.prefill import Budget
 from mlxcel_dist.sampling import SamplingParams
 
-from test_batch import CASES, _ids, small_buffers  # noqa: F401 (the fixture: 8-slot buffers, as there)
+from test_batch import FAMILY_CASES, _ids, small_buffers  # noqa: F401 (the fixture: 8-slot buffers, as there)
+
+# One family per cache kind (test_batch runs every family's rows; the prefill jobs are per kind):
+# full + sliding ring (the default gemma3), chunked (llama4), latent (deepseek_v3), recurrent
+# (recurrent_gemma), conv over K/V (baichuan_m1), DeltaNet (qwen3_next), a layer reading another's KV (gemma4)
+KINDS = ["llama4", "deepseek_v3", "recurrent_gemma", "baichuan_m1", "qwen3_next", "gemma4"]
+CASES = [default_model_dir()] + [FAMILY_CASES[f] for f in KINDS]
 
 GREEDY = SamplingParams()
 
