@@ -215,3 +215,12 @@ def test_pacer_keeps_a_mixed_step_within_its_stall_bound():
     assert abs((0.1 + 0.005 * n) / 0.1 - pacing.STALL) <= 0.1
     p.observe(5.0, 0, 10)  # a prefill alone (no rows): the token's whole cost
     assert p.tokens() >= pacing.MIN_TOKENS
+
+
+def test_serve_refuses_a_token_budget_under_1():
+    from typer.testing import CliRunner
+
+    from mlxcel_dist.cli import app
+
+    r = CliRunner().invoke(app, ["serve", "--max-num-batched-tokens", "0"])
+    assert r.exit_code == 2 and "error: --max-num-batched-tokens must be >= 1, got 0" in r.output
