@@ -5,7 +5,7 @@ Every cache kind answers, for its layer: which mask L new tokens need
 layer's cache state before the update decides its mask), what it holds
 (`offset` tokens seen; `temporal()`, its keys/values oldest first), the keys
 a query may see (`window`, None for all) and whether `decode.DecodeStep` may
-move it into static buffers (`static_kv`). `masks.layer_masks` asks the first
+move it into static buffers (`static_kv`). `cache.layer_masks` asks the first
 cache of each attention kind; `decode.py` asks `static_kv` and `window`.
 The layer kinds (`SLIDING`, `FULL`) are named here, once.
 
@@ -346,6 +346,24 @@ def make_layer_caches(layer_types: list, window: int | None, chunk: int | None =
         return ChunkedKVCache(chunk) if kind == CHUNKED else KVCache()
 
     return [one(kind) for kind in layer_types]
+
+
+def layer_masks(L: int, cache, layer_types: list, window: int | None, chunk: int | None = None) -> dict:
+    """One mask per attention kind for L new tokens, built once per forward
+    (before any layer updates its cache): each kind's first cache says which
+    (`cache.LayerCache.mask`). `cache` is the cache list of the layers this
+    rank runs, `layer_types` their kinds, entry for entry (every layer, or a
+    pipeline stage's: a kind's first layer may be on another stage, so the
+    kinds are the stage's own, never the model's), or None for a cache-less
+    pass, which needs what fresh caches would (`chunk`: the chunked layers'
+    attention chunk)."""
+    if cache is None:
+        cache = make_layer_caches(layer_types, window, chunk)
+    masks = {}
+    for kind, c in zip(layer_types, cache):
+        if kind not in masks:
+            masks[kind] = c.mask(L)
+    return masks
 
 
 class RecurrentCache(LayerCache):

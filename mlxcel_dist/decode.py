@@ -16,7 +16,7 @@ the step runs on `StaticCache`s instead of the growing `cache.KVCache` /
   once S == window it is a ring holding exactly the window);
 - the mask is `arange(S) <= pos` for both kinds (unwritten slots are hidden;
   a full ring is all visible), built once per step per attention kind by
-  `masks.layer_masks` from `StaticCache.mask`; RoPE takes `pos` as its offset.
+  `cache.layer_masks` from `StaticCache.mask`; RoPE takes `pos` as its offset.
 - chunked layers (llama4, `chunk`: a query sees its attention chunk) use the
   sliding layers' buffer (a ring of `chunk` slots once that long), whose
   slots 0 .. pos % chunk hold exactly the current chunk: the mask is

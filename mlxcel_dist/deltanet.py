@@ -46,7 +46,7 @@ from .collectives import SINGLE
 from .errors import UserError
 from .experts import SwitchGLU, softmax_top_k, use_grouped
 from .layers import GemmaRMSNorm, RMSNormFP32Scale, activation, gated_fp32
-from .masks import layer_masks
+from .cache import layer_masks
 from .shard import shard_attention, shard_deltanet, shard_expert_mlps, shard_mlp, shard_switch_glu
 
 __all__ = ["LINEAR", "GatedDeltaNet", "GatedAttention", "SharedExpertMoE", "HybridLayer", "make_cache"]

@@ -35,8 +35,9 @@ key slot per row (a ring's slots hold positions out of order; -1: a slot
 never written), with the same visibility rule (chunked with `chunk`); no row is all False as long
 as each query's own key is among the slots (it is written before attention).
 
-`layer_masks` (what models call once per forward) asks each attention kind's
-cache for its mask (the caches own which builder applies: cache.py). They
+`cache.layer_masks` (what models call once per forward) asks each attention
+kind's cache for its mask (the caches own which builder applies, so it lives
+with them in cache.py; this module imports nothing of ours). The builders
 return the string ``"causal"`` instead of an array whenever the mask would be
 plain causal (a global layer, or a sliding layer whose keys all lie within
 the window): the fused attention kernel then applies it without reading a
@@ -148,23 +149,3 @@ def create_rows_mask(size: int, offsets: mx.array, key_positions: mx.array, wind
     if chunk is not None:
         m = m & (k // chunk == q // chunk)
     return m[:, None]
-
-
-def layer_masks(L: int, cache, layer_types: list, window: int | None, chunk: int | None = None) -> dict:
-    """One mask per attention kind for L new tokens, built once per forward
-    (before any layer updates its cache): each kind's first cache says which
-    (`cache.LayerCache.mask`). `cache` is the cache list of the layers this
-    rank runs, `layer_types` their kinds, entry for entry (every layer, or a
-    pipeline stage's: a kind's first layer may be on another stage, so the
-    kinds are the stage's own, never the model's), or None for a cache-less
-    pass, which needs what fresh caches would (`chunk`: the chunked layers'
-    attention chunk)."""
-    if cache is None:
-        from .cache import make_layer_caches
-
-        cache = make_layer_caches(layer_types, window, chunk)
-    masks = {}
-    for kind, c in zip(layer_types, cache):
-        if kind not in masks:
-            masks[kind] = c.mask(L)
-    return masks

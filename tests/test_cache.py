@@ -12,7 +12,8 @@ import pytest
 from mlxcel_dist.attention import causal_attention
 from mlxcel_dist.cache import FULL, SLIDING, KVCache, RotatingKVCache, SharedKVCache, make_layer_caches
 from mlxcel_dist.engine import sequence_logits
-from mlxcel_dist.masks import CAUSAL, create_causal_mask, create_causal_mask_with_window_full, layer_masks
+from mlxcel_dist.cache import layer_masks
+from mlxcel_dist.masks import CAUSAL, create_causal_mask, create_causal_mask_with_window_full
 
 WINDOW = 4
 

@@ -7,14 +7,13 @@ import numpy as np
 import pytest
 
 from mlxcel_dist.attention import causal_attention
-from mlxcel_dist.cache import KVCache, RotatingKVCache
+from mlxcel_dist.cache import KVCache, RotatingKVCache, layer_masks
 from mlxcel_dist.masks import (
     CAUSAL,
     create_causal_mask,
     create_causal_mask_with_window,
     create_causal_mask_with_window_full,
     create_sliding_window_prefill_mask,
-    layer_masks,
 )
 
 

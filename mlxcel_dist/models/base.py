@@ -22,7 +22,7 @@ import mlx.nn as nn
 from ..cache import FULL, SLIDING, SharedKVCache, make_layer_caches
 from ..collectives import SINGLE, Group
 from ..errors import UserError
-from ..masks import layer_masks
+from ..cache import layer_masks
 from ..shard import plan_sharded_linears, shard_layers, split_ranges, vocab_parallel_logits
 
 __all__ = ["FULL", "SLIDING", "LanguageModel", "BaseModelArgs", "CausalLM", "DecoderStack"]
@@ -242,7 +242,7 @@ class DecoderStack(nn.Module):
         return self.args.layer_types[self.stage.start : self.stage.stop]
 
     def masks(self, L: int, cache) -> dict:
-        """One mask per attention kind for L new tokens (`masks.layer_masks`)
+        """One mask per attention kind for L new tokens (`cache.layer_masks`)
         of this rank's layers (`cache`: their caches)."""
         return layer_masks(L, cache, self.stage_layer_types, getattr(self.args, "sliding_window", None))
 

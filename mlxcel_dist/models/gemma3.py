@@ -18,7 +18,7 @@ import mlx.core as mx
 from ..blocks import MLP, Attention, SandwichBlock
 from ..errors import UserError
 from ..layers import GemmaRMSNorm, activation
-from ..masks import layer_masks
+from ..cache import layer_masks
 from ..rope import RoPE
 from .base import FULL, SLIDING, BaseModelArgs, CausalLM, DecoderStack, derive_layer_types
 

@@ -48,7 +48,7 @@ from ..collectives import SINGLE
 from ..errors import UserError
 from ..experts import SwitchGLU
 from ..layers import RMSNorm, activation, gated_fp32
-from ..masks import layer_masks
+from ..cache import layer_masks
 from ..rope import RoPE
 from ..shard import shard_attention, shard_expert_mlps, shard_mlp, shard_switch_glu
 from ..weights import join, swap_last_axes

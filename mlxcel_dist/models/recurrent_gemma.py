@@ -37,7 +37,7 @@ from ..blocks import MLP, Attention
 from ..cache import RECURRENT, SLIDING, RecurrentCache, RotatingKVCache
 from ..errors import UserError
 from ..layers import GemmaRMSNorm, activation
-from ..masks import layer_masks
+from ..cache import layer_masks
 from ..rope import RoPE
 from ..shard import shard_attention, shard_mlp, shard_recurrent_block
 from .base import BaseModelArgs, CausalLM, DecoderStack, run_layers
