@@ -113,19 +113,6 @@ def slot_step() -> int:
     return CPU_STEP if mx.default_device() == mx.cpu else GPU_STEP
 
 
-# serve's prefill beside decoding rows, by device (prefill.Budget). A CPU step is
-# compute-bound: a prompt token costs about what a decoding row's token costs (the
-# 24M bf16 llama of benchmarks/serve_stall.py: 18-23 ms against 25 ms), so a step
-# gives prompts twice its rows' tokens: the rows' gap grows to ~3x while prompts get
-# 2/3 of the work. A GPU step of few rows is bound by reading the weights, which a
-# chunk shares: a fixed budget there (vLLM's --max-num-batched-tokens).
-GPU_TOKEN_BUDGET = 512
-
-
-def default_budget() -> "Budget":
-    return Budget() if mx.default_device() == mx.cpu else Budget(GPU_TOKEN_BUDGET)
-
-
 class RowCache(StaticCache):
     """One layer's view of the batch buffers: decode.StaticCache with `pos`
     (`offset`) the per-row positions [C], so its mask and writes are per row.

@@ -15,11 +15,12 @@ a prefill: each job runs one forward of its full chunk (`prefill_step` a
 prompt) per step. Every rank makes the same queue decisions (they depend on
 rows and prompt lengths only).
 
-How many prompt tokens a step takes beside its rows is the `Budget`: a fixed
-token budget per step (vLLM's `--max-num-batched-tokens`: the rows' tokens
-first, prompts take the rest, at least a quarter), or, by default on a CPU,
-PREFILL_PER_DECODE times the rows' tokens (docs/benchmarks.md, "Streams
-beside a long prompt").
+How many prompt tokens a step takes beside its rows: the number a step
+brings (serve's pacing, serve/pacing.py, from the steps' times), else the
+engine's `Budget`: a fixed token budget per step (vLLM's
+`--max-num-batched-tokens`: the rows' tokens first, prompts take the rest, at
+least a quarter), or, until pacing has measured anything, `default_budget()`
+(docs/benchmarks.md, "Streams beside a long prompt").
 
 A job's forward is evaluated before the step goes on (its time is the step's,
 which serve's pacing reads), after the decode step in flight, which it
@@ -115,6 +116,17 @@ class Budget:
         if self.tokens is None:
             return max(PREFILL_PER_DECODE * decoding, MIN_PREFILL)
         return max(self.tokens - decoding, self.tokens // 4, 1)
+
+
+# Before pacing has measured a step: on a CPU a step is compute-bound, a prompt token
+# costing about a decoding row's token (the 24M bf16 llama of benchmarks/serve_stall.py:
+# 18-23 ms against 25 ms), so prompts get twice the rows' tokens; a GPU step of few
+# rows is bound by reading the weights, which a chunk shares: a fixed budget there.
+GPU_TOKEN_BUDGET = 512
+
+
+def default_budget() -> Budget:
+    return Budget() if mx.default_device() == mx.cpu else Budget(GPU_TOKEN_BUDGET)
 
 
 PAD_SLACK = 1.25  # prompts prefill together while the padded tokens stay within 25% of the real ones

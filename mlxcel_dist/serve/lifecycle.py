@@ -84,7 +84,7 @@ class Options:
     prompt_cache_size: int = DEFAULT_PROMPT_CACHE_SIZE
     prompt_cache_bytes: int | None = None
     prefill_step: int | None = None
-    max_num_batched_tokens: int | None = None  # None: batch.default_budget() (by device)
+    max_num_batched_tokens: int | None = None  # None: paced (serve.pacing), prefill.default_budget() until measured
     warmup: bool = False
     micro_batches: int = 1  # --micro-batches: each step's rows in that many parts (pipeline stages)
     served_names: list = field(default_factory=list)  # vLLM's --served-model-name: the first is the id shown
@@ -108,7 +108,7 @@ def make_engine(model, group, opts: Options, eos_ids, tokenizer_json=None):
     against (grammar.Vocab, built at the first such request)."""
     if not batchable(model):
         return OneRowEngine(model, group, eos_ids)
-    from ..batch import BatchEngine, default_budget
+    from ..batch import BatchEngine
     from ..batch_spec import serve_drafts
     from ..engine import vocab_size
     from ..grammar import Vocab
@@ -119,7 +119,7 @@ def make_engine(model, group, opts: Options, eos_ids, tokenizer_json=None):
     vocab = Vocab(tokenizer_json, vocab_size(model), eos_ids) if tokenizer_json else None
     spec = serve_drafts(opts.num_draft_tokens, opts.draft_model, opts.prompt_lookup, opts.dtype, opts.prefill_step,
                         log if group.is_root else None)
-    from ..prefill import Budget
+    from ..prefill import Budget, default_budget
 
     budget = Budget(opts.max_num_batched_tokens) if opts.max_num_batched_tokens else default_budget()
     return BatchEngine(model, opts.prefill_step, prompt_cache=pc, micro=opts.micro_batches, vocab=vocab, spec=spec,
