@@ -446,15 +446,31 @@ class DecodeStep:
     # what the fused kernels take (and what mlx-lm's decode feeds them).
     # The same numbers as the masked form (the hidden slots have weight 0).
 
-    def _make_segments(self) -> list:
-        model = self.model
+    def _split_step(self, y: mx.array) -> mx.array:
+        if self._segments is None:
+            self._segments = SplitSegments(self.model)
+        logits = self._segments(y, self.state, self.views, self.pos - 1)  # (the position of the token fed now)
+        self.traces += self._segments.traced  # one count per step that built new graphs
+        return logits[0]
+
+
+class SplitSegments:
+    """A model's split step (see DecodeStep's notes above): `__call__(y, state,
+    views, p)` feeds token y at host position p through the compiled segments,
+    writes each layer's new K/V into `state`'s buffers, replaces state["pos"]
+    and returns the lazy logits (of the last position, the rows kept). Used
+    by DecodeStep and by the batch engine's one-row step."""
+
+    def __init__(self, model):
+        self.model = model
+        self.traced = False  # set while a segment's Python body runs (mx.compile traces)
         layers = model.layers
         n = len(layers)
         logits_of = getattr(model, "decode_logits", None) or (lambda h: model.head(model.model.norm(h)))
 
         def make(i):
             def seg(*args):
-                self._traced = True  # the Python body runs only while mx.compile traces
+                self.traced = True  # the Python body runs only while mx.compile traces
                 if i == 0:
                     y, pos = args
                     h = model.model.embed(y)
@@ -462,35 +478,31 @@ class DecodeStep:
                     x, o, pos = args
                     h = layers[i - 1].post(x, o)
                     if i == n:
-                        return logits_of(h)[0, -1], pos + 1
+                        return logits_of(h)[:, -1], pos + 1
                 c = _NewKV(pos)
                 x, q, _, _ = layers[i].pre(h, c)
                 return x, q, *c.kv
 
             return mx.compile(seg)
 
-        return [make(i) for i in range(n + 1)]
+        self.segments = [make(i) for i in range(n + 1)]
 
-    def _split_step(self, y: mx.array) -> mx.array:
-        if self._segments is None:
-            self._segments = self._make_segments()
-        segs, s, layers = self._segments, self.state, self.model.layers
+    def __call__(self, y: mx.array, s: dict, views: list, p: int) -> mx.array:
+        segs = self.segments
         pos = s["pos"]
-        p = self.pos - 1  # the position of the token fed now
-        self._traced = False
+        self.traced = False
         carry = (y,)
-        for i, layer in enumerate(layers):
+        for i, layer in enumerate(self.model.layers):
             x, q, k_new, v_new = segs[i](*carry, pos)
             # the state's arrays: an indexed assignment makes each the update of itself
             # (the previous buffer is donated to it: written in place)
             k, v = s[f"k{i}"], s[f"v{i}"]
-            slot = self.views[i].slot(p)
+            slot = views[i].slot(p)
             k[..., slot : slot + 1, :] = k_new
             v[..., slot : slot + 1, :] = v_new
-            m = min(self.views[i].last_slot(p) + 1, k.shape[2])
+            m = min(views[i].last_slot(p) + 1, k.shape[2])
             carry = (x, layer.self_attn.attend(q, k[..., :m, :], v[..., :m, :]))
         logits, s["pos"] = segs[-1](*carry, pos)
-        self.traces += self._traced  # one count per step that built new graphs
         return logits
 
 

@@ -19,7 +19,8 @@ from typer.testing import CliRunner
 
 from mlxcel_dist.cli import app
 from mlxcel_dist.collectives import SINGLE
-from mlxcel_dist.engine import RankAgreement, generate_text, generate_tokens
+from mlxcel_dist.engine import RankAgreement
+from mlxcel_dist.generation import Generation, generate_text
 from mlxcel_dist.errors import UserError
 from mlxcel_dist.loader import default_model_dir
 from mlxcel_dist.sampling import (
@@ -419,16 +420,11 @@ def test_rank_agreement_guard_runs_at_np1():
         RankAgreement(SINGLE, every=-1)
 
 
-def test_generate_tokens_counts_checks(tok):
+def test_generation_counts_checks(tok):
     model = Scripted(tok.encode("The sea is calm.", add_special_tokens=False), tok.vocab_size)
-    gen = generate_tokens(model, [tok.bos_id], 7, check_every=3)
-    ids = []
-    while True:
-        try:
-            ids.append(next(gen))
-        except StopIteration as done:
-            stats = done.value
-            break
+    gen = Generation(model, [tok.bos_id], 7, check_every=3)
+    ids = list(gen)
+    stats = gen.finish()
     assert len(ids) == 7 and stats.checks == 3  # after 3, 6, and the end
 
 

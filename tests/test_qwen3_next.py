@@ -22,7 +22,8 @@ import pytest
 
 from mlxcel_dist.cache import FULL, LINEAR, DeltaNetCache, KVCache
 from mlxcel_dist.collectives import Group
-from mlxcel_dist.engine import TokenGenerator, sequence_logits
+from mlxcel_dist.engine import sequence_logits
+from mlxcel_dist.generation import Generation
 from mlxcel_dist.errors import UserError
 from mlxcel_dist.harness import FP32_REL_TOL, all_mode_logits, compare
 from mlxcel_dist.loader import build_model, load_model
@@ -276,7 +277,7 @@ def test_batched_rows_give_the_ids_alone():
     for _ in range(6):
         for rid, tok in eng.step().items():
             got[rid].append(tok)
-    assert [got[i] for i in range(3)] == [list(TokenGenerator(model, p, 6, eos_ids=())) for p in prompts]
+    assert [got[i] for i in range(3)] == [list(Generation(model, p, 6, eos_ids=())) for p in prompts]
 
 
 def test_prompt_cache_restores_the_states_exactly():
@@ -301,7 +302,7 @@ def test_prompt_cache_restores_the_states_exactly():
     got = [eng.step()["b"] for _ in range(6)]
     eng.remove("b")
     assert pc.hits == 1 and not pc.trimmable
-    assert got == list(TokenGenerator(model, second, 6, eos_ids=()))
+    assert got == list(Generation(model, second, 6, eos_ids=()))
     # every entry holds each DeltaNet layer's snapshot (conv + recurrent state) after exactly its tokens
     for key, (layers, _) in pc.entries.items():
         snaps = [kv for kv, kind in zip(layers, model.args.layer_types) if kind == LINEAR]
@@ -342,7 +343,7 @@ def test_serve_batched_text_is_the_text_alone(served_dir, tmp_path):
     states). (np 1 serves through the same engine calls on one rank.)"""
     from serveproc import Server
 
-    from mlxcel_dist.engine import generate_text
+    from mlxcel_dist.generation import generate_text
     from mlxcel_dist.sampling import SamplingParams
     from mlxcel_dist.tokenizer import Tokenizer
 

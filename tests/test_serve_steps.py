@@ -12,7 +12,8 @@ from mlxcel_dist.engine import RankAgreement
 from mlxcel_dist.loader import default_model_dir, read_config
 from mlxcel_dist.sampling import SamplingParams
 from mlxcel_dist.serve import wire
-from mlxcel_dist.serve.protocol import OneRowEngine, advance, apply_step, follow
+from mlxcel_dist.generation import OneRowEngine
+from mlxcel_dist.serve.protocol import advance, apply_step, follow
 from mlxcel_dist.serve.scheduler import Done, Failed, Job, Scheduler, Text, Token
 from mlxcel_dist.serve.wire import KIND_SHUTDOWN, KIND_STEP, GenRequest
 from mlxcel_dist.tokenizer import Tokenizer
