@@ -116,17 +116,20 @@ class Generation:
     `grammar`: a grammar.Matcher the ids follow; `logprobs` (None: off, k:
     each id's logprob and the k most likely); `on_compile()` runs on a timer
     thread when the first decode step takes over COMPILE_NOTICE_S (a new
-    graph's kernels compiling), whose time is then reported as compile_s."""
+    graph's kernels compiling), whose time is then reported as compile_s;
+    `engine`: another engine than the model's (tests: a model with its own
+    loop stepped token by token)."""
 
     def __init__(self, model, prompt_ids, max_tokens: int, sampling: SamplingParams | None = None, eos_ids=(),
                  prefill_step: int | None = None, group: Group = SINGLE, check_every: int = 1,
-                 compiled: bool = True, on_compile=None, logprobs: int | None = None, grammar=None, spec=None):
+                 compiled: bool = True, on_compile=None, logprobs: int | None = None, grammar=None, spec=None,
+                 engine=None):
         self.prompt = check_tokens(prompt_ids, vocab_size(model))
         check_generation_options(max_tokens, check_every, prefill_step)
         if logprobs is not None and (isinstance(logprobs, bool) or logprobs < 0):
             raise UserError(f"logprobs must be None or an integer >= 0, got {logprobs}")
         self.eos = set(int(e) for e in eos_ids)
-        self.engine = engine_for(model, tuple(self.eos), group)
+        self.engine = engine if engine is not None else engine_for(model, tuple(self.eos), group)
         if isinstance(self.engine, OneRowEngine):
             what = {"logprobs": logprobs is not None, "constrained decoding": grammar is not None,
                     "drafts": spec is not None}
