@@ -251,7 +251,7 @@ def main() -> None:
     prompt = mx.random.randint(0, cfg["vocab_size"], (a.prompt,), key=mx.random.key(1)).tolist()
 
     # same logits on the same weights (bf16: expect ~1e-2 of the scale)
-    from mlxcel_dist.engine import sequence_logits
+    from mlxcel_dist.generation import sequence_logits
     import numpy as np
 
     short = prompt[:64]
@@ -322,7 +322,7 @@ def families_main(a) -> None:
             info = {"family": fam, "params_b": round(n_params / 1e9, 3), "active_b": round(active / 1e9, 3),
                     "build_s": round(time.perf_counter() - t0, 1)}
             if theirs is not None:
-                from mlxcel_dist.engine import sequence_logits
+                from mlxcel_dist.generation import sequence_logits
                 import numpy as np
 
                 try:

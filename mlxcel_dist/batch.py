@@ -90,7 +90,7 @@ import numpy as np
 
 from .cache import QuantizedKV, SharedKVCache
 from .collectives import CollectiveError
-from .decode import STEP as GPU_STEP
+from . import decode
 from .decode import (QuantizedStaticCache, SplitSegments, StaticCache, StaticConvKV, StaticState, _round_up,
                      held_arrays, quantize_kv, ring_slots, splittable, static_kind)
 from .engine import DEFAULT_PREFILL_STEP, check_tokens, vocab_size
@@ -110,7 +110,8 @@ CPU_STEP = 64
 
 
 def slot_step() -> int:
-    return CPU_STEP if mx.default_device() == mx.cpu else GPU_STEP
+    """Slots a buffer grows by: decode.STEP, at most CPU_STEP on the CPU."""
+    return min(CPU_STEP, decode.STEP) if mx.default_device() == mx.cpu else decode.STEP
 
 
 class RowCache(StaticCache):
@@ -335,11 +336,8 @@ class BatchEngine:
                 start, cache = self.prompt_cache.lookup(prompt, self.model.make_cache)
             todo.append(Admission(rid, prompt, len(prompt) - 1, sampling, start, cache, budget, grammar, drafts,
                                   echo))
-        if self.static is None and todo:
-            fresh = self.model.make_cache()
-            self.static = bool(fresh) and None not in [static_kind(c) for c in fresh]
-            if self.static:
-                self._learn_layout(None, todo[0].prompt[:1])
+        if todo:
+            self._decide(todo[0].prompt[:1])
         together = [a for a in todo if a.start < a.last and a.echo is None] if self.static and not self.stateful else []
         groups = [g for g in pad_groups(together, self.prefill_step) if len(g) > 1]
         grouped = {id(a) for g in groups for a in g}
@@ -348,6 +346,15 @@ class BatchEngine:
         self.prefills.jobs += jobs
         if self.budget is None:
             self._prefill(None, drain=True)
+
+    def _decide(self, probe) -> None:
+        """At the first row: whether the model's caches all have a static form
+        (rows in the batch buffers), and then their layout (`probe`: one id)."""
+        if self.static is None:
+            fresh = self.model.make_cache()
+            self.static = bool(fresh) and None not in [static_kind(c) for c in fresh]
+            if self.static:
+                self._learn_layout(None, probe)
 
     @property
     def prefilling(self) -> bool:
@@ -821,14 +828,7 @@ class BatchEngine:
             if self._capacity() > 1:
                 return self._launch_micro(n, self._capacity())
         tokens, pending = self._inputs()
-        if not self.static:
-            rows = [self.model(tokens[b].reshape(1, 1), r.eager_cache)[0, -1] for b, r in enumerate(self.rows)]
-        else:
-            self._reserve(n, max(r.pos for r in self.rows))
-            C = self._capacity()
-            x = (tokens if C == n else mx.concatenate([tokens, mx.zeros((C - n,), mx.int32)])).reshape(C, 1)
-            logits = self._split_row(x) if self.splits(C) else self._compiled(x) if self.compiled else self._forward(x)
-            rows = [logits[b] for b in range(n)]
+        logits, rows = self._forward_rows(tokens)
         masks = [None] * n
         deferred = []
         if self.static and all(_plain_greedy(r.sampler.params) and r.grammar is None for r in self.rows):
@@ -862,6 +862,52 @@ class BatchEngine:
             r.launched += 1
         self._flights.append(f)
         self._changed = False
+
+    def _forward_rows(self, tokens: mx.array) -> tuple:
+        """One step's forward: row b fed tokens[b] (lazy int32 [n]) at its
+        position; (the static batch's logits [C, V], None for rows on their own
+        caches; each row's logits [V])."""
+        n = len(self.rows)
+        if not self.static:
+            return None, [self.model(tokens[b].reshape(1, 1), r.eager_cache)[0, -1] for b, r in enumerate(self.rows)]
+        self._reserve(n, max(r.pos for r in self.rows))
+        C = self._capacity()
+        x = (tokens if C == n else mx.concatenate([tokens, mx.zeros((C - n,), mx.int32)])).reshape(C, 1)
+        logits = self._split_row(x) if self.splits(C) else self._compiled(x) if self.compiled else self._forward(x)
+        return logits, [logits[b] for b in range(n)]
+
+    def scores(self, cache: list, ids, read: bool = True) -> np.ndarray | None:
+        """float32 [len(ids), V]: the logits of feeding `ids` one at a time
+        after an eager `cache` that holds the tokens before them, as a row of
+        this (idle) engine: the one-row step generation runs, its inputs
+        known (sequence_logits' decode part: logit-match's decode mode). Step
+        j + 1 is launched before step j's logits are read, so the host copy
+        overlaps the device. `read=False`: only evaluated (a timing), None."""
+        if self.rows or self.prefills:
+            raise RuntimeError("scores needs an idle engine")
+        ids = [int(t) for t in ids]
+        pos = next(c.offset for c in cache if c.reads_layer is None)
+        prompt = np.zeros(pos + 1, np.int32)
+        prompt[pos] = ids[0]
+        a = Admission("scores", prompt, pos, None, 0, None, len(ids), None, False, None)
+        self._decide(prompt[:1])
+        self.place_prefilled(a, cache)
+        row, out, pending = self.rows[0], [], None
+        try:
+            for t in ids:
+                x = self._forward_rows(mx.array([t], mx.int32))[1][0].astype(mx.float32)
+                row.pos += 1
+                mx.async_eval(x)
+                if pending is not None and read:
+                    out.append(np.array(pending))
+                pending = x
+            if not read:
+                mx.eval(pending)
+                return None
+            out.append(np.array(pending))
+        finally:
+            self.remove("scores")
+        return np.stack(out)
 
     def _checked(self, f: _Flight) -> _Flight:
         """Schedule flight `f` once its ids are complete: with a `guard`, its

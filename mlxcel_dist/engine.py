@@ -13,7 +13,6 @@ import mlx.core as mx
 import numpy as np
 
 from .collectives import SINGLE, CollectiveError, Group
-from .decode import decode_step_for
 from .errors import UserError
 
 
@@ -55,49 +54,6 @@ def check_generation_options(max_tokens: int | None = None, check_every: int | N
 
 def vocab_size(model) -> int:
     return model.args.vocab_size
-
-
-def sequence_logits(model, ids, decode_from: int | None = None, prefill_step: int | None = None,
-                    compiled: bool = True) -> np.ndarray:
-    """float32 [T, V] logits for every position of `ids`.
-
-    Tokens [0, decode_from) (all of them by default) are fed as a prompt with a
-    fresh cache, in one pass or in chunks of `prefill_step`; the rest go one at
-    a time through the decode path generation uses (decode.DecodeStep,
-    compiled unless `compiled` is False).
-    """
-    ids = check_tokens(ids, vocab_size(model))
-    T = len(ids)
-    end = T if decode_from is None else decode_from
-    if not 1 <= end <= T:
-        raise UserError(f"--decode-from must be in [1, {T}] for {T} tokens, got {decode_from}")
-    check_generation_options(prefill_step=prefill_step)
-    step = prefill_step or end
-    cache = model.make_cache()
-    out = []
-    pos = 0
-    while pos < end:
-        n = min(step, end - pos)
-        logits = model(mx.array(ids[pos : pos + n])[None], cache)
-        out.append(np.array(logits[0].astype(mx.float32)))
-        pos += n
-    if pos < T:
-        decode = decode_step_for(model)
-        decode.start(cache, pos, compiled)
-        try:
-            # The inputs are known, so step j+1 is launched before step j's
-            # logits are read: the host copy overlaps the device's next step.
-            pending = None
-            for j in range(pos, T):
-                nxt = decode(mx.array(ids[j : j + 1])[None])[None].astype(mx.float32)
-                mx.async_eval(nxt)
-                if pending is not None:
-                    out.append(np.array(pending))
-                pending = nxt
-            out.append(np.array(pending))
-        finally:  # the model keeps its DecodeStep, not its buffers
-            decode.release()
-    return np.concatenate(out, axis=0)
 
 
 # Generation ---------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """One request through the one engine: what `generate`, `bench` and the
-harness's generation run (serve runs many through the same engine, from
-serve.protocol's step).
+harness's decode mode run (serve runs many through the same engine, from
+serve.protocol's step); `sequence_logits`, every position's logits in the
+feeding modes logit-match compares.
 
 `Generation` gives a prompt a row of the model's `BatchEngine` (kept in the
 model's `engine` slot, so its compiled steps are traced once per buffer
@@ -23,7 +24,11 @@ from __future__ import annotations
 import threading
 import time
 
+import mlx.core as mx
+import numpy as np
+
 from . import faults
+from .batch import BatchEngine
 from .collectives import SINGLE, Group
 from .engine import (COMPILE_NOTICE_S, DEFAULT_PREFILL_STEP, GenStats, RankAgreement, check_generation_options,
                      check_tokens, vocab_size)
@@ -94,16 +99,50 @@ def own_loop(model) -> bool:
     return callable(getattr(model, "generate_ids", None))
 
 
-def engine_for(model, eos_ids=(), group: Group = SINGLE):
-    """The model's generation engine: a BatchEngine kept in its `engine`
-    slot (its traces reused by later generations), or a OneRowEngine."""
-    if own_loop(model):
-        return OneRowEngine(model, group, eos_ids)
-    if getattr(model, "engine", None) is None:
-        from .batch import BatchEngine
-
+def batch_engine(model) -> BatchEngine:
+    """The model's BatchEngine, kept in its `engine` slot (its traces reused
+    by later generations and scores)."""
+    if model.engine is None:
         model.engine = BatchEngine(model)
     return model.engine
+
+
+def engine_for(model, eos_ids=(), group: Group = SINGLE):
+    """The model's generation engine: its BatchEngine, or a OneRowEngine over its own loop."""
+    return OneRowEngine(model, group, eos_ids) if own_loop(model) else batch_engine(model)
+
+
+def sequence_logits(model, ids, decode_from: int | None = None, prefill_step: int | None = None,
+                    compiled: bool = True) -> np.ndarray:
+    """float32 [T, V] logits for every position of `ids`.
+
+    Tokens [0, decode_from) (all of them by default) are fed as a prompt with a
+    fresh cache, in one pass or in chunks of `prefill_step`; the rest go one at
+    a time through the step generation uses: a row of the model's engine
+    (`BatchEngine.scores`; compiled unless `compiled` is False).
+    """
+    ids = check_tokens(ids, vocab_size(model))
+    T = len(ids)
+    end = T if decode_from is None else decode_from
+    if not 1 <= end <= T:
+        raise UserError(f"--decode-from must be in [1, {T}] for {T} tokens, got {decode_from}")
+    check_generation_options(prefill_step=prefill_step)
+    step = prefill_step or end
+    cache = model.make_cache()
+    out = []
+    pos = 0
+    while pos < end:
+        n = min(step, end - pos)
+        logits = model(mx.array(ids[pos : pos + n])[None], cache)
+        out.append(np.array(logits[0].astype(mx.float32)))
+        pos += n
+    if pos < T:
+        engine = batch_engine(model)
+        engine.compiled, engine.margin, engine.spec = compiled, 0, None
+        out.append(engine.scores(cache, ids[pos:]))
+    return np.concatenate(out, axis=0)
+
+
 
 
 class Generation:

@@ -45,7 +45,6 @@ def small_buffers(monkeypatch):
 
     monkeypatch.setattr(decode, "STEP", 8)
     monkeypatch.setattr(batch, "CPU_STEP", 8)
-    monkeypatch.setattr(batch, "GPU_STEP", 8)
 
 
 def _run_batched(model, prompts, params, n, joins, micro=1):
@@ -435,7 +434,7 @@ def test_chunked_attention_rows_give_the_single_row_logits(d, monkeypatch):
     # 8-slot buffers are rings of the chunk): every row's logits at every
     # step are the one-pass logits of its sequence alone.
     import mlxcel_dist.batch as batch
-    from mlxcel_dist.engine import sequence_logits
+    from mlxcel_dist.generation import sequence_logits
     from mlxcel_dist.harness import FP32_REL_TOL, compare
 
     model = load_model(d).model

@@ -348,7 +348,7 @@ class Scripted:
         self.script = list(script)
         self.args = SimpleNamespace(vocab_size=vocab)
         self.calls = 0
-        self.decode_step = None  # the model contract's slot (decode.decode_step_for)
+        self.engine = None  # the model contract's slot (generation.batch_engine)
 
     def make_cache(self):
         return None

@@ -29,7 +29,7 @@ from typer.testing import CliRunner
 
 from mlxcel_dist.cli import app
 from mlxcel_dist.convert import convert_checkpoint
-from mlxcel_dist.engine import sequence_logits
+from mlxcel_dist.generation import sequence_logits
 from mlxcel_dist.errors import UserError
 from mlxcel_dist.harness import all_mode_logits
 from mlxcel_dist.launcher import find_mpirun, launch

@@ -22,8 +22,7 @@ import pytest
 
 from mlxcel_dist.cache import FULL, LINEAR, DeltaNetCache, KVCache
 from mlxcel_dist.collectives import Group
-from mlxcel_dist.engine import sequence_logits
-from mlxcel_dist.generation import Generation
+from mlxcel_dist.generation import Generation, sequence_logits
 from mlxcel_dist.errors import UserError
 from mlxcel_dist.harness import FP32_REL_TOL, all_mode_logits, compare
 from mlxcel_dist.loader import build_model, load_model
@@ -238,8 +237,7 @@ def test_collectives_per_token_counts_the_moe_all_sum():
 def test_compiled_decode_holds_the_state_in_static_buffers(monkeypatch):
     # decode.StaticState: the DeltaNet conv + recurrent state are buffers of
     # the compiled step (replaced in the graph), bit for bit the eager
-    # DeltaNetCache steps' logits over buffer regrowths; with a speculative
-    # margin the state stays eager (it cannot be rolled back)
+    # DeltaNetCache steps' logits over buffer regrowths
     import mlxcel_dist.decode as decode
 
     monkeypatch.setattr(decode, "STEP", 8)
@@ -249,14 +247,8 @@ def test_compiled_decode_holds_the_state_in_static_buffers(monkeypatch):
     model(mx.array(ids[:3])[None], cache)
     eager = np.stack([np.array(model(mx.array([[int(t)]]), cache)[0, -1]) for t in ids[3:]])
     got = sequence_logits(model, ids, decode_from=3)[3:]
-    assert np.array_equal(got, eager) and 1 <= model.decode_step.traces < 8
-    cache = model.make_cache()
-    model(mx.array(ids[:3])[None], cache)
-    step = decode.DecodeStep(model)
-    assert [type(v).__name__ for v in step.start(cache, 3)][:2] == ["StaticState", "StaticState"]
-    cache = model.make_cache()
-    model(mx.array(ids[:3])[None], cache)
-    assert step.start(cache, 3, margin=2) is cache and not step.static
+    assert np.array_equal(got, eager) and 1 <= model.engine.traces < 8
+    assert model.engine.static and model.engine.kinds[:2] == ["state", "state"]
 
 
 def _engine(model, prompt_cache=None):

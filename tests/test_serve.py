@@ -489,8 +489,7 @@ def _loaded(model_dir: str):
 def _reference_logprobs(model_dir, prompt_ids):
     """(greedy ids, [len(ids), V] log-softmax of the model's logits at each
     of them), computed in this process with the library."""
-    from mlxcel_dist.engine import sequence_logits
-    from mlxcel_dist.generation import Generation
+    from mlxcel_dist.generation import Generation, sequence_logits
 
     model, _ = _loaded(str(model_dir))
     ids = list(Generation(model, prompt_ids, N))

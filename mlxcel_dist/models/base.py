@@ -40,14 +40,12 @@ class LanguageModel(Protocol):
     - `collectives_per_token()`: {op: (calls, payload bytes)} that one
       single-token forward issues on this rank (bench checks its counts
       against it);
-    - `decode_step`: None until `decode.decode_step_for` keeps the model's
-      compiled decode step there (sequence_logits' decode);
-    - `engine`: None until `generation.engine_for` keeps the model's
-      batch engine there (generate, bench).
+    - `engine`: None until `generation.batch_engine` keeps the model's
+      batch engine there (generate, bench, sequence_logits' decode: its
+      compiled steps' traces reused).
     """
 
     args: Any
-    decode_step: Any
     engine: Any
 
     def __call__(self, inputs: mx.array, cache=None) -> mx.array: ...
@@ -290,8 +288,7 @@ class CausalLM(nn.Module):
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         self.head_group = SINGLE  # shard_head: the group that splits the head's vocabulary
         self._head_rows = None  # shard_head: every rank's [start, stop) of the vocabulary
-        self.decode_step = None  # decode.decode_step_for keeps the compiled step here
-        self.engine = None  # generation.engine_for keeps the model's BatchEngine here
+        self.engine = None  # generation.batch_engine keeps the model's BatchEngine here
 
     def masks(self, L: int, cache) -> dict:
         return self.model.masks(L, cache)
