@@ -175,8 +175,8 @@ class QuantizedRowCache(RowCache):
 
     names = QuantizedStaticCache.names
 
-    def __init__(self, state, index: int, bits: int, group_size: int, rows=None):
-        super().__init__(state, index, None, rows)
+    def __init__(self, state, index: int, bits: int, group_size: int, rows=None, margin: int = 0):
+        super().__init__(state, index, None, rows, margin=margin)
         self.bits, self.group_size = bits, group_size
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
@@ -668,7 +668,7 @@ class BatchEngine:
         if kind == "state":
             return StaticState(self.buffers, i, len(self.snames[i]), rows)
         if kind == "quantized":
-            return QuantizedRowCache(self.buffers, i, *self._quant[i], rows)
+            return QuantizedRowCache(self.buffers, i, *self._quant[i], rows, self.margin)
         view = RowCache(self.buffers, i, self.windows[i], rows, self.chunks[i], self.margin)
         return view if kind == "kv" else StaticConvKV(view, StaticState(self.buffers, i, 2, rows))
 

@@ -78,6 +78,19 @@ def test_greedy_drafts_give_the_plain_ids(case, prompt_len, small_buffers):
     assert drafts.rounds == stats.rounds  # a draft every step
 
 
+def test_drafts_on_quantized_kv_rows_give_the_plain_ids(small_buffers):
+    # --kv-bits rows (QuantizedRowCache) take drafts: a rejected position is
+    # hidden by its position alone, as in float rows
+    from mlxcel_dist.cache import KVOptions
+
+    model = load_model(default_model_dir(), kv=KVOptions(bits=8, group_size=32)).model
+    prompt = np.arange(3, 22)
+    want = plain_ids(model, prompt, N + K + 1)
+    drafts = ScriptedDrafts(want, len(prompt), K, model.args.vocab_size)
+    got, stats = spec_ids(model, prompt, N, drafts)
+    assert got == want[:N] and stats.accepted == drafts.expected and stats.rounds == drafts.rounds
+
+
 def test_compiled_blocks_give_the_plain_ids(small_buffers):
     d = FIXTURES / "gemma3" / "gqa_fp32"
     model = load_model(d).model
@@ -202,7 +215,6 @@ def test_cli_refuses_bad_draft_options():
         (["--prompt-lookup", "--num-draft-tokens", "0"], "--num-draft-tokens must be in [1, 64], got 0"),
         (["--prompt-lookup", "--num-draft-tokens", "100000"], "--num-draft-tokens must be in [1, 64], got 100000"),
         (["--prompt-lookup", "--pp", "2"], "not available with --pp"),
-        (["--prompt-lookup", "--kv-bits", "8"], "not available with --kv-bits"),
         (["--prompt-lookup", "--json-object"], "not available with --json-schema / --json-object"),
     ]:
         r = run("generate", default_model_dir(), "-m", "4", *args)

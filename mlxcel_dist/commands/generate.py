@@ -56,7 +56,7 @@ def main(ctx, a) -> None:
         tok = Tokenizer(ck.dir, ck.config, chat_template=template_text(a.chat_template), extra_eos=extra_eos)
         check_context(len(tok.prompt_ids(prompt, chat=a.chat, system=a.system)), a.max_tokens, ck.context_length)
         check_drafting(a.draft_model, a.prompt_lookup, a.num_draft_tokens, model, sampling, launch.pp,
-                       load.kv_bits, grammar_text is not None)
+                       grammar_text is not None)
     kv, adapter = checked(model, load)
     group = distribute(ctx, launch, model)
     t0 = time.perf_counter()
@@ -140,7 +140,7 @@ def _report(stats, group, pp: int, model, drafter, resources) -> None:
 
 
 def check_drafting(draft_model, prompt_lookup: bool, num_draft: int, model, sampling=None, pp: int = 1,
-                   kv_bits=None, grammar: bool = False) -> None:
+                   grammar: bool = False) -> None:
     """Before launch: the draft options fit together, the target and the draft model."""
     if draft_model is None and not prompt_lookup:
         return
@@ -149,8 +149,7 @@ def check_drafting(draft_model, prompt_lookup: bool, num_draft: int, model, samp
 
     if draft_model is not None and prompt_lookup:
         raise UserError("--draft-model and --prompt-lookup both draft: give one")
-    for given, what in ((pp != 1, "--pp"), (kv_bits is not None, "--kv-bits"),
-                        (grammar, "--json-schema / --json-object")):
+    for given, what in ((pp != 1, "--pp"), (grammar, "--json-schema / --json-object")):
         if given:
             raise UserError(f"drafts (--draft-model, --prompt-lookup) are not available with {what}")
     check_drafting(num_draft)
