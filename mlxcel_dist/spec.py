@@ -68,8 +68,6 @@ def check_target(model, sampling) -> None:
     """What speculative decoding refuses in the target or the sampling settings."""
     if callable(getattr(model, "generate_ids", None)):
         raise UserError(f"{model.args.model_type} runs its own generation loop: it takes no drafts")
-    if getattr(getattr(model, "model", None), "stage", None) is not None:
-        raise UserError("drafts (--draft-model, --prompt-lookup) are not available with --pp")
     from .decode import static_kind
 
     kinds = {static_kind(c) for c in model.make_cache() or [None]}

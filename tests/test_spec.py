@@ -214,7 +214,6 @@ def test_cli_refuses_bad_draft_options():
         (["--draft-model", "/nonexistent-draft"], "--draft-model: /nonexistent-draft: no such model directory"),
         (["--prompt-lookup", "--num-draft-tokens", "0"], "--num-draft-tokens must be in [1, 64], got 0"),
         (["--prompt-lookup", "--num-draft-tokens", "100000"], "--num-draft-tokens must be in [1, 64], got 100000"),
-        (["--prompt-lookup", "--pp", "2"], "not available with --pp"),
         (["--prompt-lookup", "--json-object"], "not available with --json-schema / --json-object"),
     ]:
         r = run("generate", default_model_dir(), "-m", "4", *args)
@@ -239,6 +238,27 @@ def test_cli_generate_and_bench_with_drafts():
 
 
 HELPER = Path(__file__).parent / "helpers" / "spec_cases.py"
+
+
+def test_drafts_under_pp_give_the_plain_text():
+    # --pp 2: the verify blocks go through both stages (send/recv of [rows, K + 1, H]),
+    # the logits reach every rank, every rank accepts alike
+    import subprocess
+    import sys
+
+    def text(*extra):
+        r = subprocess.run([sys.executable, "-m", "mlxcel_dist.cli", "generate", "-p", "The sea is calm. The sea is",
+                            "-m", "16", "--ignore-chat-template", "-v", *extra], capture_output=True, text=True,
+                           timeout=300)
+        assert r.returncode == 0, r.stderr
+        return r.stdout.splitlines()[0], r.stderr
+
+    plain, _ = text()
+    for extra in (["--prompt-lookup"], ["--draft-model", str(default_model_dir()), "--num-draft-tokens", "2"]):
+        got, err = text("--np", "2", "--pp", "2", *extra)
+        assert got == plain and "mean accepted length" in err, err
+        if "--draft-model" in extra:  # the target drafting for itself: every draft right
+            assert "accepted (100%)" in err, err
 
 
 def test_greedy_drafts_give_the_plain_ids_at_np2(tmp_path):

@@ -149,9 +149,8 @@ def check_drafting(draft_model, prompt_lookup: bool, num_draft: int, model, samp
 
     if draft_model is not None and prompt_lookup:
         raise UserError("--draft-model and --prompt-lookup both draft: give one")
-    for given, what in ((pp != 1, "--pp"), (grammar, "--json-schema / --json-object")):
-        if given:
-            raise UserError(f"drafts (--draft-model, --prompt-lookup) are not available with {what}")
+    if grammar:
+        raise UserError("drafts (--draft-model, --prompt-lookup) are not available with --json-schema / --json-object")
     check_drafting(num_draft)
     target = build_model(open_model(model).config)
     check_target(target, sampling)
