@@ -317,27 +317,28 @@ def generate_text(model, tokenizer, prompt_ids, max_tokens: int, sampling: Sampl
     is called for each generated id (EOS excepted) before the text it
     completes is yielded, `entry` being its (logprob, top) or None.
     `spec` (batch_spec.BatchDrafts): drafts, the same ids at temperature 0."""
-    from .tokenizer import StopStrings, StreamDecoder
+    from .tokenizer import RowText
 
-    stopper = StopStrings(stop)
     eos = tokenizer.eos_ids if eos_ids is None else eos_ids
+    # the ids end at EOS or max_tokens in Generation; RowText ends the text by the same rule as serve's rows
     gen = Generation(model, prompt_ids, max_tokens, sampling, eos, prefill_step, group, check_every, compiled,
                      on_compile, logprobs, grammar, spec)
-    decoder = StreamDecoder(tokenizer, context=list(prompt_ids)[-context_tokens:] if context_tokens else ())
+    row = RowText(tokenizer, stop, (), max_tokens, list(prompt_ids)[-context_tokens:] if context_tokens else ())
     for tok in gen:
         if on_token is not None:
             on_token(tok, gen.stats.logprobs[-1] if logprobs is not None else None)
-        text = stopper.feed(decoder.add(tok))
+        text = row.add(tok)
         if text:
             yield text
-        if stopper.stopped is not None:
+        if row.reason is not None:
             break
-    if stopper.stopped is None:
-        tail = stopper.feed(decoder.flush())
-        tail += stopper.flush()
+    if row.reason is None:  # EOS (Generation's): the held-back tail
+        tail = row.close()
         if tail:
             yield tail
     stats = gen.finish()
-    if stopper.stopped is not None:
-        stats.finish_reason, stats.stop = "stop", stopper.stopped
+    if row.reason == "stop":
+        stats.finish_reason, stats.stop = "stop", row.stopped
+    elif row.reason == "length":  # (read to max_tokens: the loop left before Generation said so)
+        stats.finish_reason = "length"
     return stats

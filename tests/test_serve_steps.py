@@ -254,7 +254,7 @@ def test_failing_row_ends_that_request_alone(tok, monkeypatch):
     def broken(_):
         raise RuntimeError("detokeniser broke")
 
-    monkeypatch.setattr(row.decoder, "add", broken)
+    monkeypatch.setattr(row.text.decoder, "add", broken)
     drain(sched, eng)
     assert got_bad[-1] == Failed("generation failed: RuntimeError: detokeniser broke", 500)
     assert got_good[-1].finish_reason == "length"
@@ -435,7 +435,7 @@ def test_n_choices_take_rows_together_and_end_together(tok, monkeypatch):
     sched.submit(bad)
     run_once(sched, eng)
     row = next(r for r in sched.rows.values() if r.job is bad and r.index == 1)
-    monkeypatch.setattr(row.decoder, "add", lambda _: (_ for _ in ()).throw(RuntimeError("detokeniser broke")))
+    monkeypatch.setattr(row.text.decoder, "add", lambda _: (_ for _ in ()).throw(RuntimeError("detokeniser broke")))
     drain(sched, eng)
     assert [e for e in bad_got if isinstance(e, (Done, Failed))] == [
         Failed("generation failed: RuntimeError: detokeniser broke", 500)]
