@@ -186,6 +186,20 @@ class QuantizedRowCache(RowCache):
         return k, v
 
 
+@dataclass(frozen=True)
+class LayerRows:
+    """How one layer's rows live in the batch buffers (learned from a
+    prefilled cache, `BatchEngine._learn_layout`)."""
+
+    kind: str  # decode.static_kind: "kv", "quantized", "state", "conv_kv" or "shared"
+    window: int | None = None  # a sliding layer's window (a chunked one's: its chunk)
+    chunk: int | None = None  # chunked attention (llama4): the chunk mask
+    reads: int | None = None  # a shared layer: the layer whose keys/values it reads
+    quant: tuple | None = None  # --kv-bits: (bits, group_size)
+    kv: tuple = ()  # its keys/values buffers' names ([C, H, S, D] each: the slot axis 2)
+    state: tuple = ()  # its state arrays' buffers' names ([C, ...] each)
+
+
 @dataclass(eq=False)
 class Row:
     """One sequence in the batch."""
@@ -253,10 +267,9 @@ class BatchEngine:
         self.buffers: dict = {}
         self.views: list = []
         self.static: bool | None = None  # decided at the first add (the cache kinds)
-        self.windows: list = []
-        self.chunks: list = []
-        self.reads: list = []
-        self.kinds: list = []  # per layer: decode.static_kind
+        self.layout: list[LayerRows] = []  # per layer, learned at the first row
+        self.shapes: dict = {}  # buffer name -> a row's shape (slots: the prefilled cache's)
+        self.dtypes: dict = {}
         self.stateful = False  # some layer holds a state (prefilled alone: pads would enter it)
         self._cap = 0
         self.compiled = compiled  # False: the same steps run eagerly (tests' reference; --no-compile)
@@ -456,15 +469,15 @@ class BatchEngine:
         b, last = len(self.rows), row.pos
         self.rows.append(row)
         self._changed = True
-        for i, x in enumerate(layers):
-            held, states = x or ([], [None] * len(self.snames[i]))
+        for lay, x in zip(self.layout, layers):
+            held, states = x or ([], [None] * len(lay.state))
             if held:
-                S = self.buffers[self.names[i][0]].shape[2]  # this layer's (a sliding one stops at its window)
+                S = self.buffers[lay.kv[0]].shape[2]  # this layer's (a sliding one stops at its window)
                 n = min(held[0].shape[2], S)
                 slots = ring_slots(last - n, n, S)
-                for name, a in zip(self.names[i], held):
+                for name, a in zip(lay.kv, held):
                     _write_row(self.buffers[name], b, slots, a[..., a.shape[2] - n :, :])
-            for name, a in zip(self.snames[i], states):
+            for name, a in zip(lay.state, states):
                 buf = self.buffers[name]
                 buf[b : b + 1] = mx.zeros_like(buf[:1]) if a is None else a
         self._sync_pos()
@@ -580,14 +593,14 @@ class BatchEngine:
         if not self._cacheable:  # a state the prompt cache cannot keep (PromptCache.cacheable)
             return
         layers = []
-        for i, kind in enumerate(self.kinds):
+        for lay in self.layout:
             held = []
-            if self.names[i]:
-                S = self.buffers[self.names[i][0]].shape[2]
+            if lay.kv:
+                S = self.buffers[lay.kv[0]].shape[2]
                 n = min(fed, S)
                 slots = ring_slots(fed - n, n, S)
-                held = [_read_row(self.buffers[name], b, slots) for name in self.names[i]]
-            layers.append(None if kind == "shared" else (held, [self.buffers[x][b : b + 1] for x in self.snames[i]]))
+                held = [_read_row(self.buffers[name], b, slots) for name in lay.kv]
+            layers.append(None if lay.kind == "shared" else (held, [self.buffers[x][b : b + 1] for x in lay.state]))
         self.prompt_cache.store_layers(seen, [self.entry(i, x, fed) for i, x in enumerate(layers)], self.windows)
 
     def entry(self, i: int, x, offset: int | None = None):
@@ -597,19 +610,18 @@ class BatchEngine:
         if x is None:
             return None
         held, states = x
-        if self.kinds[i] == "state":
+        lay = self.layout[i]
+        if lay.kind == "state":
             return Snapshot((*states, offset))
-        return QuantizedKV.pair(held, *self._quant[i]) if self.kinds[i] == "quantized" else tuple(held)
+        return QuantizedKV.pair(held, *lay.quant) if lay.kind == "quantized" else tuple(held)
 
-    def layout_shape(self, name: str) -> tuple:
-        return self._shapes[name]
+    @property
+    def kinds(self) -> list:
+        return [lay.kind for lay in self.layout]
 
-    def layout_dtype(self, name: str):
-        return self._dtypes[name]
-
-    def quant(self, i: int) -> tuple:
-        """Layer i's (bits, group_size) under --kv-bits."""
-        return self._quant[i]
+    @property
+    def windows(self) -> list:
+        return [lay.window for lay in self.layout]
 
     def release(self) -> None:
         """Drop the buffers (no rows left)."""
@@ -633,21 +645,21 @@ class BatchEngine:
             return
         self._size = want_s
         new = {}
-        for i, window in enumerate(self.windows):
-            s = min(want_s, window + self.margin) if window else want_s  # a margin: room for rolled-back drafts
-            for name in self.names[i]:
+        for lay in self.layout:
+            s = min(want_s, lay.window + self.margin) if lay.window else want_s  # a margin: rolled-back drafts
+            for name in lay.kv:
                 old = self.buffers.get(name)
-                shape = self._shapes[name] if old is None else old.shape
-                buf = mx.zeros((want_c, shape[1], s, shape[3]), self._dtypes[name])
+                shape = self.shapes[name] if old is None else old.shape
+                buf = mx.zeros((want_c, shape[1], s, shape[3]), self.dtypes[name])
                 if old is not None:
                     # A sliding buffer already at the window keeps its ring; a
                     # growing one is in temporal order: copy the slots held.
                     keep = min(old.shape[2], s)
                     buf[: old.shape[0], :, :keep, :] = old[:, :, :keep, :]
                 new[name] = buf
-            for name in self.snames[i]:  # a state: rows only
+            for name in lay.state:  # a state: rows only
                 old = self.buffers.get(name)
-                buf = mx.zeros((want_c, *self._shapes[name][1:]), self._dtypes[name])
+                buf = mx.zeros((want_c, *self.shapes[name][1:]), self.dtypes[name])
                 if old is not None:
                     buf[: old.shape[0]] = old
                 new[name] = buf
@@ -655,22 +667,22 @@ class BatchEngine:
         self.buffers.update(new)
         self._cap = want_c
         self.views = []
-        for i in range(len(self.kinds)):
+        for i in range(len(self.layout)):
             self.views.append(self._view(i, self.views))
         self._sync_pos()
 
     def _view(self, i: int, views: list, rows=None):
         """Layer i's cache over the batch buffers (`views`: the layers before
         it; `rows`: a micro-batch's rows only)."""
-        kind = self.kinds[i]
-        if kind == "shared":
-            return SharedKVCache(views[self.reads[i]], self.reads[i])
-        if kind == "state":
-            return StaticState(self.buffers, i, len(self.snames[i]), rows)
-        if kind == "quantized":
-            return QuantizedRowCache(self.buffers, i, *self._quant[i], rows, self.margin)
-        view = RowCache(self.buffers, i, self.windows[i], rows, self.chunks[i], self.margin)
-        return view if kind == "kv" else StaticConvKV(view, StaticState(self.buffers, i, 2, rows))
+        lay = self.layout[i]
+        if lay.kind == "shared":
+            return SharedKVCache(views[lay.reads], lay.reads)
+        if lay.kind == "state":
+            return StaticState(self.buffers, i, len(lay.state), rows)
+        if lay.kind == "quantized":
+            return QuantizedRowCache(self.buffers, i, *lay.quant, rows, self.margin)
+        view = RowCache(self.buffers, i, lay.window, rows, lay.chunk, self.margin)
+        return view if lay.kind == "kv" else StaticConvKV(view, StaticState(self.buffers, i, 2, rows))
 
     def _learn_layout(self, cache, probe) -> None:
         """Per-layer window, cache kind, buffer names and per-row shapes and
@@ -679,23 +691,20 @@ class BatchEngine:
         if cache is None:
             cache = self.model.make_cache()
             self.model(mx.array(probe)[None], cache)
-        self.kinds = [static_kind(c) for c in cache]
-        self.windows = [c.window for c in cache]
-        self.chunks = [c.chunk for c in cache]  # chunked layers (window = chunk, the chunk mask)
-        self.reads = [c.reads_layer for c in cache]
-        self.stateful = any(k in ("state", "conv_kv") for k in self.kinds)
+        kinds = [static_kind(c) for c in cache]
+        held = [([], []) if k == "shared" else held_arrays(c, k) for c, k in zip(cache, kinds)]
+        self.layout = []
+        for i, (c, k, (kv, st)) in enumerate(zip(cache, kinds, held)):
+            quant = (c.bits, c.group_size) if k == "quantized" else None
+            # the static forms' buffer names ("k{i}", "v{i}"; quantized: words, scales, biases of each)
+            names = (() if k in ("shared", "state") else QuantizedStaticCache(None, i, *quant).names if quant
+                     else StaticCache(None, i, None).names)
+            self.layout.append(LayerRows(k, c.window, c.chunk, c.reads_layer, quant, tuple(names),
+                                         tuple(StaticState(None, i, len(st)).names)))
+            for name, x in zip([*names, *self.layout[-1].state], [*kv, *st]):
+                self.shapes[name], self.dtypes[name] = x.shape, x.dtype
+        self.stateful = any(k in ("state", "conv_kv") for k in kinds)
         self._cacheable = PromptCache.cacheable(cache)
-        self._quant = [(c.bits, c.group_size) if k == "quantized" else None for c, k in zip(cache, self.kinds)]
-        held = [([], []) if k == "shared" else held_arrays(c, k) for c, k in zip(cache, self.kinds)]
-        self.snames = [[f"s{i}.{j}" for j in range(len(st))] for i, (_, st) in enumerate(held)]  # StaticState's
-        views = []
-        for i in range(len(cache)):
-            views.append(self._view(i, views))
-        self.names = [[] if k in ("shared", "state") else v.names for v, k in zip(views, self.kinds)]
-        self._shapes, self._dtypes = {}, {}
-        for i, (kv, st) in enumerate(held):
-            for name, x in zip(self.names[i] + self.snames[i], kv + st):
-                self._shapes[name], self._dtypes[name] = x.shape, x.dtype
 
     # -- steps -------------------------------------------------------------
     # Pipelined as engine.TokenGenerator: `step` launches step n+1 (async_eval)
@@ -708,7 +717,7 @@ class BatchEngine:
         (decode.SplitSegments: compiled segments between the layers' attention, which then runs
         unmasked on the written prefix, so GPU backends take their fused decode kernels)."""
         if self._split is None:
-            self._split = splittable(self.model) and all(k == "kv" for k in self.kinds)
+            self._split = splittable(self.model) and all(lay.kind == "kv" for lay in self.layout)
         return C == 1 and self._split and self.compiled and not self.margin
 
     def _split_row(self, x: mx.array) -> mx.array:
@@ -746,7 +755,7 @@ class BatchEngine:
         """Rows [a, e) (a micro-batch) one step on; `pos` moves on with the last part."""
         self.traces += self.compiled  # (the Python body runs per trace compiled, per step eager)
         views = []
-        for i in range(len(self.kinds)):
+        for i in range(len(self.layout)):
             views.append(self._view(i, views, (a, e)))
         logits = self.model(tokens, views)[:, -1]
         if e == self._capacity():

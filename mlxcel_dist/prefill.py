@@ -298,32 +298,33 @@ class Together:
         self.L = L  # the longest chunk a row takes (rings are sized for it)
         self.offs = [a.start for a in self.admits]
         T = max(a.last for a in self.admits) + L  # slots written, pads included, at most
-        e = engine
-        self.rings = [None if k == "shared" else (T if w is None else min(w + L, T))
-                      for w, k in zip(e.windows, e.kinds)]
+        layout = engine.layout  # batch.LayerRows per layer (only KV kinds prefill together)
+        self.rings = [None if lay.kind == "shared" else (T if lay.window is None else min(lay.window + L, T))
+                      for lay in layout]
         B = len(self.admits)
         self.bufs = bufs = {"offsets": None, "end": None, "upto": 0}
-        for i, R in enumerate(self.rings):
-            for name in e.names[i] if R is not None else ():
-                shape = e.layout_shape(name)
-                bufs[name] = mx.zeros((B, shape[1], R, shape[3]), e.layout_dtype(name))
+        self.kv = [name for lay, R in zip(layout, self.rings) if R is not None for name in lay.kv]
+        for lay, R in zip(layout, self.rings):
+            for name in lay.kv if R is not None else ():
+                shape = engine.shapes[name]
+                bufs[name] = mx.zeros((B, shape[1], R, shape[3]), engine.dtypes[name])
         for b, a in enumerate(self.admits):  # a prompt-cache prefix: its keys/values at their slots
-            for i, c in enumerate(a.cache or ()):
-                if self.rings[i] is None:
+            for lay, R, c in zip(layout, self.rings, a.cache or ()):
+                if R is None:
                     continue
-                held, _ = held_arrays(c, e.kinds[i])
-                slots = ring_slots(a.start - held[0].shape[2], held[0].shape[2], self.rings[i])
-                for name, x in zip(e.names[i], held):
+                held, _ = held_arrays(c, lay.kind)
+                slots = ring_slots(a.start - held[0].shape[2], held[0].shape[2], R)
+                for name, x in zip(lay.kv, held):
                     _write_row(bufs[name], b, slots, x)
                 c.release()
         self.views = []
-        for i, R in enumerate(self.rings):
+        for i, (lay, R) in enumerate(zip(layout, self.rings)):
             if R is None:
-                self.views.append(SharedKVCache(self.views[e.reads[i]], e.reads[i]))
-            elif e.kinds[i] == "quantized":
-                self.views.append(QuantizedPrefillCache(bufs, i, R, R < T, *e.quant(i)))
+                self.views.append(SharedKVCache(self.views[lay.reads], lay.reads))
+            elif lay.kind == "quantized":
+                self.views.append(QuantizedPrefillCache(bufs, i, R, R < T, *lay.quant))
             else:
-                self.views.append(PrefillCache(bufs, i, e.windows[i], R, wraps=R < T, chunk=e.chunks[i]))
+                self.views.append(PrefillCache(bufs, i, lay.window, R, wraps=R < T, chunk=lay.chunk))
 
     def left(self) -> int:
         return sum(a.last - o for a, o in zip(self.admits, self.offs))
@@ -346,13 +347,12 @@ class Together:
         bufs["end"], bufs["upto"] = bufs["offsets"] + m, max(o + m for o in offs)
         model = self.engine.model
         model(mx.array(tokens), self.views)
-        mx.eval([x for name, x in bufs.items() if name[0] in "kv"], outstanding_sends(model))
+        mx.eval([bufs[name] for name in self.kv], outstanding_sends(model))
         keep = sum(o + k < a.last for a, o, k in zip(self.admits, offs, lens))  # the finished are the last rows
         for b in range(keep, B):
             self._finish_row(self.admits[b], b)
-        for name in list(bufs):
-            if name[0] in "kv":
-                bufs[name] = bufs[name][:keep]
+        for name in self.kv:
+            bufs[name] = bufs[name][:keep]
         self.offs = [o + k for o, k in zip(offs[:keep], lens[:keep])]
         self.admits = self.admits[:keep]
         return sum(lens)
@@ -362,14 +362,14 @@ class Together:
         in the prompt cache and move it into a batch row."""
         e = self.engine
         kv = []
-        for i, R in enumerate(self.rings):
+        for lay, R in zip(e.layout, self.rings):
             if R is None:
                 kv.append(None)
                 continue
-            w = e.windows[i]
+            w = lay.window
             n = a.last if w is None else min(a.last, w)  # a ring of w + chunk slots holds the last w
             slots = ring_slots(a.last - n, n, R)
-            kv.append(([_read_row(self.bufs[name], b, slots) for name in e.names[i]], []))
+            kv.append(([_read_row(self.bufs[name], b, slots) for name in lay.kv], []))
         if e.prompt_cache is not None:
             e.prompt_cache.store_layers(a.prompt[: a.last], [e.entry(i, x) for i, x in enumerate(kv)], e.windows)
         e.place_layers(a, kv)

@@ -121,10 +121,11 @@ def test_warmup_compiles_every_capacity_once_and_changes_nothing(monkeypatch):
     (Buffers of 64 slots: these rows never regrow them, a new shape the
     warm-up does not cover.)"""
     import mlxcel_dist.batch as batch
+    import mlxcel_dist.decode as decode
     from mlxcel_dist.prompt_cache import PromptCache
 
     monkeypatch.setattr(batch, "CPU_STEP", 64)
-    monkeypatch.setattr(batch, "GPU_STEP", 64)
+    monkeypatch.setattr(decode, "STEP", 64)
     model = load_model(default_model_dir()).model
     rng = np.random.default_rng(3)
     prompts = [rng.integers(3, model.args.vocab_size, k) for k in (5, 3, 7, 4, 6)]

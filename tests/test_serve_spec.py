@@ -219,7 +219,6 @@ def test_serve_refuses_bad_draft_options():
         (["--prompt-lookup", "--num-draft-tokens", "0"], "--num-draft-tokens must be in [1, 64], got 0"),
         (["--prompt-lookup", "--num-draft-tokens", "100000"], "--num-draft-tokens must be in [1, 64], got 100000"),
         (["--draft-model", FIXTURES / "llama" / "gqa_fp32"], "vocabulary"),
-        (["--prompt-lookup", "--pp", "2"], "not available with --pp"),
     ]:
         r = CliRunner().invoke(app, ["serve", str(default_model_dir()), "--port", "0", *map(str, args)])
         assert r.exit_code == 2, r.output
