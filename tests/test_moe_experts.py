@@ -193,9 +193,13 @@ def test_expert_placement_is_exact_under_the_launcher(launched):
 
 
 # The two ways the routed experts run, and expert placement's arithmetic (one process) ---------
+@pytest.mark.parametrize("mode", ["grouped", "sorted"])
 @pytest.mark.parametrize("d", [FIXTURES / "qwen3_moe" / "gqa_fp32", FIXTURES / "glm4_moe" / "topk3_fp32",
                                FIXTURES / "glm4_moe" / "mqa_bf16", MLX_LM[0]], ids=_id)
-def test_grouped_prefill_gives_the_gathered_logits(d, monkeypatch):
+def test_prefill_by_expert_gives_the_gathered_logits(d, mode, monkeypatch):
+    """Both prefill forms (per expert block; gathered on rows sorted by
+    expert), whichever experts.PREFILL picks for these experts, give the
+    gathered path's logits."""
     import mlxcel_dist.experts as experts
 
     model = load_model(d).model
@@ -203,19 +207,23 @@ def test_grouped_prefill_gives_the_gathered_logits(d, monkeypatch):
     monkeypatch.setattr(experts, "GROUP_ROWS", None)
     gathered = _logits(model, ids)
     monkeypatch.setattr(experts, "GROUP_ROWS", 1)
+    monkeypatch.setattr(experts, "PREFILL", {True: mode, False: mode})
     calls = []
-    grouped_fn = experts.SwitchGLU._grouped
-    monkeypatch.setattr(experts.SwitchGLU, "_grouped", lambda self, *a: calls.append(1) or grouped_fn(self, *a))
-    grouped = _logits(model, ids)
-    assert calls  # the grouped path ran
-    np.testing.assert_allclose(grouped, gathered, rtol=0, atol=1e-6 * np.abs(gathered).max())
+    fn = getattr(experts.SwitchGLU, "_" + mode)
+    monkeypatch.setattr(experts.SwitchGLU, "_" + mode, lambda self, *a: calls.append(1) or fn(self, *a))
+    by_expert = _logits(model, ids)
+    assert calls  # that path ran
+    np.testing.assert_allclose(by_expert, gathered, rtol=0, atol=1e-6 * np.abs(gathered).max())
 
 
-@pytest.mark.parametrize("grouped", [False, True])
+@pytest.mark.parametrize("mode", ["gather", "grouped", "sorted"])
 @pytest.mark.parametrize("n", [2, 3])
-def test_ranks_holding_whole_experts_sum_to_the_whole_block(n, grouped):
+def test_ranks_holding_whole_experts_sum_to_the_whole_block(n, mode, monkeypatch):
+    import mlxcel_dist.experts as experts
     from mlxcel_dist.experts import SwitchGLU
 
+    grouped = mode != "gather"
+    monkeypatch.setattr(experts, "PREFILL", {True: mode, False: mode})
     model = load_model(FIXTURES / "glm4_moe" / "gqa_fp32").model
     moe = model.layers[1].mlp
     full = moe.switch_mlp
