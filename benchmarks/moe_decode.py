@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -80,7 +81,11 @@ STEPS = {}
 
 def run_ours(model, prompt, gen, split: bool):
     from mlxcel_dist.decode import DecodeStep
-    from mlxcel_dist.engine import TokenGenerator
+
+    try:
+        from mlxcel_dist.engine import TokenGenerator
+    except ImportError:  # one engine (generation.Generation): its own step kinds; no whole-graph switch here
+        from mlxcel_dist.generation import Generation as TokenGenerator
 
     if split not in STEPS:  # one DecodeStep per kind, kept: its traces are reused by later reps
         STEPS[split] = DecodeStep(model)
@@ -119,6 +124,7 @@ def main() -> None:
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--prefill-tokens", default="128,1024")
+    ap.add_argument("--impls", default="mlx-lm,ours split,ours whole", help="which generate rows, in this order")
     ap.add_argument("--small", action="store_true", help="tiny heads and vocabulary (a CPU smoke run)")
     ap.add_argument("--out", default="", help="also append the rows to this file")
     a = ap.parse_args()
@@ -146,6 +152,7 @@ def main() -> None:
     quantize(theirs)
     mx.clear_cache()
     emit({"device": str(mx.default_device()), "mlx": mx.__version__, "mlx_lm": mlx_lm_version,
+          "env": {k: v for k, v in os.environ.items() if k.startswith("MLX_")},
           "params_b": round(n_params / 1e9, 2), "build_s": round(time.perf_counter() - t, 1),
           "active_mem_gb": round(mx.get_active_memory() / 1e9, 2), **{k: cfg[k] for k in (
               "hidden_size", "num_hidden_layers", "num_experts", "num_experts_per_tok", "moe_intermediate_size")}})
@@ -175,9 +182,11 @@ def main() -> None:
 
     prompt = prompt[: a.prompt]
     for rep in range(a.reps):
-        for impl, fn in (("mlx-lm", lambda: run_mlx_lm(theirs, prompt, a.gen)),
-                         ("ours split", lambda: run_ours(ours, prompt, a.gen, True)),
-                         ("ours whole", lambda: run_ours(ours, prompt, a.gen, False))):
+        runs = {"mlx-lm": lambda: run_mlx_lm(theirs, prompt, a.gen),
+                "ours split": lambda: run_ours(ours, prompt, a.gen, True),
+                "ours whole": lambda: run_ours(ours, prompt, a.gen, False)}
+        for impl in a.impls.split(","):
+            fn = runs[impl]
             mx.clear_cache()
             t0, stamps = fn()
             emit({"row": "generate", "rep": rep, "impl": impl, "prefill_tok_s": round(len(prompt) / (stamps[0] - t0), 1),

@@ -38,11 +38,12 @@ import mlx.nn as nn
 GROUP_ROWS = 64
 # How such a prefill runs, by whether the experts are quantized: "grouped" (`SwitchGLU._grouped`),
 # "sorted" (`SwitchGLU._sorted`: gathered on rows sorted by expert, no host sync) or "gather"
-# (as a decode step). MLX 0.32.4 CUDA's gather_qmm runs M > 1 gathered rows as a tiled matrix
-# product (qmm_sm80), so quantized experts need no per-expert blocks (a host sync and 3 matmuls
-# per expert per layer: 0.5x mlx-lm's prefill with 128 experts, issue 42); its gather_mm does
-# one matrix-vector product per row, so unquantized experts stay grouped.
-PREFILL = {True: "sorted", False: "grouped"}
+# (as a decode step). On one H200 (MLX 0.32.4 CUDA, issue 42's 4-bit qwen3_moe shape, 128
+# experts, benchmarks/moe_decode.py) a 128-token forward took 42 ms gathered, 43 sorted, 196
+# grouped (mlx-lm 42); 1024 tokens 268 / 273 / 338 (mlx-lm 272): MLX CUDA's gather_qmm runs many
+# gathered rows as one tiled product (and ignores sorted_indices), so quantized experts gather.
+# Its gather_mm does one matrix-vector product per row (gpt_oss 0.09x): unquantized ones group.
+PREFILL = {True: "gather", False: "grouped"}
 
 
 def top_k(scores: mx.array, k: int, ascending: bool = False) -> mx.array:
