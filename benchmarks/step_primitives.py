@@ -184,16 +184,17 @@ class FastStandIns:
 # --------------------------------------------------------------------------- unfused projections
 @contextlib.contextmanager
 def unfused_projections():
-    """For `--unfused`: blocks.FUSE_PROJECTIONS off, i.e. q/k/v and gate/up as
-    separate matmuls (the layout before the fused projections)."""
-    from mlxcel_dist import blocks
+    """For `--unfused`: blocks.FUSE_PROJECTIONS and experts.FUSE_GATE_UP off,
+    i.e. q/k/v and gate/up as separate matmuls / gathers (the layout before
+    the fused projections)."""
+    from mlxcel_dist import blocks, experts
 
-    was = blocks.FUSE_PROJECTIONS
-    blocks.FUSE_PROJECTIONS = False
+    was = blocks.FUSE_PROJECTIONS, experts.FUSE_GATE_UP
+    blocks.FUSE_PROJECTIONS = experts.FUSE_GATE_UP = False
     try:
         yield
     finally:
-        blocks.FUSE_PROJECTIONS = was
+        blocks.FUSE_PROJECTIONS, experts.FUSE_GATE_UP = was
 
 
 # --------------------------------------------------------------------------- counting

@@ -30,6 +30,8 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+from .layers import joinable_params, joined_rows
+
 
 # (token, expert) rows from which a prefill runs grouped by expert (`SwitchGLU._grouped`:
 # dense matmuls per expert block, one host sync per MoE layer) instead of gathered
@@ -44,6 +46,15 @@ GROUP_ROWS = 64
 # gathered rows as one tiled product (and ignores sorted_indices), so quantized experts gather.
 # Its gather_mm does one matrix-vector product per row (gpt_oss 0.09x): unquantized ones group.
 PREFILL = {True: "gather", False: "grouped"}
+
+
+# Separate gate_proj / up_proj stacks run as one gather on their joined rows
+# (`SwitchGLU._joined_gate_up`); off: two gathers (tests compare both).
+FUSE_GATE_UP = True
+
+
+def _joinable(layers: list):
+    return joinable_params(layers, (SwitchLinear, QuantizedSwitchLinear))
 
 
 def top_k(scores: mx.array, k: int, ascending: bool = False) -> mx.array:
@@ -107,6 +118,13 @@ class SwitchLinear(nn.Module):
         super().__init__()
         self.weight = mx.zeros((num_experts, out_dims, in_dims))
 
+    @classmethod
+    def of(cls, weight: mx.array) -> "SwitchLinear":
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer.weight = weight
+        return layer
+
     def __call__(self, x, idx, sorted_indices: bool = False):
         return gather_mm(x, self.weight, idx)  # (never sorted_indices: MLX 0.32.4 CUDA's is wrong)
 
@@ -130,6 +148,15 @@ class QuantizedSwitchLinear(nn.Module):
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
         layer._set(weight, group_size, bits, mode)
+        return layer
+
+    @classmethod
+    def of(cls, weight, scales, biases, group_size: int, bits: int, mode: str) -> "QuantizedSwitchLinear":
+        """Around arrays already quantized."""
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer.group_size, layer.bits, layer.mode = group_size, bits, mode
+        layer.weight, layer.scales, layer.biases = weight, scales, biases
         return layer
 
     def _set(self, weight, group_size: int, bits: int, mode: str) -> None:
@@ -178,11 +205,30 @@ class SwitchGLU(nn.Module):
 
     def _hidden(self, x, proj):
         """glu of the gate and up projections; `proj(layer, x)` applies one."""
-        if self.fused:
-            gu = proj(self.gate_up_proj, x)  # [..., 2I]
+        gate_up = self.gate_up_proj if self.fused else self._joined_gate_up()
+        if gate_up is not None:
+            gu = proj(gate_up, x)  # [..., 2I]
             half = gu.shape[-1] // 2
             return self.glu(gu[..., :half], gu[..., half:])
         return self.glu(proj(self.gate_proj, x), proj(self.up_proj, x))
+
+    def _joined_gate_up(self):
+        """gate_proj and up_proj as one stack [E, 2I, in] (`layers.joined_rows`
+        along axis 1: the HF-named stacks become views of it), so the two run
+        as one gather: a GatherQMM (and the copy of its broadcast row indices
+        MLX CUDA makes) fewer per MoE layer; None when FUSE_GATE_UP is off or
+        they differ in kind."""
+        if not FUSE_GATE_UP:
+            return None
+        got = joined_rows(self, [self.get("gate_proj"), self.get("up_proj")], "_gate_up", _joinable, axis=1)
+        if got is None:
+            return None
+        arrays, _, params = got
+        p = dict(zip(params, arrays))
+        if "scales" not in p:
+            return SwitchLinear.of(p["weight"])
+        g = self.gate_proj
+        return QuantizedSwitchLinear.of(p["weight"], p["scales"], p.get("biases"), g.group_size, g.bits, g.mode)
 
     def __call__(self, x, idx, w, grouped: bool = False, ascending: bool = False):
         """x [N, hidden], idx [N, k] (global expert ids), w [N, k] -> [N, hidden],
