@@ -233,10 +233,10 @@ class SwitchGLU(nn.Module):
     def __call__(self, x, idx, w, grouped: bool = False, ascending: bool = False):
         """x [N, hidden], idx [N, k] (global expert ids), w [N, k] -> [N, hidden],
         combined as `combine` says. `grouped` (a prefill, `use_grouped`): the
-        rows run by expert (`PREFILL`: quantized experts gathered on rows sorted
-        by expert, unquantized ones per expert block, `_grouped`), skipping the
-        experts this rank does not hold. `ascending`: idx is already in
-        ascending expert order per row (`top_k(..., ascending=True)`)."""
+        rows run as `PREFILL` says for these experts (quantized: gathered;
+        unquantized: per expert block, `_grouped`, skipping the experts this
+        rank does not hold). `ascending`: idx is already in ascending expert
+        order per row (`top_k(..., ascending=True)`)."""
         if self.combine == "index_add" and not ascending:
             order = mx.argsort(idx, axis=-1)
             idx, w = mx.take_along_axis(idx, order, axis=-1), mx.take_along_axis(w, order, axis=-1)
