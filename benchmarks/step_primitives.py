@@ -91,6 +91,12 @@ EXTRA_LAUNCHES = {"DynamicSliceUpdate": 1, "DynamicSlice": 1}
 # tiny widths; each family keeps its real head_dim (it decides MLX CUDA's SDPA kernel)
 TINY = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, vocab_size=1024)
 FAMILY_NAMES = ["llama", "qwen3", "mistral", "gemma3", "gpt_oss"]
+# MoE families counted with `--families qwen3_moe` (issue 42's shape at tiny widths: 128 experts top-8;
+# decode routes 8 (token, expert) rows, under mlx-lm's sort threshold of 64)
+MOE = {"qwen3_moe": dict(model_type="qwen3_moe", num_experts=128, num_experts_per_tok=8, moe_intermediate_size=128,
+                         norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], head_dim=128,
+                         rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                         max_position_embeddings=4096, use_sliding_window=False, sliding_window=None)}
 
 
 def tiny_config(family: str, n_layers: int) -> dict:
@@ -101,6 +107,8 @@ def tiny_config(family: str, n_layers: int) -> dict:
                             sliding_window=32))
         cfg["sliding_window_pattern"] = 2
         return cfg
+    if family in MOE:
+        return dict(MOE[family], **TINY, num_hidden_layers=n_layers)
     cfg = dict(G.FAMILIES[family], **TINY, num_hidden_layers=n_layers)
     if family == "gpt_oss":
         cfg.update(num_local_experts=8, num_experts_per_tok=4, experts_per_token=4, sliding_window=32,
@@ -176,16 +184,17 @@ class FastStandIns:
 # --------------------------------------------------------------------------- unfused projections
 @contextlib.contextmanager
 def unfused_projections():
-    """For `--unfused`: blocks.FUSE_PROJECTIONS off, i.e. q/k/v and gate/up as
-    separate matmuls (the layout before the fused projections)."""
-    from mlxcel_dist import blocks
+    """For `--unfused`: blocks.FUSE_PROJECTIONS and experts.FUSE_GATE_UP off,
+    i.e. q/k/v and gate/up as separate matmuls / gathers (the layout before
+    the fused projections)."""
+    from mlxcel_dist import blocks, experts
 
-    was = blocks.FUSE_PROJECTIONS
-    blocks.FUSE_PROJECTIONS = False
+    was = blocks.FUSE_PROJECTIONS, experts.FUSE_GATE_UP
+    blocks.FUSE_PROJECTIONS = experts.FUSE_GATE_UP = False
     try:
         yield
     finally:
-        blocks.FUSE_PROJECTIONS = was
+        blocks.FUSE_PROJECTIONS, experts.FUSE_GATE_UP = was
 
 
 # --------------------------------------------------------------------------- counting
@@ -239,7 +248,7 @@ def count_mlx_lm(cfg, weights_dtype, P):
     from mlx_lm.models.cache import make_prompt_cache
 
     ours, weights = build(cfg, weights_dtype)
-    model = G.build_mlx_lm(cfg, weights)
+    model = quantized(G.build_mlx_lm(cfg, weights))
     a = ours.args
     cache = make_prompt_cache(model)
     for c in cache:
@@ -252,6 +261,16 @@ def count_mlx_lm(cfg, weights_dtype, P):
 
 
 _BUILT = {}
+BITS = None  # --bits: both models nn.quantize'd (group 64), as mlx_lm.convert -q does
+
+
+def quantized(model):
+    if BITS is not None:
+        import mlx.nn as nn
+
+        nn.quantize(model, group_size=64, bits=BITS)
+        mx.eval(model.parameters())
+    return model
 
 
 def build(cfg, dtype):
@@ -261,6 +280,7 @@ def build(cfg, dtype):
         if dtype != mx.bfloat16:
             weights = [(n, w.astype(dtype)) for n, w in weights]
             model.load_weights(weights)
+        quantized(model)
         _BUILT.clear()
         _BUILT[key] = (model, weights)
     return _BUILT[key]
@@ -329,12 +349,15 @@ def main():
     ap.add_argument("--prompt", type=int, default=40, help="tokens already in the cache (past the window of 32)")
     ap.add_argument("--layers", type=int, default=2, help="L: per layer = (count(2L) - count(L)) / L")
     ap.add_argument("--json", action="store_true", help="one JSON line per family instead of tables")
+    ap.add_argument("--bits", type=int, default=None, help="quantize both models (group 64) to this many bits")
     ap.add_argument("--unfused", action="store_true",
                     help="also count the split step with blocks.FUSE_PROJECTIONS off (q/k/v, gate/up as separate matmuls)")
     a = ap.parse_args()
     mx.set_default_device(mx.cpu)
     G._stub_transformers()
     dtype = getattr(mx, a.dtype)
+    global BITS
+    BITS = a.bits
     for fam in a.families.split(","):
         cols = summarize(fam, dtype, a.prompt, a.layers, a.unfused)
         if a.json:

@@ -19,7 +19,7 @@ import mlx.nn as nn
 from .attention import causal_attention
 from .errors import UserError
 from .experts import SwitchGLU, softmax_top_k
-from .layers import gated_fp32
+from .layers import gated_fp32, joinable_params, joined_rows
 from .rope import RoPE
 
 # Fused projections: q/k/v of `Attention` and gate/up of `MLP` each run as one
@@ -36,71 +36,22 @@ def _fusable_types():
 
 
 def _fused_params(layers: list) -> tuple | None:
-    """The parameter names that one matmul over `layers` concatenates, or None
-    when they cannot run as one: all the same type (a Linear, a QuantizedLinear
-    or their all-to-sharded TP forms, whose forward is the same matmul), the
-    same dtypes, bias on all or none, for quantized the same bits / group size
-    / mode and scale biases on all or none."""
-    if any(l is None for l in layers):
-        return None
-    t = type(layers[0])
-    if t not in _fusable_types() or any(type(l) is not t for l in layers[1:]):
-        return None
-    has_bias = "bias" in layers[0]
-    if any(("bias" in l) != has_bias for l in layers):
-        return None
-    names = ["weight"]
-    if "scales" in layers[0]:  # quantized
-        q = lambda l: (l.bits, l.group_size, l.mode, l.get("biases") is not None)  # noqa: E731
-        if any(q(l) != q(layers[0]) for l in layers[1:]):
-            return None
-        names += ["scales"] + ["biases"] * (layers[0].get("biases") is not None)
-    names += ["bias"] * has_bias
-    for n in names:
-        if any(l[n].dtype != layers[0][n].dtype or l[n].ndim != layers[0][n].ndim for l in layers):
-            return None
-    return tuple(names)
+    """What one matmul over `layers` joins (`layers.joinable_params`): a Linear,
+    a QuantizedLinear or their all-to-sharded TP forms, whose forward is the
+    same matmul."""
+    return joinable_params(layers, _fusable_types())
 
 
 def fused_projection(module: nn.Module, names: tuple, key: str):
     """x -> [out of each of `names`] as ONE matmul on their row-concatenated
-    weights, or None when they do not fuse (`_fused_params`) or
-    FUSE_PROJECTIONS is off.
-
-    Memory does not double: the concatenation is built once (and evaluated)
-    and stored under `key` (an underscore name, never a parameter); each
-    layer's own parameters are then replaced by row slices of it (views of
-    the same buffer), so parameter names and shapes stay the checkpoint's and
-    the separate buffers are freed. Built on first use, so after sharding
-    (per-rank shapes); rebuilt when any source array is replaced (a second
-    load, shard() after a forward), as `layers._fp32_weight` does: the cache
-    remembers the arrays it made the views into."""
+    weights (`layers.joined_rows`: built once, the HF-named parameters then
+    row views of it, so memory does not double), or None when they do not
+    fuse (`_fused_params`) or FUSE_PROJECTIONS is off."""
     if not FUSE_PROJECTIONS:
         return None
     layers = [module.get(n) for n in names]
-    cached = module.get(key)
-    if cached is not None:
-        srcs, fused, rows, params, layers0 = cached
-        if all(a is b for a, b in zip(layers, layers0)) and all(
-            l[p] is s for l, ls in zip(layers, srcs) for p, s in zip(params, ls)
-        ):
-            return _projector(layers[0], fused, rows, params)
-        module[key] = None  # stale: drop the old buffer before building anew
-    params = _fused_params(layers)
-    if params is None:
-        return None
-    fused = tuple(mx.concatenate([l[p] for l in layers], axis=0) for p in params)
-    rows = tuple(l["weight"].shape[0] for l in layers)
-    srcs, start = [], 0
-    for l, r in zip(layers, rows):
-        views = tuple(f[start : start + r] for f in fused)
-        for p, v in zip(params, views):
-            l[p] = v
-        srcs.append(views)
-        start += r
-    mx.eval(fused, srcs)  # the views now share the fused buffers; the old ones are free
-    module[key] = (tuple(srcs), fused, rows, params, tuple(layers))
-    return _projector(layers[0], fused, rows, params)
+    got = joined_rows(module, layers, key, _fused_params)
+    return None if got is None else _projector(layers[0], *got)
 
 
 def _projector(layer: nn.Module, fused: tuple, rows: tuple, params: tuple):

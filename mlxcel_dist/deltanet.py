@@ -290,14 +290,14 @@ class SharedExpertMoE(nn.Module):
     def route(self, x):
         """x [N, hidden] -> (indices [N, k], weights [N, k] in the router's dtype)."""
         logits = self.gate(x)
-        idx, w = softmax_top_k(logits, self.top_k, self.norm_topk_prob)
+        idx, w = softmax_top_k(logits, self.top_k, self.norm_topk_prob, ascending=True)  # index_add's order
         return idx, w.astype(logits.dtype)
 
     def __call__(self, x):
         B, L, D = x.shape
         flat = x.reshape(B * L, D)  # [N, hidden]
         idx, w = self.route(flat)
-        y = self.switch_mlp(flat, idx, w, grouped=use_grouped(idx.size, L))
+        y = self.switch_mlp(flat, idx, w, grouped=use_grouped(idx.size, L), ascending=True)
         g = self.shared_expert_gate(flat)
         shared = mx.sigmoid(g.astype(mx.float32)).astype(g.dtype) * self.shared_expert(flat)
         return self.group.all_sum(y + shared).reshape(B, L, D)

@@ -30,20 +30,48 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+from .layers import joinable_params, joined_rows
+
 
 # (token, expert) rows from which a prefill runs grouped by expert (`SwitchGLU._grouped`:
 # dense matmuls per expert block, one host sync per MoE layer) instead of gathered
 # (one matrix-vector product per row, re-reading the expert's weights per row on a GPU).
 # None: always gathered. Decode steps (inside mx.compile) always gather (`use_grouped`).
 GROUP_ROWS = 64
+# How such a prefill runs, by whether the experts are quantized: "grouped" (`SwitchGLU._grouped`),
+# "sorted" (`SwitchGLU._sorted`: gathered on rows sorted by expert, no host sync) or "gather"
+# (as a decode step). On one H200 (MLX 0.32.4 CUDA, issue 42's 4-bit qwen3_moe shape, 128
+# experts, benchmarks/moe_decode.py) a 128-token forward took 42 ms gathered, 43 sorted, 196
+# grouped (mlx-lm 42); 1024 tokens 268 / 273 / 338 (mlx-lm 272): MLX CUDA's gather_qmm runs many
+# gathered rows as one tiled product (and ignores sorted_indices), so quantized experts gather.
+# Its gather_mm does one matrix-vector product per row (gpt_oss 0.09x): unquantized ones group.
+PREFILL = {True: "gather", False: "grouped"}
 
 
-def softmax_top_k(logits: mx.array, k: int, renormalise: bool) -> tuple[mx.array, mx.array]:
+# Separate gate_proj / up_proj stacks run as one gather on their joined rows
+# (`SwitchGLU._joined_gate_up`); off: two gathers (tests compare both).
+FUSE_GATE_UP = True
+
+
+def _joinable(layers: list):
+    return joinable_params(layers, (SwitchLinear, QuantizedSwitchLinear))
+
+
+def top_k(scores: mx.array, k: int, ascending: bool = False) -> mx.array:
+    """The indices [N, k] of each row's k largest scores [N, E] (no negation:
+    one kernel fewer than argpartition(-scores)); `ascending`: sorted by
+    expert id, the order SwitchGLU's "index_add" combine adds in (it then
+    skips its own argsort and the two gathers that apply it), else in no order."""
+    idx = mx.argpartition(scores, kth=-k, axis=-1)[..., -k:]
+    return mx.sort(idx, axis=-1) if ascending else idx
+
+
+def softmax_top_k(logits: mx.array, k: int, renormalise: bool, ascending: bool = False) -> tuple[mx.array, mx.array]:
     """The softmax router's choice: logits [N, E] -> (indices [N, k], their
-    fp32 probabilities [N, k], renormalised to sum 1 when asked). The k are in
-    no order: the sum over experts does not depend on it."""
+    fp32 probabilities [N, k], renormalised to sum 1 when asked). The k are
+    in ascending expert order when asked (`top_k`), else in no order."""
     probs = mx.softmax(logits.astype(mx.float32), axis=-1)
-    idx = mx.argpartition(-probs, kth=k - 1, axis=-1)[:, :k]
+    idx = top_k(probs, k, ascending)
     w = mx.take_along_axis(probs, idx, axis=-1)
     return idx, (w / w.sum(axis=-1, keepdims=True) if renormalise else w)
 
@@ -90,8 +118,15 @@ class SwitchLinear(nn.Module):
         super().__init__()
         self.weight = mx.zeros((num_experts, out_dims, in_dims))
 
-    def __call__(self, x, idx):
-        return gather_mm(x, self.weight, idx)
+    @classmethod
+    def of(cls, weight: mx.array) -> "SwitchLinear":
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer.weight = weight
+        return layer
+
+    def __call__(self, x, idx, sorted_indices: bool = False):
+        return gather_mm(x, self.weight, idx)  # (never sorted_indices: MLX 0.32.4 CUDA's is wrong)
 
     def to_quantized(self, group_size: int = 64, bits: int = 4, mode: str = "affine", **_):
         """nn.quantize's hook: these weights quantized (at load, before any is
@@ -115,15 +150,24 @@ class QuantizedSwitchLinear(nn.Module):
         layer._set(weight, group_size, bits, mode)
         return layer
 
+    @classmethod
+    def of(cls, weight, scales, biases, group_size: int, bits: int, mode: str) -> "QuantizedSwitchLinear":
+        """Around arrays already quantized."""
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer.group_size, layer.bits, layer.mode = group_size, bits, mode
+        layer.weight, layer.scales, layer.biases = weight, scales, biases
+        return layer
+
     def _set(self, weight, group_size: int, bits: int, mode: str) -> None:
         self.group_size, self.bits, self.mode = group_size, bits, mode
         w, *sb = mx.quantize(weight, group_size, bits, mode=mode)
         self.weight, self.scales = w, sb[0]
         self.biases = sb[1] if len(sb) > 1 else None
 
-    def __call__(self, x, idx):
+    def __call__(self, x, idx, sorted_indices: bool = False):
         return mx.gather_qmm(x, self["weight"], self["scales"], self.get("biases"), rhs_indices=idx, transpose=True,
-                             group_size=self.group_size, bits=self.bits, mode=self.mode)
+                             group_size=self.group_size, bits=self.bits, mode=self.mode, sorted_indices=sorted_indices)
 
 
 # How a token's k expert outputs become one, as each family's reference does it:
@@ -161,22 +205,44 @@ class SwitchGLU(nn.Module):
 
     def _hidden(self, x, proj):
         """glu of the gate and up projections; `proj(layer, x)` applies one."""
-        if self.fused:
-            gu = proj(self.gate_up_proj, x)  # [..., 2I]
+        gate_up = self.gate_up_proj if self.fused else self._joined_gate_up()
+        if gate_up is not None:
+            gu = proj(gate_up, x)  # [..., 2I]
             half = gu.shape[-1] // 2
             return self.glu(gu[..., :half], gu[..., half:])
         return self.glu(proj(self.gate_proj, x), proj(self.up_proj, x))
 
-    def __call__(self, x, idx, w, grouped: bool = False):
+    def _joined_gate_up(self):
+        """gate_proj and up_proj as one stack [E, 2I, in] (`layers.joined_rows`
+        along axis 1: the HF-named stacks become views of it), so the two run
+        as one gather: a GatherQMM (and the copy of its broadcast row indices
+        MLX CUDA makes) fewer per MoE layer; None when FUSE_GATE_UP is off or
+        they differ in kind."""
+        if not FUSE_GATE_UP:
+            return None
+        got = joined_rows(self, [self.get("gate_proj"), self.get("up_proj")], "_gate_up", _joinable, axis=1)
+        if got is None:
+            return None
+        arrays, _, params = got
+        p = dict(zip(params, arrays))
+        if "scales" not in p:
+            return SwitchLinear.of(p["weight"])
+        g = self.gate_proj
+        return QuantizedSwitchLinear.of(p["weight"], p["scales"], p.get("biases"), g.group_size, g.bits, g.mode)
+
+    def __call__(self, x, idx, w, grouped: bool = False, ascending: bool = False):
         """x [N, hidden], idx [N, k] (global expert ids), w [N, k] -> [N, hidden],
         combined as `combine` says. `grouped` (a prefill, `use_grouped`): the
-        rows run per expert block (`_grouped`), skipping the experts this rank
-        does not hold."""
-        if self.combine == "index_add":
+        rows run as `PREFILL` says for these experts (quantized: gathered;
+        unquantized: per expert block, `_grouped`, skipping the experts this
+        rank does not hold). `ascending`: idx is already in ascending expert
+        order per row (`top_k(..., ascending=True)`)."""
+        if self.combine == "index_add" and not ascending:
             order = mx.argsort(idx, axis=-1)
             idx, w = mx.take_along_axis(idx, order, axis=-1), mx.take_along_axis(w, order, axis=-1)
         scale = w if self.combine == "inputs" else None
-        if grouped:
+        mode = PREFILL[isinstance(self.down_proj, QuantizedSwitchLinear)] if grouped else "gather"
+        if mode == "grouped":
             out = self._grouped(x, idx, scale)
         else:
             local = idx
@@ -188,18 +254,38 @@ class SwitchGLU(nn.Module):
                 xe = (x[:, None, :] * w[..., None])[:, :, None, :]  # [N, k, 1, hidden]: the scaled inputs
             else:
                 xe = x[:, None, None, :]  # [N, 1, 1, hidden]: one row per (token, chosen expert)
-            h = self._hidden(xe, lambda layer, v: layer(v, local))  # [N, k, 1, I]
-            out = self.down_proj(h, local).squeeze(-2)  # [N, k, hidden]
+            out = self._sorted(xe, local) if mode == "sorted" else self._gathered(xe, local)
         if self.combine == "inputs":
             return out.sum(axis=1)  # the reference sums every expert's output (exact zeros off the k)
         if self.combine == "sum":
             return (out.astype(mx.float32) * w[..., None]).astype(x.dtype).sum(axis=1)
-        # expert output times its weight (promoted as torch does), rounded to x's dtype
-        parts = (out * w[..., None]).astype(x.dtype)
-        y = parts[:, 0]
-        for j in range(1, parts.shape[1]):
-            y = y + parts[:, j]
-        return y
+        # expert output times its weight (promoted as torch does), rounded to x's dtype, added
+        # in ascending expert order (one split: a view primitive, not k slices)
+        y, *rest = mx.split((out * w[..., None]).astype(x.dtype), out.shape[1], axis=1)
+        for part in rest:
+            y = y + part
+        return y.squeeze(1)
+
+    def _gathered(self, xe, idx):
+        """xe [N, 1 or k, 1, hidden] through each row's expert idx [N, k] -> [N, k, hidden]."""
+        h = self._hidden(xe, lambda layer, v: layer(v, idx))  # [N, k, 1, I]
+        return self.down_proj(h, idx).squeeze(-2)
+
+    def _sorted(self, xe, idx):
+        """`_gathered` with the N*k rows sorted by expert first (mlx-lm's
+        `_gather_sort`: neighbouring rows read the same expert's weights) and
+        put back after; no host sync. Quantized experts only: MLX 0.32.4 CUDA's
+        gather_mm with sorted_indices is wrong (benchmarks/gather_check.py),
+        its gather_qmm ignores the flag."""
+        N, k = idx.shape
+        flat = idx.flatten()
+        order = mx.argsort(flat)
+        rows = xe.reshape(-1, 1, xe.shape[-1])  # [N or N*k, 1, hidden]
+        xs = rows[order // k] if xe.shape[1] == 1 else rows[order]
+        ids = flat[order]
+        h = self._hidden(xs, lambda layer, v: layer(v, ids, sorted_indices=True))  # [R, 1, I]
+        out = self.down_proj(h, ids, sorted_indices=True)  # [R, 1, hidden]
+        return out[mx.argsort(order)].reshape(N, k, -1)
 
     def _grouped(self, x, idx, scale=None):
         """The gathered products with the N*k (token, expert) rows sorted by

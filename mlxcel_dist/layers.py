@@ -19,6 +19,71 @@ import mlx.core as mx
 import mlx.nn as nn
 
 
+def joinable_params(layers: list, types: tuple) -> tuple | None:
+    """The parameter names that one matmul over `layers` concatenates, or None
+    when they cannot run as one: all the same type, one of `types`, the same
+    dtypes, bias on all or none, for quantized the same bits / group size /
+    mode and scale biases on all or none."""
+    if any(l is None for l in layers):
+        return None
+    t = type(layers[0])
+    if t not in types or any(type(l) is not t for l in layers[1:]):
+        return None
+    has_bias = "bias" in layers[0]
+    if any(("bias" in l) != has_bias for l in layers):
+        return None
+    names = ["weight"]
+    if "scales" in layers[0]:  # quantized
+        q = lambda l: (l.bits, l.group_size, l.mode, l.get("biases") is not None)  # noqa: E731
+        if any(q(l) != q(layers[0]) for l in layers[1:]):
+            return None
+        names += ["scales"] + ["biases"] * (layers[0].get("biases") is not None)
+    names += ["bias"] * has_bias
+    for n in names:
+        if any(l[n].dtype != layers[0][n].dtype or l[n].ndim != layers[0][n].ndim for l in layers):
+            return None
+    return tuple(names)
+
+
+def joined_rows(module: nn.Module, layers: list, key: str, params_of, axis: int = 0):
+    """The arrays of `layers` (same-shaped projections of one input) joined
+    along their output rows `axis`, for one matmul: (joined arrays, rows of
+    each layer, parameter names), or None when `params_of(layers)` (the names
+    to join) says they cannot be.
+
+    Memory does not double: the concatenation is built once (and evaluated)
+    and stored under `key` (an underscore name, never a parameter); each
+    layer's own parameters are then replaced by row slices of it (views of
+    the same buffer), so parameter names and shapes stay the checkpoint's and
+    the separate buffers are freed. Built on first use, so after sharding
+    (per-rank shapes); rebuilt when any source array is replaced (a second
+    load, shard() after a forward), as `_fp32_weight` does: the cache
+    remembers the arrays it made the views into."""
+    cached = module.get(key)
+    if cached is not None:
+        srcs, fused, rows, params, layers0 = cached
+        if all(a is b for a, b in zip(layers, layers0)) and all(
+            l[p] is s for l, ls in zip(layers, srcs) for p, s in zip(params, ls)
+        ):
+            return fused, rows, params
+        module[key] = None  # stale: drop the old buffer before building anew
+    params = params_of(layers)
+    if params is None:
+        return None
+    fused = tuple(mx.concatenate([l[p] for l in layers], axis=axis) for p in params)
+    rows = tuple(l["weight"].shape[axis] for l in layers)
+    srcs, start, lead = [], 0, (slice(None),) * axis
+    for l, r in zip(layers, rows):
+        views = tuple(f[lead + (slice(start, start + r),)] for f in fused)
+        for p, v in zip(params, views):
+            l[p] = v
+        srcs.append(views)
+        start += r
+    mx.eval(fused, srcs)  # the views now share the fused buffers; the old ones are free
+    module[key] = (tuple(srcs), fused, rows, params, tuple(layers))
+    return fused, rows, params
+
+
 def _fp32_weight(module: nn.Module, plus_one: bool = False, name: str = "weight") -> mx.array:
     """The module's weight in fp32 (1 + w for Gemma), computed once per weight
     array rather than as two extra kernels per call. Cached under a name that

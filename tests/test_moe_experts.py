@@ -193,9 +193,13 @@ def test_expert_placement_is_exact_under_the_launcher(launched):
 
 
 # The two ways the routed experts run, and expert placement's arithmetic (one process) ---------
+@pytest.mark.parametrize("mode", ["grouped", "sorted"])
 @pytest.mark.parametrize("d", [FIXTURES / "qwen3_moe" / "gqa_fp32", FIXTURES / "glm4_moe" / "topk3_fp32",
                                FIXTURES / "glm4_moe" / "mqa_bf16", MLX_LM[0]], ids=_id)
-def test_grouped_prefill_gives_the_gathered_logits(d, monkeypatch):
+def test_prefill_by_expert_gives_the_gathered_logits(d, mode, monkeypatch):
+    """Both prefill forms (per expert block; gathered on rows sorted by
+    expert), whichever experts.PREFILL picks for these experts, give the
+    gathered path's logits."""
     import mlxcel_dist.experts as experts
 
     model = load_model(d).model
@@ -203,19 +207,63 @@ def test_grouped_prefill_gives_the_gathered_logits(d, monkeypatch):
     monkeypatch.setattr(experts, "GROUP_ROWS", None)
     gathered = _logits(model, ids)
     monkeypatch.setattr(experts, "GROUP_ROWS", 1)
+    monkeypatch.setattr(experts, "PREFILL", {True: mode, False: mode})
     calls = []
-    grouped_fn = experts.SwitchGLU._grouped
-    monkeypatch.setattr(experts.SwitchGLU, "_grouped", lambda self, *a: calls.append(1) or grouped_fn(self, *a))
-    grouped = _logits(model, ids)
-    assert calls  # the grouped path ran
-    np.testing.assert_allclose(grouped, gathered, rtol=0, atol=1e-6 * np.abs(gathered).max())
+    fn = getattr(experts.SwitchGLU, "_" + mode)
+    monkeypatch.setattr(experts.SwitchGLU, "_" + mode, lambda self, *a: calls.append(1) or fn(self, *a))
+    by_expert = _logits(model, ids)
+    assert calls  # that path ran
+    np.testing.assert_allclose(by_expert, gathered, rtol=0, atol=1e-6 * np.abs(gathered).max())
 
 
-@pytest.mark.parametrize("grouped", [False, True])
+@pytest.mark.parametrize("d", [FIXTURES / "qwen3_moe" / "gqa_fp32", FIXTURES / "glm4_moe" / "mqa_bf16", MLX_LM[0]],
+                         ids=_id)
+def test_joined_gate_up_gives_the_separate_logits(d, monkeypatch):
+    """experts.FUSE_GATE_UP: gate_proj / up_proj as one gather on their joined
+    stacks gives the two gathers' logits bit for bit on the CPU (prefill
+    gathered and by expert, split compiled decode steps, eager steps); the
+    parameters keep their names and shapes (views of the joined stack)."""
+    import mlxcel_dist.experts as experts
+    from mlxcel_dist.decode import splittable
+
+    try:
+        from mlxcel_dist.engine import sequence_logits
+    except ImportError:  # generation.py's once generate runs as the engine's one row
+        from mlxcel_dist.generation import sequence_logits
+
+    ids = np.load(d / ("reference.npz" if (d / "reference.npz").exists() else "mlx_lm_reference.npz"))["ids"]
+
+    def run(join):
+        monkeypatch.setattr(experts, "FUSE_GATE_UP", join)
+        model = load_model(d).model
+        out = {"prefill": sequence_logits(model, ids),
+               "decode split": sequence_logits(model, ids, decode_from=5, compiled=True),
+               "decode eager": sequence_logits(model, ids, decode_from=5, compiled=False)}
+        monkeypatch.setattr(experts, "GROUP_ROWS", 1)
+        out["prefill by expert"] = sequence_logits(model, ids)
+        monkeypatch.setattr(experts, "GROUP_ROWS", 64)
+        assert splittable(model)  # split decode steps are the ones under test
+        return model, out
+
+    plain, want = run(False)
+    joined, got = run(True)
+    for mode in want:
+        np.testing.assert_array_equal(got[mode], want[mode], err_msg=f"{_id(d)} {mode}")
+    sws = [m for _, m in joined.named_modules() if isinstance(m, experts.SwitchGLU)]
+    assert sws and all(sw["_gate_up"] is not None for sw in sws)
+    assert not any(sw.get("_gate_up") for _, sw in plain.named_modules() if isinstance(sw, experts.SwitchGLU))
+    shapes = lambda m: {k: v.shape for k, v in tree_flatten(m.parameters())}  # noqa: E731
+    assert shapes(joined) == shapes(plain)
+
+
+@pytest.mark.parametrize("mode", ["gather", "grouped", "sorted"])
 @pytest.mark.parametrize("n", [2, 3])
-def test_ranks_holding_whole_experts_sum_to_the_whole_block(n, grouped):
+def test_ranks_holding_whole_experts_sum_to_the_whole_block(n, mode, monkeypatch):
+    import mlxcel_dist.experts as experts
     from mlxcel_dist.experts import SwitchGLU
 
+    grouped = mode != "gather"
+    monkeypatch.setattr(experts, "PREFILL", {True: mode, False: mode})
     model = load_model(FIXTURES / "glm4_moe" / "gqa_fp32").model
     moe = model.layers[1].mlp
     full = moe.switch_mlp

@@ -103,7 +103,7 @@ from ..attention import causal_attention
 from ..blocks import MLP, PreNormBlock
 from ..collectives import SINGLE
 from ..errors import UserError
-from ..experts import SwitchGLU
+from ..experts import SwitchGLU, top_k, use_grouped
 from ..layers import LayerNorm, RMSNorm, activation, gated_fp32
 from ..masks import CAUSAL, create_causal_mask
 from ..rope import RoPE
@@ -436,8 +436,7 @@ class MoEGate(nn.Module):
             mask = mx.put_along_axis(mx.zeros((N, G), dtype=mx.bool_), keep, mx.array(True), axis=-1)
             choice = mx.where(mx.repeat(mask, E // G, axis=-1), choice, -mx.inf)
         k = self.top_k
-        idx = mx.argpartition(-choice, kth=k - 1, axis=-1)[:, :k]  # [N, k]
-        idx = mx.sort(idx, axis=-1)  # ascending experts: the reference's summation order
+        idx = top_k(choice, k, ascending=True)  # [N, k], ascending experts: the reference's summation order
         w = mx.take_along_axis(scores, idx, axis=-1)  # the unbiased scores
         if self.norm_topk_prob:
             w = w / (w.sum(axis=-1, keepdims=True) + 1e-20)
@@ -459,7 +458,9 @@ class MoE(nn.Module):
     def __call__(self, x):
         B, L, D = x.shape
         xf = x.reshape(B * L, D)  # [N, hidden]
-        y = self.switch_mlp(xf, *self.gate(xf)).reshape(B, L, D) + self.shared_experts(x)
+        idx, w = self.gate(xf)
+        y = self.switch_mlp(xf, idx, w, grouped=use_grouped(idx.size, L), ascending=True).reshape(B, L, D)
+        y = y + self.shared_experts(x)
         return self.group.all_sum(y)  # this rank's intermediate slice of every expert
 
 

@@ -38,7 +38,7 @@ import mlx.nn as nn
 from ..blocks import MLP, Attention, PreNormBlock
 from ..collectives import SINGLE
 from ..errors import UserError
-from ..experts import SwitchGLU, stack_expert_refs, use_grouped
+from ..experts import SwitchGLU, stack_expert_refs, top_k, use_grouped
 from ..layers import RMSNorm, activation, gated_fp32
 from ..rope import RoPE
 from ..shard import shard_attention, shard_expert_mlps, shard_mlp, shard_switch_glu
@@ -144,7 +144,7 @@ class Router(nn.Module):
             mask = mx.put_along_axis(mx.zeros((N, G), dtype=mx.bool_), keep, mx.array(True), axis=-1)
             choice = mx.where(mx.repeat(mask, E // G, axis=-1), choice, -mx.inf)
         k = self.top_k
-        idx = mx.argpartition(-choice, kth=k - 1, axis=-1)[:, :k]  # [N, k], order irrelevant
+        idx = top_k(choice, k, ascending=True)  # [N, k]: SwitchGLU's index_add order
         w = mx.take_along_axis(scores, idx, axis=-1)  # the unbiased scores
         if self.norm_topk_prob:
             w = w / (w.sum(axis=-1, keepdims=True) + 1e-20)
@@ -167,7 +167,7 @@ class SparseMoeBlock(nn.Module):
         B, L, D = x.shape
         flat = x.reshape(B * L, D)  # [N, hidden]
         idx, w = self.gate(flat)
-        routed = self.switch_mlp(flat, idx, w, grouped=use_grouped(idx.size, L))
+        routed = self.switch_mlp(flat, idx, w, grouped=use_grouped(idx.size, L), ascending=True)
         y = routed.reshape(B, L, D) + self.shared_experts(x)
         return self.group.all_sum(y)  # routed + shared partial outputs of this rank
 
@@ -203,6 +203,7 @@ class Glm4MoeModel(DecoderStack):
 
 class Model(CausalLM):
     pipeline_stages = True  # a DecoderStack of independent layers: runs in --pp stages (pipeline.py)
+    split_decode = True  # decode.DecodeStep may run its layers' pre/attend/post split (fused decode attention)
 
     def __init__(self, args: ModelArgs):
         super().__init__(args, Glm4MoeModel(args))

@@ -46,7 +46,7 @@ from ..blocks import MLP, Attention
 from ..cache import CHUNKED, make_layer_caches
 from ..collectives import SINGLE
 from ..errors import UserError
-from ..experts import SwitchGLU
+from ..experts import SwitchGLU, top_k
 from ..layers import RMSNorm, activation, gated_fp32
 from ..cache import layer_masks
 from ..rope import RoPE
@@ -188,7 +188,7 @@ class MoE(nn.Module):
         flat = x.reshape(B * L, D)  # [N, hidden]
         logits = self.router(flat)  # [N, E], the hidden dtype
         k = self.top_k
-        idx = mx.argpartition(-logits, kth=k - 1, axis=-1)[:, :k]  # [N, k], order irrelevant
+        idx = top_k(logits, k)  # [N, k], order irrelevant
         w = mx.sigmoid(mx.take_along_axis(logits, idx, axis=-1).astype(mx.float32)).astype(x.dtype)
         y = self.shared_expert(flat) + self.experts(flat, idx, w)
         return self.group.all_sum(y).reshape(B, L, D)

@@ -49,7 +49,7 @@ import mlx.nn as nn
 from ..blocks import Attention
 from ..collectives import SINGLE
 from ..errors import UserError
-from ..experts import SwitchGLU
+from ..experts import SwitchGLU, top_k
 from ..layers import RMSNorm, activation, gated_fp32
 from ..rope import RoPE
 from ..shard import (
@@ -190,7 +190,7 @@ class SparseMoeBlock(nn.Module):
         scores = mx.sigmoid(self.gate(x).astype(mx.float32))  # [N, E]: logits in the weights' dtype, as the reference
         choice = scores + self.e_score_correction_bias.astype(mx.float32)
         k = self.top_k
-        idx = mx.argpartition(-choice, kth=k - 1, axis=-1)[:, :k]  # [N, k], order irrelevant
+        idx = top_k(choice, k)  # [N, k], order irrelevant
         w = mx.take_along_axis(scores, idx, axis=-1)  # the unbiased scores
         return idx, w / w.sum(axis=-1, keepdims=True)
 

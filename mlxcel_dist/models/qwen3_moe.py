@@ -105,16 +105,16 @@ class SparseMoeBlock(nn.Module):
         self.group = SINGLE  # the job's group once the experts are split (shard)
 
     def route(self, x):
-        """x [N, hidden] -> (indices [N, k], weights [N, k] in x's dtype)."""
+        """x [N, hidden] -> (indices [N, k] ascending, weights [N, k] in x's dtype)."""
         logits = self.gate(x)  # [N, E], hidden dtype as the reference
-        idx, w = softmax_top_k(logits, self.top_k, self.norm_topk_prob)
+        idx, w = softmax_top_k(logits, self.top_k, self.norm_topk_prob, ascending=True)  # index_add's order
         return idx, w.astype(logits.dtype)
 
     def __call__(self, x):
         B, L, D = x.shape
         flat = x.reshape(B * L, D)  # [N, hidden]
         idx, w = self.route(flat)
-        y = self.switch_mlp(flat, idx, w, grouped=use_grouped(idx.size, L))
+        y = self.switch_mlp(flat, idx, w, grouped=use_grouped(idx.size, L), ascending=True)
         return self.group.all_sum(y).reshape(B, L, D)
 
 
@@ -149,6 +149,7 @@ class Qwen3MoeModel(DecoderStack):
 
 class Model(CausalLM):
     pipeline_stages = True  # a DecoderStack of independent layers: runs in --pp stages (pipeline.py)
+    split_decode = True  # decode.DecodeStep may run its layers' pre/attend/post split (fused decode attention)
 
     def __init__(self, args: ModelArgs):
         super().__init__(args, Qwen3MoeModel(args))

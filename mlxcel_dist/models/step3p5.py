@@ -46,7 +46,7 @@ from ..attention import causal_attention
 from ..blocks import Attention
 from ..collectives import SINGLE
 from ..errors import UserError
-from ..experts import SwitchGLU
+from ..experts import SwitchGLU, top_k
 from ..layers import GemmaRMSNorm
 from ..rope import RoPE
 from ..shard import (
@@ -291,7 +291,7 @@ class MoE(SwitchGLU):
         scores = mx.sigmoid(self.gate(x).astype(mx.float32))  # [N, E]
         choice = scores + self.router_bias.astype(mx.float32)
         k = self.top_k
-        idx = mx.argpartition(-choice, kth=k - 1, axis=-1)[:, :k]  # [N, k], order irrelevant
+        idx = top_k(choice, k)  # [N, k], order irrelevant
         w = mx.take_along_axis(scores, idx, axis=-1)
         return idx, w / w.sum(axis=-1, keepdims=True)
 
