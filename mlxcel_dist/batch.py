@@ -910,14 +910,22 @@ class BatchEngine:
             return {}
         if self.spec is not None and self.spec.active(self):
             return self.spec.step(self)
+        return self.plain_step()
+
+    def plain_step(self) -> dict:
+        """`step`'s pipelined decode step (also batch_spec's when no row drafts)."""
         if not self._flights:
             self.launch()
         # no step past every row's budget: its work would only be discarded (a lone request's last id)
-        if self.pipelined and any(r.budget is None or r.launched < r.budget for r in self.rows):
+        if self.pipelined and self.more():
             self.launch()
         out = self.collect()
         self._finish()
         return out
+
+    def more(self) -> bool:
+        """Whether some row may still take an id launched now (its budget not all launched)."""
+        return any(r.budget is None or r.launched < r.budget for r in self.rows)
 
     def _step_budget(self) -> int | None:
         """This step's prefill tokens (`budget` of the decoding rows' tokens:

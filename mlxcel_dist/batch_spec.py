@@ -71,19 +71,19 @@ class DraftRows:
     def rids(self) -> list:
         return [r.rid for r in self.engine.rows]
 
-    def draft(self, rows: list) -> tuple[mx.array, list]:
+    def draft(self, rows: list, k: int) -> tuple[mx.array, list]:
         """The target rows `rows` (in this engine's row order): lazy drafts
-        [m, K] and per row its draft logits [K, V] (sampled rows) or None."""
+        [m, k] (k <= K) and per row its draft logits [k, V] (sampled rows) or None."""
         ctxs = [r.context for r in rows]
         starts = [max(len(c) - 2, 0) for c in ctxs]
         first = [c[-2:] if len(c) > 1 else [c[-1], 0] for c in ctxs]  # a 1-id context: a pad, overwritten next
         logits = self.engine.feed(mx.array(first, mx.int32), starts)
         x = logits[mx.arange(len(rows)), mx.array([len(c) - 1 - s for c, s in zip(ctxs, starts)])]
         drafts, qs = [], [[] for _ in rows]
-        for i in range(self.k):
+        for i in range(k):
             d = _draw(rows, x, qs)
             drafts.append(d)
-            if i < self.k - 1:
+            if i < k - 1:
                 x = self.engine.feed(d.reshape(-1, 1), [len(c) + i for c in ctxs])[:, 0]
         for r, c in zip(self.engine.rows, ctxs):
             r.pos = len(c) - 1
@@ -108,32 +108,46 @@ def _draw(rows: list, x: mx.array, qs: list) -> mx.array:
 
 
 class BatchDrafts:
-    """A BatchEngine's drafter and step (`BatchEngine(spec=...)`): `k`
-    drafts a row a step from `draft` (DraftRows) or prompt lookup; counts
-    of the last step in `last` (drafts: rows that drafted, drafted,
-    accepted) and in total."""
+    """A BatchEngine's drafter and step (`BatchEngine(spec=...)`): up to `k`
+    drafts a row a step from `draft` (DraftRows) or prompt lookup, each row's
+    own k moved by what it accepts (`adaptive`, `row_k`). A step in which no
+    row drafts is the engine's plain pipelined step (`plain_step`). Counts of
+    the last step in `last` (rows that drafted, drafted, accepted), in
+    `total`, and the steps taken in `steps` (plain, verify; reread: a step in
+    flight read early for drafts that then were not there)."""
 
-    def __init__(self, k: int, draft: DraftRows | None = None, log=None):
+    def __init__(self, k: int, draft: DraftRows | None = None, log=None, adaptive: bool = True,
+                 lookup: PromptLookup | None = None):
         check_drafting(k)
-        self.k, self.draft = k, draft
-        self.lookup = None if draft is not None else PromptLookup(k)
+        self.k, self.draft, self.adaptive = k, draft, adaptive
+        self.lookup = None if draft is not None else lookup or PromptLookup(k)
         self.name = "draft model" if draft is not None else "prompt lookup"
         self.log = log
         self.last = (0, 0, 0)
         self.total = [0, 0, 0]
+        self.steps = {"plain": 0, "verify": 0, "reread": 0}
+        self.row_k: dict = {}  # rid -> its drafts in the next round (adaptive; absent: k)
+        self._probe = False  # after a plain step: some row may draft now (read the step in flight first)
         self._said = False
 
     # -- rows (BatchEngine's hooks) ---------------------------------------------
     def added(self, engine, requests) -> None:
         """After `engine.add_many(requests)`: the draft model prefills the drafting rows' prompts."""
-        if self.draft is None or not self.active(engine):
+        if not self.active(engine):
+            return
+        if self.draft is None:  # a new row whose prompt has a hit: the next step reads the one in flight
+            rows = {r.rid: r for r in engine.rows}
+            self._probe |= any(rid in rows and self._room(engine, rows[rid]) and self.lookup.lookup(ids)
+                               for rid, ids, *_ in requests)
             return
         rows = {r.rid: r for r in engine.rows}
         items = [(rid, ids) for rid, ids, *_ in requests if rid in rows and self._drafts(engine, rows[rid])]
         if items:
             self.draft.add(items)
+            self._probe = True
 
     def removed(self, rid) -> None:
+        self.row_k.pop(rid, None)
         if self.draft is not None:
             self.draft.remove(rid)
 
@@ -155,58 +169,108 @@ class BatchDrafts:
     def _drafts(engine, r) -> bool:
         return r.drafts and r.grammar is None and r.rid not in engine.want and _draftable(r.sampler.params)
 
+    def _room(self, engine, r) -> int:
+        """Row r's drafts this round: its own k, less what its budget leaves (0: it takes no drafts)."""
+        if not self._drafts(engine, r):
+            return 0
+        left = self.k + 1 if r.budget is None else r.budget - len(r.generated)
+        return max(0, min(self.row_k.get(r.rid, self.k), left - 1))
+
     # -- the step ---------------------------------------------------------------
     def step(self, engine) -> dict:
-        """One verify forward for every row: {rid: [ids]} (read from the device)."""
+        """One step for every row: {rid: [ids]} (read from the device). No row
+        drafting: the plain pipelined step. Else one verify forward; a plain
+        step still in flight is read first and its ids lead the round's."""
+        head = {}
+        if engine._flights:
+            if not self._probe:
+                return self._plain(engine)
+            head = engine.collect()  # every context whole again: the round drafts from it
+            if any(rid in engine.want for rid in head):  # a logprobs row takes one id a step: the round next call
+                self._probe = True
+                self.last = (0, 0, 0)
+                return {rid: [t] for rid, t in head.items()}
+        ks, D, qs = self._propose(engine)
+        if not any(ks):
+            if not head:
+                return self._plain(engine)
+            self.steps["reread"] += 1  # read early for nothing: the pipeline again from here
+            if engine.pipelined and engine.more():
+                engine.launch()
+            self._probe = self._may_draft(engine)
+            self.last = (0, 0, 0)
+            return {rid: [t] for rid, t in head.items()}
+        self.steps["verify"] += 1
         rows = engine.rows
-        K = self.k
-        ks = []
-        for r in rows:
-            left = K + 1 if r.budget is None else r.budget - len(r.generated)
-            ks.append(max(0, min(K, left - 1)) if self._drafts(engine, r) else 0)
-        n = len(rows)
-        qs = [None] * n
+        first = mx.array([r.token for r in rows], mx.int32).reshape(-1, 1)
+        logits = engine.feed(mx.concatenate([first, D], axis=1), [r.pos for r in rows])  # [n, L, V]
+        out = self._accept(engine, rows, logits, D, qs, ks)
+        engine._sync_pos()
+        return {rid: [head[rid], *ids] if rid in head else ids for rid, ids in out.items()}
+
+    def _plain(self, engine) -> dict:
+        """The engine's pipelined step; then, while the next runs, whether a row may draft next time."""
+        out = engine.plain_step()
+        self.steps["plain"] += 1
+        self.last = (0, 0, 0)
+        self._probe = self._may_draft(engine)
+        return {rid: [t] for rid, t in out.items()}
+
+    def _may_draft(self, engine) -> bool:
+        """Some row would draft from its context as read (a lookup hit; a draft-model row)."""
         if self.draft is not None:
-            for r in rows:  # a row that stopped drafting (it wants logprobs now) leaves the draft's batch
-                if not self._drafts(engine, r):
-                    self.draft.remove(r.rid)
-            ks = [k if r.rid in self.draft.engine else 0 for k, r in zip(ks, rows)]
-            drafted = np.zeros((n, K), np.int32)
-            D = mx.array(drafted)
-            if self.draft.rids():  # every draft row drafts every step, so each stays two ids behind at most
-                at = {r.rid: b for b, r in enumerate(rows)}
-                order = [at[rid] for rid in self.draft.rids()]
-                d, q = self.draft.draft([rows[b] for b in order])
-                idx = np.full(n, len(order), np.int32)  # rows without a draft row take the zero row
-                idx[order] = np.arange(len(order))
-                D = mx.concatenate([d, mx.zeros((1, K), mx.int32)])[mx.array(idx)]
-                for j, b in enumerate(order):
-                    qs[b] = q[j]
-        else:
-            drafted = np.zeros((n, K), np.int32)
+            return any(r.rid in self.draft.engine and self._room(engine, r) for r in engine.rows)
+        return any(self._room(engine, r) and self.lookup.lookup(r.context) for r in engine.rows)
+
+    def _propose(self, engine) -> tuple[list, mx.array, list]:
+        """Per row its number of drafts, the drafts [n, m] (m the most any row has; a row's
+        unused ones 0) and per row its draft logits (sampled draft-model rows) or None."""
+        rows = engine.rows
+        n, ks, qs = len(rows), [self._room(engine, r) for r in rows], [None] * len(rows)
+        if self.draft is None:
+            drafted = np.zeros((n, self.k), np.int32)
             for b, (r, k) in enumerate(zip(rows, ks)):
                 got = self.lookup.lookup(r.context)[:k] if k else []
                 ks[b] = len(got)
                 drafted[b, : len(got)] = got
-            D = mx.array(drafted)
-        L = K + 1 if any(ks) else 1
-        first = mx.array([r.token for r in rows], mx.int32).reshape(n, 1)
-        tokens = mx.concatenate([first, D], axis=1) if L > 1 else first
-        logits = engine.feed(tokens, [r.pos for r in rows])  # [n, L, V]
-        out = self._accept(engine, rows, logits, D, qs, ks)
-        engine._sync_pos()
-        return out
+            return ks, mx.array(drafted[:, : max(ks)]), qs
+        for r in rows:  # a row that stopped drafting (it wants logprobs now) leaves the draft's batch
+            if not self._drafts(engine, r):
+                self.draft.remove(r.rid)
+        ks = [k if r.rid in self.draft.engine else 0 for k, r in zip(ks, rows)]
+        m = max(ks)
+        if not m:  # (its draft rows are at their budgets' last id: they are never drafted for again)
+            return ks, mx.zeros((n, 0), mx.int32), qs
+        # every draft row drafts every round, so each stays two ids behind at most
+        at = {r.rid: b for b, r in enumerate(rows)}
+        order = [at[rid] for rid in self.draft.rids()]
+        d, q = self.draft.draft([rows[b] for b in order], m)
+        idx = np.full(n, len(order), np.int32)  # rows without a draft row take the zero row
+        idx[order] = np.arange(len(order))
+        for j, b in enumerate(order):
+            qs[b] = q[j]
+        return ks, mx.concatenate([d, mx.zeros((1, m), mx.int32)])[mx.array(idx)], qs
+
+    def _adapt(self, rid, k: int, a: int) -> None:
+        """Row rid's next k after it accepted a of k drafts: one more when it took them all,
+        else at most a + 1 and at least one less (SGLang's adaptive drafting, per row)."""
+        if self.adaptive:
+            cur = self.row_k.get(rid, self.k)
+            self.row_k[rid] = min(self.k, cur + 1) if a == k else max(1, min(cur - 1, a + 1))
 
     def _accept(self, engine, rows, logits, D, qs, ks) -> dict:
-        n, K = len(rows), self.k
+        n = len(rows)
         greedy = mx.argmax(logits.astype(mx.float32), axis=-1).astype(mx.int32)  # [n, L]: plain greedy rows
         lazy, masks, extras = [], [None] * n, {}
+        constrained = [b for b, r in enumerate(rows) if r.grammar is not None]
+        if constrained:  # their masks from one llguidance call (constrained rows take no drafts)
+            bits = mx.array(rows[constrained[0]].grammar.vocab.masks([rows[b].grammar for b in constrained]))
+            for j, b in enumerate(constrained):
+                masks[b] = bits[j]
         for b, (r, k) in enumerate(zip(rows, ks)):
             params = r.sampler.params
             if k == 0:  # one id, as a plain step draws it
                 x = logits[b, 0]
-                if r.grammar is not None:
-                    masks[b] = mx.array(r.grammar.mask())
                 tok = greedy[b, 0] if params.greedy and params.plain and masks[b] is None else \
                     r.sampler.sample(x, r.context, mask=masks[b])
                 extras.update(engine._extras_of([r], [x], [tok], [None], [masks[b]]))
@@ -239,11 +303,12 @@ class BatchDrafts:
                 counts[0] += 1
                 counts[1] += k
                 counts[2] += len(ids) - 1
+                self._adapt(r.rid, k, len(ids) - 1)
             r.context.extend(ids)
             r.generated.extend(ids)
             r.token = ids[-1]
             r.pos += len(ids)
-            r.launched += 1
+            r.launched += len(ids)
             if r.grammar is not None:
                 r.grammar.advance(ids[0])
             out[r.rid] = ids
