@@ -214,6 +214,7 @@ class _Flight:
     deferred: list | None = None  # (b, logits [V]) of constrained rows drawn once their last id is read
     logits: mx.array | None = None  # with deferred rows: the step's logits [C, V] (static batch), else None
     drawn: list | None = None  # the other rows' lazy ids (the deferred rows' slots None)
+    masks: object = None  # the deferred rows' masks being computed (a Future: grammar.Vocab.masks_ahead)
 
 
 def _plain_greedy(params) -> bool:
@@ -794,6 +795,7 @@ class BatchEngine:
         assert len(self._flights) <= 1, "a row's context may lack one unread id, not two"
         if not self.rows:
             return
+        self._draw()
         n = len(self.rows)
         if self.static and self.micro > 1 and not any(r.grammar is not None for r in self.rows):
             self._reserve(n, max(r.pos for r in self.rows))
@@ -843,15 +845,26 @@ class BatchEngine:
         self._changed = False
 
     def _finish(self) -> None:
-        """Draw the deferred rows' ids of the step in flight: their last ids
-        are read now (`collect` advanced their grammars), so their masks are
-        known; the forward ran meanwhile. Its ids [n] are complete after."""
+        """Start the masks of the step in flight's deferred rows: their last
+        ids are read now (`collect` advanced their grammars). They are computed
+        on the vocabulary's worker thread while the device runs the forward and
+        the caller does its host work between steps; `_draw` draws the rows
+        when their ids are next needed (the next `launch` or `collect`)."""
         f = self._flights[-1] if self._flights else None
-        if f is None or f.deferred is None:
-            return
+        if f is not None and f.deferred is not None and f.masks is None:
+            f.masks = self.vocab.masks_ahead([f.rows[b].grammar for b, _ in f.deferred])
+
+    def _draw(self) -> None:
+        """Draw the deferred rows of every step in flight whose masks `_finish`
+        started. Its ids [n] are complete after."""
+        for f in self._flights:
+            if f.deferred is not None and f.masks is not None:
+                self._draw_flight(f)
+
+    def _draw_flight(self, f: _Flight) -> None:
         ids, extras = list(f.drawn), dict(f.extras)
         # [k, words]: every deferred row's mask from one llguidance call, one copy in
-        masks = mx.array(self.vocab.masks([f.rows[b].grammar for b, _ in f.deferred]))
+        masks = mx.array(f.masks.result())
         greedy = [j for j, (b, _) in enumerate(f.deferred) if _plain_greedy(f.rows[b].sampler.params)]
         if len(greedy) > 1:
             # greedy rows without penalties: one masked argmax over them (the ids their Samplers
@@ -879,6 +892,7 @@ class BatchEngine:
         its rows still present; a removed row's id is dropped unseen."""
         if not self._flights:
             return {}
+        self._draw()
         f = self._flights.pop(0)
         got = np.array(f.ids).tolist()
         self.extras = f.extras
