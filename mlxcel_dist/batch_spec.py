@@ -41,6 +41,9 @@ from .sampling import SamplingParams, process_logits
 from .spec import PromptLookup, check_draft, check_drafting, speculative_accept
 
 
+MAX_REST = 16  # the longest rest of a prompt-lookup row whose drafts keep failing (steps)
+
+
 def _draftable(params: SamplingParams | None) -> bool:
     """Penalties change within a block (spec.check_target): such rows take no drafts."""
     p = params or SamplingParams()
@@ -110,7 +113,8 @@ def _draw(rows: list, x: mx.array, qs: list) -> mx.array:
 class BatchDrafts:
     """A BatchEngine's drafter and step (`BatchEngine(spec=...)`): up to `k`
     drafts a row a step from `draft` (DraftRows) or prompt lookup, each row's
-    own k moved by what it accepts (`adaptive`, `row_k`). A step in which no
+    own k moved by what it accepts (`adaptive`, `row_k`; a lookup row whose
+    single drafts keep failing rests a few steps, `rest`). A step in which no
     row drafts is the engine's plain pipelined step (`plain_step`). Counts of
     the last step in `last` (rows that drafted, drafted, accepted), in
     `total`, and the steps taken in `steps` (plain, verify; reread: a step in
@@ -127,6 +131,8 @@ class BatchDrafts:
         self.total = [0, 0, 0]
         self.steps = {"plain": 0, "verify": 0, "reread": 0}
         self.row_k: dict = {}  # rid -> its drafts in the next round (adaptive; absent: k)
+        self.rest: dict = {}  # rid -> (the step it drafts again, its last rest) (prompt lookup, adaptive)
+        self._t = 0  # steps taken
         self._probe = False  # after a plain step: some row may draft now (read the step in flight first)
         self._said = False
 
@@ -148,6 +154,7 @@ class BatchDrafts:
 
     def removed(self, rid) -> None:
         self.row_k.pop(rid, None)
+        self.rest.pop(rid, None)
         if self.draft is not None:
             self.draft.remove(rid)
 
@@ -171,7 +178,7 @@ class BatchDrafts:
 
     def _room(self, engine, r) -> int:
         """Row r's drafts this round: its own k, less what its budget leaves (0: it takes no drafts)."""
-        if not self._drafts(engine, r):
+        if not self._drafts(engine, r) or self.rest.get(r.rid, (0,))[0] > self._t:
             return 0
         left = self.k + 1 if r.budget is None else r.budget - len(r.generated)
         return max(0, min(self.row_k.get(r.rid, self.k), left - 1))
@@ -181,6 +188,7 @@ class BatchDrafts:
         """One step for every row: {rid: [ids]} (read from the device). No row
         drafting: the plain pipelined step. Else one verify forward; a plain
         step still in flight is read first and its ids lead the round's."""
+        self._t += 1
         head = {}
         if engine._flights:
             if not self._probe:
@@ -253,10 +261,22 @@ class BatchDrafts:
 
     def _adapt(self, rid, k: int, a: int) -> None:
         """Row rid's next k after it accepted a of k drafts: one more when it took them all,
-        else at most a + 1 and at least one less (SGLang's adaptive drafting, per row)."""
-        if self.adaptive:
-            cur = self.row_k.get(rid, self.k)
-            self.row_k[rid] = min(self.k, cur + 1) if a == k else max(1, min(cur - 1, a + 1))
+        else at most a + 1 and at least one less (SGLang's adaptive drafting, per row). A
+        lookup row whose one draft fails rests 1, 2, 4 .. MAX_REST steps (plain steps when
+        every row rests or misses), the rest reset by an accepted draft; a draft-model row
+        drafts every step (its draft rows stay at most two ids behind)."""
+        if not self.adaptive:
+            return
+        cur = self.row_k.get(rid, self.k)
+        self.row_k[rid] = min(self.k, cur + 1) if a == k else max(1, min(cur - 1, a + 1))
+        if self.lookup is None:
+            return
+        if a:
+            self.rest.pop(rid, None)
+        elif cur == 1:
+            last = self.rest.get(rid, (0, 0))[1]
+            n = min(MAX_REST, 2 * last or 1)
+            self.rest[rid] = (self._t + n + 1, n)
 
     def _accept(self, engine, rows, logits, D, qs, ks) -> dict:
         n = len(rows)

@@ -6,6 +6,7 @@ share the verify steps, and each row's k adapts to what it accepts; the ids
 always those of plain greedy decoding."""
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 from mlxcel_dist.batch import BatchEngine
@@ -113,6 +114,30 @@ def test_k_adapts_to_acceptance_and_ids_stay(model):
     assert spec.total[1] < spec0.total[1] and sum(widths) < sum(widths0)
 
 
+def test_lookup_rows_whose_drafts_fail_rest(model):
+    # random prompts: the tiny model's output repeats ids here and there, so lookups hit and often miss;
+    # rows whose single drafts fail rest (plain steps when all rest or miss), the ids unchanged
+    rng = np.random.default_rng(1)
+    reqs = [(i, rng.integers(3, 512, 8).tolist(), GREEDY) for i in range(8)]
+    want = run(BatchEngine(model), reqs, 48)
+    runs = {}
+    for adaptive in (True, False):
+        spec = BatchDrafts(K, adaptive=adaptive)
+        engine = BatchEngine(model, spec=spec)
+        resting, step = [], engine.step
+
+        def logged():
+            resting.append(sum(until > spec._t + 1 for until, _ in spec.rest.values()))
+            return step()
+
+        engine.step = logged
+        assert run(engine, reqs, 48) == want
+        runs[adaptive] = spec, max(resting)
+    (spec, resting), (fixed, none) = runs[True], runs[False]
+    assert resting > 0 and none == 0 and fixed.rest == {}
+    assert spec.steps["plain"] > fixed.steps["plain"] and spec.total[1] < fixed.total[1]
+
+
 def test_adapt_rule():
     spec = BatchDrafts(4)
     steps = [(4, 4), (4, 0), (1, 1), (2, 2), (3, 1), (2, 2), (3, 3), (4, 4)]
@@ -120,4 +145,21 @@ def test_adapt_rule():
     for k, a in steps:
         spec._adapt("r", k, a)
         got.append(spec.row_k["r"])
-    assert got == [4, 1, 2, 3, 2, 3, 4, 4]
+    assert got == [4, 1, 2, 3, 2, 3, 4, 4] and spec.rest == {}
+    # a lookup row at k 1 whose draft fails rests 1, 2, 4 .. 16 steps; an accepted draft ends that
+    spec._adapt("r", 4, 0)
+    rests = []
+    for t in range(7):
+        spec._t = t
+        spec._adapt("r", 1, 0)
+        until, n = spec.rest["r"]
+        rests.append(n)
+        assert until == t + n + 1
+    assert rests == [1, 2, 4, 8, 16, 16, 16]
+    spec._adapt("r", 1, 1)
+    assert "r" not in spec.rest and spec.row_k["r"] == 2
+    # a draft-model row never rests (its draft rows must stay at most two ids behind)
+    spec = BatchDrafts(4, DraftRows.__new__(DraftRows))
+    for _ in range(3):
+        spec._adapt("r", 1, 0)
+    assert spec.rest == {} and spec.row_k["r"] == 1
