@@ -41,10 +41,12 @@ Constrained rows (a `grammar.Matcher` per row: response_format, forced tool
 calls) need their last id on the host before their next draw: the mask
 depends on it. `launch` still builds and starts the forward for every row
 from the lazy ids; a constrained row whose last id is unread keeps only its
-logits (`_Flight.deferred`), and `step` draws it in `_finish`, right after
-`collect` has read that id and advanced the row's matcher, while the device
-runs the forward. So the pipelining of the forward is kept, and only the
-small draw of those rows waits for the host. Every rank computes the same
+logits (`_Flight.deferred`); right after `collect` has read that id and
+advanced the row's matcher, `_finish` starts the masks on the vocabulary's
+worker thread (grammar.Vocab.masks_ahead), and `_draw` draws those rows
+when their ids are next needed (the next `launch` or `collect`). So the
+masks are computed while the device runs the forward and the caller does
+its own host work, and only the small draw of those rows waits for them. Every rank computes the same
 masks from the same ids (no collective). Micro-batched steps are skipped
 while a constrained row is in the batch.
 

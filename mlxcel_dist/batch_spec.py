@@ -4,16 +4,17 @@
 A step, with rows at their own positions (row b's last id t_b, not fed yet,
 at position n_b - 1):
 
-    drafts:  up to K ids a row: prompt lookup on the host (`PromptLookup`
-             on the row's ids), or the draft model's own batch
-             (`DraftRows`: a BatchEngine over the draft, rows keyed as the
-             target's, stepped K times for all rows at once);
-    verify:  the target feeds [t_b, d_b1 .. d_bK] to every row in one
-             forward of L = K + 1 positions (`BatchEngine.feed`: per-row
-             positions, masks by slot position); a row with fewer drafts
-             (none: it opted out, is constrained, wants logprobs, has
-             penalties, or its budget is near) still feeds L ids, and only
-             its first k + 1 logits count (L = 1 when no row drafts);
+    drafts:  up to k_b <= K ids a row: prompt lookup on the host
+             (`PromptLookup` on the row's ids), or the draft model's own
+             batch (`DraftRows`: a BatchEngine over the draft, rows keyed
+             as the target's, stepped max k_b times for all rows at once);
+    verify:  the target feeds [t_b, d_b1 .. d_bm] to every row in one
+             forward of L = m + 1 positions, m the most drafts any row has
+             (`BatchEngine.feed`: per-row positions, masks by slot
+             position); a row with fewer drafts (none: it opted out, is
+             constrained, wants logprobs, has penalties, its budget is
+             near, its lookup missed) still feeds L ids, and only its first
+             k + 1 logits count;
     accept:  per row, greedy: the longest prefix equal to the target's
              argmax, then its next id; sampled: spec.speculative_accept;
              a row without drafts samples its one id as a plain step does
@@ -29,6 +30,23 @@ drafts alike (the draft model whole on every rank, prompt lookup on the
 agreed ids) and accepts alike (bit-identical logits, the rows' samplers'
 keys), so the step needs nothing on the wire. Steps with drafts are not
 pipelined: the next step's inputs are the accepted ids, read on the host.
+
+A step in which no row has a draft (every lookup missed, no draft-model
+row) is the engine's plain pipelined step (`BatchEngine.plain_step`), so
+a miss costs no verify round. While plain steps run, one step is in flight
+and each row's context lacks its id; after each, the rows' lookups run on
+the contexts as read (while the next step runs), and a hit makes the next
+step read the one in flight first, then draft from the whole contexts
+(its ids lead the round's; with a logprobs row, whose steps give one id,
+the round waits for the next call).
+
+K per row (SGLang-style adaptive drafting, `BatchDrafts._adapt`): a row
+that takes all its drafts drafts one more next round (up to K), one that
+accepts a of them at most a + 1 and at least one fewer (down to 1); a
+prompt-lookup row whose one draft fails rests 1, 2, 4 .. 16 steps. The
+engine's margin stays K, so every k_b <= K rolls back as before; greedy
+ids are the plain ones whatever the k.
+
 Models whose caches are not all static KV step without drafts (a log line).
 """
 
