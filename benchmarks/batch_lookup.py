@@ -3,7 +3,7 @@ steps, before and after issue 42 (a step where no row drafts taking the
 plain pipelined step; each row's k adapting; lookup rows that keep failing
 resting), on one BatchEngine model, greedy rows.
 
-Variants, interleaved over --reps passes (medians over the passes of: tok/s,
+Variants, one engine each (traced once), interleaved over --reps passes (medians over the passes of: tok/s,
 R rows x --gen ids over the wall time of their steps; cpu_ms, the process's
 CPU time per id, which other processes' load on a shared host moves less):
   plain       BatchEngine without drafts
@@ -76,7 +76,8 @@ def main() -> None:
     def make(variant: str, workload: str):
         if variant == "plain":
             return BatchEngine(model), None
-        spec = before.BatchDrafts(args.k) if variant == "before" else BatchDrafts(args.k, adaptive=variant == "adaptive")
+        adaptive = variant == "adaptive"
+        spec = before.BatchDrafts(args.k) if variant == "before" else BatchDrafts(args.k, adaptive=adaptive)
         if workload == "miss":
             spec.lookup = PromptLookup(args.k, args.miss_ngram, args.miss_ngram)
         return BatchEngine(model, spec=spec), spec
@@ -85,13 +86,14 @@ def main() -> None:
     variants = ["plain", "before", "fixed-k", "adaptive"]
     for R in [int(x) for x in args.rows.split(",")]:
         for workload in ("miss", "hits"):
-            ids = {}
-            for rep in range(args.reps + 1):  # pass 0 traces every shape: not counted
+            ids, engines = {}, {v: make(v, workload) for v in variants}  # one engine a variant: traced once
+            for rep in range(args.reps + 1):  # pass 0 traces the shapes it meets: not counted
                 rng = np.random.default_rng(rep)
                 reqs = [(i, rng.integers(3, n_vocab, size=args.prompt).tolist(), greedy, args.gen)
                         for i in range(R)]
                 for v in variants:
-                    eng, spec = make(v, workload)
+                    eng, spec = engines[v]
+                    before_counts = (dict(getattr(spec, "steps", {})), list(spec.total)) if spec else None
                     eng.add_many(reqs)
                     mx.synchronize()
                     out = {i: [] for i in range(R)}
@@ -106,9 +108,10 @@ def main() -> None:
                     assert ids.setdefault(rep, got) == got, f"{v}: ids differ from plain"
                     if rep:
                         rec = {"tok_s": R * args.gen / wall, "cpu_ms": 1e3 * cpu / (R * args.gen)}
-                        if spec is not None:
-                            rec.update(steps=dict(getattr(spec, "steps", {})), drafted=spec.total[1],
-                                       accepted=spec.total[2])
+                        if spec is not None:  # this pass's counts
+                            steps0, total0 = before_counts
+                            rec.update(steps={k: n - steps0[k] for k, n in getattr(spec, "steps", {}).items()},
+                                       drafted=spec.total[1] - total0[1], accepted=spec.total[2] - total0[2])
                         results[(R, workload, v)].append(rec)
     for (R, workload, v), recs in results.items():
         tok_s = [r["tok_s"] for r in recs]

@@ -52,6 +52,8 @@ Models whose caches are not all static KV step without drafts (a log line).
 
 from __future__ import annotations
 
+import weakref
+
 import mlx.core as mx
 import numpy as np
 
@@ -128,6 +130,36 @@ def _draw(rows: list, x: mx.array, qs: list) -> mx.array:
     return mx.stack(out)
 
 
+class _Ngrams:
+    """spec.PromptLookup's answer for a growing context from an index of its
+    n-grams (min_ngram .. max_ngram ids) by the position each last ended at,
+    extended by the ids added since the last lookup: the same drafts, without
+    rescanning the whole context each step (0.3-0.6 ms a row for ~60 ids on
+    the 2-core CPU host, growing with the context)."""
+
+    def __init__(self, lookup: PromptLookup):
+        self.k, self.ns = lookup.k, range(lookup.max_ngram, lookup.min_ngram - 1, -1)
+        self.last = {n: {} for n in self.ns}  # n -> {n-gram: the index its latest occurrence ends at}
+        self.upto = 0  # n-grams ending before this index are in `last`
+        self.plain = lookup
+
+    def lookup(self, context) -> list:
+        T = len(context)
+        if T - 1 < self.upto:  # (a context that shrank: not this engine's rows)
+            return self.plain.lookup(context)
+        for e in range(self.upto, T - 1):  # n-grams that end at e <= T - 2 (PromptLookup's windows)
+            for n in self.ns:
+                if e + 1 >= n:
+                    self.last[n][tuple(context[e + 1 - n : e + 1])] = e
+        self.upto = max(self.upto, T - 1)
+        for n in self.ns:
+            if n <= T - 1:
+                e = self.last[n].get(tuple(context[T - n :]))
+                if e is not None:
+                    return list(context[e + 1 : e + 1 + self.k])
+        return []
+
+
 class BatchDrafts:
     """A BatchEngine's drafter and step (`BatchEngine(spec=...)`): up to `k`
     drafts a row a step from `draft` (DraftRows) or prompt lookup, each row's
@@ -149,6 +181,7 @@ class BatchDrafts:
         self.total = [0, 0, 0]
         self.steps = {"plain": 0, "verify": 0, "reread": 0}
         self.row_k: dict = {}  # rid -> its drafts in the next round (adaptive; absent: k)
+        self._index = weakref.WeakKeyDictionary()  # Row -> its _Ngrams (prompt lookup)
         self.rest: dict = {}  # rid -> (the step it drafts again, its last rest) (prompt lookup, adaptive)
         self._t = 0  # steps taken
         self._probe = False  # after a plain step: some row may draft now (read the step in flight first)
@@ -161,8 +194,8 @@ class BatchDrafts:
             return
         if self.draft is None:  # a new row whose prompt has a hit: the next step reads the one in flight
             rows = {r.rid: r for r in engine.rows}
-            self._probe |= any(rid in rows and self._room(engine, rows[rid]) and self.lookup.lookup(ids)
-                               for rid, ids, *_ in requests)
+            self._probe |= any(rid in rows and self._room(engine, rows[rid]) and self._lookup(rows[rid])
+                               for rid, *_ in requests)
             return
         rows = {r.rid: r for r in engine.rows}
         items = [(rid, ids) for rid, ids, *_ in requests if rid in rows and self._drafts(engine, rows[rid])]
@@ -246,7 +279,7 @@ class BatchDrafts:
         """Some row would draft from its context as read (a lookup hit; a draft-model row)."""
         if self.draft is not None:
             return any(r.rid in self.draft.engine and self._room(engine, r) for r in engine.rows)
-        return any(self._room(engine, r) and self.lookup.lookup(r.context) for r in engine.rows)
+        return any(self._room(engine, r) and self._lookup(r) for r in engine.rows)
 
     def _propose(self, engine) -> tuple[list, mx.array, list]:
         """Per row its number of drafts, the drafts [n, m] (m the most any row has; a row's
@@ -256,7 +289,7 @@ class BatchDrafts:
         if self.draft is None:
             drafted = np.zeros((n, self.k), np.int32)
             for b, (r, k) in enumerate(zip(rows, ks)):
-                got = self.lookup.lookup(r.context)[:k] if k else []
+                got = self._lookup(r)[:k] if k else []
                 ks[b] = len(got)
                 drafted[b, : len(got)] = got
             return ks, mx.array(drafted[:, : max(ks)]), qs
@@ -276,6 +309,14 @@ class BatchDrafts:
         for j, b in enumerate(order):
             qs[b] = q[j]
         return ks, mx.concatenate([d, mx.zeros((1, m), mx.int32)])[mx.array(idx)], qs
+
+    def _lookup(self, r) -> list:
+        """`self.lookup.lookup(r.context)`, from the row's n-gram index (host time per step
+        independent of the context's length)."""
+        index = self._index.get(r)
+        if index is None:
+            index = self._index[r] = _Ngrams(self.lookup)
+        return index.lookup(r.context)
 
     def _adapt(self, rid, k: int, a: int) -> None:
         """Row rid's next k after it accepted a of k drafts: one more when it took them all,

@@ -424,7 +424,7 @@ class Vocab:
                 out[i] = _eos_bits(self.words, tuple(self.eos_ids))
             else:
                 live.append((m._m, i))
-        if len(live) == 1 or (live and self.threads == 1):  # no hand-off to a pool (its cost: benchmarks/grammar_step.py)
+        if len(live) == 1 or (live and self.threads == 1):  # no hand-off to a pool (benchmarks/grammar_step.py)
             for m, i in live:
                 m.unsafe_compute_mask_ptr(out[i].ctypes.data, out.strides[0])
         elif live:

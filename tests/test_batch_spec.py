@@ -163,3 +163,18 @@ def test_adapt_rule():
     for _ in range(3):
         spec._adapt("r", 1, 0)
     assert spec.rest == {} and spec.row_k["r"] == 1
+
+
+def test_ngram_index_drafts_what_prompt_lookup_drafts():
+    from mlxcel_dist.batch_spec import _Ngrams
+    from mlxcel_dist.spec import PromptLookup
+
+    rng = np.random.default_rng(0)
+    for _ in range(200):  # small vocabularies: many repeats; contexts grown by 1-3 ids a step
+        vocab, k = int(rng.integers(2, 20)), int(rng.integers(1, 6))
+        hi, lo = sorted(rng.integers(1, 5, 2).tolist(), reverse=True)
+        plain = PromptLookup(k, hi, lo)
+        index, ctx = _Ngrams(plain), rng.integers(0, vocab, int(rng.integers(1, 5))).tolist()
+        for _ in range(30):
+            assert index.lookup(ctx) == plain.lookup(ctx), (ctx, hi, lo, k)
+            ctx += rng.integers(0, vocab, int(rng.integers(1, 4))).tolist()
