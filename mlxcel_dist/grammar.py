@@ -432,11 +432,10 @@ class Vocab:
                 if self._executor is None:
                     self._executor = _ll().LLExecutor(self.threads)
             self._executor.unsafe_compute_mask_ptr(live, out.ctypes.data, out.strides[0], len(matchers))
-            for m, i in live:
-                if m.is_error():
-                    out[i] = _eos_bits(self.words, tuple(self.eos_ids))
+        for m, i in live:
+            if m.is_error():
+                out[i] = _eos_bits(self.words, tuple(self.eos_ids))
         return out
-
 
     def masks_ahead(self, matchers: list):
         """`masks(matchers)` on this vocabulary's worker thread: a Future of them. The
