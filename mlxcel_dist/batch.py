@@ -41,10 +41,12 @@ Constrained rows (a `grammar.Matcher` per row: response_format, forced tool
 calls) need their last id on the host before their next draw: the mask
 depends on it. `launch` still builds and starts the forward for every row
 from the lazy ids; a constrained row whose last id is unread keeps only its
-logits (`_Flight.deferred`), and `step` draws it in `_finish`, right after
-`collect` has read that id and advanced the row's matcher, while the device
-runs the forward. So the pipelining of the forward is kept, and only the
-small draw of those rows waits for the host. Every rank computes the same
+logits (`_Flight.deferred`); right after `collect` has read that id and
+advanced the row's matcher, `_finish` starts the masks on the vocabulary's
+worker thread (grammar.Vocab.masks_ahead), and `_draw` draws those rows
+when their ids are next needed (the next `launch` or `collect`). So the
+masks are computed while the device runs the forward and the caller does
+its own host work, and only the small draw of those rows waits for them. Every rank computes the same
 masks from the same ids (no collective). Micro-batched steps are skipped
 while a constrained row is in the batch.
 
@@ -230,6 +232,7 @@ class _Flight:
     logits: mx.array | None = None  # with deferred rows: the step's logits [C, V] (static batch), else None
     drawn: list | None = None  # the other rows' lazy ids (the deferred rows' slots None)
     read: mx.array | None = None  # what `collect` reads: ids [n], then the guard's check rows when one is due
+    masks: object = None  # the deferred rows' masks being computed (a Future: grammar.Vocab.masks_ahead)
 
 
 def _plain_greedy(params) -> bool:
@@ -831,6 +834,7 @@ class BatchEngine:
         assert len(self._flights) <= 1, "a row's context may lack one unread id, not two"
         if not self.rows:
             return
+        self._draw()
         n = len(self.rows)
         if self.static and self.micro > 1 and not any(r.grammar is not None for r in self.rows):
             self._reserve(n, max(r.pos for r in self.rows))
@@ -927,15 +931,26 @@ class BatchEngine:
         return f
 
     def _finish(self) -> None:
-        """Draw the deferred rows' ids of the step in flight: their last ids
-        are read now (`collect` advanced their grammars), so their masks are
-        known; the forward ran meanwhile. Its ids [n] are complete after."""
+        """Start the masks of the step in flight's deferred rows: their last
+        ids are read now (`collect` advanced their grammars). They are computed
+        on the vocabulary's worker thread while the device runs the forward and
+        the caller does its host work between steps; `_draw` draws the rows
+        when their ids are next needed (the next `launch` or `collect`)."""
         f = self._flights[-1] if self._flights else None
-        if f is None or f.deferred is None:
-            return
+        if f is not None and f.deferred is not None and f.masks is None:
+            f.masks = self.vocab.masks_ahead([f.rows[b].grammar for b, _ in f.deferred])
+
+    def _draw(self) -> None:
+        """Draw the deferred rows of every step in flight whose masks `_finish`
+        started. Its ids [n] are complete after."""
+        for f in self._flights:
+            if f.deferred is not None and f.masks is not None:
+                self._draw_flight(f)
+
+    def _draw_flight(self, f: _Flight) -> None:
         ids, extras = list(f.drawn), dict(f.extras)
         # [k, words]: every deferred row's mask from one llguidance call, one copy in
-        masks = mx.array(self.vocab.masks([f.rows[b].grammar for b, _ in f.deferred]))
+        masks = mx.array(f.masks.result())
         greedy = [j for j, (b, _) in enumerate(f.deferred) if _plain_greedy(f.rows[b].sampler.params)]
         if len(greedy) > 1:
             # greedy rows without penalties: one masked argmax over them (the ids their Samplers
@@ -963,6 +978,7 @@ class BatchEngine:
         its rows still present; a removed row's id is dropped unseen."""
         if not self._flights:
             return {}
+        self._draw()
         f = self._flights.pop(0)
         read = np.array(f.read)  # the one host sync
         n = len(f.rows)
@@ -998,17 +1014,25 @@ class BatchEngine:
             return {}
         if self.spec is not None and self.spec.active(self):
             return self.spec.step(self)
+        return self.plain_step()
+
+    def plain_step(self) -> dict:
+        """`step`'s pipelined decode step (also batch_spec's when no row drafts)."""
         traces = self.traces
         if not self._flights:
             self.launch()
         # no step past every row's budget: its work would only be discarded (a lone request's last id)
-        if self.pipelined and any(r.budget is None or r.launched < r.budget for r in self.rows):
+        if self.pipelined and self.more():
             self.launch()
         if self.traces > traces and self.on_new_graph is not None:  # before the wait: its kernels compile
             self.on_new_graph()
         out = self.collect()
         self._finish()
         return out
+
+    def more(self) -> bool:
+        """Whether some row may still take an id launched now (its budget not all launched)."""
+        return any(r.budget is None or r.launched < r.budget for r in self.rows)
 
     def _step_budget(self) -> int | None:
         """This step's prefill tokens (`budget` of the decoding rows' tokens:

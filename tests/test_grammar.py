@@ -127,6 +127,35 @@ def test_logprobs_are_the_constrained_distribution(setup):
     assert all(allowed[int(i)] for i in np.array(ids)[finite])
 
 
+def test_masks_computed_ahead_are_the_masks_in_line(setup, monkeypatch):
+    # the pipelined batch computes its constrained rows' masks on the vocabulary's worker thread
+    # (`_finish`, from the matchers as `collect` left them), by llguidance's pool or one matcher after
+    # the other: each equals the rows' own Matcher.mask() where it is drawn, and the ids equal the
+    # unpipelined batch's (masks computed in line in `launch`)
+    import threading
+
+    model, tok, _ = setup
+    g = grammar.json_schema(SCHEMA)
+    prompts = [tok.encode(p) for p in PROMPTS]
+    rows = [(i, prompts[i % 4], None if i % 2 else 50 + i, g if i != 5 else None) for i in range(8)]
+    for threads in (1, 2):
+        vocab = grammar.Vocab(default_model_dir() / "tokenizer.json", model.args.vocab_size, tok.eos_ids, threads)
+        compute, names, drawn = vocab.masks, set(), []
+        vocab.masks = lambda ms: (names.add(threading.current_thread().name), compute(ms))[1]
+        draw = BatchEngine._draw_flight
+
+        def checked(eng, f):
+            drawn.append(len(f.deferred))
+            assert np.array_equal(f.masks.result(), np.stack([f.rows[b].grammar.mask() for b, _ in f.deferred]))
+            return draw(eng, f)
+
+        with monkeypatch.context() as m:
+            m.setattr(BatchEngine, "_draw_flight", checked)
+            ahead = _run(model, vocab, rows)
+        assert ahead == _run(model, vocab, rows, pipelined=False)
+        assert len(drawn) > 20 and max(drawn) == 7 and all(n.startswith("grammar-masks") for n in names), names
+
+
 @pytest.fixture(scope="module")
 def special(setup, tmp_path_factory):
     """The default model over a vocabulary whose format markers are special

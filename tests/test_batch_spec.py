@@ -1,0 +1,180 @@
+"""Drafts in the batch engine's steps (batch_spec.py) when lookups miss and
+as acceptance moves: a step where no row drafts is the engine's plain
+pipelined step (counted: `BatchDrafts.steps` and the verify forwards,
+`BatchEngine.feed`, seen from outside), rows that draft and rows that do not
+share the verify steps, and each row's k adapts to what it accepts; the ids
+always those of plain greedy decoding."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlxcel_dist.batch import BatchEngine
+from mlxcel_dist.batch_spec import BatchDrafts, DraftRows
+from mlxcel_dist.loader import default_model_dir, load_model
+from mlxcel_dist.sampling import SamplingParams
+
+from test_serve_spec import perturbed, run
+
+K = 3
+GREEDY = SamplingParams(temp=0.0)
+# prompts for the embedded tiny model whose first 20 greedy ids repeat no id of prompt or output
+# (prompt lookup finds nothing), and one it continues by repeating itself (254, 254, 94, 94, ...)
+NO_REPEATS = [[293, 449, 184, 39, 132, 271, 344, 473], [444, 220, 117, 329, 492, 289, 176, 74]]
+LOOPS = [5, 100, 200, 300, 7, 9]
+N = 20
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model(default_model_dir()).model
+
+
+def counted(engine) -> list:
+    """The block lengths L of every verify forward `engine` runs (its `feed` calls)."""
+    widths, feed = [], engine.feed
+
+    def spy(tokens: mx.array, pos: list):
+        widths.append(tokens.shape[1])
+        return feed(tokens, pos)
+
+    engine.feed = spy
+    return widths
+
+
+def test_lookup_misses_take_the_plain_pipelined_step(model):
+    reqs = [(i, p, GREEDY) for i, p in enumerate(NO_REPEATS)]
+    want = run(BatchEngine(model), reqs, N)
+    spec = BatchDrafts(K)
+    engine = BatchEngine(model, spec=spec)
+    widths = counted(engine)
+    lengths = []
+    assert run(engine, reqs, N, lengths) == want
+    assert widths == [] and spec.steps == {"plain": len(lengths), "verify": 0, "reread": 0}
+    assert spec.total == [0, 0, 0] and all(set(s.values()) == {1} for s in lengths)
+
+
+def test_hits_draft_beside_rows_that_miss(model):
+    # a looping row accepts drafts; the rows without a hit take one id a step in the same steps,
+    # the first with logprobs (never drafts; one id and its logprobs a step)
+    reqs = [(0, NO_REPEATS[0], GREEDY), (1, LOOPS, GREEDY), (2, NO_REPEATS[1], GREEDY)]
+    plain = BatchEngine(model)
+    plain.want[0] = 2
+    want = run(plain, reqs, 2 * N)
+    spec = BatchDrafts(K)
+    engine = BatchEngine(model, spec=spec)
+    engine.want[0] = 2
+    widths = counted(engine)
+    lengths, lps = [], []
+    step = engine.step
+
+    def logged():
+        out = step()
+        lps.append(len(engine.logprobs.get(0, ())) if 0 in out else None)
+        return out
+
+    engine.step = logged
+    assert run(engine, reqs, 2 * N, lengths) == want
+    drafts, drafted, accepted = spec.total
+    assert 0 < accepted <= drafted and spec.steps["verify"] == len(widths) > 0
+    assert spec.steps["plain"] > 0  # before the loop starts, no row has a hit
+    assert any(s.get(1, 1) > 1 and s.get(2, 1) == 1 for s in lengths)  # 1 and several ids in one step
+    assert all(s.get(0, 1) == 1 for s in lengths) and all(n in (None, 2) for n in lps)
+    assert all(2 <= L <= K + 1 for L in widths)
+
+
+def test_k_adapts_to_acceptance_and_ids_stay(model):
+    # a draft model that agrees in part: rows accept different lengths, so their k moves
+    prompts = [[2, 40, 41, 42, 43], NO_REPEATS[0], LOOPS]
+    reqs = [(i, p, GREEDY) for i, p in enumerate(prompts)]
+    want = run(BatchEngine(model), reqs, N)
+
+    def drafted(adaptive: bool):
+        draft = DraftRows(perturbed(load_model(default_model_dir()).model, 0.3), K)
+        spec = BatchDrafts(K, draft, adaptive=adaptive)
+        engine = BatchEngine(model, spec=spec)
+        widths, seen = counted(engine), []
+        step = engine.step
+
+        def logged():
+            seen.append(dict(spec.row_k))
+            return step()
+
+        engine.step = logged
+        return run(engine, reqs, N), spec, widths, seen
+
+    got, spec, widths, seen = drafted(True)
+    assert got == want
+    ks = [k for s in seen for k in s.values()]
+    assert ks and min(ks) < K and all(1 <= k <= K for k in ks)  # lowered on rejections, never outside [1, K]
+    assert any(a < b for s, t in zip(seen, seen[1:]) for rid, a in s.items() if (b := t.get(rid)))  # raised
+    fixed, spec0, widths0, _ = drafted(False)
+    assert fixed == want and spec0.row_k == {} and max(widths0) == K + 1
+    # the same ids from fewer drafts and narrower verify forwards
+    assert spec.total[1] < spec0.total[1] and sum(widths) < sum(widths0)
+
+
+def test_lookup_rows_whose_drafts_fail_rest(model):
+    # random prompts: the tiny model's output repeats ids here and there, so lookups hit and often miss;
+    # rows whose single drafts fail rest (plain steps when all rest or miss), the ids unchanged
+    rng = np.random.default_rng(1)
+    reqs = [(i, rng.integers(3, 512, 8).tolist(), GREEDY) for i in range(8)]
+    want = run(BatchEngine(model), reqs, 48)
+    runs = {}
+    for adaptive in (True, False):
+        spec = BatchDrafts(K, adaptive=adaptive)
+        engine = BatchEngine(model, spec=spec)
+        resting, step = [], engine.step
+
+        def logged():
+            resting.append(sum(until > spec._t + 1 for until, _ in spec.rest.values()))
+            return step()
+
+        engine.step = logged
+        assert run(engine, reqs, 48) == want
+        runs[adaptive] = spec, max(resting)
+    (spec, resting), (fixed, none) = runs[True], runs[False]
+    assert resting > 0 and none == 0 and fixed.rest == {}
+    assert spec.steps["plain"] > fixed.steps["plain"] and spec.total[1] < fixed.total[1]
+
+
+def test_adapt_rule():
+    spec = BatchDrafts(4)
+    steps = [(4, 4), (4, 0), (1, 1), (2, 2), (3, 1), (2, 2), (3, 3), (4, 4)]
+    got = []
+    for k, a in steps:
+        spec._adapt("r", k, a)
+        got.append(spec.row_k["r"])
+    assert got == [4, 1, 2, 3, 2, 3, 4, 4] and spec.rest == {}
+    # a lookup row at k 1 whose draft fails rests 1, 2, 4 .. 16 steps; an accepted draft ends that
+    spec._adapt("r", 4, 0)
+    rests = []
+    for t in range(7):
+        spec._t = t
+        spec._adapt("r", 1, 0)
+        until, n = spec.rest["r"]
+        rests.append(n)
+        assert until == t + n + 1
+    assert rests == [1, 2, 4, 8, 16, 16, 16]
+    spec._adapt("r", 1, 1)
+    assert "r" not in spec.rest and spec.row_k["r"] == 2
+    # a draft-model row never rests (its draft rows must stay at most two ids behind)
+    spec = BatchDrafts(4, DraftRows.__new__(DraftRows))
+    for _ in range(3):
+        spec._adapt("r", 1, 0)
+    assert spec.rest == {} and spec.row_k["r"] == 1
+
+
+def test_ngram_index_drafts_what_prompt_lookup_drafts():
+    from mlxcel_dist.batch_spec import _Ngrams
+    from mlxcel_dist.spec import PromptLookup
+
+    rng = np.random.default_rng(0)
+    for _ in range(200):  # small vocabularies: many repeats; contexts grown by 1-3 ids a step
+        vocab, k = int(rng.integers(2, 20)), int(rng.integers(1, 6))
+        hi, lo = sorted(rng.integers(1, 5, 2).tolist(), reverse=True)
+        plain = PromptLookup(k, hi, lo)
+        index, ctx = _Ngrams(plain), rng.integers(0, vocab, int(rng.integers(1, 5))).tolist()
+        for _ in range(30):
+            assert index.lookup(ctx) == plain.lookup(ctx), (ctx, hi, lo, k)
+            ctx += rng.integers(0, vocab, int(rng.integers(1, 4))).tolist()
