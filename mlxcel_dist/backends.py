@@ -755,6 +755,11 @@ class Mpi(Backend):
                 stream.flush()
             except (OSError, ValueError):
                 pass
+        # a pipelined step launched past the last id read (generation never reads it) may still run its
+        # collectives: MPI must outlive them (a segfault in Allgather, "NULL communicator", otherwise)
+        import mlx.core as mx
+
+        mx.synchronize()
         rc = mpi.MPI_Finalize()
         os._exit(0 if rc == 0 else 1)  # MLX's destructor must not finalize a second time
 

@@ -14,21 +14,29 @@ class ScriptedDrafts:
     proposing `want` (the plain greedy ids after the prompt, at least K + 1
     more than are generated), round r with draft r % (K + 1) off by one
     (none when that is K); `expected` sums the drafts a correct verifier
-    accepts."""
+    accepts. A round is a point of the generation (ids generated so far):
+    asked again there (BatchDrafts looks ahead for a hit before its round),
+    it proposes the same drafts."""
 
     def __init__(self, want, prompt_len: int, k: int, vocab: int):
         self.want, self.prompt_len, self.k, self.vocab = list(want), prompt_len, k, vocab
-        self.rounds = self.expected = 0
+        self.bad: dict = {}  # ids generated -> the index made wrong in that round
+
+    @property
+    def rounds(self) -> int:
+        return len(self.bad)
+
+    @property
+    def expected(self) -> int:
+        return sum(self.bad.values())
 
     def lookup(self, context) -> list:
         g = len(context) - self.prompt_len  # ids generated so far
         drafts = self.want[g : g + self.k]
         assert len(drafts) == self.k, "want must reach K past the generation"
-        bad = self.rounds % (self.k + 1)
+        bad = self.bad.setdefault(g, len(self.bad) % (self.k + 1))
         if bad < self.k:
             drafts[bad] = (drafts[bad] + 1) % self.vocab
-        self.rounds += 1
-        self.expected += bad
         return drafts
 
 
@@ -44,14 +52,14 @@ def misled(draft_model, k: int, compiled: bool = True):
     class Misled(DraftRows):
         rounds = expected = 0
 
-        def draft(self, rows):
-            d, q = super().draft(rows)
-            bad = self.rounds % (self.k + 1)
+        def draft(self, rows, k):
+            d, q = super().draft(rows, k)
+            bad = self.rounds % (k + 1)
             self.rounds += 1
             self.expected += bad
-            return mx.where(mx.arange(self.k) == bad, (d + 1) % draft_model.args.vocab_size, d), q
+            return mx.where(mx.arange(k) == bad, (d + 1) % draft_model.args.vocab_size, d), q
 
-    return BatchDrafts(k, Misled(draft_model, k, compiled))
+    return BatchDrafts(k, Misled(draft_model, k, compiled), adaptive=False)
 
 
 def plain_ids(model, prompt, n: int, group=None, compiled: bool = True) -> list:
@@ -72,9 +80,8 @@ def spec_ids(model, prompt, n: int, drafts, group=None, compiled: bool = True, s
     from mlxcel_dist.collectives import SINGLE
     from mlxcel_dist.generation import Generation
 
-    spec = drafts if isinstance(drafts, BatchDrafts) else BatchDrafts(drafts.k)
-    if not isinstance(drafts, BatchDrafts):
-        spec.lookup = drafts
+    # scripted drafts count on K a round: fixed K (not adaptive)
+    spec = drafts if isinstance(drafts, BatchDrafts) else BatchDrafts(drafts.k, adaptive=False, lookup=drafts)
     gen = Generation(model, np.asarray(prompt), n + spec.k + 1, sampling, (), None, group or SINGLE, 1, compiled,
                      spec=spec)
     out = []
