@@ -260,6 +260,16 @@ def check_shardable(model, np_: int, weights=None, moe_split: str | None = None)
         m.shard(Group.planned(np_, r, weights, moe_split))  # on paper: parameters stay lazy
 
 
+def check_stageable(model, pp: int, weights=None) -> None:
+    """Before launch: the family runs in stages and has at least `pp` layers
+    with a legal cut into `pp` stages (shared KV stays on one stage)."""
+    from .pipeline import check_family, plan_stages
+
+    m, refs = open_model(model).build()
+    check_family(m)
+    plan_stages(m, refs, pp, weights)
+
+
 def load_model(model, dtype: str | None = None, group: Group = SINGLE, progress=None, pp: int = 1,
                kv=None, adapter=None) -> Loaded:
     """`pp` > 1: `group` is a pipeline of `pp` stages of T = size / pp ranks

@@ -55,7 +55,7 @@ zeros [B, L, V]           zeros [B, L, V]                logits [B, L, V]
   (`CausalLM.stage_cuts`, base.kv_sharing_cuts, passed to `stage_ranges`
   as the allowed starts), since the KV would be the whole cache every step.
   A model with too few legal cuts for P stages is refused before launch,
-  one line (`check_stageable`). This can unbalance the stages: the shared
+  one line (`loader.check_stageable`). This can unbalance the stages: the shared
   layers and their sources sit on one stage (12 of 30 layers when the last
   10 share the KV of layers 18 and 19).
 - Each stage's caches are its layers' (sliding, full, shared, recurrent:
@@ -293,16 +293,6 @@ def stage_group(group, P: int):
     chain = SplitGroup(group, s) if collective else ChainGroup(group, s * T, T)
     chain.set_weights(member_weights(group.weights, group.rank(), P))
     return chain
-
-
-def check_stageable(model_arg, pp: int, weights=None) -> None:
-    """Before launch: the family runs in stages and has at least `pp` layers
-    with a legal cut into `pp` stages (shared KV stays on one stage)."""
-    from .loader import open_model
-
-    m, refs = open_model(model_arg).build()
-    check_family(m)
-    plan_stages(m, refs, pp, weights)
 
 
 class Absent(nn.Module):

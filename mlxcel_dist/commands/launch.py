@@ -28,7 +28,7 @@ def distribute(ctx: typer.Context, launch, model=None):
 
     Before launching, the model is sharded on paper for every rank, so a rank
     count its heads cannot take fails here, once (with --pp: the family must
-    run in stages and have a layer per stage, pipeline.check_stageable)."""
+    run in stages and have a layer per stage, loader.check_stageable)."""
     np_, pp, hostfile = launch.np_, launch.pp, launch.hostfile
     weights = parse_rank_weights(launch.rank_weights)
     split = check_moe_split(launch.moe_split)
@@ -173,10 +173,10 @@ def parse_rank_weights(text: Optional[str]):
 def check_placement(model, np_: int, pp: int, weights, moe_split: str | None = None) -> None:
     """Before launch, on paper: the model splits over np_ ranks (with --pp:
     into pp stages, each split np_ / pp ways)."""
-    from ..loader import check_shardable
+    from ..loader import check_shardable, check_stageable
 
     if pp > 1:
-        from ..pipeline import check_stageable, member_weights
+        from ..pipeline import member_weights
 
         check_stageable(model, pp, weights)
         T = np_ // pp
