@@ -317,7 +317,7 @@ def build_rank(ck: Checkpoint, group: Group, pp: int, target, refs: dict | None 
         if not tp.single:
             tp.moe_split = group.moe_split  # the stage's ranks place experts as the job says
             m.shard(tp)
-            m.model.stage.tp = tp
+            m.stage.tp = tp
     elif not group.single:
         m.shard(group)
     return m, refs, full_shapes

@@ -159,8 +159,7 @@ def stage_parts(stack) -> tuple[tuple, tuple]:
     (`first_stage_parts`: the embedding, and e.g. gemma3n's per-layer
     embeddings and AltUp projections) and only the last (`last_stage_parts`:
     the final norm, ...). Plain stacks: embed_tokens and norm."""
-    return (getattr(stack, "first_stage_parts", ("embed_tokens",)),
-            getattr(stack, "last_stage_parts", ("norm",)))
+    return stack.first_stage_parts, stack.last_stage_parts
 
 
 def plan_stages(model, refs: dict, P: int, weights=None) -> list[tuple[int, int]]:
@@ -189,7 +188,7 @@ def plan_stages(model, refs: dict, P: int, weights=None) -> list[tuple[int, int]
             last += stored_bytes(ref)
     if model.args.tie_word_embeddings:
         head = embed
-    cuts = model.stage_cuts() if hasattr(model, "stage_cuts") else None
+    cuts = model.stage_cuts()
     return stage_ranges(per_layer, P, first_extra=first, last_extra=last + head, cuts=cuts,
                         weights=stage_weights(weights, P))
 
@@ -216,7 +215,7 @@ def member_weights(weights, rank: int, P: int):
 def check_family(model) -> None:
     """Refuse a family that cannot run in stages (one line, before launch)."""
     family = type(model).__module__.rsplit(".", 1)[-1]
-    if not getattr(model, "pipeline_stages", False):
+    if not model.pipeline_stages:
         why = REFUSED.get(family, "it does not declare pipeline_stages")
         raise UserError(f"--pp: {model.args.model_type} ({family}) cannot run in pipeline stages: {why}")
 
@@ -415,7 +414,7 @@ def timed_alone(model, prompt_ids, tokens: int = 16) -> float:
 
     from .decode import DecodeStep
 
-    stage = model.model.stage
+    stage = model.stage
     stage.alone = True
     try:
         cache = model.make_cache()
@@ -435,7 +434,7 @@ def timed_alone(model, prompt_ids, tokens: int = 16) -> float:
 def outstanding_sends(model) -> list:
     """What a caller that evaluates only the caches (chunked prefill) must
     evaluate too: this stage's send of the hidden state ([] unstaged)."""
-    stage = getattr(getattr(model, "model", None), "stage", None)
+    stage = model.stage
     return stage.take_sent() if stage is not None else []
 
 

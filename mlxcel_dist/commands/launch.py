@@ -199,7 +199,7 @@ def kv_options(model, load):
 
     ck = open_model(model)
     a = ck.args
-    refused = getattr(get_model_module(a.model_type).Model, "kv_bits_refused", None)
+    refused = get_model_module(a.model_type).Model.kv_bits_refused
     if refused:
         raise UserError(f"--kv-bits: {a.model_type} cannot take a quantized cache ({refused})")
     return kv.check(getattr(a, "head_dim", None) or a.hidden_size // a.num_attention_heads)

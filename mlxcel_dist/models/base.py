@@ -3,8 +3,11 @@ the per-layer kinds.
 
 A model file defines `ModelArgs(BaseModelArgs)` whose fields are config.json
 keys and a `Model(args)` that fulfils `LanguageModel` (below): `__call__`,
-`make_cache`, `masks`, `sanitize`, `shard`, `collectives_per_token` and the
-`decode_step` slot. `CausalLM` fulfils it for the usual decoder.
+`make_cache`, `masks`, `sanitize`, `shard`, `collectives_per_token`, the
+`decode_step` slot and its declared capabilities (`stage`, `own_loop`,
+`split_decode`, `pipeline_stages`, `kv_bits_refused`, ...: read, never
+probed with getattr). `CausalLM` fulfils it for the usual decoder, with
+every capability's default.
 
 The decoder-stack loop (`run_layers`) and the `Model` wrapper around it
 (`CausalLM`: output head, `layers`, `make_cache`, `sanitize`, `shard`) are
@@ -14,7 +17,7 @@ shared here; what a family does differently stays explicit in its own file.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -28,6 +31,7 @@ from ..shard import plan_sharded_linears, shard_layers, split_ranges, vocab_para
 __all__ = ["FULL", "SLIDING", "LanguageModel", "BaseModelArgs", "CausalLM", "DecoderStack"]
 
 
+@runtime_checkable
 class LanguageModel(Protocol):
     """What the engine, the loader, decode.py and bench ask of a model.
 
@@ -42,10 +46,33 @@ class LanguageModel(Protocol):
       against it);
     - `decode_step`: None until `decode.decode_step_for` keeps the model's
       compiled decode step there.
+
+    Capabilities, declared (as vLLM's `SupportsPP`), never probed; CausalLM
+    holds the defaults, a family sets what it has:
+    - `stage`: this rank's `pipeline.Stage` under --pp, else None;
+    - `own_loop`: `generate_ids(prompt_ids, max_tokens, sampling, eos_ids,
+      group)` is its generation loop (engine.HookGenerator, serve's
+      OneRowEngine: one request at a time, no logprobs);
+    - `split_decode`: decode.DecodeStep may run its layers' pre / attend /
+      post as segments;
+    - `pipeline_stages`: it runs in --pp stages (pipeline.py), cut where
+      `stage_cuts()` allows, sending `stage_send_width(stop)` values a token;
+    - `kv_bits_refused`: why --kv-bits cannot serve it (None: it can);
+    - `kv_options`: the `cache.KVOptions` applied to it (None: plain caches);
+    - `describe_layers()`, `quant_override(path)`, `export_for_mlx_lm(weights,
+      config)`, `mlx_lm_path(path, config)`: info's and convert's hooks.
     """
 
     args: Any
     decode_step: Any
+    own_loop: bool
+    split_decode: bool
+    pipeline_stages: bool
+    kv_bits_refused: str | None
+    kv_options: Any
+
+    @property
+    def stage(self): ...
 
     def __call__(self, inputs: mx.array, cache=None) -> mx.array: ...
 
@@ -58,6 +85,18 @@ class LanguageModel(Protocol):
     def shard(self, group: Group) -> None: ...
 
     def collectives_per_token(self) -> dict: ...
+
+    def stage_cuts(self) -> list | None: ...
+
+    def stage_send_width(self, stop: int) -> int: ...
+
+    def describe_layers(self) -> list[str]: ...
+
+    def quant_override(self, path: str) -> dict | None: ...
+
+    def export_for_mlx_lm(self, weights: dict, config: dict) -> tuple[dict, dict]: ...
+
+    def mlx_lm_path(self, path: str, config: dict) -> str: ...
 
 
 @dataclasses.dataclass
@@ -110,7 +149,8 @@ def derive_layer_types(
 
 
 def describe_layers(model) -> list[str]:
-    """One line per layer for `mlxcel-dist info`: attention kind, window, RoPE."""
+    """One line per layer for `mlxcel-dist info`: attention kind, window, RoPE
+    (`CausalLM.describe_layers`' default; families add their own parts)."""
     out = []
     for i, (kind, layer) in enumerate(zip(model.args.layer_types, model.layers)):
         attn = layer.self_attn
@@ -216,7 +256,12 @@ class DecoderStack(nn.Module):
     (run by `run_layers` with the masks of `masks()`, built from the
     config's `sliding_window`), then the final `norm`. A family's `__init__` calls this one (which
     sets `args` and `embed_tokens`) and then builds its own `layers` and
-    `norm`; `embed` is the hook for what it does to the embeddings."""
+    `norm`; `embed` is the hook for what it does to the embeddings.
+    Under --pp the first stage alone holds `first_stage_parts`, the last
+    alone `last_stage_parts` (pipeline.stage_parts)."""
+
+    first_stage_parts = ("embed_tokens",)
+    last_stage_parts = ("norm",)
 
     def __init__(self, args):
         super().__init__()
@@ -277,6 +322,12 @@ class CausalLM(nn.Module):
 
     # Drop `*rotary_emb.inv_freq` buffers that some older conversions saved.
     drop_rotary_buffers = False
+    # Capabilities (LanguageModel): what a family has, it declares in its Model.
+    own_loop = False  # True: `generate_ids` is its generation loop (diffusion_gemma)
+    split_decode = False  # True: its layers have pre/attend/post (blocks.PreNormBlock's), decode may split
+    pipeline_stages = False  # True: runs in --pp stages (pipeline.py)
+    kv_bits_refused = None  # why --kv-bits cannot serve it (a string), None: it can
+    kv_options = None  # cache.KVOptions.apply: the --max-kv-size / --kv-bits it runs with
 
     def __init__(self, args, model: nn.Module):
         super().__init__()
@@ -292,6 +343,12 @@ class CausalLM(nn.Module):
     def masks(self, L: int, cache) -> dict:
         return self.model.masks(L, cache)
 
+    @property
+    def stage(self):
+        """This rank's `pipeline.Stage` under --pp (the stack's, set by
+        pipeline.make_stage), else None."""
+        return self.model.stage
+
     def __call__(self, inputs, cache=None):
         return self.head(self.model(inputs, cache))
 
@@ -300,7 +357,7 @@ class CausalLM(nn.Module):
         `shard_head` each rank computes only its vocabulary slice from the
         (replicated) head weights and one all_gather joins the slices: the
         same logits on every rank for 1/N of the head's work."""
-        stage = getattr(self.model, "stage", None)
+        stage = self.stage
         if stage is not None:  # pipeline: the last stage's logits on every rank (pipeline.Stage.logits)
             return stage.logits(self._head, h, self.args.vocab_size)
         return self._head(h)
@@ -320,7 +377,7 @@ class CausalLM(nn.Module):
         `split_ranges` cuts them (uneven when the ranks do not divide V, or
         with rank weights); the weights stay whole on every rank (tied
         embeddings need every row for the input lookup)."""
-        stage = getattr(self.model, "stage", None)
+        stage = self.stage
         if stage is not None and not stage.last:  # no head on this pipeline stage
             return
         if not group.single and self.args.vocab_size >= group.size():
@@ -334,7 +391,7 @@ class CausalLM(nn.Module):
         ([rows, 1] in the head's dtype, rows the largest rank's share: the
         slices are padded to it). Families that add collectives extend it."""
         plan = {"all_sum": plan_sharded_linears(self), "all_gather": (0, 0)}
-        stage = getattr(self.model, "stage", None)
+        stage = self.stage
         if stage is not None:  # a pipeline: the logits' all_sum ([1, 1, V] in the hidden dtype), every rank
             calls, nbytes = plan["all_sum"]
             plan["all_sum"] = (calls + 1, nbytes + self.args.vocab_size * stage.dtype.size)
@@ -343,7 +400,7 @@ class CausalLM(nn.Module):
             dt = (head.scales if "scales" in head else head.weight).dtype
             per = max(e - s for s, e in self._head_rows)
             plan["all_gather"] = (1, per * dt.size)
-        handoff = getattr(stage, "handoff", None)
+        handoff = stage.handoff if stage is not None else None
         if handoff is not None:  # --pp-handoff collective: an all_gather of [1, 1, width] per hop it takes part in
             calls, nbytes = plan["all_gather"]
             hops = sorted(handoff.hops)
@@ -353,7 +410,7 @@ class CausalLM(nn.Module):
     @property
     def layers(self):
         """The layers this rank runs (under --pp: its stage's; `self.model.layers` keeps every name)."""
-        return getattr(self.model, "stage_layers", None) or self.model.layers
+        return self.model.layers if self.stage is None else self.model.stage_layers
 
     def stage_cuts(self) -> list | None:
         """The layers a pipeline stage may start at (None: any): with KV
@@ -370,8 +427,25 @@ class CausalLM(nn.Module):
 
     def make_cache(self):
         """One cache per layer this rank runs."""
-        kinds = getattr(self.model, "stage_layer_types", None) or self.args.layer_types
+        kinds = self.args.layer_types if self.stage is None else self.model.stage_layer_types
         return make_layer_caches(kinds, getattr(self.args, "sliding_window", None))
+
+    def describe_layers(self) -> list[str]:
+        """`mlxcel-dist info`'s line per layer (families with more to say override it)."""
+        return describe_layers(self)
+
+    def quant_override(self, path: str) -> dict | None:
+        """convert's own {"group_size", "bits"} for the layer at `path` (mlx-lm's
+        `quant_predicate`); None: the run's."""
+        return None
+
+    def export_for_mlx_lm(self, weights: dict, config: dict) -> tuple[dict, dict]:
+        """The weights and config as mlx-lm's model reads them (convert): ours, unless a family differs."""
+        return weights, config
+
+    def mlx_lm_path(self, path: str, config: dict) -> str:
+        """A module path of ours as mlx-lm names it (a `quant_override`'s key in config.json)."""
+        return path
 
     def sanitize(self, weights: dict) -> dict:
         """Drop a stored copy of the tied output head (and, with

@@ -98,9 +98,9 @@ class Options:
 
 
 def batchable(model) -> bool:
-    """Models with their own generation loop (generate_ids) are served one
+    """Models with their own generation loop (`own_loop`: generate_ids) are served one
     request at a time, through OneRowEngine; every other model through BatchEngine."""
-    return not callable(getattr(model, "generate_ids", None))
+    return not model.own_loop
 
 
 def make_engine(model, group, opts: Options, eos_ids, tokenizer_json=None):
@@ -303,7 +303,7 @@ def _serve(model, tok, group, opts, sock, config, engine, link, beats, guard) ->
                            max_n=1 if one_row else min(schema.MAX_N, opts.decode_concurrency),
                            **_template_formats(tok, opts.tool_call_parser, opts.reasoning_parser))
     health = Health(sched, beats, group.size())
-    stage = getattr(getattr(model, "model", None), "stage", None)
+    stage = model.stage
     state = AppState(sched, ctx, rs.TokenPieces(tok), health, opts.max_request_bytes, int(time.time()),
                      cluster=_cluster_status(sched, engine, group, link, beats, health, ctx.model_ids[0],
                                              stage.P if stage is not None else 1, opts.decode_concurrency))
@@ -325,7 +325,7 @@ def _serve(model, tok, group, opts, sock, config, engine, link, beats, guard) ->
         if ctx.plain_chat:
             log(f"{ctx.model_ids[0]} has no chat template: chat requests are rendered as plain "
                 "'USER: ... ASSISTANT:' text (as mlx-lm's server)")
-        stage = getattr(getattr(model, "model", None), "stage", None)
+        stage = model.stage
         pp = f", pp {stage.P}" if stage is not None else ""
         log(f"{ctx.model_ids[0]} on http://{h}:{p}/v1 (np {group.size()}{pp})")
         spec = getattr(engine, "spec", None)
