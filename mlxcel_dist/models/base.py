@@ -28,7 +28,7 @@ from ..errors import UserError
 from ..cache import layer_masks
 from ..shard import plan_sharded_linears, shard_layers, split_ranges, vocab_parallel_logits
 
-__all__ = ["FULL", "SLIDING", "LanguageModel", "BaseModelArgs", "CausalLM", "DecoderStack"]
+__all__ = ["FULL", "SLIDING", "LanguageModel", "Capabilities", "BaseModelArgs", "CausalLM", "DecoderStack"]
 
 
 @runtime_checkable
@@ -47,8 +47,8 @@ class LanguageModel(Protocol):
     - `decode_step`: None until `decode.decode_step_for` keeps the model's
       compiled decode step there.
 
-    Capabilities, declared (as vLLM's `SupportsPP`), never probed; CausalLM
-    holds the defaults, a family sets what it has:
+    Capabilities, declared (as vLLM's `SupportsPP`), never probed;
+    `Capabilities` (CausalLM's base) holds the defaults, a family sets what it has:
     - `stage`: this rank's `pipeline.Stage` under --pp, else None;
     - `own_loop`: `generate_ids(prompt_ids, max_tokens, sampling, eos_ids,
       group)` is its generation loop (engine.HookGenerator, serve's
@@ -97,6 +97,18 @@ class LanguageModel(Protocol):
     def export_for_mlx_lm(self, weights: dict, config: dict) -> tuple[dict, dict]: ...
 
     def mlx_lm_path(self, path: str, config: dict) -> str: ...
+
+
+class Capabilities:
+    """The declared capabilities' defaults (LanguageModel's list): CausalLM
+    has them; a model of its own (a test's toy) inherits them too."""
+
+    stage = None  # CausalLM: its stack's (pipeline.make_stage sets it)
+    own_loop = False  # True: `generate_ids` is its generation loop (diffusion_gemma)
+    split_decode = False  # True: its layers have pre/attend/post (blocks.PreNormBlock's), decode may split
+    pipeline_stages = False  # True: runs in --pp stages (pipeline.py)
+    kv_bits_refused = None  # why --kv-bits cannot serve it (a string), None: it can
+    kv_options = None  # cache.KVOptions.apply: the --max-kv-size / --kv-bits it runs with
 
 
 @dataclasses.dataclass
@@ -310,24 +322,20 @@ class DecoderStack(nn.Module):
         return self.norm(h)
 
 
-class CausalLM(nn.Module):
+class CausalLM(nn.Module, Capabilities):
     """The `Model` wrapper every family shares: `self.model` (the decoder
     stack, with `embed_tokens` and `layers`) plus an output head that is
     `lm_head` or, with `tie_word_embeddings`, the embedding matrix.
 
     Attribute names are the checkpoint's weight names (`model.*`, `lm_head.*`).
     Families override `__call__` (softcaps, logit scales), `sanitize` (name
-    maps, refusals) or `shard` (extra per-rank state) where they differ.
+    maps, refusals) or `shard` (extra per-rank state) where they differ, and
+    declare the capabilities they have (`Capabilities`: own_loop,
+    split_decode, pipeline_stages, kv_bits_refused).
     """
 
     # Drop `*rotary_emb.inv_freq` buffers that some older conversions saved.
     drop_rotary_buffers = False
-    # Capabilities (LanguageModel): what a family has, it declares in its Model.
-    own_loop = False  # True: `generate_ids` is its generation loop (diffusion_gemma)
-    split_decode = False  # True: its layers have pre/attend/post (blocks.PreNormBlock's), decode may split
-    pipeline_stages = False  # True: runs in --pp stages (pipeline.py)
-    kv_bits_refused = None  # why --kv-bits cannot serve it (a string), None: it can
-    kv_options = None  # cache.KVOptions.apply: the --max-kv-size / --kv-bits it runs with
 
     def __init__(self, args, model: nn.Module):
         super().__init__()
