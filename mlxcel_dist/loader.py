@@ -56,6 +56,18 @@ def looks_like_repo_id(s: str) -> bool:
     return s.count("/") == 1 and not s.startswith((".", "/", "~")) and all(s.split("/"))
 
 
+def model_present(model) -> bool:
+    """Whether this host can load ``model`` (distributed.check_cluster asks
+    every rank): the embedded default, this rank's shard cache entry, an
+    existing path, or a Hub id (each host downloads its own)."""
+    from .shardcache import local_model
+
+    if model is None or local_model(model) is not None:
+        return True
+    m = str(model)
+    return Path(m).expanduser().exists() or looks_like_repo_id(m)
+
+
 def resolve_model_dir(model: str | os.PathLike | None) -> Path:
     if model is None or str(model) == "":
         return default_model_dir()
@@ -169,7 +181,12 @@ class Checkpoint:
 
     @cached_property
     def refs(self) -> dict:
-        """Tensor name -> weights.TensorRef (safetensors headers and memory maps)."""
+        """Tensor name -> weights.TensorRef (safetensors headers and memory
+        maps; a shard cache entry's: its pieces, shardcache.open_cached)."""
+        from . import shardcache
+
+        if (self.dir / shardcache.MANIFEST).exists():
+            return shardcache.open_cached(self.dir)
         return open_checkpoint(self.dir)
 
     @cached_property
@@ -209,6 +226,13 @@ class Checkpoint:
         if self.quantization is not None:
             quantize_model(m, self.quantization, refs)
         return m, refs
+
+    def rank_reads(self, group: Group, pp: int, refs: dict) -> list:
+        """(ref, axis, ranges) of every read this rank's load makes
+        (`build_rank`, then `planned_reads`), against `refs`: stand-ins for
+        the checkpoint's tensors (shardcache.rank_pieces records them)."""
+        m, refs, full = build_rank(self, group, pp, self.dtype, refs=refs)
+        return [(ref, axis, ranges) for _, ref, axis, ranges in planned_reads(m, refs, full)]
 
 
 _OPENED: dict = {}  # MODEL argument -> (the files' stamp, Checkpoint)

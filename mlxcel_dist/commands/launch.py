@@ -34,13 +34,14 @@ def distribute(ctx: typer.Context, launch, model=None):
     split = check_moe_split(launch.moe_split)
     if os.environ.get("MLXCEL_DIST_WORLD"):  # we are a launched rank
         from .. import distributed
+        from ..loader import model_present
 
         group = distributed.init_from_env()
         if weights is not None and not group.single:  # every rank re-runs the same argv: the same weights
             group.set_weights(weights)
         group.moe_split = split  # the same argv on every rank: the same placement
         group.pp_handoff = launch.pp_handoff  # resolved with the backend where the stages are cut
-        distributed.check_cluster(group, model)
+        distributed.check_cluster(group, model, model_present(model))
         return group
     if np_ < 1:
         raise UserError(f"--np must be >= 1, got {np_}")
