@@ -54,7 +54,7 @@ class LanguageModel(Protocol):
       group)` is its generation loop (engine.HookGenerator, serve's
       OneRowEngine: one request at a time, no logprobs);
     - `split_decode`: decode.DecodeStep may run its layers' pre / attend /
-      post as segments;
+      post as segments, the last ending in `decode_logits(h)`;
     - `pipeline_stages`: it runs in --pp stages (pipeline.py), cut where
       `stage_cuts()` allows, sending `stage_send_width(stop)` values a token;
     - `kv_bits_refused`: why --kv-bits cannot serve it (None: it can);
@@ -85,6 +85,8 @@ class LanguageModel(Protocol):
     def shard(self, group: Group) -> None: ...
 
     def collectives_per_token(self) -> dict: ...
+
+    def decode_logits(self, h: mx.array) -> mx.array: ...
 
     def stage_cuts(self) -> list | None: ...
 
@@ -379,6 +381,12 @@ class CausalLM(nn.Module, Capabilities):
     @property
     def head_layer(self) -> nn.Module:
         return self.model.embed_tokens if self.args.tie_word_embeddings else self.lm_head
+
+    def decode_logits(self, h):
+        """Logits of the final hidden state of a split decode step (as
+        __call__ after its layers); a family with its own arithmetic after
+        the head (softcaps) overrides it."""
+        return self.head(self.model.norm(h))
 
     def shard_head(self, group: Group):
         """Split the output head's work by vocabulary rows (`head`), as
