@@ -4,7 +4,7 @@ A gemma3-12b-shaped bf16 model with random weights is built in memory (no
 24 GB file to write); mlx-lm's gemma3_text model is given the very same
 arrays, so both read identical weights. For each: prefill of P prompt tokens
 (tok/s) and greedy decode of G tokens (tok/s), through each project's own
-generation loop (ours: mlxcel_dist.engine.TokenGenerator; mlx-lm:
+generation loop (ours: mlxcel_dist.generation.Generation; mlx-lm:
 mlx_lm.generate.generate_step). Also the share of the HBM roofline decode
 reaches (each token streams every weight once) and the NCCL backend at size 1.
 
@@ -168,12 +168,12 @@ def host_build_ms(model, prompt, split: bool, steps: int = 16) -> dict:
 
 
 def time_ours(model, prompt, gen, prefill_step=None, compiled=True, step=None):
-    from mlxcel_dist.engine import TokenGenerator
+    from mlxcel_dist.generation import Generation
 
     if step is not None:  # the DecodeStep to use (e.g. whole-graph vs split)
         model.decode_step = step
 
-    g = TokenGenerator(model, prompt, gen, prefill_step=prefill_step, compiled=compiled)
+    g = Generation(model, prompt, gen, prefill_step=prefill_step, compiled=compiled)
     out = list(g)
     s = g.finish()
     return s.prefill_tok_s, s.decode_tok_s, out
@@ -251,7 +251,7 @@ def main() -> None:
     prompt = mx.random.randint(0, cfg["vocab_size"], (a.prompt,), key=mx.random.key(1)).tolist()
 
     # same logits on the same weights (bf16: expect ~1e-2 of the scale)
-    from mlxcel_dist.engine import sequence_logits
+    from mlxcel_dist.generation import sequence_logits
     import numpy as np
 
     short = prompt[:64]
@@ -322,7 +322,7 @@ def families_main(a) -> None:
             info = {"family": fam, "params_b": round(n_params / 1e9, 3), "active_b": round(active / 1e9, 3),
                     "build_s": round(time.perf_counter() - t0, 1)}
             if theirs is not None:
-                from mlxcel_dist.engine import sequence_logits
+                from mlxcel_dist.generation import sequence_logits
                 import numpy as np
 
                 try:

@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from mlxcel_dist.cache import KV_GROUP_SIZES, KVOptions
-from mlxcel_dist.engine import sequence_logits
+from mlxcel_dist.generation import sequence_logits
 from mlxcel_dist.harness import _log_softmax
 from mlxcel_dist.loader import default_model_dir, load_model, open_model
 from mlxcel_dist.tokenizer import Tokenizer

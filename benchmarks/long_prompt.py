@@ -7,7 +7,7 @@ A small random-weight gemma3 (benchmarks/random_ckpt.py, float32): hidden
 128, 2 layers [sliding (window 1024), full], 2 query heads / 1 KV head of 64,
 MLP 512, vocab 1024; written to the benchmark cache dir. For each length T,
 in this process: reset MLX's peak-memory counter, run
-engine.TokenGenerator on T seeded random ids for one generated token (the
+generation.Generation on T seeded random ids for one generated token (the
 whole prompt through the cache, then the first decode step), record the peak
 (mx.get_peak_memory) and the time.
 
@@ -38,7 +38,7 @@ def measure(model, T: int, step: int) -> dict:
     import mlx.core as mx
 
     from mlxcel_dist.bench import prompt_ids
-    from mlxcel_dist.engine import TokenGenerator
+    from mlxcel_dist.generation import Generation
 
     gc.collect()
     mx.clear_cache()
@@ -46,7 +46,7 @@ def measure(model, T: int, step: int) -> dict:
     base = mx.get_active_memory()
     mx.reset_peak_memory()
     t0 = time.perf_counter()
-    gen = TokenGenerator(model, prompt_ids(model.args.vocab_size, T, seed=T), 1, prefill_step=step)
+    gen = Generation(model, prompt_ids(model.args.vocab_size, T, seed=T), 1, prefill_step=step)
     ids = list(gen)
     gen.finish()
     mx.synchronize()

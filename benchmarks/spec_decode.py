@@ -58,7 +58,7 @@ def repeat_text() -> str:
 def np1(target_dir: str, gen: int) -> list:
     from mlxcel_dist.bench import run_bench
     from mlxcel_dist.loader import load_model
-    from mlxcel_dist.spec import DraftModel, PromptLookup
+    from mlxcel_dist.batch_spec import BatchDrafts, DraftRows
     from mlxcel_dist.tokenizer import Tokenizer
 
     target = load_model(target_dir).model
@@ -67,8 +67,8 @@ def np1(target_dir: str, gen: int) -> list:
     rows = []
     for kind, text in TEXTS.items():
         ids = tok.prompt_ids(text, chat=False)
-        for name, drafter in [("plain", None), ("draft K=3", DraftModel(draft_model, 3)),
-                              ("lookup K=3", PromptLookup(3)), ("lookup K=6", PromptLookup(6))]:
+        for name, drafter in [("plain", None), ("draft K=3", BatchDrafts(3, DraftRows(draft_model, 3))),
+                              ("lookup K=3", BatchDrafts(3)), ("lookup K=6", BatchDrafts(6))]:
             for _ in range(2):
                 r = run_bench(target, len(ids), gen, ids=ids, drafter=drafter)
             rows.append({"text": kind, "config": name, "np": 1, "prompt": len(ids), **_pick(r)})

@@ -190,40 +190,25 @@ def guard_cost(group, steps: int) -> dict:
         t1 = time.perf_counter()
         got = np.array(packed)
         t2 = time.perf_counter()
-        g.commit(5, got[1:].reshape(-1, 3))
+        g.commit([5], got[1:].reshape(-1, 3))
         e.append(t1 - t0), w.append(t2 - t1)
     return {"encode_ms": 1e3 * _median(e), "wait_ms": 1e3 * _median(w)}
 
 
-def old_pending_rows(self, tok):
-    """RankAgreement.pending_rows before the device-resident state (commit
-    bc14032): two int64 arrays made from host data per token."""
-    import mlx.core as mx
-
-    if self.group.single or not self.due():
-        return None
-    t = tok.reshape(1).astype(mx.int64)
-    base = mx.array([(self.checksum * self.MUL + 1) % self.MOD], mx.int64)
-    row = mx.concatenate([mx.array([self.count + 1], mx.int64), (base + t) % self.MOD, t]).astype(mx.int32)
-    return self.group.gather_rows_lazy(row)
-
-
 def guard_ab(model, prompt, gen, group, rounds, out):
-    """Decode tok/s with the agreement check off (ce 0), as before (old) and
-    as now (new), alternated."""
-    from mlxcel_dist.engine import RankAgreement, TokenGenerator
+    """Decode tok/s with the agreement check off (ce 0) and on (new), alternated
+    (the pre-bc14032 variant, "old", is gone with the loop it patched)."""
+    from mlxcel_dist.engine import RankAgreement
+    from mlxcel_dist.generation import Generation
 
-    new = RankAgreement.pending_rows
-    res = {"ce0": [], "old": [], "new": []}
-    order = ["ce0", "old", "new"]
+    res = {"ce0": [], "new": []}
+    order = ["ce0", "new"]
     for r in range(rounds):
-        for v in order[r % 3:] + order[: r % 3]:
-            RankAgreement.pending_rows = old_pending_rows if v == "old" else new
+        for v in order[r % 2:] + order[: r % 2]:
             group.barrier()
-            g = TokenGenerator(model, prompt, gen, group=group, check_every=0 if v == "ce0" else 1)
+            g = Generation(model, prompt, gen, group=group, check_every=0 if v == "ce0" else 1)
             list(g)
             res[v].append(round(g.finish().decode_tok_s, 2))
-    RankAgreement.pending_rows = new
     out["guard_ab"] = res
 
 
@@ -323,14 +308,14 @@ def no_collectives(size: int) -> None:
 def decode_rounds(model, prompt, gen, group, rounds, out):
     import mlx.core as mx
 
-    from mlxcel_dist.engine import TokenGenerator
+    from mlxcel_dist.generation import Generation
 
     dec = {"1": [], "0": []}
     checks = {}
     for r in range(rounds):
         for ce in (1, 0) if r % 2 == 0 else (0, 1):
             group.barrier()
-            g = TokenGenerator(model, prompt, gen, group=group, check_every=ce)
+            g = Generation(model, prompt, gen, group=group, check_every=ce)
             list(g)
             s = g.finish()
             dec[str(ce)].append(round(s.decode_tok_s, 2))
@@ -345,7 +330,7 @@ def worker(a) -> None:
     from gpu_compare import GEMMA3_12B, SMALL, config
     from mlxcel_dist.collectives import SINGLE
     from mlxcel_dist.distributed import init_from_env
-    from mlxcel_dist.engine import TokenGenerator
+    from mlxcel_dist.generation import Generation
 
     group = init_from_env() if a.np > 1 else SINGLE
     shape = dict(SMALL if a.small else GEMMA3_27B if a.shape == "27b" else GEMMA3_12B)
@@ -360,7 +345,7 @@ def worker(a) -> None:
            "weights_gb": round(mx.get_active_memory() / 1e9, 2)}
     prompt = mx.random.randint(0, cfg["vocab_size"], (a.prompt,), key=mx.random.key(1)).tolist()
     t = time.perf_counter()
-    g = TokenGenerator(model, prompt, 4, group=group)  # warm-up: kernels compile, traces
+    g = Generation(model, prompt, 4, group=group)  # warm-up: kernels compile, traces
     list(g)
     g.finish()
     out["warmup_s"] = round(time.perf_counter() - t, 1)
@@ -379,7 +364,7 @@ def worker(a) -> None:
         pre = []
         for _ in range(a.rounds):
             group.barrier()
-            g = TokenGenerator(model, prompt, 1, group=group)
+            g = Generation(model, prompt, 1, group=group)
             list(g)
             s = g.finish()
             pre.append(round(s.prefill_tok_s))

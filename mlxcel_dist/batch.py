@@ -90,9 +90,9 @@ import numpy as np
 
 from .cache import QuantizedKV, SharedKVCache
 from .collectives import CollectiveError
-from .decode import STEP as GPU_STEP
-from .decode import (QuantizedStaticCache, StaticCache, StaticConvKV, StaticState, _round_up, held_arrays,
-                     quantize_kv, ring_slots, static_kind)
+from . import decode
+from .decode import (QuantizedStaticCache, SplitSegments, StaticCache, StaticConvKV, StaticState, _round_up,
+                     held_arrays, quantize_kv, ring_slots, splittable, static_kind)
 from .engine import DEFAULT_PREFILL_STEP, check_tokens, vocab_size
 from .masks import create_rows_mask
 from .prefill import Admission, Alone, Budget, Prefills, Request, Together, _read_row, _write_row, pad_groups
@@ -110,7 +110,8 @@ CPU_STEP = 64
 
 
 def slot_step() -> int:
-    return CPU_STEP if mx.default_device() == mx.cpu else GPU_STEP
+    """Slots a buffer grows by: decode.STEP, at most CPU_STEP on the CPU."""
+    return min(CPU_STEP, decode.STEP) if mx.default_device() == mx.cpu else decode.STEP
 
 
 class RowCache(StaticCache):
@@ -174,8 +175,8 @@ class QuantizedRowCache(RowCache):
 
     names = QuantizedStaticCache.names
 
-    def __init__(self, state, index: int, bits: int, group_size: int, rows=None):
-        super().__init__(state, index, None, rows)
+    def __init__(self, state, index: int, bits: int, group_size: int, rows=None, margin: int = 0):
+        super().__init__(state, index, None, rows, margin=margin)
         self.bits, self.group_size = bits, group_size
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
@@ -214,6 +215,7 @@ class _Flight:
     deferred: list | None = None  # (b, logits [V]) of constrained rows drawn once their last id is read
     logits: mx.array | None = None  # with deferred rows: the step's logits [C, V] (static batch), else None
     drawn: list | None = None  # the other rows' lazy ids (the deferred rows' slots None)
+    read: mx.array | None = None  # what `collect` reads: ids [n], then the guard's check rows when one is due
 
 
 def _plain_greedy(params) -> bool:
@@ -257,15 +259,16 @@ class BatchEngine:
         self.kinds: list = []  # per layer: decode.static_kind
         self.stateful = False  # some layer holds a state (prefilled alone: pads would enter it)
         self._cap = 0
-        self._compiled = mx.compile(self._forward, inputs=self.buffers, outputs=self.buffers) if compiled else None
-        self._compiled_block = (mx.compile(self._forward_block, inputs=self.buffers, outputs=self.buffers)
-                                if compiled else None)
+        self.compiled = compiled  # False: the same steps run eagerly (tests' reference; --no-compile)
+        self._compiled = mx.compile(self._forward, inputs=self.buffers, outputs=self.buffers)
+        self._compiled_block = mx.compile(self._forward_block, inputs=self.buffers, outputs=self.buffers)
         # Pipeline stages (--pp): the rows can go through in micro-batches, one behind the other,
         # so that each stage works on a different one at once (`_launch_micro`)
         self.micro = micro
-        self._compiled_part = (mx.compile(self._forward_part, inputs=self.buffers, outputs=self.buffers)
-                               if compiled else None)
+        self._compiled_part = mx.compile(self._forward_part, inputs=self.buffers, outputs=self.buffers)
         self.traces = 0
+        self._split = None  # whether one row steps split (`_splits`), decided once the layout is known
+        self._segments = None
         self._size = 0
         self.pipelined = pipelined
         self._flights: list = []  # launched steps not read yet (at most one between `step` calls)
@@ -279,6 +282,10 @@ class BatchEngine:
         self._copies: dict = {}  # rid -> copies of its prompt (n > 1) forked once it is placed
         self.failed: dict = {}  # rid -> message: requests whose prefill failed (taken by the caller)
         self.prompt_logprobs: dict = {}  # rid -> its prompt's logprobs (echo; taken by the caller)
+        # an engine.RankAgreement whose checks ride on the steps' reads (generate: each id is checked
+        # in the host sync that reads it); serve checks its steps' ids through the step protocol instead
+        self.guard = None
+        self.on_new_graph = None  # called when a step traced a new graph, before its ids are awaited
 
     # -- rows --------------------------------------------------------------
     def __len__(self) -> int:
@@ -329,11 +336,8 @@ class BatchEngine:
                 start, cache = self.prompt_cache.lookup(prompt, self.model.make_cache)
             todo.append(Admission(rid, prompt, len(prompt) - 1, sampling, start, cache, budget, grammar, drafts,
                                   echo))
-        if self.static is None and todo:
-            fresh = self.model.make_cache()
-            self.static = bool(fresh) and None not in [static_kind(c) for c in fresh]
-            if self.static:
-                self._learn_layout(None, todo[0].prompt[:1])
+        if todo:
+            self._decide(todo[0].prompt[:1])
         together = [a for a in todo if a.start < a.last and a.echo is None] if self.static and not self.stateful else []
         groups = [g for g in pad_groups(together, self.prefill_step) if len(g) > 1]
         grouped = {id(a) for g in groups for a in g}
@@ -342,6 +346,15 @@ class BatchEngine:
         self.prefills.jobs += jobs
         if self.budget is None:
             self._prefill(None, drain=True)
+
+    def _decide(self, probe) -> None:
+        """At the first row: whether the model's caches all have a static form
+        (rows in the batch buffers), and then their layout (`probe`: one id)."""
+        if self.static is None:
+            fresh = self.model.make_cache()
+            self.static = bool(fresh) and None not in [static_kind(c) for c in fresh]
+            if self.static:
+                self._learn_layout(None, probe)
 
     @property
     def prefilling(self) -> bool:
@@ -655,7 +668,7 @@ class BatchEngine:
         if kind == "state":
             return StaticState(self.buffers, i, len(self.snames[i]), rows)
         if kind == "quantized":
-            return QuantizedRowCache(self.buffers, i, *self._quant[i], rows)
+            return QuantizedRowCache(self.buffers, i, *self._quant[i], rows, self.margin)
         view = RowCache(self.buffers, i, self.windows[i], rows, self.chunks[i], self.margin)
         return view if kind == "kv" else StaticConvKV(view, StaticState(self.buffers, i, 2, rows))
 
@@ -690,14 +703,29 @@ class BatchEngine:
     # the device's work on the last. After `step` one step is in flight; rows
     # added or removed meanwhile only change which inputs the next launch takes.
 
+    def splits(self, C: int) -> bool:
+        """The one-row case (generate's row; a lone request): a model that opts in steps split
+        (decode.SplitSegments: compiled segments between the layers' attention, which then runs
+        unmasked on the written prefix, so GPU backends take their fused decode kernels)."""
+        if self._split is None:
+            self._split = splittable(self.model) and all(k == "kv" for k in self.kinds)
+        return C == 1 and self._split and self.compiled and not self.margin
+
+    def _split_row(self, x: mx.array) -> mx.array:
+        if self._segments is None:
+            self._segments = SplitSegments(self.model)
+        logits = self._segments(x, self.buffers, self.views, self.rows[0].pos)
+        self.traces += self._segments.traced
+        return logits
+
     def _forward(self, tokens: mx.array) -> mx.array:
-        self.traces += 1
+        self.traces += self.compiled  # (the Python body runs per trace compiled, per step eager)
         logits = self.model(tokens, self.views)[:, -1]
         self.buffers["pos"] = self.buffers["pos"] + 1
         return logits
 
     def _forward_block(self, tokens: mx.array) -> mx.array:
-        self.traces += 1
+        self.traces += self.compiled  # (the Python body runs per trace compiled, per step eager)
         return self.model(tokens, self.views)
 
     def feed(self, tokens: mx.array, pos: list) -> mx.array:
@@ -711,12 +739,12 @@ class BatchEngine:
         C = self._capacity()
         self.buffers["pos"] = mx.array(list(pos) + [0] * (C - n), mx.int32)
         x = tokens if C == n else mx.concatenate([tokens, mx.zeros((C - n, L), mx.int32)])
-        logits = self._compiled_block(x) if self._compiled_block is not None else self._forward_block(x)
+        logits = self._compiled_block(x) if self.compiled else self._forward_block(x)
         return logits[:n]
 
     def _forward_part(self, tokens: mx.array, a: int, e: int) -> mx.array:
         """Rows [a, e) (a micro-batch) one step on; `pos` moves on with the last part."""
-        self.traces += 1
+        self.traces += self.compiled  # (the Python body runs per trace compiled, per step eager)
         views = []
         for i in range(len(self.kinds)):
             views.append(self._view(i, views, (a, e)))
@@ -747,7 +775,7 @@ class BatchEngine:
             tokens, pending = self._inputs()
             x = tokens if C == n else mx.concatenate([tokens, mx.zeros((C - n,), mx.int32)])
             xs = [x[a:e] for a, e in parts]
-        step = self._compiled_part if self._compiled_part is not None else self._forward_part
+        step = self._compiled_part if self.compiled else self._forward_part
         logits = []
         for (a, e), x in zip(parts, xs):
             out = step(x.reshape(-1, 1), a, e)
@@ -766,7 +794,7 @@ class BatchEngine:
         for r in self.rows:
             r.pos += 1
             r.launched += 1
-        self._flights.append(_Flight(list(self.rows), stacked, extras, ids_parts))
+        self._flights.append(self._checked(_Flight(list(self.rows), stacked, extras, ids_parts)))
         self._changed = False
 
     def _inputs(self) -> tuple[mx.array, list]:
@@ -800,14 +828,7 @@ class BatchEngine:
             if self._capacity() > 1:
                 return self._launch_micro(n, self._capacity())
         tokens, pending = self._inputs()
-        if not self.static:
-            rows = [self.model(tokens[b].reshape(1, 1), r.eager_cache)[0, -1] for b, r in enumerate(self.rows)]
-        else:
-            self._reserve(n, max(r.pos for r in self.rows))
-            C = self._capacity()
-            x = (tokens if C == n else mx.concatenate([tokens, mx.zeros((C - n,), mx.int32)])).reshape(C, 1)
-            logits = self._compiled(x) if self._compiled is not None else self._forward(x)
-            rows = [logits[b] for b in range(n)]
+        logits, rows = self._forward_rows(tokens)
         masks = [None] * n
         deferred = []
         if self.static and all(_plain_greedy(r.sampler.params) and r.grammar is None for r in self.rows):
@@ -830,17 +851,71 @@ class BatchEngine:
             stacked = None if deferred else mx.stack(ids)
         constrained = any(m is not None for m in masks)
         extras = self.step_extras(rows, ids, pending, masks) if constrained else self.step_extras(rows, ids, pending)
+        f = _Flight(list(self.rows), stacked, extras, deferred=deferred or None, drawn=ids if deferred else None,
+                    logits=logits if deferred and self.static else None)
         if deferred:
             mx.async_eval([x for _, x in deferred], [i for i in ids if i is not None], extras)
         else:
-            mx.async_eval(stacked, extras)
+            self._checked(f)
         for r in self.rows:
             r.pos += 1
             r.launched += 1
-        self._flights.append(_Flight(list(self.rows), stacked, extras, deferred=deferred or None,
-                                     drawn=ids if deferred else None, logits=logits if deferred and self.static
-                                     else None))
+        self._flights.append(f)
         self._changed = False
+
+    def _forward_rows(self, tokens: mx.array) -> tuple:
+        """One step's forward: row b fed tokens[b] (lazy int32 [n]) at its
+        position; (the static batch's logits [C, V], None for rows on their own
+        caches; each row's logits [V])."""
+        n = len(self.rows)
+        if not self.static:
+            return None, [self.model(tokens[b].reshape(1, 1), r.eager_cache)[0, -1] for b, r in enumerate(self.rows)]
+        self._reserve(n, max(r.pos for r in self.rows))
+        C = self._capacity()
+        x = (tokens if C == n else mx.concatenate([tokens, mx.zeros((C - n,), mx.int32)])).reshape(C, 1)
+        logits = self._split_row(x) if self.splits(C) else self._compiled(x) if self.compiled else self._forward(x)
+        return logits, [logits[b] for b in range(n)]
+
+    def scores(self, cache: list, ids, read: bool = True) -> np.ndarray | None:
+        """float32 [len(ids), V]: the logits of feeding `ids` one at a time
+        after an eager `cache` that holds the tokens before them, as a row of
+        this (idle) engine: the one-row step generation runs, its inputs
+        known (sequence_logits' decode part: logit-match's decode mode). Step
+        j + 1 is launched before step j's logits are read, so the host copy
+        overlaps the device. `read=False`: only evaluated (a timing), None."""
+        if self.rows or self.prefills:
+            raise RuntimeError("scores needs an idle engine")
+        ids = [int(t) for t in ids]
+        pos = next(c.offset for c in cache if c.reads_layer is None)
+        prompt = np.zeros(pos + 1, np.int32)
+        prompt[pos] = ids[0]
+        a = Admission("scores", prompt, pos, None, 0, None, len(ids), None, False, None)
+        self._decide(prompt[:1])
+        self.place_prefilled(a, cache)
+        row, out, pending = self.rows[0], [], None
+        try:
+            for t in ids:
+                x = self._forward_rows(mx.array([t], mx.int32))[1][0].astype(mx.float32)
+                row.pos += 1
+                mx.async_eval(x)
+                if pending is not None and read:
+                    out.append(np.array(pending))
+                pending = x
+            if not read:
+                mx.eval(pending)
+                return None
+            out.append(np.array(pending))
+        finally:
+            self.remove("scores")
+        return np.stack(out)
+
+    def _checked(self, f: _Flight) -> _Flight:
+        """Schedule flight `f` once its ids are complete: with a `guard`, its
+        check rows packed behind the ids, so one host read takes both."""
+        rows = None if self.guard is None else self.guard.pending_rows(f.ids)
+        f.read = f.ids if rows is None else mx.concatenate([f.ids, rows.reshape(-1)])
+        mx.async_eval(f.read, f.extras)
+        return f
 
     def _finish(self) -> None:
         """Draw the deferred rows' ids of the step in flight: their last ids
@@ -862,7 +937,7 @@ class BatchEngine:
             top = mx.argmax(mx.where(allowed, x, NEG_INF), axis=-1).astype(mx.int32)
             if whole and not self.want:
                 f.ids, f.deferred, f.drawn = top, None, None
-                mx.async_eval(f.ids, f.extras)
+                self._checked(f)
                 return
             for i, j in enumerate(greedy):
                 ids[f.deferred[j][0]] = top[i]
@@ -872,7 +947,7 @@ class BatchEngine:
                 ids[b] = r.sampler.sample(x, r.context, mask=masks[j])
             extras.update(self._extras_of([r], [x], [ids[b]], [None], [masks[j]]))
         f.ids, f.extras, f.deferred, f.drawn = mx.stack(ids), extras, None, None
-        mx.async_eval(f.ids, f.extras)
+        self._checked(f)
 
     def collect(self) -> dict:
         """Read the oldest step in flight (the one host sync): {rid: id} of
@@ -880,7 +955,11 @@ class BatchEngine:
         if not self._flights:
             return {}
         f = self._flights.pop(0)
-        got = np.array(f.ids).tolist()
+        read = np.array(f.read)  # the one host sync
+        n = len(f.rows)
+        got = read[:n].tolist()
+        if self.guard is not None:
+            self.guard.commit(got, read[n:].reshape(-1, 3) if len(read) > n else None)
         self.extras = f.extras
         present = {id(r) for r in self.rows}
         out = {}
@@ -910,11 +989,14 @@ class BatchEngine:
             return {}
         if self.spec is not None and self.spec.active(self):
             return self.spec.step(self)
+        traces = self.traces
         if not self._flights:
             self.launch()
         # no step past every row's budget: its work would only be discarded (a lone request's last id)
         if self.pipelined and any(r.budget is None or r.launched < r.budget for r in self.rows):
             self.launch()
+        if self.traces > traces and self.on_new_graph is not None:  # before the wait: its kernels compile
+            self.on_new_graph()
         out = self.collect()
         self._finish()
         return out

@@ -138,12 +138,13 @@ class BatchDrafts:
             self.draft.remove(rid)
 
     def active(self, engine) -> bool:
-        """Whether `engine`'s steps are ours: every layer a plain KV row cache (rolled back by
-        position alone); else it steps without drafts (said once)."""
-        from .batch import RowCache
+        """Whether `engine`'s steps are ours: every layer a KV row cache, float or --kv-bits
+        (rolled back by position alone); else it steps without drafts (said once)."""
+        from .batch import QuantizedRowCache, RowCache
         from .cache import SharedKVCache
 
-        ok = bool(engine.static) and all(type(v) in (RowCache, SharedKVCache) for v in engine.views)
+        ok = bool(engine.static) and all(type(v) in (RowCache, QuantizedRowCache, SharedKVCache)
+                                         for v in engine.views)
         if not ok and not self._said:
             self._said = True
             if self.log is not None:

@@ -3,7 +3,7 @@ memory and collective traffic of one generation, on random token ids (seeded,
 so no tokenizer is needed and every rank and every run feeds the same ids).
 
 Every rank runs `run_bench` (the same generation loop as `generate`:
-engine.TokenGenerator, greedy, EOS ignored so exactly `gen_tokens` ids come
+generation.Generation (the engine's one row), greedy, EOS ignored so exactly `gen_tokens` ids come
 out); rank 0 reports.
 
 - warm-up: one short generation first (weights paged in, buffers allocated),
@@ -42,8 +42,8 @@ import mlx.core as mx
 import numpy as np
 
 from .collectives import SINGLE, Group
-from .decode import decode_step_for
-from .engine import TokenGenerator, vocab_size
+from .engine import vocab_size
+from .generation import Generation, engine_for
 from .errors import UserError
 from .pipeline import timed_alone
 from .sampling import SamplingParams
@@ -149,7 +149,7 @@ def _weights_dtype(model) -> str:
 
 
 def check_lengths(prompt_tokens: int, gen_tokens: int) -> None:
-    """The bench's own options (TokenGenerator checks the shared ones)."""
+    """The bench's own options (Generation checks the shared ones)."""
     if prompt_tokens < 1:
         raise UserError(f"--prompt-tokens must be >= 1, got {prompt_tokens}")
     if gen_tokens < 1:
@@ -170,16 +170,12 @@ def run_bench(model, prompt_tokens: int, gen_tokens: int, *, group: Group = SING
     prompt_tokens = len(ids)
 
     def generator(prompt, n):
-        if drafter is None:
-            return TokenGenerator(model, prompt, n, greedy, eos_ids=(), prefill_step=prefill_step, group=group,
-                                  check_every=check_every, compiled=compiled)
-        from .spec import SpecGenerator
-
-        return SpecGenerator(model, prompt, n, drafter, greedy, (), prefill_step, group, check_every, compiled)
+        return Generation(model, prompt, n, greedy, eos_ids=(), prefill_step=prefill_step, group=group,
+                          check_every=check_every, compiled=compiled, spec=drafter)
 
     greedy = SamplingParams()
     counter = CollectiveCounter()
-    step = decode_step_for(model)  # generate's own decode step (split where the family opts in)
+    step = engine_for(model)  # generate's own engine (one row: split steps where the family opts in)
     traces0 = step.traces
     with counter.active():
         warm_steps = 0
@@ -238,7 +234,7 @@ def run_bench(model, prompt_tokens: int, gen_tokens: int, *, group: Group = SING
     out.update({
         "compiled": compiled,
         "decode_graphs": step.traces - traces0 if compiled else warm_steps + n,
-        "split_decode": bool(compiled and step.split),
+        "split_decode": bool(compiled and step.splits(1)),
         "end_all_sums": counter.count("all_sum", "end")[0],
         "agreement_checks": stats.checks,
         "check_every": check_every,

@@ -7,19 +7,13 @@ sharded layers do the collectives); only rank 0 reports.
 
 from __future__ import annotations
 
-import threading
-import time
 from dataclasses import dataclass, field
 
 import mlx.core as mx
 import numpy as np
 
-from . import faults
 from .collectives import SINGLE, CollectiveError, Group
-from .decode import decode_step_for
 from .errors import UserError
-from .pipeline import outstanding_sends
-from .sampling import Sampler, SamplingParams, read_logprobs, token_logprobs
 
 
 def check_tokens(ids, vocab_size: int) -> np.ndarray:
@@ -60,49 +54,6 @@ def check_generation_options(max_tokens: int | None = None, check_every: int | N
 
 def vocab_size(model) -> int:
     return model.args.vocab_size
-
-
-def sequence_logits(model, ids, decode_from: int | None = None, prefill_step: int | None = None,
-                    compiled: bool = True) -> np.ndarray:
-    """float32 [T, V] logits for every position of `ids`.
-
-    Tokens [0, decode_from) (all of them by default) are fed as a prompt with a
-    fresh cache, in one pass or in chunks of `prefill_step`; the rest go one at
-    a time through the decode path generation uses (decode.DecodeStep,
-    compiled unless `compiled` is False).
-    """
-    ids = check_tokens(ids, vocab_size(model))
-    T = len(ids)
-    end = T if decode_from is None else decode_from
-    if not 1 <= end <= T:
-        raise UserError(f"--decode-from must be in [1, {T}] for {T} tokens, got {decode_from}")
-    check_generation_options(prefill_step=prefill_step)
-    step = prefill_step or end
-    cache = model.make_cache()
-    out = []
-    pos = 0
-    while pos < end:
-        n = min(step, end - pos)
-        logits = model(mx.array(ids[pos : pos + n])[None], cache)
-        out.append(np.array(logits[0].astype(mx.float32)))
-        pos += n
-    if pos < T:
-        decode = decode_step_for(model)
-        decode.start(cache, pos, compiled)
-        try:
-            # The inputs are known, so step j+1 is launched before step j's
-            # logits are read: the host copy overlaps the device's next step.
-            pending = None
-            for j in range(pos, T):
-                nxt = decode(mx.array(ids[j : j + 1])[None])[None].astype(mx.float32)
-                mx.async_eval(nxt)
-                if pending is not None:
-                    out.append(np.array(pending))
-                pending = nxt
-            out.append(np.array(pending))
-        finally:  # the model keeps its DecodeStep, not its buffers
-            decode.release()
-    return np.concatenate(out, axis=0)
 
 
 # Generation ---------------------------------------------------------------------
@@ -156,9 +107,9 @@ class RankAgreement:
         self.checked = 0  # count at the last check
         self.checks = 0
         # pending_rows' running (count, checksum) on the device, lazy int64 [2],
-        # and the host count it stands for (None: not made yet)
+        # the ids it stands for and the count at its last scheduled check (None: not made yet)
         self._dev = None
-        self._dev_at = None
+        self._dev_at = self._due_at = 0
         self._consts = None  # (1, MUL, MOD, this rank's row mask [size, 1], zeros [size, 3]) as arrays
 
     def _record(self, tok_id: int) -> None:
@@ -194,55 +145,57 @@ class RankAgreement:
                 "non-deterministic backend break that)"
             )
 
-    # The pipelined decode loop (TokenGenerator) schedules the check of a
-    # token before the host has read it: `pending_rows` builds the same
-    # gathered [size, 3] matrix on the device from the lazy id, and `commit`
-    # records the id once read and judges the matrix read with it.
+    # The pipelined engine (batch.BatchEngine with a `guard`: generate's row)
+    # schedules the check of a step's ids before the host has read them:
+    # `pending_rows` builds the same gathered [size, 3] matrix on the device
+    # from the lazy ids, and `commit` records the ids once read and judges the
+    # matrix read with them. The device chain runs ahead of the host record by
+    # the one step in flight.
 
-    def due(self) -> bool:
-        """Whether the next id triggers a check."""
-        return bool(self.every) and self.count + 1 - self.checked >= self.every
+    def pending_rows(self, ids: mx.array) -> mx.array | None:
+        """The lazy all_sum of the check that a launched step's ids [n] (lazy
+        int32, not read yet; every step's in launch order) make due: row r =
+        rank r's (count, checksum, last id) after them. None when no check is
+        due, with one rank (no collective: `commit` checks on the host, as
+        `add`) or with N = 0.
 
-    def pending_rows(self, tok: mx.array) -> mx.array | None:
-        """The lazy all_sum of the check the next id `tok` (a lazy int32
-        scalar, not read yet) triggers: row r = rank r's (count, checksum, last
-        id) after it. None when no check is due or with one rank (no
-        collective; `commit` then checks on the host, as `add`).
-
-        The count and checksum are carried on the device from token to token
-        (a lazy int64 [2], advanced from `tok` here), so no array is made from
-        host data per token: on MLX's CUDA backend such an array cost about 4
-        ms per token at np 2 on two H200s (docs/benchmarks-log.md, "np 2
-        timeline"). Call it once per generated id, before its `commit`."""
+        The count and checksum are carried on the device from step to step
+        (a lazy int64 [2]), so no array is made from host data per token: on
+        MLX's CUDA backend such an array cost about 4 ms per token at np 2 on
+        two H200s (docs/benchmarks-log.md, "np 2 timeline")."""
         if self.group.single or not self.every:
             return None
-        due = self.due()
         if self._consts is None:  # made once (Python scalars in ops would be arrays from host data too)
             n = self.group.size()
             mine = mx.arange(n) == mx.array(self.group.rank())
             self._consts = (mx.array(1, mx.int64), mx.array(self.MUL, mx.int64), mx.array(self.MOD, mx.int64),
                             mine[:, None], mx.zeros((n, 3), mx.int32))
         one, mul, mod, mine, zeros = self._consts
-        t = tok.reshape(1).astype(mx.int64)
-        if self._dev_at != self.count:  # first use (or ids recorded by `add` since): from the host record
-            self._dev = (mx.zeros((2,), mx.int64) if self.count == 0
-                         else mx.array([self.count, self.checksum], mx.int64))
-        # (checksum * MUL + tok + 1) % MOD: < 2^51 before the modulo, exact in int64
-        self._dev = mx.concatenate([self._dev[:1] + one, (self._dev[1:] * mul + t + one) % mod])
-        self._dev_at = self.count + 1
-        if not due:
+        if self._dev is None or self._dev_at < self.count:  # ids recorded by `add` since: from the host record
+            self._dev = mx.array([self.count, self.checksum], mx.int64)
+            self._dev_at = self._due_at = self.count
+        ids = ids.reshape(-1).astype(mx.int64)
+        for b in range(ids.shape[0]):
+            # (checksum * MUL + tok + 1) % MOD: < 2^51 before the modulo, exact in int64
+            t = ids[b : b + 1]
+            self._dev = mx.concatenate([self._dev[:1] + one, (self._dev[1:] * mul + t + one) % mod])
+        self._dev_at += ids.shape[0]
+        if self._dev_at - self._due_at < self.every:
             return None
-        row = mx.concatenate([self._dev, t]).astype(mx.int32)
+        self._due_at = self._dev_at
+        row = mx.concatenate([self._dev, ids[-1:]]).astype(mx.int32)
         return self.group.all_sum(mx.where(mine, row[None], zeros))  # Group.gather_rows_lazy, from the cached parts
 
-    def commit(self, tok_id: int, rows=None) -> None:
-        """Record an id read from the device; `rows` is its `pending_rows`
-        matrix, read in the same sync (None: as `add`)."""
-        if rows is None:
-            self.add(tok_id)
-            return
-        self._record(tok_id)
-        self._verdict(rows)
+    def commit(self, ids, rows=None) -> None:
+        """Record ids read from the device; `rows`: the `pending_rows` matrix
+        read in the same sync (None: no check was scheduled for them; with one
+        rank, as `add`)."""
+        if self.group.single:
+            return self.add_many(ids)
+        for t in ids:
+            self._record(t)
+        if rows is not None:
+            self._verdict(rows)
 
     def finish(self) -> None:
         if self.checked != self.count or self.checks == 0:
@@ -290,248 +243,6 @@ COMPILE_NOTICE_S = 1.0  # a first decode step slower than this is announced (on_
 DEFAULT_PREFILL_STEP = 2048  # as mlx-lm; on the H200 1.10x its prefill vs 0.94x at 512 (docs/benchmarks-log.md)
 
 
-def _cache_state(cache) -> list:
-    return [c.state for c in cache] if cache else []
-
-
-class TokenGenerator:
-    """Iterating yields generated ids (each already agreed on, per the guard's
-    schedule) until EOS or `max_tokens`; a caller may also stop early (stop
-    strings). Call `finish()` afterwards, on every rank: it runs the final
-    agreement check and returns GenStats.
-
-    Prefill: all prompt tokens but the last go through the cache in chunks of
-    `prefill_step` (default DEFAULT_PREFILL_STEP), evaluating only the cache
-    (the output head never runs on them: its result is never evaluated), so a
-    long prompt costs memory linear in its length (masks and scores
-    [chunk, keys]) and a sliding layer's keys stay capped; the last prompt
-    token then goes through the decode path, whose logits give the first id.
-
-    Decode is pipelined as mlx-lm's generate_step: the forward pass for token
-    n+1 (from the lazy id n) is built and handed to `mx.async_eval` before the
-    host reads id n, so graph building overlaps the device's work, and the one
-    host sync per token reads the id together with its agreement check (built
-    on the device from the same lazy id, scheduled before the next forward
-    pass). Every rank therefore always issues the next step's collectives,
-    also after EOS (one step of wasted work, like mlx-lm), and takes every
-    decision after reading agreed ids, so collectives stay paired. The
-    single-token steps run through `decode.DecodeStep`: one compiled graph on
-    static KV buffers (eager with `compiled=False`).
-    """
-
-    def __init__(self, model, prompt_ids, max_tokens: int, sampling: SamplingParams | None = None,
-                 eos_ids=(), prefill_step: int | None = None, group: Group = SINGLE, check_every: int = 1,
-                 compiled: bool = True, on_compile=None, logprobs: int | None = None, grammar=None):
-        self.prompt = check_tokens(prompt_ids, vocab_size(model))
-        check_generation_options(max_tokens, check_every, prefill_step)
-        self.model = model
-        # grammar.Matcher (generate --json-schema): each id drawn under its mask, which needs the id
-        # before it read, so the forward stays pipelined and the draw waits for the host
-        self.grammar = grammar
-        self.max_tokens = max_tokens
-        self.sampler = Sampler(faults.sampling(sampling or SamplingParams(), group), prompt_len=len(self.prompt))
-        self.eos = set(int(e) for e in eos_ids)
-        self.prefill_step = prefill_step or DEFAULT_PREFILL_STEP
-        self.guard = RankAgreement(group, check_every)
-        self.rank = group.rank()
-        self.compiled = compiled
-        self.decode = None  # decode.DecodeStep, from the end of the prefill on
-        self.stats = GenStats(prompt_tokens=len(self.prompt))
-        if logprobs is not None and (isinstance(logprobs, bool) or logprobs < 0):
-            raise UserError(f'logprobs must be None or an integer >= 0, got {logprobs}')
-        # None: off (nothing extra is built). k >= 0: the log-probability of
-        # each generated id and the k most likely ids (stats.logprobs).
-        self.logprobs = logprobs
-        self._t_decode = None
-        # The first step of a new decode graph compiles kernels (seconds to a
-        # minute the first time on a machine): `on_compile()` runs (on a timer
-        # thread) when that takes longer than COMPILE_NOTICE_S, and the time is
-        # reported as compile_s, not as prompt speed.
-        self.on_compile = on_compile
-        self._t_chunks = None
-        self._notice = None
-        self._compiling = False
-        self.margin = 0  # decode.DecodeStep.start's (spec.SpecGenerator: its draft length)
-
-    def _prefill(self, cache) -> mx.array:
-        """Feed the prompt; the lazy logits [V] of its last position."""
-        prompt, step = self.prompt, self.prefill_step
-        last = len(prompt) - 1
-        for i in range(0, last, step):
-            self.model(mx.array(prompt[i : min(i + step, last)])[None], cache)
-            mx.eval(_cache_state(cache), outstanding_sends(self.model))  # (a pipeline stage's send too)
-        self.decode = decode_step_for(self.model)
-        self._t_chunks, traces = time.perf_counter(), self.decode.traces
-        if last == 0:  # nothing cached yet: the one prompt token goes the eager way
-            logits = self.model(mx.array(prompt[:1])[None], cache)[0, -1]
-            self.decode.start(cache, 1, self.compiled, self.margin)
-            return logits
-        self.decode.start(cache, last, self.compiled, self.margin)
-        logits = self.decode(mx.array(prompt[last:])[None])
-        if self.decode.traces > traces:  # a new graph: its kernels compile when it first runs
-            self._compiling = True
-            if self.on_compile is not None:
-                self._notice = threading.Timer(COMPILE_NOTICE_S, self.on_compile)
-                self._notice.daemon = True
-                self._notice.start()
-        return logits
-
-
-    def _logprobs(self, logits, context, pending, tok, mask=None) -> tuple:
-        """Lazy sampling.token_logprobs when the logprobs option is on; () when off, so nothing is built."""
-        if self.logprobs is None:
-            return ()
-        return token_logprobs(logits, context, self.sampler.params, pending, tok, self.logprobs, self.sampler.prompt_len,
-                              mask)
-
-    def _draw(self, logits, context) -> tuple:
-        """A constrained id (all of `context` read) and its logprobs, scheduled."""
-        mask = mx.array(self.grammar.mask())
-        y = self.sampler.sample(logits, context, mask=mask)
-        lp = self._logprobs(logits, context, None, y, mask)
-        mx.async_eval(y, *lp)
-        return y, lp
-
-    def __iter__(self):
-        stats = self.stats
-        if self.max_tokens == 0:
-            stats.finish_reason = "length"
-            return
-        context = self.prompt.tolist()
-        cache = self.model.make_cache()
-        t0 = time.perf_counter()
-        faults.at("prefill", self.rank)
-        logits = self._prefill(cache)
-        if self.grammar is not None:
-            y, lp = self._draw(logits, context)
-        else:
-            y = self.sampler.sample(logits, context)
-            lp = self._logprobs(logits, context, None, y)  # () when off
-            mx.async_eval(y, *lp)
-        while True:
-            # y: the lazy id of generated token n, scheduled, not read yet.
-            n = stats.generated + 1
-            rows = self.guard.pending_rows(y)
-            packed = y.reshape(1) if rows is None else mx.concatenate([y.reshape(1), rows.reshape(-1)])
-            mx.async_eval(packed)  # the check runs before the next forward pass
-            if n < self.max_tokens:
-                if n == 2:
-                    faults.at("decode", self.rank)
-                logits = self.decode(y.reshape(1, 1))
-                if self.grammar is None:
-                    next_y = self.sampler.sample(logits, context, pending=y)
-                    next_lp = self._logprobs(logits, context, y, next_y)
-                    mx.async_eval(next_y, *next_lp)
-                else:
-                    mx.async_eval(logits)  # drawn below, once this id is read
-            got = np.array(packed)  # the one host sync of this token
-            tok = int(got[0])
-            if self._t_decode is None:
-                self._t_decode = time.perf_counter()
-                if self._notice is not None:
-                    self._notice.cancel()
-                if self._compiling:  # the last prompt token's step built the graph: time it apart
-                    stats.compile_s = self._t_decode - self._t_chunks
-                    stats.prefill_s = self._t_chunks - t0
-                    stats.prefill_timed_tokens = len(self.prompt) - 1
-                else:
-                    stats.prefill_s = self._t_decode - t0
-                    stats.prefill_timed_tokens = len(self.prompt)
-            stats.generated += 1
-            stats.tokens.append(tok)
-            if lp:  # computed with the id, so already there
-                stats.logprobs.append(read_logprobs(lp))
-            context.append(tok)
-            self.guard.commit(tok, None if rows is None else got[1:].reshape(-1, 3))
-            if self.grammar is not None:
-                self.grammar.advance(tok)
-            if tok in self.eos:
-                stats.finish_reason = "eos"
-                return
-            yield tok
-            if stats.generated >= self.max_tokens:
-                stats.finish_reason = "length"
-                return
-            if self.grammar is not None:
-                next_y, next_lp = self._draw(logits, context)
-            y, lp = next_y, next_lp
-
-    def finish(self) -> GenStats:
-        if self.decode is not None:
-            self.decode.release()
-        self.guard.finish()
-        if self._t_decode is not None:
-            self.stats.decode_s = time.perf_counter() - self._t_decode
-        self.stats.checks = self.guard.checks
-        return self.stats
-
-
-def generate_tokens(model, prompt_ids, max_tokens: int, sampling: SamplingParams | None = None, eos_ids=(),
-                    prefill_step: int | None = None, group: Group = SINGLE, check_every: int = 1):
-    """Yield generated ids (EOS is not yielded); returns GenStats via
-    StopIteration.value."""
-    gen = TokenGenerator(model, prompt_ids, max_tokens, sampling, eos_ids, prefill_step, group, check_every)
-    yield from gen
-    return gen.finish()
-
-
-def generate_text(model, tokenizer, prompt_ids, max_tokens: int, sampling: SamplingParams | None = None,
-                  stop=(), eos_ids=None, prefill_step: int | None = None, group: Group = SINGLE, check_every: int = 1,
-                  context_tokens: int = 4, on_compile=None,
-                  logprobs: int | None = None, on_token=None, grammar=None, drafter=None):
-    """Yield text chunks as they become final; returns GenStats via
-    StopIteration.value. `grammar`: a grammar.Matcher the ids must follow.
-
-    Stops at EOS (not printed), after `max_tokens`, or at the first occurrence
-    of a stop string (neither it nor any part of it is yielded). Text is
-    yielded only when it is whole UTF-8 and cannot be the start of a stop
-    string. The prompt's last `context_tokens` ids are the detokenizer's left
-    context (never yielded). Every rank must run this, not only the one that
-    prints: stop strings decide when generation ends.
-
-    `logprobs` (None = off): TokenGenerator's option; `on_token(id, entry)`
-    is called for each generated id (EOS excepted) before the text it
-    completes is yielded, `entry` being its (logprob, top) or None.
-    `drafter` (spec.DraftModel / spec.PromptLookup): speculative decoding
-    (spec.SpecGenerator), the same ids at temperature 0."""
-    from .tokenizer import StopStrings, StreamDecoder
-
-    stopper = StopStrings(stop)
-    eos = tokenizer.eos_ids if eos_ids is None else eos_ids
-    if drafter is not None:
-        from .spec import SpecGenerator
-
-        if logprobs is not None or grammar is not None:
-            raise UserError("logprobs and constrained decoding are not available with drafts")
-        gen = SpecGenerator(model, prompt_ids, max_tokens, drafter, sampling, eos, prefill_step, group, check_every)
-    elif callable(getattr(model, "generate_ids", None)):  # the model's own generation loop (HookGenerator)
-        if grammar is not None:
-            raise UserError(f"constrained decoding is not available for {model.args.model_type} "
-                            "(its own generation loop)")
-        gen = HookGenerator(model, prompt_ids, max_tokens, sampling, eos, group, check_every, logprobs)
-    else:
-        gen = TokenGenerator(model, prompt_ids, max_tokens, sampling, eos, prefill_step, group, check_every,
-                             on_compile=on_compile, logprobs=logprobs, grammar=grammar)
-    decoder = StreamDecoder(tokenizer, context=list(prompt_ids)[-context_tokens:] if context_tokens else ())
-    for tok in gen:
-        if on_token is not None:
-            on_token(tok, gen.stats.logprobs[-1] if logprobs is not None else None)
-        text = stopper.feed(decoder.add(tok))
-        if text:
-            yield text
-        if stopper.stopped is not None:
-            break
-    if stopper.stopped is None:
-        tail = stopper.feed(decoder.flush())
-        tail += stopper.flush()
-        if tail:
-            yield tail
-    stats = gen.finish()
-    if stopper.stopped is not None:
-        stats.finish_reason, stats.stop = "stop", stopper.stopped
-    return stats
-
-
 def rank_resources(group: Group, load_s: float) -> np.ndarray:
     """[size, 3] on every rank: load seconds, MLX peak memory (MiB), peak RSS
     (MiB) of each rank, gathered with one all_sum."""
@@ -541,47 +252,3 @@ def rank_resources(group: Group, load_s: float) -> np.ndarray:
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     rss_mib = rss / 2**20 if sys.platform == "darwin" else rss / 2**10  # bytes on macOS, KiB on Linux
     return group.gather_rows([load_s, mx.get_peak_memory() / 2**20, rss_mib])
-
-
-class HookGenerator:
-    """TokenGenerator's interface (iterate, then `finish()`) over a model's
-    own generation loop: a model with `generate_ids(prompt_ids, max_tokens,
-    sampling, eos_ids, group)` (an iterator of ids, EOS not yielded; e.g.
-    DiffusionGemma's block diffusion, which is no token-by-token decode)
-    generates through it. Every rank runs it; the ids go through the same
-    rank-agreement guard as TokenGenerator's."""
-
-    def __init__(self, model, prompt_ids, max_tokens: int, sampling: SamplingParams | None = None,
-                 eos_ids=(), group: Group = SINGLE, check_every: int = 1, logprobs: int | None = None):
-        self.prompt = check_tokens(prompt_ids, vocab_size(model))
-        check_generation_options(max_tokens, check_every)
-        if logprobs is not None:
-            raise UserError(f"logprobs are not available for {model.args.model_type} (its own generation loop)")
-        self.model, self.max_tokens, self.group = model, max_tokens, group
-        self.sampling = sampling or SamplingParams()
-        self.eos = tuple(int(e) for e in eos_ids)
-        self.guard = RankAgreement(group, check_every)
-        self.stats = GenStats(prompt_tokens=len(self.prompt))
-        self._t0 = None
-
-    def __iter__(self):
-        stats = self.stats
-        self._t0 = time.perf_counter()
-        for tok in self.model.generate_ids(self.prompt, self.max_tokens, self.sampling, self.eos, self.group):
-            if stats.generated == 0:
-                stats.prefill_s = time.perf_counter() - self._t0
-                stats.prefill_timed_tokens = len(self.prompt)
-            stats.generated += 1
-            stats.tokens.append(int(tok))
-            self.guard.add(int(tok))
-            yield int(tok)
-            if stats.generated >= self.max_tokens:
-                break
-        stats.finish_reason = "length" if stats.generated >= self.max_tokens else "eos"
-
-    def finish(self) -> GenStats:
-        self.guard.finish()
-        if self._t0 is not None:
-            self.stats.decode_s = max(time.perf_counter() - self._t0 - self.stats.prefill_s, 0.0)
-        self.stats.checks = self.guard.checks
-        return self.stats

@@ -407,26 +407,28 @@ class Stage:
 def timed_alone(model, prompt_ids, tokens: int = 16) -> float:
     """Seconds per decode token of this rank's stage on its own: its layers
     (and embedding or head) over a `prompt_ids` cache, one token at a time
-    through a compiled step of its own, receiving zeros and sending nothing
-    (the inside of a stage's tensor parallelism runs as ever, so every rank
-    of the job calls this together). What `bench --pp` reports per stage."""
+    through a compiled one-row step of its own (batch.BatchEngine.scores),
+    receiving zeros and sending nothing (the inside of a stage's tensor
+    parallelism runs as ever, so every rank of the job calls this together).
+    What `bench --pp` reports per stage."""
     import time
 
-    from .decode import DecodeStep
+    from .batch import BatchEngine
 
     stage = model.stage
     stage.alone = True
     try:
-        cache = model.make_cache()
-        mx.eval(model(mx.array(prompt_ids)[None], cache), [c.state for c in cache])
-        step = DecodeStep(model)  # its own traces: the job's compiled step sends and receives
-        step.start(cache, len(prompt_ids))
-        y = mx.zeros((1, 1), mx.int32)
-        mx.eval(step(y))  # the trace
-        t = time.perf_counter()
-        for _ in range(tokens):
-            mx.eval(step(y))
-        return (time.perf_counter() - t) / tokens
+        engine = BatchEngine(model)  # its own traces: the job's compiled step sends and receives
+
+        def run(n):
+            cache = model.make_cache()
+            mx.eval(model(mx.array(prompt_ids)[None], cache), [c.state for c in cache])
+            t = time.perf_counter()
+            engine.scores(cache, [0] * n, read=False)
+            return time.perf_counter() - t
+
+        run(2)  # the trace
+        return (run(tokens + 1) - run(1)) / tokens
     finally:
         stage.alone = False
 

@@ -298,18 +298,18 @@ def machine_host_costs(tokens: int = 40) -> tuple[float, float]:
     """(per token, per layer) host seconds of this machine's generation loop
     (sampling, the host read, the agreement check; each layer's kernels): a
     tiny llama (hidden 64, weights negligible) with 1 and 5 layers, greedy
-    through engine.TokenGenerator, best of 2 runs each; measured once a
+    through generation.Generation, best of 2 runs each; measured once a
     process."""
     import mlx.core as mx
 
-    from .engine import TokenGenerator
+    from .generation import Generation
 
     def per_token(layers: int) -> float:
         m = _tiny_llama(layers)
         mx.eval(m.parameters())
         best = float("inf")
         for _ in range(2):
-            gen = TokenGenerator(m, list(range(8)), tokens)
+            gen = Generation(m, list(range(8)), tokens)
             for _ in gen:
                 pass
             stats = gen.finish()

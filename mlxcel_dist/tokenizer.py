@@ -343,3 +343,50 @@ class StopStrings:
     def flush(self) -> str:
         out, self.pending = ("" if self.stopped is not None else self.pending), ""
         return out
+
+
+class RowText:
+    """One sequence's text as its ids arrive, and where it ends: the rule
+    `generate` (generation.generate_text) and serve's scheduler both apply.
+
+    `add(id)` returns the text now final and sets `reason` when the id ends
+    the sequence: "eos" (an id of `eos_ids`: not decoded, not counted),
+    "stop" (the text reached a stop string: it and anything after are cut)
+    or "length" (`max_tokens` ids counted); at "eos" and "length" the
+    decoder's held-back tail comes with that text. Text is whole UTF-8 and
+    never a part of a stop string. `context`: the prompt's last ids, left
+    context of the detokenizer only."""
+
+    def __init__(self, tokenizer: Tokenizer, stop=(), eos_ids=(), max_tokens: int | None = None, context=(),
+                 keep_special: bool = False):
+        self.decoder = StreamDecoder(tokenizer, context=context, keep_special=keep_special)
+        self.stopper = StopStrings(stop)
+        self.eos = set(int(e) for e in eos_ids)
+        self.max_tokens = max_tokens
+        self.generated = 0
+        self.reason: str | None = None
+
+    @property
+    def stopped(self) -> str | None:
+        """The stop string that ended the sequence (None: another reason, or not ended)."""
+        return self.stopper.stopped
+
+    def add(self, tok: int) -> str:
+        assert self.reason is None, "the sequence has ended"
+        if tok in self.eos:
+            self.reason = "eos"
+            return self.close()
+        self.generated += 1
+        text = self.stopper.feed(self.decoder.add(tok))
+        if self.stopper.stopped is not None:
+            self.reason = "stop"
+        elif self.max_tokens is not None and self.generated >= self.max_tokens:
+            self.reason = "length"
+            text += self.close()
+        return text
+
+    def close(self) -> str:
+        """The held-back tail (none after a stop string): the sequence ends without a stop."""
+        if self.stopper.stopped is not None:
+            return ""
+        return self.stopper.feed(self.decoder.flush()) + self.stopper.flush()

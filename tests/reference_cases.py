@@ -60,7 +60,7 @@ def mode_logits(d: Path, kw: tuple, ids_file: str = "reference.npz"):
 def _mode_logits(d: Path, kw: tuple, ids_file: str):
     import numpy as np
 
-    from mlxcel_dist.engine import sequence_logits
+    from mlxcel_dist.generation import sequence_logits
 
     def compute():
         return sequence_logits(_model(d), np.load(d / ids_file)["ids"], **dict(kw))

@@ -10,21 +10,17 @@ import numpy as np
 
 
 class ScriptedDrafts:
-    """A drafter (spec.py's protocol) proposing `want` (the plain greedy
-    ids after the prompt, at least K + 1 more than are generated), round r
-    with draft r % (K + 1) off by one (none when that is K); `expected` sums
-    the drafts a correct verifier accepts."""
-
-    name = "scripted"
+    """Prompt lookup's seam of batch_spec.BatchDrafts (`lookup(context)`)
+    proposing `want` (the plain greedy ids after the prompt, at least K + 1
+    more than are generated), round r with draft r % (K + 1) off by one
+    (none when that is K); `expected` sums the drafts a correct verifier
+    accepts."""
 
     def __init__(self, want, prompt_len: int, k: int, vocab: int):
         self.want, self.prompt_len, self.k, self.vocab = list(want), prompt_len, k, vocab
         self.rounds = self.expected = 0
 
-    def start(self, prompt) -> None:
-        self.rounds = self.expected = 0
-
-    def propose(self, context, sampler):
+    def lookup(self, context) -> list:
         g = len(context) - self.prompt_len  # ids generated so far
         drafts = self.want[g : g + self.k]
         assert len(drafts) == self.k, "want must reach K past the generation"
@@ -33,27 +29,57 @@ class ScriptedDrafts:
             drafts[bad] = (drafts[bad] + 1) % self.vocab
         self.rounds += 1
         self.expected += bad
-        return drafts, None
+        return drafts
 
-    def accepted(self, valid: int) -> None:
-        pass
+
+def misled(draft_model, k: int, compiled: bool = True):
+    """BatchDrafts over a draft model whose round r draft r % (K + 1) is
+    turned wrong after it was drawn (its rows hold the right one): with the
+    target's twin as the draft, every other draft is right exactly when the
+    rollback is; `.rounds` / `.expected` as ScriptedDrafts'."""
+    import mlx.core as mx
+
+    from mlxcel_dist.batch_spec import BatchDrafts, DraftRows
+
+    class Misled(DraftRows):
+        rounds = expected = 0
+
+        def draft(self, rows):
+            d, q = super().draft(rows)
+            bad = self.rounds % (self.k + 1)
+            self.rounds += 1
+            self.expected += bad
+            return mx.where(mx.arange(self.k) == bad, (d + 1) % draft_model.args.vocab_size, d), q
+
+    return BatchDrafts(k, Misled(draft_model, k, compiled))
 
 
 def plain_ids(model, prompt, n: int, group=None, compiled: bool = True) -> list:
     from mlxcel_dist.collectives import SINGLE
-    from mlxcel_dist.engine import TokenGenerator
+    from mlxcel_dist.generation import Generation
 
-    gen = TokenGenerator(model, np.asarray(prompt), n, group=group or SINGLE, compiled=compiled)
+    gen = Generation(model, np.asarray(prompt), n, group=group or SINGLE, compiled=compiled)
     out = list(gen)
     gen.finish()
     return out
 
 
-def spec_ids(model, prompt, n: int, drafter, group=None, compiled: bool = True, sampling=None):
-    """(ids, GenStats) of a speculative generation."""
+def spec_ids(model, prompt, n: int, drafts, group=None, compiled: bool = True, sampling=None):
+    """(ids, GenStats) of a generation with drafts: a batch_spec.BatchDrafts,
+    or a lookup seam (ScriptedDrafts) in one. It may run K + 1 past n (so no
+    round is cut short by the end) and is read up to n ids."""
+    from mlxcel_dist.batch_spec import BatchDrafts
     from mlxcel_dist.collectives import SINGLE
-    from mlxcel_dist.spec import SpecGenerator
+    from mlxcel_dist.generation import Generation
 
-    gen = SpecGenerator(model, np.asarray(prompt), n, drafter, sampling, (), None, group or SINGLE, 1, compiled)
-    out = list(gen)
+    spec = drafts if isinstance(drafts, BatchDrafts) else BatchDrafts(drafts.k)
+    if not isinstance(drafts, BatchDrafts):
+        spec.lookup = drafts
+    gen = Generation(model, np.asarray(prompt), n + spec.k + 1, sampling, (), None, group or SINGLE, 1, compiled,
+                     spec=spec)
+    out = []
+    for t in gen:
+        out.append(t)
+        if len(out) == n:
+            break
     return out, gen.finish()

@@ -11,7 +11,7 @@ import pytest
 from mlxcel_dist import prefill
 from mlxcel_dist.batch import BatchEngine
 from mlxcel_dist.prefill import Together
-from mlxcel_dist.engine import TokenGenerator
+from mlxcel_dist.generation import Generation, own_loop
 from mlxcel_dist.loader import default_model_dir, load_model
 from mlxcel_dist.models import supported
 from mlxcel_dist.sampling import SamplingParams
@@ -26,6 +26,13 @@ for d in cases():
 CASES = [default_model_dir()] + list(FAMILY_CASES.values())
 
 
+def alone_ids(model, prompt, n, sampling=None, **kw) -> list:
+    """A request's ids alone: the engine's one row (generate's Generation), token by
+    token also for a model with its own generation loop."""
+    engine = BatchEngine(model) if own_loop(model) else None
+    return list(Generation(model, prompt, n, sampling, eos_ids=(), engine=engine, **kw))
+
+
 def _ids(d):
     return "default" if d == default_model_dir() else case_id(d)
 
@@ -38,7 +45,6 @@ def small_buffers(monkeypatch):
 
     monkeypatch.setattr(decode, "STEP", 8)
     monkeypatch.setattr(batch, "CPU_STEP", 8)
-    monkeypatch.setattr(batch, "GPU_STEP", 8)
 
 
 def _run_batched(model, prompts, params, n, joins, micro=1):
@@ -75,7 +81,7 @@ def test_batched_rows_decode_as_they_would_alone(d):
               SamplingParams(temp=0.9, top_k=20, seed=7),
               SamplingParams(repetition_penalty=1.3), SamplingParams(temp=1.1, top_p=0.9, seed=3)]
     n = 20
-    alone = [list(TokenGenerator(model, p, n, s, eos_ids=())) for p, s in zip(prompts, params)]
+    alone = [alone_ids(model, p, n, s) for p, s in zip(prompts, params)]
     got, eng = _run_batched(model, prompts, params, n, joins=[0, 0, 3, 7, 9])
     assert [got[i] for i in range(len(prompts))] == alone
     if eng.static:
@@ -101,10 +107,10 @@ def test_micro_batched_steps_decode_as_rows_alone(d, micro):
     params = [SamplingParams(), SamplingParams(temp=0.9, top_k=20, seed=7), SamplingParams(),
               SamplingParams(repetition_penalty=1.3), SamplingParams()]
     n = 14
-    alone = [list(TokenGenerator(model, p, n, s, eos_ids=())) for p, s in zip(prompts, params)]
+    alone = [alone_ids(model, p, n, s) for p, s in zip(prompts, params)]
     got, eng = _run_batched(model, prompts, params, n, joins=[0, 0, 3, 5, 6], micro=micro)
     assert [got[i] for i in range(len(prompts))] == alone
-    greedy = [list(TokenGenerator(model, p, n, SamplingParams(), eos_ids=())) for p in prompts]
+    greedy = [alone_ids(model, p, n, SamplingParams()) for p in prompts]
     got, _ = _run_batched(model, prompts, [SamplingParams()] * 5, n, joins=[0, 0, 0, 2, 2], micro=micro)
     assert [got[i] for i in range(len(prompts))] == greedy  # all greedy: the per-part argmax path
 
@@ -161,7 +167,7 @@ def test_state_rows_step_together_in_micro_batches(d):
     params = [SamplingParams(), SamplingParams(temp=0.9, top_k=20, seed=7), SamplingParams(), SamplingParams()]
     got, eng = _run_batched(model, prompts, params, 6, joins=[0, 0, 3, 3], micro=2)
     assert eng.static and eng.stateful and eng.traces < 12
-    assert [got[i] for i in range(4)] == [list(TokenGenerator(model, p, 6, s, eos_ids=()))
+    assert [got[i] for i in range(4)] == [alone_ids(model, p, 6, s)
                                           for p, s in zip(prompts, params)]
 
 
@@ -188,7 +194,7 @@ def test_prompt_cache_reuses_a_prefix_and_changes_nothing(d):
     got = [eng.step()["b"] for _ in range(8)]
     eng.remove("b")
     assert pc.hits == 1 and pc.misses == 1
-    assert got == list(TokenGenerator(model, second, 8, eos_ids=()))
+    assert got == alone_ids(model, second, 8)
     # the same prompt again: everything but its last token comes from the cache
     eng.add("c", second)
     assert [eng.step()["c"] for _ in range(8)] == got and pc.hits == 2
@@ -234,7 +240,7 @@ def test_pipelined_steps_are_the_unpipelined_ones(d):
     params = [SamplingParams(temp=0.8, seed=11), SamplingParams(repetition_penalty=1.4, repetition_context_size=5),
               SamplingParams(), SamplingParams(temp=1.2, top_k=9, seed=5, repetition_penalty=1.2)]
     lengths, joins = [12, 1, 7, 9], [0, 0, 0, 4]
-    alone = [list(TokenGenerator(model, p, n, s, eos_ids=())) for p, s, n in zip(prompts, params, lengths)]
+    alone = [alone_ids(model, p, n, s) for p, s, n in zip(prompts, params, lengths)]
     for pipelined in (True, False):
         eng = BatchEngine(model, pipelined=pipelined)
         got, rows, step = {i: [] for i in range(4)}, {}, 0
@@ -269,7 +275,7 @@ def test_all_greedy_rows_take_one_batched_argmax(d, monkeypatch):
     prompts = [rng.integers(3, model.args.vocab_size, k) for k in (17, 5, 26)]
     params = [SamplingParams(), SamplingParams(), SamplingParams(repetition_penalty=1.3)]
     n = 8
-    alone = [list(TokenGenerator(model, p, n, s, eos_ids=())) for p, s in zip(prompts, params)]
+    alone = [alone_ids(model, p, n, s) for p, s in zip(prompts, params)]
     calls.clear()
     eng = BatchEngine(model)
     got = {i: [] for i in range(3)}
@@ -301,7 +307,7 @@ def test_no_step_is_launched_past_every_rows_budget():
     eng.add_many([("a", pa, None, 5), ("b", pb, None, 3)])
     got = [eng.step() for _ in range(5)]
     a, b = eng.rows
-    assert [s["a"] for s in got] == list(TokenGenerator(model, pa, 5, eos_ids=()))
+    assert [s["a"] for s in got] == alone_ids(model, pa, 5)
     assert a.launched == 5 and b.launched == 5  # "b" past its budget rides along with "a"
     assert not eng._flights
 
@@ -345,7 +351,7 @@ def test_a_row_removed_mid_pipeline_keeps_an_exact_entry(d):
     pc.store_layers(key, entries[0], [c.window for c in model.make_cache()])  # the pipelined entry
     eng = BatchEngine(model, prompt_cache=pc)
     eng.add("c", follow)
-    assert pc.hits == 1 and [eng.step()["c"] for _ in range(6)] == list(TokenGenerator(model, follow, 6, eos_ids=()))
+    assert pc.hits == 1 and [eng.step()["c"] for _ in range(6)] == alone_ids(model, follow, 6)
 
 
 @pytest.mark.parametrize("d", CASES, ids=_ids)
@@ -366,7 +372,7 @@ def test_prompts_prefilled_together_decode_as_they_would_alone(d, monkeypatch):
     params = [SamplingParams(), SamplingParams(temp=0.9, top_k=20, seed=7), SamplingParams(),
               SamplingParams(repetition_penalty=1.3), SamplingParams(temp=1.1, top_p=0.9, seed=3), SamplingParams()]
     n, step = 8, 16
-    alone = [list(TokenGenerator(model, p, n, s, eos_ids=(), prefill_step=step)) for p, s in zip(prompts, params)]
+    alone = [alone_ids(model, p, n, s, prefill_step=step) for p, s in zip(prompts, params)]
     together = []
     monkeypatch.setattr(prefill, "PAD_SLACK", 100.0)  # one group however uneven: padding tested too
     monkeypatch.setattr(Together, "__init__",
@@ -390,7 +396,7 @@ def test_prompts_prefilled_together_decode_as_they_would_alone(d, monkeypatch):
         reply = []
         while len(reply) < 4:  # the rows beside it: a step already in flight without it
             reply += [tok for rid, tok in eng.step().items() if rid == "more"]
-        assert pc.hits == 2 and reply == list(TokenGenerator(model, more, 4))
+        assert pc.hits == 2 and reply == alone_ids(model, more, 4)
     else:
         assert together == [] and pc.hits == PromptCache.cacheable(model.make_cache())  # (a state's: DeltaNet, RG-LRU)
 
@@ -428,7 +434,7 @@ def test_chunked_attention_rows_give_the_single_row_logits(d, monkeypatch):
     # 8-slot buffers are rings of the chunk): every row's logits at every
     # step are the one-pass logits of its sequence alone.
     import mlxcel_dist.batch as batch
-    from mlxcel_dist.engine import sequence_logits
+    from mlxcel_dist.generation import sequence_logits
     from mlxcel_dist.harness import FP32_REL_TOL, compare
 
     model = load_model(d).model
@@ -480,7 +486,7 @@ def test_copies_of_a_prompt_share_one_prefill(d):
     prompt, other, old = rng.integers(3, V, 21), rng.integers(3, V, 9), rng.integers(3, V, 5)
     params = [SamplingParams(temp=0.9, top_k=20, seed=s) for s in (4, 5, 6)] + [SamplingParams()]
     n = 6
-    alone = [list(TokenGenerator(model, p, n, s, eos_ids=()))
+    alone = [alone_ids(model, p, n, s)
              for p, s in zip([prompt] * 3 + [other], params)]
     eng = BatchEngine(model)
     eng.add("old", old)

@@ -11,7 +11,7 @@ import pytest
 
 from mlxcel_dist.attention import causal_attention
 from mlxcel_dist.cache import FULL, SLIDING, KVCache, RotatingKVCache, SharedKVCache, make_layer_caches
-from mlxcel_dist.engine import sequence_logits
+from mlxcel_dist.generation import sequence_logits
 from mlxcel_dist.cache import layer_masks
 from mlxcel_dist.masks import CAUSAL, create_causal_mask, create_causal_mask_with_window_full
 
@@ -57,7 +57,7 @@ class SharedToy(nn.Module):
     def __init__(self, vocab=23, dim=8):
         super().__init__()
         self.args = SimpleNamespace(vocab_size=vocab, layer_types=self.kinds)
-        self.decode_step = None
+        self.engine = None  # the model contract's slot (generation.batch_engine)
         self.embed = nn.Embedding(vocab, dim)
         self.q = [nn.Linear(dim, dim, bias=False) for _ in self.kinds]
         self.kv = [nn.Linear(dim, 2 * dim, bias=False) for i in range(len(self.kinds)) if i not in self.reads]

@@ -48,4 +48,4 @@ def test_every_family_declares_the_contract(family):
         assert cuts is None or all(0 < c < len(m.model.layers) for c in cuts)
     lines = m.describe_layers()
     assert len(lines) == m.args.num_hidden_layers and all(isinstance(x, str) for x in lines)
-    assert m.kv_options is None and m.decode_step is None
+    assert m.kv_options is None and m.engine is None

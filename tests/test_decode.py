@@ -1,4 +1,4 @@
-"""The decode hot path (engine.TokenGenerator): the pipelined loop draws what
+"""The decode hot path (generation.Generation, the engine's one row): the pipelined loop draws what
 a plain one-step-at-a-time loop draws (sampling with a repetition penalty
 whose last context id is still on the device), chunked prefill gives the same
 ids as one chunk on a prompt several windows long, compiled decode steps are
@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from mlxcel_dist.collectives import SINGLE, Group
-from mlxcel_dist.engine import RankAgreement, TokenGenerator, sequence_logits
+from mlxcel_dist.engine import RankAgreement
+from mlxcel_dist.generation import Generation, sequence_logits
 from mlxcel_dist.loader import default_model_dir, load_model
 from mlxcel_dist.models import MODEL_REMAP, supported
 from mlxcel_dist.sampling import Sampler, SamplingParams, apply_repetition_penalty
@@ -88,7 +89,7 @@ def plain_loop(model, prompt, n, params):
         "sampled-openai-penalties"])
 def test_pipelined_loop_draws_what_a_plain_loop_draws(tiny, params):
     prompt = np.random.default_rng(1).integers(4, tiny.args.vocab_size, 20)
-    gen = TokenGenerator(tiny, prompt, 24, params)
+    gen = Generation(tiny, prompt, 24, params)
     ids = list(gen)
     stats = gen.finish()
     assert ids == plain_loop(tiny, prompt, 24, params)
@@ -101,9 +102,9 @@ def test_chunked_prefill_gives_the_ids_of_one_chunk():
     model = load_model(d).model
     prompt = np.load(d / "reference.npz")["ids"]
     assert len(prompt) > 3 * model.args.sliding_window
-    one = list(TokenGenerator(model, prompt, 8, prefill_step=len(prompt)))
+    one = list(Generation(model, prompt, 8, prefill_step=len(prompt)))
     for step in (5, 16, 19):
-        assert list(TokenGenerator(model, prompt, 8, prefill_step=step)) == one, step
+        assert list(Generation(model, prompt, 8, prefill_step=step)) == one, step
 
 
 def test_decode_steps_are_traced_once(monkeypatch):
@@ -115,46 +116,46 @@ def test_decode_steps_are_traced_once(monkeypatch):
     seen = []
     orig = stack.masks
     monkeypatch.setattr(stack, "masks", lambda L, cache: seen.append((L, m := orig(L, cache))) or m)
-    from mlxcel_dist.decode import decode_step_for
 
-    compiled = list(TokenGenerator(tiny, np.arange(4, 44), 12, prefill_step=16))
+    compiled = list(Generation(tiny, np.arange(4, 44), 12, prefill_step=16))
     # 39 prompt tokens in chunks of 16, then one trace for all 12 single-token
-    # steps (a split step builds no mask; a whole-graph one builds it once)
+    # steps (the one-row split step builds no mask; a whole-graph one builds it once)
     assert [L for L, _ in seen if L > 1] == [16, 16, 7] and len(seen) <= 4
-    assert decode_step_for(tiny).traces == 1
+    assert tiny.engine.traces == 1 and tiny.engine.splits(1)
     seen.clear()
-    eager = list(TokenGenerator(tiny, np.arange(4, 44), 12, prefill_step=16, compiled=False))
+    eager = list(Generation(tiny, np.arange(4, 44), 12, prefill_step=16, compiled=False))
     assert [L for L, _ in seen] == [16, 16, 7] + [1] * 12
     assert compiled == eager
     seen.clear()
-    assert list(TokenGenerator(tiny, np.arange(4, 44), 12, prefill_step=16)) == compiled
+    assert list(Generation(tiny, np.arange(4, 44), 12, prefill_step=16)) == compiled
     assert [L for L, _ in seen] == [16, 16, 7]  # the same shapes again: the kept trace
-    assert decode_step_for(tiny).traces == 1
+    assert tiny.engine.traces == 1
 
 
-def test_buffers_grow_only_when_full(monkeypatch):
-    # Prompt 1024: the buffer is sized for 1024 + a quarter (1280); the decode
-    # steps after it fit, so one trace serves them all (a regrowth would retrace).
-    from mlxcel_dist.decode import decode_step_for
-
+def test_buffers_grow_only_when_full():
+    # Prompt 1024: the buffer is sized for 1025 + a quarter, rounded up to the
+    # CPU's 64 slots (1344); the decode steps after it fit, so one trace serves
+    # them all (a regrowth would retrace).
     tiny = load_model(default_model_dir()).model
-    list(TokenGenerator(tiny, np.arange(1024) % 500, 8))  # no finish(): the buffers stay
-    d = decode_step_for(tiny)
-    assert d.traces == 1
-    assert max(v.shape[2] for k, v in d.state.items() if k != "pos") == 1280  # (sliding layers: their window)
+    gen = Generation(tiny, np.arange(1024) % 500, 8)
+    for i, _ in enumerate(gen):
+        if i == 6:
+            held = max(v.shape[2] for k, v in tiny.engine.buffers.items() if k != "pos")
+    gen.finish()
+    assert tiny.engine.traces == 1
+    assert held == 1344  # (sliding layers: their window)
 
 
 def test_finished_generation_leaves_no_kv_buffers(tiny):
-    # the DecodeStep stays on the model between generations (serve); its buffers do not
-    from mlxcel_dist.decode import decode_step_for
-
-    gen = TokenGenerator(tiny, np.arange(4, 30), 5)
-    list(gen)
-    assert len(decode_step_for(tiny).state) > 0  # the last step's buffers, until finish
+    # the engine stays on the model between generations; its buffers do not
+    gen = Generation(tiny, np.arange(4, 30), 5)
+    for i, _ in enumerate(gen):
+        if i == 2:
+            assert len(tiny.engine.buffers) > 0  # the row's buffers, while it generates
     gen.finish()
-    assert len(decode_step_for(tiny).state) == 0 and decode_step_for(tiny).views == []
-    sequence_logits(tiny, np.arange(4, 30), decode_from=20)
-    assert len(decode_step_for(tiny).state) == 0
+    assert len(tiny.engine.buffers) == 0 and len(tiny.engine) == 0
+    sequence_logits(tiny, np.arange(4, 30), decode_from=20)  # (its decode part: a row of the engine too)
+    assert len(tiny.engine.buffers) == 0 and len(tiny.engine) == 0
 
 
 def eager_logits(model, ids, start):
@@ -226,7 +227,7 @@ def test_first_step_of_a_new_graph_is_announced_and_timed_apart(monkeypatch):
     # generator announces it (on_compile, from a timer; here a timer that
     # fires at once) and reports its time as compile_s, not prompt speed. The
     # same shapes again reuse the graph: nothing announced, every token timed.
-    import mlxcel_dist.engine as engine
+    import mlxcel_dist.generation as generation
 
     class FiresAtOnce:
         def __init__(self, _delay, fn):
@@ -238,16 +239,16 @@ def test_first_step_of_a_new_graph_is_announced_and_timed_apart(monkeypatch):
         def cancel(self):
             pass
 
-    monkeypatch.setattr(engine.threading, "Timer", FiresAtOnce)
+    monkeypatch.setattr(generation.threading, "Timer", FiresAtOnce)
     model = load_model(default_model_dir()).model  # fresh: no graph traced yet
     prompt = np.arange(4, 11)
     calls = []
-    first = TokenGenerator(model, prompt, 4, on_compile=lambda: calls.append(1))
+    first = Generation(model, prompt, 4, on_compile=lambda: calls.append(1))
     list(first)
     s1 = first.finish()
     assert calls == [1] and s1.compile_s > 0 and s1.prefill_timed_tokens == len(prompt) - 1
     assert s1.ttft_s == s1.prefill_s + s1.compile_s
-    again = TokenGenerator(model, prompt, 4, on_compile=lambda: calls.append(2))
+    again = Generation(model, prompt, 4, on_compile=lambda: calls.append(2))
     list(again)
     s2 = again.finish()
     assert calls == [1] and s2.compile_s == 0 and s2.prefill_timed_tokens == len(prompt)

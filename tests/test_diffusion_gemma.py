@@ -156,9 +156,9 @@ def test_sanitize_drops_the_vision_tower_and_tied_encoder_copies():
 
 
 def test_generate_text_runs_the_models_own_loop():
-    # engine.generate_text takes a model's generate_ids (HookGenerator) over the
-    # token-by-token TokenGenerator: the CLI's generate runs block diffusion.
-    from mlxcel_dist.engine import generate_text
+    # generation.generate_text takes a model's generate_ids (OneRowEngine) over the
+    # batch engine's token-by-token steps: the CLI's generate runs block diffusion.
+    from mlxcel_dist.generation import generate_text
     from mlxcel_dist.sampling import SamplingParams
 
     class Tok:  # ids as text, one character per id

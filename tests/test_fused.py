@@ -14,7 +14,7 @@ from mlx.utils import tree_flatten
 from mlxcel_dist import blocks, shard
 from mlxcel_dist.collectives import Group
 from mlxcel_dist.decode import decode_step_for
-from mlxcel_dist.engine import sequence_logits
+from mlxcel_dist.generation import sequence_logits
 from mlxcel_dist.loader import load_model
 
 from reference_cases import FIXTURES

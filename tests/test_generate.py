@@ -19,7 +19,8 @@ from typer.testing import CliRunner
 
 from mlxcel_dist.cli import app
 from mlxcel_dist.collectives import SINGLE
-from mlxcel_dist.engine import RankAgreement, generate_text, generate_tokens
+from mlxcel_dist.engine import RankAgreement
+from mlxcel_dist.generation import Generation, generate_text
 from mlxcel_dist.errors import UserError
 from mlxcel_dist.loader import default_model_dir
 from mlxcel_dist.sampling import (
@@ -31,7 +32,7 @@ from mlxcel_dist.sampling import (
     apply_top_p,
     process_logits,
 )
-from mlxcel_dist.tokenizer import StopStrings, StreamDecoder, Tokenizer, render_chat_template
+from mlxcel_dist.tokenizer import RowText, StopStrings, StreamDecoder, Tokenizer, render_chat_template
 from testproc import run_cmd
 
 runner = CliRunner()
@@ -347,7 +348,7 @@ class Scripted:
         self.script = list(script)
         self.args = SimpleNamespace(vocab_size=vocab)
         self.calls = 0
-        self.decode_step = None  # the model contract's slot (decode.decode_step_for)
+        self.engine = None  # the model contract's slot (generation.batch_engine)
 
     def make_cache(self):
         return None
@@ -369,6 +370,31 @@ def run_text(tok, text, **kw):
             chunks.append(next(gen))
         except StopIteration as done:
             return chunks, done.value
+
+
+def test_row_text_ends_at_eos_stop_or_length(tok):
+    # the one rule generate and serve's scheduler apply to each id
+    ids = tok.encode("The sea is calm. The sky is clear.", add_special_tokens=False)
+    eos = tok.eos_ids[0]
+
+    def run(row, feed):
+        out = ""
+        for t in feed:
+            out += row.add(t)
+            if row.reason:
+                break
+        return out + (row.close() if row.reason is None else "")
+
+    row = RowText(tok, eos_ids=[eos])
+    assert run(row, ids[:4] + [eos] + ids[4:]) == tok.decode(ids[:4]) and row.reason == "eos"
+    assert row.generated == 4  # EOS is not counted
+    row = RowText(tok, stop=["sky"], eos_ids=[eos])
+    text = run(row, ids)
+    assert text == "The sea is calm. The " and row.reason == "stop" and row.stopped == "sky"
+    row = RowText(tok, max_tokens=3)
+    assert run(row, ids) == tok.decode(ids[:3]) and row.reason == "length" and row.generated == 3
+    row = RowText(tok)
+    assert run(row, ids) == tok.decode(ids) and row.reason is None
 
 
 def test_generation_stops_at_a_stop_string_split_across_tokens(tok):
@@ -419,16 +445,11 @@ def test_rank_agreement_guard_runs_at_np1():
         RankAgreement(SINGLE, every=-1)
 
 
-def test_generate_tokens_counts_checks(tok):
+def test_generation_counts_checks(tok):
     model = Scripted(tok.encode("The sea is calm.", add_special_tokens=False), tok.vocab_size)
-    gen = generate_tokens(model, [tok.bos_id], 7, check_every=3)
-    ids = []
-    while True:
-        try:
-            ids.append(next(gen))
-        except StopIteration as done:
-            stats = done.value
-            break
+    gen = Generation(model, [tok.bos_id], 7, check_every=3)
+    ids = list(gen)
+    stats = gen.finish()
     assert len(ids) == 7 and stats.checks == 3  # after 3, 6, and the end
 
 

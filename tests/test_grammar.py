@@ -20,7 +20,7 @@ pytest.importorskip("llguidance", reason="constrained decoding needs llguidance 
 
 from mlxcel_dist import grammar  # noqa: E402
 from mlxcel_dist.batch import BatchEngine  # noqa: E402
-from mlxcel_dist.engine import TokenGenerator  # noqa: E402
+from mlxcel_dist.generation import Generation  # noqa: E402
 from mlxcel_dist.errors import UserError  # noqa: E402
 from mlxcel_dist.launcher import find_mpirun  # noqa: E402
 from mlxcel_dist.loader import default_model_dir, load_model, read_config  # noqa: E402
@@ -104,10 +104,10 @@ def test_constrained_rows_decode_as_alone_and_unpipelined_and_always_validate(se
     greedy_or_constrained = [r for r in rows if r[2] is None or r[3] is not None]
     assert _run(model, vocab, greedy_or_constrained, spec=spec) == {r[0]: together[r[0]] for r in greedy_or_constrained}
     assert spec.total[1] > 0  # the free rows drafted
-    # TokenGenerator (generate --json-schema) draws the same ids as a batch row
+    # Generation (generate --json-schema) draws the same ids as a batch row of many
     for rid in (2,):
         m = vocab.matcher(g)
-        ids = list(TokenGenerator(model, prompts[rid % 4], 120, SamplingParams(temp=1.0, seed=rows[rid][2]),
+        ids = list(Generation(model, prompts[rid % 4], 120, SamplingParams(temp=1.0, seed=rows[rid][2]),
                                   eos_ids=tok.eos_ids, grammar=m))
         assert ids == together[rid][:-1]
 

@@ -22,7 +22,7 @@ from mlxcel_dist.prefill import Together
 from mlxcel_dist.cache import (KVCache, KVOptions, QuantizedKV, QuantizedKVCache, RotatingKVCache,
                                SharedKVCache, kv_caches)
 from mlxcel_dist.cli import app
-from mlxcel_dist.engine import TokenGenerator, sequence_logits
+from mlxcel_dist.generation import Generation, sequence_logits
 from mlxcel_dist.harness import FP32_REL_TOL, compare, modes
 from mlxcel_dist.loader import default_model_dir, load_model
 from mlxcel_dist.prompt_cache import PromptCache
@@ -106,7 +106,7 @@ def test_batch_engine_and_prompt_cache_with_a_bound_decode_as_alone(path):
     prompts = [rng.integers(3, V, k) for k in (2 * N + 3, 1, 5)] + [np.concatenate([kept, rng.integers(3, V, 4)])]
     params = [SamplingParams(), SamplingParams(temp=0.9, top_k=20, seed=7), SamplingParams(), SamplingParams()]
     n = 2 * N
-    alone = [list(TokenGenerator(model, p, n, s, eos_ids=(), prefill_step=N // 2 + 1)) for p, s in zip(prompts, params)]
+    alone = [list(Generation(model, p, n, s, eos_ids=(), prefill_step=N // 2 + 1)) for p, s in zip(prompts, params)]
     pc = PromptCache()
     eng = BatchEngine(model, prefill_step=N // 2 + 1, prompt_cache=pc)
     eng.add("kept", kept)
@@ -134,7 +134,7 @@ def test_quantized_cache_rows_batch_prefill_fork_and_reuse_as_alone(monkeypatch)
     kept = np.arange(40, 58)
     prompts = [np.arange(3, 3 + k) for k in (9, 1, 20)] + [np.concatenate([kept, [7, 8, 9]]), np.arange(3, 12)]
     params = [SamplingParams()] * 4 + [SamplingParams(temp=0.9, seed=4)]
-    alone = [list(TokenGenerator(model, p, 12, s, eos_ids=())) for p, s in zip(prompts, params)]
+    alone = [list(Generation(model, p, 12, s, eos_ids=())) for p, s in zip(prompts, params)]
     together = []
     monkeypatch.setattr(Together, "__init__",
                         lambda self, engine, admits, L, f=Together.__init__: together.append(len(admits))
@@ -155,7 +155,7 @@ def test_quantized_cache_rows_batch_prefill_fork_and_reuse_as_alone(monkeypatch)
         eng.remove(i)
     more = np.concatenate([prompts[2], got[2][:11], [5, 6]])
     eng.add("more", more)
-    assert pc.hits == 2 and [eng.step()["more"] for _ in range(6)] == list(TokenGenerator(model, more, 6))
+    assert pc.hits == 2 and [eng.step()["more"] for _ in range(6)] == list(Generation(model, more, 6))
 
 
 def test_extra_eos_token_stops_generation():
@@ -227,8 +227,7 @@ def test_compiled_decode_on_quantized_static_buffers(monkeypatch):
     ids = np.random.default_rng(0).integers(3, 512, 60)
     one = sequence_logits(model, ids)  # the eager QuantizedKVCache over the whole sequence
     compiled = sequence_logits(model, ids, decode_from=5)
-    step = model.decode_step
-    assert step.quantized and 1 <= step.traces < 10
+    assert "quantized" in model.engine.kinds and 1 <= model.engine.traces < 10
     eager = sequence_logits(model, ids, decode_from=5, compiled=False)
     np.testing.assert_array_equal(compiled, eager)
     assert compare(compiled, one, FP32_REL_TOL)["rel"] < 1e-5

@@ -17,7 +17,7 @@ import pytest
 from typer.testing import CliRunner
 
 from mlxcel_dist.cli import app
-from mlxcel_dist.engine import sequence_logits
+from mlxcel_dist.generation import sequence_logits
 from mlxcel_dist.harness import FP32_REL_TOL, compare, modes
 from mlxcel_dist.loader import default_model_dir, load_model
 from mlxcel_dist.lora import Adapter, LoRALinear

@@ -11,7 +11,7 @@ import pytest
 
 from mlxcel_dist.batch import BatchEngine
 from mlxcel_dist.cache import KVOptions
-from mlxcel_dist.engine import TokenGenerator
+from mlxcel_dist.generation import Generation
 from mlxcel_dist.loader import default_model_dir, load_model
 from mlxcel_dist.prefill import Budget
 from mlxcel_dist.sampling import SamplingParams
@@ -28,7 +28,7 @@ GREEDY = SamplingParams()
 
 
 def alone(model, prompt, n, sampling=GREEDY):
-    return list(TokenGenerator(model, np.asarray(prompt), n, sampling, eos_ids=()))
+    return list(Generation(model, np.asarray(prompt), n, sampling, eos_ids=()))
 
 
 def drive(eng, early, late, n, at=2):

@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mlxcel_dist.engine import sequence_logits
+from mlxcel_dist.generation import sequence_logits
 from mlxcel_dist.launcher import find_mpirun
 from mlxcel_dist.loader import load_model
 

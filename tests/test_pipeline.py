@@ -289,7 +289,7 @@ def decode_results(tmp_path_factory):
 @pytest.mark.parametrize("d", _ONE_PER_FAMILY, ids=case_id)
 def test_every_family_pp2x2_decodes_and_exits_0(decode_results, backend, d):
     from helpers.pp_cases import DECODE_STEPS, DECODE_TOKENS
-    from mlxcel_dist.engine import sequence_logits
+    from mlxcel_dist.generation import sequence_logits
     from reference_cases import _model
 
     out = decode_results(backend, 4, 2, "--decode")  # asserts the job's exit code 0

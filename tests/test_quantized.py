@@ -29,7 +29,7 @@ from typer.testing import CliRunner
 
 from mlxcel_dist.cli import app
 from mlxcel_dist.convert import convert_checkpoint
-from mlxcel_dist.engine import sequence_logits
+from mlxcel_dist.generation import sequence_logits
 from mlxcel_dist.errors import UserError
 from mlxcel_dist.harness import all_mode_logits
 from mlxcel_dist.launcher import find_mpirun, launch
@@ -375,7 +375,7 @@ def test_mlx_lm_runs_the_default_model_and_its_conversion(tmp_path, quantized):
     from mlx_lm import load
     from mlx_lm.generate import generate_step
 
-    from mlxcel_dist.engine import TokenGenerator
+    from mlxcel_dist.generation import Generation
     from mlxcel_dist.loader import default_model_dir
 
     src = default_model_dir()
@@ -387,5 +387,5 @@ def test_mlx_lm_runs_the_default_model_and_its_conversion(tmp_path, quantized):
 
     prompt = np.array(Tokenizer(default_model_dir()).encode("The sea is"), np.int32)
     theirs = [int(t) for t, _ in zip((t for t, _ in generate_step(mx.array(prompt), theirs_model)), range(12))]
-    ours = list(TokenGenerator(load_model(src).model, prompt, 12))
+    ours = list(Generation(load_model(src).model, prompt, 12))
     assert theirs[: len(ours)] == ours and len(ours) >= 8

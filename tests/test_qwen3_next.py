@@ -22,7 +22,7 @@ import pytest
 
 from mlxcel_dist.cache import FULL, LINEAR, DeltaNetCache, KVCache
 from mlxcel_dist.collectives import Group
-from mlxcel_dist.engine import TokenGenerator, sequence_logits
+from mlxcel_dist.generation import Generation, sequence_logits
 from mlxcel_dist.errors import UserError
 from mlxcel_dist.harness import FP32_REL_TOL, all_mode_logits, compare
 from mlxcel_dist.loader import build_model, load_model
@@ -237,8 +237,7 @@ def test_collectives_per_token_counts_the_moe_all_sum():
 def test_compiled_decode_holds_the_state_in_static_buffers(monkeypatch):
     # decode.StaticState: the DeltaNet conv + recurrent state are buffers of
     # the compiled step (replaced in the graph), bit for bit the eager
-    # DeltaNetCache steps' logits over buffer regrowths; with a speculative
-    # margin the state stays eager (it cannot be rolled back)
+    # DeltaNetCache steps' logits over buffer regrowths
     import mlxcel_dist.decode as decode
 
     monkeypatch.setattr(decode, "STEP", 8)
@@ -248,14 +247,8 @@ def test_compiled_decode_holds_the_state_in_static_buffers(monkeypatch):
     model(mx.array(ids[:3])[None], cache)
     eager = np.stack([np.array(model(mx.array([[int(t)]]), cache)[0, -1]) for t in ids[3:]])
     got = sequence_logits(model, ids, decode_from=3)[3:]
-    assert np.array_equal(got, eager) and 1 <= model.decode_step.traces < 8
-    cache = model.make_cache()
-    model(mx.array(ids[:3])[None], cache)
-    step = decode.DecodeStep(model)
-    assert [type(v).__name__ for v in step.start(cache, 3)][:2] == ["StaticState", "StaticState"]
-    cache = model.make_cache()
-    model(mx.array(ids[:3])[None], cache)
-    assert step.start(cache, 3, margin=2) is cache and not step.static
+    assert np.array_equal(got, eager) and 1 <= model.engine.traces < 8
+    assert model.engine.static and model.engine.kinds[:2] == ["state", "state"]
 
 
 def _engine(model, prompt_cache=None):
@@ -276,7 +269,7 @@ def test_batched_rows_give_the_ids_alone():
     for _ in range(6):
         for rid, tok in eng.step().items():
             got[rid].append(tok)
-    assert [got[i] for i in range(3)] == [list(TokenGenerator(model, p, 6, eos_ids=())) for p in prompts]
+    assert [got[i] for i in range(3)] == [list(Generation(model, p, 6, eos_ids=())) for p in prompts]
 
 
 def test_prompt_cache_restores_the_states_exactly():
@@ -301,7 +294,7 @@ def test_prompt_cache_restores_the_states_exactly():
     got = [eng.step()["b"] for _ in range(6)]
     eng.remove("b")
     assert pc.hits == 1 and not pc.trimmable
-    assert got == list(TokenGenerator(model, second, 6, eos_ids=()))
+    assert got == list(Generation(model, second, 6, eos_ids=()))
     # every entry holds each DeltaNet layer's snapshot (conv + recurrent state) after exactly its tokens
     for key, (layers, _) in pc.entries.items():
         snaps = [kv for kv, kind in zip(layers, model.args.layer_types) if kind == LINEAR]
@@ -342,7 +335,7 @@ def test_serve_batched_text_is_the_text_alone(served_dir, tmp_path):
     states). (np 1 serves through the same engine calls on one rank.)"""
     from serveproc import Server
 
-    from mlxcel_dist.engine import generate_text
+    from mlxcel_dist.generation import generate_text
     from mlxcel_dist.sampling import SamplingParams
     from mlxcel_dist.tokenizer import Tokenizer
 

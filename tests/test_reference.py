@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from mlxcel_dist.engine import sequence_logits
+from mlxcel_dist.generation import sequence_logits
 from mlxcel_dist.loader import load_model
 
 from reference_cases import (BF16_REL_TOL, FP32_REL_TOL, case_id, cases, compare, mode_logits, modes,

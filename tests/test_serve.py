@@ -271,17 +271,17 @@ def test_openai_penalties_logit_bias_and_stop_token_ids(server, model_dir):
     vLLM's stop_token_ids in extra_body) give what the library's generator
     gives with the same sampling parameters, at np 1 and np 2."""
     openai = pytest.importorskip("openai", reason="the openai package is not installed (optional)")
-    from mlxcel_dist.engine import TokenGenerator
+    from mlxcel_dist.generation import Generation
     from mlxcel_dist.sampling import SamplingParams
 
     model, tok = _loaded(str(model_dir))
     client = openai.OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0, timeout=120)
     name = client.models.list().data[0].id
     prompt = tok.encode(PROMPT)
-    plain = list(TokenGenerator(model, prompt, N, SamplingParams(), eos_ids=tok.eos_ids))
+    plain = list(Generation(model, prompt, N, SamplingParams(), eos_ids=tok.eos_ids))
     favoured = plain[3]
     params = SamplingParams(presence_penalty=2, frequency_penalty=1.5, logit_bias=((favoured, 10.0),))
-    want = list(TokenGenerator(model, prompt, N, params, eos_ids=tok.eos_ids))
+    want = list(Generation(model, prompt, N, params, eos_ids=tok.eos_ids))
     assert want != plain  # the fields change this greedy run
     r = client.completions.create(model=name, prompt=prompt, max_tokens=N, temperature=0)
     assert r.choices[0].text == tok.decode(plain)  # the text of ids, as the server detokenizes
@@ -489,10 +489,10 @@ def _loaded(model_dir: str):
 def _reference_logprobs(model_dir, prompt_ids):
     """(greedy ids, [len(ids), V] log-softmax of the model's logits at each
     of them), computed in this process with the library."""
-    from mlxcel_dist.engine import generate_tokens, sequence_logits
+    from mlxcel_dist.generation import Generation, sequence_logits
 
     model, _ = _loaded(str(model_dir))
-    ids = list(generate_tokens(model, prompt_ids, N))
+    ids = list(Generation(model, prompt_ids, N))
     logits = sequence_logits(model, list(prompt_ids) + ids).astype(np.float64)
     rows = logits[len(prompt_ids) - 1:len(prompt_ids) - 1 + len(ids)]
     m = rows.max(-1, keepdims=True)
@@ -1061,7 +1061,7 @@ def test_one_request_at_a_time_models_serve_alike_and_idle(diffusion_dir, tmp_pa
     differ: the canvas's argmax draws on this random model flip on TP's
     ~1e-7 rounding differences; tests/test_diffusion_gemma.py checks TP's
     logits and a generation against transformers.)"""
-    from mlxcel_dist.engine import generate_text
+    from mlxcel_dist.generation import generate_text
     from mlxcel_dist.loader import load_model
     from mlxcel_dist.sampling import SamplingParams
     from mlxcel_dist.tokenizer import Tokenizer
@@ -1213,7 +1213,7 @@ def test_prompt_cache_reuse_past_the_window_changes_nothing(server, model_dir):
     """Multi-turn style: a prompt that starts with an earlier one (longer than
     the sliding window of 32) reuses its cached keys/values; the greedy text
     is the library's for the whole prompt, fresh (and again on a repeat)."""
-    from mlxcel_dist.engine import generate_text
+    from mlxcel_dist.generation import generate_text
     from mlxcel_dist.sampling import SamplingParams
 
     model, tok = _loaded(str(model_dir))

@@ -15,7 +15,7 @@ openai = pytest.importorskip("openai", reason="the openai package is not install
 import mlx.core as mx  # noqa: E402
 
 from mlxcel_dist.batch import BatchEngine  # noqa: E402
-from mlxcel_dist.engine import sequence_logits  # noqa: E402
+from mlxcel_dist.generation import sequence_logits  # noqa: E402
 from mlxcel_dist.loader import default_model_dir, load_model, read_config  # noqa: E402
 from mlxcel_dist.prefill import Budget, Request  # noqa: E402
 from mlxcel_dist.serve.lifecycle import _template_formats  # noqa: E402

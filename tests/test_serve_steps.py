@@ -12,7 +12,8 @@ from mlxcel_dist.engine import RankAgreement
 from mlxcel_dist.loader import default_model_dir, read_config
 from mlxcel_dist.sampling import SamplingParams
 from mlxcel_dist.serve import wire
-from mlxcel_dist.serve.protocol import OneRowEngine, advance, apply_step, follow
+from mlxcel_dist.generation import OneRowEngine
+from mlxcel_dist.serve.protocol import advance, apply_step, follow
 from mlxcel_dist.serve.scheduler import Done, Failed, Job, Scheduler, Text, Token
 from mlxcel_dist.serve.wire import KIND_SHUTDOWN, KIND_STEP, GenRequest
 from mlxcel_dist.tokenizer import Tokenizer
@@ -253,7 +254,7 @@ def test_failing_row_ends_that_request_alone(tok, monkeypatch):
     def broken(_):
         raise RuntimeError("detokeniser broke")
 
-    monkeypatch.setattr(row.decoder, "add", broken)
+    monkeypatch.setattr(row.text.decoder, "add", broken)
     drain(sched, eng)
     assert got_bad[-1] == Failed("generation failed: RuntimeError: detokeniser broke", 500)
     assert got_good[-1].finish_reason == "length"
@@ -434,7 +435,7 @@ def test_n_choices_take_rows_together_and_end_together(tok, monkeypatch):
     sched.submit(bad)
     run_once(sched, eng)
     row = next(r for r in sched.rows.values() if r.job is bad and r.index == 1)
-    monkeypatch.setattr(row.decoder, "add", lambda _: (_ for _ in ()).throw(RuntimeError("detokeniser broke")))
+    monkeypatch.setattr(row.text.decoder, "add", lambda _: (_ for _ in ()).throw(RuntimeError("detokeniser broke")))
     drain(sched, eng)
     assert [e for e in bad_got if isinstance(e, (Done, Failed))] == [
         Failed("generation failed: RuntimeError: detokeniser broke", 500)]

@@ -1,10 +1,12 @@
-"""Speculative decoding (spec.py): greedy ids identical to plain decoding in
-every family (drafts accepted and rejected at every index, rings wrapped,
-buffers regrown), draft-model rollback exact, prompt lookup's matches, the
-sampling rule keeping the target's distribution (a chi-square test on a
-Markov chain), the refusals, the CLI flags at np 1, and every family's
-drafted ids (scripted, a draft model on every rank or on rank 0 alone,
-prompt lookup) under the real launcher at np 2."""
+"""Speculative decoding (the engine's drafts, batch_spec.py, as generate and
+bench run them): greedy ids identical to plain decoding in every family
+whose layers hold attention KV (drafts accepted and rejected at every index,
+rings wrapped, buffers regrown), draft-model rollback exact, prompt
+lookup's matches, the sampling rule keeping the target's distribution (a
+chi-square test on a Markov chain), the refusals (a target with a recurrent
+or conv state among them), the CLI flags at np 1, and every family's
+drafted ids (scripted, a draft model on every rank, prompt lookup) under
+the real launcher at np 2."""
 
 import json
 from pathlib import Path
@@ -20,33 +22,42 @@ from mlxcel_dist.launcher import launch
 from mlxcel_dist.loader import default_model_dir, load_model
 from mlxcel_dist.models import supported
 from mlxcel_dist.sampling import SamplingParams
-from mlxcel_dist.spec import DraftModel, PromptLookup, speculative_accept
+from mlxcel_dist.batch_spec import BatchDrafts, DraftRows
+from mlxcel_dist.spec import PromptLookup, speculative_accept
 
 from reference_cases import FIXTURES, case_id, cases
-from spec_drafts import ScriptedDrafts, plain_ids, spec_ids
+from spec_drafts import ScriptedDrafts, misled, plain_ids, spec_ids
 
 K = 3
 N = 20  # generated ids: past every fixture's window + K from the short prompt
 
 
-def _family_cases() -> list:
-    """Each family's first fp32 case (GQA ones first), but diffusion_gemma (its own loop: refused)."""
+def _family_cases(drafting: bool) -> list:
+    """Each family's first fp32 case (GQA ones first) whose target takes drafts
+    (`drafting`: layers all attention KV) or is refused them (a recurrent or
+    conv state; diffusion_gemma: its own loop)."""
+    from mlxcel_dist.decode import static_kind
+    from mlxcel_dist.loader import build_model, open_model
+
     picked = {}
     for d in sorted(cases(), key=lambda d: not d.name.startswith("gqa")):
         fam = d.parent.name
-        if fam in supported() and fam != "diffusion_gemma" and "fp32" in d.name:
-            picked.setdefault(fam, case_id(d))
-    return sorted(picked.values())
+        if fam in supported() and "fp32" in d.name and fam not in picked:
+            model = build_model(open_model(d).config)
+            kv = fam != "diffusion_gemma" and {static_kind(c) for c in model.make_cache()} <= {"kv", "shared"}
+            picked[fam] = (case_id(d), kv)
+    return sorted(c for c, kv in picked.values() if kv == drafting)
 
 
-FAMILY_CASES = _family_cases()
+FAMILY_CASES = _family_cases(True)
+REFUSED_CASES = _family_cases(False)
 
 
 @pytest.fixture
 def small_buffers(monkeypatch):
-    import mlxcel_dist.decode as decode
+    import mlxcel_dist.batch as batch
 
-    monkeypatch.setattr(decode, "STEP", 8)  # full layers regrow within the generation
+    monkeypatch.setattr(batch, "CPU_STEP", 8)  # full layers regrow within the generation
 
 
 @pytest.mark.parametrize("case", FAMILY_CASES)
@@ -64,6 +75,20 @@ def test_greedy_drafts_give_the_plain_ids(case, prompt_len, small_buffers):
     assert got == want[:N]
     assert stats.accepted == drafts.expected  # every right draft accepted, none of the wrong ones
     assert stats.drafted == K * stats.rounds and stats.rounds < N
+    assert drafts.rounds == stats.rounds  # a draft every step
+
+
+def test_drafts_on_quantized_kv_rows_give_the_plain_ids(small_buffers):
+    # --kv-bits rows (QuantizedRowCache) take drafts: a rejected position is
+    # hidden by its position alone, as in float rows
+    from mlxcel_dist.cache import KVOptions
+
+    model = load_model(default_model_dir(), kv=KVOptions(bits=8, group_size=32)).model
+    prompt = np.arange(3, 22)
+    want = plain_ids(model, prompt, N + K + 1)
+    drafts = ScriptedDrafts(want, len(prompt), K, model.args.vocab_size)
+    got, stats = spec_ids(model, prompt, N, drafts)
+    assert got == want[:N] and stats.accepted == drafts.expected and stats.rounds == drafts.rounds
 
 
 def test_compiled_blocks_give_the_plain_ids(small_buffers):
@@ -76,34 +101,16 @@ def test_compiled_blocks_give_the_plain_ids(small_buffers):
     assert got == want[:N] and stats.accepted == drafts.expected
 
 
-class MisledDraft(DraftModel):
-    """A draft model whose round r draft r % (K + 1) is turned wrong after it
-    was drawn (its cache holds the right one): with the target itself as the
-    draft, every other draft is right exactly when the draft's rollback is."""
-
-    def start(self, prompt):
-        super().start(prompt)
-        self.rounds = self.expected = 0
-
-    def propose(self, context, sampler):
-        drafts, q = super().propose(context, sampler)
-        bad = self.rounds % (self.k + 1)
-        self.rounds += 1
-        self.expected += bad
-        wrong = (drafts + 1) % self.model.args.vocab_size
-        return mx.where(mx.arange(self.k) == bad, wrong, drafts), q
-
-
 @pytest.mark.parametrize("case", ["gemma3/gqa_fp32", "gpt_oss/gqa_fp32", "llama/gqa_fp32"])
 def test_draft_model_rolls_back_exactly(case, small_buffers):
     d = FIXTURES / case
     model, twin = load_model(d).model, load_model(d).model
     prompt = np.load(d / "reference.npz")["ids"][:3]
     want = plain_ids(model, prompt, N)
-    drafter = MisledDraft(twin, K, compiled=False)  # eager steps: the same buffers and rewinds
+    drafter = misled(twin, K, compiled=False)  # eager steps: the same buffers and positions
     got, stats = spec_ids(model, prompt, N, drafter, compiled=False)
     assert got == want
-    assert stats.accepted == drafter.expected
+    assert stats.accepted == drafter.draft.expected
 
 
 def test_prompt_lookup_drafts_what_followed_the_latest_longest_match():
@@ -165,7 +172,7 @@ def test_speculative_sampling_keeps_the_target_distribution():
 
 def test_sampled_drafts_are_reproducible_and_differ_by_seed():
     model = load_model(FIXTURES / "llama" / "gqa_fp32").model
-    draft = DraftModel(load_model(FIXTURES / "llama" / "mqa_tied_fp32").model, K)
+    draft = BatchDrafts(K, DraftRows(load_model(FIXTURES / "llama" / "mqa_tied_fp32").model, K))
     prompt = np.load(FIXTURES / "llama" / "gqa_fp32" / "reference.npz")["ids"][:4]
     runs = [spec_ids(model, prompt, 12, draft, sampling=SamplingParams(temp=1.0, seed=s))[0] for s in (5, 5, 6)]
     assert runs[0] == runs[1] != runs[2]
@@ -173,14 +180,18 @@ def test_sampled_drafts_are_reproducible_and_differ_by_seed():
 
 
 def test_refusals():
-    from mlxcel_dist.spec import SpecGenerator, check_pair
+    from mlxcel_dist.generation import Generation
+    from mlxcel_dist.spec import check_pair, check_target
 
     diffusion = load_model(FIXTURES / "diffusion_gemma" / "kv4_fp32").model
     with pytest.raises(UserError, match="its own generation loop"):
-        SpecGenerator(diffusion, [1, 2], 4, PromptLookup(2))
+        Generation(diffusion, [1, 2], 4, spec=BatchDrafts(2))
     llama = load_model(FIXTURES / "llama" / "gqa_fp32").model
     with pytest.raises(UserError, match="repetition-penalty"):
-        SpecGenerator(llama, [1, 2], 4, PromptLookup(2), SamplingParams(repetition_penalty=1.2))
+        check_target(llama, SamplingParams(repetition_penalty=1.2))
+    for case in REFUSED_CASES:  # a state cannot be rolled back by position
+        with pytest.raises(UserError, match="its own generation loop|recurrent or conv state"):
+            check_target(load_model(FIXTURES / case).model, None)
     with pytest.raises(UserError, match="cannot be a draft model"):
         check_pair(llama, load_model(FIXTURES / "recurrent_gemma" / "mqa_fp32").model)
     with pytest.raises(UserError, match="vocabulary"):
@@ -203,8 +214,6 @@ def test_cli_refuses_bad_draft_options():
         (["--draft-model", "/nonexistent-draft"], "--draft-model: /nonexistent-draft: no such model directory"),
         (["--prompt-lookup", "--num-draft-tokens", "0"], "--num-draft-tokens must be in [1, 64], got 0"),
         (["--prompt-lookup", "--num-draft-tokens", "100000"], "--num-draft-tokens must be in [1, 64], got 100000"),
-        (["--prompt-lookup", "--pp", "2"], "not available with --pp"),
-        (["--prompt-lookup", "--kv-bits", "8"], "not available with --kv-bits"),
         (["--prompt-lookup", "--json-object"], "not available with --json-schema / --json-object"),
     ]:
         r = run("generate", default_model_dir(), "-m", "4", *args)
@@ -231,6 +240,27 @@ def test_cli_generate_and_bench_with_drafts():
 HELPER = Path(__file__).parent / "helpers" / "spec_cases.py"
 
 
+def test_drafts_under_pp_give_the_plain_text():
+    # --pp 2: the verify blocks go through both stages (send/recv of [rows, K + 1, H]),
+    # the logits reach every rank, every rank accepts alike
+    import subprocess
+    import sys
+
+    def text(*extra):
+        r = subprocess.run([sys.executable, "-m", "mlxcel_dist.cli", "generate", "-p", "The sea is calm. The sea is",
+                            "-m", "16", "--ignore-chat-template", "-v", *extra], capture_output=True, text=True,
+                           timeout=300)
+        assert r.returncode == 0, r.stderr
+        return r.stdout.splitlines()[0], r.stderr
+
+    plain, _ = text()
+    for extra in (["--prompt-lookup"], ["--draft-model", str(default_model_dir()), "--num-draft-tokens", "2"]):
+        got, err = text("--np", "2", "--pp", "2", *extra)
+        assert got == plain and "mean accepted length" in err, err
+        if "--draft-model" in extra:  # the target drafting for itself: every draft right
+            assert "accepted (100%)" in err, err
+
+
 def test_greedy_drafts_give_the_plain_ids_at_np2(tmp_path):
     # One launch: every family's plain and drafted ids at np 2 (rank 0 writes them).
     code = launch([str(tmp_path), *[str(FIXTURES / c) for c in FAMILY_CASES]], 2, "mpi", script=HELPER)
@@ -240,6 +270,5 @@ def test_greedy_drafts_give_the_plain_ids_at_np2(tmp_path):
         assert r["plain"].tolist() == r["scripted"].tolist(), c
         assert int(r["accepted"]) == int(r["expected"]), c
     r = np.load(tmp_path / "draft_model.npz")
-    assert r["plain"].tolist() == r["draft"].tolist() == r["lookup"].tolist() == r["shared"].tolist()
+    assert r["plain"].tolist() == r["draft"].tolist() == r["lookup"].tolist()
     assert int(r["accepted"]) == int(r["expected"])
-    assert int(r["accepted_shared"]) == int(r["expected_shared"])

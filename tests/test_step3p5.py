@@ -17,7 +17,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxcel_dist.engine import sequence_logits
+from mlxcel_dist.generation import sequence_logits
 from mlxcel_dist.errors import UserError
 from mlxcel_dist.harness import FP32_REL_TOL, compare
 from mlxcel_dist.loader import build_model, load_model

@@ -24,7 +24,7 @@ def main(ctx, a) -> None:
     if a.prompt_file is not None and not a.prompt_file.is_file():
         raise UserError(f"{a.prompt_file}: no such prompt file")
     if not os.environ.get("MLXCEL_DIST_WORLD"):
-        check_drafting(a.draft_model, a.prompt_lookup, a.num_draft_tokens, model, pp=launch.pp, kv_bits=load.kv_bits)
+        check_drafting(a.draft_model, a.prompt_lookup, a.num_draft_tokens, model, pp=launch.pp)
     kv, adapter = checked(model, load)
     group = distribute(ctx, launch, model)
     t0 = time.perf_counter()

@@ -11,7 +11,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from ..engine import check_context, check_generation_options, generate_text, rank_resources
+from ..engine import check_context, check_generation_options, rank_resources
+from ..generation import generate_text
 from ..errors import UserError
 from ..loader import open_model
 from ..sampling import SamplingParams
@@ -55,7 +56,7 @@ def main(ctx, a) -> None:
         tok = Tokenizer(ck.dir, ck.config, chat_template=template_text(a.chat_template), extra_eos=extra_eos)
         check_context(len(tok.prompt_ids(prompt, chat=a.chat, system=a.system)), a.max_tokens, ck.context_length)
         check_drafting(a.draft_model, a.prompt_lookup, a.num_draft_tokens, model, sampling, launch.pp,
-                       load.kv_bits, grammar_text is not None)
+                       grammar_text is not None)
     kv, adapter = checked(model, load)
     group = distribute(ctx, launch, model)
     t0 = time.perf_counter()
@@ -86,7 +87,7 @@ def main(ctx, a) -> None:
         matcher = Vocab(loaded.model_dir / "tokenizer.json", vocab_size(loaded.model), tok.eos_ids).matcher(grammar_text)
     gen = generate_text(loaded.model, tok, ids, a.max_tokens, sampling, stop=stops, prefill_step=a.prefill_step,
                         group=group, check_every=a.check_every, on_compile=compiling if group.is_root else None,
-                        grammar=matcher, drafter=drafter)
+                        grammar=matcher, spec=drafter)
     # The echoed prompt goes out with the first text: until then stdout holds
     # no partial line that a progress line on stderr could land inside.
     echo = prompt if group.is_root and not use_chat else ""
@@ -139,7 +140,7 @@ def _report(stats, group, pp: int, model, drafter, resources) -> None:
 
 
 def check_drafting(draft_model, prompt_lookup: bool, num_draft: int, model, sampling=None, pp: int = 1,
-                   kv_bits=None, grammar: bool = False) -> None:
+                   grammar: bool = False) -> None:
     """Before launch: the draft options fit together, the target and the draft model."""
     if draft_model is None and not prompt_lookup:
         return
@@ -148,10 +149,8 @@ def check_drafting(draft_model, prompt_lookup: bool, num_draft: int, model, samp
 
     if draft_model is not None and prompt_lookup:
         raise UserError("--draft-model and --prompt-lookup both draft: give one")
-    for given, what in ((pp != 1, "--pp"), (kv_bits is not None, "--kv-bits"),
-                        (grammar, "--json-schema / --json-object")):
-        if given:
-            raise UserError(f"drafts (--draft-model, --prompt-lookup) are not available with {what}")
+    if grammar:
+        raise UserError("drafts (--draft-model, --prompt-lookup) are not available with --json-schema / --json-object")
     check_drafting(num_draft)
     target = build_model(open_model(model).config)
     check_target(target, sampling)
@@ -164,17 +163,18 @@ def check_drafting(draft_model, prompt_lookup: bool, num_draft: int, model, samp
 
 
 def make_drafter(draft_model, prompt_lookup: bool, num_draft: int, dtype, compiled: bool = True, prefill_step=None):
-    """The drafter of this rank (None: no drafts): the draft model loaded
-    whole (every rank drafts alike, no message between them), or prompt lookup."""
-    from ..spec import DraftModel, PromptLookup
+    """The drafts of this rank's engine (a batch_spec.BatchDrafts; None: no
+    drafts): the draft model loaded whole (every rank drafts alike, no
+    message between them), or prompt lookup."""
+    from ..batch_spec import BatchDrafts, DraftRows
 
-    if prompt_lookup:
-        return PromptLookup(num_draft)
-    if draft_model is None:
+    if draft_model is None and not prompt_lookup:
         return None
+    if prompt_lookup:
+        return BatchDrafts(num_draft)
     from ..loader import load_model
 
-    return DraftModel(load_model(draft_model, dtype=dtype).model, num_draft, compiled, prefill_step)
+    return BatchDrafts(num_draft, DraftRows(load_model(draft_model, dtype=dtype).model, num_draft, compiled, prefill_step))
 
 
 def _grammar_text(json_schema: Optional[Path], json_object: bool) -> Optional[str]:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..engine import check_tokens, sequence_logits
+from ..engine import check_tokens
+from ..generation import sequence_logits
 from ..errors import UserError
 from ..loader import open_model
 from .common import check_out, err, pp_note, read_tokens

@@ -67,7 +67,7 @@ def main(ctx, a) -> None:
     if not os.environ.get("MLXCEL_DIST_WORLD"):  # before launch
         from .generate import check_drafting
 
-        check_drafting(a.draft_model, a.prompt_lookup, a.num_draft_tokens, model, pp=launch.pp, kv_bits=load.kv_bits)
+        check_drafting(a.draft_model, a.prompt_lookup, a.num_draft_tokens, model, pp=launch.pp)
     defaults = Defaults(temp=a.temp, top_p=a.top_p, top_k=a.top_k, min_p=a.min_p, max_tokens=a.max_tokens)
     kv, adapter = checked(model, load)
     if a.extra_eos_token and not os.environ.get("MLXCEL_DIST_WORLD"):  # an unknown token fails before launch

@@ -4,7 +4,7 @@ the per-layer kinds.
 A model file defines `ModelArgs(BaseModelArgs)` whose fields are config.json
 keys and a `Model(args)` that fulfils `LanguageModel` (below): `__call__`,
 `make_cache`, `masks`, `sanitize`, `shard`, `collectives_per_token`, the
-`decode_step` slot and its declared capabilities (`stage`, `own_loop`,
+`engine` slot and its declared capabilities (`stage`, `own_loop`,
 `split_decode`, `pipeline_stages`, `kv_bits_refused`, ...: read, never
 probed with getattr). `CausalLM` fulfils it for the usual decoder, with
 every capability's default.
@@ -44,17 +44,19 @@ class LanguageModel(Protocol):
     - `collectives_per_token()`: {op: (calls, payload bytes)} that one
       single-token forward issues on this rank (bench checks its counts
       against it);
-    - `decode_step`: None until `decode.decode_step_for` keeps the model's
-      compiled decode step there.
+    - `engine`: None until `generation.batch_engine` keeps the model's
+      batch engine there (generate, bench, sequence_logits' decode: its
+      compiled steps' traces reused).
 
     Capabilities, declared (as vLLM's `SupportsPP`), never probed;
     `Capabilities` (CausalLM's base) holds the defaults, a family sets what it has:
     - `stage`: this rank's `pipeline.Stage` under --pp, else None;
     - `own_loop`: `generate_ids(prompt_ids, max_tokens, sampling, eos_ids,
-      group)` is its generation loop (engine.HookGenerator, serve's
-      OneRowEngine: one request at a time, no logprobs);
-    - `split_decode`: decode.DecodeStep may run its layers' pre / attend /
-      post as segments, the last ending in `decode_logits(h)`;
+      group)` is its generation loop (generation.OneRowEngine: one request
+      at a time, no logprobs);
+    - `split_decode`: a one-row step may run its layers' pre / attend /
+      post as segments (decode.SplitSegments), the last ending in
+      `decode_logits(h)`;
     - `pipeline_stages`: it runs in --pp stages (pipeline.py), cut where
       `stage_cuts()` allows, sending `stage_send_width(stop)` values a token;
     - `kv_bits_refused`: why --kv-bits cannot serve it (None: it can);
@@ -64,7 +66,7 @@ class LanguageModel(Protocol):
     """
 
     args: Any
-    decode_step: Any
+    engine: Any
     own_loop: bool
     split_decode: bool
     pipeline_stages: bool
@@ -348,7 +350,7 @@ class CausalLM(nn.Module, Capabilities):
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         self.head_group = SINGLE  # shard_head: the group that splits the head's vocabulary
         self._head_rows = None  # shard_head: every rank's [start, stop) of the vocabulary
-        self.decode_step = None  # decode.decode_step_for keeps the compiled step here
+        self.engine = None  # generation.batch_engine keeps the model's BatchEngine here
 
     def masks(self, L: int, cache) -> dict:
         return self.model.masks(L, cache)

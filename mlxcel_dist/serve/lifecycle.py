@@ -18,7 +18,8 @@ import numpy as np
 
 from ..errors import UserError
 from .log import log
-from .protocol import Link, OneRowEngine, advance, follow
+from ..generation import OneRowEngine
+from .protocol import Link, advance, follow
 from .wire import KIND_SHUTDOWN
 
 DEFAULT_DECODE_CONCURRENCY = 32  # mlx-lm's --decode-concurrency

@@ -8,7 +8,7 @@ checked on every rank before rank 0 acts on them; then :func:`apply_step`
 makes the same engine calls on every rank. No loop is mirrored by hand: the
 followers' loop is :func:`follow`, a loop over the same `advance`.
 
-The engine is a ``batch.BatchEngine`` or :class:`OneRowEngine` (a model with
+The engine is a ``batch.BatchEngine`` or ``generation.OneRowEngine`` (a model with
 its own generation loop behind the same calls).
 """
 
@@ -192,54 +192,3 @@ def follow(engine, link: Link, guard) -> None:
     """Ranks other than 0: advance until rank 0's shutdown note."""
     while advance(engine, link, guard)[0].kind != KIND_SHUTDOWN:
         pass
-
-
-class OneRowEngine:
-    """BatchEngine's calls over a model with its own generation loop
-    (`generate_ids`, e.g. diffusion_gemma's block diffusion): one row at a
-    time, each `step` the loop's next id; the loop's own end is reported as
-    `eos` (its first EOS id) so the scheduler finishes the row as at EOS."""
-
-    capacity = 1
-    prefilling = False  # its loop prefills inside the first step
-    prefilled = 0
-
-    def __init__(self, model, group: Group, eos_ids):
-        self.model, self.group = model, group
-        self.eos_ids = tuple(int(e) for e in eos_ids)
-        self.eos = self.eos_ids[0] if self.eos_ids else -1
-        self.rid = None
-        self.gen = None
-        self.want: dict = {}  # logprobs are refused at parse time for these models
-        self.logprobs: dict = {}
-        self.failed: dict = {}
-        self.prompt_logprobs: dict = {}  # echo is refused at parse time for these models
-
-    def __len__(self) -> int:
-        return int(self.rid is not None)
-
-    def __contains__(self, rid) -> bool:
-        return rid is not None and rid == self.rid
-
-    def add_many(self, items) -> None:
-        from ..engine import HookGenerator
-
-        for rid, prompt_ids, sampling, max_tokens, *_ in items:
-            if self.rid is not None:
-                raise RuntimeError("one row at a time: this model has its own generation loop")
-            gen = HookGenerator(self.model, prompt_ids, max_tokens, sampling, self.eos_ids, self.group,
-                                check_every=0)
-            self.rid, self.gen = rid, iter(gen)
-
-    def remove(self, rid) -> None:
-        if rid == self.rid:
-            self.gen.close()  # every rank leaves the loop at the same id
-            self.rid = self.gen = None
-
-    def step(self, prefill: int | None = None) -> dict:
-        if self.rid is None:
-            return {}
-        try:
-            return {self.rid: next(self.gen)}
-        except StopIteration:
-            return {self.rid: self.eos}

@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 
 from ..sampling import SEED_LIMIT
 
-from ..tokenizer import StopStrings, StreamDecoder
+from ..tokenizer import RowText
 from .log import log
 from .metrics import Metrics
 from .pacing import Pacer
@@ -103,13 +103,14 @@ class Job:
 @dataclass
 class _Row:
     job: Job
-    decoder: object
-    stopper: object
-    eos: set
+    text: RowText  # its text, EOS, stop strings and max_tokens (generate's rule too)
     index: int = 0  # the job's choice this row generates
     check: object = None  # grammar.Matcher over the ids read: the grammar gave up (llguidance's error)
-    generated: int = 0
     last_t: float = 0.0  # when its previous token was read (metrics)
+
+    @property
+    def generated(self) -> int:
+        return self.text.generated
 
 
 @dataclass
@@ -302,9 +303,8 @@ class Scheduler:
             ids = job.prompts[i // job.group]
             # stop_token_ids end a row as EOS does, also under ignore_eos (vLLM's rule)
             eos = (set() if job.req.ignore_eos else set(self.tok.eos_ids)) | set(job.req.stop_ids)
-            decoder = StreamDecoder(self.tok, context=list(ids)[-4:], keep_special=job.keep_special)
-            check = self._checker(job.req.grammar)
-            self.rows[rid] = _Row(job, decoder, StopStrings(job.req.stop), eos, i, check)
+            text = RowText(self.tok, job.req.stop, eos, job.req.max_tokens, list(ids)[-4:], job.keep_special)
+            self.rows[rid] = _Row(job, text, i, self._checker(job.req.grammar))
             if i % job.group == 0:
                 self.metrics.admitted(len(ids))
         if self._t_rest is not None and (self.rows or step.changes):
@@ -385,9 +385,11 @@ class Scheduler:
             r.check.advance(tok)
             if r.check.error is not None:
                 return self._grammar_failed(rid, r)
-        if tok in r.eos:
+        text = r.text.add(tok)
+        if r.text.reason == "eos":
+            if text:
+                self._emit(r.job, Text(text, r.index))
             return self._finish(rid, r, "eos")
-        r.generated += 1
         first = r.generated == 1
         if first:
             self.metrics.token(r.job.arrived, not r.job.started)
@@ -399,13 +401,10 @@ class Scheduler:
         r.last_t = time.monotonic()
         if r.job.req.logprobs is not None:
             self._emit(r.job, Token(tok, lp, r.index))
-        text = r.stopper.feed(r.decoder.add(tok))
         if text:
             self._emit(r.job, Text(text, r.index))
-        if r.stopper.stopped is not None:
-            self._finish(rid, r, "stop")
-        elif r.generated >= r.job.req.max_tokens:
-            self._finish(rid, r, "length")
+        if r.text.reason is not None:
+            self._finish(rid, r, r.text.reason)
 
     def _checker(self, grammar: str | None):
         if self.vocab is None or not grammar:
@@ -427,15 +426,15 @@ class Scheduler:
 
     def _finish(self, rid: int, r: _Row, reason: str, removal: bool = True) -> None:
         """`removal` False: the engine holds no row for it (an echo of max_tokens 0)."""
-        if reason != "stop":
-            tail = r.stopper.feed(r.decoder.flush()) + r.stopper.flush()
+        if r.text.reason is None:  # ended from outside (echo's max_tokens 0): the held-back tail
+            tail = r.text.close()
             if tail:
                 self._emit(r.job, Text(tail, r.index))
         self.rows.pop(rid)
         if removal:
             self.removals.append(rid)
         prompt = r.job.prompts[r.index // r.job.group]
-        self._end(r.job, Done(reason, len(prompt), r.generated, r.stopper.stopped, r.index))
+        self._end(r.job, Done(reason, len(prompt), r.generated, r.text.stopped, r.index))
 
 
 def _choice_req(req: GenRequest, i: int, prompt: list | None = None) -> GenRequest:

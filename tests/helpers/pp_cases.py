@@ -21,7 +21,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from mlxcel_dist import distributed
-from mlxcel_dist.engine import sequence_logits
+from mlxcel_dist.generation import sequence_logits
 from mlxcel_dist.harness import all_mode_logits, model_window, short_length
 from mlxcel_dist.loader import load_model
 

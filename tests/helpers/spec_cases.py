@@ -1,12 +1,12 @@
 """Rank job for test_spec's np N test: per case, plain greedy ids and
 drafted ones (tests/spec_drafts.py's scripted drafts), in one launch; then,
 on the gemma3 case, a draft model (the target's twin, misled at one index a
-round) and prompt lookup.
+round) and prompt lookup; every family whose layers hold attention KV.
 
 usage (under the launcher): spec_cases.py OUT_DIR CASE_DIR ...
 Rank 0 writes OUT_DIR/<family>__<case>.npz (plain, scripted, accepted,
 expected) and OUT_DIR/draft_model.npz (plain, draft, lookup, accepted,
-expected; shared, accepted_shared, expected_shared: rank 0 alone drafting).
+expected).
 """
 
 import sys
@@ -16,34 +16,19 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: spec_drafts
 
-import mlx.core as mx  # noqa: E402
-
-import mlxcel_dist.decode as decode  # noqa: E402
+import mlxcel_dist.batch as batch  # noqa: E402
 from mlxcel_dist import distributed  # noqa: E402
 from mlxcel_dist.loader import load_model  # noqa: E402
-from mlxcel_dist.spec import DraftModel, PromptLookup  # noqa: E402
-from spec_drafts import ScriptedDrafts, plain_ids, spec_ids  # noqa: E402
+from mlxcel_dist.batch_spec import BatchDrafts  # noqa: E402
+from spec_drafts import ScriptedDrafts, misled, plain_ids, spec_ids  # noqa: E402
 
 K, N = 3, 20
-
-
-class MisledDraft(DraftModel):
-    def start(self, prompt):
-        super().start(prompt)
-        self.rounds = self.expected = 0
-
-    def propose(self, context, sampler):
-        drafts, q = super().propose(context, sampler)
-        bad = self.rounds % (self.k + 1)
-        self.rounds += 1
-        self.expected += bad
-        return mx.where(mx.arange(self.k) == bad, (drafts + 1) % 256, drafts), q  # (the fixtures' vocabulary)
 
 
 def main():
     out = Path(sys.argv[1])
     group = distributed.init_from_env()
-    decode.STEP = 8
+    batch.CPU_STEP = 8
     cases = [Path(a) for a in sys.argv[2:]]
     for d in cases:
         model = load_model(d, group=group).model
@@ -58,17 +43,12 @@ def main():
     model = load_model(d, group=group).model
     prompt = np.load(d / "reference.npz")["ids"][:3]
     want = plain_ids(model, prompt, N, group, compiled=False)
-    drafter = MisledDraft(load_model(d).model, K, compiled=False)  # whole on every rank
+    drafter = misled(load_model(d).model, K, compiled=False)  # whole on every rank
     got, stats = spec_ids(model, prompt, N, drafter, group, compiled=False)
-    lookup, _ = spec_ids(model, prompt, N, PromptLookup(K), group, compiled=False)
-    # rank 0 alone drafting, its drafts shared
-    shared = MisledDraft(load_model(d).model if group.is_root else None, K, compiled=False, root_of=group,
-                         vocab=model.args.vocab_size)
-    got_shared, stats_shared = spec_ids(model, prompt, N, shared, group, compiled=False)
+    lookup, _ = spec_ids(model, prompt, N, BatchDrafts(K), group, compiled=False)
     if group.is_root:
         np.savez(out / "draft_model.npz", plain=want, draft=got, lookup=lookup, accepted=stats.accepted,
-                 expected=drafter.expected, shared=got_shared, accepted_shared=stats_shared.accepted,
-                 expected_shared=shared.expected)
+                 expected=drafter.draft.expected)
 
 
 if __name__ == "__main__":
