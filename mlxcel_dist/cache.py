@@ -747,7 +747,7 @@ class KVOptions:
         the batch engine, the prompt cache, a pipeline stage's) return these caches."""
         if not self:
             return
-        refused = getattr(model, "kv_bits_refused", None)
+        refused = model.kv_bits_refused
         if self.bits is not None and refused:
             from .errors import UserError
 

@@ -136,16 +136,14 @@ def convert_checkpoint(
     quantized, overrides = quantize_for_export(m, q.group_size, q.bits, q.mode) if q else ([], {})
     weights = dict(tree_flatten(m.parameters()))
     # a family whose mlx-lm reading of a converted checkpoint differs from ours says how to write it
-    if hasattr(m, "export_for_mlx_lm"):
-        weights, config = m.export_for_mlx_lm(weights, config)
+    weights, config = m.export_for_mlx_lm(weights, config)
 
     new_config = mlx_lm_compatible(config)
     if dtype is not None:
         _set_dtype(new_config, dtype)
     if q is not None:
         # mlx-lm writes the same object under both keys (the HF tree reads the second).
-        path = getattr(m, "mlx_lm_path", lambda p, _: p)
-        written = {path(k, config): v for k, v in overrides.items()}
+        written = {m.mlx_lm_path(k, config): v for k, v in overrides.items()}
         new_config["quantization"] = {**q.kwargs(), **written}
         new_config["quantization_config"] = {**q.kwargs(), **written}
 

@@ -143,25 +143,12 @@ def world() -> Group:
     return Group.planned(size, r if 0 <= r < size else 0)
 
 
-def _model_present(model) -> bool:
-    """Whether this host can load ``model``: the embedded default, an existing
-    path, or a Hub id (each host downloads its own)."""
-    from pathlib import Path
-
-    from .loader import looks_like_repo_id
-    from .shardcache import local_model
-
-    if model is None or local_model(model) is not None:
-        return True
-    m = str(model)
-    return Path(m).expanduser().exists() or looks_like_repo_id(m)
-
-
-def check_cluster(group: Group, model=None) -> None:
+def check_cluster(group: Group, model, present: bool) -> None:
     """Before loading: every rank must run the same mlx and mlxcel-dist and
-    be able to reach the model. One gather of a small table (a row per rank:
-    host, versions, model flag); every rank raises the same one-line
-    CollectiveError, so rank 0 alone reports it."""
+    be able to reach the model (`present`: this rank's loader.model_present).
+    One gather of a small table (a row per rank: host, versions, model
+    flag); every rank raises the same one-line CollectiveError, so rank 0
+    alone reports it."""
     import socket
 
     import mlx.core as mx
@@ -173,7 +160,7 @@ def check_cluster(group: Group, model=None) -> None:
         return
     width = 96
     versions = faults.versions(f"mlx {mx.__version__}, mlxcel-dist {__version__}", group.rank())
-    present = faults.model_present(_model_present(model), group.rank())
+    present = faults.model_present(present, group.rank())
     row = np.zeros(2 * width + 1, dtype=np.int32)
     for j, text in enumerate((socket.gethostname(), versions)):
         raw = text.encode()[:width]

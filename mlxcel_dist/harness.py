@@ -48,7 +48,7 @@ def short_length(window: int, T: int) -> int:
 def model_window(model) -> int:
     """The span the modes must cross: --max-kv-size's N, else the sliding
     window, else a chunked-attention model's attention chunk (llama4), else 16."""
-    bound = getattr(getattr(model, "kv_options", None), "max_size", None)
+    bound = model.kv_options.max_size if model.kv_options is not None else None
     w = bound or getattr(model.args, "sliding_window", None) or getattr(model.args, "attention_chunk_size", None)
     return int(w) if w else 16
 

@@ -56,6 +56,18 @@ def looks_like_repo_id(s: str) -> bool:
     return s.count("/") == 1 and not s.startswith((".", "/", "~")) and all(s.split("/"))
 
 
+def model_present(model) -> bool:
+    """Whether this host can load ``model`` (distributed.check_cluster asks
+    every rank): the embedded default, this rank's shard cache entry, an
+    existing path, or a Hub id (each host downloads its own)."""
+    from .shardcache import local_model
+
+    if model is None or local_model(model) is not None:
+        return True
+    m = str(model)
+    return Path(m).expanduser().exists() or looks_like_repo_id(m)
+
+
 def resolve_model_dir(model: str | os.PathLike | None) -> Path:
     if model is None or str(model) == "":
         return default_model_dir()
@@ -169,7 +181,12 @@ class Checkpoint:
 
     @cached_property
     def refs(self) -> dict:
-        """Tensor name -> weights.TensorRef (safetensors headers and memory maps)."""
+        """Tensor name -> weights.TensorRef (safetensors headers and memory
+        maps; a shard cache entry's: its pieces, shardcache.open_cached)."""
+        from . import shardcache
+
+        if (self.dir / shardcache.MANIFEST).exists():
+            return shardcache.open_cached(self.dir)
         return open_checkpoint(self.dir)
 
     @cached_property
@@ -209,6 +226,13 @@ class Checkpoint:
         if self.quantization is not None:
             quantize_model(m, self.quantization, refs)
         return m, refs
+
+    def rank_reads(self, group: Group, pp: int, refs: dict) -> list:
+        """(ref, axis, ranges) of every read this rank's load makes
+        (`build_rank`, then `planned_reads`), against `refs`: stand-ins for
+        the checkpoint's tensors (shardcache.rank_pieces records them)."""
+        m, refs, full = build_rank(self, group, pp, self.dtype, refs=refs)
+        return [(ref, axis, ranges) for _, ref, axis, ranges in planned_reads(m, refs, full)]
 
 
 _OPENED: dict = {}  # MODEL argument -> (the files' stamp, Checkpoint)
@@ -260,6 +284,16 @@ def check_shardable(model, np_: int, weights=None, moe_split: str | None = None)
         m.shard(Group.planned(np_, r, weights, moe_split))  # on paper: parameters stay lazy
 
 
+def check_stageable(model, pp: int, weights=None) -> None:
+    """Before launch: the family runs in stages and has at least `pp` layers
+    with a legal cut into `pp` stages (shared KV stays on one stage)."""
+    from .pipeline import check_family, plan_stages
+
+    m, refs = open_model(model).build()
+    check_family(m)
+    plan_stages(m, refs, pp, weights)
+
+
 def load_model(model, dtype: str | None = None, group: Group = SINGLE, progress=None, pp: int = 1,
                kv=None, adapter=None) -> Loaded:
     """`pp` > 1: `group` is a pipeline of `pp` stages of T = size / pp ranks
@@ -307,7 +341,7 @@ def build_rank(ck: Checkpoint, group: Group, pp: int, target, refs: dict | None 
         if not tp.single:
             tp.moe_split = group.moe_split  # the stage's ranks place experts as the job says
             m.shard(tp)
-            m.model.stage.tp = tp
+            m.stage.tp = tp
     elif not group.single:
         m.shard(group)
     return m, refs, full_shapes

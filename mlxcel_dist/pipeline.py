@@ -55,7 +55,7 @@ zeros [B, L, V]           zeros [B, L, V]                logits [B, L, V]
   (`CausalLM.stage_cuts`, base.kv_sharing_cuts, passed to `stage_ranges`
   as the allowed starts), since the KV would be the whole cache every step.
   A model with too few legal cuts for P stages is refused before launch,
-  one line (`check_stageable`). This can unbalance the stages: the shared
+  one line (`loader.check_stageable`). This can unbalance the stages: the shared
   layers and their sources sit on one stage (12 of 30 layers when the last
   10 share the KV of layers 18 and 19).
 - Each stage's caches are its layers' (sliding, full, shared, recurrent:
@@ -159,8 +159,7 @@ def stage_parts(stack) -> tuple[tuple, tuple]:
     (`first_stage_parts`: the embedding, and e.g. gemma3n's per-layer
     embeddings and AltUp projections) and only the last (`last_stage_parts`:
     the final norm, ...). Plain stacks: embed_tokens and norm."""
-    return (getattr(stack, "first_stage_parts", ("embed_tokens",)),
-            getattr(stack, "last_stage_parts", ("norm",)))
+    return stack.first_stage_parts, stack.last_stage_parts
 
 
 def plan_stages(model, refs: dict, P: int, weights=None) -> list[tuple[int, int]]:
@@ -189,7 +188,7 @@ def plan_stages(model, refs: dict, P: int, weights=None) -> list[tuple[int, int]
             last += stored_bytes(ref)
     if model.args.tie_word_embeddings:
         head = embed
-    cuts = model.stage_cuts() if hasattr(model, "stage_cuts") else None
+    cuts = model.stage_cuts()
     return stage_ranges(per_layer, P, first_extra=first, last_extra=last + head, cuts=cuts,
                         weights=stage_weights(weights, P))
 
@@ -216,7 +215,7 @@ def member_weights(weights, rank: int, P: int):
 def check_family(model) -> None:
     """Refuse a family that cannot run in stages (one line, before launch)."""
     family = type(model).__module__.rsplit(".", 1)[-1]
-    if not getattr(model, "pipeline_stages", False):
+    if not model.pipeline_stages:
         why = REFUSED.get(family, "it does not declare pipeline_stages")
         raise UserError(f"--pp: {model.args.model_type} ({family}) cannot run in pipeline stages: {why}")
 
@@ -293,16 +292,6 @@ def stage_group(group, P: int):
     chain = SplitGroup(group, s) if collective else ChainGroup(group, s * T, T)
     chain.set_weights(member_weights(group.weights, group.rank(), P))
     return chain
-
-
-def check_stageable(model_arg, pp: int, weights=None) -> None:
-    """Before launch: the family runs in stages and has at least `pp` layers
-    with a legal cut into `pp` stages (shared KV stays on one stage)."""
-    from .loader import open_model
-
-    m, refs = open_model(model_arg).build()
-    check_family(m)
-    plan_stages(m, refs, pp, weights)
 
 
 class Absent(nn.Module):
@@ -426,7 +415,7 @@ def timed_alone(model, prompt_ids, tokens: int = 16) -> float:
 
     from .batch import BatchEngine
 
-    stage = model.model.stage
+    stage = model.stage
     stage.alone = True
     try:
         engine = BatchEngine(model)  # its own traces: the job's compiled step sends and receives
@@ -447,7 +436,7 @@ def timed_alone(model, prompt_ids, tokens: int = 16) -> float:
 def outstanding_sends(model) -> list:
     """What a caller that evaluates only the caches (chunked prefill) must
     evaluate too: this stage's send of the hidden state ([] unstaged)."""
-    stage = getattr(getattr(model, "model", None), "stage", None)
+    stage = model.stage
     return stage.take_sent() if stage is not None else []
 
 

@@ -82,7 +82,7 @@ def read_shares(m) -> dict:
     from .experts import QuantizedSwitchLinear, SwitchGLU, SwitchLinear
 
     shares = {}
-    stage = getattr(m.model, "stage", None)
+    stage = m.stage
     head_from_embedding = "lm_head" not in m and (stage is None or stage.last)
     for name, mod in m.named_modules():
         if isinstance(mod, (nn.Embedding, nn.QuantizedEmbedding)):
@@ -91,7 +91,7 @@ def read_shares(m) -> dict:
             rows = mod.weight.shape[0]
             for leaf, _ in tree_flatten(mod.parameters()):
                 shares[f"{name}.{leaf}"] = 1 / rows
-    for i, layer in enumerate(getattr(m.model, "layers", [])):
+    for i, layer in enumerate(m.model.layers):
         mods = dict(layer.named_modules())
         k = next((x.top_k for x in mods.values() if type(getattr(x, "top_k", None)) is int), None)
         if k is None:
@@ -125,7 +125,7 @@ def cache_read_bytes(m, context: int, itemsize: int) -> int:
     (`kv_lora_rank`, `rope_dim`) context x (rank + rope dim); recurrent and
     linear layers' fixed states are not counted."""
     total = 0
-    for layer in getattr(m.model, "layers", []):
+    for layer in m.model.layers:
         for _, mod in layer.named_modules():
             if isinstance(getattr(mod, "kv_lora_rank", None), int):
                 total += context * (mod.kv_lora_rank + int(getattr(mod, "rope_dim", 0) or 0)) * itemsize
@@ -168,7 +168,7 @@ def _rank_plan(ck, n: int, r: int, weights, pp: int = 1, moe_split: str | None =
         total += held
         reads += held * shares.get(name, 1.0)
         params += _logical_size(owners.get(name.rpartition(".")[0]), name.rpartition(".")[2], p)
-    itemsize = getattr(getattr(getattr(m.model, "stage", None), "dtype", None), "size", None) or _float_size(ck)
+    itemsize = m.stage.dtype.size if m.stage is not None else _float_size(ck)
     cache = cache_read_bytes(m, context, itemsize) if context else 0
     heads = None
     attn = next((mod for _, mod in m.named_modules() if hasattr(mod, "total_num_heads")), None)
@@ -179,7 +179,7 @@ def _rank_plan(ck, n: int, r: int, weights, pp: int = 1, moe_split: str | None =
         start = q[1][0][0] // hd if q and hd else 0
         heads = (start, start + attn.num_heads, attn.num_kv_heads)
     cols = _ranges_of(plan, "mlp.down_proj.weight")
-    vocab = getattr(m, "_head_rows", None)
+    vocab = m._head_rows
     t = r % (n // pp)  # this rank's place in its stage (r itself without pipeline stages)
     held = [x.expert_range for _, x in m.named_modules() if hasattr(x, "expert_range")]
     return RankPlan(r, weights[r] if weights else 1, heads, cols[1][0] if cols else None,

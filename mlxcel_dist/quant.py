@@ -216,10 +216,8 @@ def quantize_for_export(model: nn.Module, group_size: int, bits: int, mode: str 
     if group_size not in AFFINE_GROUP_SIZES:
         raise UserError(f"--group-size must be one of {', '.join(map(str, AFFINE_GROUP_SIZES))}, got {group_size}")
     done, overrides = [], {}
-    special = getattr(model, "quant_override", None)
-
     def predicate(path, module):
-        own = special(path) if special is not None and hasattr(module, "to_quantized") else None
+        own = model.quant_override(path) if hasattr(module, "to_quantized") else None
         if own is not None and module.weight.shape[-1] % own["group_size"] == 0:
             overrides[path] = own
             done.append(path)

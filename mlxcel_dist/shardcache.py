@@ -125,15 +125,14 @@ class _Recorder(TensorRef):
 
 def rank_pieces(ck, size: int, rank: int, pp: int = 1, weights=None, moe_split=None) -> list[Piece]:
     """What rank `rank` of a `size`-rank job reads from checkpoint `ck`
-    (loader.Checkpoint), found by its load on paper (nothing is read)."""
+    (loader.Checkpoint), found by its load on paper (`ck.rank_reads`:
+    nothing is read)."""
     from .collectives import Group
-    from .loader import build_rank, planned_reads
 
     log: dict = {}
     recording = {name: _Recorder(ref, log) for name, ref in ck.refs.items()}
     group = Group.planned(size, rank, weights, moe_split)
-    m, refs, full = build_rank(ck, group, pp, ck.dtype, refs=recording)
-    for _, ref, axis, ranges in planned_reads(m, refs, full):
+    for ref, axis, ranges in ck.rank_reads(group, pp, recording):
         ref.read(axis, ranges)  # views (join, swap, range) turn into reads of the source tensors
     return sorted(log.values(), key=lambda p: p.key)
 

@@ -124,11 +124,7 @@ def read_header(path: Path) -> dict[str, TensorRef]:
 
 def open_checkpoint(model_dir: Path) -> dict[str, TensorRef]:
     """All tensors of a checkpoint directory (sharded index or plain files;
-    a shard cache entry: its pieces, shardcache.open_cached)."""
-    from . import shardcache
-
-    if (model_dir / shardcache.MANIFEST).exists():
-        return shardcache.open_cached(model_dir)
+    a shard cache entry is loader.Checkpoint's to open: shardcache.open_cached)."""
     index = model_dir / "model.safetensors.index.json"
     if index.exists():
         try:

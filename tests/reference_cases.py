@@ -128,7 +128,7 @@ def short_length_of(d: Path) -> int:
     from mlxcel_dist.harness import model_window, short_length
     from mlxcel_dist.loader import model_args, read_config
 
-    window = model_window(SimpleNamespace(args=model_args(read_config(d))))
+    window = model_window(SimpleNamespace(args=model_args(read_config(d)), kv_options=None))  # a model unbuilt
     name = "reference.npz" if (d / "reference.npz").exists() else "mlx_lm_reference.npz"
     return short_length(window, len(np.load(d / name)["ids"]))
 

@@ -107,11 +107,11 @@ def test_cluster_check_before_loading(tmp_path, fault, words):
 
 def test_cluster_check_sees_models_as_the_loader_does(tmp_path, monkeypatch):
     # the same MODEL strings count as present on a rank as the loader accepts
-    from mlxcel_dist.distributed import _model_present
+    from mlxcel_dist.loader import model_present
 
     monkeypatch.setenv("HOME", str(tmp_path))
     (tmp_path / "ckpt").mkdir()
-    assert _model_present("~/ckpt") and _model_present(str(tmp_path / "ckpt"))
-    assert _model_present("owner/name") and _model_present(None)  # a Hub id: each host downloads it
+    assert model_present("~/ckpt") and model_present(str(tmp_path / "ckpt"))
+    assert model_present("owner/name") and model_present(None)  # a Hub id: each host downloads it
     for missing in ("~/nope", "./nope", "/nope/x", "a/b/c", "owner/"):
-        assert not _model_present(missing), missing
+        assert not model_present(missing), missing

@@ -26,7 +26,9 @@ from mlxcel_dist.launcher import find_mpirun  # noqa: E402
 from mlxcel_dist.loader import default_model_dir, load_model, read_config  # noqa: E402
 from mlxcel_dist.sampling import SamplingParams, token_logprobs  # noqa: E402
 from mlxcel_dist.serve import wire  # noqa: E402
-from mlxcel_dist.serve.openai_api import ApiError, ParseContext, parse, special_markers  # noqa: E402
+from mlxcel_dist.serve.constrain import special_markers  # noqa: E402
+from mlxcel_dist.serve.openai_api import parse  # noqa: E402
+from mlxcel_dist.serve.openai_schema import ApiError, ParseContext  # noqa: E402
 from mlxcel_dist.tokenizer import Tokenizer  # noqa: E402
 from serveproc import CLI, ROOT, Server  # noqa: E402
 from testproc import run_cmd  # noqa: E402

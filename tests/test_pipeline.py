@@ -247,7 +247,7 @@ def test_every_family_runs_in_stages_or_is_refused():
     from mlxcel_dist.models import supported
 
     files = {get_model_module(t).__name__.rsplit(".", 1)[-1] for t in supported()}
-    staged = {f for f in files if getattr(get_model_module(f).Model, "pipeline_stages", False)}
+    staged = {f for f in files if get_model_module(f).Model.pipeline_stages}
     assert staged | set(REFUSED) == files and not staged & set(REFUSED)
     assert {_family(d) for d in CASES} == staged  # every family that runs in stages is tested
 

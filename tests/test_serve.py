@@ -782,7 +782,8 @@ def test_default_sampling_flags(plain_server, expected):
 def test_chat_default_max_tokens_is_512(model_dir):
     """Without max_tokens a chat request may generate 512 tokens (mlx-lm's
     default), not --max-tokens-cap; completions keep OpenAI's 16."""
-    from mlxcel_dist.serve.openai_api import ParseContext, parse
+    from mlxcel_dist.serve.openai_api import parse
+    from mlxcel_dist.serve.openai_schema import ParseContext
 
     _, tok = _loaded(str(model_dir))
     ctx = ParseContext(tokenizer=tok, vocab_size=512, model_ids=("m",), context_length=100_000)

@@ -17,7 +17,8 @@ pytest.importorskip("llguidance", reason="constrained decoding needs llguidance 
 from mlxcel_dist import grammar  # noqa: E402
 from mlxcel_dist.loader import default_model_dir, read_config  # noqa: E402
 from mlxcel_dist.serve.lifecycle import _template_formats  # noqa: E402
-from mlxcel_dist.serve.openai_api import ParseContext, context_limit  # noqa: E402
+from mlxcel_dist.serve.openai_api import context_limit  # noqa: E402
+from mlxcel_dist.serve.openai_schema import ParseContext  # noqa: E402
 from mlxcel_dist.tokenizer import Tokenizer  # noqa: E402
 from test_serve_tools import scripted_app  # noqa: E402
 

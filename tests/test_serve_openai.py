@@ -11,9 +11,9 @@ import pytest
 
 from mlxcel_dist.loader import default_model_dir, read_config
 from mlxcel_dist.serve import wire
-from mlxcel_dist.serve.openai_api import (
-    ApiError, ChatCompletionRequest, CompletionRequest, Defaults, ParseContext, context_limit, convert_chat,
-    loads_limited, no_chat_template, parse,
+from mlxcel_dist.serve.openai_api import context_limit, convert_chat, no_chat_template, parse
+from mlxcel_dist.serve.openai_schema import (
+    ApiError, ChatCompletionRequest, CompletionRequest, Defaults, ParseContext, loads_limited,
 )
 from mlxcel_dist.serve.responses import (
     FINISH, TokenPieces, stream_chunk, stream_error, usage, usage_chunk, whole_choice, whole_response,

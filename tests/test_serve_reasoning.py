@@ -13,7 +13,8 @@ import pytest
 
 from mlxcel_dist.loader import default_model_dir, read_config
 from mlxcel_dist.serve import reasoning
-from mlxcel_dist.serve.openai_api import ApiError, ParseContext, parse
+from mlxcel_dist.serve.openai_api import parse
+from mlxcel_dist.serve.openai_schema import ApiError, ParseContext
 from mlxcel_dist.tokenizer import Tokenizer
 
 from test_serve_tools import WEATHER, scripted_app

@@ -112,7 +112,7 @@ PROMPTS = ["The sea", "Once upon a time", "The sea", "A cat and a dog"]
 
 @pytest.fixture(scope="module")
 def tiny():
-    from mlxcel_dist.serve.openai_api import ParseContext
+    from mlxcel_dist.serve.openai_schema import ParseContext
     from mlxcel_dist.tokenizer import Tokenizer
 
     d = default_model_dir()

@@ -14,7 +14,8 @@ import pytest
 
 from mlxcel_dist.loader import default_model_dir, read_config
 from mlxcel_dist.serve import tools
-from mlxcel_dist.serve.openai_api import ApiError, ParseContext, parse
+from mlxcel_dist.serve.openai_api import parse
+from mlxcel_dist.serve.openai_schema import ApiError, ParseContext
 from mlxcel_dist.tokenizer import Tokenizer
 
 # A Qwen-style template (hermes calls), reduced: tools in the system turn,

@@ -100,6 +100,6 @@ def pp_note(pp: int, model=None) -> str:
     """", pp P" and, given the loaded model, each stage's layers."""
     if pp <= 1:
         return ""
-    stage = getattr(getattr(model, "model", None), "stage", None)
+    stage = model.stage if model is not None else None
     spans = " ".join(f"[{a}, {b})" for a, b in stage.ranges) if stage is not None else ""
     return f", pp {pp}" + (f": layers {spans}" if spans else "")

@@ -8,7 +8,6 @@ from mlx.utils import tree_flatten
 
 from ..errors import UserError
 from ..loader import build_model, check_shardable, open_model
-from ..models.base import describe_layers
 from ..plan import rank_plans
 from .common import pick_model
 
@@ -35,7 +34,7 @@ def main(ctx, a) -> None:
     print(f"heads       {args.num_attention_heads} q, {args.num_key_value_heads} kv, head_dim {args.head_dim}")
     print(f"layers      {args.num_hidden_layers}")
     print(f"context     {ck.context_length or 'not set'} tokens (max_position_embeddings)")
-    for line in getattr(m, "describe_layers", lambda: describe_layers(m))():
+    for line in m.describe_layers():
         print(f"  {line}")
     shared = " (tensor parallel: replicated tensors counted on every rank)" if np_ > 1 else ""
     print(f"per rank    np {np_}{shared}")

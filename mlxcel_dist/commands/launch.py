@@ -28,19 +28,20 @@ def distribute(ctx: typer.Context, launch, model=None):
 
     Before launching, the model is sharded on paper for every rank, so a rank
     count its heads cannot take fails here, once (with --pp: the family must
-    run in stages and have a layer per stage, pipeline.check_stageable)."""
+    run in stages and have a layer per stage, loader.check_stageable)."""
     np_, pp, hostfile = launch.np_, launch.pp, launch.hostfile
     weights = parse_rank_weights(launch.rank_weights)
     split = check_moe_split(launch.moe_split)
     if os.environ.get("MLXCEL_DIST_WORLD"):  # we are a launched rank
         from .. import distributed
+        from ..loader import model_present
 
         group = distributed.init_from_env()
         if weights is not None and not group.single:  # every rank re-runs the same argv: the same weights
             group.set_weights(weights)
         group.moe_split = split  # the same argv on every rank: the same placement
         group.pp_handoff = launch.pp_handoff  # resolved with the backend where the stages are cut
-        distributed.check_cluster(group, model)
+        distributed.check_cluster(group, model, model_present(model))
         return group
     if np_ < 1:
         raise UserError(f"--np must be >= 1, got {np_}")
@@ -173,10 +174,10 @@ def parse_rank_weights(text: Optional[str]):
 def check_placement(model, np_: int, pp: int, weights, moe_split: str | None = None) -> None:
     """Before launch, on paper: the model splits over np_ ranks (with --pp:
     into pp stages, each split np_ / pp ways)."""
-    from ..loader import check_shardable
+    from ..loader import check_shardable, check_stageable
 
     if pp > 1:
-        from ..pipeline import check_stageable, member_weights
+        from ..pipeline import member_weights
 
         check_stageable(model, pp, weights)
         T = np_ // pp
@@ -199,7 +200,7 @@ def kv_options(model, load):
 
     ck = open_model(model)
     a = ck.args
-    refused = getattr(get_model_module(a.model_type).Model, "kv_bits_refused", None)
+    refused = get_model_module(a.model_type).Model.kv_bits_refused
     if refused:
         raise UserError(f"--kv-bits: {a.model_type} cannot take a quantized cache ({refused})")
     return kv.check(getattr(a, "head_dim", None) or a.hidden_size // a.num_attention_heads)

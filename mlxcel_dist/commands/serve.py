@@ -19,7 +19,7 @@ def main(ctx, a) -> None:
     from ..engine import check_generation_options
     from ..sampling import SamplingParams
     from ..serve.lifecycle import Options, run
-    from ..serve.openai_api import Defaults
+    from ..serve.openai_schema import Defaults
     from ..tokenizer import Tokenizer
     from ..units import parse_size
 

@@ -3,8 +3,11 @@ the per-layer kinds.
 
 A model file defines `ModelArgs(BaseModelArgs)` whose fields are config.json
 keys and a `Model(args)` that fulfils `LanguageModel` (below): `__call__`,
-`make_cache`, `masks`, `sanitize`, `shard`, `collectives_per_token` and the
-`decode_step` slot. `CausalLM` fulfils it for the usual decoder.
+`make_cache`, `masks`, `sanitize`, `shard`, `collectives_per_token`, the
+`engine` slot and its declared capabilities (`stage`, `own_loop`,
+`split_decode`, `pipeline_stages`, `kv_bits_refused`, ...: read, never
+probed with getattr). `CausalLM` fulfils it for the usual decoder, with
+every capability's default.
 
 The decoder-stack loop (`run_layers`) and the `Model` wrapper around it
 (`CausalLM`: output head, `layers`, `make_cache`, `sanitize`, `shard`) are
@@ -14,7 +17,7 @@ shared here; what a family does differently stays explicit in its own file.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -25,9 +28,10 @@ from ..errors import UserError
 from ..cache import layer_masks
 from ..shard import plan_sharded_linears, shard_layers, split_ranges, vocab_parallel_logits
 
-__all__ = ["FULL", "SLIDING", "LanguageModel", "BaseModelArgs", "CausalLM", "DecoderStack"]
+__all__ = ["FULL", "SLIDING", "LanguageModel", "Capabilities", "BaseModelArgs", "CausalLM", "DecoderStack"]
 
 
+@runtime_checkable
 class LanguageModel(Protocol):
     """What the engine, the loader, decode.py and bench ask of a model.
 
@@ -43,10 +47,34 @@ class LanguageModel(Protocol):
     - `engine`: None until `generation.batch_engine` keeps the model's
       batch engine there (generate, bench, sequence_logits' decode: its
       compiled steps' traces reused).
+
+    Capabilities, declared (as vLLM's `SupportsPP`), never probed;
+    `Capabilities` (CausalLM's base) holds the defaults, a family sets what it has:
+    - `stage`: this rank's `pipeline.Stage` under --pp, else None;
+    - `own_loop`: `generate_ids(prompt_ids, max_tokens, sampling, eos_ids,
+      group)` is its generation loop (generation.OneRowEngine: one request
+      at a time, no logprobs);
+    - `split_decode`: a one-row step may run its layers' pre / attend /
+      post as segments (decode.SplitSegments), the last ending in
+      `decode_logits(h)`;
+    - `pipeline_stages`: it runs in --pp stages (pipeline.py), cut where
+      `stage_cuts()` allows, sending `stage_send_width(stop)` values a token;
+    - `kv_bits_refused`: why --kv-bits cannot serve it (None: it can);
+    - `kv_options`: the `cache.KVOptions` applied to it (None: plain caches);
+    - `describe_layers()`, `quant_override(path)`, `export_for_mlx_lm(weights,
+      config)`, `mlx_lm_path(path, config)`: info's and convert's hooks.
     """
 
     args: Any
     engine: Any
+    own_loop: bool
+    split_decode: bool
+    pipeline_stages: bool
+    kv_bits_refused: str | None
+    kv_options: Any
+
+    @property
+    def stage(self): ...
 
     def __call__(self, inputs: mx.array, cache=None) -> mx.array: ...
 
@@ -59,6 +87,32 @@ class LanguageModel(Protocol):
     def shard(self, group: Group) -> None: ...
 
     def collectives_per_token(self) -> dict: ...
+
+    def decode_logits(self, h: mx.array) -> mx.array: ...
+
+    def stage_cuts(self) -> list | None: ...
+
+    def stage_send_width(self, stop: int) -> int: ...
+
+    def describe_layers(self) -> list[str]: ...
+
+    def quant_override(self, path: str) -> dict | None: ...
+
+    def export_for_mlx_lm(self, weights: dict, config: dict) -> tuple[dict, dict]: ...
+
+    def mlx_lm_path(self, path: str, config: dict) -> str: ...
+
+
+class Capabilities:
+    """The declared capabilities' defaults (LanguageModel's list): CausalLM
+    has them; a model of its own (a test's toy) inherits them too."""
+
+    stage = None  # CausalLM: its stack's (pipeline.make_stage sets it)
+    own_loop = False  # True: `generate_ids` is its generation loop (diffusion_gemma)
+    split_decode = False  # True: its layers have pre/attend/post (blocks.PreNormBlock's), decode may split
+    pipeline_stages = False  # True: runs in --pp stages (pipeline.py)
+    kv_bits_refused = None  # why --kv-bits cannot serve it (a string), None: it can
+    kv_options = None  # cache.KVOptions.apply: the --max-kv-size / --kv-bits it runs with
 
 
 @dataclasses.dataclass
@@ -111,7 +165,8 @@ def derive_layer_types(
 
 
 def describe_layers(model) -> list[str]:
-    """One line per layer for `mlxcel-dist info`: attention kind, window, RoPE."""
+    """One line per layer for `mlxcel-dist info`: attention kind, window, RoPE
+    (`CausalLM.describe_layers`' default; families add their own parts)."""
     out = []
     for i, (kind, layer) in enumerate(zip(model.args.layer_types, model.layers)):
         attn = layer.self_attn
@@ -217,7 +272,12 @@ class DecoderStack(nn.Module):
     (run by `run_layers` with the masks of `masks()`, built from the
     config's `sliding_window`), then the final `norm`. A family's `__init__` calls this one (which
     sets `args` and `embed_tokens`) and then builds its own `layers` and
-    `norm`; `embed` is the hook for what it does to the embeddings."""
+    `norm`; `embed` is the hook for what it does to the embeddings.
+    Under --pp the first stage alone holds `first_stage_parts`, the last
+    alone `last_stage_parts` (pipeline.stage_parts)."""
+
+    first_stage_parts = ("embed_tokens",)
+    last_stage_parts = ("norm",)
 
     def __init__(self, args):
         super().__init__()
@@ -266,14 +326,16 @@ class DecoderStack(nn.Module):
         return self.norm(h)
 
 
-class CausalLM(nn.Module):
+class CausalLM(nn.Module, Capabilities):
     """The `Model` wrapper every family shares: `self.model` (the decoder
     stack, with `embed_tokens` and `layers`) plus an output head that is
     `lm_head` or, with `tie_word_embeddings`, the embedding matrix.
 
     Attribute names are the checkpoint's weight names (`model.*`, `lm_head.*`).
     Families override `__call__` (softcaps, logit scales), `sanitize` (name
-    maps, refusals) or `shard` (extra per-rank state) where they differ.
+    maps, refusals) or `shard` (extra per-rank state) where they differ, and
+    declare the capabilities they have (`Capabilities`: own_loop,
+    split_decode, pipeline_stages, kv_bits_refused).
     """
 
     # Drop `*rotary_emb.inv_freq` buffers that some older conversions saved.
@@ -293,6 +355,12 @@ class CausalLM(nn.Module):
     def masks(self, L: int, cache) -> dict:
         return self.model.masks(L, cache)
 
+    @property
+    def stage(self):
+        """This rank's `pipeline.Stage` under --pp (the stack's, set by
+        pipeline.make_stage), else None."""
+        return self.model.stage
+
     def __call__(self, inputs, cache=None):
         return self.head(self.model(inputs, cache))
 
@@ -301,7 +369,7 @@ class CausalLM(nn.Module):
         `shard_head` each rank computes only its vocabulary slice from the
         (replicated) head weights and one all_gather joins the slices: the
         same logits on every rank for 1/N of the head's work."""
-        stage = getattr(self.model, "stage", None)
+        stage = self.stage
         if stage is not None:  # pipeline: the last stage's logits on every rank (pipeline.Stage.logits)
             return stage.logits(self._head, h, self.args.vocab_size)
         return self._head(h)
@@ -316,12 +384,18 @@ class CausalLM(nn.Module):
     def head_layer(self) -> nn.Module:
         return self.model.embed_tokens if self.args.tie_word_embeddings else self.lm_head
 
+    def decode_logits(self, h):
+        """Logits of the final hidden state of a split decode step (as
+        __call__ after its layers); a family with its own arithmetic after
+        the head (softcaps) overrides it."""
+        return self.head(self.model.norm(h))
+
     def shard_head(self, group: Group):
         """Split the output head's work by vocabulary rows (`head`), as
         `split_ranges` cuts them (uneven when the ranks do not divide V, or
         with rank weights); the weights stay whole on every rank (tied
         embeddings need every row for the input lookup)."""
-        stage = getattr(self.model, "stage", None)
+        stage = self.stage
         if stage is not None and not stage.last:  # no head on this pipeline stage
             return
         if not group.single and self.args.vocab_size >= group.size():
@@ -335,7 +409,7 @@ class CausalLM(nn.Module):
         ([rows, 1] in the head's dtype, rows the largest rank's share: the
         slices are padded to it). Families that add collectives extend it."""
         plan = {"all_sum": plan_sharded_linears(self), "all_gather": (0, 0)}
-        stage = getattr(self.model, "stage", None)
+        stage = self.stage
         if stage is not None:  # a pipeline: the logits' all_sum ([1, 1, V] in the hidden dtype), every rank
             calls, nbytes = plan["all_sum"]
             plan["all_sum"] = (calls + 1, nbytes + self.args.vocab_size * stage.dtype.size)
@@ -344,7 +418,7 @@ class CausalLM(nn.Module):
             dt = (head.scales if "scales" in head else head.weight).dtype
             per = max(e - s for s, e in self._head_rows)
             plan["all_gather"] = (1, per * dt.size)
-        handoff = getattr(stage, "handoff", None)
+        handoff = stage.handoff if stage is not None else None
         if handoff is not None:  # --pp-handoff collective: an all_gather of [1, 1, width] per hop it takes part in
             calls, nbytes = plan["all_gather"]
             hops = sorted(handoff.hops)
@@ -354,7 +428,7 @@ class CausalLM(nn.Module):
     @property
     def layers(self):
         """The layers this rank runs (under --pp: its stage's; `self.model.layers` keeps every name)."""
-        return getattr(self.model, "stage_layers", None) or self.model.layers
+        return self.model.layers if self.stage is None else self.model.stage_layers
 
     def stage_cuts(self) -> list | None:
         """The layers a pipeline stage may start at (None: any): with KV
@@ -371,8 +445,25 @@ class CausalLM(nn.Module):
 
     def make_cache(self):
         """One cache per layer this rank runs."""
-        kinds = getattr(self.model, "stage_layer_types", None) or self.args.layer_types
+        kinds = self.args.layer_types if self.stage is None else self.model.stage_layer_types
         return make_layer_caches(kinds, getattr(self.args, "sliding_window", None))
+
+    def describe_layers(self) -> list[str]:
+        """`mlxcel-dist info`'s line per layer (families with more to say override it)."""
+        return describe_layers(self)
+
+    def quant_override(self, path: str) -> dict | None:
+        """convert's own {"group_size", "bits"} for the layer at `path` (mlx-lm's
+        `quant_predicate`); None: the run's."""
+        return None
+
+    def export_for_mlx_lm(self, weights: dict, config: dict) -> tuple[dict, dict]:
+        """The weights and config as mlx-lm's model reads them (convert): ours, unless a family differs."""
+        return weights, config
+
+    def mlx_lm_path(self, path: str, config: dict) -> str:
+        """A module path of ours as mlx-lm names it (a `quant_override`'s key in config.json)."""
+        return path
 
     def sanitize(self, weights: dict) -> dict:
         """Drop a stored copy of the tied output head (and, with

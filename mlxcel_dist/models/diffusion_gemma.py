@@ -237,6 +237,7 @@ class DiffusionGemmaModel(nn.Module):
         self.args = args
         self.encoder = Encoder(args.num_hidden_layers)
         self.decoder = DiffusionDecoder(args)
+        self.stage = None  # the model contract's (CausalLM.stage): it never runs in pipeline stages
 
     @property
     def layers(self):
@@ -314,6 +315,8 @@ def _entropy(logits):
 
 
 class Model(CausalLM):
+    own_loop = True  # generate_ids is its generation loop (block diffusion), not token-by-token decode
+
     def __init__(self, args: ModelArgs):
         super().__init__(args, DiffusionGemmaModel(args))
 

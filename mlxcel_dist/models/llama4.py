@@ -238,7 +238,7 @@ class Model(CausalLM):
 
     def make_cache(self):
         """One cache per layer this rank runs (chunked layers: ChunkedKVCache)."""
-        kinds = getattr(self.model, "stage_layer_types", None) or self.args.layer_types
+        kinds = self.model.stage_layer_types
         return make_layer_caches(kinds, None, self.args.attention_chunk_size)
 
     def describe_layers(self) -> list[str]:

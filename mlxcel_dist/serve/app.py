@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from . import openai_api as api
+from . import openai_schema as schema
 from . import reasoning, tools
 from . import responses as rs
 from . import responses_api as rapi
@@ -38,7 +39,7 @@ CHAT = ("/v1/chat/completions", "/chat/completions")  # without /v1 too, as mlx-
 @dataclass
 class AppState:
     scheduler: Scheduler
-    parse_ctx: "api.ParseContext"
+    parse_ctx: "schema.ParseContext"
     pieces: "rs.TokenPieces"
     health: object  # lifecycle.Health: .status() -> (ok, reason)
     max_request_bytes: int = 1_000_000
@@ -46,7 +47,7 @@ class AppState:
     cluster: object = None  # () -> dict: GET /v1/cluster (lifecycle's view of the job); None: not served
 
 
-def _error(e: "api.ApiError", request: Request | None = None) -> JSONResponse:
+def _error(e: "schema.ApiError", request: Request | None = None) -> JSONResponse:
     if request is not None:
         log(f"{_client(request)} {request.method} {request.url.path} {e.status}: {e.message}")
     return JSONResponse(e.body(), status_code=e.status)
@@ -60,10 +61,10 @@ def _client(request: Request) -> str:
 async def _read_body(request: Request, limit: int) -> bytes:
     length = request.headers.get("content-length")
     if length is not None and not length.isdigit():
-        raise api.ApiError("bad Content-Length")
+        raise schema.ApiError("bad Content-Length")
     declared = None if length is None else int(length)
     if declared is not None and declared > DRAIN_TIMES * limit:  # not worth reading: the connection closes
-        raise api.ApiError(f"request body of {declared} bytes is over the limit of {limit}", status=413)
+        raise schema.ApiError(f"request body of {declared} bytes is over the limit of {limit}", status=413)
     parts, n = [], 0
 
     async def read():
@@ -77,14 +78,14 @@ async def _read_body(request: Request, limit: int) -> bytes:
             elif n > DRAIN_TIMES * limit:
                 break
         if n > limit:
-            raise api.ApiError(f"request body of {declared or n} bytes is over the limit of {limit}", status=413)
+            raise schema.ApiError(f"request body of {declared or n} bytes is over the limit of {limit}", status=413)
 
     try:
         await asyncio.wait_for(read(), BODY_TIMEOUT_S)
     except ClientDisconnect:
-        raise api.ApiError("the client left before its request body arrived", status=499) from None
+        raise schema.ApiError("the client left before its request body arrived", status=499) from None
     except asyncio.TimeoutError:
-        raise api.ApiError(f"the request body did not arrive within {BODY_TIMEOUT_S:.0f} s", status=408) from None
+        raise schema.ApiError(f"the request body did not arrive within {BODY_TIMEOUT_S:.0f} s", status=408) from None
     return b"".join(parts)
 
 
@@ -123,13 +124,13 @@ def make_app(state: AppState) -> FastAPI:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         message = (f"no such endpoint: {request.method} {request.url.path}" if exc.status_code in (404, 405)
                    else str(exc.detail))
-        return _error(api.ApiError(message, status=exc.status_code, type=kind), request)
+        return _error(schema.ApiError(message, status=exc.status_code, type=kind), request)
 
     @app.exception_handler(Exception)
     async def bug(request: Request, exc: Exception):  # ours, not the client's: the one traceback
         log(f"{request.method} {request.url.path} 500: {type(exc).__name__}: {exc}\n"
             + "".join(traceback.format_exception(exc)))
-        return JSONResponse(api.ApiError(f"internal error: {type(exc).__name__}", status=500).body(),
+        return JSONResponse(schema.ApiError(f"internal error: {type(exc).__name__}", status=500).body(),
                             status_code=500)
 
     @app.get("/health")
@@ -149,7 +150,7 @@ def make_app(state: AppState) -> FastAPI:
     @app.get("/v1/cluster")
     async def cluster():
         if state.cluster is None:
-            return _error(api.ApiError("no cluster view in this app", status=404, type="not_found_error"))
+            return _error(schema.ApiError("no cluster view in this app", status=404, type="not_found_error"))
         return await run_in_threadpool(state.cluster)
 
     @app.get("/metrics")
@@ -165,7 +166,7 @@ def make_app(state: AppState) -> FastAPI:
     @app.get("/v1/models/{name:path}")
     async def model(name: str, request: Request):
         if name not in state.parse_ctx.model_ids:
-            return _error(api.ApiError(f"The model `{name}` does not exist.", status=404, param="model",
+            return _error(schema.ApiError(f"The model `{name}` does not exist.", status=404, param="model",
                                        code="model_not_found"), request)
         return model_card(name)
 
@@ -173,20 +174,20 @@ def make_app(state: AppState) -> FastAPI:
         mail.loop = mail.loop or asyncio.get_running_loop()
         try:
             raw = await _read_body(request, state.max_request_bytes)
-            body = await run_in_threadpool(api.loads_limited, raw)
+            body = await run_in_threadpool(schema.loads_limited, raw)
             if responses:  # the Responses API: the chat body it means (responses_api), echoed fields apart
                 p, echo = await run_in_threadpool(rapi.parse, body, state.parse_ctx)
             else:
                 p = await run_in_threadpool(api.parse, body, chat, state.parse_ctx)
             ok, reason = state.health.status()
             if not ok:
-                raise api.ApiError(f"the server is unavailable: {reason}", status=503)
-        except api.ApiError as e:
+                raise schema.ApiError(f"the server is unavailable: {reason}", status=503)
+        except schema.ApiError as e:
             return _error(e, request)
         events: asyncio.Queue = asyncio.Queue()
         job = Job(p.req, lambda ev: mail.post(events, ev), p.n, p.keep_special, p.prompts)
         if not sched.submit(job):
-            return _error(api.ApiError(SHUTDOWN_MESSAGE, status=503), request)
+            return _error(schema.ApiError(SHUTDOWN_MESSAGE, status=503), request)
         if responses:
             feed = _Events(request, events)
             if p.stream:
@@ -206,9 +207,9 @@ def make_app(state: AppState) -> FastAPI:
 
     async def tokens(request: Request, fn):
         try:
-            body = await run_in_threadpool(api.loads_limited, await _read_body(request, state.max_request_bytes))
+            body = await run_in_threadpool(schema.loads_limited, await _read_body(request, state.max_request_bytes))
             return await run_in_threadpool(fn, body, state.parse_ctx)
-        except api.ApiError as e:
+        except schema.ApiError as e:
             return _error(e, request)
 
     @app.post("/tokenize")
@@ -219,7 +220,7 @@ def make_app(state: AppState) -> FastAPI:
     async def detokenize(request: Request):
         return await tokens(request, rapi.detokenize)
 
-    schemas = {True: api.ChatCompletionRequest, False: api.CompletionRequest}
+    schemas = {True: schema.ChatCompletionRequest, False: schema.CompletionRequest}
     for chat, paths in ((False, COMPLETIONS), (True, CHAT)):
         extra = {"requestBody": {"required": True, "content": {
             "application/json": {"schema": schemas[chat].model_json_schema(ref_template="#/components/schemas/{model}")}}}}
@@ -280,7 +281,7 @@ async def _whole(state: AppState, request: Request, job: Job, events: asyncio.Qu
                 parts[ev.index].insert(0, state.parse_ctx.tokenizer.decode(ev.ids))
                 entries[ev.index][:0] = rs.echo_entries(ev)
             elif isinstance(ev, Failed):
-                return _error(api.ApiError(ev.message, status=ev.status), request)
+                return _error(schema.ApiError(ev.message, status=ev.status), request)
             elif isinstance(ev, Done):
                 done[ev.index] = ev
                 if len(done) < p.choices:

@@ -79,7 +79,7 @@ class Options:
 
     max_tokens_cap: int = 4096
     max_request_bytes: int = 1_000_000
-    defaults: object = None  # openai_api.Defaults
+    defaults: object = None  # openai_schema.Defaults
     decode_concurrency: int = DEFAULT_DECODE_CONCURRENCY
     prompt_concurrency: int = DEFAULT_PROMPT_CONCURRENCY
     prompt_cache_size: int = DEFAULT_PROMPT_CACHE_SIZE
@@ -99,9 +99,9 @@ class Options:
 
 
 def batchable(model) -> bool:
-    """Models with their own generation loop (generate_ids) are served one
+    """Models with their own generation loop (`own_loop`: generate_ids) are served one
     request at a time, through OneRowEngine; every other model through BatchEngine."""
-    return not callable(getattr(model, "generate_ids", None))
+    return not model.own_loop
 
 
 def make_engine(model, group, opts: Options, eos_ids, tokenizer_json=None):
@@ -288,6 +288,7 @@ def _serve(model, tok, group, opts, sock, config, engine, link, beats, guard) ->
     import uvicorn
 
     from . import openai_api as api
+    from . import openai_schema as schema
     from . import responses as rs
     from .app import AppState, make_app
     from .scheduler import Scheduler
@@ -296,14 +297,14 @@ def _serve(model, tok, group, opts, sock, config, engine, link, beats, guard) ->
     sched = Scheduler(tok, 1 if one_row else opts.decode_concurrency, 1 if one_row else opts.prompt_concurrency,
                       sleeping_followers=group.single or link.channel is not None,
                       pace=not one_row and not opts.max_num_batched_tokens, vocab=getattr(engine, "vocab", None))
-    ctx = api.ParseContext(tokenizer=tok, vocab_size=model.args.vocab_size, model_ids=tuple(opts.served_names),
+    ctx = schema.ParseContext(tokenizer=tok, vocab_size=model.args.vocab_size, model_ids=tuple(opts.served_names),
                            max_tokens_cap=opts.max_tokens_cap, context_length=api.context_limit(config),
-                           defaults=opts.defaults or api.Defaults(), plain_chat=api.no_chat_template(tok),
+                           defaults=opts.defaults or schema.Defaults(), plain_chat=api.no_chat_template(tok),
                            logprobs_ok=not one_row, ignore_eos_ok=not one_row, grammar_refusal=_grammar_refusal(one_row),
-                           max_n=1 if one_row else min(api.MAX_N, opts.decode_concurrency),
+                           max_n=1 if one_row else min(schema.MAX_N, opts.decode_concurrency),
                            **_template_formats(tok, opts.tool_call_parser, opts.reasoning_parser))
     health = Health(sched, beats, group.size())
-    stage = getattr(getattr(model, "model", None), "stage", None)
+    stage = model.stage
     state = AppState(sched, ctx, rs.TokenPieces(tok), health, opts.max_request_bytes, int(time.time()),
                      cluster=_cluster_status(sched, engine, group, link, beats, health, ctx.model_ids[0],
                                              stage.P if stage is not None else 1, opts.decode_concurrency))
@@ -325,7 +326,7 @@ def _serve(model, tok, group, opts, sock, config, engine, link, beats, guard) ->
         if ctx.plain_chat:
             log(f"{ctx.model_ids[0]} has no chat template: chat requests are rendered as plain "
                 "'USER: ... ASSISTANT:' text (as mlx-lm's server)")
-        stage = getattr(getattr(model, "model", None), "stage", None)
+        stage = model.stage
         pp = f", pp {stage.P}" if stage is not None else ""
         log(f"{ctx.model_ids[0]} on http://{h}:{p}/v1 (np {group.size()}{pp})")
         spec = getattr(engine, "spec", None)

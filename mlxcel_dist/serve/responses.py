@@ -8,7 +8,8 @@ import math
 import re
 
 from . import reasoning, tools
-from .openai_api import ApiError, Parsed
+from .openai_api import Parsed
+from .openai_schema import ApiError
 
 
 def _bytes_to_unicode() -> dict[str, int]:

@@ -18,6 +18,7 @@ import uuid
 from fastapi.responses import JSONResponse, Response
 
 from . import openai_api as api
+from . import openai_schema as schema
 from . import responses as rs
 from .scheduler import Done, Failed, Text
 
@@ -31,8 +32,8 @@ UNSUPPORTED = {"previous_response_id": "no responses are stored: send the whole 
 CHAT_PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text"}
 
 
-def _bad(message: str, param: str | None = None, code: str | None = None) -> api.ApiError:
-    return api.ApiError(message, param=param, code=code)
+def _bad(message: str, param: str | None = None, code: str | None = None) -> schema.ApiError:
+    return schema.ApiError(message, param=param, code=code)
 
 
 def _text(content, where: str) -> str:
@@ -46,7 +47,7 @@ def _text(content, where: str) -> str:
         if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text") \
                 or not isinstance(part.get("text"), str):
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise _bad(f"{where}: only text parts are supported, got {api._show(kind)}", "input",
+            raise _bad(f"{where}: only text parts are supported, got {schema.show(kind)}", "input",
                        "unsupported_parameter")
         out.append(part["text"])
     return "".join(out)
@@ -89,7 +90,7 @@ def _messages(body: dict) -> list:
         elif kind == "reasoning":  # an earlier answer's thinking: templates drop it from the history
             continue
         else:
-            raise _bad(f"{where}: input items of type {api._show(kind)} are not supported (message, function_call, "
+            raise _bad(f"{where}: input items of type {schema.show(kind)} are not supported (message, function_call, "
                        "function_call_output)", "input", "unsupported_parameter")
     return out
 
@@ -105,7 +106,7 @@ def _tools(body: dict) -> dict:
         for i, t in enumerate(tools):
             if not isinstance(t, dict) or t.get("type") != "function":
                 kind = t.get("type") if isinstance(t, dict) else None
-                raise _bad(f"tools[{i}]: only function tools are supported, got {api._show(kind)}", "tools",
+                raise _bad(f"tools[{i}]: only function tools are supported, got {schema.show(kind)}", "tools",
                            "unsupported_parameter")
             out["tools"].append({"type": "function", "function": {
                 k: t[k] for k in ("name", "description", "parameters", "strict") if t.get(k) is not None}})
@@ -154,12 +155,12 @@ def to_chat(body: dict) -> dict:
     return chat
 
 
-def parse(body: object, ctx: api.ParseContext) -> tuple[api.Parsed, dict]:
+def parse(body: object, ctx: schema.ParseContext) -> tuple[api.Parsed, dict]:
     """(the chat Parsed, the request's fields the response echoes)."""
     chat = to_chat(body)
     try:
         p = api.parse(chat, True, ctx)
-    except api.ApiError as e:  # the chat field's name is the Responses one here
+    except schema.ApiError as e:  # the chat field's name is the Responses one here
         e.param = CHAT_PARAMS.get(e.param, e.param)
         e.message = e.message.replace("'max_completion_tokens'", "'max_output_tokens'")
         raise
@@ -216,7 +217,7 @@ async def whole(state, feed, job, p: api.Parsed, echo: dict) -> Response:
             if isinstance(ev, Text):
                 parts.append(ev.text)
             elif isinstance(ev, Failed):
-                return JSONResponse(api.ApiError(ev.message, status=ev.status).body(), status_code=ev.status)
+                return JSONResponse(schema.ApiError(ev.message, status=ev.status).body(), status_code=ev.status)
             elif isinstance(ev, Done):
                 msg = rs.whole_choice(p, 0, "".join(parts), ev.finish_reason, entries, state.pieces)["message"]
                 output = ([_reasoning_item(msg["reasoning_content"])] if msg.get("reasoning_content") else [])
@@ -339,12 +340,12 @@ async def stream(state, feed, job, p: api.Parsed, echo: dict, choice):
 
 
 # vLLM's /tokenize and /detokenize ---------------------------------------------
-def tokenize(body: object, ctx: api.ParseContext) -> dict:
+def tokenize(body: object, ctx: schema.ParseContext) -> dict:
     """{prompt | messages, add_special_tokens, return_token_strs, ...} ->
     {count, max_model_len, tokens, token_strs} (vLLM's shapes)."""
     if not isinstance(body, dict):
         raise _bad("the request body must be a JSON object")
-    api._model(body.get("model"), ctx)
+    api.served_model(body.get("model"), ctx)
     if "messages" in body:
         if body.get("add_generation_prompt", True) is not True or body.get("continue_final_message"):
             raise _bad("only add_generation_prompt true is supported", "add_generation_prompt",
@@ -355,7 +356,7 @@ def tokenize(body: object, ctx: api.ParseContext) -> dict:
         special = body.get("add_special_tokens", True)
         if not isinstance(special, bool):
             raise _bad("'add_special_tokens' must be true or false", "add_special_tokens")
-        api._text(body["prompt"], "'prompt'")
+        schema.checked_text(body["prompt"], "'prompt'")
         ids = ctx.tokenizer.encode(body["prompt"], add_special_tokens=special)
     else:
         raise _bad("send 'prompt' (a string) or 'messages'", "prompt")
@@ -363,11 +364,11 @@ def tokenize(body: object, ctx: api.ParseContext) -> dict:
     return {"count": len(ids), "max_model_len": ctx.context_length, "tokens": ids, "token_strs": strs}
 
 
-def detokenize(body: object, ctx: api.ParseContext) -> dict:
+def detokenize(body: object, ctx: schema.ParseContext) -> dict:
     """{tokens} -> {prompt}."""
     if not isinstance(body, dict):
         raise _bad("the request body must be a JSON object")
-    api._model(body.get("model"), ctx)
+    api.served_model(body.get("model"), ctx)
     ids = body.get("tokens")
     if not isinstance(ids, list) or not all(type(t) is int and 0 <= t < ctx.vocab_size for t in ids):
         raise _bad(f"'tokens' must be a list of token ids in [0, {ctx.vocab_size})", "tokens")
