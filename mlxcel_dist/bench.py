@@ -26,11 +26,11 @@ out); rank 0 reports.
   vocabulary-split output head); the *_plan keys are what the sharding plan
   predicts (`plan_collectives`).
 - The timed run is `generate`'s own loop on the model itself: compiled decode
-  steps run split (decode.DecodeStep) for the families that opt in, exactly
+  steps run split (decode.SplitSegments) for the families that opt in, exactly
   as in `generate` and `serve`.
 - compiled: decode steps compiled (default) or eager (`--no-compile`);
   decode_graphs: single-token step graphs built (warm-up included): the
-  DecodeStep's traces when compiled (once per buffer shape), every step when
+  engine's traces when compiled (once per buffer shape), every step when
   eager.
 """
 
@@ -41,11 +41,11 @@ import contextlib
 import mlx.core as mx
 import numpy as np
 
+from .batch import BatchEngine
 from .collectives import SINGLE, Group
 from .engine import vocab_size
 from .generation import Generation, engine_for
 from .errors import UserError
-from .pipeline import timed_alone
 from .sampling import SamplingParams
 
 GB = 1e9
@@ -148,6 +148,33 @@ def _weights_dtype(model) -> str:
     return ",".join(kinds)
 
 
+def timed_alone(model, prompt_ids, tokens: int = 16) -> float:
+    """Seconds per decode token of this rank's stage on its own: its layers
+    (and embedding or head) over a `prompt_ids` cache, one token at a time
+    through a compiled one-row step of its own (batch.BatchEngine.scores),
+    receiving zeros and sending nothing (the inside of a stage's tensor
+    parallelism runs as ever, so every rank of the job calls this together).
+    What `bench --pp` reports per stage."""
+    import time
+
+    stage = model.stage
+    stage.alone = True
+    try:
+        engine = BatchEngine(model)  # its own traces: the job's compiled step sends and receives
+
+        def run(n):
+            cache = model.make_cache()
+            mx.eval(model(mx.array(prompt_ids)[None], cache), [c.state for c in cache])
+            t = time.perf_counter()
+            engine.scores(cache, [0] * n, read=False)
+            return time.perf_counter() - t
+
+        run(2)  # the trace
+        return (run(tokens + 1) - run(1)) / tokens
+    finally:
+        stage.alone = False
+
+
 def check_lengths(prompt_tokens: int, gen_tokens: int) -> None:
     """The bench's own options (Generation checks the shared ones)."""
     if prompt_tokens < 1:
@@ -196,7 +223,7 @@ def run_bench(model, prompt_tokens: int, gen_tokens: int, *, group: Group = SING
         counter.probe_decode(model)
     mx.synchronize()
     peak = mx.get_peak_memory() / GB
-    stage = getattr(getattr(model, "model", None), "stage", None)
+    stage = model.stage
     alone = timed_alone(model, ids[:16]) if stage is not None else 0.0
     per_rank = group.gather_rows([peak, weights_gb, alone])
     n = stats.generated

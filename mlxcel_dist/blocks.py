@@ -146,7 +146,7 @@ class Attention(nn.Module):
             return q, k
         return self.rope(q, offset), self.rope(k, offset)
 
-    # A forward is qkv -> attend -> out. Split decode (decode.DecodeStep)
+    # A forward is qkv -> attend -> out. Split decode (decode.SplitSegments)
     # runs qkv and out inside compiled segments and `attend` between them,
     # on the written prefix of the static buffers (no mask: the fused kernels).
 
@@ -204,7 +204,7 @@ class PreNormBlock(nn.Module):
     def __call__(self, x, mask=None, cache=None):
         return self.finish(x, self.self_attn(self.input_layernorm(x), mask, cache))
 
-    # split decode (decode.DecodeStep): pre -> self_attn.attend -> post, the pieces of __call__
+    # split decode (decode.SplitSegments): pre -> self_attn.attend -> post, the pieces of __call__
     def pre(self, x, cache):
         return (x, *self.self_attn.qkv(self.input_layernorm(x), cache))
 

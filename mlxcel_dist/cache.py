@@ -4,7 +4,7 @@ Every cache kind answers, for its layer: which mask L new tokens need
 (`mask(L)`, built once per forward, before any layer updates its cache: a
 layer's cache state before the update decides its mask), what it holds
 (`offset` tokens seen; `temporal()`, its keys/values oldest first), the keys
-a query may see (`window`, None for all) and whether `decode.DecodeStep` may
+a query may see (`window`, None for all) and whether the engine's rows may
 move it into static buffers (`static_kv`). `cache.layer_masks` asks the first
 cache of each attention kind; `decode.py` asks `static_kv` and `window`.
 The layer kinds (`SLIDING`, `FULL`) are named here, once.
@@ -54,7 +54,7 @@ class LayerCache:
     - `chunk`: None, or the attention chunk of a chunked layer (its keys
       are those of the query's chunk, not the trailing `window`);
     - `static_kv`: True when `temporal()` hands over keys/values that
-      `decode.DecodeStep` can move into static buffers;
+      the engine's rows (decode.py's static forms) can move into static buffers;
     - `static_state`: True when its state (`state_arrays()`: recurrent,
       conv or DeltaNet state, fixed shapes) can move into static buffers
       (`decode.StaticState`, one row of the batch engine's too);

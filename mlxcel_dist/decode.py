@@ -295,7 +295,7 @@ class SplitSegments:
         self.traced = False  # set while a segment's Python body runs (mx.compile traces)
         layers = model.layers
         n = len(layers)
-        logits_of = getattr(model, "decode_logits", None) or (lambda h: model.head(model.model.norm(h)))
+        logits_of = model.decode_logits
 
         def make(i):
             def seg(*args):
@@ -353,10 +353,7 @@ def splittable(model) -> bool:
     """Whether one-row steps may run split (`SplitSegments`): the
     model says so (`split_decode`) and every layer has `pre`/`post` and a
     `self_attn` with `attend` (blocks.PreNormBlock and the layers built like it)."""
-    if not getattr(model, "split_decode", False):
-        return False
-    if getattr(getattr(model, "model", None), "stage", None) is not None:
-        return False  # a pipeline stage: its first segment would embed (the whole-step graph runs instead)
-    layers = getattr(model, "layers", None) or []
+    if not model.split_decode or model.stage is not None:
+        return False  # (a pipeline stage: its first segment would embed; the whole-step graph runs instead)
     return all(hasattr(l, "pre") and hasattr(l, "post") and hasattr(getattr(l, "self_attn", None), "attend")
-               for l in layers)
+               for l in model.layers)

@@ -94,11 +94,6 @@ class OneRowEngine:
             return {self.rid: self.eos}
 
 
-def own_loop(model) -> bool:
-    """The model generates through its own loop (`generate_ids`), not the batch engine's steps."""
-    return callable(getattr(model, "generate_ids", None))
-
-
 def batch_engine(model) -> BatchEngine:
     """The model's BatchEngine, kept in its `engine` slot (its traces reused
     by later generations and scores)."""
@@ -109,7 +104,7 @@ def batch_engine(model) -> BatchEngine:
 
 def engine_for(model, eos_ids=(), group: Group = SINGLE):
     """The model's generation engine: its BatchEngine, or a OneRowEngine over its own loop."""
-    return OneRowEngine(model, group, eos_ids) if own_loop(model) else batch_engine(model)
+    return OneRowEngine(model, group, eos_ids) if model.own_loop else batch_engine(model)
 
 
 def sequence_logits(model, ids, decode_from: int | None = None, prefill_step: int | None = None,

@@ -30,7 +30,7 @@ zeros [B, L, V]           zeros [B, L, V]                logits [B, L, V]
   (docs/architecture.md, "Pipeline stages", has the numbers).
 - send/recv are MLX's point-to-point ops (`mx.distributed.send` / `recv`,
   MPI and ring backends in MLX 0.32); they trace inside `mx.compile`, so the
-  compiled decode step (decode.DecodeStep) runs under pp as it is. Split
+  compiled decode step (the engine's rows) runs under pp as it is. Split
   decode steps (attention kernels between compiled segments) are not used
   under pp (their first segment embeds): the whole-step graph runs instead.
   A backend without them (NCCL) hands on by collectives instead
@@ -402,35 +402,6 @@ class Stage:
         """The last forward's sends (to evaluate with the caches), once."""
         sent, self.sent = self.sent, []
         return sent
-
-
-def timed_alone(model, prompt_ids, tokens: int = 16) -> float:
-    """Seconds per decode token of this rank's stage on its own: its layers
-    (and embedding or head) over a `prompt_ids` cache, one token at a time
-    through a compiled one-row step of its own (batch.BatchEngine.scores),
-    receiving zeros and sending nothing (the inside of a stage's tensor
-    parallelism runs as ever, so every rank of the job calls this together).
-    What `bench --pp` reports per stage."""
-    import time
-
-    from .batch import BatchEngine
-
-    stage = model.stage
-    stage.alone = True
-    try:
-        engine = BatchEngine(model)  # its own traces: the job's compiled step sends and receives
-
-        def run(n):
-            cache = model.make_cache()
-            mx.eval(model(mx.array(prompt_ids)[None], cache), [c.state for c in cache])
-            t = time.perf_counter()
-            engine.scores(cache, [0] * n, read=False)
-            return time.perf_counter() - t
-
-        run(2)  # the trace
-        return (run(tokens + 1) - run(1)) / tokens
-    finally:
-        stage.alone = False
 
 
 def outstanding_sends(model) -> list:

@@ -59,14 +59,14 @@ def check_pair(target, draft) -> None:
 
 
 def check_draft(draft) -> None:
-    if callable(getattr(draft, "generate_ids", None)) or not all(c.static_kv for c in draft.make_cache()):
+    if draft.own_loop or not all(c.static_kv for c in draft.make_cache()):
         raise UserError(f"a {draft.args.model_type} model cannot be a draft model (its recurrent or conv state "
                         "cannot be rolled back cheaply); pick a draft whose layers are all attention")
 
 
 def check_target(model, sampling) -> None:
     """What speculative decoding refuses in the target or the sampling settings."""
-    if callable(getattr(model, "generate_ids", None)):
+    if model.own_loop:
         raise UserError(f"{model.args.model_type} runs its own generation loop: it takes no drafts")
     from .decode import static_kind
 

@@ -11,7 +11,7 @@ import pytest
 from mlxcel_dist import prefill
 from mlxcel_dist.batch import BatchEngine
 from mlxcel_dist.prefill import Together
-from mlxcel_dist.generation import Generation, own_loop
+from mlxcel_dist.generation import Generation
 from mlxcel_dist.loader import default_model_dir, load_model
 from mlxcel_dist.models import supported
 from mlxcel_dist.sampling import SamplingParams
@@ -29,7 +29,7 @@ CASES = [default_model_dir()] + list(FAMILY_CASES.values())
 def alone_ids(model, prompt, n, sampling=None, **kw) -> list:
     """A request's ids alone: the engine's one row (generate's Generation), token by
     token also for a model with its own generation loop."""
-    engine = BatchEngine(model) if own_loop(model) else None
+    engine = BatchEngine(model) if model.own_loop else None
     return list(Generation(model, prompt, n, sampling, eos_ids=(), engine=engine, **kw))
 
 

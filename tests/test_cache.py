@@ -12,6 +12,7 @@ import pytest
 from mlxcel_dist.attention import causal_attention
 from mlxcel_dist.cache import FULL, SLIDING, KVCache, RotatingKVCache, SharedKVCache, make_layer_caches
 from mlxcel_dist.generation import sequence_logits
+from mlxcel_dist.models.base import Capabilities
 from mlxcel_dist.cache import layer_masks
 from mlxcel_dist.masks import CAUSAL, create_causal_mask, create_causal_mask_with_window_full
 
@@ -46,7 +47,7 @@ def test_each_cache_asks_for_the_mask_its_keys_need(chunks):
             assert c.last[2] == before
 
 
-class SharedToy(nn.Module):
+class SharedToy(nn.Module, Capabilities):
     """Four single-head attention layers without RoPE (sliding, full, then a
     sliding and a full layer that read layers 0 and 1's KV, as Gemma 3n/4's
     last layers do), residual, tied head."""

@@ -21,6 +21,7 @@ from mlxcel_dist.cli import app
 from mlxcel_dist.collectives import SINGLE
 from mlxcel_dist.engine import RankAgreement
 from mlxcel_dist.generation import Generation, generate_text
+from mlxcel_dist.models.base import Capabilities
 from mlxcel_dist.errors import UserError
 from mlxcel_dist.loader import default_model_dir
 from mlxcel_dist.sampling import (
@@ -341,7 +342,7 @@ def test_stop_string_split_anywhere_is_never_printed(seed):
 
 
 # Generation loop on a scripted model ----------------------------------------------
-class Scripted:
+class Scripted(Capabilities):
     """A 'model' whose next token follows a script, whatever the input."""
 
     def __init__(self, script, vocab):

@@ -13,6 +13,7 @@ from mlxcel_dist.loader import default_model_dir, read_config
 from mlxcel_dist.sampling import SamplingParams
 from mlxcel_dist.serve import wire
 from mlxcel_dist.generation import OneRowEngine
+from mlxcel_dist.models.base import Capabilities
 from mlxcel_dist.serve.protocol import advance, apply_step, follow
 from mlxcel_dist.serve.scheduler import Done, Failed, Job, Scheduler, Text, Token
 from mlxcel_dist.serve.wire import KIND_SHUTDOWN, KIND_STEP, GenRequest
@@ -353,8 +354,10 @@ def test_the_wire_refuses_what_it_cannot_hold(field, value):
         wire.encode_request(r)
 
 
-class LoopModel:
+class LoopModel(Capabilities):
     """A model with its own generation loop: yields `ids`, then stops (as at EOS)."""
+
+    own_loop = True
 
     class args:
         vocab_size = 512

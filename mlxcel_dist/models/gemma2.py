@@ -101,7 +101,7 @@ class Model(CausalLM):
     def __init__(self, args: ModelArgs):
         super().__init__(args, Gemma2Model(args))
 
-    split_decode = True  # decode.DecodeStep may run its layers' pre/attend/post split
+    split_decode = True  # the engine's one-row step (decode.SplitSegments) may run its layers' pre/attend/post split
 
     def __call__(self, inputs, cache=None):
         return self.softcap(super().__call__(inputs, cache))

@@ -210,7 +210,7 @@ class DecoderLayer(nn.Module):
         h = x + self.self_attn(self.input_layernorm(x), mask, cache)
         return h + self.feed_forward(self.post_attention_layernorm(h))
 
-    # split decode (decode.DecodeStep): pre -> self_attn.attend -> post
+    # split decode (decode.SplitSegments): pre -> self_attn.attend -> post
     def pre(self, x, cache):
         return (x, *self.self_attn.qkv(self.input_layernorm(x), cache))
 
@@ -231,7 +231,7 @@ class Llama4TextModel(DecoderStack):
 
 class Model(CausalLM):
     pipeline_stages = True  # a plain DecoderStack: runs in --pp stages (pipeline.py)
-    split_decode = True  # decode.DecodeStep may run its layers' pre/attend/post split
+    split_decode = True  # the engine's one-row step (decode.SplitSegments) may run its layers' pre/attend/post split
 
     def __init__(self, args: ModelArgs):
         super().__init__(args, Llama4TextModel(args))

@@ -187,7 +187,7 @@ class MellumModel(DecoderStack):
 
 class Model(CausalLM):
     pipeline_stages = True  # a DecoderStack of independent layers: runs in --pp stages (pipeline.py)
-    split_decode = True  # decode.DecodeStep may run its layers' pre/attend/post split (fused decode attention)
+    split_decode = True  # the engine's one-row step (decode.SplitSegments) may run its layers' pre/attend/post split (fused decode attention)
 
     def __init__(self, args: ModelArgs):
         super().__init__(args, MellumModel(args))

@@ -213,7 +213,7 @@ class DecoderLayer(nn.Module):
         h = x + self.self_attn(self.input_layernorm(x), mask, cache)
         return h + self.mlp(self.post_attention_layernorm(h))
 
-    # split decode (decode.DecodeStep): pre -> self_attn.attend -> post
+    # split decode (decode.SplitSegments): pre -> self_attn.attend -> post
     def pre(self, x, cache):
         return (x, *self.self_attn.qkv(self.input_layernorm(x), cache))
 

@@ -84,7 +84,7 @@ class MistralModel(DecoderStack):
 
 class Model(CausalLM):
     pipeline_stages = True  # plain DecoderStack: runs in --pp stages (pipeline.py)
-    split_decode = True  # decode.DecodeStep may run its layers' pre/attend/post split
+    split_decode = True  # the engine's one-row step (decode.SplitSegments) may run its layers' pre/attend/post split
     # Some older conversions saved `self_attn.rotary_emb.inv_freq`.
     drop_rotary_buffers = True
 

@@ -94,7 +94,7 @@ class Qwen3Model(DecoderStack):
 
 class Model(CausalLM):
     pipeline_stages = True  # plain DecoderStack: runs in --pp stages (pipeline.py)
-    split_decode = True  # decode.DecodeStep may run its layers' pre/attend/post split
+    split_decode = True  # the engine's one-row step (decode.SplitSegments) may run its layers' pre/attend/post split
 
     def __init__(self, args: ModelArgs):
         super().__init__(args, Qwen3Model(args))
