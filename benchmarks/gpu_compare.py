@@ -143,37 +143,34 @@ def active_params(cfg: dict, n_params: int) -> int:
 
 
 def host_build_ms(model, prompt, split: bool, steps: int = 16) -> dict:
-    """Host time to build one decode step (no evaluation inside the timing)
-    and the wall time per step with evaluation, on a 2048-token cache."""
-    from mlxcel_dist.decode import DecodeStep
+    """The wall time per one-row step, each evaluated before the next is
+    built (BatchEngine.scores unread), on a 2048-token cache; split or the
+    whole-graph step. (The host's build time alone is not separated: the
+    engine builds and starts a step in one call.)"""
+    from mlxcel_dist.batch import BatchEngine
 
-    cache = model.make_cache()
-    model(mx.array(prompt[:-1])[None], cache)
-    mx.eval([c.state for c in cache])
-    d = DecodeStep(model)
-    d.split = split and d.split
-    d.start(cache, len(prompt) - 1)
-    y = mx.array([[prompt[-1]]])
-    mx.eval(d(y))  # trace
-    t = time.perf_counter()
-    outs = [d(y) for _ in range(steps)]
-    build = (time.perf_counter() - t) / steps
-    mx.eval(outs)
-    t = time.perf_counter()
-    for _ in range(steps):
-        mx.eval(d(y))
-    synced = (time.perf_counter() - t) / steps
-    d.release()
-    return {"host_build_ms": round(build * 1e3, 3), "step_ms_synced": round(synced * 1e3, 3)}
+    e = BatchEngine(model)
+    if not split:
+        e.split = False
+
+    def timed(n):
+        cache = model.make_cache()
+        model(mx.array(prompt[:-1])[None], cache)
+        mx.eval([c.state for c in cache])
+        t = time.perf_counter()
+        e.scores(cache, [prompt[-1]] * n, read=False)
+        return time.perf_counter() - t
+
+    timed(2)  # trace
+    synced = (timed(steps + 1) - timed(1)) / steps
+    return {"host_build_ms": None, "step_ms_synced": round(synced * 1e3, 3)}
 
 
 def time_ours(model, prompt, gen, prefill_step=None, compiled=True, step=None):
     from mlxcel_dist.generation import Generation
 
-    if step is not None:  # the DecodeStep to use (e.g. whole-graph vs split)
-        model.decode_step = step
-
-    g = Generation(model, prompt, gen, prefill_step=prefill_step, compiled=compiled)
+    # step: the engine to run on (e.g. one whose one-row steps are whole-graph, not split)
+    g = Generation(model, prompt, gen, prefill_step=prefill_step, compiled=compiled, engine=step)
     out = list(g)
     s = g.finish()
     return s.prefill_tok_s, s.decode_tok_s, out
@@ -286,7 +283,7 @@ def main() -> None:
 def families_main(a) -> None:
     import gc
 
-    from mlxcel_dist.decode import DecodeStep
+    from mlxcel_dist.batch import BatchEngine
 
     def emit(row):
         print(json.dumps(row), flush=True)
@@ -333,9 +330,11 @@ def families_main(a) -> None:
                     info["argmax_agree"] = float((lo.argmax(-1) == lt.argmax(-1)).mean())
                 except Exception as e:  # noqa: BLE001 (CPU gather_mm: fp32 only)
                     info["logits_check_failed"] = f"{type(e).__name__}: {e}"[:200]
-            split_step, whole_step = DecodeStep(ours), DecodeStep(ours)
+            split_step, whole_step = BatchEngine(ours), BatchEngine(ours)
             whole_step.split = False
-            info["split_available"] = split_step.split
+            from mlxcel_dist.decode import splittable
+
+            info["split_available"] = splittable(ours)
             emit(info)
             runs = [("ours", lambda m, p, g: time_ours(m, p, g, step=split_step), ours),
                     ("ours, whole-graph step", lambda m, p, g: time_ours(m, p, g, step=whole_step), ours)]

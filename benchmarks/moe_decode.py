@@ -17,7 +17,7 @@ Rows (JSON lines):
   after a warm one), ours per `experts.PREFILL` form for quantized experts
   ("sorted", "gather", "grouped") and mlx-lm's;
 - `generate`: interleaved per rep: mlx-lm's `generate_step`, ours split
-  decode steps, ours whole-graph steps (`DecodeStep.split` off: the path
+  decode steps, ours whole-graph steps (`BatchEngine.split` off: the path
   qwen3_moe took before it opted in): prefill tok/s, decode tok/s, and the
   per-token gaps (ms: median, p10, p90, max) seen by the consumer.
 """
@@ -80,20 +80,18 @@ STEPS = {}
 
 
 def run_ours(model, prompt, gen, split: bool):
-    from mlxcel_dist.decode import DecodeStep
+    from mlxcel_dist.batch import BatchEngine
+    from mlxcel_dist.generation import Generation
 
-    try:
-        from mlxcel_dist.engine import TokenGenerator
-    except ImportError:  # one engine (generation.Generation): its own step kinds; no whole-graph switch here
-        from mlxcel_dist.generation import Generation as TokenGenerator
-
-    if split not in STEPS:  # one DecodeStep per kind, kept: its traces are reused by later reps
-        STEPS[split] = DecodeStep(model)
-        STEPS[split].split = split and STEPS[split].split
-    model.decode_step = STEPS[split]
+    if split not in STEPS:  # one engine per step kind, kept: its traces are reused by later reps
+        STEPS[split] = BatchEngine(model)
+        if not split:
+            STEPS[split].split = False  # the whole-graph one-row step
     t0, stamps = time.perf_counter(), []
-    for _ in TokenGenerator(model, prompt, gen):
+    gen_ = Generation(model, prompt, gen, engine=STEPS[split])
+    for _ in gen_:
         stamps.append(time.perf_counter())
+    gen_.finish()
     return t0, stamps
 
 

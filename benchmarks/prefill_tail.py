@@ -3,7 +3,7 @@ against mlx-lm's, on the same weights (a FAMILIES shape of gpu_compare.py).
 
 gpu_compare.py's prefill tok/s is prompt / time-to-first-id. For ours that
 holds the chunked prefill (all prompt tokens but the last), then moving the
-eager KV cache into the decode step's static buffers (`DecodeStep.start`),
+eager KV cache into a row of the engine's static buffers (`place_prefilled`),
 then the last prompt token's decode step; for mlx-lm the chunk, then its last
 token's step (its KV cache grows by a step there). This times each stage
 apart with a device sync after it, per rep (the allocator's cache cleared
@@ -33,7 +33,11 @@ def _lap(t: list) -> float:
     return round(dt, 2)
 
 
-def ours_stages(model, step, prompt) -> dict:
+def ours_stages(model, engine, prompt) -> dict:
+    import numpy as np
+
+    from mlxcel_dist.prefill import Admission
+
     last = len(prompt) - 1
     cache = model.make_cache()
     t = [time.perf_counter()]
@@ -41,15 +45,19 @@ def ours_stages(model, step, prompt) -> dict:
     model(mx.array(prompt[:last])[None], cache)
     mx.eval([c.state for c in cache])
     out["chunk"] = _lap(t)
-    step.start(cache, last, True)
-    mx.eval(list(step.state.values()))
+    ids = np.asarray(prompt, np.int32)
+    engine._decide(ids[:1])
+    engine.place_prefilled(Admission("tail", ids, last, None, 0, None, 2), cache)  # into its row's buffers
+    mx.eval(list(engine.buffers.values()))
     out["start"] = _lap(t)
-    y = mx.argmax(step(mx.array(prompt[last:])[None]).reshape(-1))
-    mx.eval(y)
-    out["first step"] = _lap(t)
-    mx.eval(mx.argmax(step(y.reshape(1, 1)).reshape(-1)))
-    out["second step"] = _lap(t)
-    step.release()
+    row = engine.rows[0]
+    for name, tok in (("first step", mx.array([prompt[last]], mx.int32)), ("second step", None)):
+        x = engine._forward_rows(tok if tok is not None else y.reshape(1))[1][0]
+        row.pos += 1
+        y = mx.argmax(x.reshape(-1)).astype(mx.int32)
+        mx.eval(y)
+        out[name] = _lap(t)
+    engine.remove("tail")
     return out
 
 
@@ -85,12 +93,12 @@ def main() -> None:
         cfg.update(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
                    num_key_value_heads=2, head_dim=64, vocab_size=512)
     _stub_transformers()
-    from mlxcel_dist.decode import decode_step_for
+    from mlxcel_dist.batch import BatchEngine
 
     ours, weights = build_ours(cfg)
     theirs = build_mlx_lm(cfg, weights)
     prompt = mx.random.randint(0, cfg["vocab_size"], (a.prompt,), key=mx.random.key(1)).tolist()
-    step = decode_step_for(ours)
+    step = BatchEngine(ours)
     got = {"ours": [], "mlx-lm": []}
     for rep in range(a.reps):
         for impl in got:

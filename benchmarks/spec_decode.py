@@ -79,27 +79,24 @@ def np1(target_dir: str, gen: int) -> list:
 
 
 def costs(target, draft, k: int, n: int = 20) -> dict:
-    """Median ms of a target decode step (as generate: compiled, split where the family opts in),
+    """Median ms of a target decode step (the engine's compiled block step of one id, not split),
     a target verify block of k + 1 tokens (margin k), and a draft step (margin k), after a
     100-token prompt: what a round costs, next to the tokens it yields."""
     import mlx.core as mx
     import numpy as np
 
-    from mlxcel_dist.decode import DecodeStep
+    from mlxcel_dist.batch import BatchEngine
 
     def timed(model, margin, L):
-        st = DecodeStep(model)
-        cache = model.make_cache()
-        model(mx.arange(5, 105)[None], cache)
-        mx.eval([c.state for c in cache])
-        st.start(cache, 100, True, margin)
+        # a row at position 100 fed L ids at the same positions each time (as a rolled-back round)
+        e = BatchEngine(model, margin=margin)
+        e.add(0, np.arange(5, 106))
         y, ts = mx.array([[7] * L]), []
         for i in range(n + 3):
             t = time.perf_counter()
-            mx.eval(st(y) if margin == 0 else st.block(y), st.state)
+            mx.eval(e.feed(y, [100]), e.buffers)
             ts.append(time.perf_counter() - t)
-            if L > 1:
-                st.rewind(L - 1)
+        e.remove(0)
         return 1e3 * float(np.median(ts[3:]))
 
     return {"target_step_ms": timed(target, 0, 1), "target_block_ms": timed(target, k, k + 1),

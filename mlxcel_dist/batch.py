@@ -283,7 +283,7 @@ class BatchEngine:
         self.micro = micro
         self._compiled_part = mx.compile(self._forward_part, inputs=self.buffers, outputs=self.buffers)
         self.traces = 0
-        self._split = None  # whether one row steps split (`_splits`), decided once the layout is known
+        self.split = None  # whether the model's one-row steps run split (`splits`), decided with the layout
         self._segments = None
         self._size = 0
         self.pipelined = pipelined
@@ -719,9 +719,9 @@ class BatchEngine:
         """The one-row case (generate's row; a lone request): a model that opts in steps split
         (decode.SplitSegments: compiled segments between the layers' attention, which then runs
         unmasked on the written prefix, so GPU backends take their fused decode kernels)."""
-        if self._split is None:
-            self._split = splittable(self.model) and all(lay.kind == "kv" for lay in self.layout)
-        return C == 1 and self._split and self.compiled and not self.margin
+        if self.split is None:
+            self.split = splittable(self.model) and all(lay.kind == "kv" for lay in self.layout)
+        return C == 1 and self.split and self.compiled and not self.margin
 
     def _split_row(self, x: mx.array) -> mx.array:
         if self._segments is None:
