@@ -50,7 +50,7 @@ def ours_stages(model, engine, prompt) -> dict:
     engine.place_prefilled(Admission("tail", ids, last, None, 0, None, 2), cache)  # into its row's buffers
     mx.eval(list(engine.buffers.values()))
     out["start"] = _lap(t)
-    row = engine.rows[0]
+    row, y = engine.rows[0], None
     for name, tok in (("first step", mx.array([prompt[last]], mx.int32)), ("second step", None)):
         x = engine._forward_rows(tok if tok is not None else y.reshape(1))[1][0]
         row.pos += 1

@@ -1,5 +1,5 @@
 """Primitives of one single-token decode step, per layer and by kind: ours
-(the split step `decode.DecodeStep` runs, and the whole-graph step) vs
+(the engine's split one-row step, and the whole-graph step) vs
 mlx-lm's model on the same weights and config. CPU, tiny shapes, seconds.
 
     python benchmarks/step_primitives.py [--families llama,qwen3,mistral,gemma3,gpt_oss] [--dtype bfloat16]
@@ -13,7 +13,7 @@ Method (what is counted, and how it is made honest on a CPU-only build):
 
 - The step's lazy graph is built (never evaluated) and read back with
   `mx.export_to_dot`; each primitive application is counted once (a
-  multi-output primitive is one kernel). Ours: `DecodeStep` as the engine
+  multi-output primitive is one kernel). Ours: the one-row step as the engine
   runs it, i.e. its compiled segments (`mx.compile`d: elementwise ops appear
   fused into one `Compiled` node each, as the GPU runs them) plus the eager
   attention calls between them ("split"), and the single compiled graph
@@ -221,8 +221,11 @@ def _zeros_kv(n_kv, P, D, dtype):
 
 
 def count_ours(cfg, weights_dtype, P, split, unfused=False):
-    from mlxcel_dist.decode import DecodeStep
+    import numpy as np
+
+    from mlxcel_dist.batch import BatchEngine
     from mlxcel_dist.models import gpt_oss
+    from mlxcel_dist.prefill import Admission
 
     model, _ = build(cfg, weights_dtype)
     a = model.args
@@ -230,16 +233,19 @@ def count_ours(cfg, weights_dtype, P, split, unfused=False):
     for c in cache:
         c.update_and_fetch(*_zeros_kv(a.num_key_value_heads, P, a.head_dim, weights_dtype))
     mx.eval([c.state for c in cache])
-    d = DecodeStep(model)
-    d.split = split and d.split
-    d.start(cache, P)
-    mx.eval(list(d.state.values()))  # the static buffers as a real step finds them
+    e = BatchEngine(model)  # the engine's one-row step, split or whole-graph
+    if not split:
+        e.split = False
+    ids = np.ones(P + 1, np.int32)
+    e._decide(ids[:1])
+    e.place_prefilled(Admission("count", ids, P, None, 0, None, 2), cache)
+    mx.eval(list(e.buffers.values()))  # the static buffers as a real step finds them
     gpt_oss_native = gpt_oss.native_gather_mm
     gpt_oss.native_gather_mm = lambda x: True  # what the GPU runs (CPU: an fp32 detour)
     try:
         with (unfused_projections() if unfused else contextlib.nullcontext()), FastStandIns().active() as fs:
-            out = d(mx.array([[1]]))
-            return count_graph([out, *d.state.values()], fs.tally), d.split
+            out = e._forward_rows(mx.array([1], mx.int32))[1][0]
+            return count_graph([out, *e.buffers.values()], fs.tally), e.splits(1)
     finally:
         gpt_oss.native_gather_mm = gpt_oss_native
 

@@ -9,10 +9,11 @@ with random weights is built in memory on every rank and sharded there (each
 rank draws the same values for its shard's shape: timing only, the ranks
 agree on every id). Each rank writes one JSON object to --out-dir/rankR.json:
 
-- prefill_tok_s: warm prefills of --prompt tokens (TokenGenerator, 1 token);
-- decode_tok_s[ce]: TokenGenerator decode of --gen tokens with --check-every
+- prefill_tok_s: warm prefills of --prompt tokens (generation.Generation, 1 token);
+- decode_tok_s[ce]: Generation decode of --gen tokens with --check-every
   ce, ce = 1 and 0 alternated (--rounds each);
-- steps: a DecodeStep on a --prompt-token cache, --steps steps per mode:
+- steps (NOT PORTED: it timed decode.DecodeStep, removed with the one engine;
+  "not ported" is written instead): a DecodeStep on a --prompt-token cache, --steps steps per mode:
   * build_ms: host time to build one step (Python, lazy),
   * encode_ms: host time in mx.async_eval (MLX encodes and launches the
     kernels and collectives of the step: CUDA graph build, NCCL capture),
@@ -76,50 +77,6 @@ def build(cfg, group):
     mx.eval(model.parameters())
     model.eval()
     return model
-
-
-def step_modes(model, prompt, steps: int, split: bool, segments: bool) -> dict:
-    import mlx.core as mx
-
-    from mlxcel_dist.decode import DecodeStep
-
-    cache = model.make_cache()
-    for i in range(0, len(prompt) - 1, 2048):
-        model(mx.array(prompt[i : min(i + 2048, len(prompt) - 1)])[None], cache)
-        mx.eval([c.state for c in cache])
-    d = DecodeStep(model)
-    d.split = split and d.split
-    d.start(cache, len(prompt) - 1)
-    y = mx.array([[prompt[-1]]])
-    for _ in range(3):
-        mx.eval(d(y))  # trace, kernels
-    out = {"split": d.split}
-    b, e, w, t0, te, td = [], [], [], [], [], []
-    for _ in range(steps):
-        a0, n0 = time.perf_counter(), time.time_ns()
-        logits = d(y)
-        a1 = time.perf_counter()
-        mx.async_eval(logits)
-        a2, n2 = time.perf_counter(), time.time_ns()
-        mx.eval(logits)
-        a3, n3 = time.perf_counter(), time.time_ns()
-        b.append(a1 - a0), e.append(a2 - a1), w.append(a3 - a2), t0.append(n0), te.append(n2), td.append(n3)
-    out.update(build_ms=1e3 * _median(b), encode_ms=1e3 * _median(e), wait_ms=1e3 * _median(w),
-               synced_ms=1e3 * _median([x + y_ + z for x, y_, z in zip(b, e, w)]), t0=t0, t_enc=te, t_done=td)
-    # chained: one eval for all steps
-    mx.synchronize()
-    t = time.perf_counter()
-    tok = y
-    for _ in range(steps):
-        tok = mx.argmax(d(tok), axis=-1).astype(mx.int32).reshape(1, 1)
-    tb = time.perf_counter()
-    mx.eval(tok)
-    out["chained_ms"] = 1e3 * (time.perf_counter() - t) / steps
-    out["chained_build_ms"] = 1e3 * (tb - t) / steps
-    if segments and d.split:
-        out["segments"] = _segment_times(d, y, max(3, steps // 4))
-    d.release()
-    return out
 
 
 def _segment_times(d, y, steps: int) -> dict:
@@ -370,18 +327,12 @@ def worker(a) -> None:
             pre.append(round(s.prefill_tok_s))
         out["prefill_tok_s"] = pre
     decode_rounds(model, prompt, a.gen, group, a.rounds, out)
-    group.barrier()
-    out["split"] = step_modes(model, prompt, a.steps, True, True)
-    if not a.quick:
-        group.barrier()
-        out["whole"] = step_modes(model, prompt, a.steps, False, False)
+    # the per-step timelines (split / whole / no collectives) timed decode.DecodeStep's pieces, removed
+    # with the one engine (2026-12-02): not ported
+    out["steps"] = "not ported"
     if group.size() > 1:
         group.barrier()
         out["guard"] = guard_cost(group, a.steps)
-        group.barrier()
-        no_collectives(group.size())
-        model.decode_step = None
-        out["nocoll"] = step_modes(model, prompt, a.steps, True, not a.quick)
     _write(a, group, out)
 
 
