@@ -79,54 +79,6 @@ def build(cfg, group):
     return model
 
 
-def _segment_times(d, y, steps: int) -> dict:
-    """The split step, piece by piece: encode-only (async_eval per piece, one
-    wait at the end) and synced (mx.eval per piece)."""
-    import mlx.core as mx
-
-    res = {}
-    for mode in ("encode", "synced"):
-        seg_t, att_t, total = [], [], []
-        for _ in range(steps):
-            d._reserve(d.pos)
-            d.pos += 1
-            segs, s, layers = d._segments, d.state, d.model.layers
-            pos, p = s["pos"], d.pos - 1
-            st, at = [], []
-            t_start = time.perf_counter()
-            carry = (y,)
-            for i, layer in enumerate(layers):
-                t = time.perf_counter()
-                x, q, k_new, v_new = segs[i](*carry, pos)
-                k, v = s[f"k{i}"], s[f"v{i}"]  # the new K/V to their slot, as DecodeStep._split_step
-                S = k.shape[2]
-                slot = p % S if d.views[i].window else p
-                k[..., slot : slot + 1, :] = k_new
-                v[..., slot : slot + 1, :] = v_new
-                (mx.async_eval if mode == "encode" else mx.eval)(x, q, k, v)
-                st.append(time.perf_counter() - t)
-                m = min(p + 1, S)
-                t = time.perf_counter()
-                o = layer.self_attn.attend(q, k[..., :m, :], v[..., :m, :])
-                (mx.async_eval if mode == "encode" else mx.eval)(o)
-                at.append(time.perf_counter() - t)
-                carry = (x, o)
-            t = time.perf_counter()
-            logits, s["pos"] = segs[-1](*carry, pos)
-            (mx.async_eval if mode == "encode" else mx.eval)(logits, s["pos"])
-            st.append(time.perf_counter() - t)
-            mx.eval(logits)
-            total.append(time.perf_counter() - t_start)
-            seg_t.append(st), att_t.append(at)
-        n = len(seg_t[0])
-        seg_med = [1e3 * _median([r[i] for r in seg_t]) for i in range(n)]
-        att_med = [1e3 * _median([r[i] for r in att_t]) for i in range(n - 1)]
-        res[mode] = {"total_ms": 1e3 * _median(total), "segments_sum_ms": sum(seg_med),
-                     "attention_sum_ms": sum(att_med), "segment_ms": [round(v, 4) for v in seg_med],
-                     "attention_ms": [round(v, 4) for v in att_med]}
-    return res
-
-
 def guard_cost(group, steps: int) -> dict:
     """The agreement check alone, as the decode loop runs it: its lazy all_sum
     on a ready id, async_eval (encode), then the host read (wait)."""
@@ -253,13 +205,6 @@ def prefill_profile(model, prompt, group, reps: int = 3) -> dict:
             ts.append(time.perf_counter() - t)
         out["all_sum_ms"] = 1e3 * _median(ts[2:])
     return out
-
-
-def no_collectives(size: int) -> None:
-    import mlx.core as mx
-
-    mx.distributed.all_sum = lambda x, *a, **k: x
-    mx.distributed.all_gather = lambda x, *a, **k: mx.concatenate([x] * size, axis=0)
 
 
 def decode_rounds(model, prompt, gen, group, rounds, out):
