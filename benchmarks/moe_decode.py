@@ -138,7 +138,7 @@ def main() -> None:
     from mlx_lm.models.cache import make_prompt_cache
 
     import mlxcel_dist.experts as experts
-    from mlxcel_dist.engine import sequence_logits
+    from mlxcel_dist.generation import sequence_logits
 
     cfg = shape(a)
     t = time.perf_counter()
