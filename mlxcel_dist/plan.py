@@ -296,18 +296,21 @@ def layer_kernel_ratio(ck) -> float:
 
 
 @functools.cache
-def machine_host_costs(tokens: int = 40) -> tuple[float, float]:
+def machine_host_costs(tokens: int = 40, split: bool = True) -> tuple[float, float]:
     """(per token, per layer) host seconds of this machine's generation loop
     (sampling, the host read, the agreement check; each layer's kernels): a
     tiny llama (hidden 64, weights negligible) with 1 and 5 layers, greedy
-    through engine.TokenGenerator, best of 2 runs each; measured once a
-    process."""
+    through engine.TokenGenerator, best of 2 runs each, its decode steps
+    `split` (decode.DecodeStep._split_step: a compiled segment a layer, the
+    attention between them) or one compiled graph a step, as the planned
+    model's run (`decode.splittable`); measured once a process."""
     import mlx.core as mx
 
     from .engine import TokenGenerator
 
     def per_token(layers: int) -> float:
         m = _tiny_llama(layers)
+        m.split_decode = split
         mx.eval(m.parameters())
         best = float("inf")
         for _ in range(2):
@@ -440,7 +443,10 @@ def make_plan(ck, n: int, weights=None, link: str = "loopback", bandwidth: float
     measured = {"bandwidth": bandwidth is None, "host": host_token is None,
                 "host per layer": all(x is None for x in host_layer)}
     bw = bandwidth or machine_bandwidth(ck.dtype, q.default if q is not None else None)
-    here = machine_host_costs() if host_token is None or None in host_layer else (None, None)
+    from .decode import splittable
+
+    split = splittable(model)  # the step kind it decodes with: a split llama layer costs more host time
+    here = machine_host_costs(split=split) if host_token is None or None in host_layer else (None, None)
     per_token = here[0] if host_token is None else host_token
     ratio = layer_kernel_ratio(ck) if None in host_layer else 1.0  # a measured llama layer, scaled to this model's
     layer_s = [here[1] * ratio if x is None else x for x in host_layer]
@@ -466,7 +472,7 @@ def make_plan(ck, n: int, weights=None, link: str = "loopback", bandwidth: float
     return {"ranks": ranks, "collectives": coll, "link": (link, lat, link_bw, source), "bandwidth": bw,
             "host": (per_token, max(layer_s)), "layers": layers, "compute_s": compute, "comm_s": comm,
             "token_s": compute + comm, "pp": pp, "moe": moe_placement(model, ranks), "stages": stages,
-            "context": context, "measured": measured, "layer_ratio": ratio,
+            "context": context, "measured": measured, "layer_ratio": ratio, "split_step": split,
             "handoff": _route_line(backend, pp_handoff, route, T) if route else None}
 
 
@@ -519,7 +525,9 @@ def format_plan(p: dict) -> list[str]:
     m = p["measured"]
     said = {k: "measured here" if v else "given" for k, v in m.items()}
     if m["host per layer"]:
-        said["host per layer"] = f"measured here: a llama layer's x {p['layer_ratio']:.2f} (this model's kernels a layer)"
+        step = "split steps" if p.get("split_step") else "one graph a step"
+        said["host per layer"] = (f"measured here: a llama layer's ({step}, as this model decodes) x "
+                                  f"{p['layer_ratio']:.2f} (this model's kernels a layer)")
     out.append(f"predicted decode: {1000 * p['token_s']:.2f} ms/token ({1 / p['token_s']:.1f} tok/s): compute "
                f"{1000 * p['compute_s']:.2f} ms (reads at {p['bandwidth'] / 1e9:.1f} GB/s, {said['bandwidth']}; host "
                f"{1e3 * tok:.2f} ms a token, {said['host']}, + {1e6 * lay:.0f} us a layer (the slowest rank's), {said['host per layer']}), "
