@@ -141,7 +141,7 @@ def main() -> None:
     ap.add_argument("fixtures", nargs="*")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--base", help="bench: also plan with this tree's mlxcel_dist (a directory for PYTHONPATH)")
-    a = ap.parse_args()
+    a = ap.parse_intermixed_args()
     if a.what == "published":
         published()
     else:

@@ -126,7 +126,7 @@ def one(src: Path, pp: int, work: Path) -> dict:
     t0 = time.perf_counter()
     _, again = fetch.fetch_shards(ck, "/nonexistent/model", hosts, pieces, str(warm))
     second_s = time.perf_counter() - t0
-    rate = link_rate(st.sent)
+    rate = max(link_rate(st.sent) for _ in range(3))  # the link's rate: its best of 3 (a busy box lowers some)
     load_full = min(load_time(src, np_, rank, pp) for _ in range(2))
     load_cache = min(load_time(entry, np_, rank, pp) for _ in range(2))
     bound = shard / rate + load_full
