@@ -113,7 +113,8 @@ def bench(fixtures, rounds, base=None) -> None:
 
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([base, os.environ.get("PYTHONPATH", "")])) if base else None
     print(f"{'fixture':28} {'plan ms':>8} {'bench ms':>8} {'ratio':>6} {'min/min':>7}"
-          + (f" {'base':>6} {'ratio':>6}" if base else "") + "  plan runs / bench runs" + (" / base runs" if base else ""))
+          + (f" {'base':>6} {'ratio':>6}" if base else "")
+          + "  plan runs / bench runs" + (" / base runs" if base else ""))
     for d in fixtures:
         plans, benches, bases = [], [], []
         for _ in range(rounds):  # interleaved: the box's load hits both alike

@@ -313,7 +313,8 @@ def test_the_measured_layer_host_time_follows_the_layer_kernels():
     m, _ = open_model(FIXTURES / "qwen3_moe/gqa_fp32").build()
     assert decode_primitives(m) == decode_primitives(open_model(FIXTURES / "qwen3_moe/gqa_fp32").build()[0]) > 0
     p = make_plan(open_model(FIXTURES / "qwen3_moe/gqa_fp32"), 1, bandwidth=5e9, host_token=0.0)
-    assert p["layer_ratio"] == moe and "a llama layer's (one graph a step, as this model decodes) x" in format_plan(p)[-1]
+    assert p["layer_ratio"] == moe
+    assert "a llama layer's (one graph a step, as this model decodes) x" in format_plan(p)[-1]
     # the llama baseline is timed with the step kind the planned model decodes with (decode.splittable):
     # llama splits its steps around attention, qwen3_moe and any pipeline stage run one graph a step
     llama = open_model(FIXTURES / "llama/gqa_fp32")
@@ -374,7 +375,8 @@ def test_plan_cli_takes_the_launch_backend_and_handoff():
     r = CliRunner().invoke(app, ["plan", "--pp", "2", "--backend", "ring", "--bandwidth", "5"])
     assert r.exit_code == 0 and "pipeline hand-offs: send/recv (backend ring, --pp-handoff auto)" in r.output, r.output
     for argv, want in ((["--np", "4", "--pp", "2", "--backend", "nccl"], "error: --np 4 --pp 2 on backend nccl"),
-                       (["--pp", "2", "--backend", "nccl", "--pp-handoff", "send"], "error: --pp-handoff send: backend nccl"),
+                       (["--pp", "2", "--backend", "nccl", "--pp-handoff", "send"],
+                        "error: --pp-handoff send: backend nccl"),
                        (["--pp", "2", "--backend", "carrier"], "error: unknown backend 'carrier'")):
         r = CliRunner().invoke(app, ["plan", *argv, "--bandwidth", "5"])
         assert r.exit_code == 2 and r.output.startswith(want) and len(r.output.splitlines()) == 1, r.output
