@@ -87,10 +87,10 @@ def published() -> None:
                       f"published {other[1]}: {100 * (tok / other[1] - 1):+.0f}%" + ("  (the fit)" if i == j else ""))
 
 
-def _median_run(cmd, key, rounds, env=None):
+def _median_run(cmd, key, rounds, env=None, cwd=ROOT):
     out = []
     for _ in range(rounds):
-        p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
+        p = subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, env=env)
         if p.returncode != 0:
             raise SystemExit(f"{cmd}: {p.stderr[-1000:]}")
         out.append(json.loads(p.stdout.strip().splitlines()[-1])[key])
@@ -120,7 +120,8 @@ def bench(fixtures, rounds, base=None) -> None:
         for _ in range(rounds):  # interleaved: the box's load hits both alike
             plans.append(_median_run([sys.executable, "-c", PLAN_CODE, d, str(128 + 24)], "ms", 1)[0])
             if base:
-                bases.append(_median_run([sys.executable, "-c", PLAN_CODE, d, str(128 + 24)], "ms", 1, env)[0])
+                # run from `base`: `python -c` puts the working directory before PYTHONPATH
+                bases.append(_median_run([sys.executable, "-c", PLAN_CODE, d, str(128 + 24)], "ms", 1, env, base)[0])
             benches.append(_median_run([sys.executable, "-m", "mlxcel_dist.cli", "bench", d, "--json"],
                                        "decode_ms_per_token", 1)[0])
         pm, bm = statistics.median(plans), statistics.median(benches)
