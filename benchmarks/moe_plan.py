@@ -1,7 +1,7 @@
 """`plan` for MoE against published figures and against `bench` (issue 41).
 
     python benchmarks/moe_plan.py published     # Qwen3-235B-A22B, two published setups
-    python benchmarks/moe_plan.py bench [--rounds 3] [FIXTURE ...]
+    python benchmarks/moe_plan.py bench [--rounds 3] [--base OTHER_TREE] [FIXTURE ...]
 
 published: header-only checkpoints of Qwen3-235B-A22B (its real config:
 tests/helpers/header_ckpt.py writes the header of every tensor our model
@@ -87,10 +87,10 @@ def published() -> None:
                       f"published {other[1]}: {100 * (tok / other[1] - 1):+.0f}%" + ("  (the fit)" if i == j else ""))
 
 
-def _median_run(cmd, key, rounds):
+def _median_run(cmd, key, rounds, env=None, cwd=ROOT):
     out = []
     for _ in range(rounds):
-        p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+        p = subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, env=env)
         if p.returncode != 0:
             raise SystemExit(f"{cmd}: {p.stderr[-1000:]}")
         out.append(json.loads(p.stdout.strip().splitlines()[-1])[key])
@@ -106,18 +106,30 @@ print(json.dumps({"ms": 1e3 * p["token_s"], "host": p["host"], "bw": p["bandwidt
 """
 
 
-def bench(fixtures, rounds) -> None:
-    print(f"{'fixture':28} {'plan ms':>8} {'bench ms':>8} {'ratio':>6} {'min/min':>7}  plan runs / bench runs")
+def bench(fixtures, rounds, base=None) -> None:
+    """`base`: another tree's mlxcel_dist (a directory put first on
+    PYTHONPATH) whose plan runs beside this one's in each round."""
+    import os
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([base, os.environ.get("PYTHONPATH", "")])) if base else None
+    print(f"{'fixture':28} {'plan ms':>8} {'bench ms':>8} {'ratio':>6} {'min/min':>7}"
+          + (f" {'base':>6} {'ratio':>6}" if base else "")
+          + "  plan runs / bench runs" + (" / base runs" if base else ""))
     for d in fixtures:
-        plans, benches = [], []
+        plans, benches, bases = [], [], []
         for _ in range(rounds):  # interleaved: the box's load hits both alike
             plans.append(_median_run([sys.executable, "-c", PLAN_CODE, d, str(128 + 24)], "ms", 1)[0])
+            if base:
+                # run from `base`: `python -c` puts the working directory before PYTHONPATH
+                bases.append(_median_run([sys.executable, "-c", PLAN_CODE, d, str(128 + 24)], "ms", 1, env, base)[0])
             benches.append(_median_run([sys.executable, "-m", "mlxcel_dist.cli", "bench", d, "--json"],
                                        "decode_ms_per_token", 1)[0])
         pm, bm = statistics.median(plans), statistics.median(benches)
+        extra = f" {statistics.median(bases):6.2f} {statistics.median(bases) / bm:6.2f}" if base else ""
         print(f"{Path(d).parent.name + '/' + Path(d).name:28} {pm:8.2f} {bm:8.2f} {pm / bm:6.2f} "
-              f"{min(plans) / min(benches):7.2f}  "
-              f"{', '.join(f'{x:.2f}' for x in plans)} / {', '.join(f'{x:.2f}' for x in benches)}", flush=True)
+              f"{min(plans) / min(benches):7.2f}{extra}  "
+              f"{', '.join(f'{x:.2f}' for x in plans)} / {', '.join(f'{x:.2f}' for x in benches)}"
+              + (f" / {', '.join(f'{x:.2f}' for x in bases)}" if base else ""), flush=True)
 
 
 MOE_FIXTURES = ["qwen3_moe/gqa_fp32", "glm4_moe/gqa_fp32", "deepseek_v3/yarn_fp32", "deepseek_v32/yarn_fp32",
@@ -130,11 +142,12 @@ def main() -> None:
     ap.add_argument("what", choices=["published", "bench"])
     ap.add_argument("fixtures", nargs="*")
     ap.add_argument("--rounds", type=int, default=3)
-    a = ap.parse_args()
+    ap.add_argument("--base", help="bench: also plan with this tree's mlxcel_dist (a directory for PYTHONPATH)")
+    a = ap.parse_intermixed_args()
     if a.what == "published":
         published()
     else:
-        bench([str(ROOT / "tests" / "fixtures" / f) for f in (a.fixtures or MOE_FIXTURES)], a.rounds)
+        bench([str(ROOT / "tests" / "fixtures" / f) for f in (a.fixtures or MOE_FIXTURES)], a.rounds, a.base)
 
 
 if __name__ == "__main__":

@@ -87,35 +87,59 @@ def load_time(model, np_: int, rank: int, pp: int) -> float:
     return time.perf_counter() - t0
 
 
+def _first(ck, hosts, pieces, cache: Path) -> tuple:
+    t0 = time.perf_counter()
+    spec, states = fetch.fetch_shards(ck, "/nonexistent/model", hosts, pieces, str(cache))
+    return time.perf_counter() - t0, spec, states["hostb"]
+
+
+def _phases(st) -> dict:
+    """The launcher's view of a fetch's phases (this tree's fetch.py records them)."""
+    m = getattr(st, "marks", None)
+    if not m:
+        return {}
+    return {"revision_s": m["revision"] - m["t0"], "receiver_up_s": m["connected"] - m["t0"],
+            "needs_s": m["needs"] - m["connected"], "stream_s": m["sent"] - m["needs"],
+            "finish_s": m["done"] - m["sent"]}
+
+
 def one(src: Path, pp: int, work: Path) -> dict:
+    """Rank 1's first fetch to a host with nothing cached, twice: "cold" (the
+    launching host never hashed its copy either) and "warm" (it has: its
+    hashes.json and remembered piece sha256s copied from the cold run, as
+    after any earlier launch), then a second launch; loads from the
+    checkpoint and from the entry."""
     np_, rank = 2, 1
     ck = open_model(src)
     pieces = {rank: sc.rank_pieces(ck, np_, rank, pp)}
     shard = sum(p.nbytes for p in pieces[rank])
     files = sum((src / n).stat().st_size for n in sc.small_files(src))
-    cache = work / f"cache-pp{pp}"
+    cold, warm = work / f"cold-pp{pp}", work / f"warm-pp{pp}"
     hosts = {"hostb": (Host("localhost"), [rank])}
+    cold_s, _, cst = _first(ck, hosts, pieces, cold)
+    warm.mkdir()
+    shutil.copy(cold / "hashes.json", warm / "hashes.json")
+    if (cold / "pieces").is_dir():
+        shutil.copytree(cold / "pieces", warm / "pieces")
+    first_s, spec, st = _first(ck, hosts, pieces, warm)
+    entry = warm / json.loads(spec)["key"] / json.loads(spec)["ranks"][str(rank)]
     t0 = time.perf_counter()
-    spec, states = fetch.fetch_shards(ck, "/nonexistent/model", hosts, pieces, str(cache))
-    first_s = time.perf_counter() - t0
-    st = states["hostb"]
-    entry = cache / json.loads(spec)["key"] / json.loads(spec)["ranks"][str(rank)]
-    t0 = time.perf_counter()
-    _, again = fetch.fetch_shards(ck, "/nonexistent/model", hosts, pieces, str(cache))
+    _, again = fetch.fetch_shards(ck, "/nonexistent/model", hosts, pieces, str(warm))
     second_s = time.perf_counter() - t0
-    rate = link_rate(st.sent)
+    rate = max(link_rate(st.sent) for _ in range(3))  # the link's rate: its best of 3 (a busy box lowers some)
     load_full = min(load_time(src, np_, rank, pp) for _ in range(2))
     load_cache = min(load_time(entry, np_, rank, pp) for _ in range(2))
-    transfer_s = (st.end - st.start) if st.start else 0.0
     bound = shard / rate + load_full
     return {
         "placement": f"pp {pp}" if pp > 1 else "np 2", "checkpoint_bytes": sum(ck.tensor_bytes().values()),
         "shard_bytes": shard, "small_file_bytes": files, "data_bytes_sent": st.sent, "wire_bytes": st.wire,
-        "overhead_vs_shard": (st.wire - shard) / shard, "first_fetch_s": first_s, "transfer_s": transfer_s,
-        "second_fetch_s": second_s, "second_bytes_sent": again["hostb"].sent, "link_rate_Bps": rate,
+        "overhead_vs_shard": (st.wire - shard) / shard, "link_rate_Bps": rate, "bound_s": bound,
         "load_full_s": load_full, "load_cache_s": load_cache,
-        "first_launch_s": first_s + load_cache, "goal_s": 1.2 * bound,
-        "ratio_to_bound": (first_s + load_cache) / bound,
+        "cold_fetch_s": cold_s, "cold_ratio_to_bound": (cold_s + load_cache) / bound,
+        **{f"cold_{k}": v for k, v in _phases(cst).items()},
+        "first_fetch_s": first_s, "first_launch_s": first_s + load_cache, "goal_s": 1.2 * bound,
+        "ratio_to_bound": (first_s + load_cache) / bound, **_phases(st),
+        "second_fetch_s": second_s, "second_bytes_sent": again["hostb"].sent,
     }
 
 

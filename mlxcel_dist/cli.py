@@ -329,6 +329,8 @@ def plan(
     hostfile: HostfileOpt = None,
     rank_weights: RankWeightsOpt = None,
     moe_split: MoeSplitOpt = "intermediate",
+    backend: BackendOpt = "auto",
+    pp_handoff: PpHandoffOpt = "auto",
     link: Annotated[str, typer.Option("--link", help="The link between ranks for the predicted time: loopback (one machine), tb5 (Thunderbolt 5 RDMA), 10gbe.")] = "loopback",
     bandwidth: Annotated[Optional[float], typer.Option("--bandwidth", help="Memory bandwidth of a rank in GB/s for the predicted time (default: measured here).", show_default=False)] = None,
     ask_hosts: Annotated[bool, typer.Option("--ask-hosts", help="With --hostfile: ask each other host (over ssh) how many bytes of its shards a launch would send it (default: the most it could).")] = False,

@@ -39,6 +39,7 @@ from . import shardcache as sc
 from .errors import UserError
 
 CHUNK = 1 << 22
+CORRUPTED = "arrived corrupted"  # a receiver's word for a piece whose sha256 differs from the one sent
 IO_TIMEOUT_S = 120.0  # a link silent this long is dropped
 CONNECT_TIMEOUT_S = 60.0
 
@@ -106,15 +107,21 @@ class _HostState:
     def __init__(self, name: str):
         self.name, self.total, self.sent, self.wire = name, 0, 0, 0
         self.start = self.end = None
+        self.hashed: dict[str, str] = {}  # piece key -> sha256 hashed for this host's stream
+        self.marks: dict[str, float] = {}  # phase -> time.monotonic() (benchmarks/shard_fetch.py's breakdown)
         self.result: dict | None = None
         self.error: str | None = None
 
 
-def _serve_host(conn, job: dict, refs: dict, files: dict, st: _HostState, cut_after: int | None) -> None:
-    """One receiving host's stream: the job out, its needs in, the bytes out."""
+def _serve_host(conn, job: dict, refs: dict, files: dict, st: _HostState, cut_after: int | None,
+                known: dict) -> None:
+    """One receiving host's stream: the job out, its needs in, the bytes out.
+    `known`: the pieces' sha256s hashed at an earlier fetch (the others are
+    hashed here, into `st.hashed`)."""
     st.wire += send_msg(conn, job)
     conn.settimeout(None)  # the host may first hash its own copy (minutes, once); its exit ends the wait
     need = recv_msg(conn)
+    st.marks["needs"] = time.monotonic()
     conn.settimeout(IO_TIMEOUT_S)
     if "error" in need:
         raise RuntimeError(need["error"])
@@ -125,10 +132,10 @@ def _serve_host(conn, job: dict, refs: dict, files: dict, st: _HostState, cut_af
     st.start = time.monotonic()
     pieces = [sc.Piece.from_json(j) for j in job["pieces"]]
     order = [pieces[i] for i in need["pieces"]]
-    pool = ThreadPoolExecutor(1)  # the pieces' sha256 computed ahead, beside the sends (hashlib frees the GIL)
+    pool = ThreadPoolExecutor(1)  # unknown sha256s computed ahead, beside the sends (hashlib frees the GIL)
     try:
-        digests = [pool.submit(_digest, refs[p.name], p) for p in order]
-        for i, p, digest in zip(need["pieces"], order, digests):
+        digests = [None if p.key in known else pool.submit(_digest, refs[p.name], p) for p in order]
+        for i, p, pending in zip(need["pieces"], order, digests):
             st.wire += send_msg(conn, {"piece": i, "n": p.nbytes})
             for chunk in _chunks(refs[p.name], p):
                 if cut_after is not None and st.sent + len(chunk) > cut_after:  # test hook: the link cut here
@@ -138,7 +145,10 @@ def _serve_host(conn, job: dict, refs: dict, files: dict, st: _HostState, cut_af
                 conn.sendall(chunk)
                 st.sent += len(chunk)
                 st.wire += len(chunk)
-            conn.sendall(digest.result())
+            digest = bytes.fromhex(known[p.key]) if pending is None else pending.result()
+            if pending is not None:
+                st.hashed[p.key] = digest.hex()
+            conn.sendall(digest)
             st.wire += 32
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
@@ -149,8 +159,9 @@ def _serve_host(conn, job: dict, refs: dict, files: dict, st: _HostState, cut_af
         st.sent += len(data)
         st.wire += len(data) + 32
     st.wire += send_msg(conn, {"end": True})
+    st.marks["sent"] = time.monotonic()
     done = recv_msg(conn)
-    st.end = time.monotonic()
+    st.end = st.marks["done"] = time.monotonic()
     if "error" in done:
         raise RuntimeError(done["error"])
     st.result.update(done)
@@ -202,17 +213,8 @@ def fetch_shards(ck, model_arg: str, hosts: dict, rank_pieces: dict, cache=None,
 
     if not hosts:
         return None, {}
+    t0 = time.monotonic()
     root = sc.cache_root(cache)  # the launching host's own: its files' hashes, kept by stat
-    rev = sc.revision(ck.dir, root)
-    key = sc.revision_key(rev)
-    files = {n: ck.dir / n for n in sc.small_files(ck.dir)}
-    ad = None
-    if adapter is not None:
-        apath = Path(adapter).expanduser()
-        arev = {n: [p.stat().st_size, h] for n, h in sc.file_hashes([apath / n for n in sc.ADAPTER_FILES], root).items()
-                for p in [apath / n]}
-        ad = [str(adapter), sc.revision_key(arev), arev]
-        files.update({f"adapter/{n}": apath / n for n in sc.ADAPTER_FILES})
     token = secrets.token_hex(16)
     srv = socket.create_server(("", 0), family=socket.AF_INET)
     srv.settimeout(1.0)
@@ -220,10 +222,23 @@ def fetch_shards(ck, model_arg: str, hosts: dict, rank_pieces: dict, cache=None,
     states = {name: _HostState(name) for name in hosts}
     procs, threads, errors = {}, [], {}
     cut = faults.fetch_cut()
+    key = None
     try:
-        for name, (h, _) in hosts.items():
+        for name, (h, _) in hosts.items():  # they start (ssh, imports) while this host checks its own copy
             ip = "127.0.0.1" if h.is_local else advertise_address(h.ips[0] if h.ips else host_ip(h))
             procs[name] = _start_receiver(h, _receiver_cmd(python, f"{ip}:{port}", token, name, cache))
+        rev = sc.revision(ck.dir, root)
+        key = sc.revision_key(rev)
+        t_rev = time.monotonic()
+        known = sc.piece_hashes(root, key)
+        files = {n: ck.dir / n for n in sc.small_files(ck.dir)}
+        ad = None
+        if adapter is not None:
+            apath = Path(adapter).expanduser()
+            arev = {n: [p.stat().st_size, h] for n, h in sc.file_hashes([apath / n for n in sc.ADAPTER_FILES],
+                                                                         root).items() for p in [apath / n]}
+            ad = [str(adapter), sc.revision_key(arev), arev]
+            files.update({f"adapter/{n}": apath / n for n in sc.ADAPTER_FILES})
         tensors = {n: [r.dtype, list(r.shape)] for n, r in ck.refs.items()}  # every rank sees the whole header
         jobs = {}
         for name, (h, ranks) in hosts.items():
@@ -258,8 +273,9 @@ def fetch_shards(ck, model_arg: str, hosts: dict, rank_pieces: dict, cache=None,
                 conn.close()
                 continue
             pending.discard(name)
-            t = threading.Thread(target=_run_host, args=(conn, jobs[name], ck.refs, files, states[name], cut, errors),
-                                 daemon=True)
+            states[name].marks.update(t0=t0, revision=t_rev, connected=time.monotonic())
+            t = threading.Thread(target=_run_host, args=(conn, jobs[name], ck.refs, files, states[name], cut, errors,
+                                                         known), daemon=True)
             t.start()
             threads.append(t)
         for name in pending:
@@ -281,6 +297,10 @@ def fetch_shards(ck, model_arg: str, hosts: dict, rank_pieces: dict, cache=None,
                 p.kill()
             if name in errors and p.returncode not in (0, None):
                 errors[name] = _stderr_line(p) or errors[name]
+        if key is not None and any(CORRUPTED in e for e in errors.values()):
+            sc.forget_piece_hashes(root, key)  # a remembered sha256 may be the wrong one: hash them afresh next time
+        elif key is not None:  # the pieces hashed this time (also before a dropped link): not again
+            sc.remember_piece_hashes(root, key, {k: v for st in states.values() for k, v in st.hashed.items()})
     if errors:
         name = next(n for n in hosts if n in errors)
         more = f" (and {len(errors) - 1} more host(s))" if len(errors) > 1 else ""
@@ -305,9 +325,9 @@ def _stderr_line(p) -> str:
     return line[len("error: "):] if line.startswith("error: ") else line
 
 
-def _run_host(conn, job, refs, files, st, cut, errors) -> None:
+def _run_host(conn, job, refs, files, st, cut, errors, known) -> None:
     try:
-        _serve_host(conn, job, refs, files, st, cut)
+        _serve_host(conn, job, refs, files, st, cut, known)
     except (OSError, ConnectionError) as e:
         errors[st.name] = f"the link dropped after {st.sent} of {st.total} bytes ({e})"
     except Exception as e:  # noqa: BLE001 - a bad reply from the host: its message, not a dead thread

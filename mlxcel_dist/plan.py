@@ -18,7 +18,9 @@ and besides the weights its layers' KV cache over the context (`--context`:
 2 x positions x kv heads x head_dim a full layer, a sliding one at most its
 window, latent attention's [kv_lora_rank + rope dim] a position).
 With --pp the stages run in turn for one stream: each stage's time is its
-slowest rank's reads plus its layers' host time.
+slowest rank's reads plus its layers' host time; the hand-offs between them
+are the ones a launch on --backend with --pp-handoff would make
+(`handoff_route`: sends, or collectives.HandOff's all_gathers).
 
 The bandwidth and both host times are measured on this machine when plan
 runs (`machine_bandwidth`: MLX's matrix-vector product, what decode does;
@@ -294,29 +296,36 @@ def layer_kernel_ratio(ck) -> float:
 
 
 @functools.cache
-def machine_host_costs(tokens: int = 40) -> tuple[float, float]:
+def machine_host_costs(tokens: int = 40, split: bool = True) -> tuple[float, float]:
     """(per token, per layer) host seconds of this machine's generation loop
     (sampling, the host read, the agreement check; each layer's kernels): a
     tiny llama (hidden 64, weights negligible) with 1 and 5 layers, greedy
-    through generation.Generation, best of 2 runs each; measured once a
+    through generation.Generation (the engine's one row), best of 3 runs each
+    in turn, its decode steps `split` (decode.SplitSegments: a compiled
+    segment a layer, the attention between them) or one compiled graph a
+    step, as the planned model's run (`decode.splittable`); measured once a
     process."""
     import mlx.core as mx
 
     from .generation import Generation
 
-    def per_token(layers: int) -> float:
+    def model(layers: int):
         m = _tiny_llama(layers)
+        m.split_decode = split
         mx.eval(m.parameters())
-        best = float("inf")
-        for _ in range(2):
-            gen = Generation(m, list(range(8)), tokens)
-            for _ in gen:
-                pass
-            stats = gen.finish()
-            best = min(best, stats.decode_s / max(1, stats.generated - 1))
-        return best
+        return m
 
-    one, five = per_token(1), per_token(5)
+    def per_token(m) -> float:
+        gen = Generation(m, list(range(8)), tokens)
+        for _ in gen:
+            pass
+        stats = gen.finish()
+        return stats.decode_s / max(1, stats.generated - 1)
+
+    # the two in turn, best of 3 each: a burst of other work on the box hits one run, not one model's all
+    # (the slope of two bests amplifies a disturbed one)
+    ms = [model(1), model(5)]
+    one, five = (min(runs) for runs in zip(*[[per_token(m) for m in ms] for _ in range(3)]))
     layer = max(0.0, (five - one) / 4)
     return max(0.0, one - layer), layer
 
@@ -328,33 +337,77 @@ def machine_memory() -> int | None:
         return None
 
 
-def _pipeline_collectives(ck, model, pp: int, stops: list) -> dict:
-    """Per token under --pp: what each stage but the last sends on (the
+HANDOFF_OP = "all_gather (hand-off)"  # plan's name for a collective hand-off (bench counts it as an all_gather)
+
+
+def handoff_route(backend: str | None, requested: str, P: int, T: int) -> tuple[str, bool]:
+    """How a launch on `backend` hands on between its `P` stages
+    (`pipeline.handoff_mode`: the launch's own rule and refusals): ("send" or
+    "collective", whether the collective hops run over split groups (the
+    backend splits: MPI) rather than the whole job). `backend` None: on
+    paper, send/recv."""
+    from . import backends
+    from .pipeline import handoff_mode
+
+    mode = handoff_mode(requested, backend, P, T)
+    return mode, mode == "collective" and backend is not None and backends.get(backend).splits
+
+
+def _pipeline_collectives(ck, model, pp: int, stops: list, route=("send", False), T: int = 1) -> tuple[dict, dict]:
+    """Per token under --pp: what each stage but the last hands on (the
     hidden state [1, 1, H], or what the family hands on with it:
     `stage_send_width`), the last stage's logits all_summed to every rank
-    ([1, 1, V] in the hidden dtype: pipeline.Stage.logits) and the agreement check."""
+    ([1, 1, V] in the hidden dtype: pipeline.Stage.logits) and the agreement
+    check. A hand-off is a send, or under `route` "collective" an all_gather
+    (collectives.HandOff) of the sender's [1, 1, W] with the others' zeros,
+    counted as bench counts it (the rank's own W); for the time (second
+    dict: messages, bytes on the wire) it is a ring all_gather's n - 1 steps
+    of W each, n its group's ranks: stage k's last and stage k + 1's T where
+    groups split, else the job's (at n = 2 a send's cost)."""
     size = model.model.stage.dtype.size
     sent = sum(model.stage_send_width(stop) for stop in stops[:-1]) * size
     v = int(ck.args.vocab_size) * size
-    return {"send": (pp - 1, sent), "all_sum": (2, v + pp * 3 * 4)}
+    coll = {"all_sum": (2, v + pp * 3 * 4)}
+    if route[0] == "send":
+        return {"send": (pp - 1, sent), **coll}, {}
+    hop_ranks = T + 1 if route[1] else pp * T
+    return {HANDOFF_OP: (pp - 1, sent), **coll}, {HANDOFF_OP: ((pp - 1) * (hop_ranks - 1), (hop_ranks - 1) * sent)}
 
 
-def _stage_sums(stage_models: list, T: int) -> tuple:
-    """Per token, the all_sums inside the stages (T ranks each: chains of
-    2 (T - 1) point-to-point messages, collectives.ChainGroup), over all
-    stages in turn: (messages, bytes)."""
+def _stage_sums(stage_models: list, T: int, split: bool = False) -> tuple[str, tuple]:
+    """Per token, the all_sums inside the stages, over all stages in turn:
+    chains of 2 (T - 1) point-to-point messages (collectives.ChainGroup), or
+    where the stages hand on by collectives over split groups one MLX
+    all_sum over the stage's ranks (collectives.SplitGroup). (name, (calls, bytes))."""
     calls = nbytes = 0
     for m in stage_models:
         c, b = m.collectives_per_token().get("all_sum", (0, 0))
         c, b = c - 1, b - int(m.args.vocab_size) * m.model.stage.dtype.size  # less the logits' (the job's)
-        calls += c * 2 * (T - 1)
-        nbytes += b * 2 * (T - 1)
-    return calls, nbytes
+        calls += c
+        nbytes += b
+    if split:
+        return "all_sum inside stages", (calls, nbytes)
+    return "p2p inside stages", (calls * 2 * (T - 1), nbytes * 2 * (T - 1))
+
+
+def _route_line(backend: str | None, requested: str, route: tuple, T: int) -> str:
+    """plan's line on how the stages hand on, as the launch would."""
+    on = f"backend {backend}" if backend else "on paper"
+    asked = f"--pp-handoff {requested}"
+    if route[0] == "send":
+        inside = "; inside a stage: all_sums as chains of sends" if T > 1 else ""
+        return f"pipeline hand-offs: send/recv ({on}, {asked}){inside}"
+    why = "no send/recv" if requested == "auto" else asked
+    if route[1]:
+        return (f"pipeline hand-offs: an all_gather over each hop's ranks ({on} splits groups; {why}); "
+                "inside a stage: all_sums over its split group")
+    return f"pipeline hand-offs: an all_gather over the whole job, every rank in every hop ({on}: {why})"
 
 
 def make_plan(ck, n: int, weights=None, link: str = "loopback", bandwidth: float | None = None,
               memory: list | None = None, pp: int = 1, moe_split: str | None = None,
-              host_token: float | None = None, host_layer=None, context: int = 0) -> dict:
+              host_token: float | None = None, host_layer=None, context: int = 0, backend: str | None = None,
+              pp_handoff: str = "auto") -> dict:
     """The placement of `ck` on `n` ranks (`pp` > 1: n = pp pipeline
     stages): per rank its share, bytes held and bytes a decoded token reads
     (`context` cached positions), per token the collectives and a predicted
@@ -378,10 +431,13 @@ def make_plan(ck, n: int, weights=None, link: str = "loopback", bandwidth: float
         model = model or m
         if r % T == 0:
             firsts.append(m)
+    wire, route = {}, None
     if pp > 1:
-        coll = _pipeline_collectives(ck, model, pp, [rp.layers[1] for rp in ranks[::T]])
+        route = handoff_route(backend, pp_handoff, pp, T)
+        coll, wire = _pipeline_collectives(ck, model, pp, [rp.layers[1] for rp in ranks[::T]], route, T)
         if T > 1:
-            coll["p2p inside stages"] = _stage_sums(firsts, T)
+            name, sums = _stage_sums(firsts, T, route[1])
+            coll[name] = sums
     else:
         coll = plan_collectives(model, check_every=1, size=n)
     lat, link_bw, source = LINKS[link]
@@ -391,13 +447,16 @@ def make_plan(ck, n: int, weights=None, link: str = "loopback", bandwidth: float
     measured = {"bandwidth": bandwidth is None, "host": host_token is None,
                 "host per layer": all(x is None for x in host_layer)}
     bw = bandwidth or machine_bandwidth(ck.dtype, q.default if q is not None else None)
-    here = machine_host_costs() if host_token is None or None in host_layer else (None, None)
+    from .decode import splittable
+
+    split = splittable(model)  # the step kind it decodes with: a split llama layer costs more host time
+    here = machine_host_costs(split=split) if host_token is None or None in host_layer else (None, None)
     per_token = here[0] if host_token is None else host_token
     ratio = layer_kernel_ratio(ck) if None in host_layer else 1.0  # a measured llama layer, scaled to this model's
     layer_s = [here[1] * ratio if x is None else x for x in host_layer]
     layers = int(ck.args.num_hidden_layers)
-    calls = sum(c for c, _ in coll.values())
-    payload = sum(b for _, b in coll.values())
+    calls = sum(wire.get(op, cb)[0] for op, cb in coll.items())  # messages
+    payload = sum(wire.get(op, cb)[1] for op, cb in coll.items())  # bytes on the wire
     stages = []  # one stream: the stages in turn, each as slow as its slowest rank (tensor parallel: one stage)
     groups = [ranks[s * T : (s + 1) * T] for s in range(pp)] if pp > 1 else [ranks]
     for g in groups:
@@ -417,7 +476,8 @@ def make_plan(ck, n: int, weights=None, link: str = "loopback", bandwidth: float
     return {"ranks": ranks, "collectives": coll, "link": (link, lat, link_bw, source), "bandwidth": bw,
             "host": (per_token, max(layer_s)), "layers": layers, "compute_s": compute, "comm_s": comm,
             "token_s": compute + comm, "pp": pp, "moe": moe_placement(model, ranks), "stages": stages,
-            "context": context, "measured": measured, "layer_ratio": ratio}
+            "context": context, "measured": measured, "layer_ratio": ratio, "split_step": split,
+            "handoff": _route_line(backend, pp_handoff, route, T) if route else None}
 
 
 def _size(n: int) -> str:
@@ -453,6 +513,8 @@ def format_plan(p: dict) -> list[str]:
     link, lat, bw, source = p["link"]
     per_tok = ", ".join(f"{c:g} {op} ({b:,.0f} B)" for op, (c, b) in p["collectives"].items() if c)
     out.append(f"per token: {per_tok or 'no collective'}")
+    if p.get("handoff"):
+        out.append(p["handoff"])
     tok, lay = p["host"]
     held = max(rp.bytes for rp in p["ranks"])
     reads = max(rp.reads for rp in p["ranks"])
@@ -467,7 +529,9 @@ def format_plan(p: dict) -> list[str]:
     m = p["measured"]
     said = {k: "measured here" if v else "given" for k, v in m.items()}
     if m["host per layer"]:
-        said["host per layer"] = f"measured here: a llama layer's x {p['layer_ratio']:.2f} (this model's kernels a layer)"
+        step = "split steps" if p.get("split_step") else "one graph a step"
+        said["host per layer"] = (f"measured here: a llama layer's ({step}, as this model decodes) x "
+                                  f"{p['layer_ratio']:.2f} (this model's kernels a layer)")
     out.append(f"predicted decode: {1000 * p['token_s']:.2f} ms/token ({1 / p['token_s']:.1f} tok/s): compute "
                f"{1000 * p['compute_s']:.2f} ms (reads at {p['bandwidth'] / 1e9:.1f} GB/s, {said['bandwidth']}; host "
                f"{1e3 * tok:.2f} ms a token, {said['host']}, + {1e6 * lay:.0f} us a layer (the slowest rank's), {said['host per layer']}), "

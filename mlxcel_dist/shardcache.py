@@ -185,6 +185,31 @@ def file_hashes(paths, root: Path) -> dict[str, str]:
     return {p.name: known[stamps[p]] for p in paths}
 
 
+def piece_hashes(root: Path, key: str) -> dict[str, str]:
+    """The source's piece sha256s this host has sent before (piece key ->
+    hex), kept per revision key in `root`/pieces/<key>.json: a launching
+    host hashes each piece it serves once, not at every fetch."""
+    try:
+        known = json.loads((root / "pieces" / f"{key}.json").read_text())
+        return known if isinstance(known, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def remember_piece_hashes(root: Path, key: str, hashes: dict) -> None:
+    if not hashes:
+        return
+    try:
+        (root / "pieces").mkdir(parents=True, exist_ok=True)
+        write_atomic(root / "pieces" / f"{key}.json", json.dumps({**piece_hashes(root, key), **hashes}).encode())
+    except OSError:
+        pass  # a read-only cache only costs hashing them again next time
+
+
+def forget_piece_hashes(root: Path, key: str) -> None:
+    (root / "pieces" / f"{key}.json").unlink(missing_ok=True)
+
+
 def revision(model_dir: Path, root: Path) -> dict:
     """{file name: [size, sha256]} of the weight files and the small files."""
     from .weights import open_checkpoint

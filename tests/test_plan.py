@@ -313,4 +313,70 @@ def test_the_measured_layer_host_time_follows_the_layer_kernels():
     m, _ = open_model(FIXTURES / "qwen3_moe/gqa_fp32").build()
     assert decode_primitives(m) == decode_primitives(open_model(FIXTURES / "qwen3_moe/gqa_fp32").build()[0]) > 0
     p = make_plan(open_model(FIXTURES / "qwen3_moe/gqa_fp32"), 1, bandwidth=5e9, host_token=0.0)
-    assert p["layer_ratio"] == moe and "a llama layer's x" in format_plan(p)[-1]
+    assert p["layer_ratio"] == moe
+    assert "a llama layer's (one graph a step, as this model decodes) x" in format_plan(p)[-1]
+    # the llama baseline is timed with the step kind the planned model decodes with (decode.splittable):
+    # llama splits its steps around attention, qwen3_moe and any pipeline stage run one graph a step
+    llama = open_model(FIXTURES / "llama/gqa_fp32")
+    kw = dict(bandwidth=5e9, host_token=0.0)
+    assert [make_plan(ck, n, pp=pp, **kw)["split_step"] for ck, n, pp in
+            ((llama, 1, 1), (llama, 2, 1), (llama, 2, 2), (open_model(FIXTURES / "qwen3_moe/gqa_fp32"), 2, 1))] == \
+        [True, True, False, False]
+
+
+@pytest.mark.parametrize("backend,requested,n,pp,route", [
+    ("ring", "auto", 3, 3, "send"), ("ring", "collective", 3, 3, "job"), ("nccl", "auto", 3, 3, "job"),
+    ("mpi", "collective", 4, 2, "split"), ("mpi", "auto", 4, 2, "send"),
+])
+def test_plan_hands_on_as_the_launch_would(backend, requested, n, pp, route):
+    """--pp: the hand-offs are what a launch on that backend would use
+    (pipeline.handoff_mode): sends, or all_gathers (collectives.HandOff)
+    over the whole job (nccl; ring under --pp-handoff collective) or each
+    hop's split group with all_sums inside the stages (mpi, collective).
+    Whole-job hops are counted as a rank's model counts them (what bench
+    holds a run to); their time is a ring all_gather's n - 1 steps."""
+    from mlxcel_dist.collectives import Group, HandOff
+    from mlxcel_dist.plan import HANDOFF_OP, LINKS
+    from reference_cases import FIXTURES
+
+    ck = open_model(FIXTURES / "gemma4/dense_fp32")  # the hand-off's width changes from stage to stage
+    kw = dict(pp=pp, bandwidth=5e9, host_token=0.0, host_layer=0.0)
+    sent = make_plan(ck, n, **kw)  # on paper: send/recv
+    p = make_plan(ck, n, backend=backend, pp_handoff=requested, **kw)
+    line = next(x for x in format_plan(p) if x.startswith("pipeline hand-offs"))
+    assert f"backend {backend}" in line, line
+    if route == "send":
+        assert p["collectives"] == sent["collectives"] and p["comm_s"] == sent["comm_s"] and "send/recv" in line
+        return
+    hops, nbytes = p["collectives"][HANDOFF_OP]
+    assert "send" not in p["collectives"] and (hops, nbytes) == sent["collectives"]["send"]
+    lat, bw = LINKS["loopback"][:2]
+    if route == "job":
+        assert "over the whole job" in line
+        for r in range(n):  # every rank takes part in every hop: its model counts each as plan does
+            m = load_model(FIXTURES / "gemma4/dense_fp32", group=Group.planned(n, r), pp=pp).model
+            stage = m.model.stage
+            stage.handoff = HandOff(Group.planned(n, r), pp, 1, [m.stage_send_width(e) for _, e in stage.ranges[:-1]],
+                                    split=False)
+            assert m.collectives_per_token()["all_gather"] == (hops, nbytes), r
+        # each hop a ring all_gather over the job's n ranks: n - 1 steps of its width, where a send is one
+        assert p["comm_s"] - sent["comm_s"] == pytest.approx((n - 2) * (hops * lat + nbytes / bw))
+    else:
+        assert "over each hop's ranks" in line and "all_sums over its split group" in line
+        T = n // pp
+        chains = sent["collectives"]["p2p inside stages"]
+        assert "p2p inside stages" not in p["collectives"]
+        assert p["collectives"]["all_sum inside stages"] == (chains[0] // (2 * (T - 1)), chains[1] // (2 * (T - 1)))
+
+
+def test_plan_cli_takes_the_launch_backend_and_handoff():
+    r = CliRunner().invoke(app, ["plan", "--pp", "2", "--backend", "nccl", "--bandwidth", "5"])
+    assert r.exit_code == 0 and "an all_gather over the whole job" in r.output and "(hand-off)" in r.output, r.output
+    r = CliRunner().invoke(app, ["plan", "--pp", "2", "--backend", "ring", "--bandwidth", "5"])
+    assert r.exit_code == 0 and "pipeline hand-offs: send/recv (backend ring, --pp-handoff auto)" in r.output, r.output
+    for argv, want in ((["--np", "4", "--pp", "2", "--backend", "nccl"], "error: --np 4 --pp 2 on backend nccl"),
+                       (["--pp", "2", "--backend", "nccl", "--pp-handoff", "send"],
+                        "error: --pp-handoff send: backend nccl"),
+                       (["--pp", "2", "--backend", "carrier"], "error: unknown backend 'carrier'")):
+        r = CliRunner().invoke(app, ["plan", *argv, "--bandwidth", "5"])
+        assert r.exit_code == 2 and r.output.startswith(want) and len(r.output.splitlines()) == 1, r.output

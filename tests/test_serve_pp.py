@@ -1,7 +1,7 @@
 """serve and generate over pipeline stages (--pp), under the real launcher:
 concurrent requests through micro-batched steps get the text each prompt
 gets from one process (the openai client, greedy, with logprobs), at pp 2
-and at pp 2 x tp 2; a stage killed mid-serve and mid-decode ends the job
+(send/recv, and all_gather hand-offs on ring) and at pp 2 x tp 2; a stage killed mid-serve and mid-decode ends the job
 naming it, every client answered."""
 
 import re
@@ -64,9 +64,12 @@ def _complete(s, prompt, stream=False):
     return text, toks, lps
 
 
-@pytest.mark.parametrize("np_,micro", [(2, 2), (4, 1)], ids=["pp2-micro2", "pp2x2"])
-def test_concurrent_requests_through_stages_get_the_text_alone(model_dir, alone, np_, micro, tmp_path):
-    s = Server(model_dir, np_, tmp_path, extra=["--pp", "2", "--micro-batches", str(micro), "--served-model-name", NAME])
+# the last: stages that hand on by all_gathers over the whole job (collectives.HandOff), NCCL's path, on ring
+@pytest.mark.parametrize("np_,extra,backend", [(2, ["--micro-batches", "2"], "mpi"), (4, [], "mpi"),
+                                               (2, ["--pp-handoff", "collective"], "ring")],
+                         ids=["pp2-micro2", "pp2x2", "pp2-collective-ring"])
+def test_concurrent_requests_through_stages_get_the_text_alone(model_dir, alone, np_, extra, backend, tmp_path):
+    s = Server(model_dir, np_, tmp_path, extra=["--pp", "2", *extra, "--served-model-name", NAME], backend=backend)
     got, errors = [None] * len(PROMPTS), []
 
     def worker(i):

@@ -165,6 +165,41 @@ def test_a_cut_link_is_one_error_and_the_next_fetch_resumes(tmp_path, monkeypatc
     _assert_entry_reads_like_source(GEMMA, spec, cache, 2)
 
 
+def test_the_launcher_hashes_each_piece_once(tmp_path, monkeypatch):
+    """The launching host remembers the sha256 of each piece it served (per
+    revision): a later fetch to a host with nothing cached hashes nothing
+    on the launcher, and the host still checks every piece against it. A
+    wrong remembered sha256 fails that launch in one line and is forgotten,
+    so the next launch hashes afresh and completes."""
+    cache = tmp_path / "cache"
+    spec, st, pieces = _fetch(GEMMA, cache)
+    key, ck = spec["key"], open_model(GEMMA)
+    known = sc.piece_hashes(cache, key)
+    sent = {p.key: p for ps in pieces.values() for p in ps}
+    assert known == {k: fetch._digest(ck.refs[p.name], p).hex() for k, p in sent.items()}
+
+    def no_hashing(*_):
+        raise AssertionError("a remembered piece was hashed again")
+
+    shutil.rmtree(cache / key)  # the host's entries gone: a host with nothing, the launcher's memory kept
+    with monkeypatch.context() as m:
+        m.setattr(fetch, "_digest", no_hashing)
+        spec2, st2, _ = _fetch(GEMMA, cache)
+    assert st2.sent == st.sent and st2.hashed == {} and spec2 == spec
+    _assert_entry_reads_like_source(GEMMA, spec2, cache, 2)
+
+    shutil.rmtree(cache / key)
+    wrong = max(sent, key=lambda k: sent[k].nbytes)
+    sc.write_atomic(cache / "pieces" / f"{key}.json", json.dumps({**known, wrong: "0" * 64}).encode())
+    with pytest.raises(UserError, match=f"failed: .*{wrong}.* arrived corrupted") as e:
+        _fetch(GEMMA, cache)
+    assert "\n" not in str(e.value) and _valid_entries(cache) == []
+    assert sc.piece_hashes(cache, key) == {}
+    spec3, _, _ = _fetch(GEMMA, cache)
+    assert sc.piece_hashes(cache, key) == known
+    _assert_entry_reads_like_source(GEMMA, spec3, cache, 2)
+
+
 def test_a_full_disk_is_one_error_naming_the_host(tmp_path, monkeypatch):
     monkeypatch.setenv("MLXCEL_DIST_INJECT_FAULT", "diskfull")
     with pytest.raises(UserError) as e:

@@ -3,11 +3,12 @@ time, from the checkpoint's headers only (plan.make_plan)."""
 
 from __future__ import annotations
 
+from .. import backends
 from ..errors import UserError
 from ..loader import open_model
 from ..plan import format_plan, make_plan
 from .common import pick_model
-from .launch import check_moe_split, check_placement, parse_rank_weights
+from .launch import check_moe_split, check_placement, job_backend, parse_rank_weights
 
 
 def main(ctx, a) -> None:
@@ -42,8 +43,11 @@ def main(ctx, a) -> None:
         np_ = check_pp_ranks(np_, pp)
     split = check_moe_split(a.moe_split)
     check_placement(ck, np_, pp, weights, split)
+    backends.check_choice(a.backend)
+    backend = job_backend(a.backend, a.hostfile) if pp > 1 else None  # the launch's backend: its hand-offs
     p = make_plan(ck, np_, weights, link, None if a.bandwidth is None else a.bandwidth * 1e9, memory, pp, split,
-                  None if a.host_ms_per_token is None else a.host_ms_per_token * 1e-3, host_layer, a.context)
+                  None if a.host_ms_per_token is None else a.host_ms_per_token * 1e-3, host_layer, a.context,
+                  backend, a.pp_handoff)
     print(f"{ck.dir}: {np_} rank(s)")
     for line in format_plan(p):
         print(line)
