@@ -314,14 +314,15 @@ def test_the_measured_layer_host_time_follows_the_layer_kernels():
     assert decode_primitives(m) == decode_primitives(open_model(FIXTURES / "qwen3_moe/gqa_fp32").build()[0]) > 0
     p = make_plan(open_model(FIXTURES / "qwen3_moe/gqa_fp32"), 1, bandwidth=5e9, host_token=0.0)
     assert p["layer_ratio"] == moe
-    assert "a llama layer's (one graph a step, as this model decodes) x" in format_plan(p)[-1]
+    assert "a llama layer's (split steps, as this model decodes) x" in format_plan(p)[-1]
     # the llama baseline is timed with the step kind the planned model decodes with (decode.splittable):
-    # llama splits its steps around attention, qwen3_moe and any pipeline stage run one graph a step
+    # llama and qwen3_moe split their steps around attention, deepseek_v3 (latent attention) and any
+    # pipeline stage run one graph a step
     llama = open_model(FIXTURES / "llama/gqa_fp32")
     kw = dict(bandwidth=5e9, host_token=0.0)
     assert [make_plan(ck, n, pp=pp, **kw)["split_step"] for ck, n, pp in
-            ((llama, 1, 1), (llama, 2, 1), (llama, 2, 2), (open_model(FIXTURES / "qwen3_moe/gqa_fp32"), 2, 1))] == \
-        [True, True, False, False]
+            ((llama, 1, 1), (llama, 2, 1), (llama, 2, 2), (open_model(FIXTURES / "qwen3_moe/gqa_fp32"), 2, 1),
+             (open_model(FIXTURES / "deepseek_v3/yarn_fp32"), 1, 1))] == [True, True, False, True, False]
 
 
 @pytest.mark.parametrize("backend,requested,n,pp,route", [
