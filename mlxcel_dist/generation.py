@@ -165,12 +165,10 @@ class Generation:
         self.eos = set(int(e) for e in eos_ids)
         self.engine = engine if engine is not None else engine_for(model, tuple(self.eos), group)
         if isinstance(self.engine, OneRowEngine):
-            what = {"logprobs": logprobs is not None, "constrained decoding": grammar is not None,
-                    "drafts": spec is not None}
-            for name, asked in what.items():
+            for asked, what in ((logprobs is not None, "logprobs are"), (grammar is not None, "constrained decoding is"),
+                                (spec is not None, "drafts are")):
                 if asked:
-                    raise UserError(f"{name} are not available for {model.args.model_type} (its own generation loop)"
-                                    .replace("decoding are", "decoding is"))
+                    raise UserError(f"{what} not available for {model.args.model_type} (its own generation loop)")
         else:
             e = self.engine
             if ROW in e:  # a generation left unfinished (its caller stopped reading): this one takes the engine
@@ -233,14 +231,17 @@ class Generation:
     def _step(self) -> list:
         """One engine step: this row's ids (a list: drafts give several)."""
         e = self.engine
+        before = self.guard.count
         got = e.step().get(ROW)
         if got is None:
             raise RuntimeError("the engine gave no id for the generation's row")
         ids = got if isinstance(got, list) else [got]
-        if isinstance(e, OneRowEngine):
-            self.guard.add_many(ids)
-        elif isinstance(got, list):  # a draft round: read on the host, checked there
-            self.guard.add_many(ids)
+        # the ids the engine's read recorded (its guard: a pipelined step's, also one read ahead of a draft
+        # round) come first; the rest (a round's, a model's own loop's) are recorded and checked here
+        rest = ids[self.guard.count - before:]
+        if rest:
+            self.guard.add_many(rest)
+        if isinstance(got, list):
             drafted = e.spec.last
             self.stats.rounds += drafted[0] > 0
             self.stats.drafted += drafted[1]
