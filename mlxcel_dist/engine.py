@@ -1,5 +1,7 @@
-"""Running a loaded model: logits in every feeding mode, and generation
-(sampling in sampling.py; text in/out in tokenizer.py).
+"""What every generation shares: the options' ranges (checked before launch
+too), the prompt checks, the rank-agreement guard and GenStats. The runs
+themselves are generation.py's (one request as a row of the batch engine)
+and serve's (many rows of it); sampling is sampling.py's, text tokenizer.py's.
 
 The same functions run single-process and on every rank under TP (the model's
 sharded layers do the collectives); only rank 0 reports.
@@ -58,8 +60,8 @@ def vocab_size(model) -> int:
 
 # Generation ---------------------------------------------------------------------
 #
-# Every rank runs the whole loop below: prefill, sample, agreement check, EOS,
-# detokenise, stop strings. Only rank 0 prints what it yields. All ranks take
+# Every rank runs the whole generation (generation.py): prefill, sample,
+# agreement check, EOS, detokenise, stop strings. Only rank 0 prints what it yields. All ranks take
 # every decision from the token ids alone, and the ids agree on every rank by
 # the sampler's invariant (sampling.py), so they stop at the same token and
 # issue the same collectives in the same order.
