@@ -151,7 +151,7 @@ DraftModelOpt = Annotated[
     typer.Option("--draft-model", help="A small model with the same tokenizer that drafts tokens for the target to "
                  "verify in one forward (speculative decoding; loaded whole on every rank)."),
 ]
-NumDraftOpt = Annotated[int, typer.Option("--num-draft-tokens", help="Tokens drafted per verify forward (with --draft-model or --prompt-lookup).")]
+NumDraftOpt = Annotated[int, typer.Option("--num-draft-tokens", help="The most tokens drafted per verify forward (with --draft-model or --prompt-lookup; a row drafts fewer while its drafts miss).")]
 PromptLookupOpt = Annotated[
     bool,
     typer.Option("--prompt-lookup/--no-prompt-lookup", help="Draft the tokens that followed the latest earlier "
