@@ -500,6 +500,23 @@ class HostChannel:
                 pass
         self._peers, self._listener = {}, None
 
+    def gone(self) -> list[int]:
+        """The ranks whose end of the star has closed: their process died (the
+        kernel closes its sockets at once) or left. A peek, never a read, so
+        it may run beside `exchange` on another thread."""
+        import socket
+
+        out = []
+        for r, conn in list(self._peers.items()):
+            try:
+                if conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"":
+                    out.append(r)
+            except BlockingIOError:  # open, nothing to read
+                pass
+            except OSError:  # reset (or closed here: the caller checks it is still running)
+                out.append(r)
+        return out
+
     # The one pattern -----------------------------------------------------------
     def exchange(self, row, message: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Every rank's int32 `row` (equal lengths) as a [size, k] matrix on

@@ -245,7 +245,7 @@ def _rank_main() -> None:
     import runpy
     import traceback
 
-    from .watchdog import start_rank_watchdog
+    from .watchdog import EXIT_LINK_LOST, start_rank_watchdog
 
     start_rank_watchdog()  # heartbeats to the launcher; exit if orphaned
     args = sys.argv[1:]
@@ -273,9 +273,10 @@ def _rank_main() -> None:
             # this rank's traceback would only bury it.
             print(f"error: rank {world().rank()} lost its connection to the other ranks: {first}",
                   file=sys.stderr)
+            code = EXIT_LINK_LOST
         else:
             traceback.print_exc()
-        code = 1
+            code = 1
     except BaseException:  # noqa: BLE001 - report like the interpreter would
         traceback.print_exc()
         code = 1

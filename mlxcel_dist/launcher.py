@@ -62,6 +62,7 @@ from .hostfile import Host, host_ip, read_hostfile, total_slots
 from .watchdog import (
     DEFAULT_STALL_TIMEOUT_S,
     ENV_HEARTBEAT,
+    EXIT_LINK_LOST,
     ENV_LAUNCHER,
     INTERVAL_S as HEARTBEAT_S,
     HeartbeatMonitor,
@@ -112,6 +113,8 @@ def _describe_exit(rc: int) -> tuple[str, int]:
     if rc > 128 and rc - 128 < 65:
         # a shell (ssh, sh -c) reporting a signal death
         return f"exited with code {rc} ({_signame(rc - 128)})", rc
+    if rc == EXIT_LINK_LOST:
+        return f"lost its connection to the other ranks (exit {rc})", rc
     return f"exited with code {rc}", rc
 
 
@@ -479,7 +482,9 @@ class _Supervisor:
         """The exit to blame. A killed rank's peers see the lost connection
         and exit with an error, sometimes before the kill is reaped here; so
         gather the exits of the next moment and prefer a death by SIGKILL,
-        then by another signal, then the first error."""
+        then by another signal, then the first error, then a lost link (a
+        rank still finishing its own failing exit is reaped after the peers
+        whose collectives it broke)."""
         # A collective error (exit 2 on every rank) is printed by rank 0 alone:
         # its line is the cause even when another rank's exit is seen first.
         speaker = self.procs[0] if first[1] == USAGE_EXIT else None
@@ -495,7 +500,7 @@ class _Supervisor:
 
         def rank(item):
             p, rc = item
-            how = 0 if rc == -signal.SIGKILL else 1 if rc < 0 else 2
+            how = 0 if rc == -signal.SIGKILL else 1 if rc < 0 else 3 if rc == EXIT_LINK_LOST else 2
             return how, 0 if p is speaker and rc == USAGE_EXIT else 1
 
         return min(exits, key=rank) if exits else first

@@ -29,6 +29,9 @@ ENV_LAUNCHER = "MLXCEL_DIST_LAUNCHER"  # "host:pid:start" of the launcher proces
 INTERVAL_S = 1.0
 DEFAULT_STALL_TIMEOUT_S = 30.0
 EXIT_ORPHANED = 75  # a rank whose launcher is gone (nobody reads this code)
+# A rank whose collective failed because a peer died or the link broke
+# (EX_IOERR): the launcher blames another rank's exit before this one.
+EXIT_LINK_LOST = 74
 
 
 def env_rank() -> int | None:

@@ -39,6 +39,10 @@ STUCK_HEALTH_S = 5.0  # ... or an engine step has run this long (and 20 of its u
 STUCK_S = 0.1
 STUCK_STEPS = 4
 STUCK_LATE_S = 1.0
+# Rank 0 looks this often for a rank whose host channel closed (its process
+# died): its open requests are answered before the launcher or mpirun's SIGTERM
+# (and mpirun's SIGKILL soon after) reaches rank 0.
+GONE_POLL_S = 0.05
 
 # MLX CUDA's caches (CUDA graphs, cuDNN SDPA and conv plans) are LRUs whose
 # "Cache thrashing" check throws once a process has ever missed more than twice
@@ -320,6 +324,8 @@ def _serve(model, tok, group, opts, sock, config, engine, link, beats, guard) ->
     saved_fd = signal.set_wakeup_fd(wfd, warn_on_full_buffer=False)
     loop_done = threading.Event()
     threading.Thread(target=_watch_signals, args=(sched, rfd, loop_done), daemon=True).start()
+    if link.channel is not None:
+        threading.Thread(target=_watch_ranks, args=(sched, link.channel, loop_done), daemon=True).start()
     try:
         http.start()
         h, p = sock.getsockname()[:2]
@@ -441,6 +447,19 @@ def _watch_signals(sched, rfd: int, loop_done: threading.Event) -> None:
         time.sleep(0.5)  # the HTTP thread writes the answers
         log(f"rank 0 stopped without the other ranks ({n} open request(s) answered with an error)")
         os._exit(1)
+
+
+def _watch_ranks(sched, channel, loop_done: threading.Event) -> None:
+    """A rank's process died: answer every open request with an error now.
+    The loop will be stuck in (or fail out of) a collective with it, and
+    rank 0 is stopped soon after, by the launcher or by mpirun, whose SIGKILL
+    follows its SIGTERM by a fraction of a second."""
+    while not loop_done.wait(GONE_POLL_S):
+        gone = channel.gone()
+        if gone and not loop_done.is_set() and not sched.stopping.is_set():
+            n = sched.fail_all(f"rank {gone[0]} has stopped (its process ended); the server is going down", 503)
+            log(f"rank {gone[0]} has stopped: {n} open request(s) answered with an error")
+            return
 
 
 def _raise_fd_limit() -> None:
