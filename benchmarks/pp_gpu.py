@@ -36,6 +36,7 @@ CONFIGS = {
     "np1": [],
     "pp2-send": ["--np", "2", "--pp", "2", "--pp-handoff", "send"],
     "pp2-collective": ["--np", "2", "--pp", "2", "--pp-handoff", "collective"],
+    "np2": ["--np", "2"],  # tensor parallel, for comparison
 }
 
 
@@ -75,7 +76,9 @@ def main() -> None:
             j = bench(path, CONFIGS[c], a)
             if j is not None:
                 rows[c].append(j)
+                alone = j.get("stage_ms_per_token")
                 print(r, c, round(j["decode_tok_s"], 1), "tok/s decode,", round(j["prefill_tok_s"]), "prefill",
+                      f"stages alone {[round(v, 2) for v in alone]} ms, idle {j['idle_share']:.0%}" if alone else "",
                       flush=True)
     base = [j["decode_tok_s"] for j in rows.get("np1", [])]
     print("| config | decode tok/s (median) | ms/token | x np1 | prefill tok/s |")
