@@ -13,7 +13,9 @@ predicted decode time from a simple model (docs/launching.md, "plan"):
 
 The bytes a token reads (`read_shares`) are not all it holds: of a routed
 MoE layer's experts it reads top-k of E (in expectation, under either
---moe-split), of an embedding table one row (unless it is also the head),
+--moe-split; under experts the slowest rank sets a layer's time, so a
+stage counts the expected largest share of the k on one rank:
+`busiest_reads`), of an embedding table one row (unless it is also the head),
 and besides the weights its layers' KV cache over the context (`--context`:
 2 x positions x kv heads x head_dim a full layer, a sliding one at most its
 window, latent attention's [kv_lora_rank + rope dim] a position).
@@ -227,7 +229,7 @@ def busiest_reads(g: list) -> float:
     worst = 0.0
     for layer in zip(*(rp.routed for rp in g)):
         k = layer[0][0]
-        worst += expected_busiest(k, tuple(c for _, _, c, _ in layer), tuple(b / c for _, _, c, b in layer))
+        worst += expected_busiest(k, tuple(c for _, _, c, _ in layer), tuple(b / c if c else 0.0 for _, _, c, b in layer))
     return rest + worst
 
 
