@@ -25,14 +25,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import secrets
 import socket
 import struct
-import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from . import shardcache as sc
@@ -118,6 +115,7 @@ def _serve_host(conn, job: dict, refs: dict, files: dict, st: _HostState, cut_af
     """One receiving host's stream: the job out, its needs in, the bytes out.
     `known`: the pieces' sha256s hashed at an earlier fetch (the others are
     hashed here, into `st.hashed`)."""
+    from concurrent.futures import ThreadPoolExecutor  # here: the receiver imports this module for its framing
     st.wire += send_msg(conn, job)
     conn.settimeout(None)  # the host may first hash its own copy (minutes, once); its exit ends the wait
     need = recv_msg(conn)
@@ -172,7 +170,9 @@ def _receiver_cmd(python: str, addr: str, token: str, name: str, cache) -> list[
     return cmd + (["--cache", str(cache)] if cache else [])
 
 
-def _start_receiver(host, cmd: list[str]) -> subprocess.Popen:
+def _start_receiver(host, cmd: list[str]):
+    import subprocess
+
     from .launcher import SSH_OPTIONS, _PKG_ROOT, _remote_script
 
     env = {"PYTHONPATH": os.pathsep.join(p for p in (_PKG_ROOT, os.environ.get("PYTHONPATH", "")) if p)}
@@ -207,6 +207,9 @@ def fetch_shards(ck, model_arg: str, hosts: dict, rank_pieces: dict, cache=None,
     shardcache.Piece list; `adapter`: the --adapter-path directory.
     Returns (the ranks' shardcache.ENV value, or None when no rank reads a
     cache; host name -> _HostState). A host that fails is one UserError."""
+    import secrets
+    import subprocess
+
     from . import faults
     from .hostfile import host_ip
     from .watchdog import advertise_address

@@ -20,8 +20,6 @@ import socket
 import sys
 from pathlib import Path
 
-import numpy as np
-
 from . import faults
 from . import shardcache as sc
 from .errors import UserError
@@ -84,7 +82,9 @@ class _Rank:
         path = self.partial / sc.WEIGHTS
         fresh = not path.exists()
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        if fresh:
+        # a file a crash cut short (entries are not fsynced) gets its header and size back; its pieces
+        # that still hash right are in `done` (`check`), the rest are written again
+        if fresh or os.fstat(self.fd).st_size != self.size or os.pread(self.fd, len(self.header), 0) != self.header:
             _pwrite(self.fd, self.header, 0)
             os.ftruncate(self.fd, self.size)
         if fresh or not (self.partial / JOURNAL).exists():
@@ -100,7 +100,9 @@ class _Rank:
             f.write(f"{key} {digest}\n")
 
     def finish(self, job: dict, files_dir: Path) -> None:
-        os.fsync(self.fd)
+        # No fsync (it was 0.42-0.49 s of a 237 MB first fetch here): every launch
+        # hashes each piece of an entry before its ranks use it (`check`), so bytes
+        # a crash lost after the manifest are a wrong hash there and are refetched.
         os.close(self.fd)
         self.fd = None
         names = [n for n in job["files"] if not n.startswith("adapter/")]
@@ -115,7 +117,7 @@ class _Rank:
         manifest = {"model": job["model"], "key": job["key"], "revision": job["revision"], "tensors": job["tensors"],
                     "pieces": [p.to_json() for p in self.pieces], "sha256": [self.done[p.key] for p in self.pieces],
                     "files": {n: job["revision"][n][1] for n in names}}
-        sc.write_atomic(self.partial / sc.MANIFEST, json.dumps(manifest).encode())
+        sc.write_atomic(self.partial / sc.MANIFEST, json.dumps(manifest).encode(), durable=False)
         shutil.rmtree(self.entry, ignore_errors=True)
         os.replace(self.partial, self.entry)
 
@@ -180,9 +182,11 @@ class _Donors:
 
     @staticmethod
     def copy(donor, want) -> bytes:
-        p, d, o = donor
+        import numpy as np  # here only: the receiver's start imports no numpy (most of its start time)
+
         from .weights import _DTYPES
 
+        p, d, o = donor
         mm = np.memmap(d / sc.WEIGHTS, dtype=np.dtype(_DTYPES[p.dtype][0]), mode="r", offset=o,
                        shape=p.sliced_shape)
         if want.axis is None:
@@ -350,7 +354,7 @@ def _receive_pieces(sock, pieces: list, todo: dict, dest: dict, writer: "_Writer
                 raise UserError(f"file {msg['file']} arrived corrupted (sha256 differs)")
             path = dest[msg["file"]]
             path.parent.mkdir(parents=True, exist_ok=True)
-            sc.write_atomic(path, data)
+            sc.write_atomic(path, data, durable=False)  # hashed again at each launch (`_file_ok`)
 
 
 class _Writer:
@@ -358,10 +362,10 @@ class _Writer:
     thread reads and hashes the next ones (pwrite, sha256 and recv all free
     the GIL), through a few rotating buffers; at a piece's end its digest
     is checked, then journaled. Its first error is raised by the next
-    `buffer()` or by `close()`. The entry's one fsync comes at its end
-    (`_Rank.finish`): an fdatasync every 64 MB beside the writes, tried,
-    made this box's stream slower (2.8-4.8 s against 1.6-1.8 s for 237 MB,
-    to save 0.3 s of the last fsync)."""
+    `buffer()` or by `close()`. Nothing is fsynced (`_Rank.finish` says
+    why); an fdatasync every 64 MB beside the writes, tried when the entry
+    ended with one, made this box's stream slower (2.8-4.8 s against
+    1.6-1.8 s for 237 MB)."""
 
     def __init__(self, n: int = 4):
         import queue

@@ -13,7 +13,9 @@ predicted decode time from a simple model (docs/launching.md, "plan"):
 
 The bytes a token reads (`read_shares`) are not all it holds: of a routed
 MoE layer's experts it reads top-k of E (in expectation, under either
---moe-split), of an embedding table one row (unless it is also the head),
+--moe-split; under experts the slowest rank sets a layer's time, so a
+stage counts the expected largest share of the k on one rank:
+`busiest_reads`), of an embedding table one row (unless it is also the head),
 and besides the weights its layers' KV cache over the context (`--context`:
 2 x positions x kv heads x head_dim a full layer, a sliding one at most its
 window, latent attention's [kv_lora_rank + rope dim] a position).
@@ -32,6 +34,7 @@ per-host host_us_per_layer=).
 from __future__ import annotations
 
 import functools
+import math
 import os
 import re
 import time
@@ -63,6 +66,7 @@ class RankPlan:
     params: int = 0  # logical parameters held (a quantized weight counts its unpacked elements)
     reads: int = 0  # weight bytes a decoded token reads (routed experts top-k of E, an embedding row)
     cache_reads: int = 0  # KV cache bytes a decoded token reads over the plan's context
+    routed: tuple = ()  # --moe-split experts: per routed layer (k, E, experts held, their bytes held)
 
 
 def _ranges_of(plan: dict, suffix: str):
@@ -170,6 +174,13 @@ def _rank_plan(ck, n: int, r: int, weights, pp: int = 1, moe_split: str | None =
         total += held
         reads += held * shares.get(name, 1.0)
         params += _logical_size(owners.get(name.rpartition(".")[0]), name.rpartition(".")[2], p)
+    routed = []
+    for name, mod in m.named_modules():
+        if getattr(mod, "expert_range", None) is not None:  # whole experts on this rank (experts.SwitchGLU)
+            stacks = [n for n in shares if n.startswith(name + ".")]
+            b = sum(stored_bytes(refs[n], refs[n].sliced_shape(*plan.get(n, (None, None)))) for n in stacks)
+            k = round(shares[stacks[0]] * mod.num_experts) if stacks else 0
+            routed.append((k, mod.num_experts, mod.expert_range[1] - mod.expert_range[0], b))
     itemsize = m.stage.dtype.size if m.stage is not None else _float_size(ck)
     cache = cache_read_bytes(m, context, itemsize) if context else 0
     heads = None
@@ -186,7 +197,40 @@ def _rank_plan(ck, n: int, r: int, weights, pp: int = 1, moe_split: str | None =
     held = [x.expert_range for _, x in m.named_modules() if hasattr(x, "expert_range")]
     return RankPlan(r, weights[r] if weights else 1, heads, cols[1][0] if cols else None,
                     vocab[t] if vocab else None, total, layers, held[0] if held else None, params,
-                    int(reads), cache), m
+                    int(reads), cache, tuple(routed)), m
+
+
+@functools.cache
+def expected_busiest(k: int, held: tuple, nbytes: tuple) -> float:
+    """E[max over ranks of X_r x nbytes_r] where a token's `k` experts are
+    drawn uniformly without repeats from the experts, rank r holding
+    `held[r]` of them (X multivariate hypergeometric): what the slowest rank
+    of a layer reads of its experts, when ranks hold whole experts."""
+    total = math.comb(sum(held), k)
+
+    def walk(r: int, left: int, p: int, worst: float) -> float:
+        if r == len(held):
+            return p * worst if left == 0 else 0.0
+        return sum(walk(r + 1, left - x, p * math.comb(held[r], x), max(worst, x * nbytes[r]))
+                   for x in range(min(left, held[r]) + 1))
+
+    return walk(0, k, 1, 0.0) / total
+
+
+def busiest_reads(g: list) -> float:
+    """The bytes a token reads on the slowest of tensor-parallel ranks `g`
+    (RankPlans): each rank's reads count a routed layer's experts at their
+    mean, k x held / E; under --moe-split experts a layer waits for the rank
+    that got the most of its k (`expected_busiest`, routing taken as
+    uniform), so that rank's expected share replaces the mean."""
+    if not g[0].routed:
+        return max(rp.reads + rp.cache_reads for rp in g)
+    rest = max(rp.reads + rp.cache_reads - sum(k * b / E for k, E, _, b in rp.routed) for rp in g)
+    worst = 0.0
+    for layer in zip(*(rp.routed for rp in g)):
+        k = layer[0][0]
+        worst += expected_busiest(k, tuple(c for _, _, c, _ in layer), tuple(b / c if c else 0.0 for _, _, c, b in layer))
+    return rest + worst
 
 
 def _float_size(ck) -> int:
@@ -461,7 +505,7 @@ def make_plan(ck, n: int, weights=None, link: str = "loopback", bandwidth: float
     groups = [ranks[s * T : (s + 1) * T] for s in range(pp)] if pp > 1 else [ranks]
     for g in groups:
         span = (g[0].layers[1] - g[0].layers[0]) if g[0].layers else layers
-        reads = max(rp.reads + rp.cache_reads for rp in g)
+        reads = busiest_reads(g)
         stages.append({"layers": g[0].layers, "reads": reads, "read_s": reads / bw,
                        "host_s": span * max(layer_s[rp.rank] for rp in g)})
     compute = per_token + sum(st["read_s"] + st["host_s"] for st in stages)
@@ -522,6 +566,9 @@ def format_plan(p: dict) -> list[str]:
     out.append(f"a token reads: {_size(reads)} of weights on the busiest rank (of {_size(held)} held"
                + ("; routed experts top-k of E, an embedding row" if reads < held else "")
                + f"), {_size(kv)} of KV cache at --context {p['context']}")
+    if p["ranks"][0].routed and p["pp"] == 1:
+        out.append(f"whole experts per rank: a layer waits for the rank that got the most of its top-k "
+                   f"(uniform routing): {_size(p['stages'][0]['reads'])} a token on the slowest, expected")
     if p["pp"] > 1:
         for s, st in enumerate(p["stages"]):
             out.append(f"stage {s} {_span(st['layers'])}: {1000 * (st['read_s'] + st['host_s']):.2f} ms "

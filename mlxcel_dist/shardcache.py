@@ -27,11 +27,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import dataclass
+from collections import namedtuple
 from pathlib import Path
 
 from .errors import UserError
-from .weights import TensorRef, _DTYPES, read_header, stored_bytes
+from .weights import TensorRef, read_header, stored_bytes
 
 ENV = "MLXCEL_DIST_FETCH"  # JSON for the ranks: {"model", "key", "ranks": {rank: entry}, "adapter", "cache"}
 CACHE_ENV = "MLXCEL_DIST_CACHE"
@@ -50,15 +50,12 @@ def cache_root(override=None) -> Path:
 # --------------------------------------------------------------------------- pieces
 
 
-@dataclass(frozen=True)
-class Piece:
-    """`ranges` of `axis` of source tensor `name` (axis None: all of it)."""
+class Piece(namedtuple("Piece", "name axis ranges dtype shape")):
+    """`ranges` of `axis` of source tensor `name` (axis None: all of it);
+    `shape` is the source tensor's. A named tuple, not a dataclass: the
+    receiver's start (fetch_receiver.py) then imports no dataclasses/inspect."""
 
-    name: str
-    axis: int | None
-    ranges: tuple
-    dtype: str
-    shape: tuple  # the source tensor's
+    __slots__ = ()
 
     @property
     def key(self) -> str:
@@ -116,6 +113,8 @@ class _Recorder(TensorRef):
 
     def read(self, axis=None, ranges=None):
         import mlx.core as mx
+
+        from .weights import _DTYPES
 
         key = (tuple(tuple(r) for r in ranges) if axis is not None else None)
         p = Piece(self.name, axis, key, self.dtype, tuple(self.shape))
@@ -232,12 +231,17 @@ def revision_diff(mine: dict, theirs: dict) -> str:
     return "nothing"
 
 
-def write_atomic(path: Path, data: bytes) -> None:
+def write_atomic(path: Path, data: bytes, durable: bool = True) -> None:
+    """`path` holds all of `data` or its old content, never a part.
+    `durable=False` skips the fsync: for what is hashed again before each use
+    (an entry's files and manifest, `verified_pieces`), where a crash that
+    loses the bytes is caught as a wrong hash, not trusted."""
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     with open(tmp, "wb") as f:
         f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+        if durable:
+            f.flush()
+            os.fsync(f.fileno())
     os.replace(tmp, path)
 
 

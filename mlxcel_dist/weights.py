@@ -10,30 +10,49 @@ size, so a truncated download is a clear error rather than garbage or a crash.
 from __future__ import annotations
 
 import json
+import math
 import struct
 from pathlib import Path
 
-import mlx.core as mx
-import numpy as np
-
 from .errors import UserError
 
-# safetensors dtype -> (numpy storage dtype, mlx dtype). bf16 is stored as
-# uint16 and reinterpreted, since numpy has no bfloat16.
-_DTYPES = {
-    "F32": (np.float32, mx.float32),
-    "F16": (np.float16, mx.float16),
-    "BF16": (np.uint16, mx.bfloat16),
-    "F64": (np.float64, mx.float32),
-    "I64": (np.int64, mx.int64),
-    "I32": (np.int32, mx.int32),
-    "I16": (np.int16, mx.int16),
-    "I8": (np.int8, mx.int8),
-    "U32": (np.uint32, mx.uint32),
-    "U16": (np.uint16, mx.uint16),
-    "U8": (np.uint8, mx.uint8),
-    "BOOL": (np.bool_, mx.bool_),
+TYPE_CHECKING = False  # typing's, without importing typing
+if TYPE_CHECKING:  # the annotations' mx (strings at run time)
+    import mlx.core as mx
+
+# numpy and mlx are imported where a tensor is mapped or read, not here: a
+# shard fetch's receiver (fetch_receiver.py) reaches this module through
+# shardcache and reads no tensor, and numpy's import was most of its start
+# (0.3-0.4 s of CPU of 0.45 s; mlx.core another 0.04 s).
+
+# safetensors dtype -> (numpy storage dtype name, bytes per element, mlx dtype name).
+# bf16 is stored as uint16 and reinterpreted, since numpy has no bfloat16.
+_STORAGE = {
+    "F32": ("float32", 4, "float32"),
+    "F16": ("float16", 2, "float16"),
+    "BF16": ("uint16", 2, "bfloat16"),
+    "F64": ("float64", 8, "float32"),
+    "I64": ("int64", 8, "int64"),
+    "I32": ("int32", 4, "int32"),
+    "I16": ("int16", 2, "int16"),
+    "I8": ("int8", 1, "int8"),
+    "U32": ("uint32", 4, "uint32"),
+    "U16": ("uint16", 2, "uint16"),
+    "U8": ("uint8", 1, "uint8"),
+    "BOOL": ("bool", 1, "bool_"),
 }
+
+
+def __getattr__(name: str):
+    """`_DTYPES` (safetensors dtype -> (numpy storage dtype name, mlx dtype)),
+    made on first use: it needs mlx."""
+    if name == "_DTYPES":
+        import mlx.core as mx
+
+        table = {k: (np_name, getattr(mx, mx_name)) for k, (np_name, _, mx_name) in _STORAGE.items()}
+        globals()["_DTYPES"] = table
+        return table
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # Bytes materialised from checkpoint files by this process (tests and --verbose
@@ -45,7 +64,7 @@ def stored_bytes(ref, shape=None) -> int:
     """Bytes of `ref` as stored (or of `shape`, a slice of it), from its header:
     any ref with `shape` and a safetensors `dtype` (TensorRef, or a family's
     view of one such as step3p5's row ranges)."""
-    return int(np.prod(ref.shape if shape is None else shape, dtype=np.int64)) * np.dtype(_DTYPES[ref.dtype][0]).itemsize
+    return int(math.prod(ref.shape if shape is None else shape)) * _STORAGE[ref.dtype][1]
 
 
 class TensorRef:
@@ -53,10 +72,13 @@ class TensorRef:
 
     __slots__ = ("file", "name", "dtype", "shape", "_mm")
 
-    def __init__(self, file: Path, name: str, dtype: str, shape: tuple, mm: np.ndarray):
+    def __init__(self, file: Path, name: str, dtype: str, shape: tuple, mm):
         self.file, self.name, self.dtype, self.shape, self._mm = file, name, dtype, shape, mm
 
     def read(self, axis: int | None = None, ranges=None) -> mx.array:
+        import mlx.core as mx
+        import numpy as np
+
         a = self._mm
         if axis is not None:
             idx = (slice(None),) * axis
@@ -64,7 +86,6 @@ class TensorRef:
         a = np.ascontiguousarray(a)  # copies only the selected bytes out of the map
         global bytes_read
         bytes_read += a.nbytes
-        _, mdt = _DTYPES[self.dtype]
         if self.dtype == "BF16":
             return mx.array(a).view(mx.bfloat16)
         if self.dtype == "F64":
@@ -80,6 +101,8 @@ class TensorRef:
 
 
 def read_header(path: Path) -> dict[str, TensorRef]:
+    import numpy as np
+
     size = path.stat().st_size
     with open(path, "rb") as f:
         raw = f.read(8)
@@ -104,9 +127,9 @@ def read_header(path: Path) -> dict[str, TensorRef]:
             dtype, shape, (start, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
         except (KeyError, TypeError, ValueError):
             raise UserError(f"{path}: corrupt safetensors entry for {name!r}") from None
-        if dtype not in _DTYPES:
+        if dtype not in _STORAGE:
             raise UserError(f"{path}: tensor {name!r} has unsupported dtype {dtype}")
-        np_dt = np.dtype(_DTYPES[dtype][0])
+        np_dt = np.dtype(_STORAGE[dtype][0])
         count = int(np.prod(shape)) if shape else 1
         if end > data_len:
             raise UserError(
@@ -180,6 +203,8 @@ class JoinedRef(_View):
             self.shape = first[:axis] + (sum(p.shape[axis] for p in parts),) + first[axis + 1 :]
 
     def read(self, axis=None, ranges=None) -> mx.array:
+        import mlx.core as mx
+
         if self.stack:
             if axis == 0:
                 return mx.stack([self.parts[i].read() for s, e in ranges for i in range(s, e)])
@@ -228,6 +253,8 @@ class RangeRef(_View):
 
 def take_range(ref, axis: int, start: int, stop: int):
     """[start, stop) of `ref` along `axis`: arrays now, refs lazily (`RangeRef`), None stays None."""
+    import mlx.core as mx
+
     if ref is None:
         return None
     if isinstance(ref, mx.array):
@@ -237,6 +264,8 @@ def take_range(ref, axis: int, start: int, stop: int):
 
 def join(parts: list, axis: int = 0, stack: bool = False):
     """`parts` (checkpoint refs, arrays or None) joined: arrays now, refs lazily (`JoinedRef`)."""
+    import mlx.core as mx
+
     if any(p is None for p in parts):
         return None
     if all(isinstance(p, mx.array) for p in parts):
@@ -246,6 +275,8 @@ def join(parts: list, axis: int = 0, stack: bool = False):
 
 def swap_last_axes(ref):
     """`ref` (a checkpoint ref, an array or None) with its last two axes swapped."""
+    import mlx.core as mx
+
     if ref is None:
         return None
     return ref.swapaxes(-1, -2) if isinstance(ref, mx.array) else SwappedRef(ref)

@@ -381,3 +381,60 @@ def test_plan_cli_takes_the_launch_backend_and_handoff():
                        (["--pp", "2", "--backend", "carrier"], "error: unknown backend 'carrier'")):
         r = CliRunner().invoke(app, ["plan", *argv, "--bandwidth", "5"])
         assert r.exit_code == 2 and r.output.startswith(want) and len(r.output.splitlines()) == 1, r.output
+
+
+def _routed_share(a) -> float:
+    k = a.num_experts_per_tok
+    E = next(getattr(a, n) for n in ("n_routed_experts", "num_local_experts", "num_experts") if getattr(a, n, None))
+    return k / E
+
+
+@pytest.mark.parametrize("case", ["deepseek_v3/yarn_fp32", "glm4_moe/gqa_fp32", "exaone_moe/gqa_fp32",
+                                  "qwen3_5_moe/text_fp32", "llama4/gqa_fp32", "gpt_oss/gqa_fp32"])
+def test_a_token_reads_shared_experts_and_attention_whole(case):
+    """From the checkpoint's own tensor table: a routed expert's bytes
+    (`.experts.`, stored one by one or as a stack, biases too) count k / E,
+    the embedding one row of its rows (all of it where it is also the head:
+    qwen3_5_moe's is tied), everything else whole: shared experts, dense
+    layers, the router and its bias, attention, norms, the head. np 1, no
+    context."""
+    from reference_cases import FIXTURES
+
+    ck = open_model(FIXTURES / case)
+    a = ck.args
+    routed = _routed_share(a)
+    row = 1.0 if getattr(a, "tie_word_embeddings", False) else 1 / a.vocab_size
+    want = 0.0
+    for name, b in ck.tensor_bytes().items():
+        share = routed if ".experts." in name else row if name.endswith("embed_tokens.weight") else 1.0
+        want += b * share
+    got = make_plan(ck, 1, bandwidth=5e9, host_token=0.0, host_layer=0.0)["ranks"][0].reads
+    assert got == pytest.approx(want, abs=1), case
+
+
+def test_whole_experts_per_rank_wait_for_the_busiest():
+    """--moe-split experts: a layer's all_sum waits for the rank that got
+    the most of the token's k experts, so the step reads, on its slowest
+    rank, the expected largest share (multivariate hypergeometric over the
+    ranks' held experts), not k x held / E. qwen3_moe/gqa_fp32 (8 experts,
+    top-2) at np 2, 4 a rank: both on one rank with chance 2 C(4,2) / C(8,2)
+    = 3/7, so the busiest reads 1 + 3/7 experts a layer against 1 on average;
+    the intermediate split (every rank reads all k) is unchanged."""
+    from reference_cases import FIXTURES
+
+    from mlxcel_dist.plan import expected_busiest
+
+    assert expected_busiest(2, (4, 4), (1.0, 1.0)) == pytest.approx(10 / 7)
+    assert expected_busiest(2, (8,), (3.0,)) == pytest.approx(6.0)  # one rank: all k, each 3 bytes
+    assert expected_busiest(1, (1, 3), (1.0, 1.0)) == pytest.approx(1.0)  # one expert: one rank reads it
+    assert expected_busiest(3, (1, 1, 1), (1.0, 2.0, 4.0)) == pytest.approx(4.0)  # all three drawn
+    ck = open_model(FIXTURES / "qwen3_moe/gqa_fp32")
+    per_expert = sum(b for n, b in ck.tensor_bytes().items() if ".mlp.experts.0." in n)  # one expert, every layer
+    kw = dict(bandwidth=5e9, host_token=0.0, host_layer=0.0)
+    inter = make_plan(ck, 2, moe_split="intermediate", **kw)
+    assert inter["stages"][0]["reads"] == max(r.reads for r in inter["ranks"])
+    whole = make_plan(ck, 2, moe_split="experts", **kw)
+    mean = max(r.reads for r in whole["ranks"])
+    assert whole["stages"][0]["reads"] == pytest.approx(mean + 3 / 7 * per_expert)
+    assert whole["token_s"] == pytest.approx(whole["stages"][0]["reads"] / 5e9 + whole["comm_s"])
+    assert any("waits for the rank that got the most" in line for line in format_plan(whole))

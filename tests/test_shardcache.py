@@ -126,6 +126,34 @@ def test_corrupted_piece_is_refetched_alone(tmp_path):
     _assert_entry_reads_like_source(GEMMA, spec, cache, 2)
 
 
+def test_what_a_crash_loses_after_the_manifest_is_fetched_again(tmp_path):
+    """Entries are not fsynced (fetch_receiver: `_Rank.finish`): a host that
+    crashes after an entry's manifest was written may come back with its
+    weights file cut short or its small files empty. The next launch's hash
+    check finds that, and the entry is made whole again (header included),
+    never read as it was."""
+    cache = tmp_path / "cache"
+    spec, st, _ = _fetch(GEMMA, cache)
+    for r in ("0", "1"):
+        entry = cache / spec["key"] / spec["ranks"][r]
+        os.truncate(entry / sc.WEIGHTS, 0)  # every page of it lost
+        (entry / "config.json").unlink()
+        (entry / "config.json").write_bytes(b"")
+    spec2, st2, _ = _fetch(GEMMA, cache)
+    small = sum((GEMMA / n).stat().st_size for n in sc.small_files(GEMMA))  # the host's _files/ copies are whole
+    assert spec2 == spec and st2.sent == st.sent - small  # every piece again
+    _assert_entry_reads_like_source(GEMMA, spec, cache, 2)
+
+
+def test_the_receiver_imports_neither_numpy_nor_mlx():
+    """Its start is on a first launch's path (issue 43): numpy's import was
+    most of it. It needs neither unless it copies a piece from another entry."""
+    code = ("import sys, mlxcel_dist.fetch_receiver; "
+            "print(sorted(m for m in ('numpy', 'mlx.core', 'dataclasses') if m in sys.modules))")
+    out = run_cmd([sys.executable, "-c", code], timeout=120)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
 def test_a_copy_at_another_revision_is_not_used(tmp_path):
     same, other = tmp_path / "same", tmp_path / "other"
     shutil.copytree(GEMMA, same)
