@@ -1,4 +1,4 @@
-"""Backend objects (mlxcel_dist/backends.py): the registry, what each backend
+"""Backend objects (mlxcel_dist/backends/): the registry, what each backend
 gives every rank for a placement, the command it starts, what auto picks,
 the rank-side hints; and that the launcher runs a backend it has never heard
 of (its seam is the plan, not the name)."""
@@ -490,7 +490,7 @@ def test_unknown_backend_through_launch_lists_the_registry(extra_backends):
 
 
 def test_transport_noise_follows_the_classes():
-    noise = launcher._TRANSPORT_NOISE
+    noise = launcher.output._TRANSPORT_NOISE
     assert noise.match(b"[ring] Socket 6 was closed by the peer\n")
     assert noise.match(b"[rank 1] [jaccl] lost\n")
     assert not noise.match(b"[mpi] something\n") and not noise.match(b"[nccl] x\n")
