@@ -51,18 +51,35 @@ _TRANSPORT_NOISE = re.compile(
 )
 
 
+def _chunks(fd: int):
+    """A pipe's data as it comes, until its end (or a failed read); the pipe
+    is closed then."""
+    try:
+        while True:
+            try:
+                chunk = os.read(fd, 65536)
+            except OSError:
+                return
+            if not chunk:
+                return
+            yield chunk
+    finally:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def _muted(proc) -> bool:
+    return proc is not None and proc.muted
+
+
 def _pump_lines(fd: int, prefix: bytes, transform=None, proc=None, show_transport: bool = False) -> None:
     """Copy a pipe to our stderr a whole line at a time (never half a line
     of one rank inside a line of another), each line prefixed. ``transform``
     (line -> bytes to write) may hold lines back or drop them."""
     pending = b""
-    while True:
-        try:
-            chunk = os.read(fd, 65536)
-        except OSError:
-            chunk = b""
-        if not chunk:
-            break
+    for chunk in _chunks(fd):
         pending += chunk
         pos = 0
         out = []
@@ -74,17 +91,13 @@ def _pump_lines(fd: int, prefix: bytes, transform=None, proc=None, show_transpor
             out.append(transform(line) if transform is not None else line)
         pending = pending[pos:]
         data = b"".join(out)
-        if data and not (proc is not None and proc.muted):
+        if data and not _muted(proc):
             _write_stream(sys.stderr, data)
     tail = prefix + pending + b"\n" if pending else b""
     if transform is not None:
         tail = (transform(tail) if tail else b"") + transform.finish()
-    if tail and not (proc is not None and proc.muted):
+    if tail and not _muted(proc):
         _write_stream(sys.stderr, tail)
-    try:
-        os.close(fd)
-    except OSError:
-        pass
 
 
 _MARK = REPORT_MARKER.encode()
@@ -96,13 +109,7 @@ def _demux_reports(fd: int, proc=None) -> None:
     with REPORT_MARKER: those go to our stderr, unmarked, in order."""
     held = b""  # the start of a line that may still become a marked one
     at_line_start = True
-    while True:
-        try:
-            chunk = os.read(fd, 65536)
-        except OSError:
-            chunk = b""
-        if not chunk:
-            break
+    for chunk in _chunks(fd):
         data, held = held + chunk, b""
         out, err = [], []
         while data:
@@ -119,14 +126,9 @@ def _demux_reports(fd: int, proc=None) -> None:
             out.append(piece)
             at_line_start = end >= 0
             data = data[len(piece) :]
-        muted = proc is not None and proc.muted
-        if out and not muted:
+        if out and not _muted(proc):
             _write_stream(sys.stdout, b"".join(out))
-        if err and not muted:
+        if err and not _muted(proc):
             _write_stream(sys.stderr, b"".join(err))
-    if held and not (proc is not None and proc.muted):
+    if held and not _muted(proc):
         _write_stream(sys.stdout, held[len(_MARK):] if held.startswith(_MARK) else held)
-    try:
-        os.close(fd)
-    except OSError:
-        pass
