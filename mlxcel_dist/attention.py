@@ -62,6 +62,22 @@ def causal_attention(
     return _attention_softcap(q, k, v, scale, softcap, mask, sinks)
 
 
+def _grouped_probs(scores, mask, sinks):
+    """Softmax in fp32 of grouped scores [B, Hkv, rep, L, S] where ``mask``
+    (boolean, or None) allows, with the heads' sinks as an extra logit."""
+    _, Hkv, rep = scores.shape[:3]
+    scores = scores.astype(mx.float32)
+    if mask is not None:
+        if mask.ndim == 4:  # per-row [B, 1, L, S] (batch.py): add the rep axis of the grouped scores
+            mask = mask[:, :, None]
+        scores = mx.where(mask, scores, mx.array(-mx.inf, mx.float32))
+    if sinks is None:
+        return mx.softmax(scores, axis=-1)
+    s = sinks.astype(mx.float32).reshape(1, Hkv, rep, 1, 1)
+    s = mx.broadcast_to(s, scores.shape[:-1] + (1,))
+    return mx.softmax(mx.concatenate([s, scores], axis=-1), axis=-1)[..., 1:]
+
+
 def _attention_softcap(q, k, v, scale, softcap, mask, sinks):
     # The fused kernel has no soft-capping: the explicit form, softmax in fp32
     # (as the reference does), GQA by grouping query heads per KV head.
@@ -71,17 +87,7 @@ def _attention_softcap(q, k, v, scale, softcap, mask, sinks):
     q = q.reshape(B, Hkv, rep, L, D)  # [B, Hkv, rep, L, D]
     scores = (q @ mx.expand_dims(k, 2).swapaxes(-1, -2)) * scale  # [B, Hkv, rep, L, S]
     scores = mx.tanh(scores / softcap) * softcap
-    scores = scores.astype(mx.float32)
-    if mask is not None:
-        if mask.ndim == 4:  # per-row [B, 1, L, S] (batch.py): add the rep axis of the grouped scores
-            mask = mask[:, :, None]
-        scores = mx.where(mask, scores, mx.array(-mx.inf, mx.float32))
-    if sinks is not None:
-        s = sinks.astype(mx.float32).reshape(1, Hkv, rep, 1, 1)
-        s = mx.broadcast_to(s, scores.shape[:-1] + (1,))
-        probs = mx.softmax(mx.concatenate([s, scores], axis=-1), axis=-1)[..., 1:]
-    else:
-        probs = mx.softmax(scores, axis=-1)
+    probs = _grouped_probs(scores, mask, sinks)
     out = probs.astype(v.dtype) @ mx.expand_dims(v, 2)  # [B, Hkv, rep, L, Dv]
     return out.reshape(B, H, L, -1)
 
@@ -98,18 +104,8 @@ def _attention_quantized(q, k, v, scale, softcap, mask, sinks):
     scores = mx.quantized_matmul(q, *kp, transpose=True, group_size=k.group_size, bits=k.bits)  # [B, Hkv, rep, L, S]
     if softcap is not None:
         scores = mx.tanh(scores / softcap) * softcap
-    scores = scores.astype(mx.float32)
     if isinstance(mask, str) or (mask is None and L > 1):
         mask = create_causal_mask(L, scores.shape[-1] - L)
-    if mask is not None:
-        if mask.ndim == 4:  # per-row [B, 1, L, S]
-            mask = mask[:, :, None]
-        scores = mx.where(mask, scores, mx.array(-mx.inf, mx.float32))
-    if sinks is not None:
-        s = sinks.astype(mx.float32).reshape(1, Hkv, rep, 1, 1)
-        s = mx.broadcast_to(s, scores.shape[:-1] + (1,))
-        probs = mx.softmax(mx.concatenate([s, scores], axis=-1), axis=-1)[..., 1:]
-    else:
-        probs = mx.softmax(scores, axis=-1)
+    probs = _grouped_probs(scores, mask, sinks)
     out = mx.quantized_matmul(probs.astype(q.dtype), *vp, transpose=False, group_size=v.group_size, bits=v.bits)
     return out.reshape(B, H, L, -1)

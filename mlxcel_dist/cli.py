@@ -218,6 +218,12 @@ def _option_groups(fn):
     return wrapper
 
 
+def _command(*names, **kw):
+    """``app.command`` over ``_handle_errors`` (bad input: one error line) over
+    ``_option_groups``: how every command is declared."""
+    return lambda fn: app.command(*names, **kw)(_handle_errors(_option_groups(fn)))
+
+
 def _run(module: str, args: dict, fn: str = "main"):
     """Call the command's body, commands/<module>.py's `fn`, with its
     arguments (the declaration's locals()) as one namespace."""
@@ -226,9 +232,7 @@ def _run(module: str, args: dict, fn: str = "main"):
 
 
 # Commands --------------------------------------------------------------------
-@app.command()
-@_handle_errors
-@_option_groups
+@_command()
 def logits(
     ctx: typer.Context,
     model: RequiredModelArg,
@@ -246,9 +250,7 @@ def logits(
     return _run("logits", locals())
 
 
-@app.command()
-@_handle_errors
-@_option_groups
+@_command()
 def generate(
     ctx: typer.Context,
     model: ModelArg = None,
@@ -283,9 +285,7 @@ def generate(
     return _run("generate", locals())
 
 
-@app.command(hidden=True)
-@_handle_errors
-@_option_groups
+@_command(hidden=True)
 def modes(
     ctx: typer.Context,
     model: RequiredModelArg,
@@ -299,9 +299,7 @@ def modes(
     return _run("logit_match", locals(), "modes")
 
 
-@app.command("logit-match", short_help="N-rank logits against one process and a reference.")
-@_handle_errors
-@_option_groups
+@_command("logit-match", short_help="N-rank logits against one process and a reference.")
 def logit_match(
     ctx: typer.Context,
     model: ModelArg = None,
@@ -318,9 +316,7 @@ def logit_match(
     return _run("logit_match", locals())
 
 
-@app.command(short_help="Each rank's share and memory, a predicted decode time.")
-@_handle_errors
-@_option_groups
+@_command(short_help="Each rank's share and memory, a predicted decode time.")
 def plan(
     model: ModelArg = None,
     model_opt: ModelOpt = None,
@@ -343,17 +339,13 @@ def plan(
     return _run("plan", locals())
 
 
-@app.command()
-@_handle_errors
-@_option_groups
+@_command()
 def info(model: ModelArg = None, model_opt: ModelOpt = None, np_: NpOpt = 1):
     """Config summary, context length, per-layer attention kind, parameters and bytes per rank."""
     return _run("info", locals())
 
 
-@app.command(short_help="Write an MLX checkpoint (optionally quantized).")
-@_handle_errors
-@_option_groups
+@_command(short_help="Write an MLX checkpoint (optionally quantized).")
 def convert(
     model: RequiredModelArg,
     out: Annotated[Path, typer.Argument(help="Output directory (created; must be empty).", metavar="OUT", show_default=False)],
@@ -381,9 +373,7 @@ def convert(
     return _run("convert", locals())
 
 
-@app.command(short_help="OpenAI-compatible HTTP server; rank 0 listens.")
-@_handle_errors
-@_option_groups
+@_command(short_help="OpenAI-compatible HTTP server; rank 0 listens.")
 def serve(
     ctx: typer.Context,
     model: ModelArg = None,
@@ -425,9 +415,7 @@ def serve(
     return _run("serve", locals())
 
 
-@app.command(short_help="Prefill/decode speed, first-token time, peak memory.")
-@_handle_errors
-@_option_groups
+@_command(short_help="Prefill/decode speed, first-token time, peak memory.")
 def bench(
     ctx: typer.Context,
     model: ModelArg = None,

@@ -50,7 +50,7 @@ class Group:
             raise ValueError(f"bad rank {self._rank} of {self._size}")
         self.weights = None
         self.set_weights(weights)
-        # routed experts' placement (--moe-split, parsed on every rank like the weights): shard.moe_split
+        # routed experts' placement (--moe-split, parsed on every rank like the weights): partition.moe_split
         self.moe_split = "intermediate"
         # the stream the collectives run on (None: the backend's, the default CPU stream for ring
         # and MPI); pipeline stages give them one of their own (pipeline.comm_stream)
@@ -61,7 +61,7 @@ class Group:
 
     def set_weights(self, weights) -> None:
         """Rank weights (--rank-weights): tensor-parallel shares proportional
-        to them (`shard.split_counts`); None: as even as possible. Every rank
+        to them (`partition.split_counts`); None: as even as possible. Every rank
         must set the same ones before the model is sharded."""
         if weights is not None:
             weights = tuple(weights)

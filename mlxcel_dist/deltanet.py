@@ -42,10 +42,9 @@ import mlx.nn as nn
 
 from .blocks import MLP, Attention, fused_projection
 from .cache import FULL, LINEAR, DeltaNetCache, KVCache
-from .collectives import SINGLE
 from .errors import UserError
-from .experts import SwitchGLU, softmax_top_k, use_grouped
-from .layers import GemmaRMSNorm, RMSNormFP32Scale, activation, gated_fp32
+from .experts import SoftmaxMoE
+from .layers import GemmaRMSNorm, RMSNormFP32Scale, activation
 from .cache import layer_masks
 from .shard import shard_attention, shard_deltanet, shard_expert_mlps, shard_mlp, shard_switch_glu
 
@@ -273,31 +272,20 @@ class GatedAttention(Attention):
         return self.o_proj(o * mx.sigmoid(gate.astype(mx.float32)).astype(gate.dtype))
 
 
-class SharedExpertMoE(nn.Module):
+class SharedExpertMoE(SoftmaxMoE):
     """Softmax top-k routed experts (stacked, experts.SwitchGLU) plus a shared
     expert scaled by sigmoid(shared_expert_gate(x)); one all_sum once sharded."""
 
     def __init__(self, args, norm_topk_prob: bool):
-        super().__init__()
-        D, act = args.hidden_size, activation(args.hidden_act)
-        self.top_k, self.norm_topk_prob = args.num_experts_per_tok, norm_topk_prob
-        self.gate = nn.Linear(D, args.num_experts, bias=False)
-        self.switch_mlp = SwitchGLU(D, args.moe_intermediate_size, args.num_experts, gated_fp32(act))
-        self.shared_expert = MLP(D, args.shared_expert_intermediate_size, act)
+        super().__init__(args, norm_topk_prob)
+        D = args.hidden_size
+        self.shared_expert = MLP(D, args.shared_expert_intermediate_size, activation(args.hidden_act))
         self.shared_expert_gate = nn.Linear(D, 1, bias=False)
-        self.group = SINGLE  # the job's group once the experts are split (shard)
-
-    def route(self, x):
-        """x [N, hidden] -> (indices [N, k], weights [N, k] in the router's dtype)."""
-        logits = self.gate(x)
-        idx, w = softmax_top_k(logits, self.top_k, self.norm_topk_prob, ascending=True)  # index_add's order
-        return idx, w.astype(logits.dtype)
 
     def __call__(self, x):
         B, L, D = x.shape
         flat = x.reshape(B * L, D)  # [N, hidden]
-        idx, w = self.route(flat)
-        y = self.switch_mlp(flat, idx, w, grouped=use_grouped(idx.size, L), ascending=True)
+        y = self.routed(flat, L)
         g = self.shared_expert_gate(flat)
         shared = mx.sigmoid(g.astype(mx.float32)).astype(g.dtype) * self.shared_expert(flat)
         return self.group.all_sum(y + shared).reshape(B, L, D)

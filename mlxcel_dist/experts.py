@@ -30,7 +30,9 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from .layers import joinable_params, joined_rows
+from .collectives import SINGLE
+from .layers import activation, gated_fp32, joinable_params, joined_rows
+from .weights import JoinedRef
 
 
 # (token, expert) rows from which a prefill runs grouped by expert (`SwitchGLU._grouped`:
@@ -81,6 +83,35 @@ def use_grouped(rows: int, seq_len: int) -> bool:
     runs grouped: prefill (seq_len > 1) from GROUP_ROWS rows; never a [B, 1]
     decode step (compiled: no host read of the per-expert counts there)."""
     return GROUP_ROWS is not None and seq_len > 1 and rows >= GROUP_ROWS
+
+
+class SoftmaxMoE(nn.Module):
+    """Stacked routed experts (`SwitchGLU`) behind a softmax top-k router
+    (`gate`), summed over `group` once (shard_switch_glu splits them):
+    qwen3_moe's block; deltanet.SharedExpertMoE adds a shared expert."""
+
+    def __init__(self, args, norm_topk_prob: bool):
+        super().__init__()
+        self.top_k, self.norm_topk_prob = args.num_experts_per_tok, norm_topk_prob
+        self.gate = nn.Linear(args.hidden_size, args.num_experts, bias=False)
+        self.switch_mlp = SwitchGLU(args.hidden_size, args.moe_intermediate_size, args.num_experts,
+                                    gated_fp32(activation(args.hidden_act)))
+        self.group = SINGLE  # the job's group once the experts are split (shard)
+
+    def route(self, x):
+        """x [N, hidden] -> (indices [N, k] ascending, weights [N, k] in x's dtype)."""
+        logits = self.gate(x)  # [N, E], hidden dtype as the reference
+        idx, w = softmax_top_k(logits, self.top_k, self.norm_topk_prob, ascending=True)  # index_add's order
+        return idx, w.astype(logits.dtype)
+
+    def routed(self, flat, L: int):
+        """The routed experts' output for rows `flat` [N, hidden] of L-token sequences (this rank's part)."""
+        idx, w = self.route(flat)
+        return self.switch_mlp(flat, idx, w, grouped=use_grouped(idx.size, L), ascending=True)
+
+    def __call__(self, x):
+        B, L, D = x.shape
+        return self.group.all_sum(self.routed(x.reshape(B * L, D), L)).reshape(B, L, D)
 
 
 def _dense(x: mx.array, layer: nn.Module, e: int) -> mx.array:
@@ -319,29 +350,13 @@ class SwitchGLU(nn.Module):
         return "" if self.expert_range is None else f" (experts {self.expert_range[0]}-{self.expert_range[1] - 1} here)"
 
 
-class StackedRef:
+class StackedRef(JoinedRef):
     """Per-expert checkpoint tensors [out, in] read as one [E, out, in]
-    tensor (a TensorRef's interface: shape, dtype, sliced_shape, read), so a
-    rank reads only its experts or its slice of each."""
+    tensor (weights.JoinedRef, stacked: a TensorRef's interface), so a rank
+    reads only its experts or its slice of each."""
 
     def __init__(self, refs: list):
-        self.refs = refs
-        self.dtype = refs[0].dtype
-        self.shape = (len(refs),) + tuple(refs[0].shape)
-
-    def sliced_shape(self, axis, ranges) -> tuple:
-        if axis is None:
-            return self.shape
-        shape = list(self.shape)
-        shape[axis] = sum(e - s for s, e in ranges)
-        return tuple(shape)
-
-    def read(self, axis=None, ranges=None) -> mx.array:
-        if axis == 0:
-            chosen = [self.refs[e] for s, stop in ranges for e in range(s, stop)]
-            return mx.stack([r.read() for r in chosen])
-        inner = None if axis is None else axis - 1
-        return mx.stack([r.read(inner, ranges) for r in self.refs])
+        super().__init__(refs, stack=True)
 
 
 def stack_expert_refs(weights: dict, num_experts: int, src: str = ".mlp.experts.", dst: str = ".mlp.switch_mlp.") -> dict:

@@ -173,7 +173,8 @@ def _receiver_cmd(python: str, addr: str, token: str, name: str, cache) -> list[
 def _start_receiver(host, cmd: list[str]):
     import subprocess
 
-    from .launcher import SSH_OPTIONS, _PKG_ROOT, _remote_script
+    from .launcher import _PKG_ROOT
+    from .launcher.ssh import SSH_OPTIONS, _remote_script
 
     env = {"PYTHONPATH": os.pathsep.join(p for p in (_PKG_ROOT, os.environ.get("PYTHONPATH", "")) if p)}
     if os.environ.get("MLXCEL_DIST_INJECT_FAULT"):

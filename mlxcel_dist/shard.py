@@ -20,12 +20,14 @@ MLX-quantized layers (quant.py) run before sharding, so q/k/v/gate/up may be
 QuantizedLinear; they become QuantizedAllToShardedLinear (rows of the packed
 weight, scales and biases) and o/down QuantizedShardedToAllLinear (the input
 slice in packed words and in scale groups, which must cut whole groups).
+
+The cuts themselves (shares of a dimension, head ranges, KV slots, expert
+ranges) are partition.py's arithmetic, which needs no model or MLX.
 """
 
 from __future__ import annotations
 
 import math
-from fractions import Fraction
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -39,6 +41,7 @@ from mlx.nn.layers.distributed import (
 from . import faults
 from .collectives import Group
 from .errors import UserError
+from .partition import expert_ranges, head_ranges, kv_slots, moe_split, slot_ranges, split_ranges
 from .quant import quantized_col_ranges
 
 
@@ -58,6 +61,28 @@ class ShardSpec:
 def _slice(w: mx.array, axis: int, ranges) -> mx.array:
     parts = [w[(slice(None),) * axis + (slice(a, b),)] for a, b in ranges]
     return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=axis)
+
+
+def _cut(layer: nn.Module, spec: dict, src: nn.Module | None = None) -> None:
+    """Set `layer`'s tensors named in `spec` (name -> (axis, ranges)) to
+    `src`'s (default: its own) cut to those ranges; `spec` becomes its ShardSpec."""
+    src = layer if src is None else src
+    for name, (axis, ranges) in spec.items():
+        setattr(layer, name, _slice(getattr(src, name), axis, ranges))
+    layer.shard_spec = ShardSpec(spec)
+
+
+def _col_spec(layer: nn.Module, axis: int, ranges, what: str) -> dict:
+    """The slices that keep input columns `ranges` (along `axis`) of a
+    (Quantized)Linear or SwitchLinear: its weight's, or for a quantized one
+    the packed words and whole scale/bias groups (UserError naming `what`)."""
+    if layer.get("scales") is None:
+        return {"weight": (axis, ranges)}
+    packed, groups = quantized_col_ranges(ranges, layer.group_size, layer.bits, what)
+    spec = {"weight": (axis, packed), "scales": (axis, groups)}
+    if layer.get("biases") is not None:
+        spec["biases"] = (axis, groups)
+    return spec
 
 
 class SumShardedToAll(ShardedToAllLinear):
@@ -94,20 +119,16 @@ def _sharded(linear: nn.Module, kind: str, ranges, group: Group, name: str = "la
     # (replicated KV heads are not an even split of the output).
     if kind == "rows":
         layer = AllToShardedLinear(in_dims, n, bias=has_bias, group=group.mlx)
-        layer.weight = _slice(linear.weight, 0, ranges)
-        if has_bias:
-            layer.bias = _slice(linear.bias, 0, ranges)
         spec = {"weight": (0, ranges)}
         if has_bias:
             spec["bias"] = (0, ranges)
     else:
         layer = SumShardedToAll(n, out_dims, bias=has_bias, group=group.mlx)
         layer.tp = group
-        layer.weight = _slice(linear.weight, 1, ranges)
+        spec = {"weight": (1, ranges)}
         if has_bias:
             layer.bias = linear.bias  # added once, after the all_sum
-        spec = {"weight": (1, ranges)}
-    layer.shard_spec = ShardSpec(spec)
+    _cut(layer, spec, linear)
     return layer
 
 
@@ -133,148 +154,16 @@ def _sharded_quantized(linear: nn.QuantizedLinear, kind: str, ranges, group, nam
         layer = QuantizedAllToShardedLinear(in_dims, n, bias=has_bias, group=group.mlx, **q)
         names = ["weight", "scales"] + ["biases"] * has_biases + ["bias"] * has_bias
         spec = {p: (0, ranges) for p in names}
-        for p in names:
-            setattr(layer, p, _slice(linear[p], 0, ranges))
     else:
-        packed, groups = quantized_col_ranges(ranges, gs, bits, f"{n} ranks cannot split {name} ({in_dims} inputs)")
+        spec = _col_spec(linear, 1, ranges, f"{n} ranks cannot split {name} ({in_dims} inputs)")
         layer = QuantizedSumShardedToAll(n * gs, out_dims, bias=has_bias, group=group.mlx, **q)
         layer.tp = group
-        spec = {"weight": (1, packed), "scales": (1, groups)}
-        if has_biases:
-            spec["biases"] = (1, groups)
-        for p, (axis, rng) in spec.items():
-            setattr(layer, p, _slice(linear[p], axis, rng))
         if has_bias:
             layer.bias = linear.bias  # added once, after the all_sum
     if not has_biases:
         layer.biases = None
-    layer.shard_spec = ShardSpec(spec)
+    _cut(layer, spec, linear)
     return layer
-
-
-def _check_weights(size: int, weights) -> list[Fraction]:
-    if size < 1:
-        raise UserError(f"bad rank count {size}")
-    if weights is None:
-        return [Fraction(1)] * size
-    if len(weights) != size:
-        raise UserError(f"{len(weights)} rank weights for {size} ranks")
-    out = [Fraction(w) for w in weights]  # exact: every rank computes the same split
-    if any(w <= 0 for w in out):
-        raise UserError(f"rank weights must be positive, got {', '.join(map(str, weights))}")
-    return out
-
-
-def split_counts(units: int, size: int, weights=None) -> list[int]:
-    """How many of `units` each of `size` ranks gets: every rank at least one,
-    shares proportional to `weights` (default: equal) by largest remainders
-    (ties to the lower rank), so with equal weights they differ by at most one.
-    Pure integer/rational arithmetic: every rank computes the same answer.
-    UserError when there are fewer units than ranks."""
-    w = _check_weights(size, weights)
-    if units < size:
-        raise UserError(f"{size} ranks cannot split {units}")
-    total = sum(w)
-    quota = [units * x / total for x in w]
-    counts = [int(q) for q in quota]  # floor (quotas are non-negative)
-    order = sorted(range(size), key=lambda r: (-(quota[r] - counts[r]), r))
-    for r in order[: units - sum(counts)]:
-        counts[r] += 1
-    # every rank needs at least one unit: take them from the largest shares
-    for r in range(size):
-        while counts[r] == 0:
-            donor = max((i for i in range(size) if counts[i] > 1), key=lambda i: (counts[i] - quota[i], counts[i], -i))
-            counts[donor] -= 1
-            counts[r] += 1
-    return counts
-
-
-def split_ranges(total: int, size: int, weights=None, unit: int = 1, what: str | None = None) -> list[tuple]:
-    """Contiguous [start, stop) of `total` per rank, cut only at multiples of
-    `unit` (a quantization group), shares as `split_counts` gives them.
-    UserError naming `what` when no such cut exists."""
-    units = total // unit
-    if total % unit or units < size:
-        what = what or "a dimension"
-        if unit > 1:
-            raise UserError(f"{size} ranks cannot split {what} ({total}) at whole quantization groups of "
-                            f"{unit}: there are {total / unit:g}")
-        raise UserError(f"{size} ranks cannot split {what} ({total})")
-    ranges, start = [], 0
-    for c in split_counts(units, size, weights):
-        ranges.append((start * unit, (start + c) * unit))
-        start += c
-    return ranges
-
-
-def head_partition(n_heads: int, n_kv_heads: int, size: int, weights=None, unit: int = 1) -> list[tuple]:
-    """Per rank (q_start, q_stop, kv_start, kv_stop): contiguous q head ranges
-    covering every head once, and the KV heads exactly those queries use (q
-    head h uses KV head h // (n_heads // n_kv_heads)).
-
-    With at least `size` KV heads, ranks get whole KV-head groups (split as
-    `split_counts`: equal weights give counts within one group of each other)
-    and no KV head is on two ranks. With fewer, the q heads themselves are
-    split (within one head of each other), and a KV head whose group spans
-    two ranks is held by both. `unit`: q heads per cut besides that (whole
-    quantization groups of o_proj's input). UserError when a rank would get
-    no q head (or no cut exists)."""
-    if n_kv_heads < 1 or n_heads % n_kv_heads:
-        raise UserError(f"{n_heads} attention heads are not a multiple of {n_kv_heads} KV heads")
-    if size > n_heads:
-        raise UserError(
-            f"{size} ranks cannot split {n_heads} attention heads ({n_kv_heads} KV heads): "
-            f"use at most {n_heads} ranks"
-        )
-    g = n_heads // n_kv_heads  # q heads per KV head
-    step = math.lcm(g if n_kv_heads >= size else 1, unit)
-    if n_heads % step or n_heads // step < size:
-        raise UserError(f"{size} ranks cannot split {n_heads} attention heads at o_proj's quantization groups "
-                        f"({unit} heads each)")
-    out = []
-    for q0, q1 in split_ranges(n_heads, size, weights, step):
-        out.append((q0, q1, q0 // g, (q1 - 1) // g + 1))
-    return out
-
-
-def head_ranges(total_heads: int, total_kv_heads: int, n: int, r: int, weights=None, unit: int = 1):
-    """(q head range, kv head range) for rank r of n (`head_partition`), or UserError."""
-    if n < 1 or not 0 <= r < n:
-        raise UserError(f"bad rank {r} of {n}")
-    q0, q1, kv0, kv1 = head_partition(total_heads, total_kv_heads, n, weights, unit)[r]
-    return (q0, q1), (kv0, kv1)
-
-
-def kv_slots(q0: int, q1: int, n_heads: int, n_kv_heads: int) -> list[int]:
-    """The KV heads a rank's attention holds, in order, so that local q head i
-    uses slot i // m for one m (the plain GQA layout every attention kernel
-    takes): the KV heads q0..q1-1 use, each repeated run/m times, m the gcd
-    of the runs of q heads per KV head. Whole groups (or part of one): each
-    KV head once. A range that cuts groups unevenly (e.g. heads 3-5 with 4
-    per KV head: runs 1, 2) repeats a KV head (slots 0, 1, 1): the rank
-    computes it twice, which is exact (the same rows of k_proj/v_proj)."""
-    g = n_heads // n_kv_heads
-    runs = []
-    for h in range(q0, q1):
-        if runs and runs[-1][0] == h // g:
-            runs[-1][1] += 1
-        else:
-            runs.append([h // g, 1])
-    m = math.gcd(*(c for _, c in runs))
-    return [kv for kv, c in runs for _ in range(c // m)]
-
-
-def slot_ranges(slots, width: int = 1, offset: int = 0) -> list[tuple]:
-    """Row ranges of `slots` (heads of `width` rows each, after `offset` rows),
-    neighbouring heads merged: what the loader reads."""
-    out = []
-    for s in slots:
-        a, b = offset + s * width, offset + (s + 1) * width
-        if out and out[-1][1] == a:
-            out[-1] = (out[-1][0], b)
-        else:
-            out.append((a, b))
-    return out
 
 
 def rank_heads(attn: nn.Module, group: Group) -> tuple[int, int, list[int]]:
@@ -320,12 +209,9 @@ def shard_attention(attn: nn.Module, group: Group) -> None:
         if name in attn:
             setattr(attn, name, _sharded(getattr(attn, name), "rows", slot_ranges(slots, D), group))
     attn.o_proj = _sharded(attn.o_proj, "cols", [(q0 * D, q1 * D)], group, "o_proj")
-    per_head = {}
-    for name in getattr(attn, "per_head_params", ()):
-        setattr(attn, name, _slice(getattr(attn, name), 0, [(q0, q1)]))
-        per_head[name] = (0, [(q0, q1)])
+    per_head = {name: (0, [(q0, q1)]) for name in getattr(attn, "per_head_params", ())}
     if per_head:
-        attn.shard_spec = ShardSpec(per_head)
+        _cut(attn, per_head)
     attn.num_heads = q1 - q0  # this rank's; total_num_heads stays the model's
     attn.num_kv_heads = len(slots)
 
@@ -483,12 +369,7 @@ def shard_moe(moe: nn.Module, group: Group, experts: str = "experts") -> None:
         raise UserError(f"expert gate_up_proj has {ex.gate_up_proj.shape[2]} columns, expected 2 x {inter}")
     i0, i1 = _rank_range(inter, group, "the experts' intermediate size")
     pairs = [(2 * i0, 2 * i1)]
-    ex.gate_up_proj = _slice(ex.gate_up_proj, 2, pairs)
-    ex.gate_up_proj_bias = _slice(ex.gate_up_proj_bias, 1, pairs)
-    ex.down_proj = _slice(ex.down_proj, 1, [(i0, i1)])
-    ex.shard_spec = ShardSpec(
-        {"gate_up_proj": (2, pairs), "gate_up_proj_bias": (1, pairs), "down_proj": (1, [(i0, i1)])}
-    )
+    _cut(ex, {"gate_up_proj": (2, pairs), "gate_up_proj_bias": (1, pairs), "down_proj": (1, [(i0, i1)])})
     ex.group = group
 
 
@@ -504,19 +385,9 @@ def _slice_linear_in_place(linear: nn.Module, kind: str, ranges, name: str) -> N
     else:
         if "bias" in linear:
             raise UserError(f"{name} has a bias: a split down projection cannot add it once without a collective")
-        if quantized:
-            in_dims = linear.weight.shape[1] * 32 // linear.bits
-            packed, groups = quantized_col_ranges(
-                ranges, linear.group_size, linear.bits, f"cannot split {name} ({in_dims} inputs)"
-            )
-            spec = {"weight": (1, packed), "scales": (1, groups)}
-            if linear.get("biases") is not None:
-                spec["biases"] = (1, groups)
-        else:
-            spec = {"weight": (1, ranges)}
-    for p, (axis, rng) in spec.items():
-        setattr(linear, p, _slice(linear[p], axis, rng))
-    linear.shard_spec = ShardSpec(spec)
+        what = f"cannot split {name} ({linear.weight.shape[1] * 32 // linear.bits} inputs)" if quantized else name
+        spec = _col_spec(linear, 1, ranges, what)
+    _cut(linear, spec)
 
 
 def shard_expert_mlps(mlps, group: Group, up=("gate_proj", "up_proj"), down="down_proj") -> None:
@@ -561,16 +432,12 @@ def shard_recurrent_block(block: nn.Module, group: Group) -> None:
     block.linear_x = _sharded(block.linear_x, "rows", chans, group)
     block.linear_y = _sharded(block.linear_y, "rows", chans, group)
     block.linear_out = _sharded(block.linear_out, "cols", chans, group, "linear_out")
-    conv = block.conv_1d
-    conv.weight, conv.bias = _slice(conv.weight, 0, chans), _slice(conv.bias, 0, chans)
-    conv.shard_spec = ShardSpec({"weight": (0, chans), "bias": (0, chans)})
+    _cut(block.conv_1d, {"weight": (0, chans), "bias": (0, chans)})
     heads = [(h0, h1)]
     spec = {"recurrent_param": (0, chans)}
     for name in ("input_gate_weight", "input_gate_bias", "recurrent_gate_weight", "recurrent_gate_bias"):
         spec[name] = (0, heads)
-    for name, (axis, rng) in spec.items():
-        setattr(lru, name, _slice(getattr(lru, name), axis, rng))
-    lru.shard_spec = ShardSpec(spec)
+    _cut(lru, spec)
     lru.num_heads = h1 - h0
 
 
@@ -604,11 +471,8 @@ def shard_deltanet(block: nn.Module, group: Group) -> None:
         block.in_proj_b = _sharded(block.in_proj_b, "rows", [(v0, v1)], group)
         block.in_proj_a = _sharded(block.in_proj_a, "rows", [(v0, v1)], group)
     block.out_proj = _sharded(out, "cols", [(v0 * Dv, v1 * Dv)], group, "out_proj")
-    conv = block.conv1d
-    conv.weight = _slice(conv.weight, 0, qkv)
-    conv.shard_spec = ShardSpec({"weight": (0, qkv)})
-    block.dt_bias, block.A_log = _slice(block.dt_bias, 0, [(v0, v1)]), _slice(block.A_log, 0, [(v0, v1)])
-    block.shard_spec = ShardSpec({"dt_bias": (0, [(v0, v1)]), "A_log": (0, [(v0, v1)])})
+    _cut(block.conv1d, {"weight": (0, qkv)})
+    _cut(block, {"dt_bias": (0, [(v0, v1)]), "A_log": (0, [(v0, v1)])})
     block.num_k_heads, block.num_v_heads = k1 - k0, v1 - v0
 
 
@@ -628,29 +492,11 @@ def shard_packed_attention(attn: nn.Module, group: Group, packed: str = "W_pack"
     rows = [(q0 * D, q1 * D), *slot_ranges(slots, D, H * D), *slot_ranges(slots, D, (H + KV) * D)]
     setattr(attn, packed, _sharded(getattr(attn, packed), "rows", rows, group))
     attn.o_proj = _sharded(attn.o_proj, "cols", [(q0 * D, q1 * D)], group, "o_proj")
-    spec = {}
-    for name, axis in per_kv_head:
-        setattr(attn, name, _slice(getattr(attn, name), axis, slot_ranges(slots)))
-        spec[name] = (axis, slot_ranges(slots))
+    spec = {name: (axis, slot_ranges(slots)) for name, axis in per_kv_head}
     if spec:
-        attn.shard_spec = ShardSpec(spec)
+        _cut(attn, spec)
     attn.num_heads = q1 - q0
     attn.num_kv_heads = len(slots)
-
-
-MOE_SPLITS = ("intermediate", "experts")
-
-
-def moe_split(group: Group) -> str:
-    """The group's routed-expert placement (--moe-split, parsed on every rank
-    like --rank-weights): "intermediate" (default) or "experts"."""
-    return getattr(group, "moe_split", None) or "intermediate"
-
-
-def expert_ranges(num_experts: int, size: int, weights=None) -> list[tuple]:
-    """Whole experts per rank under expert placement: contiguous [e0, e1),
-    shares as `split_ranges` gives them (weights respected)."""
-    return split_ranges(num_experts, size, weights, what="the routed experts")
 
 
 def shard_switch_glu(mlp: nn.Module, group: Group) -> None:
@@ -686,22 +532,10 @@ def shard_switch_glu(mlp: nn.Module, group: Group) -> None:
             raise UserError(f"expert {name} has {layer.weight.shape[1]} rows, expected "
                             f"{'2 x ' if mlp.fused else ''}{inter} (down_proj's inputs)")
         _slice_params(layer, 1, rows)
-    if quantized:
-        packed, groups = quantized_col_ranges(rng, down.group_size, down.bits, "cannot split the experts' down_proj")
-        spec = {"weight": (2, packed), "scales": (2, groups)}
-        if down.get("biases") is not None:
-            spec["biases"] = (2, groups)
-    else:
-        spec = {"weight": (2, rng)}
-    for p, (axis, r) in spec.items():
-        setattr(down, p, _slice(down[p], axis, r))
-    down.shard_spec = ShardSpec(spec)
+    _cut(down, _col_spec(down, 2, rng, "cannot split the experts' down_proj"))
 
 
 def _slice_params(layer: nn.Module, axis: int, ranges: list) -> None:
     """Every stored tensor of a (Quantized)SwitchLinear (weight, scales,
     biases) cut to `ranges` of `axis` (not the packed one), with its ShardSpec."""
-    spec = {p: (axis, ranges) for p in ("weight", "scales", "biases") if layer.get(p) is not None}
-    for p, (ax, r) in spec.items():
-        setattr(layer, p, _slice(layer[p], ax, r))
-    layer.shard_spec = ShardSpec(spec)
+    _cut(layer, {p: (axis, ranges) for p in ("weight", "scales", "biases") if layer.get(p) is not None})

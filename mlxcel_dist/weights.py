@@ -181,7 +181,10 @@ def open_checkpoint(model_dir: Path) -> dict[str, TensorRef]:
 # names-only pass) stays None.
 
 
-class _View:
+class View:
+    """What a lazy view shares: its shape after a read of `ranges` along `axis`
+    (a subclass sets `shape` and `dtype` and reads with `read(axis, ranges)`)."""
+
     def sliced_shape(self, axis, ranges) -> tuple:
         if axis is None:
             return self.shape
@@ -190,7 +193,7 @@ class _View:
         return tuple(shape)
 
 
-class JoinedRef(_View):
+class JoinedRef(View):
     """`parts` stacked on a new axis 0 (`stack`; equal shapes) or concatenated along `axis`."""
 
     def __init__(self, parts: list, axis: int = 0, stack: bool = False):
@@ -223,7 +226,7 @@ class JoinedRef(_View):
         return mx.concatenate(out, axis=self.axis)
 
 
-class SwappedRef(_View):
+class SwappedRef(View):
     """`ref` with its last two axes swapped (a transposed layout)."""
 
     def __init__(self, ref):
@@ -236,7 +239,7 @@ class SwappedRef(_View):
         return self.ref.read(src, ranges).swapaxes(-1, -2)
 
 
-class RangeRef(_View):
+class RangeRef(View):
     """`ref` cut to [start, stop) along `axis` (e.g. one half of a fused gate_up stack)."""
 
     def __init__(self, ref, axis: int, start: int, stop: int):

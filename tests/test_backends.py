@@ -1,4 +1,4 @@
-"""Backend objects (mlxcel_dist/backends.py): the registry, what each backend
+"""Backend objects (mlxcel_dist/backends/): the registry, what each backend
 gives every rank for a placement, the command it starts, what auto picks,
 the rank-side hints; and that the launcher runs a backend it has never heard
 of (its seam is the plan, not the name)."""
@@ -213,9 +213,9 @@ def fake_openmpi(tmp_path, monkeypatch):
     mpirun.chmod(0o755)
     monkeypatch.setenv("MLXCEL_MPIRUN", str(mpirun))
     monkeypatch.delenv("MLX_MPI_LIBNAME", raising=False)
-    backends._mpirun_info.cache_clear()
+    backends.mpi._mpirun_info.cache_clear()
     yield str(mpirun), str(lib)
-    backends._mpirun_info.cache_clear()
+    backends.mpi._mpirun_info.cache_clear()
 
 
 def _exports(argv):
@@ -385,9 +385,9 @@ def test_jaccl_refuses(tmp_path, entries, np, message):
 def machine(monkeypatch):
     """Set what this machine has: CUDA, an mpirun with its libmpi."""
     def have(cuda=False, mpi=False):
-        monkeypatch.setattr(backends, "_cuda_available", lambda: cuda)
-        monkeypatch.setattr(backends, "find_mpirun", lambda python=None: "/x/bin/mpirun" if mpi else None)
-        monkeypatch.setattr(backends, "find_libmpi", lambda m: "/x/lib/libmpi.so.40")
+        monkeypatch.setattr(backends.nccl, "_cuda_available", lambda: cuda)
+        monkeypatch.setattr(backends.mpi, "find_mpirun", lambda python=None: "/x/bin/mpirun" if mpi else None)
+        monkeypatch.setattr(backends.mpi, "find_libmpi", lambda m: "/x/lib/libmpi.so.40")
     return have
 
 
@@ -405,7 +405,7 @@ def test_auto_one_node(machine):
 
 def test_auto_mpi_needs_its_libmpi(machine, monkeypatch):
     machine(mpi=True)
-    monkeypatch.setattr(backends, "find_libmpi", lambda m: None)
+    monkeypatch.setattr(backends.mpi, "find_libmpi", lambda m: None)
     monkeypatch.delenv("MLX_MPI_LIBNAME", raising=False)
     assert backends.default_backend(True) == "ring"
     monkeypatch.setenv("MLX_MPI_LIBNAME", "/elsewhere/libmpi.so.40")
@@ -490,7 +490,7 @@ def test_unknown_backend_through_launch_lists_the_registry(extra_backends):
 
 
 def test_transport_noise_follows_the_classes():
-    noise = launcher._TRANSPORT_NOISE
+    noise = launcher.output._TRANSPORT_NOISE
     assert noise.match(b"[ring] Socket 6 was closed by the peer\n")
     assert noise.match(b"[rank 1] [jaccl] lost\n")
     assert not noise.match(b"[mpi] something\n") and not noise.match(b"[nccl] x\n")

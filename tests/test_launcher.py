@@ -163,13 +163,13 @@ def test_ssh_command_quotes_everything():
 
 
 def test_auto_backend(monkeypatch):
-    monkeypatch.setattr(backends, "_cuda_available", lambda: False)
-    monkeypatch.setattr(backends, "find_mpirun", lambda python=None: "/x/bin/mpirun")
-    monkeypatch.setattr(backends, "find_libmpi", lambda m: "/x/lib/libmpi.so.40")
+    monkeypatch.setattr(backends.nccl, "_cuda_available", lambda: False)
+    monkeypatch.setattr(backends.mpi, "find_mpirun", lambda python=None: "/x/bin/mpirun")
+    monkeypatch.setattr(backends.mpi, "find_libmpi", lambda m: "/x/lib/libmpi.so.40")
     assert backends.default_backend(True) == "mpi"
-    monkeypatch.setattr(backends, "find_mpirun", lambda python=None: None)
+    monkeypatch.setattr(backends.mpi, "find_mpirun", lambda python=None: None)
     assert backends.default_backend(True) == "ring"
-    monkeypatch.setattr(backends, "_cuda_available", lambda: True)
+    monkeypatch.setattr(backends.nccl, "_cuda_available", lambda: True)
     assert backends.default_backend(True) == "nccl"
 
 

@@ -24,7 +24,7 @@ from mlxcel_dist.launcher import find_mpirun, launch
 from mlxcel_dist.layers import activation, gated_fp32
 from mlxcel_dist.loader import check_shardable, load_model, read_config
 from mlxcel_dist.models import get_model_module
-from mlxcel_dist.shard import expert_ranges, split_counts
+from mlxcel_dist.partition import expert_ranges, split_counts
 
 from reference_cases import FIXTURES, cases, single_process_logits
 

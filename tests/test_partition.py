@@ -1,4 +1,4 @@
-"""The uneven tensor-parallel split (shard.head_partition, split_counts,
+"""The uneven tensor-parallel split (partition.head_partition, split_counts,
 split_ranges, kv_slots) as properties over head counts, KV counts, rank
 counts and rank weights."""
 
@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mlxcel_dist.errors import UserError
-from mlxcel_dist.shard import head_partition, kv_slots, split_counts, split_ranges
+from mlxcel_dist.partition import head_partition, kv_slots, split_counts, split_ranges
 
 
 @st.composite

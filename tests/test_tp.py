@@ -32,7 +32,7 @@ def _shardable(d, n):
 
 def test_every_case_runs_at_np2_np3_and_np4():
     # The fixtures are built so that every family is tested at np 2 and 4;
-    # every case also splits unevenly at np 3 (shard.head_partition).
+    # every case also splits unevenly at np 3 (partition.head_partition).
     assert [case_id(d) for d in CASES if not all(_shardable(d, n) for n in (2, 3, 4))] == []
 
 

@@ -147,7 +147,7 @@ def hostfile_weights(ctx: typer.Context, hostfile: Path, np_: int):
 
 def check_moe_split(value: Optional[str]) -> str:
     """--moe-split's value (default intermediate)."""
-    from ..shard import MOE_SPLITS
+    from ..partition import MOE_SPLITS
 
     value = value or "intermediate"
     if value not in MOE_SPLITS:

@@ -26,7 +26,8 @@ from ..cache import FULL, SLIDING, SharedKVCache, make_layer_caches
 from ..collectives import SINGLE, Group
 from ..errors import UserError
 from ..cache import layer_masks
-from ..shard import plan_sharded_linears, shard_layers, split_ranges, vocab_parallel_logits
+from ..partition import split_ranges
+from ..shard import plan_sharded_linears, shard_layers, vocab_parallel_logits
 
 __all__ = ["FULL", "SLIDING", "LanguageModel", "Capabilities", "BaseModelArgs", "CausalLM", "DecoderStack"]
 

@@ -108,7 +108,7 @@ from ..layers import LayerNorm, RMSNorm, activation, gated_fp32
 from ..masks import CAUSAL, create_causal_mask
 from ..rope import RoPE
 from ..shard import shard_expert_mlps, shard_latent_attention, shard_mlp, shard_switch_glu
-from ..weights import join
+from ..weights import View, join
 from .base import FULL, BaseModelArgs, CausalLM, DecoderStack, describe_layers
 
 DENSE, SPARSE = "dense", "sparse"
@@ -481,7 +481,7 @@ class DeepseekV3Model(DecoderStack):
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
 
-class _KvbRef:
+class _KvbRef(View):
     """kv_b_proj.weight [H * (nope + v), kv_lora] rebuilt from mlx-lm's split
     of it (`embed_q` [H, kv_lora, nope], the k rows transposed; `unembed_out`
     [H, v, kv_lora]): a rearrangement, exact. Reads only the heads a row
@@ -493,13 +493,6 @@ class _KvbRef:
         H, R, nope = wk.shape
         self.width = nope + wv.shape[1]  # rows per head
         self.shape = (H * self.width, R)
-
-    def sliced_shape(self, axis, ranges) -> tuple:
-        if axis is None:
-            return self.shape
-        shape = list(self.shape)
-        shape[axis] = sum(e - s for s, e in ranges)
-        return tuple(shape)
 
     def read(self, axis=None, ranges=None) -> mx.array:
         if axis == 1:

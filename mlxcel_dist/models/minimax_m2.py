@@ -52,14 +52,8 @@ from ..errors import UserError
 from ..experts import SwitchGLU, top_k
 from ..layers import RMSNorm, activation, gated_fp32
 from ..rope import RoPE
-from ..shard import (
-    head_partition,
-    rank_heads,
-    shard_attention,
-    shard_head_vector,
-    shard_switch_glu,
-    slot_ranges,
-)
+from ..partition import head_partition, slot_ranges
+from ..shard import rank_heads, shard_attention, shard_head_vector, shard_switch_glu
 from ..weights import join
 from .base import FULL, BaseModelArgs, CausalLM, DecoderStack, describe_layers, single_rope_params
 

@@ -26,7 +26,8 @@ from ..collectives import SINGLE
 from ..errors import UserError
 from ..layers import RMSNormFP32Scale, activation
 from ..rope import RoPE
-from ..shard import head_partition, rank_heads, shard_head_vector, slot_ranges
+from ..partition import head_partition, slot_ranges
+from ..shard import rank_heads, shard_head_vector
 from .base import FULL, SLIDING, BaseModelArgs, CausalLM, DecoderStack, derive_layer_types, single_rope_params
 
 # Olmo3Config.default_theta: the RoPE base when the config names none.

@@ -23,13 +23,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import mlx.nn as nn
-
 from ..blocks import MLP, Attention, PreNormBlock
-from ..collectives import SINGLE
 from ..errors import UserError
-from ..experts import SwitchGLU, softmax_top_k, stack_expert_refs, use_grouped
-from ..layers import RMSNorm, activation, gated_fp32
+from ..experts import SoftmaxMoE, stack_expert_refs
+from ..layers import RMSNorm, activation
 from ..rope import RoPE
 from ..shard import shard_attention, shard_mlp, shard_switch_glu
 from .base import FULL, SLIDING, BaseModelArgs, CausalLM, DecoderStack, derive_layer_types, describe_layers, \
@@ -93,29 +90,11 @@ class ModelArgs(BaseModelArgs):
                                        self.max_position_embeddings)
 
 
-class SparseMoeBlock(nn.Module):
+class SparseMoeBlock(SoftmaxMoE):
     """Softmax top-k router over stacked experts; one all_sum once sharded."""
 
     def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.top_k, self.norm_topk_prob = args.num_experts_per_tok, args.norm_topk_prob
-        self.gate = nn.Linear(args.hidden_size, args.num_experts, bias=False)
-        self.switch_mlp = SwitchGLU(args.hidden_size, args.moe_intermediate_size, args.num_experts,
-                                    gated_fp32(activation(args.hidden_act)))
-        self.group = SINGLE  # the job's group once the experts are split (shard)
-
-    def route(self, x):
-        """x [N, hidden] -> (indices [N, k] ascending, weights [N, k] in x's dtype)."""
-        logits = self.gate(x)  # [N, E], hidden dtype as the reference
-        idx, w = softmax_top_k(logits, self.top_k, self.norm_topk_prob, ascending=True)  # index_add's order
-        return idx, w.astype(logits.dtype)
-
-    def __call__(self, x):
-        B, L, D = x.shape
-        flat = x.reshape(B * L, D)  # [N, hidden]
-        idx, w = self.route(flat)
-        y = self.switch_mlp(flat, idx, w, grouped=use_grouped(idx.size, L), ascending=True)
-        return self.group.all_sum(y).reshape(B, L, D)
+        super().__init__(args, args.norm_topk_prob)
 
 
 class DecoderLayer(PreNormBlock):

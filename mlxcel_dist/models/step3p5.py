@@ -57,6 +57,7 @@ from ..shard import (
     shard_mlp,
     shard_switch_glu,
 )
+from ..weights import View
 from .base import FULL, SLIDING, BaseModelArgs, CausalLM, DecoderStack, derive_layer_types, describe_layers
 
 # transformers' Step3p7TextConfig aliases (attribute_map) -> field names
@@ -378,7 +379,7 @@ def _split_rows(ref, start: int, stop: int):
     return _RowsRef(ref, start, stop)
 
 
-class _RowsRef:
+class _RowsRef(View):
     """A checkpoint tensor's axis-1 range [start, stop), read like a TensorRef
     (shape, dtype, sliced_shape, read(axis, ranges)) so a rank still reads only
     its slice."""
@@ -387,13 +388,6 @@ class _RowsRef:
         self.ref, self.start, self.stop = ref, start, stop
         self.dtype = ref.dtype
         self.shape = (ref.shape[0], stop - start) + tuple(ref.shape[2:])
-
-    def sliced_shape(self, axis, ranges) -> tuple:
-        if axis is None:
-            return self.shape
-        shape = list(self.shape)
-        shape[axis] = sum(e - s for s, e in ranges)
-        return tuple(shape)
 
     def read(self, axis=None, ranges=None) -> mx.array:
         if axis == 1:
