@@ -94,15 +94,13 @@ class ConvKVCache(LayerCache):
         return StaticConvKV(self.kv.row_view(buffers, index, views, rows, margin), StaticState(buffers, index, 2, rows))
 
     def snapshot(self) -> Snapshot:
-        """The KV's snapshot with the conv state after its keys/values."""
-        kv = self.kv.snapshot()
-        return Snapshot((*kv.state[:-1], *(self.conv_state or ()), kv.offset))
+        """The conv state (None, None before any token), then the KV's snapshot."""
+        return Snapshot((*(self.conv_state or (None, None)), *self.kv.snapshot().state))
 
     def restore_snapshot(self, snap: Snapshot) -> None:
-        s = snap.state
-        self.kv.restore_snapshot(Snapshot((*s[:2], s[-1]) if len(s) > 1 else s))
-        self.conv_state = tuple(s[2:4]) if len(s) > 1 else None
-
+        ck, cv, *kv = snap.state
+        self.conv_state = None if ck is None else (ck, cv)
+        self.kv.restore_snapshot(Snapshot(tuple(kv)))
 
 
 class StaticConvKV:

@@ -62,14 +62,17 @@ class KVKind(LayerCache):
         return PrefillCache(buffers, index, self.window, ring, wraps, chunk=self.chunk)
 
     def snapshot(self) -> Snapshot:
-        return Snapshot((self.offset,) if self.keys is None else (*self.temporal(), self.offset))
+        """(keys, values, offset); new handles ([:]): the cache's in-place
+        writes never reach a snapshot, nor a restored cache's the snapshot."""
+        return Snapshot((self.offset,) if self.keys is None else (*(x[:] for x in self.temporal()), self.offset))
 
     def restore_snapshot(self, snap: Snapshot) -> None:
         if len(snap.state) == 1:
             self.release()
             self.offset = self._idx = self.returned = 0
             return
-        self.restore(*snap.state)
+        k, v, offset = snap.state
+        self.restore(k[:], v[:], offset)
 
     def kept(self):
         return self.temporal()

@@ -137,7 +137,7 @@ class QuantizedKVCache(LayerCache):
             self.release()
             self.offset = 0
             return
-        self.restore(*self.entry(snap.state[:6], [], 0), snap.offset)
+        self.restore(*self.entry([x[:] for x in snap.state[:6]], [], 0), snap.offset)
 
     def can_trim(self, n: int) -> bool:
         return 0 <= n <= self.offset

@@ -22,6 +22,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..masks import CAUSAL, create_sliding_window_prefill_mask
+from .base import Snapshot
 from .full import KVKind
 
 
@@ -129,6 +130,20 @@ class RotatingKVCache(KVKind):
         assert self.returned == expected, (self.returned, expected)
         self.last = (k, v, prev)
         return k, v
+
+    def snapshot(self) -> Snapshot:
+        """The ring as it is (its slots and write position), so a restored
+        cache returns its keys in the same order, bit for bit."""
+        if self.keys is None:
+            return super().snapshot()
+        return Snapshot((self.keys[:], self.values[:], self._idx, self.offset))
+
+    def restore_snapshot(self, snap: Snapshot) -> None:
+        if len(snap.state) == 1:
+            return super().restore_snapshot(snap)
+        k, v, self._idx, self.offset = snap.state
+        self.keys, self.values = k[:], v[:]
+        self.returned, self.last = 0, None
 
     def can_trim(self, n: int) -> bool:
         """While it holds every position seen (in temporal order, nothing
