@@ -27,7 +27,7 @@ TP). Adding a kind: one module here (a `LayerCache` subclass answering the
 three forms), exported below, plus the model that makes it.
 """
 
-from .base import CHUNKED, FULL, LAYER_KINDS, LINEAR, RECURRENT, SLIDING, LayerCache, Snapshot
+from .base import CHUNKED, FULL, LAYER_KINDS, LINEAR, RECURRENT, SLIDING, EveryKeyHeld, LayerCache, Snapshot
 from .chunked import ChunkedKVCache
 from .conv import ConvKVCache, StaticConvKV
 from .deltanet import DeltaNetCache
@@ -44,7 +44,7 @@ from .sliding import RotatingKVCache
 from .state import StateCache, StaticState
 
 __all__ = [
-    "CHUNKED", "FULL", "LAYER_KINDS", "LINEAR", "RECURRENT", "SLIDING", "LayerCache", "Snapshot",
+    "CHUNKED", "FULL", "LAYER_KINDS", "LINEAR", "RECURRENT", "SLIDING", "EveryKeyHeld", "LayerCache", "Snapshot",
     "ChunkedKVCache", "ConvKVCache", "StaticConvKV", "DeltaNetCache", "KVCache", "KVKind", "PrefillCache",
     "RowCache", "StaticCache", "ring_slots", "LatentCache", "layer_masks", "make_layer_caches", "KV_BITS",
     "KV_GROUP_SIZES", "KVOptions", "check_kv_options", "kv_caches", "PrefixViewCache", "QuantizedKV",

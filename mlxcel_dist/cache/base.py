@@ -140,3 +140,18 @@ class LayerCache:
     def entry(self, held: list, states: list, offset: int):
         """Its prompt-cache entry from a row's arrays (`held()`'s form) of `offset` tokens."""
         return None
+
+
+class EveryKeyHeld(LayerCache):
+    """A kind that holds every position it has seen (full keys, quantized or
+    not): its last n tokens drop by moving `offset` back (the next update
+    writes over them)."""
+
+    def can_trim(self, n: int) -> bool:
+        return 0 <= n <= self.offset
+
+    def trim(self, n: int) -> None:
+        if not self.can_trim(n):
+            super().trim(n)
+        self.offset -= n
+        self.returned, self.last = self.offset, None

@@ -25,7 +25,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..masks import CAUSAL, create_rows_mask
-from .base import LayerCache, Snapshot
+from .base import EveryKeyHeld, LayerCache, Snapshot
 
 
 def ring_slots(start: int, n: int, size: int):
@@ -98,8 +98,8 @@ class KVKind(LayerCache):
         return [self.keys, self.values]
 
 
-class KVCache(KVKind):
-    """A full-attention layer's keys/values: every key returned."""
+class KVCache(EveryKeyHeld, KVKind):
+    """A full-attention layer's keys/values: every key returned (and trimmable)."""
 
     step = 256  # grow the buffer in steps so decode does not copy every token
 
@@ -143,16 +143,6 @@ class KVCache(KVKind):
         """The keys and values held, in position order (what the static
         buffers take)."""
         return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
-
-    def can_trim(self, n: int) -> bool:
-        return 0 <= n <= self.offset
-
-    def trim(self, n: int) -> None:
-        """Every key is held: the next update writes over the last n."""
-        if not self.can_trim(n):
-            super().trim(n)
-        self.offset -= n
-        self.returned, self.last = self.offset, None
 
 
 class StaticCache(LayerCache):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..masks import CAUSAL
-from .base import LayerCache, Snapshot
+from .base import EveryKeyHeld, Snapshot
 from .full import PrefillCache, RowCache, StaticCache
 
 
@@ -48,7 +48,7 @@ class QuantizedKV:
         return mx.dequantize(*self.parts, group_size=self.group_size, bits=self.bits)
 
 
-class QuantizedKVCache(LayerCache):
+class QuantizedKVCache(EveryKeyHeld):
     """A full-attention layer's KV held quantized (mlx-lm's QuantizedKVCache:
     `--kv-bits`, `--kv-group-size`): each update quantizes the new keys and
     values and returns the whole cache as `QuantizedKV`s, which attention
@@ -138,15 +138,6 @@ class QuantizedKVCache(LayerCache):
             self.offset = 0
             return
         self.restore(*self.entry([x[:] for x in snap.state[:6]], [], 0), snap.offset)
-
-    def can_trim(self, n: int) -> bool:
-        return 0 <= n <= self.offset
-
-    def trim(self, n: int) -> None:
-        if not self.can_trim(n):
-            super().trim(n)
-        self.offset -= n
-        self.last = None
 
     def kept(self):
         return self.temporal()
