@@ -21,7 +21,7 @@ class ChunkedKVCache(RotatingKVCache):
     """A chunked-attention layer's cache (see the module docstring): every
     update returns the last min(offset, chunk - 1) earlier keys plus the new
     ones, oldest first (a decode step too: no ring, so the mask knows each
-    key's position); decode.py's static buffers make it a ring of `chunk`."""
+    key's position); its static form (full.py's) is a ring of `chunk`."""
 
     def __init__(self, chunk: int):
         super().__init__(chunk)
