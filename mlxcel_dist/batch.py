@@ -90,13 +90,12 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
-from .cache import QuantizedKV, SharedKVCache
+from .cache import QuantizedKV, QuantizedRowCache, RowCache, SharedKVCache
 from .collectives import CollectiveError
 from . import decode
 from .decode import (QuantizedStaticCache, SplitSegments, StaticCache, StaticConvKV, StaticState, _round_up,
-                     held_arrays, quantize_kv, ring_slots, splittable, static_kind)
+                     held_arrays, ring_slots, splittable, static_kind)
 from .engine import DEFAULT_PREFILL_STEP, check_tokens, vocab_size
-from .masks import create_rows_mask
 from .prefill import Admission, Alone, Budget, Prefills, Request, Together, _read_row, _write_row, pad_groups
 from .prompt_cache import PromptCache, Snapshot
 from .sampling import NEG_INF, Sampler, SamplingParams, allowed_from_bits, read_logprobs, token_logprobs
@@ -114,78 +113,6 @@ CPU_STEP = 64
 def slot_step() -> int:
     """Slots a buffer grows by: decode.STEP, at most CPU_STEP on the CPU."""
     return min(CPU_STEP, decode.STEP) if mx.default_device() == mx.cpu else decode.STEP
-
-
-class RowCache(StaticCache):
-    """One layer's view of the batch buffers: decode.StaticCache with `pos`
-    (`offset`) the per-row positions [C], so its mask and writes are per row.
-    `rows` (a, b): the view of a micro-batch, rows [a, b) only."""
-
-    def __init__(self, state, index: int, window: int | None, rows=None, chunk: int | None = None,
-                 margin: int = 0):
-        super().__init__(state, index, window, chunk, margin)
-        self.rows = rows
-
-    @property
-    def offset(self) -> mx.array:
-        pos = self.buffers["pos"]
-        return pos if self.rows is None else pos[self.rows[0] : self.rows[1]]
-
-    def mask(self, L: int) -> mx.array:
-        """[rows, 1, 1, S]: row b sees the slots it has written (chunked: its chunk's).
-        With a margin (drafts, batch_spec.py): [rows, 1, L, S] by each slot's position
-        (`StaticCache.position_mask`'s rule per row), for blocks of L tokens a row."""
-        if self.margin:
-            pos, S = self.offset, self.size
-            last = (pos + (L - 1)).reshape(-1, 1)
-            kp = last - mx.remainder(last - mx.arange(S)[None], S)  # [rows, S]: the position slot j holds
-            return create_rows_mask(L, pos, kp, None if self.chunk else self.window, self.chunk)
-        assert L == 1, "batch rows take one token per step"
-        last = self.last_slot(self.offset)
-        return (mx.arange(self.size)[None, :] <= last[:, None])[:, None, None, :]
-
-    def update_and_fetch(self, keys: mx.array, values: mx.array):
-        k, v = self._write([keys, values])
-        self.last = (k, v, self.offset)
-        return k, v
-
-    def _write(self, xs: list) -> list:
-        """Each row's new token (xs: one array per buffer of `names`) into its
-        slot; the buffers (this view's rows)."""
-        b = self.buffers
-        pos = b["pos"]
-        C, L = pos.shape[0], xs[0].shape[2]
-        slot = self.slot(pos.reshape(C, 1) + mx.arange(L)) if L > 1 else self.slot(pos)  # a block: L slots a row
-        out = []
-        for name, x in zip(self.names, xs):
-            idx = mx.broadcast_to(slot.reshape(C, 1, L, 1), (C, x.shape[1], L, x.shape[3]))
-            if self.rows is not None:
-                # a micro-batch writes its rows; the others' slots get their own values back
-                # (one gathered slot per row), so the write stays one in-place scatter
-                a, e = self.rows
-                old = mx.take_along_axis(b[name], idx, axis=2)
-                x = mx.concatenate([old[:a], x, old[e:]])
-            b[name] = mx.put_along_axis(b[name], idx, x, axis=2)
-            out.append(b[name] if self.rows is None else b[name][self.rows[0] : self.rows[1]])
-        return out
-
-
-class QuantizedRowCache(RowCache):
-    """A --kv-bits layer's rows (decode.QuantizedStaticCache's buffers, `pos`
-    per row): each row's new token quantized into its slot; attention gets
-    `QuantizedKV`s of the whole buffers under RowCache's per-row mask."""
-
-    names = QuantizedStaticCache.names
-
-    def __init__(self, state, index: int, bits: int, group_size: int, rows=None, margin: int = 0):
-        super().__init__(state, index, None, rows, margin=margin)
-        self.bits, self.group_size = bits, group_size
-
-    def update_and_fetch(self, keys: mx.array, values: mx.array):
-        k, v = QuantizedKV.pair(self._write(quantize_kv(keys, values, self.bits, self.group_size)),
-                                self.bits, self.group_size)
-        self.last = (k, v, self.offset)
-        return k, v
 
 
 @dataclass(frozen=True)

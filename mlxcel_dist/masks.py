@@ -37,7 +37,7 @@ as each query's own key is among the slots (it is written before attention).
 
 `cache.layer_masks` (what models call once per forward) asks each attention
 kind's cache for its mask (the caches own which builder applies, so it lives
-with them in cache.py; this module imports nothing of ours). The builders
+with them in the cache package; this module imports nothing of ours). The builders
 return the string ``"causal"`` instead of an array whenever the mask would be
 plain causal (a global layer, or a sliding layer whose keys all lie within
 the window): the fused attention kernel then applies it without reading a

@@ -5,7 +5,7 @@ prompt (the engine's prefill scheduling; batch.py owns the rows).
 An admitted request becomes a job in `Prefills`' queue: `Alone` (one prompt
 through the model's own caches, chunk by chunk, exact as `generate`) or
 `Together` (several prompts in one forward per chunk over [B, chunk] in
-`PrefillCache` buffers, each row at its own offset; a shorter prompt's chunk
+`cache.PrefillCache` buffers, each row at its own offset; a shorter prompt's chunk
 padded after its end, its pad keys masked from its real queries). Each
 engine step gives the queue its prompt tokens (`Budget`, from what the
 decoding rows take): the oldest job runs first, a job's forward takes at most what is left, and a job whose
@@ -39,9 +39,7 @@ from typing import NamedTuple
 import mlx.core as mx
 import numpy as np
 
-from .cache import LayerCache, QuantizedKV, SharedKVCache
-from .decode import QuantizedStaticCache, StaticCache, held_arrays, quantize_kv, ring_slots
-from .masks import create_rows_mask
+from .cache import ring_slots
 from .pipeline import outstanding_sends
 from .sampling import SamplingParams
 
@@ -164,69 +162,6 @@ def pad_groups(admits: list, step: int) -> list:
     return groups
 
 
-class PrefillCache(LayerCache):
-    """One layer's keys/values of B prompts prefilled together: [B, H, R, D],
-    row b's position p in slot p % R (R: the window plus a chunk on a sliding
-    layer, so a chunk never overwrites a key its queries see; the longest
-    prompt plus a chunk on a full layer, so slot = position). `offset` is the
-    chunk's first position per row ([B], for RoPE); the mask comes from each
-    slot's position after this chunk's writes (masks.create_rows_mask)."""
-
-    static_kv = True
-    names = StaticCache.names
-
-    def __init__(self, buffers: dict, index: int, window: int | None, ring: int, wraps: bool, chunk=None):
-        self.buffers, self.index, self.window, self.ring, self.wraps = buffers, index, window, ring, wraps
-        self.chunk = chunk  # a chunked layer: its window is the chunk, the mask the chunk rule
-
-    @property
-    def offset(self) -> mx.array:
-        return self.buffers["offsets"]
-
-    def mask(self, L: int) -> mx.array:
-        if not self.wraps:  # slot = position: the slots up to this chunk's last end
-            pos = mx.arange(self.buffers["upto"])
-        else:  # slot k: the latest position = k (mod R) before the row's chunk end (pads included); < 0: empty
-            end = self.buffers["end"].reshape(-1, 1)
-            pos = end - 1 - (end - 1 - mx.arange(self.ring)[None]) % self.ring
-        if self.chunk:
-            return create_rows_mask(L, self.buffers["offsets"], pos, chunk=self.chunk)
-        return create_rows_mask(L, self.buffers["offsets"], pos, self.window)
-
-    def update_and_fetch(self, keys: mx.array, values: mx.array):
-        k, v = self._write([keys, values])
-        self.last = (k, v, self.buffers["offsets"])
-        return k, v
-
-    def _write(self, xs: list) -> list:
-        """The chunk's tokens (one array per buffer of `names`) into their
-        slots; the buffers (without a ring: the slots written so far)."""
-        b = self.buffers
-        B, H, L = xs[0].shape[:3]
-        slots = ((b["offsets"].reshape(B, 1) + mx.arange(L)) % self.ring).reshape(B, 1, L, 1)
-        for name, x in zip(self.names, xs):
-            b[name] = mx.put_along_axis(b[name], mx.broadcast_to(slots, (B, H, L, x.shape[3])), x, axis=2)
-        # no ring: attention over the keys written so far, not the whole buffer
-        return [b[n] if self.wraps else b[n][:, :, : b["upto"]] for n in self.names]
-
-
-class QuantizedPrefillCache(PrefillCache):
-    """PrefillCache for a --kv-bits layer: the chunk's keys/values quantized
-    into the six buffers of decode.QuantizedStaticCache's layout."""
-
-    names = QuantizedStaticCache.names
-
-    def __init__(self, buffers: dict, index: int, ring: int, wraps: bool, bits: int, group_size: int):
-        super().__init__(buffers, index, None, ring, wraps)
-        self.bits, self.group_size = bits, group_size
-
-    def update_and_fetch(self, keys: mx.array, values: mx.array):
-        k, v = QuantizedKV.pair(self._write(quantize_kv(keys, values, self.bits, self.group_size)),
-                                self.bits, self.group_size)
-        self.last = (k, v, self.buffers["offsets"])
-        return k, v
-
-
 def _read_row(buf: mx.array, b: int, slots) -> mx.array:
     """buf[b, :, slots, :] as [1, H, n, D] (a view when `slots` is a slice)."""
     return buf[b : b + 1][:, :, slots, :]
@@ -299,8 +234,8 @@ class Together:
         self.offs = [a.start for a in self.admits]
         T = max(a.last for a in self.admits) + L  # slots written, pads included, at most
         layout = engine.layout  # batch.LayerRows per layer (only KV kinds prefill together)
-        self.rings = [None if lay.kind == "shared" else (T if lay.window is None else min(lay.window + L, T))
-                      for lay in layout]
+        self.rings = [None if not lay.kv else (T if lay.window is None else min(lay.window + L, T))
+                      for lay in layout]  # (None: a layer that reads another's)
         B = len(self.admits)
         self.bufs = bufs = {"offsets": None, "end": None, "upto": 0}
         self.kv = [name for lay, R in zip(layout, self.rings) if R is not None for name in lay.kv]
@@ -312,19 +247,14 @@ class Together:
             for lay, R, c in zip(layout, self.rings, a.cache or ()):
                 if R is None:
                     continue
-                held, _ = held_arrays(c, lay.kind)
+                held, _ = c.held()
                 slots = ring_slots(a.start - held[0].shape[2], held[0].shape[2], R)
                 for name, x in zip(lay.kv, held):
                     _write_row(bufs[name], b, slots, x)
                 c.release()
-        self.views = []
-        for i, (lay, R) in enumerate(zip(layout, self.rings)):
-            if R is None:
-                self.views.append(SharedKVCache(self.views[lay.reads], lay.reads))
-            elif lay.kind == "quantized":
-                self.views.append(QuantizedPrefillCache(bufs, i, R, R < T, *lay.quant))
-            else:
-                self.views.append(PrefillCache(bufs, i, lay.window, R, wraps=R < T, chunk=lay.chunk))
+        self.views = []  # each layer's kind makes its view (cache.PrefillCache, ...)
+        for i, (c, R) in enumerate(zip(engine.model.make_cache(), self.rings)):
+            self.views.append(c.prefill_view(bufs, i, R, R is not None and R < T, self.views))
 
     def left(self) -> int:
         return sum(a.last - o for a, o in zip(self.admits, self.offs))

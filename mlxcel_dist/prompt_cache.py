@@ -10,11 +10,11 @@ only ever reused whole, as the prefix it is). Layers that read another
 layer's KV (SharedKVCache) store nothing. Lookup takes the longest entry
 that is a proper prefix of the new prompt (at least one token is left to
 feed). Entries are evicted least recently used first, beyond `max_entries`
-or `max_bytes`. A layer whose cache is a state rather than keys (a
-`snapshot()`-able cache: DeltaNetCache, RecurrentCache) keeps a snapshot of
-its state after exactly `tokens` (`Snapshot`), restored as it was, so such an
-entry is only ever reused whole; baichuan_m1 (its conv state rides on its KV
-layers) is not cached. A --kv-bits
+or `max_bytes`. What a layer keeps is its cache kind's answer (`cacheable`,
+`kept()`, `restore_kept()`; a row's: `entry()`): keys/values, or for a state
+(DeltaNetCache, RecurrentCache) a `cache.Snapshot` of its state after exactly
+`tokens`, restored as it was, so such an entry is only ever reused whole;
+baichuan_m1 (its conv state rides on its KV layers) is not cached. A --kv-bits
 layer keeps its quantized keys/values (`cache.QuantizedKV`s, sliced alike).
 
 Under TP every rank keeps its own cache of its own shards; the ranks make
@@ -27,24 +27,14 @@ from collections import OrderedDict
 
 import mlx.core as mx
 
-from .cache import QuantizedKV
+from .cache import QuantizedKV, Snapshot  # (Snapshot: batch.py's entries)
 
 DEFAULT_MAX_ENTRIES = 10  # mlx-lm's --prompt-cache-size default
 DEFAULT_MAX_BYTES = 2**63  # mlx-lm's --prompt-cache-bytes default: no limit
 
 
-class Snapshot:
-    """A state cache's snapshot (`LayerCache.snapshot()`: arrays and offset)."""
-
-    def __init__(self, state: tuple):
-        self.state = state
-
-    @property
-    def arrays(self) -> list:
-        return [x for x in self.state if isinstance(x, mx.array)]
-
-
 def _arrays(kv) -> list:
+    """An entry's arrays (a Snapshot's, or its keys' and values' parts)."""
     if isinstance(kv, Snapshot):
         return kv.arrays
     return [y for x in kv for y in (x.parts if isinstance(x, QuantizedKV) else (x,))]
@@ -60,7 +50,7 @@ class PromptCache:
 
     @staticmethod
     def cacheable(cache) -> bool:
-        return bool(cache) and all(_keys(c) or hasattr(c, "snapshot") for c in cache)
+        return bool(cache) and all(c.cacheable for c in cache)
 
     def store(self, tokens, cache) -> None:
         """Keep `cache`'s keys/values (a state cache's snapshot) of exactly
@@ -68,8 +58,7 @@ class PromptCache:
         e.g. a step in flight, cannot be cut back: nothing is kept)."""
         if not self.cacheable(cache) or any(c.reads_layer is None and c.offset != len(tokens) for c in cache):
             return
-        layers = [None if c.reads_layer is not None else c.temporal() if _keys(c) else Snapshot(c.snapshot())
-                  for c in cache]
+        layers = [c.kept() for c in cache]
         self.store_layers(tokens, layers, [c.window for c in cache])
 
     def store_layers(self, tokens, layers: list, windows: list) -> None:
@@ -131,16 +120,8 @@ class PromptCache:
         layers, _ = self.entries[best]
         cache = make_cache()
         for c, kv in zip(cache, layers):
-            if isinstance(kv, Snapshot):
-                c.restore_snapshot(kv.state)  # whole entries only (not trimmable): the state after best_k tokens
-            elif kv is not None:
-                c.restore(kv[0][..., :best_k, :], kv[1][..., :best_k, :], best_k)
+            c.restore_kept(kv, best_k)  # a state's: whole entries only (not trimmable), after best_k tokens
         return best_k, cache
-
-
-def _keys(c) -> bool:
-    """A cache of keys/values (float, or --kv-bits' QuantizedKVs) rather than a state."""
-    return c.static_kv or getattr(c, "static_quantized", False)
 
 
 def _common(a: tuple, b: tuple, limit: int) -> int:

@@ -16,8 +16,9 @@ Hidden states [B, L, hidden]. Multi-head latent attention (MLA) per layer:
   0.1 * mscale_all_dim * ln(factor) + 1 for a non-default RoPE with
   `mscale_all_dim` (transformers' yarn_apply_mscale); yarn's own
   attention factor mscale/mscale_all_dim scales cos and sin (rope.py).
-What the cache keeps (`LATENT_CACHE`, both plain KVCaches that decode.py's
-static buffers and the batch engine take as they are):
+What the cache keeps (`LATENT_CACHE`: a cache.LatentCache, cache/latent.py,
+or a plain KVCache; the static buffers and the batch engine take both as
+they are):
 - per-head: K = [k_nope, k_pe] [B, H, S, qk_nope + qk_rope] and
   V [B, H, S, v_head_dim], H * (nope + rope + v) values per token and layer
   (this rank's heads under TP), attention as the reference computes it;
@@ -100,6 +101,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..attention import causal_attention
+from ..cache import KVCache, LatentCache
 from ..blocks import MLP, PreNormBlock
 from ..collectives import SINGLE
 from ..errors import UserError
@@ -556,6 +558,10 @@ class Model(CausalLM):
 
     def __init__(self, args: ModelArgs):
         super().__init__(args, DeepseekV3Model(args))
+
+    def make_cache(self):
+        """One cache per layer this rank runs: a LatentCache where the layer keeps the latent."""
+        return [LatentCache() if layer.self_attn.latent_cache else KVCache() for layer in self.layers]
 
     def describe_layers(self) -> list[str]:
         a = self.args
