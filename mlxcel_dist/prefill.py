@@ -298,7 +298,7 @@ class Together:
         self.L = L  # the longest chunk a row takes (rings are sized for it)
         self.offs = [a.start for a in self.admits]
         T = max(a.last for a in self.admits) + L  # slots written, pads included, at most
-        layout = engine.layout  # batch.LayerRows per layer (only KV kinds prefill together)
+        layout = engine.layout  # batch_rows.LayerRows per layer (only KV kinds prefill together)
         self.rings = [None if lay.kind == "shared" else (T if lay.window is None else min(lay.window + L, T))
                       for lay in layout]
         B = len(self.admits)
