@@ -105,17 +105,12 @@ def logprobs(choices: list, xs: list, ids: list, pending: list | None = None, ma
 
 
 def grammar_masks(choices: list) -> list | None:
-    """The constrained rows' masks now, from one llguidance call (None a row
-    without a grammar; None: no row has one)."""
-    held = [b for b, c in enumerate(choices) if c.row.grammar is not None]
-    if not held:
+    """The constrained rows' masks now, in line (each row's `Matcher.mask()`;
+    None a row without a grammar; None: no row has one). A pipelined step's
+    are computed ahead instead (batch_step: `Vocab.masks_ahead`)."""
+    if all(c.row.grammar is None for c in choices):
         return None
-    grammars = [choices[b].row.grammar for b in held]
-    bits = mx.array(grammars[0].vocab.masks(grammars))
-    masks = [None] * len(choices)
-    for j, b in enumerate(held):
-        masks[b] = bits[j]
-    return masks
+    return [None if c.row.grammar is None else mx.array(c.row.grammar.mask()) for c in choices]
 
 
 def verify(choices: list, logits: mx.array, drafts: mx.array, qs: list, ks: list) -> tuple[list, dict]:
