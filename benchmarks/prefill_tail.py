@@ -52,7 +52,7 @@ def ours_stages(model, engine, prompt) -> dict:
     out["start"] = _lap(t)
     row, y = engine.rows[0], None
     for name, tok in (("first step", mx.array([prompt[last]], mx.int32)), ("second step", None)):
-        x = engine._forward_rows(tok if tok is not None else y.reshape(1))[1][0]
+        x = engine.steps.forward_rows(tok if tok is not None else y.reshape(1))[1][0]
         row.pos += 1
         y = mx.argmax(x.reshape(-1)).astype(mx.int32)
         mx.eval(y)

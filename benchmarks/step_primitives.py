@@ -244,7 +244,7 @@ def count_ours(cfg, weights_dtype, P, split, unfused=False):
     gpt_oss.native_gather_mm = lambda x: True  # what the GPU runs (CPU: an fp32 detour)
     try:
         with (unfused_projections() if unfused else contextlib.nullcontext()), FastStandIns().active() as fs:
-            out = e._forward_rows(mx.array([1], mx.int32))[1][0]
+            out = e.steps.forward_rows(mx.array([1], mx.int32))[1][0]
             return count_graph([out, *e.buffers.values()], fs.tally), e.splits(1)
     finally:
         gpt_oss.native_gather_mm = gpt_oss_native

@@ -1,14 +1,11 @@
 """Batched decoding: many sequences, each at its own position, one forward
-per step (what `serve` runs for concurrent requests).
-
-Layout. Every layer's keys/values live in static buffers [C, kv_heads, S, D]
-shared by the batch: row b holds one sequence, `pos[b]` (int32 [C]) is the
-position of the token row b feeds in this step. As in decode.py (whose
-single-sequence steps this generalises), a full layer writes slot `pos[b]`
-and a sliding layer slot `pos[b] % S` of a buffer that grows to exactly the
-window and is then a ring; the mask of row b is `arange(S) <= pos[b]`
-([C, 1, 1, S]), RoPE takes the per-row offsets `pos`. Rows are written with
-one scatter per layer (`mx.put_along_axis`), so rows never see each other.
+per step (what `serve` runs for concurrent requests; generate's one request
+is row 0). `BatchEngine` is the facade over three parts: the prefill queue
+(prefill.py: the prompts on their way in), the rows' static buffers
+(batch_rows.RowBuffers, `store`: layout, per-row slots, views) and the
+device step (batch_step.Steps, `steps`: launch, draw, read, pipelined);
+how each row's ids are drawn is choice.py's, for plain steps and draft
+rounds alike.
 
 Rows. A request's prompt (all but its last token, less a prompt-cache
 prefix) is prefilled, then its keys/values move into a free row (the last
@@ -18,43 +15,18 @@ time beside the decoding rows (or at once without a budget), prompts
 admitted together in one forward per chunk where their padding stays
 small (`PrefillCache` buffers, per-row offsets and masks), a lone one
 through the model's own caches (chunked, exact as `generate`), as are all
-of a model that cannot batch. `C` (the buffer's row count) is a
-power of two that covers the active rows: a step over 3 sequences computes 4
-rows, and a finished row is filled by moving the last one into it, so the
-active rows are always [0, n). Each step is one `mx.compile`d graph per
-(C, S), reused as rows come and go.
-
-Steps are pipelined as engine.TokenGenerator's: `step` launches step n+1
-(`mx.async_eval`) with step n's lazy ids [n] as its input tokens before the
-host reads them, so one step is in flight between calls. A row removed
-between calls has already been fed its last read id by that step: the K/V
-it writes (exact: the id is real) goes into the prompt cache with the row;
-the id it samples for the row is never read. Rows added or removed only
-change where the next launch takes each row's input
-(the unread id, gathered into the new row order, or a host token) and `pos`.
-Each row's sampler counts its unread id as context (`Sampler.sample(...,
-pending=)`), so the ids are those of unpipelined steps. No step is launched
-once every row has had its `budget` (the caller's max_tokens) launched: a
-lone request's last id leaves nothing running behind it.
-
-Constrained rows (a `grammar.Matcher` per row: response_format, forced tool
-calls) need their last id on the host before their next draw: the mask
-depends on it. `launch` still builds and starts the forward for every row
-from the lazy ids; a constrained row whose last id is unread keeps only its
-logits (`_Flight.deferred`); right after `collect` has read that id and
-advanced the row's matcher, `_finish` starts the masks on the vocabulary's
-worker thread (grammar.Vocab.masks_ahead), and `_draw` draws those rows
-when their ids are next needed (the next `launch` or `collect`). So the
-masks are computed while the device runs the forward and the caller does
-its own host work, and only the small draw of those rows waits for them. Every rank computes the same
-masks from the same ids (no collective). Micro-batched steps are skipped
-while a constrained row is in the batch.
+of a model that cannot batch (a cache with a state: a padded chunk would
+feed its pads into it). A prompt given several times (serve's n > 1) is
+prefilled once and its copies forked from its row (`_fork`). Only a cache
+with no static form steps row by row on its own caches (`eager_cache`).
 
 Drafts (serve --draft-model / --prompt-lookup): with `spec` (a
 batch_spec.BatchDrafts) every step is its round for all rows, through
 `feed` (L ids a row at host positions; rings of window + margin slots and
 masks by slot position, so a row's rejected positions are rolled back by
-its position alone); those steps are not pipelined.
+its position alone); those steps are not pipelined. batch_spec.py uses the
+engine's public calls only (`rows`, `feed`, `plain_step`, `collect`,
+`launch`, `more`, `in_flight`, `took`, `draftable`).
 
 Exactness: each row is computed by the same operations as a lone sequence
 (the matmuls batch rows; a row's values do not depend on the others), so
@@ -63,20 +35,9 @@ greedy text is the same alone or batched, prefilled alone or together
 key axis longer than a row's need not round bit for bit as the lone one;
 tests/test_kv.py the --kv-bits rows).
 
-Every cache kind has its rows in the buffers (decode.static_kind): a
---kv-bits layer holds decode.QuantizedStaticCache's six buffers [C, H, S, .]
-(`QuantizedRowCache`: each row's token quantized into its slot, attention
-through mx.quantized_matmul under the per-row mask; `QuantizedPrefillCache`
-for prompts prefilled together), a state layer (RG-LRU, conv, DeltaNet) its
-state arrays as [C, ...] buffers "s{i}.{j}" (decode.StaticState: the step
-replaces every row's in the graph; Baichuan-M1's conv state beside its KV,
-decode.StaticConvKV). A row's state is its slice: admission writes the
-prefilled state into the row (zeros when nothing was prefilled), `remove`
-moves the last row's into it, `_fork` copies it, `_keep` hands the prompt
-cache its Snapshot (DeltaNet; RG-LRU and conv state are not kept). Models
-with a state prefill each prompt alone through their own caches (a padded
-chunk would feed its pads into the state). Only a cache with no static form
-steps row by row on its own caches (`eager_cache`).
+`row_view` picks one layer's view of the buffers by its kind (the row
+caches themselves, `RowCache`, `QuantizedRowCache`, live with their kinds in
+cache/); batch_rows.RowBuffers takes it as given.
 
 Under TP every rank runs the same steps on the same rows (the scheduler on
 rank 0 decides, serve.protocol shares its decisions): the collectives are per
@@ -85,20 +46,18 @@ step, not per sequence.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import mlx.core as mx
 import numpy as np
 
-from .cache import QuantizedKV, QuantizedRowCache, RowCache, SharedKVCache
+from .batch_rows import Row, RowBuffers
+from .batch_step import Steps
+from .cache import QuantizedRowCache, RowCache, SharedKVCache
 from .collectives import CollectiveError
 from . import decode
-from .decode import (QuantizedStaticCache, SplitSegments, StaticCache, StaticConvKV, StaticState, _round_up,
-                     held_arrays, ring_slots, splittable, static_kind)
+from .decode import StaticConvKV, StaticState, held_arrays, static_kind
 from .engine import DEFAULT_PREFILL_STEP, check_tokens, vocab_size
-from .prefill import Admission, Alone, Budget, Prefills, Request, Together, _read_row, _write_row, pad_groups
-from .prompt_cache import PromptCache, Snapshot
-from .sampling import NEG_INF, Sampler, SamplingParams, allowed_from_bits, read_logprobs, token_logprobs
+from .prefill import Admission, Alone, Budget, Prefills, Request, Together, pad_groups
+from .sampling import Sampler, SamplingParams
 
 # Buffer granularity of the batch's static KV, per device. A batch step
 # attends every row over the whole buffer (masked), so slack slots cost
@@ -115,55 +74,18 @@ def slot_step() -> int:
     return min(CPU_STEP, decode.STEP) if mx.default_device() == mx.cpu else decode.STEP
 
 
-@dataclass(frozen=True)
-class LayerRows:
-    """How one layer's rows live in the batch buffers (learned from a
-    prefilled cache, `BatchEngine._learn_layout`)."""
-
-    kind: str  # decode.static_kind: "kv", "quantized", "state", "conv_kv" or "shared"
-    window: int | None = None  # a sliding layer's window (a chunked one's: its chunk)
-    chunk: int | None = None  # chunked attention (llama4): the chunk mask
-    reads: int | None = None  # a shared layer: the layer whose keys/values it reads
-    quant: tuple | None = None  # --kv-bits: (bits, group_size)
-    kv: tuple = ()  # its keys/values buffers' names ([C, H, S, D] each: the slot axis 2)
-    state: tuple = ()  # its state arrays' buffers' names ([C, ...] each)
-
-
-@dataclass(eq=False)
-class Row:
-    """One sequence in the batch."""
-
-    rid: object
-    sampler: Sampler
-    context: list  # prompt + generated ids (the repetition penalty's context)
-    pos: int  # position of the token this row feeds next (counting steps launched, read or not)
-    token: int  # the token it feeds next when no step in flight holds it (read ids, the prompt's last)
-    eager_cache: list | None = None  # models that cannot batch: their own cache
-    generated: list = field(default_factory=list)
-    budget: int | None = None  # ids the caller will read at most (max_tokens): no step launched past it
-    launched: int = 0  # steps launched for it
-    grammar: object = None  # grammar.Matcher (None: unconstrained), advanced with each id read
-    drafts: bool = True  # the request lets drafts be verified for it (batch_spec.py; serve's "speculative")
-
-
-@dataclass(eq=False)
-class _Flight:
-    """A launched step: the rows it fed (buffer order at launch) and their lazy ids [n]
-    (micro-batched: also each micro-batch's ids, `parts`, its rows' and pads')."""
-
-    rows: list
-    ids: mx.array | None  # None until `_finish` has drawn the deferred rows' ids
-    extras: object
-    parts: list | None = None
-    deferred: list | None = None  # (b, logits [V]) of constrained rows drawn once their last id is read
-    logits: mx.array | None = None  # with deferred rows: the step's logits [C, V] (static batch), else None
-    drawn: list | None = None  # the other rows' lazy ids (the deferred rows' slots None)
-    read: mx.array | None = None  # what `collect` reads: ids [n], then the guard's check rows when one is due
-    masks: object = None  # the deferred rows' masks being computed (a Future: grammar.Vocab.masks_ahead)
-
-
-def _plain_greedy(params) -> bool:
-    return params.greedy and params.plain
+def row_view(store, i: int, views: list, rows=None):
+    """Layer i's row cache over `store`'s buffers (a batch_rows.RowBuffers;
+    `views`: the layers before it; `rows` (a, e): a micro-batch's rows only)."""
+    lay, buffers = store.layout[i], store.buffers
+    if lay.kind == "shared":
+        return SharedKVCache(views[lay.reads], lay.reads)
+    if lay.kind == "state":
+        return StaticState(buffers, i, len(lay.state), rows)
+    if lay.kind == "quantized":
+        return QuantizedRowCache(buffers, i, *lay.quant, rows, store.margin)
+    view = RowCache(buffers, i, lay.window, rows, lay.chunk, store.margin)
+    return view if lay.kind == "kv" else StaticConvKV(view, StaticState(buffers, i, 2, rows))
 
 
 class BatchEngine:
@@ -180,43 +102,25 @@ class BatchEngine:
         `pipelined=False`: each step is read before the next is built (the
         reference the pipelined steps are tested against). `micro`: each step's
         rows in that many micro-batches (serve --micro-batches, for pipeline
-        stages: `_launch_micro`). `vocab`: a grammar.Vocab, for requests that
-        come with a grammar's text. `spec`: a batch_spec.BatchDrafts that
-        drafts for the rows and runs every step (`feed` blocks, rollback);
+        stages: batch_step's `_launch_micro`). `vocab`: a grammar.Vocab, for
+        requests that come with a grammar's text. `spec`: a batch_spec.BatchDrafts
+        that drafts for the rows and runs every step (`feed` blocks, rollback);
         `margin`: ring slots past each window for drafted tokens (its K).
         `budget`: a prefill.Budget, the prompt tokens a step computes beside
         its decoding rows (serve; prefill.py); None: `add_many` prefills its
         prompts whole at once."""
         self.model = model
         self.spec = spec
-        self.margin = spec.k if spec is not None else margin
         self.vocab = vocab
         self.prompt_cache = prompt_cache
         self.prefill_step = prefill_step or DEFAULT_PREFILL_STEP
         self.rows: list[Row] = []
-        self.buffers: dict = {}
-        self.views: list = []
+        self.store = RowBuffers(self.rows, row_view, slot_step, spec.k if spec is not None else margin)
         self.static: bool | None = None  # decided at the first add (the cache kinds)
-        self.layout: list[LayerRows] = []  # per layer, learned at the first row
-        self.shapes: dict = {}  # buffer name -> a row's shape (slots: the prefilled cache's)
-        self.dtypes: dict = {}
-        self.stateful = False  # some layer holds a state (prefilled alone: pads would enter it)
-        self._cap = 0
         self.compiled = compiled  # False: the same steps run eagerly (tests' reference; --no-compile)
-        self._compiled = mx.compile(self._forward, inputs=self.buffers, outputs=self.buffers)
-        self._compiled_block = mx.compile(self._forward_block, inputs=self.buffers, outputs=self.buffers)
-        # Pipeline stages (--pp): the rows can go through in micro-batches, one behind the other,
-        # so that each stage works on a different one at once (`_launch_micro`)
         self.micro = micro
-        self._compiled_part = mx.compile(self._forward_part, inputs=self.buffers, outputs=self.buffers)
-        self.traces = 0
-        self.split = None  # whether the model's one-row steps run split (`splits`), decided with the layout
-        self._segments = None
-        self._size = 0
         self.pipelined = pipelined
-        self._flights: list = []  # launched steps not read yet (at most one between `step` calls)
-        self._changed = False  # rows added/removed since the last launch
-        self.extras = []  # step_extras of the step read last
+        self.steps = Steps(self)
         self.want: dict = {}  # rid -> k: that row's logprobs with each id (sampling.token_logprobs)
         self.logprobs: dict = {}  # rid -> (logprob, [(id, logprob), ...]) of the step read last
         self.prefilled = 0  # prompt tokens run through prefill forwards (prompt-cache hits and copies excluded)
@@ -230,6 +134,20 @@ class BatchEngine:
         self.guard = None
         self.on_new_graph = None  # called when a step traced a new graph, before its ids are awaited
 
+    # what the parts hold, as prefill.py, generation.py and tests read it
+    margin = property(lambda self: self.store.margin, lambda self, k: setattr(self.store, "margin", k))
+    buffers = property(lambda self: self.store.buffers)
+    layout = property(lambda self: self.store.layout)
+    shapes = property(lambda self: self.store.shapes)
+    dtypes = property(lambda self: self.store.dtypes)
+    stateful = property(lambda self: self.store.stateful)
+    kinds = property(lambda self: self.store.kinds)
+    windows = property(lambda self: self.store.windows)
+    entry = property(lambda self: self.store.entry)
+    traces = property(lambda self: self.steps.traces)
+    split = property(lambda self: self.steps.split, lambda self, v: setattr(self.steps, "split", v))
+    splits = property(lambda self: self.steps.splits)
+
     # -- rows --------------------------------------------------------------
     def __len__(self) -> int:
         return len(self.rows)
@@ -238,13 +156,6 @@ class BatchEngine:
         """A row, or a request still being prefilled."""
         return (any(r.rid == rid for r in self.rows) or rid in self.prefills
                 or any(rid == c[0] for cs in self._copies.values() for c in cs))
-
-    def _capacity(self) -> int:
-        return self._cap if self.buffers else 0
-
-    def _slots(self) -> int:
-        """The nominal buffer length (full layers'; sliding ones stop at their window)."""
-        return self._size if self.buffers else 0
 
     def add(self, rid, prompt_ids, sampling: SamplingParams | None = None) -> None:
         """Prefill `prompt_ids` (all but the last token), then move its
@@ -281,7 +192,8 @@ class BatchEngine:
                                   echo))
         if todo:
             self._decide(todo[0].prompt[:1])
-        together = [a for a in todo if a.start < a.last and a.echo is None] if self.static and not self.stateful else []
+        together = [a for a in todo if a.start < a.last and a.echo is None] \
+            if self.static and not self.store.stateful else []
         groups = [g for g in pad_groups(together, self.prefill_step) if len(g) > 1]
         grouped = {id(a) for g in groups for a in g}
         jobs = [Alone(self, a) for a in todo if id(a) not in grouped]
@@ -297,7 +209,7 @@ class BatchEngine:
             fresh = self.model.make_cache()
             self.static = bool(fresh) and None not in [static_kind(c) for c in fresh]
             if self.static:
-                self._learn_layout(None, probe)
+                self.store.learn(self.model, None, probe)
 
     @property
     def prefilling(self) -> bool:
@@ -356,16 +268,16 @@ class BatchEngine:
             row.eager_cache = cache
             self._join(row, None)
             return
-        self._reserve(len(self.rows) + 1, a.last + 1)
+        self.store.reserve(len(self.rows) + 1, a.last + 1)
         self._join(row, [None if kind == "shared" or a.last == 0 else held_arrays(c, kind)
-                         for c, kind in zip(cache, self.kinds)])
+                         for c, kind in zip(cache, self.store.kinds)])
         for c in cache:
             c.release()
 
     def place_layers(self, a: Admission, layers: list) -> None:
         """Prompt `a`, prefilled together with others, into a new row: `layers`
-        as `_place` takes them."""
-        self._reserve(len(self.rows) + 1, a.last + 1)
+        as `RowBuffers.write` takes them."""
+        self.store.reserve(len(self.rows) + 1, a.last + 1)
         self._join(self._row(a), layers)
 
     def _row(self, a: Admission) -> Row:
@@ -373,13 +285,14 @@ class BatchEngine:
                    int(a.prompt[a.last]), budget=a.budget, grammar=a.grammar, drafts=a.drafts)
 
     def _join(self, row: Row, layers: list | None) -> None:
-        """A prefilled row joins the batch (before the next launch), then its
-        copies; a request cancelled meanwhile leaves again at once."""
-        if layers is None:
-            self.rows.append(row)
-            self._changed = True
-        else:
-            self._place(row, layers)
+        """A prefilled row joins the batch (before the next launch; `layers`
+        into its buffer row, None: a row on its own caches), then its copies;
+        a request cancelled meanwhile leaves again at once."""
+        self.rows.append(row)
+        self.steps.changed = True
+        if layers is not None:
+            self.store.write(len(self.rows) - 1, row.pos, layers)
+            self.store.sync_pos()
         copies = self._copies.pop(row.rid, ())
         for copy in copies:
             self._fork(row.rid, *copy)
@@ -390,27 +303,6 @@ class BatchEngine:
             if rid in self.prefills.cancelled and rid in self:
                 self.prefills.cancelled.discard(rid)
                 self.remove(rid)
-
-    def _place(self, row: "Row", layers: list) -> None:
-        """Append `row`, per layer (its keys/values in `names` order, [1, H, n, .]
-        of positions up to row.pos, oldest first; its state arrays [1, ...])
-        moved into its batch row (buffers already reserved); None: nothing
-        held (a state starts at zeros)."""
-        b, last = len(self.rows), row.pos
-        self.rows.append(row)
-        self._changed = True
-        for lay, x in zip(self.layout, layers):
-            held, states = x or ([], [None] * len(lay.state))
-            if held:
-                S = self.buffers[lay.kv[0]].shape[2]  # this layer's (a sliding one stops at its window)
-                n = min(held[0].shape[2], S)
-                slots = ring_slots(last - n, n, S)
-                for name, a in zip(lay.kv, held):
-                    _write_row(self.buffers[name], b, slots, a[..., a.shape[2] - n :, :])
-            for name, a in zip(lay.state, states):
-                buf = self.buffers[name]
-                buf[b : b + 1] = mx.zeros_like(buf[:1]) if a is None else a
-        self._sync_pos()
 
     def _fork(self, src, rid, sampling, budget, grammar=None, drafts=True) -> None:
         """A new row `rid` holding row `src`'s prompt (its keys/values copied,
@@ -423,26 +315,20 @@ class BatchEngine:
             self.prefills.jobs.append(Alone(self, Admission(rid, prompt, len(prompt) - 1, sampling, 0, None, budget,
                                                             grammar, drafts)))
             return
-        self._reserve(len(self.rows) + 1, r.pos + 1)
-        new = len(self.rows)
-        for name in list(self.buffers):
-            if name == "pos":
-                continue
-            buf = self.buffers[name]
-            buf[new : new + 1] = buf[b : b + 1]
-            self.buffers[name] = buf
+        self.store.reserve(len(self.rows) + 1, r.pos + 1)
+        self.store.copy(b, len(self.rows))
         self.rows.append(Row(rid, Sampler(sampling or SamplingParams(), len(r.context)), list(r.context), r.pos,
                              r.token, budget=budget, grammar=grammar, drafts=drafts))
-        self._changed = True
-        self._sync_pos()
+        self.steps.changed = True
+        self.store.sync_pos()
 
     def warmup(self, max_rows: int, token: int = 0) -> list:
         """Trace and compile the step for every row capacity a batch of up to
-        `max_rows` rows takes (1, 2, 4, ...: `_reserve`'s powers of two), at
-        the first buffer size, with throwaway rows fed `token`; the engine is
-        left empty, the prompt cache untouched. mx.compile keeps every trace,
-        so the first requests that bring a batch to a new size do not pay for
-        it (on the H200, 0.2-6 s per capacity for a 12B model once MLX's
+        `max_rows` rows takes (1, 2, 4, ...: `RowBuffers.reserve`'s powers of
+        two), at the first buffer size, with throwaway rows fed `token`; the
+        engine is left empty, the prompt cache untouched. mx.compile keeps every
+        trace, so the first requests that bring a batch to a new size do not pay
+        for it (on the H200, 0.2-6 s per capacity for a 12B model once MLX's
         kernels are cached on disk). serve's --warmup, off by default: on MLX
         0.32 CUDA steady decode after it was slower in 13 of 15 runs on two
         H200 hosts (docs/benchmarks.md; cause not found). Models whose rows
@@ -490,21 +376,16 @@ class BatchEngine:
             self._keep(b)
         last = len(self.rows) - 1
         if self.static and b != last:
-            for name in list(self.buffers):
-                if name == "pos":
-                    continue
-                buf = self.buffers[name]
-                buf[b : b + 1] = buf[last : last + 1]
-                self.buffers[name] = buf
+            self.store.copy(last, b)
         self.rows[b] = self.rows[last]
         self.rows.pop()
-        self._changed = True
+        self.steps.changed = True
         if not self.rows:
-            self._flights.clear()  # its work runs on, unread
+            self.steps.flights.clear()  # its work runs on, unread
         if self.static:
-            self._sync_pos()
+            self.store.sync_pos()
             if not self.rows:
-                self.release()
+                self.store.release()
 
     def _keep(self, b: int) -> None:
         """Store row b's keys/values of the tokens it has fed, oldest first.
@@ -520,301 +401,11 @@ class BatchEngine:
         if not self.static:
             self.prompt_cache.store(seen, r.eager_cache)
             return
-        if not self._cacheable:  # a state the prompt cache cannot keep (PromptCache.cacheable)
+        if not self.store.cacheable:  # a state the prompt cache cannot keep (PromptCache.cacheable)
             return
-        layers = []
-        for lay in self.layout:
-            held = []
-            if lay.kv:
-                S = self.buffers[lay.kv[0]].shape[2]
-                n = min(fed, S)
-                slots = ring_slots(fed - n, n, S)
-                held = [_read_row(self.buffers[name], b, slots) for name in lay.kv]
-            layers.append(None if lay.kind == "shared" else (held, [self.buffers[x][b : b + 1] for x in lay.state]))
-        self.prompt_cache.store_layers(seen, [self.entry(i, x, fed) for i, x in enumerate(layers)], self.windows)
-
-    def entry(self, i: int, x, offset: int | None = None):
-        """Layer i's prompt-cache entry from (keys/values, states) of `offset`
-        tokens: (keys, values) (QuantizedKVs under --kv-bits), a state's
-        Snapshot (its arrays, then the offset: DeltaNetCache.snapshot), or None."""
-        if x is None:
-            return None
-        held, states = x
-        lay = self.layout[i]
-        if lay.kind == "state":
-            return Snapshot((*states, offset))
-        return QuantizedKV.pair(held, *lay.quant) if lay.kind == "quantized" else tuple(held)
-
-    @property
-    def kinds(self) -> list:
-        return [lay.kind for lay in self.layout]
-
-    @property
-    def windows(self) -> list:
-        return [lay.window for lay in self.layout]
-
-    def release(self) -> None:
-        """Drop the buffers (no rows left)."""
-        self.buffers.clear()
-        self.views = []
-
-    def _sync_pos(self) -> None:
-        C = self._capacity()
-        pos = [r.pos for r in self.rows] + [0] * (C - len(self.rows))
-        self.buffers["pos"] = mx.array(pos, mx.int32)
-
-    def _reserve(self, n_rows: int, max_pos: int) -> None:
-        """Buffers with at least `n_rows` rows (a power of two) and slot
-        `max_pos` for every layer (full layers: pos < S; sliding: up to the
-        window, then a ring)."""
-        C, S = self._capacity(), self._slots()
-        want_c = max(C, 1 << (n_rows - 1).bit_length())
-        need = max_pos + 1
-        want_s = S if S >= need else _round_up(need + need // 4, slot_step())
-        if self.buffers and want_c == C and want_s == S:
-            return
-        self._size = want_s
-        new = {}
-        for lay in self.layout:
-            s = min(want_s, lay.window + self.margin) if lay.window else want_s  # a margin: rolled-back drafts
-            for name in lay.kv:
-                old = self.buffers.get(name)
-                shape = self.shapes[name] if old is None else old.shape
-                buf = mx.zeros((want_c, shape[1], s, shape[3]), self.dtypes[name])
-                if old is not None:
-                    # A sliding buffer already at the window keeps its ring; a
-                    # growing one is in temporal order: copy the slots held.
-                    keep = min(old.shape[2], s)
-                    buf[: old.shape[0], :, :keep, :] = old[:, :, :keep, :]
-                new[name] = buf
-            for name in lay.state:  # a state: rows only
-                old = self.buffers.get(name)
-                buf = mx.zeros((want_c, *self.shapes[name][1:]), self.dtypes[name])
-                if old is not None:
-                    buf[: old.shape[0]] = old
-                new[name] = buf
-        self.buffers.clear()
-        self.buffers.update(new)
-        self._cap = want_c
-        self.views = []
-        for i in range(len(self.layout)):
-            self.views.append(self._view(i, self.views))
-        self._sync_pos()
-
-    def _view(self, i: int, views: list, rows=None):
-        """Layer i's cache over the batch buffers (`views`: the layers before
-        it; `rows`: a micro-batch's rows only)."""
-        lay = self.layout[i]
-        if lay.kind == "shared":
-            return SharedKVCache(views[lay.reads], lay.reads)
-        if lay.kind == "state":
-            return StaticState(self.buffers, i, len(lay.state), rows)
-        if lay.kind == "quantized":
-            return QuantizedRowCache(self.buffers, i, *lay.quant, rows, self.margin)
-        view = RowCache(self.buffers, i, lay.window, rows, lay.chunk, self.margin)
-        return view if lay.kind == "kv" else StaticConvKV(view, StaticState(self.buffers, i, 2, rows))
-
-    def _learn_layout(self, cache, probe) -> None:
-        """Per-layer window, cache kind, buffer names and per-row shapes and
-        dtypes, from a prefilled cache (or a one-token probe forward when the
-        prompt had nothing to prefill)."""
-        if cache is None:
-            cache = self.model.make_cache()
-            self.model(mx.array(probe)[None], cache)
-        kinds = [static_kind(c) for c in cache]
-        held = [([], []) if k == "shared" else held_arrays(c, k) for c, k in zip(cache, kinds)]
-        self.layout = []
-        for i, (c, k, (kv, st)) in enumerate(zip(cache, kinds, held)):
-            quant = (c.bits, c.group_size) if k == "quantized" else None
-            # the static forms' buffer names ("k{i}", "v{i}"; quantized: words, scales, biases of each)
-            names = (() if k in ("shared", "state") else QuantizedStaticCache(None, i, *quant).names if quant
-                     else StaticCache(None, i, None).names)
-            self.layout.append(LayerRows(k, c.window, c.chunk, c.reads_layer, quant, tuple(names),
-                                         tuple(StaticState(None, i, len(st)).names)))
-            for name, x in zip([*names, *self.layout[-1].state], [*kv, *st]):
-                self.shapes[name], self.dtypes[name] = x.shape, x.dtype
-        self.stateful = any(k in ("state", "conv_kv") for k in kinds)
-        self._cacheable = PromptCache.cacheable(cache)
-
-    # -- steps -------------------------------------------------------------
-    # Pipelined as engine.TokenGenerator: `step` launches step n+1 (async_eval)
-    # from step n's lazy ids before it reads them, so building a step overlaps
-    # the device's work on the last. After `step` one step is in flight; rows
-    # added or removed meanwhile only change which inputs the next launch takes.
-
-    def splits(self, C: int) -> bool:
-        """The one-row case (generate's row; a lone request): a model that opts in steps split
-        (decode.SplitSegments: compiled segments between the layers' attention, which then runs
-        unmasked on the written prefix, so GPU backends take their fused decode kernels)."""
-        if self.split is None:
-            self.split = splittable(self.model) and all(lay.kind == "kv" for lay in self.layout)
-        return C == 1 and self.split and self.compiled and not self.margin
-
-    def _split_row(self, x: mx.array) -> mx.array:
-        if self._segments is None:
-            self._segments = SplitSegments(self.model)
-        logits = self._segments(x, self.buffers, self.views, self.rows[0].pos)
-        self.traces += self._segments.traced
-        return logits
-
-    def _forward(self, tokens: mx.array) -> mx.array:
-        self.traces += self.compiled  # (the Python body runs per trace compiled, per step eager)
-        logits = self.model(tokens, self.views)[:, -1]
-        self.buffers["pos"] = self.buffers["pos"] + 1
-        return logits
-
-    def _forward_block(self, tokens: mx.array) -> mx.array:
-        self.traces += self.compiled  # (the Python body runs per trace compiled, per step eager)
-        return self.model(tokens, self.views)
-
-    def feed(self, tokens: mx.array, pos: list) -> mx.array:
-        """Feed row b the ids tokens[b] [n, L] at positions pos[b] .. pos[b] + L - 1
-        (engine built with a margin >= L - 1: each row's later positions may then
-        be rolled back by feeding it from an earlier `pos`); lazy logits [n, L, V].
-        The rows' `pos` is left to the caller."""
-        n, L = tokens.shape
-        assert self.margin >= L - 1, (L, self.margin)
-        self._reserve(n, max(pos) + L - 1)
-        C = self._capacity()
-        self.buffers["pos"] = mx.array(list(pos) + [0] * (C - n), mx.int32)
-        x = tokens if C == n else mx.concatenate([tokens, mx.zeros((C - n, L), mx.int32)])
-        logits = self._compiled_block(x) if self.compiled else self._forward_block(x)
-        return logits[:n]
-
-    def _forward_part(self, tokens: mx.array, a: int, e: int) -> mx.array:
-        """Rows [a, e) (a micro-batch) one step on; `pos` moves on with the last part."""
-        self.traces += self.compiled  # (the Python body runs per trace compiled, per step eager)
-        views = []
-        for i in range(len(self.layout)):
-            views.append(self._view(i, views, (a, e)))
-        logits = self.model(tokens, views)[:, -1]
-        if e == self._capacity():
-            self.buffers["pos"] = self.buffers["pos"] + 1
-        return logits
-
-    def _parts(self, C: int) -> list:
-        """The micro-batches' row ranges of a C-row step (as even as possible)."""
-        m = min(self.micro, C)
-        cuts = [C * j // m for j in range(m + 1)]
-        return [(cuts[j], cuts[j + 1]) for j in range(m)]
-
-    def _launch_micro(self, n: int, C: int) -> None:
-        """A step as micro-batches: each part's forward is scheduled on its own
-        (async_eval), in order, and its ids are left unevaluated, so a stage
-        (one stream of work per rank) runs part j while the next stage runs
-        part j - 1, and the next step's part j needs only this step's part j
-        (its ids are evaluated with it)."""
-        f = self._flights[-1] if self._flights else None
-        parts = self._parts(C)
-        if f is not None and not self._changed and f.parts is not None and len(f.parts) == len(parts) \
-                and sum(x.shape[0] for x in f.parts) == C:
-            xs = list(f.parts)
-            pending = [f.parts[j][b - a] for j, (a, e) in enumerate(parts) for b in range(a, min(e, n))]
-        else:
-            tokens, pending = self._inputs()
-            x = tokens if C == n else mx.concatenate([tokens, mx.zeros((C - n,), mx.int32)])
-            xs = [x[a:e] for a, e in parts]
-        step = self._compiled_part if self.compiled else self._forward_part
-        logits = []
-        for (a, e), x in zip(parts, xs):
-            out = step(x.reshape(-1, 1), a, e)
-            mx.async_eval(out)
-            logits.append(out)
-        rows = [logits[j][b - a] for j, (a, e) in enumerate(parts) for b in range(a, min(e, n))]
-        if all(_plain_greedy(r.sampler.params) for r in self.rows):
-            ids_parts = [mx.argmax(x.astype(mx.float32), axis=-1).astype(mx.int32) for x in logits]
-            ids = [ids_parts[j][b - a] for j, (a, e) in enumerate(parts) for b in range(a, min(e, n))]
-        else:
-            ids = [r.sampler.sample(x, r.context, pending=p) for r, x, p in zip(self.rows, rows, pending)]
-            pad = mx.array(0, mx.int32)  # the padding rows' next input
-            ids_parts = [mx.stack(ids[a:min(e, n)] + [pad] * (e - max(a, n))) for a, e in parts]
-        stacked = mx.concatenate(ids_parts)[:n]
-        extras = self.step_extras(rows, ids, pending)
-        for r in self.rows:
-            r.pos += 1
-            r.launched += 1
-        self._flights.append(self._checked(_Flight(list(self.rows), stacked, extras, ids_parts)))
-        self._changed = False
-
-    def _inputs(self) -> tuple[mx.array, list]:
-        """Every row's next input as one lazy int32 [n] (the unread id of the
-        step in flight, else the row's host token) and, per row, that unread
-        id (the sampler counts it as context) or None."""
-        f = self._flights[-1] if self._flights else None
-        if f is not None and not self._changed:
-            return f.ids, [f.ids[b] for b in range(len(self.rows))]
-        at = {} if f is None else {id(r): b for b, r in enumerate(f.rows)}
-        host = [r.token for r in self.rows if id(r) not in at]
-        if not at:
-            return mx.array(host, mx.int32), [None] * len(self.rows)
-        idx, h = [], len(f.rows)
-        for r in self.rows:
-            idx.append(at[id(r)] if id(r) in at else h)
-            h += id(r) not in at
-        src = mx.concatenate([f.ids, mx.array(host, mx.int32)]) if host else f.ids
-        tokens = src[mx.array(idx, mx.int32)]
-        return tokens, [tokens[b] if id(r) in at else None for b, r in enumerate(self.rows)]
-
-    def launch(self) -> None:
-        """Build one step for every row and start it (no host read): each row
-        feeds its next token at its position `pos`."""
-        assert len(self._flights) <= 1, "a row's context may lack one unread id, not two"
-        if not self.rows:
-            return
-        self._draw()
-        n = len(self.rows)
-        if self.static and self.micro > 1 and not any(r.grammar is not None for r in self.rows):
-            self._reserve(n, max(r.pos for r in self.rows))
-            if self._capacity() > 1:
-                return self._launch_micro(n, self._capacity())
-        tokens, pending = self._inputs()
-        logits, rows = self._forward_rows(tokens)
-        masks = [None] * n
-        deferred = []
-        if self.static and all(_plain_greedy(r.sampler.params) and r.grammar is None for r in self.rows):
-            # every row greedy, no penalty: one argmax over the batch (the same ids as each
-            # row's Sampler: argmax of the same float32 values), not ~5 small ops per row
-            stacked = mx.argmax(logits[:n].astype(mx.float32), axis=-1).astype(mx.int32)
-            ids = [stacked[b] for b in range(n)]
-        else:
-            # every row's sampler on its own logits, the unread id counted as context; a
-            # constrained row whose last id is unread waits for it (`_finish`): its mask needs it
-            ids = []
-            for b, (r, x, p) in enumerate(zip(self.rows, rows, pending)):
-                if r.grammar is not None and p is not None:
-                    deferred.append((b, x))
-                    ids.append(None)
-                    continue
-                if r.grammar is not None:
-                    masks[b] = mx.array(r.grammar.mask())
-                ids.append(r.sampler.sample(x, r.context, pending=p, mask=masks[b]))
-            stacked = None if deferred else mx.stack(ids)
-        constrained = any(m is not None for m in masks)
-        extras = self.step_extras(rows, ids, pending, masks) if constrained else self.step_extras(rows, ids, pending)
-        f = _Flight(list(self.rows), stacked, extras, deferred=deferred or None, drawn=ids if deferred else None,
-                    logits=logits if deferred and self.static else None)
-        if deferred:
-            mx.async_eval([x for _, x in deferred], [i for i in ids if i is not None], extras)
-        else:
-            self._checked(f)
-        for r in self.rows:
-            r.pos += 1
-            r.launched += 1
-        self._flights.append(f)
-        self._changed = False
-
-    def _forward_rows(self, tokens: mx.array) -> tuple:
-        """One step's forward: row b fed tokens[b] (lazy int32 [n]) at its
-        position; (the static batch's logits [C, V], None for rows on their own
-        caches; each row's logits [V])."""
-        n = len(self.rows)
-        if not self.static:
-            return None, [self.model(tokens[b].reshape(1, 1), r.eager_cache)[0, -1] for b, r in enumerate(self.rows)]
-        self._reserve(n, max(r.pos for r in self.rows))
-        C = self._capacity()
-        x = (tokens if C == n else mx.concatenate([tokens, mx.zeros((C - n,), mx.int32)])).reshape(C, 1)
-        logits = self._split_row(x) if self.splits(C) else self._compiled(x) if self.compiled else self._forward(x)
-        return logits, [logits[b] for b in range(n)]
+        layers = self.store.held(b, fed)
+        self.prompt_cache.store_layers(seen, [self.store.entry(i, x, fed) for i, x in enumerate(layers)],
+                                       self.store.windows)
 
     def scores(self, cache: list, ids, read: bool = True) -> np.ndarray | None:
         """float32 [len(ids), V]: the logits of feeding `ids` one at a time
@@ -835,7 +426,7 @@ class BatchEngine:
         row, out, pending = self.rows[0], [], None
         try:
             for t in ids:
-                x = self._forward_rows(mx.array([t], mx.int32))[1][0].astype(mx.float32)
+                x = self.steps.forward_rows(mx.array([t], mx.int32))[1][0].astype(mx.float32)
                 row.pos += 1
                 mx.async_eval(x)
                 if pending is not None and read:
@@ -849,83 +440,7 @@ class BatchEngine:
             self.remove("scores")
         return np.stack(out)
 
-    def _checked(self, f: _Flight) -> _Flight:
-        """Schedule flight `f` once its ids are complete: with a `guard`, its
-        check rows packed behind the ids, so one host read takes both."""
-        rows = None if self.guard is None else self.guard.pending_rows(f.ids)
-        f.read = f.ids if rows is None else mx.concatenate([f.ids, rows.reshape(-1)])
-        mx.async_eval(f.read, f.extras)
-        return f
-
-    def _finish(self) -> None:
-        """Start the masks of the step in flight's deferred rows: their last
-        ids are read now (`collect` advanced their grammars). They are computed
-        on the vocabulary's worker thread while the device runs the forward and
-        the caller does its host work between steps; `_draw` draws the rows
-        when their ids are next needed (the next `launch` or `collect`)."""
-        f = self._flights[-1] if self._flights else None
-        if f is not None and f.deferred is not None and f.masks is None:
-            f.masks = self.vocab.masks_ahead([f.rows[b].grammar for b, _ in f.deferred])
-
-    def _draw(self) -> None:
-        """Draw the deferred rows of every step in flight whose masks `_finish`
-        started. Its ids [n] are complete after."""
-        for f in self._flights:
-            if f.deferred is not None and f.masks is not None:
-                self._draw_flight(f)
-
-    def _draw_flight(self, f: _Flight) -> None:
-        ids, extras = list(f.drawn), dict(f.extras)
-        # [k, words]: every deferred row's mask from one llguidance call, one copy in
-        masks = mx.array(f.masks.result())
-        greedy = [j for j, (b, _) in enumerate(f.deferred) if _plain_greedy(f.rows[b].sampler.params)]
-        if len(greedy) > 1:
-            # greedy rows without penalties: one masked argmax over them (the ids their Samplers
-            # would draw: argmax of the same masked float32 values)
-            whole = len(greedy) == len(ids) and f.logits is not None  # every row: the logits, masks as they are
-            x = (f.logits[:len(ids)] if whole else mx.stack([f.deferred[j][1] for j in greedy])).astype(mx.float32)
-            allowed = allowed_from_bits(masks if whole else masks[mx.array(greedy)], x.shape[-1])
-            top = mx.argmax(mx.where(allowed, x, NEG_INF), axis=-1).astype(mx.int32)
-            if whole and not self.want:
-                f.ids, f.deferred, f.drawn = top, None, None
-                self._checked(f)
-                return
-            for i, j in enumerate(greedy):
-                ids[f.deferred[j][0]] = top[i]
-        for j, (b, x) in enumerate(f.deferred):
-            r = f.rows[b]
-            if ids[b] is None:
-                ids[b] = r.sampler.sample(x, r.context, mask=masks[j])
-            extras.update(self._extras_of([r], [x], [ids[b]], [None], [masks[j]]))
-        f.ids, f.extras, f.deferred, f.drawn = mx.stack(ids), extras, None, None
-        self._checked(f)
-
-    def collect(self) -> dict:
-        """Read the oldest step in flight (the one host sync): {rid: id} of
-        its rows still present; a removed row's id is dropped unseen."""
-        if not self._flights:
-            return {}
-        self._draw()
-        f = self._flights.pop(0)
-        read = np.array(f.read)  # the one host sync
-        n = len(f.rows)
-        got = read[:n].tolist()
-        if self.guard is not None:
-            self.guard.commit(got, read[n:].reshape(-1, 3) if len(read) > n else None)
-        self.extras = f.extras
-        present = {id(r) for r in self.rows}
-        out = {}
-        for r, tok in zip(f.rows, got):
-            if id(r) in present:
-                r.context.append(tok)
-                r.generated.append(tok)
-                r.token = tok
-                out[r.rid] = tok
-                if r.grammar is not None:
-                    r.grammar.advance(tok)
-        self.logprobs = {rid: read_logprobs(lp) for rid, lp in (f.extras or {}).items() if rid in out}
-        return out
-
+    # -- steps (batch_step.Steps) ---------------------------------------------
     def step(self, prefill: int | None = None) -> dict:
         """One token for every row: {rid: sampled id} (read from the device);
         first the prefill queue's forwards (`prefill` prompt tokens when given
@@ -937,29 +452,11 @@ class BatchEngine:
         if self.prefills:
             self._prefill(prefill if prefill and self.rows and self.budget is not None else self._step_budget())
         if not self.rows:
-            self._flights.clear()
+            self.steps.flights.clear()
             return {}
         if self.spec is not None and self.spec.active(self):
             return self.spec.step(self)
-        return self.plain_step()
-
-    def plain_step(self) -> dict:
-        """`step`'s pipelined decode step (also batch_spec's when no row drafts)."""
-        traces = self.traces
-        if not self._flights:
-            self.launch()
-        # no step past every row's budget: its work would only be discarded (a lone request's last id)
-        if self.pipelined and self.more():
-            self.launch()
-        if self.traces > traces and self.on_new_graph is not None:  # before the wait: its kernels compile
-            self.on_new_graph()
-        out = self.collect()
-        self._finish()
-        return out
-
-    def more(self) -> bool:
-        """Whether some row may still take an id launched now (its budget not all launched)."""
-        return any(r.budget is None or r.launched < r.budget for r in self.rows)
+        return self.steps.plain_step()
 
     def _step_budget(self) -> int | None:
         """This step's prefill tokens (`budget` of the decoding rows' tokens:
@@ -970,16 +467,41 @@ class BatchEngine:
         per_row = 1 + (self.spec.k if self.spec is not None and self.static else 0)
         return self.budget.prefill(per_row * len(self.rows))
 
-    def step_extras(self, logits: list, ids: list, pending: list, masks: list | None = None) -> dict:
-        """Lazy arrays evaluated with a step: {rid: token_logprobs} of the
-        rows in `want`, from each row's logits, its lazy id, the id still
-        unread when the step was launched (pipelined: its context lacks it)
-        and its grammar mask (the constrained distribution); a deferred row's
-        (id None) come with its id (`_finish`)."""
-        return self._extras_of(self.rows, logits, ids, pending, masks or [None] * len(ids))
+    # the public surface of draft rounds (batch_spec.py)
+    def plain_step(self) -> dict:
+        """`step`'s pipelined decode step (batch_spec's when no row drafts)."""
+        return self.steps.plain_step()
 
-    def _extras_of(self, rows, logits, ids, pending, masks) -> dict:
-        return {r.rid: token_logprobs(x, r.context, r.sampler.params, prev, tok, self.want[r.rid],
-                                      r.sampler.prompt_len, mask)
-                for r, x, tok, prev, mask in zip(rows, logits, ids, pending, masks)
-                if r.rid in self.want and tok is not None}
+    def launch(self) -> None:
+        self.steps.launch()
+
+    def collect(self) -> dict:
+        return self.steps.collect()
+
+    def more(self) -> bool:
+        return self.steps.more()
+
+    def feed(self, tokens: mx.array, pos: list) -> mx.array:
+        return self.steps.feed(tokens, pos)
+
+    @property
+    def in_flight(self) -> bool:
+        """A launched step not read yet."""
+        return bool(self.steps.flights)
+
+    @property
+    def draftable(self) -> bool:
+        """Draft rounds can step these rows: every layer's rows roll back by
+        position alone (attention KV, float or --kv-bits, or a shared layer's)."""
+        return bool(self.static) and all(k in ("kv", "quantized", "shared") for k in self.store.kinds)
+
+    def took(self, ids: dict, logprobs: dict) -> None:
+        """A draft round's read: each row's accepted ids ({rid: ids}) fed
+        (its position moves on by them) and the rows' logprobs."""
+        for r in self.rows:
+            got = ids[r.rid]
+            r.took(got)
+            r.pos += len(got)
+            r.launched += len(got)
+        self.store.sync_pos()
+        self.logprobs = logprobs

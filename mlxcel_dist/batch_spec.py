@@ -57,17 +57,12 @@ import weakref
 import mlx.core as mx
 import numpy as np
 
-from .sampling import SamplingParams, process_logits
-from .spec import PromptLookup, check_draft, check_drafting, speculative_accept
+from .choice import Choice, accepted, choose, draft_ids, verify
+from .sampling import read_logprobs
+from .spec import PromptLookup, check_draft, check_drafting
 
 
 MAX_REST = 16  # the longest rest of a prompt-lookup row whose drafts keep failing (steps)
-
-
-def _draftable(params: SamplingParams | None) -> bool:
-    """Penalties change within a block (spec.check_target): such rows take no drafts."""
-    p = params or SamplingParams()
-    return p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
 
 
 class DraftRows:
@@ -103,31 +98,15 @@ class DraftRows:
         logits = self.engine.feed(mx.array(first, mx.int32), starts)
         x = logits[mx.arange(len(rows)), mx.array([len(c) - 1 - s for c, s in zip(ctxs, starts)])]
         drafts, qs = [], [[] for _ in rows]
+        choices = choose(rows, {})
         for i in range(k):
-            d = _draw(rows, x, qs)
+            d = draft_ids(choices, x, qs)
             drafts.append(d)
             if i < k - 1:
                 x = self.engine.feed(d.reshape(-1, 1), [len(c) + i for c in ctxs])[:, 0]
         for r, c in zip(self.engine.rows, ctxs):
             r.pos = len(c) - 1
         return mx.stack(drafts, axis=1), [mx.stack(q) if q else None for q in qs]
-
-
-def _draw(rows: list, x: mx.array, qs: list) -> mx.array:
-    """Each row's draft from the draft logits x [m, V], as its sampler would
-    draw (greedy: argmax; sampled: categorical with the row's next key, the
-    processed logits kept in qs for the accept rule)."""
-    if all(r.sampler.params.greedy and r.sampler.params.plain for r in rows):
-        return mx.argmax(x.astype(mx.float32), axis=-1).astype(mx.int32)
-    out = []
-    for b, r in enumerate(rows):
-        q = process_logits(x[b], r.context, r.sampler.params)
-        if r.sampler.params.greedy:
-            out.append(mx.argmax(q, axis=-1).astype(mx.int32))
-        else:
-            qs[b].append(q)
-            out.append(mx.random.categorical(q, key=r.sampler.next_key()).astype(mx.int32))
-    return mx.stack(out)
 
 
 class _Ngrams:
@@ -210,13 +189,9 @@ class BatchDrafts:
             self.draft.remove(rid)
 
     def active(self, engine) -> bool:
-        """Whether `engine`'s steps are ours: every layer a KV row cache, float or --kv-bits
-        (rolled back by position alone); else it steps without drafts (said once)."""
-        from .batch import QuantizedRowCache, RowCache
-        from .cache import SharedKVCache
-
-        ok = bool(engine.static) and all(type(v) in (RowCache, QuantizedRowCache, SharedKVCache)
-                                         for v in engine.views)
+        """Whether `engine`'s steps are ours (`engine.draftable`: every layer's rows roll back
+        by position alone); else it steps without drafts (said once)."""
+        ok = engine.draftable
         if not ok and not self._said:
             self._said = True
             if self.log is not None:
@@ -226,7 +201,7 @@ class BatchDrafts:
 
     @staticmethod
     def _drafts(engine, r) -> bool:
-        return r.drafts and r.grammar is None and r.rid not in engine.want and _draftable(r.sampler.params)
+        return Choice(r, engine.want).drafts
 
     def _room(self, engine, r) -> int:
         """Row r's drafts this round: its own k, less what its budget leaves (0: it takes no drafts)."""
@@ -242,7 +217,7 @@ class BatchDrafts:
         step still in flight is read first and its ids lead the round's."""
         self._t += 1
         head = {}
-        if engine._flights:
+        if engine.in_flight:
             if not self._probe:
                 return self._plain(engine)
             head = engine.collect()  # every context whole again: the round drafts from it
@@ -264,8 +239,8 @@ class BatchDrafts:
         rows = engine.rows
         first = mx.array([r.token for r in rows], mx.int32).reshape(-1, 1)
         logits = engine.feed(mx.concatenate([first, D], axis=1), [r.pos for r in rows])  # [n, L, V]
-        out = self._accept(engine, rows, logits, D, qs, ks)
-        engine._sync_pos()
+        out, extras = self._accept(engine, rows, logits, D, qs, ks)
+        engine.took(out, {rid: read_logprobs(lp) for rid, lp in extras.items()})
         return {rid: [head[rid], *ids] if rid in head else ids for rid, ids in out.items()}
 
     def _plain(self, engine) -> dict:
@@ -340,67 +315,25 @@ class BatchDrafts:
             n = min(MAX_REST, 2 * last or 1)
             self.rest[rid] = (self._t + n + 1, n)
 
-    def _accept(self, engine, rows, logits, D, qs, ks) -> dict:
-        n = len(rows)
-        greedy = mx.argmax(logits.astype(mx.float32), axis=-1).astype(mx.int32)  # [n, L]: plain greedy rows
-        lazy, masks, extras = [], [None] * n, {}
-        constrained = [b for b, r in enumerate(rows) if r.grammar is not None]
-        if constrained:  # their masks from one llguidance call (constrained rows take no drafts)
-            bits = mx.array(rows[constrained[0]].grammar.vocab.masks([rows[b].grammar for b in constrained]))
-            for j, b in enumerate(constrained):
-                masks[b] = bits[j]
-        for b, (r, k) in enumerate(zip(rows, ks)):
-            params = r.sampler.params
-            if k == 0:  # one id, as a plain step draws it
-                x = logits[b, 0]
-                tok = greedy[b, 0] if params.greedy and params.plain and masks[b] is None else \
-                    r.sampler.sample(x, r.context, mask=masks[b])
-                extras.update(engine._extras_of([r], [x], [tok], [None], [masks[b]]))
-                lazy.append(tok.reshape(1))
-            elif params.greedy:
-                g = greedy[b, : k + 1] if params.plain else \
-                    mx.argmax(process_logits(logits[b, : k + 1], r.context, params), axis=-1).astype(mx.int32)
-                lazy.append(g)
-            else:
-                p = process_logits(logits[b, : k + 1], r.context, params)
-                q = None if qs[b] is None else qs[b][:k]
-                a, bonus = speculative_accept(p, D[b, :k], q, r.sampler.next_key())
-                lazy.append(mx.stack([a, bonus]))
+    def _accept(self, engine, rows, logits, D, qs, ks) -> tuple[dict, dict]:
+        """Each row's accepted ids ({rid: ids}, the rows not moved yet) and the
+        logprobs of the rows that want them, read."""
+        choices = choose(rows, engine.want)
+        lazy, extras = verify(choices, logits, D, qs, ks)
         mx.eval(lazy, D, extras)
-        got = [np.array(x).tolist() for x in lazy]
         drafts = np.array(D).tolist()
         out, counts = {}, [0, 0, 0]
-        for b, (r, k, g) in enumerate(zip(rows, ks, got)):
-            if k == 0:
-                ids = g
-            elif r.sampler.params.greedy:
-                a = 0
-                while a < k and drafts[b][a] == g[a]:
-                    a += 1
-                ids = drafts[b][:a] + [g[a]]
-            else:
-                a, bonus = g
-                ids = drafts[b][:a] + [bonus]
+        for b, (c, k, x) in enumerate(zip(choices, ks, lazy)):
+            ids = accepted(c, k, np.array(x).tolist(), drafts[b])
             if k:
                 counts[0] += 1
                 counts[1] += k
                 counts[2] += len(ids) - 1
-                self._adapt(r.rid, k, len(ids) - 1)
-            r.context.extend(ids)
-            r.generated.extend(ids)
-            r.token = ids[-1]
-            r.pos += len(ids)
-            r.launched += len(ids)
-            if r.grammar is not None:
-                r.grammar.advance(ids[0])
-            out[r.rid] = ids
-        from .sampling import read_logprobs
-
-        engine.extras = extras
-        engine.logprobs = {rid: read_logprobs(lp) for rid, lp in extras.items()}
+                self._adapt(c.row.rid, k, len(ids) - 1)
+            out[c.row.rid] = ids
         self.last = tuple(counts)
         self.total = [t + c for t, c in zip(self.total, counts)]
-        return out
+        return out, extras
 
 
 def serve_drafts(k: int, draft_model: str | None = None, prompt_lookup: bool = False, dtype=None,

@@ -233,7 +233,7 @@ class Together:
         self.L = L  # the longest chunk a row takes (rings are sized for it)
         self.offs = [a.start for a in self.admits]
         T = max(a.last for a in self.admits) + L  # slots written, pads included, at most
-        layout = engine.layout  # batch.LayerRows per layer (only KV kinds prefill together)
+        layout = engine.layout  # batch_rows.LayerRows per layer (only KV kinds prefill together)
         self.rings = [None if not lay.kv else (T if lay.window is None else min(lay.window + L, T))
                       for lay in layout]  # (None: a layer that reads another's)
         B = len(self.admits)

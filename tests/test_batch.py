@@ -97,7 +97,7 @@ MICRO_CASES = [default_model_dir()] + [FAMILY_CASES[f] for f in ("gemma3n", "gem
 @pytest.mark.parametrize("micro", [3])  # 3 parts of 4- or 8-row steps: uneven parts, one of them pads only
 def test_micro_batched_steps_decode_as_rows_alone(d, micro):
     # serve over pipeline stages splits each step's rows into micro-batches
-    # (batch._launch_micro: a forward per part, each writing its own rows of
+    # (batch_step._launch_micro: a forward per part, each writing its own rows of
     # the shared buffers); rows joining and leaving move between parts and
     # capacities, greedy and sampled rows mixed, sliding rings wrapping
     model = load_model(d).model
@@ -310,7 +310,7 @@ def test_no_step_is_launched_past_every_rows_budget():
     a, b = eng.rows
     assert [s["a"] for s in got] == alone_ids(model, pa, 5)
     assert a.launched == 5 and b.launched == 5  # "b" past its budget rides along with "a"
-    assert not eng._flights
+    assert not eng.in_flight
 
 
 @pytest.mark.parametrize("d", PIPELINE_CASES, ids=_ids)
@@ -434,7 +434,7 @@ def test_chunked_attention_rows_give_the_single_row_logits(d, monkeypatch):
     # then rows decoding at their own positions across chunk boundaries (the
     # 8-slot buffers are rings of the chunk): every row's logits at every
     # step are the one-pass logits of its sequence alone.
-    import mlxcel_dist.batch as batch
+    import mlxcel_dist.batch_step as batch_step
     from mlxcel_dist.generation import sequence_logits
     from mlxcel_dist.harness import FP32_REL_TOL, compare
 
@@ -451,14 +451,14 @@ def test_chunked_attention_rows_give_the_single_row_logits(d, monkeypatch):
                         or f(self, engine, admits, L))
     eng = BatchEngine(model, prefill_step=6)
     seen = {}
-    extras = eng.step_extras
+    extras = batch_step.logprobs
 
-    def grab(logits, ids, pending):  # each row's logits of the step and the position it fed
-        for r, x in zip(eng.rows, logits):
-            seen.setdefault(r.rid, []).append((r.pos, x))
-        return extras(logits, ids, pending)
+    def grab(choices, logits, ids, pending=None, masks=None):  # each row's logits of the step, the position it fed
+        for c, x in zip(choices, logits):
+            seen.setdefault(c.row.rid, []).append((c.row.pos, x))
+        return extras(choices, logits, ids, pending, masks)
 
-    eng.step_extras = grab
+    monkeypatch.setattr(batch_step, "logprobs", grab)
     eng.add_many([(i, p, None) for i, p in prompts.items()])
     got = {i: [] for i in [*prompts, "late"]}
     for step in range(14):

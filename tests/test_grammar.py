@@ -131,10 +131,12 @@ def test_logprobs_are_the_constrained_distribution(setup):
 
 def test_masks_computed_ahead_are_the_masks_in_line(setup, monkeypatch):
     # the pipelined batch computes its constrained rows' masks on the vocabulary's worker thread
-    # (`_finish`, from the matchers as `collect` left them), by llguidance's pool or one matcher after
+    # (batch_step's `finish`, from the matchers as `collect` left them), by llguidance's pool or one matcher after
     # the other: each equals the rows' own Matcher.mask() where it is drawn, and the ids equal the
     # unpipelined batch's (masks computed in line in `launch`)
     import threading
+
+    from mlxcel_dist.batch_step import Steps
 
     model, tok, _ = setup
     g = grammar.json_schema(SCHEMA)
@@ -144,15 +146,15 @@ def test_masks_computed_ahead_are_the_masks_in_line(setup, monkeypatch):
         vocab = grammar.Vocab(default_model_dir() / "tokenizer.json", model.args.vocab_size, tok.eos_ids, threads)
         compute, names, drawn = vocab.masks, set(), []
         vocab.masks = lambda ms: (names.add(threading.current_thread().name), compute(ms))[1]
-        draw = BatchEngine._draw_flight
+        draw = Steps._draw_flight
 
-        def checked(eng, f):
+        def checked(steps, f):
             drawn.append(len(f.deferred))
             assert np.array_equal(f.masks.result(), np.stack([f.rows[b].grammar.mask() for b, _ in f.deferred]))
-            return draw(eng, f)
+            return draw(steps, f)
 
         with monkeypatch.context() as m:
-            m.setattr(BatchEngine, "_draw_flight", checked)
+            m.setattr(Steps, "_draw_flight", checked)
             ahead = _run(model, vocab, rows)
         assert ahead == _run(model, vocab, rows, pipelined=False)
         assert len(drawn) > 20 and max(drawn) == 7 and all(n.startswith("grammar-masks") for n in names), names
