@@ -139,12 +139,14 @@ def _guarded(item, phase):
 # every fixture (reference_cases.mode_logits, cached on disk for both
 # workers) and run first: the longest units of work.
 LOGITS_FILES = ("test_pipeline.py", "test_tp.py", "test_reference.py")
-# Then the next longest (a clean-clone run's durations), so that no long file
-# starts last while the other worker has nothing left to run.
-LONG_FILES = ("test_serve.py", "test_faults.py", "test_batch.py", "test_decode.py", "test_serve_pp.py",
-              "test_serve_hostile.py", "test_launcher.py", "test_generate.py", "test_moe_experts.py",
-              "test_quantized.py", "test_deepseek_v3.py", "test_qwen3_next.py", "test_llama4.py", "test_minimax_m2.py",
-              "test_multihost.py")
+# Then the next longest (durations of a whole run, 2026-12-02), so that no long
+# file starts last while the other worker has nothing left to run. pyproject's
+# --no-loadscope-reorder keeps this order (xdist >= 3.8 would order by test count).
+LONG_FILES = ("test_serve.py", "test_decode.py", "test_grammar.py", "test_faults.py", "test_generate.py",
+              "test_batch.py", "test_shardcache.py", "test_kv.py", "test_spec.py", "test_plan.py", "test_serve_pp.py",
+              "test_multihost.py", "test_lora.py", "test_launcher.py", "test_serve_reasoning.py", "test_fused.py",
+              "test_moe_experts.py", "test_serve_clients.py", "test_quantized.py", "test_cli.py", "test_minimax_m2.py",
+              "test_qwen3_next.py", "test_serve_hostile.py", "test_mixed_step.py", "test_diffusion_gemma.py")
 
 
 def pytest_collection_modifyitems(session, config, items):
