@@ -51,10 +51,8 @@ import numpy as np
 
 from .batch_rows import Row, RowBuffers
 from .batch_step import Steps
-from .cache import QuantizedRowCache, RowCache, SharedKVCache
 from .collectives import CollectiveError
 from . import decode
-from .decode import StaticConvKV, StaticState, held_arrays, static_kind
 from .engine import DEFAULT_PREFILL_STEP, check_tokens, vocab_size
 from .prefill import Admission, Alone, Budget, Prefills, Request, Together, pad_groups
 from .sampling import Sampler, SamplingParams
@@ -76,16 +74,9 @@ def slot_step() -> int:
 
 def row_view(store, i: int, views: list, rows=None):
     """Layer i's row cache over `store`'s buffers (a batch_rows.RowBuffers;
-    `views`: the layers before it; `rows` (a, e): a micro-batch's rows only)."""
-    lay, buffers = store.layout[i], store.buffers
-    if lay.kind == "shared":
-        return SharedKVCache(views[lay.reads], lay.reads)
-    if lay.kind == "state":
-        return StaticState(buffers, i, len(lay.state), rows)
-    if lay.kind == "quantized":
-        return QuantizedRowCache(buffers, i, *lay.quant, rows, store.margin)
-    view = RowCache(buffers, i, lay.window, rows, lay.chunk, store.margin)
-    return view if lay.kind == "kv" else StaticConvKV(view, StaticState(buffers, i, 2, rows))
+    `views`: the layers before it; `rows` (a, e): a micro-batch's rows only),
+    made by the layer's kind (cache/: `LayerCache.row_view`)."""
+    return store.layout[i].cache.row_view(store.buffers, i, views, rows, store.margin)
 
 
 class BatchEngine:
@@ -207,7 +198,7 @@ class BatchEngine:
         (rows in the batch buffers), and then their layout (`probe`: one id)."""
         if self.static is None:
             fresh = self.model.make_cache()
-            self.static = bool(fresh) and None not in [static_kind(c) for c in fresh]
+            self.static = bool(fresh) and None not in [c.static_form for c in fresh]
             if self.static:
                 self.store.learn(self.model, None, probe)
 
@@ -269,8 +260,7 @@ class BatchEngine:
             self._join(row, None)
             return
         self.store.reserve(len(self.rows) + 1, a.last + 1)
-        self._join(row, [None if kind == "shared" or a.last == 0 else held_arrays(c, kind)
-                         for c, kind in zip(cache, self.store.kinds)])
+        self._join(row, [None if a.last == 0 else c.held() for c in cache])
         for c in cache:
             c.release()
 

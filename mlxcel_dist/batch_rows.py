@@ -14,8 +14,9 @@ one scatter per layer (`mx.put_along_axis`), so rows never see each other.
 and a finished row is filled by moving the last one into it (`copy`), so
 the active rows are always [0, n).
 
-Every cache kind has its rows in the buffers (decode.static_kind, one
-`LayerRows` a layer, learned at the first row): a --kv-bits layer holds
+Every cache kind has its rows in the buffers (one `LayerRows` a layer,
+learned at the first row; the layer's kind, cache/, names its buffers,
+makes its views and its prompt-cache entries): a --kv-bits layer holds
 decode.QuantizedStaticCache's six buffers [C, H, S, .], a state layer
 (RG-LRU, conv, DeltaNet) its state arrays as [C, ...] buffers "s{i}.{j}"
 (decode.StaticState; Baichuan-M1's conv state beside its KV,
@@ -31,10 +32,9 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from .cache import QuantizedKV
-from .decode import QuantizedStaticCache, StaticCache, StaticState, _round_up, held_arrays, ring_slots, static_kind
+from .decode import _round_up, ring_slots
 from .prefill import _read_row, _write_row
-from .prompt_cache import PromptCache, Snapshot
+from .prompt_cache import PromptCache
 from .sampling import Sampler
 
 
@@ -43,13 +43,15 @@ class LayerRows:
     """How one layer's rows live in the batch buffers (learned from a
     prefilled cache, `RowBuffers.learn`)."""
 
-    kind: str  # decode.static_kind: "kv", "quantized", "state", "conv_kv" or "shared"
+    cache: object  # the layer's kind: its eager cache (released), which makes its views and entries
     window: int | None = None  # a sliding layer's window (a chunked one's: its chunk)
-    chunk: int | None = None  # chunked attention (llama4): the chunk mask
-    reads: int | None = None  # a shared layer: the layer whose keys/values it reads
-    quant: tuple | None = None  # --kv-bits: (bits, group_size)
     kv: tuple = ()  # its keys/values buffers' names ([C, H, S, D] each: the slot axis 2)
     state: tuple = ()  # its state arrays' buffers' names ([C, ...] each)
+
+    @property
+    def kind(self) -> str:
+        """Its static form's name (cache.LayerCache.static_form): "kv", "quantized", "state", ..."""
+        return self.cache.static_form
 
 
 @dataclass(eq=False)
@@ -121,19 +123,14 @@ class RowBuffers:
         if cache is None:
             cache = model.make_cache()
             model(mx.array(probe)[None], cache)
-        kinds = [static_kind(c) for c in cache]
-        held = [([], []) if k == "shared" else held_arrays(c, k) for c, k in zip(cache, kinds)]
         self.layout = []
-        for i, (c, k, (kv, st)) in enumerate(zip(cache, kinds, held)):
-            quant = (c.bits, c.group_size) if k == "quantized" else None
-            # the static forms' buffer names ("k{i}", "v{i}"; quantized: words, scales, biases of each)
-            names = (() if k in ("shared", "state") else QuantizedStaticCache(None, i, *quant).names if quant
-                     else StaticCache(None, i, None).names)
-            self.layout.append(LayerRows(k, c.window, c.chunk, c.reads_layer, quant, tuple(names),
-                                         tuple(StaticState(None, i, len(st)).names)))
-            for name, x in zip([*names, *self.layout[-1].state], [*kv, *st]):
+        for i, c in enumerate(cache):  # each layer's kind names its buffers and hands over its arrays
+            names, states = c.buffer_names(i)
+            kv, st = c.held()
+            self.layout.append(LayerRows(c, c.window, tuple(names), tuple(states)))
+            for name, x in zip([*names, *states], [*kv, *st]):
                 self.shapes[name], self.dtypes[name] = x.shape, x.dtype
-        self.stateful = any(k in ("state", "conv_kv") for k in kinds)
+        self.stateful = any(c.static_state for c in cache)
         self.cacheable = PromptCache.cacheable(cache)
 
     def reserve(self, n_rows: int, max_pos: int) -> None:
@@ -211,7 +208,7 @@ class RowBuffers:
 
     def held(self, b: int, fed: int) -> list:
         """Row b's layers as the prompt cache keeps them: per layer (keys/values
-        of its `fed` tokens, oldest first; its state arrays), None for a shared one."""
+        of its `fed` tokens, oldest first; its state arrays; a shared one's are empty)."""
         layers = []
         for lay in self.layout:
             held = []
@@ -220,7 +217,7 @@ class RowBuffers:
                 n = min(fed, S)
                 slots = ring_slots(fed - n, n, S)
                 held = [_read_row(self.buffers[name], b, slots) for name in lay.kv]
-            layers.append(None if lay.kind == "shared" else (held, [self.buffers[x][b : b + 1] for x in lay.state]))
+            layers.append((held, [self.buffers[x][b : b + 1] for x in lay.state]))
         return layers
 
     def entry(self, i: int, x, offset: int | None = None):
@@ -229,11 +226,7 @@ class RowBuffers:
         Snapshot (its arrays, then the offset: DeltaNetCache.snapshot), or None."""
         if x is None:
             return None
-        held, states = x
-        lay = self.layout[i]
-        if lay.kind == "state":
-            return Snapshot((*states, offset))
-        return QuantizedKV.pair(held, *lay.quant) if lay.kind == "quantized" else tuple(held)
+        return self.layout[i].cache.entry(*x, offset)
 
     def release(self) -> None:
         """Drop the buffers (no rows left)."""

@@ -38,17 +38,6 @@ def _round_up(n: int, step: int) -> int:
     return ((n + step - 1) // step) * step
 
 
-def static_kind(c) -> str | None:
-    """The name of a cache's static form (`LayerCache.static_form`): "kv",
-    "quantized", "state", "conv_kv", "shared", or None (the model steps eagerly)."""
-    return c.static_form
-
-
-def held_arrays(c, kind: str | None = None) -> tuple[list, list]:
-    """What a cache's static buffers take (`LayerCache.held()`)."""
-    return c.held()
-
-
 # ---------------------------------------------------------------------- split steps
 # One compiled graph per step puts attention inside the graph, where the
 # static buffers need a mask (arange(S) <= pos) and MLX's GPU backends then

@@ -253,8 +253,8 @@ class Together:
                     _write_row(bufs[name], b, slots, x)
                 c.release()
         self.views = []  # each layer's kind makes its view (cache.PrefillCache, ...)
-        for i, (c, R) in enumerate(zip(engine.model.make_cache(), self.rings)):
-            self.views.append(c.prefill_view(bufs, i, R, R is not None and R < T, self.views))
+        for i, (lay, R) in enumerate(zip(layout, self.rings)):
+            self.views.append(lay.cache.prefill_view(bufs, i, R, R is not None and R < T, self.views))
 
     def left(self) -> int:
         return sum(a.last - o for a, o in zip(self.admits, self.offs))

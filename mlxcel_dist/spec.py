@@ -68,9 +68,7 @@ def check_target(model, sampling) -> None:
     """What speculative decoding refuses in the target or the sampling settings."""
     if model.own_loop:
         raise UserError(f"{model.args.model_type} runs its own generation loop: it takes no drafts")
-    from .decode import static_kind
-
-    kinds = {static_kind(c) for c in model.make_cache() or [None]}
+    kinds = {c.static_form if c is not None else None for c in model.make_cache() or [None]}
     if not kinds <= {"kv", "shared"}:
         raise UserError(f"drafts (--draft-model, --prompt-lookup) need a target whose layers all hold attention "
                         f"keys/values (rolled back by position): {model.args.model_type}'s recurrent or conv state "

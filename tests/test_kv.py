@@ -121,7 +121,7 @@ def test_batch_engine_and_prompt_cache_with_a_bound_decode_as_alone(path):
 
 
 def test_quantized_cache_rows_batch_prefill_fork_and_reuse_as_alone(monkeypatch):
-    # --kv-bits rows in the batch buffers (batch.QuantizedRowCache): prompts
+    # --kv-bits rows in the batch buffers (cache.QuantizedRowCache): prompts
     # prefilled together (QuantizedPrefillCache, one a prompt-cache hit), a
     # copy of a prompt (n > 1: forked), rows leaving with a step in flight and
     # a later prompt reusing the quantized entry: each request's ids alone

@@ -36,7 +36,6 @@ def _family_cases(drafting: bool) -> list:
     """Each family's first fp32 case (GQA ones first) whose target takes drafts
     (`drafting`: layers all attention KV) or is refused them (a recurrent or
     conv state; diffusion_gemma: its own loop)."""
-    from mlxcel_dist.decode import static_kind
     from mlxcel_dist.loader import build_model, open_model
 
     picked = {}
@@ -44,7 +43,7 @@ def _family_cases(drafting: bool) -> list:
         fam = d.parent.name
         if fam in supported() and "fp32" in d.name and fam not in picked:
             model = build_model(open_model(d).config)
-            kv = fam != "diffusion_gemma" and {static_kind(c) for c in model.make_cache()} <= {"kv", "shared"}
+            kv = fam != "diffusion_gemma" and {c.static_form for c in model.make_cache()} <= {"kv", "shared"}
             picked[fam] = (case_id(d), kv)
     return sorted(c for c, kv in picked.values() if kv == drafting)
 
