@@ -289,9 +289,11 @@ class _Supervisor:
         # A collective error (exit 2 on every rank) is printed by rank 0 alone:
         # its line is the cause even when another rank's exit is seen first.
         speaker = self.procs[0] if first[1] == USAGE_EXIT else None
+        # whatever else fails meanwhile is most likely the lost connection; a first
+        # exit that is itself a lost link (exit 74) mutes no one: the cause is still to come
+        cause = None if first[1] == EXIT_LINK_LOST else first[0]
         for p in self.procs:
-            # whatever else fails meanwhile is most likely the lost connection
-            p.muted = p is not first[0] and p is not speaker
+            p.muted = cause is not None and p is not cause and p is not speaker
         deadline = time.monotonic() + CAUSE_WINDOW_S
         while time.monotonic() < deadline and len(self.exits) < len(self.procs):
             self.wake.clear()
@@ -350,8 +352,7 @@ class _Supervisor:
             return self._stop_stalled(*stalled)
         if failed is not None:
             for p in self.procs:
-                if p is not failed[0]:
-                    p.muted = True  # their "peer lost" noise hides the cause
+                p.muted = p is not failed[0]  # the others' "peer lost" noise hides the cause
 
         if self.signals:
             sig = self.signals[0]
