@@ -83,3 +83,13 @@ def test_no_import_circle():
     assert "mlxcel_dist.pipeline" in graph["mlxcel_dist.loader"]  # function-level imports are seen
     found = circles(graph)
     assert [c for c in found if c not in KNOWN] == [], found
+
+
+def test_every_package_is_in_the_wheel():
+    # pyproject lists its packages by name (the default model is mapped in), so a package added
+    # under mlxcel_dist/ and not listed would be missing from an installed wheel, not an editable install
+    import tomllib
+
+    listed = set(tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    on_disk = {".".join(f.parent.relative_to(PACKAGE.parent).parts) for f in PACKAGE.rglob("__init__.py")}
+    assert on_disk <= listed, sorted(on_disk - listed)
