@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Device runs of issue 42 (and issue 39's quiet-CPU goals), one part per device call, each inside the
+# 10-minute limit, after MLX's CUDA wheel is staged (`source .dev/setup.sh`; the serving wheels and
+# llguidance in .dev/wheels, mlx-lm's source on PYTHONPATH for the comparisons):
+#
+#   bash benchmarks/h200_issue42.sh json   # json_schema / text at 1, 16, 64 clients, 12B gemma3 bf16, serve --np 1
+#   bash benchmarks/h200_issue42.sh spec   # benchmarks/spec_7b.py: the 7.5B / 4-layer draft pair, prompt lookup
+#   bash benchmarks/h200_issue42.sh cpu    # the host's CPU pinned to 2 cores (MLX's CPU wheel from .dev/cpu):
+#                                          # bench np 1 / np 2 against aff0c91 (.dev/base), serve at 8 clients
+#                                          # against aff0c91 and mlx_lm.server
+# Output and JSON land in $OUT.
+set -u
+O=${OUT:-/tmp/h200}
+mkdir -p "$O"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+case "${1:-}" in
+json)
+  nvidia-smi --query-gpu=name,clocks.sm,memory.used --format=csv,noheader
+  python3 - <<'EOF'
+import sys, time
+sys.path.insert(0, "benchmarks")
+from gpu_compare import GEMMA3_12B
+from random_ckpt import gemma3_checkpoint
+t = time.perf_counter()
+p = gemma3_checkpoint("/tmp/ckpt/gemma3-12b", **GEMMA3_12B)
+print(f"checkpoint {p} ready in {time.perf_counter() - t:.0f} s", flush=True)
+EOF
+  timeout 520 python3 benchmarks/serve_load.py --model /tmp/ckpt/gemma3-12b --servers ours-np1 --clients 1,16,64 \
+    --requests 2 --tokens 64 --formats text,json_schema,text,json_schema --json "$O/json42.json" 2>&1 \
+    | tee "$O/json42.log" | grep -v "^\s*$" | tail -40
+  ;;
+spec)
+  timeout 560 python3 benchmarks/spec_7b.py --json "$O/spec7b.jsonl" 2>&1 | tee "$O/spec7b.log" | cut -c1-400
+  ;;
+cpu)
+  mkdir -p /tmp/sitecpu && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/sitecpu .dev/cpu/*.whl
+  export PYTHONPATH=/tmp/sitecpu:$PYTHONPATH
+  python3 -c "import mlx.core as mx; print(mx.default_device())"
+  taskset -c 0,1 timeout 250 python3 benchmarks/bench_vs.py --vs .dev/base --shape cpu --prompt 128 --gen 48 \
+    --rounds 3 2>&1 | tee "$O/cpu_np1.log"
+  taskset -c 0,1 timeout 250 python3 benchmarks/bench_vs.py --vs .dev/base --shape cpu --prompt 128 --gen 48 \
+    --rounds 3 --np 2 --backend ring 2>&1 | tee "$O/cpu_np2.log"
+  ;;
+serve8)
+  mkdir -p /tmp/sitecpu && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/sitecpu .dev/cpu/*.whl
+  export PYTHONPATH=/tmp/sitecpu:$PYTHONPATH
+  taskset -c 0,1 timeout 400 python3 benchmarks/serve_load.py --servers ours-np1,ours-np1@.dev/base,mlx_lm-np1 \
+    --clients 8 --requests 2 --json "$O/serve8.json" 2>&1 | tee "$O/serve8.log" | grep -v "^\s*$" | tail -30
+  ;;
+*) echo "usage: $0 json|spec|cpu|serve8"; exit 2 ;;
+esac
