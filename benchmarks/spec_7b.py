@@ -12,7 +12,7 @@ layers, 32 q / 8 KV heads of 128, MLP 14336, vocabulary 32000, untied):
   scaled by the alpha (of --alphas) whose draft agrees with the target on
   the target's own greedy ids nearest --agree (the draft pair of the
   issue accepted ~68%); drafts run on a random-id prompt.
-- chain: every layer's output projections scaled by 1e-3, so the next id
+- chain: every layer's output projections scaled by 1e-5, so the next id
   is (nearly) a function of the last one: the model continues a sequence
   it has made verbatim. Lookup texts: "miss", a random-id prompt (its
   greedy ids repeat nothing, the counts of drafts say whether they did);
@@ -242,7 +242,7 @@ def main():
     del target
 
     # the chain: lookup on a text with no repeats and on one it continues verbatim
-    cw = scaled(base, 0, 1e-3)
+    cw = scaled(base, 0, 1e-5)
     chain = ours(SHAPE, cw)
     made, _ = generate(chain, prompt[:1], 200)
     made = [int(prompt[0])] + made

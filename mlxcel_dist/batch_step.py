@@ -83,17 +83,21 @@ class Steps:
     def splits(self, C: int) -> bool:
         """The one-row case (generate's row; a lone request): a model that opts in steps split
         (decode.SplitSegments: compiled segments between the layers' attention, which then runs
-        unmasked on the written prefix, so GPU backends take their fused decode kernels)."""
+        unmasked on the written prefix, so GPU backends take their fused decode kernels). With a
+        margin (drafts) only where no layer is a ring: a full layer's prefix 0 .. pos holds just this
+        row's positions (rejected drafts lie past it), a ring of window + margin slots does not."""
         e = self.e
         if self.split is None:
             self.split = splittable(e.model) and all(lay.kind == "kv" for lay in e.store.layout)
-        return C == 1 and self.split and e.compiled and not e.store.margin
+        return C == 1 and self.split and e.compiled and (not e.store.margin or
+                                                         all(lay.window is None for lay in e.store.layout))
 
-    def _split_row(self, x: mx.array) -> mx.array:
+    def _split_row(self, x: mx.array, p: int | None = None) -> mx.array:
+        """The one row's split step at host position p (default: the row's)."""
         e = self.e
         if self._segments is None:
             self._segments = SplitSegments(e.model)
-        logits = self._segments(x, e.store.buffers, e.store.views, e.rows[0].pos)
+        logits = self._segments(x, e.store.buffers, e.store.views, e.rows[0].pos if p is None else p)
         self.traces += self._segments.traced
         return logits
 
@@ -145,6 +149,8 @@ class Steps:
         store.reserve(n, max(pos) + L - 1)
         C = store.capacity()
         store.sync_pos(pos)
+        if L == 1 and self.splits(C):  # one row, one id (a draft model's step): split as a plain step
+            return self._split_row(tokens, pos[0])[:, None]
         x = tokens if C == n else mx.concatenate([tokens, mx.zeros((C - n, L), mx.int32)])
         logits = self._compiled_block(x) if e.compiled else self._forward_block(x)
         return logits[:n]

@@ -112,6 +112,23 @@ def test_draft_model_rolls_back_exactly(case, small_buffers):
     assert stats.accepted == drafter.draft.expected
 
 
+@pytest.mark.parametrize("case", ["llama/gqa_fp32", "qwen3_moe/gqa_fp32"])
+def test_split_steps_with_drafts_give_the_plain_ids(case, small_buffers):
+    # Every layer full (no ring): the plain steps between rounds and the draft model's one-id steps
+    # run split (fused decode attention on the prefix 0 .. pos, rejected drafts lying past it)
+    d = FIXTURES / case
+    model, twin = load_model(d).model, load_model(d).model
+    prompt = np.load(d / "reference.npz")["ids"][:3]
+    want = plain_ids(model, prompt, N)
+    drafter = misled(twin, K)
+    got, stats = spec_ids(model, prompt, N, drafter)
+    assert got == want and stats.accepted == drafter.draft.expected
+    assert model.engine.steps.splits(1) and drafter.draft.engine.steps.splits(1)
+    # a lookup that never hits: every step the plain one, split as without drafts
+    got, stats = spec_ids(model, prompt, N, BatchDrafts(K, lookup=PromptLookup(K, max_ngram=9, min_ngram=9)))
+    assert got == want and stats.drafted == 0
+
+
 def test_prompt_lookup_drafts_what_followed_the_latest_longest_match():
     pl = PromptLookup(3)
     assert pl.lookup([1, 2, 3, 4, 9, 2, 3, 5, 6, 7, 2, 3]) == [5, 6, 7]  # "2 3": its latest earlier occurrence
