@@ -34,7 +34,7 @@ spec)
   ;;
 cpu)
   mkdir -p /tmp/sitecpu && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/sitecpu .dev/cpu/*.whl
-  export PYTHONPATH=/tmp/sitecpu:$PYTHONPATH
+  export PYTHONPATH=/tmp/sitecpu${PYTHONPATH:+:$PYTHONPATH}
   python3 -c "import mlx.core as mx; print(mx.default_device())"
   taskset -c 0,1 timeout 250 python3 benchmarks/bench_vs.py --vs .dev/base --shape cpu --prompt 128 --gen 48 \
     --rounds 3 2>&1 | tee "$O/cpu_np1.log"
@@ -43,7 +43,7 @@ cpu)
   ;;
 serve8)
   mkdir -p /tmp/sitecpu && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/sitecpu .dev/cpu/*.whl
-  export PYTHONPATH=/tmp/sitecpu:$PYTHONPATH
+  export PYTHONPATH=/tmp/sitecpu${PYTHONPATH:+:$PYTHONPATH}
   taskset -c 0,1 timeout 400 python3 benchmarks/serve_load.py --servers ours-np1,ours-np1@.dev/base,mlx_lm-np1 \
     --clients 8 --requests 2 --json "$O/serve8.json" 2>&1 | tee "$O/serve8.log" | grep -v "^\s*$" | tail -30
   ;;
