@@ -133,19 +133,25 @@ def short_length_of(d: Path) -> int:
     return short_length(window, len(np.load(d / name)["ids"]))
 
 
-def assert_modes_match(npz: Path, ref, single: dict, tol: float, label, rows: int | None = None) -> None:
+def assert_modes_match(npz: Path, ref, single: dict, tol: float, label, rows: int | None = None,
+                       window: int | None = None) -> None:
     """Every mode's logits in `npz` (a launched job's) match the reference
     `ref` and the single-process logits `single` within `tol`. `rows`: the
     launch fed only that many tokens (`--short`), whose logits must be the
-    reference's first rows (causal attention); they are checked against those."""
+    reference's first rows (causal attention); they are checked against those,
+    and against the single-process run's first rows where each mode feeds the
+    short sequence as it fed the whole one (harness.modes of `window`: the
+    same chunks and decode start), so those rows were computed alike."""
     import numpy as np
 
     with np.load(npz) as z:
         got = {k: z[k] for k in z.files}
     assert set(got) == set(single)
+    T = len(ref)
+    same = rows is None or (window is not None and modes(window, rows) == modes(window, T))
     for mode, logits in got.items():
         r_ref = compare(logits, ref if rows is None else ref[:rows], tol)
         assert r_ref["ok"], (*label, mode, "vs reference", r_ref)
-        if rows is None:
-            r_one = compare(logits, single[mode], tol)
+        if same:
+            r_one = compare(logits, single[mode] if rows is None else single[mode][:rows], tol)
             assert r_one["ok"], (*label, mode, "vs np1", r_one)

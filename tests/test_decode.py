@@ -200,7 +200,8 @@ def test_static_decode_matches_the_eager_caches(case, start, monkeypatch):
     ids = np.load(d / "reference.npz")["ids"]
     assert len(ids) - start > 3 * 8, len(ids)
     want = eager_logits(model, ids, start)
-    for compiled in (True, False):
+    # the uncompiled static step (--no-compile) from the longer prompt only: the same buffers and views
+    for compiled in (True, False) if start > 1 else (True,):
         got = sequence_logits(model, ids, decode_from=start, compiled=compiled)[start:]
         # the same keys in another buffer layout: equal up to summation order
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max(), err_msg=f"{case} {compiled}")

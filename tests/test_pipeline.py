@@ -22,7 +22,7 @@ from mlxcel_dist.models.base import kv_sharing_cuts
 from mlxcel_dist.pipeline import REFUSED, plan_stages, stage_of, stage_ranges
 
 from reference_cases import (FIXTURES, assert_modes_match, case_id, cases, launched_results, short_length_of,
-                             single_process_logits)
+                             single_process_logits, window_of)
 from testproc import run_cmd
 
 HELPER = Path(__file__).parent / "helpers" / "pp_cases.py"
@@ -74,8 +74,9 @@ RUNS = {
     ("ring", 2, 2): [FIXTURES / n for n in ("gemma3/gqa_bf16", "llama/mqa_tied_fp32")],
     ("ring", 6, 2): [FIXTURES / "llama/gqa_fp32"],
 }
-# more ranks than CI's 2 cores: harness.short_length tokens (as tests/test_tp.py's SHORT)
-SHORT = {("mpi", 4, 4), ("mpi", 3, 3), ("mpi", 4, 2), ("ring", 6, 2)}
+# every launch: harness.short_length tokens (as tests/test_tp.py's SHORT: each mode still crosses
+# the window twice and feeds the short sequence as it feeds the whole one)
+SHORT = set(RUNS)
 COMBOS = [(*k, d) for k, ds in RUNS.items() for d in ds]
 
 
@@ -330,7 +331,7 @@ def test_pp_matches_reference_and_single_process(pp_results, single, backend, n,
         assert layers == set(range(r["start"], r["stop"]))
     rows = short_length_of(d) if (backend, n, P) in SHORT else None
     assert_modes_match(out / f"{key}.npz", np.load(_reference(d))["logits"], single[d], _tol(d), (backend, n, P),
-                       rows)
+                       rows, window_of(d))
 
 
 # --pp-handoff collective (no send/recv: MLX's NCCL backend has none) against the send/recv

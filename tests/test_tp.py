@@ -1,6 +1,6 @@
 """Tensor parallelism under the real launcher: N processes over ring and MPI,
-every fixture, every mode, against the transformers reference and against the
-single-process run."""
+every case at np 2 and every family at np 3 and 4, every mode, against the
+transformers reference and against the single-process run."""
 
 import sys
 from pathlib import Path
@@ -14,7 +14,7 @@ from mlxcel_dist.launcher import launch
 from mlxcel_dist.loader import check_shardable
 
 from reference_cases import (FIXTURES, assert_modes_match, case_id, cases, launched_results, short_length_of,
-                             single_process_logits)
+                             single_process_logits, window_of)
 from testproc import run_cmd
 
 HELPER = Path(__file__).parent / "helpers" / "tp_cases.py"
@@ -53,23 +53,13 @@ def single():
     return {d: single_process_logits(d) for d in CASES}
 
 
-# MPI runs every family at np 2 and 4. The ring backend runs the gemma3 cases
-# at np 2, and at np 4 one that replicates KV heads (mqa_fp32: 1 KV head on
-# all 4 ranks): with 4 ranks on CI's 2 cores its spinning receives make each
-# case slow (five took ~330 s; gqa_fp32 and mqa_fp32 150 s on a loaded 2-core
-# box). gqa_fp32 at np 4 (2 KV heads, each on 2 ranks) is the same split and
-# model code under MPI; the ring's 4-rank all_sum is mqa_fp32's.
+# MPI runs every case at np 2 and every family at np 3 and 4. The ring backend runs two gemma3
+# cases at np 2, and at np 4 one that replicates KV heads (mqa_fp32: 1 KV head on all 4 ranks): with
+# 4 ranks on CI's 2 cores its spinning receives make each case slow (five took ~330 s; gqa_fp32 and
+# mqa_fp32 150 s on a loaded 2-core box). gqa_fp32 at np 4 (2 KV heads, each on 2 ranks) is the same
+# split and model code under MPI; the ring's 4-rank all_sum is mqa_fp32's.
+_RING2 = [d for d in cases("gemma3") if d.name in ("gqa_bf16", "softcap_fp32")]
 _RING4 = [d for d in cases("gemma3") if d.name == "mqa_fp32"]
-# np 3 (uneven shares: 4 heads as 2, 1, 1; 8 heads with 2 KV heads as 3, 3, 2,
-# the middle rank holding both KV heads, one of them twice) under MPI for every
-# case but the bf16 twins of an fp32 case of the same split (attention and KV
-# heads, tied or not: _NP3_TWINS; their bf16 run under TP is checked at np 2),
-# plus one --rank-weights case: its launch took 50 s here (np 2: 39 s,
-# np 4: 66 s, on 2 cores).
-_NP3_TWINS = {"gemma3/gqa_bf16": "gemma3/gqa_fp32", "gemma4/dense_bf16": "gemma4/dense_fp32",
-              "gpt_oss/gqa_bf16": "gpt_oss/gqa_fp32", "recurrent_gemma/mqa_bf16": "recurrent_gemma/mqa_fp32",
-              "step3p5/moe_bf16": "step3p5/moe_fp32", "qwen3_next/hybrid_bf16": "qwen3_next/hybrid_fp32"}
-_NP3 = [d for d in CASES if case_id(d) not in _NP3_TWINS]
 _WEIGHTED = [(FIXTURES / "olmo3" / "gqa_fp32", "1,2,1")]
 
 
@@ -80,15 +70,24 @@ def _kv_heads(d) -> int:
     return int(getattr(a, "num_key_value_heads", None) or a.num_attention_heads)
 
 
-# np 4: per family its fp32 case with the fewest KV heads (each KV head on 2 or
-# 4 ranks: the replicated split np 2 never makes); np 3 and np 2 run every case
-_NP4 = list({d.parent.name: d for d in sorted(CASES, key=lambda d: ("fp32" in d.name, -_kv_heads(d)))}.values())
-RUNS = {("mpi", 2): CASES, ("mpi", 3): _NP3 + _WEIGHTED, ("mpi", 4): _NP4, ("ring", 2): cases("gemma3"),
+def _per_family(most_kv: bool) -> list:
+    """Per family its fp32 case with the most (or fewest) KV heads."""
+    order = sorted(CASES, key=lambda d: ("fp32" in d.name, _kv_heads(d) if most_kv else -_kv_heads(d)))
+    return list({d.parent.name: d for d in order}.values())
+
+
+# np 4: per family its fp32 case with the fewest KV heads (each KV head on 2 or 4 ranks: the
+# replicated split np 2 never makes); np 3 (uneven shares: 4 heads as 2, 1, 1; 8 heads with 2 KV
+# heads as 3, 3, 2, the middle rank holding both KV heads, one of them twice): per family its fp32
+# case with the most, plus one --rank-weights case; np 2: every case
+_NP4 = _per_family(most_kv=False)
+_NP3 = _per_family(most_kv=True)
+RUNS = {("mpi", 2): CASES, ("mpi", 3): _NP3 + _WEIGHTED, ("mpi", 4): _NP4, ("ring", 2): _RING2,
         ("ring", 4): _RING4}
-# At 3 and 4 ranks (more ranks than CI's 2 cores: every collective waits for a
-# descheduled rank) the cases run on harness.short_length tokens, which still
-# cross the window twice in every mode; np 2 runs every case at full length.
-SHORT = {("mpi", 3), ("mpi", 4), ("ring", 4)}
+# Every launch feeds harness.short_length tokens, which still cross the window twice in every mode
+# (and feed each mode as the whole sequence does: their logits are compared with the single-process
+# run's first rows too)
+SHORT = set(RUNS)
 COMBOS = [(b, n, d) for (b, n), ds in RUNS.items() for d in ds]
 
 
@@ -118,21 +117,7 @@ def test_tp_matches_reference_and_single_process(tp_results, single, backend, n,
     d = d[0] if isinstance(d, tuple) else d
     rows = short_length_of(d) if (backend, n) in SHORT else None
     assert_modes_match(out / f"{name}.npz", np.load(d / "reference.npz")["logits"], single[d], _tol(d), (backend, n),
-                       rows)
-
-
-def test_np3_twins_split_as_their_fp32_case():
-    # a bf16 case left out at np 3 splits there as its fp32 twin (which runs)
-    from mlxcel_dist.loader import model_args, read_config
-
-    def split(d):
-        a = model_args(read_config(d))
-        return a.num_attention_heads, a.num_key_value_heads, getattr(a, "tie_word_embeddings", None)
-
-    ids = {case_id(d): d for d in CASES}
-    for twin, kept in _NP3_TWINS.items():
-        assert split(ids[twin]) == split(ids[kept]) and ids[kept] in _NP3, (twin, kept)
-        assert ids[twin] in RUNS[("mpi", 2)], twin
+                       rows, window_of(d))
 
 
 def test_kv_head_counts_covered():
