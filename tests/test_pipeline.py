@@ -58,8 +58,15 @@ def _reference(d):
 # one case per family (its first with >= 4 layers, or its last)
 _ONE_PER_FAMILY = list({d.parent.name: d for d in sorted(CASES, key=lambda d: _layers(d) >= 4)}.values())
 # (backend, ranks, stages): ranks / stages tensor-parallel ranks per stage
+def _tied(d) -> bool:
+    return bool(getattr(model_args(read_config(d)), "tie_word_embeddings", False))
+
+
+# pp 2: per family a case with a tied head and one with its own where the family has both (the last
+# stage then holds the embedding matrix as its head, or an lm_head), and the quantized checkpoints
+_PP2 = list({(d.parent.name, _tied(d)): d for d in sorted(CASES, key=lambda d: "fp32" in d.name)}.values())
 RUNS = {
-    ("mpi", 2, 2): CASES + QUANTIZED,
+    ("mpi", 2, 2): _PP2 + QUANTIZED,
     # 4 ranks on CI's 2 cores are slow: one case per fixture family (its first with a cut into 4:
     # >= 4 layers, and for gemma3n / gemma4 the KV-sharing layers with their sources, which no fixture has)
     ("mpi", 4, 4): list({d.parent.name: d for d in reversed(CASES) if _layers(d) >= 4 and _cuts_into(d, 4)}.values()),
@@ -70,9 +77,9 @@ RUNS = {
     ("mpi", 4, 2): [d for d in _ONE_PER_FAMILY
                     if d.parent.name in ("llama", "cohere2", "gemma3n", "gpt_oss", "recurrent_gemma", "baichuan_m1")],
     # ring: send/recv over its sockets too, on two cases (its spinning receives make
-    # every case slow on CI's 2 cores); 6 ranks: 2 stages of 3 (uneven heads) on one
+    # every case slow on CI's 2 cores); 6 ranks: 2 stages of 3 (uneven heads)
     ("ring", 2, 2): [FIXTURES / n for n in ("gemma3/gqa_bf16", "llama/mqa_tied_fp32")],
-    ("ring", 6, 2): [FIXTURES / "llama/gqa_fp32"],
+    ("mpi", 6, 2): [FIXTURES / "llama/gqa_fp32"],
 }
 # every launch: harness.short_length tokens (as tests/test_tp.py's SHORT: each mode still crosses
 # the window twice and feeds the short sequence as it feeds the whole one)
