@@ -41,10 +41,10 @@ def run(args) -> None:
     import mlx.core as mx
     import numpy as np
 
-    from mlxcel_dist.batch import BatchEngine, slot_step
-    from mlxcel_dist.distributed import init_from_env
-    from mlxcel_dist.loader import load_model
-    from mlxcel_dist.sampling import SamplingParams
+    from mlxcel_dist.engine.batch import BatchEngine, slot_step
+    from mlxcel_dist.parallel.distributed import init_from_env
+    from mlxcel_dist.checkpoint.loader import load_model
+    from mlxcel_dist.engine.sampling import SamplingParams
 
     group = init_from_env()
     t = time.perf_counter()
@@ -59,8 +59,8 @@ def run(args) -> None:
     greedy = SamplingParams(temp=0.0)
     grammars = {"none": None}
     if any(g != "none" for g in args.grammar):
-        from mlxcel_dist import grammar
-        from mlxcel_dist.tokenizer import Tokenizer
+        from mlxcel_dist.engine import grammar
+        from mlxcel_dist.checkpoint.tokenizer import Tokenizer
         from serve_load import FORMATS
 
         tok = Tokenizer(loaded.model_dir, loaded.config)
@@ -122,9 +122,9 @@ def count_admission(model_path: str, rows: int) -> dict:
     import numpy as np
 
     from step_primitives import VIEWS, count_graph  # the decode-step counter's graph reading
-    from mlxcel_dist.batch import BatchEngine
-    from mlxcel_dist.loader import load_model
-    from mlxcel_dist.sampling import SamplingParams
+    from mlxcel_dist.engine.batch import BatchEngine
+    from mlxcel_dist.checkpoint.loader import load_model
+    from mlxcel_dist.engine.sampling import SamplingParams
 
     model = load_model(model_path).model
     greedy = SamplingParams(temp=0.0)
@@ -166,7 +166,7 @@ def main() -> int:
     args.micro = [int(x) for x in args.micro.split(",")] if args.micro else None
     args.np = max(args.np, args.pp)
     if args.np > 1 and not os.environ.get("MLXCEL_DIST_WORLD"):
-        from mlxcel_dist.launcher import launch
+        from mlxcel_dist.cluster.launcher import launch
 
         argv = [a for a in sys.argv[1:]]  # (--np is read again: the job size)
         return launch(argv, args.np, args.backend, script=__file__)

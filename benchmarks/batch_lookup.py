@@ -42,7 +42,7 @@ def old_batch_spec():
                          check=True, capture_output=True, text=True).stdout
     spec = importlib.util.spec_from_loader("mlxcel_dist._batch_spec_before", loader=None)
     mod = importlib.util.module_from_spec(spec)
-    mod.__package__ = "mlxcel_dist"
+    mod.__package__ = "mlxcel_dist.engine"
     exec(compile(src, "batch_spec_before.py", "exec"), mod.__dict__)
     return mod
 
@@ -62,11 +62,11 @@ def main() -> None:
     import mlx.core as mx
     import numpy as np
 
-    from mlxcel_dist.batch import BatchEngine
-    from mlxcel_dist.batch_spec import BatchDrafts
-    from mlxcel_dist.loader import default_model_dir, load_model
-    from mlxcel_dist.sampling import SamplingParams
-    from mlxcel_dist.spec import PromptLookup
+    from mlxcel_dist.engine.batch import BatchEngine
+    from mlxcel_dist.engine.batch_spec import BatchDrafts
+    from mlxcel_dist.checkpoint.loader import default_model_dir, load_model
+    from mlxcel_dist.engine.sampling import SamplingParams
+    from mlxcel_dist.engine.spec import PromptLookup
 
     model = load_model(args.model or default_model_dir()).model
     n_vocab = model.args.vocab_size

@@ -40,8 +40,8 @@ def one_pass(model, rows: bool, R: int, prompt: int, steps: int, seed: int) -> f
     import mlx.core as mx
     import numpy as np
 
-    from mlxcel_dist.batch import BatchEngine
-    from mlxcel_dist.sampling import SamplingParams
+    from mlxcel_dist.engine.batch import BatchEngine
+    from mlxcel_dist.engine.sampling import SamplingParams
 
     eng = BatchEngine(model)
     if rows:
@@ -63,7 +63,7 @@ def one_pass(model, rows: bool, R: int, prompt: int, steps: int, seed: int) -> f
 
 def run_case(model_dir, bits, group, args) -> dict:
     from mlxcel_dist.cache import KVOptions
-    from mlxcel_dist.loader import default_model_dir, load_model
+    from mlxcel_dist.checkpoint.loader import default_model_dir, load_model
 
     d = model_dir or default_model_dir()
     model = load_model(d, kv=KVOptions(bits=bits, group_size=group)).model

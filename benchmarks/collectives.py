@@ -6,7 +6,7 @@
     python benchmarks/collectives.py --hog 1          # one other busy process on the box
     python benchmarks/collectives.py --np 4 --layers 0 --trials 1   # latency only
 
-Each configuration is started through mlxcel_dist.launcher.launch (this file,
+Each configuration is started through mlxcel_dist.cluster.launcher.launch (this file,
 re-run as a rank with --worker). Every rank measures:
 
 1. latency: ``--iters`` evaluated all_sums of a [1, 1, hidden] float32 array,
@@ -21,7 +21,7 @@ re-run as a rank with --worker). Every rank measures:
    the difference is what the collectives cost inside a real dependency
    chain. np 1 runs the full weights without collectives: the TP baseline.
 
-Configurations (--backends): ``ring`` and ``mpi`` as mlxcel_dist.launcher
+Configurations (--backends): ``ring`` and ``mpi`` as mlxcel_dist.cluster.launcher
 starts them (mpi with OMPI_MCA_mpi_yield_when_idle=1, the launcher's
 default); ``mpi-spin``: Open MPI's default busy poll (yield_when_idle=0);
 ``mpi-bind-core``: ``--bind-to core``; ``ring-mlx.launch``: the same ring
@@ -63,7 +63,7 @@ def _threads() -> int:
 def worker(args) -> int:
     import mlx.core as mx
 
-    from mlxcel_dist.distributed import init_from_env
+    from mlxcel_dist.parallel.distributed import init_from_env
 
     group = init_from_env()
     n = group.size()
@@ -149,7 +149,7 @@ def _fmt(v, spec=".0f"):
 
 
 def driver(args) -> int:
-    from mlxcel_dist.launcher import find_mpirun, launch
+    from mlxcel_dist.cluster.launcher import find_mpirun, launch
 
     # (name, np, backend, extra mpirun args, extra env)
     configs = [("np1", 1, "ring", None, None)] if args.layers > 0 else []

@@ -17,7 +17,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten, tree_map
 
 from mlxcel_dist.bench import run_bench
-from mlxcel_dist.loader import build_model
+from mlxcel_dist.checkpoint.loader import build_model
 
 CONFIG = dict(  # MLA at a quarter of DeepSeek-V3.2's head count and dims, its indexer at a quarter too
     vocab_size=4096, hidden_size=1024, intermediate_size=2048, num_hidden_layers=4,

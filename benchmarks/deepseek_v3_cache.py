@@ -17,7 +17,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten, tree_map
 
 from mlxcel_dist.bench import run_bench
-from mlxcel_dist.loader import build_model
+from mlxcel_dist.checkpoint.loader import build_model
 from mlxcel_dist.models import deepseek_v3
 
 CONFIG = dict(  # MLA at a quarter of DeepSeek-V3's head count and dims, dense layers only

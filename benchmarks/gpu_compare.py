@@ -4,7 +4,7 @@ A gemma3-12b-shaped bf16 model with random weights is built in memory (no
 24 GB file to write); mlx-lm's gemma3_text model is given the very same
 arrays, so both read identical weights. For each: prefill of P prompt tokens
 (tok/s) and greedy decode of G tokens (tok/s), through each project's own
-generation loop (ours: mlxcel_dist.generation.Generation; mlx-lm:
+generation loop (ours: mlxcel_dist.engine.generation.Generation; mlx-lm:
 mlx_lm.generate.generate_step). Also the share of the HBM roofline decode
 reaches (each token streams every weight once) and the NCCL backend at size 1.
 
@@ -98,7 +98,7 @@ def _stub_transformers() -> None:
 
 
 def build_ours(cfg: dict):
-    from mlxcel_dist.loader import build_model
+    from mlxcel_dist.checkpoint.loader import build_model
 
     model = build_model(cfg)
     # random weights, std 0.02 (norm weights too: gemma's 1 + w stays near 1)
@@ -147,7 +147,7 @@ def host_build_ms(model, prompt, split: bool, steps: int = 16) -> dict:
     built (BatchEngine.scores unread), on a 2048-token cache; split or the
     whole-graph step. (The host's build time alone is not separated: the
     engine builds and starts a step in one call.)"""
-    from mlxcel_dist.batch import BatchEngine
+    from mlxcel_dist.engine.batch import BatchEngine
 
     e = BatchEngine(model)
     if not split:
@@ -167,7 +167,7 @@ def host_build_ms(model, prompt, split: bool, steps: int = 16) -> dict:
 
 
 def time_ours(model, prompt, gen, prefill_step=None, compiled=True, step=None):
-    from mlxcel_dist.generation import Generation
+    from mlxcel_dist.engine.generation import Generation
 
     # step: the engine to run on (e.g. one whose one-row steps are whole-graph, not split)
     g = Generation(model, prompt, gen, prefill_step=prefill_step, compiled=compiled, engine=step)
@@ -248,7 +248,7 @@ def main() -> None:
     prompt = mx.random.randint(0, cfg["vocab_size"], (a.prompt,), key=mx.random.key(1)).tolist()
 
     # same logits on the same weights (bf16: expect ~1e-2 of the scale)
-    from mlxcel_dist.generation import sequence_logits
+    from mlxcel_dist.engine.generation import sequence_logits
     import numpy as np
 
     short = prompt[:64]
@@ -283,7 +283,7 @@ def main() -> None:
 def families_main(a) -> None:
     import gc
 
-    from mlxcel_dist.batch import BatchEngine
+    from mlxcel_dist.engine.batch import BatchEngine
 
     def emit(row):
         print(json.dumps(row), flush=True)
@@ -319,7 +319,7 @@ def families_main(a) -> None:
             info = {"family": fam, "params_b": round(n_params / 1e9, 3), "active_b": round(active / 1e9, 3),
                     "build_s": round(time.perf_counter() - t0, 1)}
             if theirs is not None:
-                from mlxcel_dist.generation import sequence_logits
+                from mlxcel_dist.engine.generation import sequence_logits
                 import numpy as np
 
                 try:
@@ -332,7 +332,7 @@ def families_main(a) -> None:
                     info["logits_check_failed"] = f"{type(e).__name__}: {e}"[:200]
             split_step, whole_step = BatchEngine(ours), BatchEngine(ours)
             whole_step.split = False
-            from mlxcel_dist.decode import splittable
+            from mlxcel_dist.engine.decode import splittable
 
             info["split_available"] = splittable(ours)
             emit(info)

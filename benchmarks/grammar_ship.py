@@ -16,7 +16,7 @@ matchers (benchmarks/grammar_engines.py's schema and document). Per step:
   the exchange of an empty message, serve's per-step sync, is timed apart
   and subtracted (it is paid either way).
 
-Started through mlxcel_dist.launcher (ring backend), this file re-run as a
+Started through mlxcel_dist.cluster.launcher (ring backend), this file re-run as a
 rank with --worker. Rank 0 prints p50 / p90 microseconds per step.
 """
 
@@ -44,8 +44,8 @@ def worker(args) -> int:
     from tokenizers import Tokenizer
 
     from grammar_engines import DOC, SCHEMA
-    from mlxcel_dist.collectives import HostChannel
-    from mlxcel_dist.distributed import init_from_env
+    from mlxcel_dist.parallel.collectives import HostChannel
+    from mlxcel_dist.parallel.distributed import init_from_env
 
     group = init_from_env()
     channel = HostChannel.open(group)
@@ -101,7 +101,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.worker:
         return worker(args)
-    from mlxcel_dist.launcher import launch
+    from mlxcel_dist.cluster.launcher import launch
 
     wargs = ["--worker", "--rows", str(args.rows), "--tokenizer", args.tokenizer, "--vocab", str(args.vocab),
              "--repeats", str(args.repeats)]

@@ -78,11 +78,11 @@ def main() -> None:
 
     import llguidance
 
-    from mlxcel_dist import grammar
-    from mlxcel_dist.batch import BatchEngine
-    from mlxcel_dist.loader import default_model_dir, load_model
-    from mlxcel_dist.sampling import SamplingParams
-    from mlxcel_dist.tokenizer import Tokenizer
+    from mlxcel_dist.engine import grammar
+    from mlxcel_dist.engine.batch import BatchEngine
+    from mlxcel_dist.checkpoint.loader import default_model_dir, load_model
+    from mlxcel_dist.engine.sampling import SamplingParams
+    from mlxcel_dist.checkpoint.tokenizer import Tokenizer
     from serve_load import FORMATS
 
     loaded = load_model(args.model or default_model_dir())

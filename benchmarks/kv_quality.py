@@ -31,10 +31,10 @@ from pathlib import Path
 import numpy as np
 
 from mlxcel_dist.cache import KV_GROUP_SIZES, KVOptions
-from mlxcel_dist.generation import sequence_logits
+from mlxcel_dist.engine.generation import sequence_logits
 from mlxcel_dist.harness import _log_softmax
-from mlxcel_dist.loader import default_model_dir, load_model, open_model
-from mlxcel_dist.tokenizer import Tokenizer
+from mlxcel_dist.checkpoint.loader import default_model_dir, load_model, open_model
+from mlxcel_dist.checkpoint.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 TEXT = ("The sea is calm today. The sky is clear and the sun is warm. There is a light wind from the west. "
@@ -86,7 +86,7 @@ def family_configs():
 def random_model(config, kv=None):
     import mlx.core as mx
 
-    from mlxcel_dist.loader import build_model
+    from mlxcel_dist.checkpoint.loader import build_model
 
     mx.random.seed(0)
     m = build_model(config)

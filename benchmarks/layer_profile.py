@@ -51,8 +51,8 @@ def _timer(fn, iters: int) -> float:
 
 def pieces(ours_layer, theirs_layer, x, fresh_ours_cache, fresh_theirs_cache):
     """{piece: {impl: fn}}: each fn builds that piece's lazy outputs."""
-    from mlxcel_dist import blocks
-    from mlxcel_dist.attention import causal_attention
+    from mlxcel_dist.nn import blocks
+    from mlxcel_dist.nn.attention import causal_attention
 
     oa, ta = ours_layer.self_attn, theirs_layer.self_attn
     B, T, _ = x.shape

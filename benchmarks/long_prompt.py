@@ -38,7 +38,7 @@ def measure(model, T: int, step: int) -> dict:
     import mlx.core as mx
 
     from mlxcel_dist.bench import prompt_ids
-    from mlxcel_dist.generation import Generation
+    from mlxcel_dist.engine.generation import Generation
 
     gc.collect()
     mx.clear_cache()
@@ -66,7 +66,7 @@ def main() -> int:
 
     from random_ckpt import gemma3_checkpoint
 
-    from mlxcel_dist.loader import load_model
+    from mlxcel_dist.checkpoint.loader import load_model
 
     path = gemma3_checkpoint(**LONG_MODEL)
     model = load_model(path).model

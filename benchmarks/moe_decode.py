@@ -80,8 +80,8 @@ STEPS = {}
 
 
 def run_ours(model, prompt, gen, split: bool):
-    from mlxcel_dist.batch import BatchEngine
-    from mlxcel_dist.generation import Generation
+    from mlxcel_dist.engine.batch import BatchEngine
+    from mlxcel_dist.engine.generation import Generation
 
     if split not in STEPS:  # one engine per step kind, kept: its traces are reused by later reps
         STEPS[split] = BatchEngine(model)
@@ -137,8 +137,8 @@ def main() -> None:
     from mlx_lm._version import __version__ as mlx_lm_version
     from mlx_lm.models.cache import make_prompt_cache
 
-    import mlxcel_dist.experts as experts
-    from mlxcel_dist.generation import sequence_logits
+    import mlxcel_dist.nn.experts as experts
+    from mlxcel_dist.engine.generation import sequence_logits
 
     cfg = shape(a)
     t = time.perf_counter()

@@ -55,7 +55,7 @@ CONTEXT = 128  # a short prompt (the published runs' prompts were short)
 def published() -> None:
     from header_ckpt import write_header_only
 
-    from mlxcel_dist.loader import open_model
+    from mlxcel_dist.checkpoint.loader import open_model
     from mlxcel_dist.plan import make_plan
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -99,7 +99,7 @@ def _median_run(cmd, key, rounds, env=None, cwd=ROOT):
 
 PLAN_CODE = """
 import json, sys
-from mlxcel_dist.loader import open_model
+from mlxcel_dist.checkpoint.loader import open_model
 from mlxcel_dist.plan import make_plan
 p = make_plan(open_model(sys.argv[1]), 1, context=int(sys.argv[2]))
 print(json.dumps({"ms": 1e3 * p["token_s"], "host": p["host"], "bw": p["bandwidth"]}))

@@ -29,7 +29,7 @@ def checkpoint() -> Path:
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    from mlxcel_dist.loader import build_model
+    from mlxcel_dist.checkpoint.loader import build_model
 
     out = cache_dir() / "qwen3_moe_random"
     if (out / "config.json").exists() and json.loads((out / "config.json").read_text()) == CONFIG:

@@ -17,9 +17,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
-from mlxcel_dist.batch import BatchEngine  # noqa: E402
-from mlxcel_dist.loader import default_model_dir, load_model  # noqa: E402
-from mlxcel_dist.sampling import SamplingParams  # noqa: E402
+from mlxcel_dist.engine.batch import BatchEngine  # noqa: E402
+from mlxcel_dist.checkpoint.loader import default_model_dir, load_model  # noqa: E402
+from mlxcel_dist.engine.sampling import SamplingParams  # noqa: E402
 
 
 def admit(model, prompts) -> tuple[float, int]:

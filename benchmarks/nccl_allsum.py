@@ -3,7 +3,7 @@
     python benchmarks/nccl_allsum.py --np 2 --backend nccl      # two GPUs
     python benchmarks/nccl_allsum.py --np 2 --backend mpi       # CPU ranks
 
-Each rank (this file re-run through mlxcel_dist.launcher.launch) times, for
+Each rank (this file re-run through mlxcel_dist.cluster.launcher.launch) times, for
 a [1, 1, hidden] array of --dtype:
 
 - one: `--iters` all_sums, each evaluated on its own (host waits each time);
@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 def worker(a) -> None:
     import mlx.core as mx
 
-    from mlxcel_dist.distributed import init_from_env
+    from mlxcel_dist.parallel.distributed import init_from_env
 
     group = init_from_env()
     dt = getattr(mx, a.dtype)
@@ -89,7 +89,7 @@ def main() -> int:
     if a.worker:
         worker(a)
         return 0
-    from mlxcel_dist.launcher import launch
+    from mlxcel_dist.cluster.launcher import launch
 
     args = ["--worker", "--backend", a.backend, "--hidden", str(a.hidden), "--dtype", a.dtype,
             "--chain", str(a.chain), "--iters", str(a.iters), "--reps", str(a.reps)]

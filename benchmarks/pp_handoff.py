@@ -8,7 +8,7 @@ point-to-point ops (NCCL).
     python benchmarks/pp_handoff.py                       # ring and mpi, np 2 and 4
     python benchmarks/pp_handoff.py --np 2 --backends ring --hidden 4096
 
-Each configuration is launched through mlxcel_dist.launcher (this file
+Each configuration is launched through mlxcel_dist.cluster.launcher (this file
 re-run as a rank with --worker). Every way is timed over --iters hand-offs
 of [1, L, hidden] float32, one evaluated at a time (what a decode step's
 hop is), L = 1 (decode) and --prefill (a prompt chunk), ways interleaved
@@ -29,7 +29,7 @@ import time
 def worker(a) -> None:
     import mlx.core as mx
 
-    from mlxcel_dist import distributed
+    from mlxcel_dist.parallel import distributed
 
     g = distributed.init_from_env().raw
     r, n = g.rank(), g.size()
@@ -87,7 +87,7 @@ def main() -> None:
     rows = []
     for backend in a.backends:
         for n in a.np:
-            code = (f"import sys; from mlxcel_dist.launcher import launch; "
+            code = (f"import sys; from mlxcel_dist.cluster.launcher import launch; "
                     f"sys.exit(launch({['--worker', '--hidden', str(a.hidden), '--prefill', str(a.prefill), '--iters', str(a.iters)]!r}, "
                     f"{n}, {backend!r}, script={os.path.abspath(__file__)!r}))")
             p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 def run(args) -> None:
     import mlx.core as mx
 
-    from mlxcel_dist.distributed import init_from_env
+    from mlxcel_dist.parallel.distributed import init_from_env
 
     group = init_from_env()
     raw, rank = group.raw, group.rank()
@@ -119,7 +119,7 @@ def main() -> int:
     args = ap.parse_args()
     if not os.environ.get("MLXCEL_DIST_WORLD"):
         alone(args)
-        from mlxcel_dist.launcher import launch
+        from mlxcel_dist.cluster.launcher import launch
 
         return launch(sys.argv[1:], 2, args.backend, script=__file__)
     run(args)

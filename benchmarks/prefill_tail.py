@@ -36,7 +36,7 @@ def _lap(t: list) -> float:
 def ours_stages(model, engine, prompt) -> dict:
     import numpy as np
 
-    from mlxcel_dist.prefill import Admission
+    from mlxcel_dist.engine.prefill import Admission
 
     last = len(prompt) - 1
     cache = model.make_cache()
@@ -93,7 +93,7 @@ def main() -> None:
         cfg.update(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
                    num_key_value_heads=2, head_dim=64, vocab_size=512)
     _stub_transformers()
-    from mlxcel_dist.batch import BatchEngine
+    from mlxcel_dist.engine.batch import BatchEngine
 
     ours, weights = build_ours(cfg)
     theirs = build_mlx_lm(cfg, weights)

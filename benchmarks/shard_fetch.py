@@ -29,10 +29,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from random_ckpt import BENCH_200M, gemma3_checkpoint  # noqa: E402
 
-from mlxcel_dist import fetch, shardcache as sc  # noqa: E402
-from mlxcel_dist.collectives import Group  # noqa: E402
-from mlxcel_dist.hostfile import Host  # noqa: E402
-from mlxcel_dist.loader import load_model, open_model  # noqa: E402
+from mlxcel_dist.checkpoint import fetch, shardcache as sc  # noqa: E402
+from mlxcel_dist.parallel.collectives import Group  # noqa: E402
+from mlxcel_dist.cluster.hostfile import Host  # noqa: E402
+from mlxcel_dist.checkpoint.loader import load_model, open_model  # noqa: E402
 
 
 def link_rate(nbytes: int) -> float:

@@ -55,7 +55,7 @@ DRAFT_LAYERS = 4
 
 
 def random_weights(cfg: dict, seed: int) -> list:
-    from mlxcel_dist.loader import build_model
+    from mlxcel_dist.checkpoint.loader import build_model
 
     shapes = tree_flatten(build_model(cfg).parameters())
     keys = mx.random.split(mx.random.key(seed), len(shapes))
@@ -84,7 +84,7 @@ def scaled(weights: list, first_layer: int, alpha: float) -> list:
 
 
 def ours(cfg: dict, weights: list):
-    from mlxcel_dist.loader import build_model
+    from mlxcel_dist.checkpoint.loader import build_model
 
     m = build_model(cfg)
     m.load_weights(weights)
@@ -100,7 +100,7 @@ def draft_of(cfg: dict, weights: list):
 
 
 def generate(model, prompt, gen: int, spec=None) -> tuple[list, dict]:
-    from mlxcel_dist.generation import Generation
+    from mlxcel_dist.engine.generation import Generation
 
     g = Generation(model, np.asarray(prompt, np.int32), gen, spec=spec)
     ids, t0 = [], None
@@ -182,7 +182,7 @@ def main():
     if a.tiny:
         SHAPE.update(hidden_size=256, intermediate_size=512, num_hidden_layers=8, num_attention_heads=4,
                      num_key_value_heads=2, head_dim=64, vocab_size=2048)
-    from mlxcel_dist.batch_spec import BatchDrafts, DraftRows
+    from mlxcel_dist.engine.batch_spec import BatchDrafts, DraftRows
 
     out = open(a.json, "a") if a.json else None
 

@@ -57,9 +57,9 @@ def repeat_text() -> str:
 
 def np1(target_dir: str, gen: int) -> list:
     from mlxcel_dist.bench import run_bench
-    from mlxcel_dist.loader import load_model
-    from mlxcel_dist.batch_spec import BatchDrafts, DraftRows
-    from mlxcel_dist.tokenizer import Tokenizer
+    from mlxcel_dist.checkpoint.loader import load_model
+    from mlxcel_dist.engine.batch_spec import BatchDrafts, DraftRows
+    from mlxcel_dist.checkpoint.tokenizer import Tokenizer
 
     target = load_model(target_dir).model
     draft_model = load_model(DRAFT).model
@@ -85,7 +85,7 @@ def costs(target, draft, k: int, n: int = 20) -> dict:
     import mlx.core as mx
     import numpy as np
 
-    from mlxcel_dist.batch import BatchEngine
+    from mlxcel_dist.engine.batch import BatchEngine
 
     def timed(model, margin, L):
         # a row at position 100 fed L ids at the same positions each time (as a rolled-back round)
@@ -115,7 +115,7 @@ def mlx_lm_rows(target_dir: str, gen: int) -> list:
     from mlx_lm import load
     from mlx_lm.generate import generate_step, speculative_generate_step
 
-    from mlxcel_dist.tokenizer import Tokenizer
+    from mlxcel_dist.checkpoint.tokenizer import Tokenizer
 
     m, _ = load(target_dir)
     d, _ = load(str(DRAFT))
@@ -147,7 +147,7 @@ def mlx_lm_rows(target_dir: str, gen: int) -> list:
 
 
 def np2_rows(target_dir: str, gen: int) -> list:
-    from mlxcel_dist.tokenizer import Tokenizer
+    from mlxcel_dist.checkpoint.tokenizer import Tokenizer
 
     tok = Tokenizer(Path(target_dir))
     rows = []

@@ -187,7 +187,7 @@ def unfused_projections():
     """For `--unfused`: blocks.FUSE_PROJECTIONS and experts.FUSE_GATE_UP off,
     i.e. q/k/v and gate/up as separate matmuls / gathers (the layout before
     the fused projections)."""
-    from mlxcel_dist import blocks, experts
+    from mlxcel_dist.nn import blocks, experts
 
     was = blocks.FUSE_PROJECTIONS, experts.FUSE_GATE_UP
     blocks.FUSE_PROJECTIONS = experts.FUSE_GATE_UP = False
@@ -223,9 +223,9 @@ def _zeros_kv(n_kv, P, D, dtype):
 def count_ours(cfg, weights_dtype, P, split, unfused=False):
     import numpy as np
 
-    from mlxcel_dist.batch import BatchEngine
+    from mlxcel_dist.engine.batch import BatchEngine
     from mlxcel_dist.models import gpt_oss
-    from mlxcel_dist.prefill import Admission
+    from mlxcel_dist.engine.prefill import Admission
 
     model, _ = build(cfg, weights_dtype)
     a = model.args

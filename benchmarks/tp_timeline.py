@@ -61,7 +61,7 @@ def build(cfg, group):
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    from mlxcel_dist.loader import build_model
+    from mlxcel_dist.checkpoint.loader import build_model
 
     model = build_model(cfg)
     if not group.single:
@@ -85,7 +85,7 @@ def guard_cost(group, steps: int) -> dict:
     import mlx.core as mx
     import numpy as np
 
-    from mlxcel_dist.engine import RankAgreement
+    from mlxcel_dist.engine.guard import RankAgreement
 
     g = RankAgreement(group, 1)
     y = mx.array(5, mx.int32)
@@ -107,8 +107,8 @@ def guard_cost(group, steps: int) -> dict:
 def guard_ab(model, prompt, gen, group, rounds, out):
     """Decode tok/s with the agreement check off (ce 0) and on (new), alternated
     (the pre-bc14032 variant, "old", is gone with the loop it patched)."""
-    from mlxcel_dist.engine import RankAgreement
-    from mlxcel_dist.generation import Generation
+    from mlxcel_dist.engine.guard import RankAgreement
+    from mlxcel_dist.engine.generation import Generation
 
     res = {"ce0": [], "new": []}
     order = ["ce0", "new"]
@@ -210,7 +210,7 @@ def prefill_profile(model, prompt, group, reps: int = 3) -> dict:
 def decode_rounds(model, prompt, gen, group, rounds, out):
     import mlx.core as mx
 
-    from mlxcel_dist.generation import Generation
+    from mlxcel_dist.engine.generation import Generation
 
     dec = {"1": [], "0": []}
     checks = {}
@@ -230,9 +230,9 @@ def worker(a) -> None:
     import mlx.core as mx
 
     from gpu_compare import GEMMA3_12B, SMALL, config
-    from mlxcel_dist.collectives import SINGLE
-    from mlxcel_dist.distributed import init_from_env
-    from mlxcel_dist.generation import Generation
+    from mlxcel_dist.parallel.collectives import SINGLE
+    from mlxcel_dist.parallel.distributed import init_from_env
+    from mlxcel_dist.engine.generation import Generation
 
     group = init_from_env() if a.np > 1 else SINGLE
     shape = dict(SMALL if a.small else GEMMA3_27B if a.shape == "27b" else GEMMA3_12B)
@@ -323,7 +323,7 @@ def main() -> int:
     if a.worker or a.np == 1:
         worker(a)
         return 0
-    from mlxcel_dist.launcher import launch
+    from mlxcel_dist.cluster.launcher import launch
 
     args = ["--worker", "--np", str(a.np), "--backend", a.backend, "--layers", str(a.layers), "--prompt",
             str(a.prompt), "--gen", str(a.gen), "--rounds", str(a.rounds), "--steps", str(a.steps), "--tag", a.tag,

@@ -28,7 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mlxcel_dist.errors import UserError  # noqa: E402
-from mlxcel_dist.hostfile import read_hostfile  # noqa: E402
+from mlxcel_dist.cluster.hostfile import read_hostfile  # noqa: E402
 
 # Runs on each host with the rank python; prints one JSON line.
 PROBE = r"""

@@ -28,7 +28,7 @@ case "$(uname -s)" in
     *)      export MLX_MPI_LIBNAME="$VENV/lib/libmpi.so.40" ;;
 esac
 
-# The rank-side contract of mlxcel_dist.distributed.init_from_env().
+# The rank-side contract of mlxcel_dist.parallel.distributed.init_from_env().
 export MLXCEL_DIST_WORLD="$NP"
 export MLXCEL_DIST_BACKEND=mpi
 
@@ -51,4 +51,4 @@ exports=(-x MLX_MPI_LIBNAME -x MLXCEL_DIST_WORLD -x MLXCEL_DIST_BACKEND)
 # exit without MPI_Finalize, so that mpirun stops the job instead of hanging.)
 exec "$MPIRUN" "${args[@]}" "${exports[@]}" \
     /bin/sh -c 'if [ "${OMPI_COMM_WORLD_RANK:-0}" = 0 ]; then exec "$@"; else exec "$@" 1>&2; fi' rank \
-    "$PYTHON" -c 'import mlxcel_dist.distributed as d; d._rank_main()' -m mlxcel_dist.cli "$@"
+    "$PYTHON" -c 'import mlxcel_dist.parallel.distributed as d; d._rank_main()' -m mlxcel_dist.cli "$@"

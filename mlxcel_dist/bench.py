@@ -41,12 +41,12 @@ import contextlib
 import mlx.core as mx
 import numpy as np
 
-from .batch import BatchEngine
-from .collectives import SINGLE, Group
-from .engine import vocab_size
-from .generation import Generation, engine_for
+from .engine.batch import BatchEngine
+from .parallel.collectives import SINGLE, Group
+from .engine.guard import vocab_size
+from .engine.generation import Generation, engine_for
 from .errors import UserError
-from .sampling import SamplingParams
+from .engine.sampling import SamplingParams
 
 GB = 1e9
 
@@ -80,7 +80,7 @@ class CollectiveCounter:
 
     @contextlib.contextmanager
     def active(self):
-        from .engine import RankAgreement
+        from .engine.guard import RankAgreement
 
         origs = {op: getattr(mx.distributed, op) for op in OPS}
         guard = {name: getattr(RankAgreement, name) for name in ("pending_rows", "check")}

@@ -25,11 +25,11 @@ from typing import Annotated, Optional
 
 import typer
 
-from . import backends
+from .cluster import backends
 from .commands.common import err as _err, handle_errors as _handle_errors
 from .commands.launch import parse_rank_weights  # noqa: F401 (re-exported: tests/helpers use it)
 from .errors import UserError
-from .watchdog import DEFAULT_STALL_TIMEOUT_S
+from .cluster.watchdog import DEFAULT_STALL_TIMEOUT_S
 
 app = typer.Typer(
     add_completion=False,

@@ -61,7 +61,7 @@ def default_tokens(vocab: int, window: int, seed: int = 0) -> np.ndarray:
 
 
 def all_mode_logits(model, ids) -> dict:
-    from .generation import sequence_logits
+    from .engine.generation import sequence_logits
 
     return {name: sequence_logits(model, ids, **kw) for name, kw in modes(model_window(model), len(ids)).items()}
 

@@ -41,9 +41,9 @@ import time
 from dataclasses import dataclass
 
 
-from .collectives import Group
+from .parallel.collectives import Group
 from .errors import UserError
-from .weights import stored_bytes
+from .checkpoint.weights import stored_bytes
 
 # Link constants: (latency per collective s, bandwidth B/s, source).
 LINKS = {
@@ -85,7 +85,7 @@ def read_shares(m) -> dict:
     import mlx.nn as nn
     from mlx.utils import tree_flatten
 
-    from .experts import QuantizedSwitchLinear, SwitchGLU, SwitchLinear
+    from .nn.experts import QuantizedSwitchLinear, SwitchGLU, SwitchLinear
 
     shares = {}
     stage = m.stage
@@ -146,13 +146,13 @@ def cache_read_bytes(m, context: int, itemsize: int) -> int:
 
 def _rank_plan(ck, n: int, r: int, weights, pp: int = 1, moe_split: str | None = None,
                context: int = 0) -> tuple[RankPlan, object]:
-    from .shard import collect_plan
+    from .parallel.shard import collect_plan
 
     m, refs = ck.build()
     layers = None
     if pp > 1:  # the loader's own cut (loader.cut_stage) and split inside the stage, on paper
-        from .loader import cut_stage
-        from .pipeline import member_weights
+        from .checkpoint.loader import cut_stage
+        from .parallel.pipeline import member_weights
 
         cut_stage(m, refs, Group.planned(n, r, weights), pp, None)
         layers = (m.model.stage.start, m.model.stage.stop)
@@ -351,7 +351,7 @@ def machine_host_costs(tokens: int = 40, split: bool = True) -> tuple[float, flo
     process."""
     import mlx.core as mx
 
-    from .generation import Generation
+    from .engine.generation import Generation
 
     def model(layers: int):
         m = _tiny_llama(layers)
@@ -390,8 +390,8 @@ def handoff_route(backend: str | None, requested: str, P: int, T: int) -> tuple[
     "collective", whether the collective hops run over split groups (the
     backend splits: MPI) rather than the whole job). `backend` None: on
     paper, send/recv."""
-    from . import backends
-    from .pipeline import handoff_mode
+    from .cluster import backends
+    from .parallel.pipeline import handoff_mode
 
     mode = handoff_mode(requested, backend, P, T)
     return mode, mode == "collective" and backend is not None and backends.get(backend).splits
@@ -491,7 +491,7 @@ def make_plan(ck, n: int, weights=None, link: str = "loopback", bandwidth: float
     measured = {"bandwidth": bandwidth is None, "host": host_token is None,
                 "host per layer": all(x is None for x in host_layer)}
     bw = bandwidth or machine_bandwidth(ck.dtype, q.default if q is not None else None)
-    from .decode import splittable
+    from .engine.decode import splittable
 
     split = splittable(model)  # the step kind it decodes with: a split llama layer costs more host time
     here = machine_host_costs(split=split) if host_token is None or None in host_layer else (None, None)

@@ -307,7 +307,7 @@ def main() -> int:
     model.save_pretrained(OUT, safe_serialization=True)
     (OUT / "model.safetensors").chmod(0o644)
     # mlx-lm reads the layer kinds from sliding_window_pattern only (see convert.mlx_lm_compatible)
-    from mlxcel_dist.convert import mlx_lm_compatible
+    from mlxcel_dist.checkpoint.convert import mlx_lm_compatible
 
     cfg_path = OUT / "config.json"
     cfg_path.write_text(json.dumps(mlx_lm_compatible(json.loads(cfg_path.read_text())), indent=2, sort_keys=True) + "\n")

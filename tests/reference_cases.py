@@ -43,7 +43,7 @@ def window_of(d: Path) -> int:
 
 @functools.cache
 def _model(d: Path):
-    from mlxcel_dist.loader import load_model
+    from mlxcel_dist.checkpoint.loader import load_model
 
     return load_model(d).model
 
@@ -60,7 +60,7 @@ def mode_logits(d: Path, kw: tuple, ids_file: str = "reference.npz"):
 def _mode_logits(d: Path, kw: tuple, ids_file: str):
     import numpy as np
 
-    from mlxcel_dist.generation import sequence_logits
+    from mlxcel_dist.engine.generation import sequence_logits
 
     def compute():
         return sequence_logits(_model(d), np.load(d / ids_file)["ids"], **dict(kw))
@@ -99,7 +99,7 @@ def launched_results(tmp_path_factory, runs: dict, helper: str, tag: str, arg=st
     on n ranks with `extra` (as strings), `--short` for the keys in `short`,
     and then every case of runs[(backend, n, *extra)] (each as `arg(case)`),
     made on first use."""
-    from mlxcel_dist.launcher import find_mpirun, launch
+    from mlxcel_dist.cluster.launcher import find_mpirun, launch
 
     done = {}
 
@@ -126,7 +126,7 @@ def short_length_of(d: Path) -> int:
     import numpy as np
 
     from mlxcel_dist.harness import model_window, short_length
-    from mlxcel_dist.loader import model_args, read_config
+    from mlxcel_dist.checkpoint.loader import model_args, read_config
 
     window = model_window(SimpleNamespace(args=model_args(read_config(d)), kv_options=None))  # a model unbuilt
     name = "reference.npz" if (d / "reference.npz").exists() else "mlx_lm_reference.npz"

@@ -47,7 +47,7 @@ def misled(draft_model, k: int, compiled: bool = True):
     rollback is; `.rounds` / `.expected` as ScriptedDrafts'."""
     import mlx.core as mx
 
-    from mlxcel_dist.batch_spec import BatchDrafts, DraftRows
+    from mlxcel_dist.engine.batch_spec import BatchDrafts, DraftRows
 
     class Misled(DraftRows):
         rounds = expected = 0
@@ -63,8 +63,8 @@ def misled(draft_model, k: int, compiled: bool = True):
 
 
 def plain_ids(model, prompt, n: int, group=None, compiled: bool = True) -> list:
-    from mlxcel_dist.collectives import SINGLE
-    from mlxcel_dist.generation import Generation
+    from mlxcel_dist.parallel.collectives import SINGLE
+    from mlxcel_dist.engine.generation import Generation
 
     gen = Generation(model, np.asarray(prompt), n, group=group or SINGLE, compiled=compiled)
     out = list(gen)
@@ -76,9 +76,9 @@ def spec_ids(model, prompt, n: int, drafts, group=None, compiled: bool = True, s
     """(ids, GenStats) of a generation with drafts: a batch_spec.BatchDrafts,
     or a lookup seam (ScriptedDrafts) in one. It may run K + 1 past n (so no
     round is cut short by the end) and is read up to n ids."""
-    from mlxcel_dist.batch_spec import BatchDrafts
-    from mlxcel_dist.collectives import SINGLE
-    from mlxcel_dist.generation import Generation
+    from mlxcel_dist.engine.batch_spec import BatchDrafts
+    from mlxcel_dist.parallel.collectives import SINGLE
+    from mlxcel_dist.engine.generation import Generation
 
     # scripted drafts count on K a round: fixed K (not adaptive)
     spec = drafts if isinstance(drafts, BatchDrafts) else BatchDrafts(drafts.k, adaptive=False, lookup=drafts)

@@ -10,7 +10,7 @@ import json
 import shutil
 from pathlib import Path
 
-from mlxcel_dist.loader import default_model_dir
+from mlxcel_dist.checkpoint.loader import default_model_dir
 
 
 def special_vocab(dst: Path, markers) -> Path:

@@ -4,8 +4,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxcel_dist.attention import causal_attention
-from mlxcel_dist.masks import create_sliding_window_prefill_mask
+from mlxcel_dist.nn.attention import causal_attention
+from mlxcel_dist.nn.masks import create_sliding_window_prefill_mask
 
 
 def reference(q, k, v, scale, window=None, softcap=None, sinks=None):

@@ -1,4 +1,4 @@
-"""Backend objects (mlxcel_dist/backends/): the registry, what each backend
+"""Backend objects (mlxcel_dist/cluster/backends/): the registry, what each backend
 gives every rank for a placement, the command it starts, what auto picks,
 the rank-side hints; and that the launcher runs a backend it has never heard
 of (its seam is the plan, not the name)."""
@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from mlxcel_dist import backends, launcher
-from mlxcel_dist.backends import Backend, Command, Job, Processes, RankSpec
+from mlxcel_dist.cluster import backends, launcher
+from mlxcel_dist.cluster.backends import Backend, Command, Job, Processes, RankSpec
 from mlxcel_dist.errors import UserError
-from mlxcel_dist.hostfile import Host, HostfileInfo, read_hostfile
+from mlxcel_dist.cluster.hostfile import Host, HostfileInfo, read_hostfile
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -72,8 +72,8 @@ def test_identity_vars_cleared_for_every_job():
 
 
 def test_importable_without_mlx_or_distributed():
-    code = ("import sys, mlxcel_dist.backends as b; b.names(); "
-            "bad = [m for m in ('mlx', 'mlx.core', 'mlxcel_dist.distributed') if m in sys.modules]; "
+    code = ("import sys, mlxcel_dist.cluster.backends as b; b.names(); "
+            "bad = [m for m in ('mlx', 'mlx.core', 'mlxcel_dist.parallel.distributed') if m in sys.modules]; "
             "print(bad)")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
                        env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=60)

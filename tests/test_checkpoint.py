@@ -6,8 +6,8 @@ import shutil
 
 import pytest
 
-from mlxcel_dist import loader
-from mlxcel_dist.loader import check_shardable, default_model_dir, load_model, open_model
+from mlxcel_dist.checkpoint import loader
+from mlxcel_dist.checkpoint.loader import check_shardable, default_model_dir, load_model, open_model
 
 
 def test_read_once_and_shared(tmp_path, monkeypatch):
@@ -63,7 +63,7 @@ def test_an_open_checkpoint_holds_one_descriptor_per_file(tmp_path):
     import mlx.core as mx
     import numpy as np
 
-    from mlxcel_dist.weights import open_checkpoint
+    from mlxcel_dist.checkpoint.weights import open_checkpoint
 
     w = {f"t{i}": mx.array(np.full((3, 2), i, np.float32)) for i in range(300)}
     mx.save_safetensors(str(tmp_path / "model.safetensors"), w)

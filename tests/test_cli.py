@@ -136,7 +136,7 @@ def test_too_small_tensor_for_a_rank_names_the_expected_shape(ckpt, ids_file, tm
 def test_info_counts_logical_parameters(tmp_path, quantized):
     src = TINY
     if quantized:
-        from mlxcel_dist.convert import convert_checkpoint
+        from mlxcel_dist.checkpoint.convert import convert_checkpoint
 
         src = convert_checkpoint(TINY, tmp_path / "q4", quantize=True)["out"]
     r = run("info", src)
@@ -188,7 +188,7 @@ def test_bad_options(args, message, ids_file, tmp_path):
 
 def test_prefill_step_help_names_the_engine_default():
     # the help text spells the default out (cli.py must not import mlx for --help)
-    from mlxcel_dist.engine import DEFAULT_PREFILL_STEP
+    from mlxcel_dist.engine.guard import DEFAULT_PREFILL_STEP
 
     r = runner.invoke(app, ["generate", "--help"], env={"COLUMNS": "300"})
     assert r.exit_code == 0
@@ -266,7 +266,7 @@ def test_bad_rank_weights_are_refused_before_launch(weights, message, ids_file, 
 
 def test_hostfile_weights_reach_the_ranks_argv(tmp_path, ids_file, monkeypatch):
     # The ranks never read the hostfile: its per-host weights ride in their argv.
-    import mlxcel_dist.launcher as launcher
+    import mlxcel_dist.cluster.launcher as launcher
 
     seen = {}
 
@@ -304,7 +304,7 @@ def test_bad_moe_split_is_refused_before_launch(case, split, message, ids_file, 
 
 
 def test_moe_split_reaches_the_ranks_argv(tmp_path, ids_file, monkeypatch):
-    import mlxcel_dist.launcher as launcher
+    import mlxcel_dist.cluster.launcher as launcher
 
     seen = {}
     monkeypatch.setattr(launcher, "launch", lambda argv, *a, **kw: seen.setdefault("argv", argv) and 0)
@@ -366,7 +366,7 @@ def test_chat_template_file_is_read(tmp_path):
     # '{', '}' or a newline make the value a template; anything else names a file (vLLM's rule)
     f = tmp_path / "t.jinja"
     f.write_text("{{ bos_token }}Q: {{ messages[-1]['content'] }}")
-    from mlxcel_dist.tokenizer import Tokenizer
+    from mlxcel_dist.checkpoint.tokenizer import Tokenizer
 
     n = len(Tokenizer(TINY, chat_template=f.read_text()).prompt_ids("The sea"))
     r = run("generate", "--chat-template", f, "-n", "0", "-v")

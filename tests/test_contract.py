@@ -9,11 +9,11 @@ import inspect
 
 import pytest
 
-from mlxcel_dist.decode import splittable
-from mlxcel_dist.loader import open_model
+from mlxcel_dist.engine.decode import splittable
+from mlxcel_dist.checkpoint.loader import open_model
 from mlxcel_dist.models import get_model_module, supported
 from mlxcel_dist.models.base import CausalLM, DecoderStack, LanguageModel
-from mlxcel_dist.pipeline import REFUSED
+from mlxcel_dist.parallel.pipeline import REFUSED
 from reference_cases import cases
 
 FAMILIES = sorted({get_model_module(t).__name__.rsplit(".", 1)[-1] for t in supported()})

@@ -11,12 +11,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxcel_dist.collectives import SINGLE, Group
-from mlxcel_dist.engine import RankAgreement
-from mlxcel_dist.generation import Generation, sequence_logits
-from mlxcel_dist.loader import default_model_dir, load_model
+from mlxcel_dist.parallel.collectives import SINGLE, Group
+from mlxcel_dist.engine.guard import RankAgreement
+from mlxcel_dist.engine.generation import Generation, sequence_logits
+from mlxcel_dist.checkpoint.loader import default_model_dir, load_model
 from mlxcel_dist.models import MODEL_REMAP, supported
-from mlxcel_dist.sampling import Sampler, SamplingParams, apply_repetition_penalty
+from mlxcel_dist.engine.sampling import Sampler, SamplingParams, apply_repetition_penalty
 
 from reference_cases import FIXTURES, case_id, cases
 
@@ -41,7 +41,7 @@ def test_pending_id_joins_the_repetition_penalty(size):
 def test_openai_penalties_and_logit_bias_follow_their_definitions():
     """logit bias, then presence / frequency over the generated ids only (the
     prompt's first ids are not counted), the unread id counted as generated."""
-    from mlxcel_dist.sampling import penalized
+    from mlxcel_dist.engine.sampling import penalized
 
     rng = np.random.default_rng(3)
     x = rng.normal(size=32).astype(np.float32)
@@ -192,7 +192,7 @@ def test_static_decode_matches_the_eager_caches(case, start, monkeypatch):
     # Buffers of 8 slots: decode crosses several regrowths (a retrace each) and
     # wraps the sliding layers' rings (windows 8 and 16), from a one-token
     # prompt and from one longer than the window.
-    import mlxcel_dist.decode as decode
+    import mlxcel_dist.engine.decode as decode
 
     monkeypatch.setattr(decode, "STEP", 8)
     d = FIXTURES / case
@@ -228,7 +228,7 @@ def test_first_step_of_a_new_graph_is_announced_and_timed_apart(monkeypatch):
     # generator announces it (on_compile, from a timer; here a timer that
     # fires at once) and reports its time as compile_s, not prompt speed. The
     # same shapes again reuse the graph: nothing announced, every token timed.
-    import mlxcel_dist.generation as generation
+    import mlxcel_dist.engine.generation as generation
 
     class FiresAtOnce:
         def __init__(self, _delay, fn):

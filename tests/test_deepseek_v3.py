@@ -25,12 +25,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxcel_dist.collectives import Group
-from mlxcel_dist.generation import sequence_logits
+from mlxcel_dist.parallel.collectives import Group
+from mlxcel_dist.engine.generation import sequence_logits
 from mlxcel_dist.errors import UserError
 from mlxcel_dist.harness import FP32_REL_TOL, compare
-from mlxcel_dist.loader import build_model, load_model
-from mlxcel_dist.weights import open_checkpoint
+from mlxcel_dist.checkpoint.loader import build_model, load_model
+from mlxcel_dist.checkpoint.weights import open_checkpoint
 from testproc import run_cmd
 
 FIX = Path(__file__).parent / "fixtures" / "deepseek_v3"
@@ -259,7 +259,7 @@ def test_our_quantized_conversion_runs_in_both_caches(tmp_path, monkeypatch, lat
     """`convert --quantize` (group size 32) quantizes kv_b_proj and the stacked
     experts too; the absorbed decode step dequantizes kv_b_proj's rows, so
     every mode agrees with the one pass."""
-    from mlxcel_dist.convert import convert_checkpoint
+    from mlxcel_dist.checkpoint.convert import convert_checkpoint
     from mlxcel_dist.harness import all_mode_logits
     from mlxcel_dist.models import deepseek_v3
 

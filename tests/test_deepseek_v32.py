@@ -27,11 +27,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxcel_dist.collectives import Group
-from mlxcel_dist.generation import sequence_logits
+from mlxcel_dist.parallel.collectives import Group
+from mlxcel_dist.engine.generation import sequence_logits
 from mlxcel_dist.errors import UserError
 from mlxcel_dist.harness import FP32_REL_TOL, all_mode_logits, compare
-from mlxcel_dist.loader import build_model, load_model
+from mlxcel_dist.checkpoint.loader import build_model, load_model
 from testproc import run_cmd
 
 FIX = Path(__file__).parent / "fixtures" / "deepseek_v32"
@@ -74,7 +74,7 @@ def test_indexer_keeps_each_querys_best_visible_keys(L):
     causal mask): each row keeps exactly min(topk, visible) keys, all
     visible, the best of a direct float64 ranking (its gaps checked to be
     far above fp32 rounding)."""
-    from mlxcel_dist.masks import create_causal_mask
+    from mlxcel_dist.nn.masks import create_causal_mask
     from mlxcel_dist.models.deepseek_v3 import chosen_mask
 
     model = load_model(FIX / "yarn_fp32").model

@@ -12,7 +12,7 @@ import pytest
 
 from mlxcel_dist.errors import UserError
 from mlxcel_dist.harness import FP32_REL_TOL, compare
-from mlxcel_dist.loader import load_model
+from mlxcel_dist.checkpoint.loader import load_model
 from mlxcel_dist.models.diffusion_gemma import Model, ModelArgs
 
 from reference_cases import FIXTURES, cases
@@ -85,7 +85,7 @@ def test_greedy_block_diffusion_matches_transformers_generate(d):
 def test_tp_np2_canvas_logits_and_generation(tmp_path):
     from pathlib import Path
 
-    from mlxcel_dist.launcher import find_mpirun, launch
+    from mlxcel_dist.cluster.launcher import find_mpirun, launch
 
     if find_mpirun() is None:
         pytest.fail("mpirun not found")
@@ -158,8 +158,8 @@ def test_sanitize_drops_the_vision_tower_and_tied_encoder_copies():
 def test_generate_text_runs_the_models_own_loop():
     # generation.generate_text takes a model's generate_ids (OneRowEngine) over the
     # batch engine's token-by-token steps: the CLI's generate runs block diffusion.
-    from mlxcel_dist.generation import generate_text
-    from mlxcel_dist.sampling import SamplingParams
+    from mlxcel_dist.engine.generation import generate_text
+    from mlxcel_dist.engine.sampling import SamplingParams
 
     class Tok:  # ids as text, one character per id
         eos_ids = [1]

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 from mlx.nn.layers.distributed import ShardedToAllLinear
 
-from mlxcel_dist.collectives import Group
+from mlxcel_dist.parallel.collectives import Group
 from mlxcel_dist.errors import UserError
-from mlxcel_dist.loader import build_model, load_model
-from mlxcel_dist.shard import collect_plan
+from mlxcel_dist.checkpoint.loader import build_model, load_model
+from mlxcel_dist.parallel.shard import collect_plan
 
 FIXTURES = Path(__file__).parent / "fixtures"
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from mlxcel_dist.launcher import find_mpirun, launch
+from mlxcel_dist.cluster.launcher import find_mpirun, launch
 from testproc import alive, descendants, run_cmd
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -66,7 +66,7 @@ def test_long_computation_is_not_a_stall(capfd, backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_launcher_killed_leaves_no_rank_behind(backend):
-    code = ("import sys; from mlxcel_dist.launcher import launch; "
+    code = ("import sys; from mlxcel_dist.cluster.launcher import launch; "
             f"sys.exit(launch(['--sleep', '120'], 2, {backend!r}, script={HELPER!r}))")
     p = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE,
                          stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
@@ -107,7 +107,7 @@ def test_cluster_check_before_loading(tmp_path, fault, words):
 
 def test_cluster_check_sees_models_as_the_loader_does(tmp_path, monkeypatch):
     # the same MODEL strings count as present on a rank as the loader accepts
-    from mlxcel_dist.loader import model_present
+    from mlxcel_dist.checkpoint.loader import model_present
 
     monkeypatch.setenv("HOME", str(tmp_path))
     (tmp_path / "ckpt").mkdir()

@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from mlxcel_dist import blocks, shard
-from mlxcel_dist.collectives import Group
-from mlxcel_dist.generation import sequence_logits
-from mlxcel_dist.loader import load_model
+from mlxcel_dist.nn import blocks
+from mlxcel_dist.parallel import shard
+from mlxcel_dist.parallel.collectives import Group
+from mlxcel_dist.engine.generation import sequence_logits
+from mlxcel_dist.checkpoint.loader import load_model
 
 from reference_cases import FIXTURES
 

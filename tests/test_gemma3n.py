@@ -9,7 +9,7 @@ import mlx.core as mx
 import pytest
 
 from mlxcel_dist.cache import SharedKVCache
-from mlxcel_dist.collectives import Group
+from mlxcel_dist.parallel.collectives import Group
 from mlxcel_dist.errors import UserError
 from mlxcel_dist.models.gemma3n import Model, ModelArgs
 

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 
 from mlxcel_dist.cache import SharedKVCache
-from mlxcel_dist.collectives import Group
+from mlxcel_dist.parallel.collectives import Group
 from mlxcel_dist.errors import UserError
 from mlxcel_dist.harness import FP32_REL_TOL, compare
-from mlxcel_dist.loader import load_model
+from mlxcel_dist.checkpoint.loader import load_model
 from mlxcel_dist.models.gemma4 import Model, ModelArgs
-from mlxcel_dist.shard import collect_plan
+from mlxcel_dist.parallel.shard import collect_plan
 
 from reference_cases import FIXTURES
 

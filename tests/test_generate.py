@@ -18,13 +18,13 @@ import pytest
 from typer.testing import CliRunner
 
 from mlxcel_dist.cli import app
-from mlxcel_dist.collectives import SINGLE
-from mlxcel_dist.engine import RankAgreement
-from mlxcel_dist.generation import Generation, generate_text
+from mlxcel_dist.parallel.collectives import SINGLE
+from mlxcel_dist.engine.guard import RankAgreement
+from mlxcel_dist.engine.generation import Generation, generate_text
 from mlxcel_dist.models.base import Capabilities
 from mlxcel_dist.errors import UserError
-from mlxcel_dist.loader import default_model_dir
-from mlxcel_dist.sampling import (
+from mlxcel_dist.checkpoint.loader import default_model_dir
+from mlxcel_dist.engine.sampling import (
     Sampler,
     SamplingParams,
     apply_min_p,
@@ -33,7 +33,7 @@ from mlxcel_dist.sampling import (
     apply_top_p,
     process_logits,
 )
-from mlxcel_dist.tokenizer import RowText, StopStrings, StreamDecoder, Tokenizer, render_chat_template
+from mlxcel_dist.checkpoint.tokenizer import RowText, StopStrings, StreamDecoder, Tokenizer, render_chat_template
 from testproc import run_cmd
 
 runner = CliRunner()
@@ -755,7 +755,7 @@ def test_np2_divergent_ranks_abort_with_one_clear_error(tmp_path):
 def test_tokenizer_larger_than_the_vocabulary_is_refused(tmp_path):
     import shutil
 
-    from mlxcel_dist.loader import default_model_dir
+    from mlxcel_dist.checkpoint.loader import default_model_dir
 
     d = tmp_path / "m"
     shutil.copytree(default_model_dir(), d)

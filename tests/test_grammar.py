@@ -1,4 +1,4 @@
-"""Constrained decoding (mlxcel_dist/grammar.py): rows with a grammar decode
+"""Constrained decoding (mlxcel_dist/engine/grammar.py): rows with a grammar decode
 as they would alone and unpipelined, every answer validates against its
 schema over many sampled seeds (in the batch engine, through `generate`,
 and through real servers at np 1 and np 2 driven by the `openai` client),
@@ -18,18 +18,18 @@ import pytest
 jsonschema = pytest.importorskip("jsonschema", reason="jsonschema validates the answers ([test] extra)")
 pytest.importorskip("llguidance", reason="constrained decoding needs llguidance ([test] / [grammar] extra)")
 
-from mlxcel_dist import grammar  # noqa: E402
-from mlxcel_dist.batch import BatchEngine  # noqa: E402
-from mlxcel_dist.generation import Generation  # noqa: E402
+from mlxcel_dist.engine import grammar  # noqa: E402
+from mlxcel_dist.engine.batch import BatchEngine  # noqa: E402
+from mlxcel_dist.engine.generation import Generation  # noqa: E402
 from mlxcel_dist.errors import UserError  # noqa: E402
-from mlxcel_dist.launcher import find_mpirun  # noqa: E402
-from mlxcel_dist.loader import default_model_dir, load_model, read_config  # noqa: E402
-from mlxcel_dist.sampling import SamplingParams, token_logprobs  # noqa: E402
+from mlxcel_dist.cluster.launcher import find_mpirun  # noqa: E402
+from mlxcel_dist.checkpoint.loader import default_model_dir, load_model, read_config  # noqa: E402
+from mlxcel_dist.engine.sampling import SamplingParams, token_logprobs  # noqa: E402
 from mlxcel_dist.serve import wire  # noqa: E402
 from mlxcel_dist.serve.constrain import special_markers  # noqa: E402
 from mlxcel_dist.serve.openai_api import parse  # noqa: E402
 from mlxcel_dist.serve.openai_schema import ApiError, ParseContext  # noqa: E402
-from mlxcel_dist.tokenizer import Tokenizer  # noqa: E402
+from mlxcel_dist.checkpoint.tokenizer import Tokenizer  # noqa: E402
 from serveproc import CLI, ROOT, Server  # noqa: E402
 from testproc import run_cmd  # noqa: E402
 
@@ -98,7 +98,7 @@ def test_constrained_rows_decode_as_alone_and_unpipelined_and_always_validate(se
         jsonschema.validate(json.loads(tok.decode(ids[:-1])), SCHEMA)
     # with drafts (serve --prompt-lookup): constrained rows take none and draw what they draw without
     # (key for key), greedy free rows verify theirs
-    from mlxcel_dist.batch_spec import BatchDrafts
+    from mlxcel_dist.engine.batch_spec import BatchDrafts
 
     spec = BatchDrafts(3)
     greedy_or_constrained = [r for r in rows if r[2] is None or r[3] is not None]
@@ -136,7 +136,7 @@ def test_masks_computed_ahead_are_the_masks_in_line(setup, monkeypatch):
     # unpipelined batch's (masks computed in line in `launch`)
     import threading
 
-    from mlxcel_dist.batch_step import Steps
+    from mlxcel_dist.engine.batch_step import Steps
 
     model, tok, _ = setup
     g = grammar.json_schema(SCHEMA)

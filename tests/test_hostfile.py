@@ -3,7 +3,7 @@ import json
 import pytest
 
 from mlxcel_dist.errors import UserError
-from mlxcel_dist.hostfile import (
+from mlxcel_dist.cluster.hostfile import (
     Host,
     assign_ranks,
     is_local_host,
@@ -194,7 +194,7 @@ def test_is_local_host():
 
 
 def test_host_ip():
-    from mlxcel_dist.hostfile import host_ip
+    from mlxcel_dist.cluster.hostfile import host_ip
 
     assert host_ip(Host("mac1", 1, ["10.0.0.7", "10.1.0.7"])) == "10.0.0.7"  # its first ip
     assert host_ip(Host("user@127.0.0.1")) == "127.0.0.1"
@@ -206,7 +206,7 @@ def test_host_ip():
 def test_per_host_weights(tmp_path):
     from fractions import Fraction
 
-    from mlxcel_dist.hostfile import rank_weights
+    from mlxcel_dist.cluster.hostfile import rank_weights
 
     hosts = parse_hostfile(write(tmp_path, "big slots=1 weight=3\nsmall slots=2\n"))
     assert rank_weights(hosts, 3) == (Fraction(3), Fraction(1), Fraction(1))
@@ -223,7 +223,7 @@ def test_per_host_weights(tmp_path):
 def test_memory_per_host(tmp_path):
     from fractions import Fraction
 
-    from mlxcel_dist.hostfile import rank_weights
+    from mlxcel_dist.cluster.hostfile import rank_weights
 
     p = tmp_path / "h.txt"
     p.write_text("a slots=2 memory=128GB\nb memory=500M\n")

@@ -16,18 +16,18 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from mlxcel_dist.attention import causal_attention
-from mlxcel_dist.batch import BatchEngine
-from mlxcel_dist.prefill import Together
+from mlxcel_dist.nn.attention import causal_attention
+from mlxcel_dist.engine.batch import BatchEngine
+from mlxcel_dist.engine.prefill import Together
 from mlxcel_dist.cache import (KVCache, KVOptions, QuantizedKV, QuantizedKVCache, RotatingKVCache,
                                SharedKVCache, kv_caches)
 from mlxcel_dist.cli import app
-from mlxcel_dist.generation import Generation, sequence_logits
+from mlxcel_dist.engine.generation import Generation, sequence_logits
 from mlxcel_dist.harness import FP32_REL_TOL, compare, modes
-from mlxcel_dist.loader import default_model_dir, load_model
-from mlxcel_dist.prompt_cache import PromptCache
-from mlxcel_dist.sampling import SamplingParams
-from mlxcel_dist.tokenizer import Tokenizer
+from mlxcel_dist.checkpoint.loader import default_model_dir, load_model
+from mlxcel_dist.engine.prompt_cache import PromptCache
+from mlxcel_dist.engine.sampling import SamplingParams
+from mlxcel_dist.checkpoint.tokenizer import Tokenizer
 from testproc import run_cmd
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -125,8 +125,8 @@ def test_quantized_cache_rows_batch_prefill_fork_and_reuse_as_alone(monkeypatch)
     # prefilled together (QuantizedPrefillCache, one a prompt-cache hit), a
     # copy of a prompt (n > 1: forked), rows leaving with a step in flight and
     # a later prompt reusing the quantized entry: each request's ids alone
-    import mlxcel_dist.batch as batch
-    import mlxcel_dist.decode as decode
+    import mlxcel_dist.engine.batch as batch
+    import mlxcel_dist.engine.decode as decode
 
     monkeypatch.setattr(decode, "STEP", 8)  # the buffers regrow
     monkeypatch.setattr(batch, "CPU_STEP", 8)
@@ -220,7 +220,7 @@ def test_np2_generate_with_both_options_agrees_with_np1(tmp_path):
 
 
 def test_compiled_decode_on_quantized_static_buffers(monkeypatch):
-    import mlxcel_dist.decode as decode
+    import mlxcel_dist.engine.decode as decode
 
     monkeypatch.setattr(decode, "STEP", 8)  # buffers regrow several times over the run
     model = load_model(default_model_dir(), kv=KVOptions(bits=4, group_size=32)).model

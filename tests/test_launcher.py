@@ -14,13 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from mlxcel_dist import backends, distributed
-from mlxcel_dist.backends import Job
-from mlxcel_dist.backends import MpirunStderr as _MpirunStderr
-from mlxcel_dist.collectives import SINGLE
+from mlxcel_dist.cluster import backends
+from mlxcel_dist.parallel import distributed
+from mlxcel_dist.cluster.backends import Job
+from mlxcel_dist.cluster.backends import MpirunStderr as _MpirunStderr
+from mlxcel_dist.parallel.collectives import SINGLE
 from mlxcel_dist.errors import UserError
-from mlxcel_dist.hostfile import Host
-from mlxcel_dist.launcher import (
+from mlxcel_dist.cluster.hostfile import Host
+from mlxcel_dist.cluster.launcher import (
     build_mpirun_command,
     find_libmpi,
     find_mpirun,
@@ -347,7 +348,7 @@ def test_killed_rank_named(capfd):
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="needs /proc to find leftovers")
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_sigint_stops_every_rank(backend):
-    code = ("import sys; from mlxcel_dist.launcher import launch; "
+    code = ("import sys; from mlxcel_dist.cluster.launcher import launch; "
             f"sys.exit(launch(['--sleep', '60'], 2, {backend!r}, script={HELPER!r}))")
     p = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, env=dict(os.environ, PYTHONPATH=str(ROOT)))
@@ -503,7 +504,7 @@ def test_nccl_at_one_rank_is_a_real_nccl_group(capfd):
 
 
 def test_jaccl_rank_env(tmp_path):
-    from mlxcel_dist.hostfile import read_hostfile
+    from mlxcel_dist.cluster.hostfile import read_hostfile
 
     hf = tmp_path / "h.json"
     rdma = [[None, "rdma_en3"], ["rdma_en3", None]]
@@ -518,7 +519,7 @@ def test_jaccl_rank_env(tmp_path):
 
 
 def test_multi_host_ring_hostfile_json(tmp_path, monkeypatch):
-    from mlxcel_dist.hostfile import assign_ranks, read_hostfile
+    from mlxcel_dist.cluster.hostfile import assign_ranks, read_hostfile
 
     monkeypatch.setenv("MLXCEL_RING_PORT", "40000")
     hf = tmp_path / "h.txt"
@@ -534,7 +535,7 @@ def test_multi_host_ring_hostfile_json(tmp_path, monkeypatch):
 def test_partial_line_streams_through(backend):
     """A token printed without a newline reaches the user at once (Open MPI 5
     holds output back a line at a time unless --output :raw)."""
-    code = ("import sys; from mlxcel_dist.launcher import launch; "
+    code = ("import sys; from mlxcel_dist.cluster.launcher import launch; "
             f"sys.exit(launch(['--stream'], 2, {backend!r}, script={HELPER!r}))")
     p = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE,
                          stderr=subprocess.DEVNULL, env=dict(os.environ, PYTHONPATH=str(ROOT)))

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from mlxcel_dist.harness import all_mode_logits, model_window
-from mlxcel_dist.loader import load_model, model_args, read_config
-from mlxcel_dist.weights import join, open_checkpoint, swap_last_axes
+from mlxcel_dist.checkpoint.loader import load_model, model_args, read_config
+from mlxcel_dist.checkpoint.weights import join, open_checkpoint, swap_last_axes
 
 from reference_cases import FIXTURES, FP32_REL_TOL, compare
 from testproc import run_cmd
@@ -89,9 +89,9 @@ def test_collectives_per_token_under_tp(n):
     # routed + shared partial sums in ONE all_sum (no expert reduces alone)
     from mlx.nn.layers.distributed import ShardedToAllLinear
 
-    from mlxcel_dist.collectives import Group
-    from mlxcel_dist.loader import build_model
-    from mlxcel_dist.shard import collect_plan
+    from mlxcel_dist.parallel.collectives import Group
+    from mlxcel_dist.checkpoint.loader import build_model
+    from mlxcel_dist.parallel.shard import collect_plan
 
     c = read_config(CASES / "gqa_fp32")
     m = build_model(c)

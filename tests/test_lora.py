@@ -17,10 +17,10 @@ import pytest
 from typer.testing import CliRunner
 
 from mlxcel_dist.cli import app
-from mlxcel_dist.generation import sequence_logits
+from mlxcel_dist.engine.generation import sequence_logits
 from mlxcel_dist.harness import FP32_REL_TOL, compare, modes
-from mlxcel_dist.loader import default_model_dir, load_model
-from mlxcel_dist.lora import Adapter, LoRALinear
+from mlxcel_dist.checkpoint.loader import default_model_dir, load_model
+from mlxcel_dist.nn.lora import Adapter, LoRALinear
 from serveproc import Server
 from testproc import run_cmd
 

@@ -6,9 +6,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxcel_dist.attention import causal_attention
+from mlxcel_dist.nn.attention import causal_attention
 from mlxcel_dist.cache import KVCache, RotatingKVCache, layer_masks
-from mlxcel_dist.masks import (
+from mlxcel_dist.nn.masks import (
     CAUSAL,
     create_causal_mask,
     create_causal_mask_with_window,
@@ -174,7 +174,7 @@ def test_rows_mask_is_each_rows_mask_at_its_own_offset():
     # batch.py's prefill of several prompts: key slot = position (a full
     # layer), rows at different offsets; each row's mask is the single-offset
     # builder's over the keys it has, and nothing past them.
-    from mlxcel_dist.masks import create_rows_mask
+    from mlxcel_dist.nn.masks import create_rows_mask
 
     for size, window in [(s, w) for s in (1, 3, 8) for w in (None, 1, 4, 16)]:
         offsets = [0, 5, 12, 1]
@@ -191,7 +191,7 @@ def test_rows_mask_is_each_rows_mask_at_its_own_offset():
 def test_rows_mask_on_a_ring_matches_definition():
     # A sliding layer's prefill ring (window + chunk slots): slot k holds the
     # latest position = k (mod R) before the chunk's end; -1 never written.
-    from mlxcel_dist.masks import create_rows_mask
+    from mlxcel_dist.nn.masks import create_rows_mask
 
     window, size = 4, 3
     R = window + size
@@ -218,7 +218,7 @@ def chunk_rule(qp: int, kp: int, chunk: int) -> bool:
 
 @pytest.mark.parametrize("chunk", [1, 3, 8])
 def test_chunked_mask_matches_definition_for_every_offset_and_length(chunk):
-    from mlxcel_dist.masks import create_chunked_mask
+    from mlxcel_dist.nn.masks import create_chunked_mask
 
     for size in range(1, 14):
         for offset in range(0, 26):
@@ -278,7 +278,7 @@ def test_static_decode_slots_of_a_chunked_layer_are_its_chunk(chunk):
     # decode.StaticCache on a chunked layer: position p in slot p % S (a ring
     # of `chunk` slots once that long); the visible slots 0 .. last_slot(p)
     # hold exactly the positions of p's chunk up to p.
-    from mlxcel_dist.decode import StaticCache
+    from mlxcel_dist.engine.decode import StaticCache
 
     for S in sorted({chunk, 2, 5} - {s for s in (2, 5) if s >= chunk}):
         for pos in range(0, 40 if S == chunk else S):
@@ -295,7 +295,7 @@ def test_rows_mask_with_a_chunk_matches_definition():
     # batch.py's per-row masks (prompts prefilled together, decode rows at
     # their own positions) on a ring of chunk + prefill-chunk slots: row b's
     # query sees the slots holding positions of its own attention chunk.
-    from mlxcel_dist.masks import create_rows_mask
+    from mlxcel_dist.nn.masks import create_rows_mask
 
     for chunk, size in [(4, 3), (8, 5), (3, 1)]:
         R = chunk + size

@@ -8,10 +8,10 @@ import sys
 import numpy as np
 import pytest
 
-from mlxcel_dist.collectives import Group
+from mlxcel_dist.parallel.collectives import Group
 from mlxcel_dist.harness import all_mode_logits
-from mlxcel_dist.loader import load_model
-from mlxcel_dist.weights import join, open_checkpoint
+from mlxcel_dist.checkpoint.loader import load_model
+from mlxcel_dist.checkpoint.weights import join, open_checkpoint
 
 from reference_cases import FIXTURES, FP32_REL_TOL, compare
 from testproc import run_cmd
@@ -58,7 +58,7 @@ def _transformers_layout(d):
 
 
 def test_hub_and_switch_mlp_layouts_are_transformers_tensors():
-    from mlxcel_dist.loader import build_model, read_config
+    from mlxcel_dist.checkpoint.loader import build_model, read_config
 
     d = CASES / "gqa_fp32"
     w = _transformers_layout(d)
@@ -146,8 +146,8 @@ def test_collectives_per_token_under_tp(n):
     # experts' one all_sum; each rank reads its intermediate slice of the stacks
     from mlx.nn.layers.distributed import ShardedToAllLinear
 
-    from mlxcel_dist.loader import build_model, read_config
-    from mlxcel_dist.shard import collect_plan
+    from mlxcel_dist.checkpoint.loader import build_model, read_config
+    from mlxcel_dist.parallel.shard import collect_plan
 
     c = read_config(CASES / "gqa_fp32")
     m = build_model(c)

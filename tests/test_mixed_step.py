@@ -9,12 +9,12 @@ tests/test_serve_pp.py."""
 import numpy as np
 import pytest
 
-from mlxcel_dist.batch import BatchEngine
+from mlxcel_dist.engine.batch import BatchEngine
 from mlxcel_dist.cache import KVOptions
-from mlxcel_dist.generation import Generation
-from mlxcel_dist.loader import default_model_dir, load_model
-from mlxcel_dist.prefill import Budget
-from mlxcel_dist.sampling import SamplingParams
+from mlxcel_dist.engine.generation import Generation
+from mlxcel_dist.checkpoint.loader import default_model_dir, load_model
+from mlxcel_dist.engine.prefill import Budget
+from mlxcel_dist.engine.sampling import SamplingParams
 
 from test_batch import FAMILY_CASES, _ids, small_buffers  # noqa: F401 (the fixture: 8-slot buffers, as there)
 
@@ -106,10 +106,10 @@ def test_budget_leaves_no_prompt_behind_many_rows():
 
 def test_drafts_and_grammar_rows_beside_a_chunked_admission():
     pytest.importorskip("llguidance")
-    from mlxcel_dist import grammar
-    from mlxcel_dist.batch_spec import BatchDrafts
-    from mlxcel_dist.loader import read_config
-    from mlxcel_dist.tokenizer import Tokenizer
+    from mlxcel_dist.engine import grammar
+    from mlxcel_dist.engine.batch_spec import BatchDrafts
+    from mlxcel_dist.checkpoint.loader import read_config
+    from mlxcel_dist.checkpoint.tokenizer import Tokenizer
 
     d = default_model_dir()
     model = load_model(d).model
@@ -147,7 +147,7 @@ def test_drafts_and_grammar_rows_beside_a_chunked_admission():
 
 
 def test_a_request_cancelled_or_failing_in_its_prefill_leaves_the_others_alone(monkeypatch):
-    from mlxcel_dist import prefill
+    from mlxcel_dist.engine import prefill
 
     model = load_model(default_model_dir()).model
     rng = np.random.default_rng(1)
@@ -184,7 +184,7 @@ def test_a_request_cancelled_or_failing_in_its_prefill_leaves_the_others_alone(m
 
 
 def test_budget_rules():
-    from mlxcel_dist import prefill
+    from mlxcel_dist.engine import prefill
 
     fixed = Budget(64)
     for rows in range(0, 200):

@@ -142,8 +142,8 @@ def test_grouped_equals_gathered_per_rank(n):
     # gathered one, and the ranks' partial sums add up to the whole block
     from types import SimpleNamespace
 
-    from mlxcel_dist.collectives import SINGLE, Group
-    from mlxcel_dist.shard import shard_moe
+    from mlxcel_dist.parallel.collectives import SINGLE, Group
+    from mlxcel_dist.parallel.shard import shard_moe
 
     rows, k = 40, 2
     whole, rng = _experts(seed=11)

@@ -1,4 +1,4 @@
-"""Stacked routed experts (mlxcel_dist/experts.py) of qwen3_moe and glm4_moe:
+"""Stacked routed experts (mlxcel_dist/nn/experts.py) of qwen3_moe and glm4_moe:
 both config forms, both weight layouts (transformers' per-expert keys,
 mlx-lm's switch_mlp, 4-bit), the grouped prefill path, and `--moe-split
 experts` (whole experts per rank; every family on experts.SwitchGLU: also
@@ -20,11 +20,11 @@ from mlx.utils import tree_flatten
 
 from mlxcel_dist.errors import UserError
 from mlxcel_dist.harness import FP32_REL_TOL, all_mode_logits, compare, rel_tol_for
-from mlxcel_dist.launcher import find_mpirun, launch
-from mlxcel_dist.layers import activation, gated_fp32
-from mlxcel_dist.loader import check_shardable, load_model, read_config
+from mlxcel_dist.cluster.launcher import find_mpirun, launch
+from mlxcel_dist.nn.layers import activation, gated_fp32
+from mlxcel_dist.checkpoint.loader import check_shardable, load_model, read_config
 from mlxcel_dist.models import get_model_module
-from mlxcel_dist.partition import expert_ranges, split_counts
+from mlxcel_dist.parallel.partition import expert_ranges, split_counts
 
 from reference_cases import FIXTURES, cases, single_process_logits
 
@@ -101,7 +101,7 @@ def test_mlx_lm_switch_mlp_q4_checkpoint_matches_mlx_lm(d):
 
 
 def test_info_names_each_layers_kind():
-    from mlxcel_dist.loader import open_model
+    from mlxcel_dist.checkpoint.loader import open_model
 
     q = open_model(FIXTURES / "qwen3_moe" / "gqa_fp32").build(with_refs=False)[0].describe_layers()
     assert ["dense mlp" in line for line in q] == [False, True, False, False]
@@ -200,7 +200,7 @@ def test_prefill_by_expert_gives_the_gathered_logits(d, mode, monkeypatch):
     """Both prefill forms (per expert block; gathered on rows sorted by
     expert), whichever experts.PREFILL picks for these experts, give the
     gathered path's logits."""
-    import mlxcel_dist.experts as experts
+    import mlxcel_dist.nn.experts as experts
 
     model = load_model(d).model
     ids = np.load(d / ("reference.npz" if (d / "reference.npz").exists() else "mlx_lm_reference.npz"))["ids"]
@@ -223,13 +223,13 @@ def test_joined_gate_up_gives_the_separate_logits(d, monkeypatch):
     stacks gives the two gathers' logits bit for bit on the CPU (prefill
     gathered and by expert, split compiled decode steps, eager steps); the
     parameters keep their names and shapes (views of the joined stack)."""
-    import mlxcel_dist.experts as experts
-    from mlxcel_dist.decode import splittable
+    import mlxcel_dist.nn.experts as experts
+    from mlxcel_dist.engine.decode import splittable
 
     try:
-        from mlxcel_dist.engine import sequence_logits
+        from mlxcel_dist.engine.guard import sequence_logits
     except ImportError:  # generation.py's once generate runs as the engine's one row
-        from mlxcel_dist.generation import sequence_logits
+        from mlxcel_dist.engine.generation import sequence_logits
 
     ids = np.load(d / ("reference.npz" if (d / "reference.npz").exists() else "mlx_lm_reference.npz"))["ids"]
 
@@ -259,8 +259,8 @@ def test_joined_gate_up_gives_the_separate_logits(d, monkeypatch):
 @pytest.mark.parametrize("mode", ["gather", "grouped", "sorted"])
 @pytest.mark.parametrize("n", [2, 3])
 def test_ranks_holding_whole_experts_sum_to_the_whole_block(n, mode, monkeypatch):
-    import mlxcel_dist.experts as experts
-    from mlxcel_dist.experts import SwitchGLU
+    import mlxcel_dist.nn.experts as experts
+    from mlxcel_dist.nn.experts import SwitchGLU
 
     grouped = mode != "gather"
     monkeypatch.setattr(experts, "PREFILL", {True: mode, False: mode})
@@ -294,7 +294,7 @@ CONVERT_GROUPS = {"qwen3_moe": ("gqa_fp32", 32, True), "glm4_moe": ("gqa_fp32", 
 
 @pytest.fixture(scope="module")
 def converted_np2(tmp_path_factory):
-    from mlxcel_dist.convert import convert_checkpoint
+    from mlxcel_dist.checkpoint.convert import convert_checkpoint
 
     root = tmp_path_factory.mktemp("convert-q4")
     runs = []

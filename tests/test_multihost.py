@@ -33,9 +33,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mlxcel_dist.generation import sequence_logits
-from mlxcel_dist.launcher import find_mpirun
-from mlxcel_dist.loader import load_model
+from mlxcel_dist.engine.generation import sequence_logits
+from mlxcel_dist.cluster.launcher import find_mpirun
+from mlxcel_dist.checkpoint.loader import load_model
 
 from reference_cases import FIXTURES, FP32_REL_TOL, compare
 from testproc import run_cmd
@@ -186,7 +186,7 @@ def _launch_helper(ssh_hosts, tmp_path, helper: str, argv: list) -> str:
     """Run tests/helpers/<helper> on the two hosts over ring (launcher.launch
     with the hostfile); its output, asserting exit 0."""
     path = Path(__file__).parent / "helpers" / helper
-    code = ("import sys; from mlxcel_dist.launcher import launch; "
+    code = ("import sys; from mlxcel_dist.cluster.launcher import launch; "
             f"sys.exit(launch({argv!r}, 2, 'ring', hostfile={str(ssh_hosts['hostfile'])!r}, "
             f"script={str(path)!r}))")
     p = run_cmd([sys.executable, "-c", code], timeout=120, cwd=tmp_path)
@@ -214,8 +214,8 @@ def test_second_host_without_the_model_gets_its_shard(ssh_hosts, tmp_path, split
     # the model on both hosts (CASE is visible to both), bit for bit
     import re
 
-    from mlxcel_dist import shardcache
-    from mlxcel_dist.loader import open_model
+    from mlxcel_dist.checkpoint import shardcache
+    from mlxcel_dist.checkpoint.loader import open_model
 
     ids = np.load(CASE / "reference.npz")["ids"]
     np.save(tmp_path / "ids.npy", ids)

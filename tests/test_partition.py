@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mlxcel_dist.errors import UserError
-from mlxcel_dist.partition import head_partition, kv_slots, split_counts, split_ranges
+from mlxcel_dist.parallel.partition import head_partition, kv_slots, split_counts, split_ranges
 
 
 @st.composite

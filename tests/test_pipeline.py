@@ -13,13 +13,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mlxcel_dist.collectives import Group
+from mlxcel_dist.parallel.collectives import Group
 from mlxcel_dist.errors import UserError
 from mlxcel_dist.harness import compare, rel_tol_for
-from mlxcel_dist.loader import load_model, model_args, open_model, read_config
+from mlxcel_dist.checkpoint.loader import load_model, model_args, open_model, read_config
 from mlxcel_dist.models import get_model_module
 from mlxcel_dist.models.base import kv_sharing_cuts
-from mlxcel_dist.pipeline import REFUSED, plan_stages, stage_of, stage_ranges
+from mlxcel_dist.parallel.pipeline import REFUSED, plan_stages, stage_of, stage_ranges
 
 from reference_cases import (FIXTURES, assert_modes_match, case_id, cases, launched_results, short_length_of,
                              single_process_logits, window_of)
@@ -184,8 +184,8 @@ def test_stage_ranges_balance_and_refusals():
 def test_each_stage_holds_and_reads_only_its_parameters(name):
     from mlx.utils import tree_flatten
 
-    from mlxcel_dist import weights
-    from mlxcel_dist.pipeline import stage_parts
+    from mlxcel_dist.checkpoint import weights
+    from mlxcel_dist.parallel.pipeline import stage_parts
 
     d = FIXTURES / name
     full = {n: int(p.nbytes) for n, p in tree_flatten(load_model(d).model.parameters())}
@@ -297,7 +297,7 @@ def decode_results(tmp_path_factory):
 @pytest.mark.parametrize("d", _ONE_PER_FAMILY, ids=case_id)
 def test_every_family_pp2x2_decodes_and_exits_0(decode_results, backend, d):
     from helpers.pp_cases import DECODE_STEPS, DECODE_TOKENS
-    from mlxcel_dist.generation import sequence_logits
+    from mlxcel_dist.engine.generation import sequence_logits
     from reference_cases import _model
 
     out = decode_results(backend, 4, 2, "--decode")  # asserts the job's exit code 0
@@ -399,7 +399,7 @@ def test_bench_counts_the_collective_handoff(tmp_path):
     ("mpi", "recv", 1, "error: --pp-handoff must be one of auto, send, collective"),
 ])
 def test_handoff_mode_per_backend(backend, requested, T, want):
-    from mlxcel_dist.pipeline import handoff_mode
+    from mlxcel_dist.parallel.pipeline import handoff_mode
 
     if not want.startswith("error: "):
         assert handoff_mode(requested, backend, 2, T) == want

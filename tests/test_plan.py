@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from mlxcel_dist.cli import app
 from mlxcel_dist.errors import UserError
-from mlxcel_dist.loader import default_model_dir, load_model, open_model
+from mlxcel_dist.checkpoint.loader import default_model_dir, load_model, open_model
 from mlxcel_dist.plan import format_plan, make_plan
 
 
@@ -43,7 +43,7 @@ def test_shares_partition_the_model(n, weights):
 def test_bytes_are_what_a_rank_loads():
     from mlx.utils import tree_flatten
 
-    from mlxcel_dist.collectives import Group
+    from mlxcel_dist.parallel.collectives import Group
 
     ck = open_model(default_model_dir())
     p = make_plan(ck, 1, bandwidth=5e9)
@@ -72,7 +72,7 @@ def test_hostfile_memory_sets_the_shares_and_the_limit(tmp_path):
     follows its memory; a host too small for its share is refused."""
     from fractions import Fraction
 
-    from mlxcel_dist.hostfile import rank_memory, rank_weights, read_hostfile
+    from mlxcel_dist.cluster.hostfile import rank_memory, rank_weights, read_hostfile
 
     hf = tmp_path / "three.txt"
     hf.write_text("mac1 memory=192GB\nmac2 memory=64GB\nmac3 slots=2 memory=64GB\n")
@@ -112,9 +112,9 @@ def test_pipeline_stages_with_tensor_parallel_inside():
     per-rank load; the all_sums inside the stages are chains of messages."""
     from mlx.utils import tree_flatten
 
-    from mlxcel_dist import weights
-    from mlxcel_dist.collectives import Group
-    from mlxcel_dist.loader import load_model
+    from mlxcel_dist.checkpoint import weights
+    from mlxcel_dist.parallel.collectives import Group
+    from mlxcel_dist.checkpoint.loader import load_model
     from reference_cases import FIXTURES
 
     d = FIXTURES / "llama/gqa_fp32"
@@ -139,9 +139,9 @@ def test_stages_follow_the_rank_weights_and_the_hosts_memory(tmp_path):
     split by the members' weights; what a rank loads is what plan says."""
     from fractions import Fraction
 
-    from mlxcel_dist import weights
-    from mlxcel_dist.collectives import Group
-    from mlxcel_dist.loader import load_model
+    from mlxcel_dist.checkpoint import weights
+    from mlxcel_dist.parallel.collectives import Group
+    from mlxcel_dist.checkpoint.loader import load_model
     from reference_cases import FIXTURES
 
     d = FIXTURES / "llama/gqa_fp32"  # 6 equal layers, untied head
@@ -277,7 +277,7 @@ def test_hosts_own_host_time(tmp_path):
     """A hostfile's host_us_per_layer= is its ranks' (the slowest one's
     counts in a stage); --host-us-per-layer is every rank's; a bad value is
     one line."""
-    from mlxcel_dist.hostfile import rank_host_layer, read_hostfile
+    from mlxcel_dist.cluster.hostfile import rank_host_layer, read_hostfile
     from reference_cases import FIXTURES
 
     hf = tmp_path / "h.txt"
@@ -336,7 +336,7 @@ def test_plan_hands_on_as_the_launch_would(backend, requested, n, pp, route):
     hop's split group with all_sums inside the stages (mpi, collective).
     Whole-job hops are counted as a rank's model counts them (what bench
     holds a run to); their time is a ring all_gather's n - 1 steps."""
-    from mlxcel_dist.collectives import Group, HandOff
+    from mlxcel_dist.parallel.collectives import Group, HandOff
     from mlxcel_dist.plan import HANDOFF_OP, LINKS
     from reference_cases import FIXTURES
 

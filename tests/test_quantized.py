@@ -28,14 +28,14 @@ from mlx.utils import tree_flatten
 from typer.testing import CliRunner
 
 from mlxcel_dist.cli import app
-from mlxcel_dist.convert import convert_checkpoint
-from mlxcel_dist.generation import sequence_logits
+from mlxcel_dist.checkpoint.convert import convert_checkpoint
+from mlxcel_dist.engine.generation import sequence_logits
 from mlxcel_dist.errors import UserError
 from mlxcel_dist.harness import all_mode_logits
-from mlxcel_dist.launcher import find_mpirun, launch
-from mlxcel_dist.loader import check_shardable, load_model
-from mlxcel_dist.quant import quantized_col_ranges, read_quantization
-from mlxcel_dist.weights import open_checkpoint
+from mlxcel_dist.cluster.launcher import find_mpirun, launch
+from mlxcel_dist.checkpoint.loader import check_shardable, load_model
+from mlxcel_dist.nn.quant import quantized_col_ranges, read_quantization
+from mlxcel_dist.checkpoint.weights import open_checkpoint
 
 from reference_cases import FIXTURES, FP32_REL_TOL, compare
 
@@ -375,15 +375,15 @@ def test_mlx_lm_runs_the_default_model_and_its_conversion(tmp_path, quantized):
     from mlx_lm import load
     from mlx_lm.generate import generate_step
 
-    from mlxcel_dist.generation import Generation
-    from mlxcel_dist.loader import default_model_dir
+    from mlxcel_dist.engine.generation import Generation
+    from mlxcel_dist.checkpoint.loader import default_model_dir
 
     src = default_model_dir()
     if quantized:
         src = convert_checkpoint(src, tmp_path / "q4", quantize=True)["out"]
     assert json.loads((Path(src) / "config.json").read_text())["sliding_window_pattern"] == 4
     theirs_model, _ = load(str(src))
-    from mlxcel_dist.tokenizer import Tokenizer
+    from mlxcel_dist.checkpoint.tokenizer import Tokenizer
 
     prompt = np.array(Tokenizer(default_model_dir()).encode("The sea is"), np.int32)
     theirs = [int(t) for t, _ in zip((t for t, _ in generate_step(mx.array(prompt), theirs_model)), range(12))]

@@ -1,4 +1,4 @@
-"""qwen3_next and qwen3_5_moe (the hybrid decoder of mlxcel_dist/deltanet.py):
+"""qwen3_next and qwen3_5_moe (the hybrid decoder of mlxcel_dist/nn/deltanet.py):
 what the per-family runners do not see.
 
 The runners compare logits in every mode at np 1-4; here: the DeltaNet state a
@@ -21,12 +21,12 @@ import numpy as np
 import pytest
 
 from mlxcel_dist.cache import FULL, LINEAR, DeltaNetCache, KVCache
-from mlxcel_dist.collectives import Group
-from mlxcel_dist.generation import Generation, sequence_logits
+from mlxcel_dist.parallel.collectives import Group
+from mlxcel_dist.engine.generation import Generation, sequence_logits
 from mlxcel_dist.errors import UserError
 from mlxcel_dist.harness import FP32_REL_TOL, all_mode_logits, compare
-from mlxcel_dist.loader import build_model, load_model
-from mlxcel_dist.shard import collect_plan
+from mlxcel_dist.checkpoint.loader import build_model, load_model
+from mlxcel_dist.parallel.shard import collect_plan
 
 from reference_cases import FIXTURES
 from testproc import run_cmd
@@ -47,7 +47,7 @@ def test_chunked_delta_rule_is_the_token_loop(L, Hk, Hv):
     # transformers' chunked form (UT transform per chunk of 64, the unit-lower
     # inverse by repeated squaring; padded last chunk) against the plain
     # recurrence token by token, from a nonzero state: outputs and final state.
-    from mlxcel_dist.deltanet import gated_delta_rule
+    from mlxcel_dist.nn.deltanet import gated_delta_rule
 
     rng = np.random.default_rng(L)
     B, Dk, Dv = 2, 8, 16
@@ -238,7 +238,7 @@ def test_compiled_decode_holds_the_state_in_static_buffers(monkeypatch):
     # decode.StaticState: the DeltaNet conv + recurrent state are buffers of
     # the compiled step (replaced in the graph), bit for bit the eager
     # DeltaNetCache steps' logits over buffer regrowths
-    import mlxcel_dist.decode as decode
+    import mlxcel_dist.engine.decode as decode
 
     monkeypatch.setattr(decode, "STEP", 8)
     model = load_model(NEXT).model
@@ -252,7 +252,7 @@ def test_compiled_decode_holds_the_state_in_static_buffers(monkeypatch):
 
 
 def _engine(model, prompt_cache=None):
-    from mlxcel_dist.batch import BatchEngine
+    from mlxcel_dist.engine.batch import BatchEngine
 
     return BatchEngine(model, prompt_cache=prompt_cache)
 
@@ -276,7 +276,7 @@ def test_prompt_cache_restores_the_states_exactly():
     # Multi-turn: the second prompt starts with the first prompt and its
     # reply; the entry's DeltaNet snapshots and KV are restored as they were,
     # so the tokens are those of the prompt alone.
-    from mlxcel_dist.prompt_cache import PromptCache
+    from mlxcel_dist.engine.prompt_cache import PromptCache
 
     model = load_model(HUB).model
     V = model.args.vocab_size
@@ -335,9 +335,9 @@ def test_serve_batched_text_is_the_text_alone(served_dir, tmp_path):
     states). (np 1 serves through the same engine calls on one rank.)"""
     from serveproc import Server
 
-    from mlxcel_dist.generation import generate_text
-    from mlxcel_dist.sampling import SamplingParams
-    from mlxcel_dist.tokenizer import Tokenizer
+    from mlxcel_dist.engine.generation import generate_text
+    from mlxcel_dist.engine.sampling import SamplingParams
+    from mlxcel_dist.checkpoint.tokenizer import Tokenizer
 
     loaded = load_model(served_dir)
     tok = Tokenizer(loaded.model_dir, loaded.config)
@@ -375,7 +375,7 @@ def test_our_4bit_conversion_is_what_mlx_lm_runs(tmp_path, d):
     pytest.importorskip("mlx_lm")
     from mlx_lm.utils import load_model as mlx_lm_load
 
-    from mlxcel_dist.convert import convert_checkpoint
+    from mlxcel_dist.checkpoint.convert import convert_checkpoint
 
     out = convert_checkpoint(d, tmp_path / "q4", quantize=True, bits=4, group_size=32)["out"]
     ids = np.load(d / "reference.npz")["ids"]

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from mlxcel_dist.generation import sequence_logits
-from mlxcel_dist.loader import load_model
+from mlxcel_dist.engine.generation import sequence_logits
+from mlxcel_dist.checkpoint.loader import load_model
 
 from reference_cases import (BF16_REL_TOL, FP32_REL_TOL, case_id, cases, compare, mode_logits, modes,
                              single_process_logits, window_of)

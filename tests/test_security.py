@@ -18,9 +18,9 @@ import pytest
 from typer.testing import CliRunner
 
 from mlxcel_dist.cli import app
-from mlxcel_dist.launcher import launch
-from mlxcel_dist.loader import default_model_dir, load_model
-from mlxcel_dist.watchdog import HeartbeatMonitor
+from mlxcel_dist.cluster.launcher import launch
+from mlxcel_dist.checkpoint.loader import default_model_dir, load_model
+from mlxcel_dist.cluster.watchdog import HeartbeatMonitor
 from testproc import descendants
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mlxcel_dist.launcher import find_mpirun
+from mlxcel_dist.cluster.launcher import find_mpirun
 from serveproc import CLI, ROOT, Server, kill_rank_during, rank_pid
 from testproc import descendants, run_cmd
 
@@ -214,7 +214,7 @@ def test_ignore_eos_runs_past_eos(server):
 def test_hand_off_round_trip():
     """encode / decode (the request every rank gets) keep every field, each
     of the flags too, alone and inside a batched step's changes."""
-    from mlxcel_dist.sampling import SamplingParams
+    from mlxcel_dist.engine.sampling import SamplingParams
     from mlxcel_dist.serve.wire import (KIND_IDLE, KIND_SHUTDOWN, GenRequest, Step, decode_request, decode_step,
                                         encode_request, encode_step)
 
@@ -271,8 +271,8 @@ def test_openai_penalties_logit_bias_and_stop_token_ids(server, model_dir):
     vLLM's stop_token_ids in extra_body) give what the library's generator
     gives with the same sampling parameters, at np 1 and np 2."""
     openai = pytest.importorskip("openai", reason="the openai package is not installed (optional)")
-    from mlxcel_dist.generation import Generation
-    from mlxcel_dist.sampling import SamplingParams
+    from mlxcel_dist.engine.generation import Generation
+    from mlxcel_dist.engine.sampling import SamplingParams
 
     model, tok = _loaded(str(model_dir))
     client = openai.OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0, timeout=120)
@@ -479,8 +479,8 @@ PLAIN_CHAT = {"messages": [{"role": "user", "content": "Hello there"}], "max_tok
 
 @functools.lru_cache(maxsize=None)
 def _loaded(model_dir: str):
-    from mlxcel_dist.loader import load_model
-    from mlxcel_dist.tokenizer import Tokenizer
+    from mlxcel_dist.checkpoint.loader import load_model
+    from mlxcel_dist.checkpoint.tokenizer import Tokenizer
 
     m = load_model(model_dir)
     return m.model, Tokenizer(m.model_dir, m.config)
@@ -489,7 +489,7 @@ def _loaded(model_dir: str):
 def _reference_logprobs(model_dir, prompt_ids):
     """(greedy ids, [len(ids), V] log-softmax of the model's logits at each
     of them), computed in this process with the library."""
-    from mlxcel_dist.generation import Generation, sequence_logits
+    from mlxcel_dist.engine.generation import Generation, sequence_logits
 
     model, _ = _loaded(str(model_dir))
     ids = list(Generation(model, prompt_ids, N))
@@ -842,7 +842,7 @@ def test_shutdown_during_stream(model_dir, np_, tmp_path):
 # The same items on a 4-bit converted copy of the embedded model.
 @pytest.fixture(scope="module")
 def q4_dir(tmp_path_factory):
-    from mlxcel_dist.loader import default_model_dir
+    from mlxcel_dist.checkpoint.loader import default_model_dir
 
     d = tmp_path_factory.mktemp("q4") / "gemma3-tiny-4bit"
     p = run_cmd([*CLI, "convert", str(default_model_dir()), str(d), "--quantize"], cwd=ROOT, timeout=120)
@@ -1061,10 +1061,10 @@ def test_one_request_at_a_time_models_serve_alike_and_idle(diffusion_dir, tmp_pa
     differ: the canvas's argmax draws on this random model flip on TP's
     ~1e-7 rounding differences; tests/test_diffusion_gemma.py checks TP's
     logits and a generation against transformers.)"""
-    from mlxcel_dist.generation import generate_text
-    from mlxcel_dist.loader import load_model
-    from mlxcel_dist.sampling import SamplingParams
-    from mlxcel_dist.tokenizer import Tokenizer
+    from mlxcel_dist.engine.generation import generate_text
+    from mlxcel_dist.checkpoint.loader import load_model
+    from mlxcel_dist.engine.sampling import SamplingParams
+    from mlxcel_dist.checkpoint.tokenizer import Tokenizer
 
     loaded = load_model(diffusion_dir)
     tok = Tokenizer(loaded.model_dir, loaded.config)
@@ -1213,8 +1213,8 @@ def test_prompt_cache_reuse_past_the_window_changes_nothing(server, model_dir):
     """Multi-turn style: a prompt that starts with an earlier one (longer than
     the sliding window of 32) reuses its cached keys/values; the greedy text
     is the library's for the whole prompt, fresh (and again on a repeat)."""
-    from mlxcel_dist.generation import generate_text
-    from mlxcel_dist.sampling import SamplingParams
+    from mlxcel_dist.engine.generation import generate_text
+    from mlxcel_dist.engine.sampling import SamplingParams
 
     model, tok = _loaded(str(model_dir))
     rng = np.random.default_rng(17)

@@ -14,12 +14,12 @@ openai = pytest.importorskip("openai", reason="the openai package is not install
 jsonschema = pytest.importorskip("jsonschema", reason="jsonschema validates the answers ([test] extra)")
 pytest.importorskip("llguidance", reason="constrained decoding needs llguidance ([test] / [grammar] extra)")
 
-from mlxcel_dist import grammar  # noqa: E402
-from mlxcel_dist.loader import default_model_dir, read_config  # noqa: E402
+from mlxcel_dist.engine import grammar  # noqa: E402
+from mlxcel_dist.checkpoint.loader import default_model_dir, read_config  # noqa: E402
 from mlxcel_dist.serve.lifecycle import _template_formats  # noqa: E402
 from mlxcel_dist.serve.openai_api import context_limit  # noqa: E402
 from mlxcel_dist.serve.openai_schema import ParseContext  # noqa: E402
-from mlxcel_dist.tokenizer import Tokenizer  # noqa: E402
+from mlxcel_dist.checkpoint.tokenizer import Tokenizer  # noqa: E402
 from test_serve_tools import scripted_app  # noqa: E402
 
 MSGS = [{"role": "user", "content": "The weather in Oslo"}]
@@ -28,8 +28,8 @@ MSGS = [{"role": "user", "content": "The weather in Oslo"}]
 def _app(vocab_limits=None):
     """(tokenizer, context, a scripted_app over the default model's BatchEngine);
     the engine and the scheduler share one grammar.Vocab, as in serve."""
-    from mlxcel_dist.batch import BatchEngine
-    from mlxcel_dist.loader import load_model
+    from mlxcel_dist.engine.batch import BatchEngine
+    from mlxcel_dist.checkpoint.loader import load_model
 
     d = default_model_dir()
     cfg = read_config(d)

@@ -14,14 +14,14 @@ openai = pytest.importorskip("openai", reason="the openai package is not install
 
 import mlx.core as mx  # noqa: E402
 
-from mlxcel_dist.batch import BatchEngine  # noqa: E402
-from mlxcel_dist.generation import sequence_logits  # noqa: E402
-from mlxcel_dist.loader import default_model_dir, load_model, read_config  # noqa: E402
-from mlxcel_dist.prefill import Budget, Request  # noqa: E402
+from mlxcel_dist.engine.batch import BatchEngine  # noqa: E402
+from mlxcel_dist.engine.generation import sequence_logits  # noqa: E402
+from mlxcel_dist.checkpoint.loader import default_model_dir, load_model, read_config  # noqa: E402
+from mlxcel_dist.engine.prefill import Budget, Request  # noqa: E402
 from mlxcel_dist.serve.lifecycle import _template_formats  # noqa: E402
 from mlxcel_dist.serve.openai_api import context_limit  # noqa: E402
 from mlxcel_dist.serve.openai_schema import ParseContext  # noqa: E402
-from mlxcel_dist.tokenizer import Tokenizer  # noqa: E402
+from mlxcel_dist.checkpoint.tokenizer import Tokenizer  # noqa: E402
 from test_serve_tools import scripted_app  # noqa: E402
 
 TEXTS = ["The sea is calm today.", "Numbers: 1, 2, 3"]

@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from mlxcel_dist.loader import default_model_dir, read_config
+from mlxcel_dist.checkpoint.loader import default_model_dir, read_config
 from mlxcel_dist.serve import wire
 from mlxcel_dist.serve.openai_api import context_limit, convert_chat, no_chat_template, parse
 from mlxcel_dist.serve.openai_schema import (
@@ -18,7 +18,7 @@ from mlxcel_dist.serve.openai_schema import (
 from mlxcel_dist.serve.responses import (
     FINISH, TokenPieces, stream_chunk, stream_error, usage, usage_chunk, whole_choice, whole_response,
 )
-from mlxcel_dist.tokenizer import Tokenizer
+from mlxcel_dist.checkpoint.tokenizer import Tokenizer
 
 CHAT = {"messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 4}
 COMP = {"prompt": "The sea", "max_tokens": 4}

@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from mlxcel_dist.loader import default_model_dir
+from mlxcel_dist.checkpoint.loader import default_model_dir
 from serveproc import Server, kill_rank_during
 from testproc import descendants
 from test_faults import _generate_with_fault

@@ -11,11 +11,11 @@ import json
 
 import pytest
 
-from mlxcel_dist.loader import default_model_dir, read_config
+from mlxcel_dist.checkpoint.loader import default_model_dir, read_config
 from mlxcel_dist.serve import reasoning
 from mlxcel_dist.serve.openai_api import parse
 from mlxcel_dist.serve.openai_schema import ApiError, ParseContext
-from mlxcel_dist.tokenizer import Tokenizer
+from mlxcel_dist.checkpoint.tokenizer import Tokenizer
 
 from test_serve_tools import WEATHER, scripted_app
 
@@ -202,9 +202,9 @@ def test_constrained_answers_come_after_the_thinking(tmp_path):
     openai = pytest.importorskip("openai", reason="the openai package is not installed (optional)")
     from test_grammar import CLOCK, PARAMS, SCHEMA, jsonschema  # skips without llguidance / jsonschema
 
-    from mlxcel_dist import grammar
-    from mlxcel_dist.batch import BatchEngine
-    from mlxcel_dist.loader import load_model
+    from mlxcel_dist.engine import grammar
+    from mlxcel_dist.engine.batch import BatchEngine
+    from mlxcel_dist.checkpoint.loader import load_model
     from mlxcel_dist.serve.lifecycle import _template_formats
     from specialvocab import special_vocab
 

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten, tree_map
 
-from mlxcel_dist.batch import BatchEngine
-from mlxcel_dist.batch_spec import BatchDrafts, DraftRows
-from mlxcel_dist.loader import default_model_dir, load_model, read_config
-from mlxcel_dist.prompt_cache import PromptCache
-from mlxcel_dist.sampling import SamplingParams
+from mlxcel_dist.engine.batch import BatchEngine
+from mlxcel_dist.engine.batch_spec import BatchDrafts, DraftRows
+from mlxcel_dist.checkpoint.loader import default_model_dir, load_model, read_config
+from mlxcel_dist.engine.prompt_cache import PromptCache
+from mlxcel_dist.engine.sampling import SamplingParams
 
 from reference_cases import FIXTURES
 
@@ -52,7 +52,7 @@ def run(engine, requests, n: int, lengths=None) -> dict:
 
 @pytest.fixture
 def small_buffers(monkeypatch):
-    import mlxcel_dist.batch as batch
+    import mlxcel_dist.engine.batch as batch
 
     monkeypatch.setattr(batch, "CPU_STEP", 8)  # full layers regrow within the generation
 
@@ -113,7 +113,7 @@ PROMPTS = ["The sea", "Once upon a time", "The sea", "A cat and a dog"]
 @pytest.fixture(scope="module")
 def tiny():
     from mlxcel_dist.serve.openai_schema import ParseContext
-    from mlxcel_dist.tokenizer import Tokenizer
+    from mlxcel_dist.checkpoint.tokenizer import Tokenizer
 
     d = default_model_dir()
     cfg = read_config(d)
@@ -182,7 +182,7 @@ def test_openai_client_in_process_with_drafts(tiny):
 
 
 def test_live_server_np2_with_a_draft_model(tiny, tmp_path):
-    from mlxcel_dist.launcher import find_mpirun
+    from mlxcel_dist.cluster.launcher import find_mpirun
     from serveproc import Server
 
     if find_mpirun() is None:

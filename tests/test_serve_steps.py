@@ -8,16 +8,16 @@ import threading
 
 import pytest
 
-from mlxcel_dist.engine import RankAgreement
-from mlxcel_dist.loader import default_model_dir, read_config
-from mlxcel_dist.sampling import SamplingParams
+from mlxcel_dist.engine.guard import RankAgreement
+from mlxcel_dist.checkpoint.loader import default_model_dir, read_config
+from mlxcel_dist.engine.sampling import SamplingParams
 from mlxcel_dist.serve import wire
-from mlxcel_dist.generation import OneRowEngine
+from mlxcel_dist.engine.generation import OneRowEngine
 from mlxcel_dist.models.base import Capabilities
 from mlxcel_dist.serve.protocol import advance, apply_step, follow
 from mlxcel_dist.serve.scheduler import Done, Failed, Job, Scheduler, Text, Token
 from mlxcel_dist.serve.wire import KIND_SHUTDOWN, KIND_STEP, GenRequest
-from mlxcel_dist.tokenizer import Tokenizer
+from mlxcel_dist.checkpoint.tokenizer import Tokenizer
 
 POISON = 7  # a prompt holding this id makes the fake engine's add_many fail
 
@@ -375,7 +375,7 @@ class LoopModel(Capabilities):
 
 
 def test_one_row_engine_serves_a_model_with_its_own_loop(tok):
-    from mlxcel_dist.collectives import SINGLE
+    from mlxcel_dist.parallel.collectives import SINGLE
 
     ids = words(tok, " The sea")
     model = LoopModel(ids)

@@ -12,11 +12,11 @@ import time
 
 import pytest
 
-from mlxcel_dist.loader import default_model_dir, read_config
+from mlxcel_dist.checkpoint.loader import default_model_dir, read_config
 from mlxcel_dist.serve import tools
 from mlxcel_dist.serve.openai_api import parse
 from mlxcel_dist.serve.openai_schema import ApiError, ParseContext
-from mlxcel_dist.tokenizer import Tokenizer
+from mlxcel_dist.checkpoint.tokenizer import Tokenizer
 
 # A Qwen-style template (hermes calls), reduced: tools in the system turn,
 # an assistant's calls as <tool_call> blocks, tool results as user turns.

@@ -21,12 +21,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxcel_dist import fetch
-from mlxcel_dist import shardcache as sc
-from mlxcel_dist.collectives import Group
+from mlxcel_dist.checkpoint import fetch
+from mlxcel_dist.checkpoint import shardcache as sc
+from mlxcel_dist.parallel.collectives import Group
 from mlxcel_dist.errors import UserError
-from mlxcel_dist.hostfile import Host
-from mlxcel_dist.loader import build_rank, default_model_dir, open_model, planned_reads
+from mlxcel_dist.cluster.hostfile import Host
+from mlxcel_dist.checkpoint.loader import build_rank, default_model_dir, open_model, planned_reads
 
 from testproc import run_cmd
 
@@ -148,7 +148,7 @@ def test_what_a_crash_loses_after_the_manifest_is_fetched_again(tmp_path):
 def test_the_receiver_imports_neither_numpy_nor_mlx():
     """Its start is on a first launch's path (issue 43): numpy's import was
     most of it. It needs neither unless it copies a piece from another entry."""
-    code = ("import sys, mlxcel_dist.fetch_receiver; "
+    code = ("import sys, mlxcel_dist.checkpoint.fetch_receiver; "
             "print(sorted(m for m in ('numpy', 'mlx.core', 'dataclasses') if m in sys.modules))")
     out = run_cmd([sys.executable, "-c", code], timeout=120)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
@@ -253,7 +253,7 @@ def _launch_logits(tmp_path, model: str, ids, name: str, extra=(), env=None) -> 
     np.save(tmp_path / "ids.npy", ids)
     out = tmp_path / f"{name}.npy"
     argv = ["logits", model, "--tokens-file", str(tmp_path / "ids.npy"), "--out", str(out), *extra]
-    code = ("import sys; from mlxcel_dist.launcher import launch; "
+    code = ("import sys; from mlxcel_dist.cluster.launcher import launch; "
             f"sys.exit(launch({argv!r}, 2, 'ring', env={env or {}!r}))")
     p = run_cmd([sys.executable, "-c", code], timeout=240, cwd=tmp_path)
     assert p.returncode == 0, p.stdout + p.stderr

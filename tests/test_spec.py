@@ -18,12 +18,12 @@ from typer.testing import CliRunner
 
 from mlxcel_dist.cli import app
 from mlxcel_dist.errors import UserError
-from mlxcel_dist.launcher import launch
-from mlxcel_dist.loader import default_model_dir, load_model
+from mlxcel_dist.cluster.launcher import launch
+from mlxcel_dist.checkpoint.loader import default_model_dir, load_model
 from mlxcel_dist.models import supported
-from mlxcel_dist.sampling import SamplingParams
-from mlxcel_dist.batch_spec import BatchDrafts, DraftRows
-from mlxcel_dist.spec import PromptLookup, speculative_accept
+from mlxcel_dist.engine.sampling import SamplingParams
+from mlxcel_dist.engine.batch_spec import BatchDrafts, DraftRows
+from mlxcel_dist.engine.spec import PromptLookup, speculative_accept
 
 from reference_cases import FIXTURES, case_id, cases
 from spec_drafts import ScriptedDrafts, misled, plain_ids, spec_ids
@@ -36,7 +36,7 @@ def _family_cases(drafting: bool) -> list:
     """Each family's first fp32 case (GQA ones first) whose target takes drafts
     (`drafting`: layers all attention KV) or is refused them (a recurrent or
     conv state; diffusion_gemma: its own loop)."""
-    from mlxcel_dist.loader import build_model, open_model
+    from mlxcel_dist.checkpoint.loader import build_model, open_model
 
     picked = {}
     for d in sorted(cases(), key=lambda d: not d.name.startswith("gqa")):
@@ -54,7 +54,7 @@ REFUSED_CASES = _family_cases(False)
 
 @pytest.fixture
 def small_buffers(monkeypatch):
-    import mlxcel_dist.batch as batch
+    import mlxcel_dist.engine.batch as batch
 
     monkeypatch.setattr(batch, "CPU_STEP", 8)  # full layers regrow within the generation
 
@@ -196,8 +196,8 @@ def test_sampled_drafts_are_reproducible_and_differ_by_seed():
 
 
 def test_refusals():
-    from mlxcel_dist.generation import Generation
-    from mlxcel_dist.spec import check_pair, check_target
+    from mlxcel_dist.engine.generation import Generation
+    from mlxcel_dist.engine.spec import check_pair, check_target
 
     diffusion = load_model(FIXTURES / "diffusion_gemma" / "kv4_fp32").model
     with pytest.raises(UserError, match="its own generation loop"):

@@ -17,11 +17,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxcel_dist.generation import sequence_logits
+from mlxcel_dist.engine.generation import sequence_logits
 from mlxcel_dist.errors import UserError
 from mlxcel_dist.harness import FP32_REL_TOL, compare
-from mlxcel_dist.loader import build_model, load_model
-from mlxcel_dist.weights import open_checkpoint
+from mlxcel_dist.checkpoint.loader import build_model, load_model
+from mlxcel_dist.checkpoint.weights import open_checkpoint
 
 FIX = Path(__file__).parent / "fixtures" / "step3p5"
 

@@ -10,8 +10,8 @@ import pytest
 
 from mlxcel_dist.errors import UserError
 from mlxcel_dist.harness import rel_tol_for
-from mlxcel_dist.launcher import launch
-from mlxcel_dist.loader import check_shardable
+from mlxcel_dist.cluster.launcher import launch
+from mlxcel_dist.checkpoint.loader import check_shardable
 
 from reference_cases import (FIXTURES, assert_modes_match, case_id, cases, launched_results, short_length_of,
                              single_process_logits, window_of)
@@ -62,7 +62,7 @@ _WEIGHTED = [(FIXTURES / "olmo3" / "gqa_fp32", "1,2,1")]
 
 
 def _kv_heads(d) -> int:
-    from mlxcel_dist.loader import model_args, read_config
+    from mlxcel_dist.checkpoint.loader import model_args, read_config
 
     a = model_args(read_config(d))
     return int(getattr(a, "num_key_value_heads", None) or a.num_attention_heads)
@@ -120,7 +120,7 @@ def test_tp_matches_reference_and_single_process(tp_results, single, backend, n,
 def test_kv_head_counts_covered():
     # The matrix must include MQA (1 KV head) and GQA (2 KV heads) at np 4,
     # i.e. KV heads replicated across ranks.
-    from mlxcel_dist.loader import model_args, read_config
+    from mlxcel_dist.checkpoint.loader import model_args, read_config
 
     # as each family's ModelArgs reads them (config forms differ: text_config, hub keys)
     kv = {getattr(model_args(read_config(d)), "num_key_value_heads", None) for d in RUNS[("mpi", 4)]}
@@ -155,7 +155,7 @@ def test_each_rank_reads_only_its_shard(tmp_path):
     # gqa_fp32: everything but embeddings and norms is split 2 ways (8 q heads,
     # 2 KV heads, MLP columns), so each rank reads and holds exactly
     # replicated + sharded / 2 bytes, never the whole checkpoint.
-    from mlxcel_dist.weights import open_checkpoint
+    from mlxcel_dist.checkpoint.weights import open_checkpoint
 
     d = FIXTURES / "gemma3" / "gqa_fp32"
     refs = open_checkpoint(d)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from ..masks import CAUSAL, create_chunked_mask
+from ..nn.masks import CAUSAL, create_chunked_mask
 from .sliding import RotatingKVCache
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from ..masks import CAUSAL, create_rows_mask
+from ..nn.masks import CAUSAL, create_rows_mask
 from .base import EveryKeyHeld, LayerCache, Snapshot
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from ..masks import CAUSAL
+from ..nn.masks import CAUSAL
 from .base import EveryKeyHeld, Snapshot
 from .full import PrefillCache, RowCache, StaticCache
 

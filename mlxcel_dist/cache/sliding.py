@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from ..masks import CAUSAL, create_sliding_window_prefill_mask
+from ..nn.masks import CAUSAL, create_sliding_window_prefill_mask
 from .base import Snapshot
 from .full import KVKind
 

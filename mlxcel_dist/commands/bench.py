@@ -8,7 +8,7 @@ import os
 import time
 
 from ..bench import check_lengths, format_table, run_bench
-from ..engine import check_generation_options
+from ..engine.guard import check_generation_options
 from ..errors import UserError
 from .common import pick_model
 from .generate import check_drafting, make_drafter
@@ -33,7 +33,7 @@ def main(ctx, a) -> None:
     drafter = make_drafter(a.draft_model, a.prompt_lookup, a.num_draft_tokens, load.dtype, a.compiled, a.prefill_step)
     ids = None
     if a.prompt_file is not None:
-        from ..tokenizer import Tokenizer
+        from ..checkpoint.tokenizer import Tokenizer
 
         text = a.prompt_file.read_text(encoding="utf-8")
         ids = Tokenizer(loaded.model_dir, loaded.config).prompt_ids(text, chat=False)[:a.prompt_tokens]

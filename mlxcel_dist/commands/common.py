@@ -11,7 +11,7 @@ from typing import Optional
 
 import typer
 
-from ..collectives import CollectiveError
+from ..parallel.collectives import CollectiveError
 from ..errors import UserError
 
 COLLECTIVE_ERROR_GRACE_S = 2.0  # other ranks wait this long before exiting on a CollectiveError
@@ -45,7 +45,7 @@ def _is_other_rank() -> bool:
     reported by rank 0 alone)."""
     if not os.environ.get("MLXCEL_DIST_WORLD"):
         return False
-    from .. import distributed
+    from ..parallel import distributed
 
     return not distributed.world().is_root
 
@@ -56,7 +56,7 @@ def err(msg: str) -> None:
     along its stdout, marked, and the launcher puts it on stderr in order
     (distributed.REPORT_MARKER)."""
     if os.environ.get("MLXCEL_DIST_REPORTS_ON_STDOUT") == "1":
-        from .. import distributed
+        from ..parallel import distributed
 
         if distributed.world().is_root:
             sys.stdout.write(f"{distributed.REPORT_MARKER}{msg}\n")

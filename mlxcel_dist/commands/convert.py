@@ -3,9 +3,9 @@
 
 from __future__ import annotations
 
-from ..convert import convert_checkpoint
+from ..checkpoint.convert import convert_checkpoint
 from ..errors import UserError
-from ..loader import check_shardable
+from ..checkpoint.loader import check_shardable
 from .common import err
 
 

@@ -11,12 +11,12 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from ..engine import check_context, check_generation_options, rank_resources
-from ..generation import generate_text
+from ..engine.guard import check_context, check_generation_options, rank_resources
+from ..engine.generation import generate_text
 from ..errors import UserError
-from ..loader import open_model
-from ..sampling import SamplingParams
-from ..tokenizer import StopStrings, Tokenizer
+from ..checkpoint.loader import open_model
+from ..engine.sampling import SamplingParams
+from ..checkpoint.tokenizer import StopStrings, Tokenizer
 from .common import err, pick_model, pp_note
 from .launch import checked, distribute, load_shard
 
@@ -33,7 +33,7 @@ def main(ctx, a) -> None:
         if seed is None:
             import secrets
 
-            from ..sampling import SEED_LIMIT
+            from ..engine.sampling import SEED_LIMIT
 
             seed = secrets.randbelow(SEED_LIMIT)
         ctx.params.update(prompt=prompt, seed=seed, model=model, model_opt=None)
@@ -81,8 +81,8 @@ def main(ctx, a) -> None:
 
     matcher = None
     if grammar_text is not None:
-        from ..engine import vocab_size
-        from ..grammar import Vocab
+        from ..engine.guard import vocab_size
+        from ..engine.grammar import Vocab
 
         matcher = Vocab(loaded.model_dir / "tokenizer.json", vocab_size(loaded.model), tok.eos_ids).matcher(grammar_text)
     gen = generate_text(loaded.model, tok, ids, a.max_tokens, sampling, stop=stops, prefill_step=a.prefill_step,
@@ -144,8 +144,8 @@ def check_drafting(draft_model, prompt_lookup: bool, num_draft: int, model, samp
     """Before launch: the draft options fit together, the target and the draft model."""
     if draft_model is None and not prompt_lookup:
         return
-    from ..loader import build_model
-    from ..spec import check_drafting, check_pair, check_target
+    from ..checkpoint.loader import build_model
+    from ..engine.spec import check_drafting, check_pair, check_target
 
     if draft_model is not None and prompt_lookup:
         raise UserError("--draft-model and --prompt-lookup both draft: give one")
@@ -166,13 +166,13 @@ def make_drafter(draft_model, prompt_lookup: bool, num_draft: int, dtype, compil
     """The drafts of this rank's engine (a batch_spec.BatchDrafts; None: no
     drafts): the draft model loaded whole (every rank drafts alike, no
     message between them), or prompt lookup."""
-    from ..batch_spec import BatchDrafts, DraftRows
+    from ..engine.batch_spec import BatchDrafts, DraftRows
 
     if draft_model is None and not prompt_lookup:
         return None
     if prompt_lookup:
         return BatchDrafts(num_draft)
-    from ..loader import load_model
+    from ..checkpoint.loader import load_model
 
     return BatchDrafts(num_draft, DraftRows(load_model(draft_model, dtype=dtype).model, num_draft, compiled, prefill_step))
 
@@ -181,7 +181,7 @@ def _grammar_text(json_schema: Optional[Path], json_object: bool) -> Optional[st
     """The grammar of --json-schema FILE / --json-object (grammar.py), or None."""
     if json_schema is None and not json_object:
         return None
-    from .. import grammar
+    from ..engine import grammar
 
     if json_schema is not None and json_object:
         raise UserError("give --json-schema or --json-object, not both")

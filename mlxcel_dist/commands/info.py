@@ -7,7 +7,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from ..errors import UserError
-from ..loader import build_model, check_shardable, open_model
+from ..checkpoint.loader import build_model, check_shardable, open_model
 from ..plan import rank_plans
 from .common import pick_model
 

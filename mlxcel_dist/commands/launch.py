@@ -18,7 +18,7 @@ from typing import Optional
 
 import typer
 
-from .. import backends
+from ..cluster import backends
 from ..errors import UserError
 
 
@@ -33,8 +33,8 @@ def distribute(ctx: typer.Context, launch, model=None):
     weights = parse_rank_weights(launch.rank_weights)
     split = check_moe_split(launch.moe_split)
     if os.environ.get("MLXCEL_DIST_WORLD"):  # we are a launched rank
-        from .. import distributed
-        from ..loader import model_present
+        from ..parallel import distributed
+        from ..checkpoint.loader import model_present
 
         group = distributed.init_from_env()
         if weights is not None and not group.single:  # every rank re-runs the same argv: the same weights
@@ -46,7 +46,7 @@ def distribute(ctx: typer.Context, launch, model=None):
     if np_ < 1:
         raise UserError(f"--np must be >= 1, got {np_}")
     if pp != 1:
-        from .. import pipeline
+        from ..parallel import pipeline
 
         np_ = pipeline.check_pp_ranks(np_, pp)
     if weights is not None and len(weights) != np_:
@@ -55,14 +55,14 @@ def distribute(ctx: typer.Context, launch, model=None):
         weights = hostfile_weights(ctx, hostfile, np_)
     backends.check_choice(launch.backend)
     if pp > 1 or launch.pp_handoff != "auto":
-        from .. import pipeline
+        from ..parallel import pipeline
 
         pipeline.handoff_mode(launch.pp_handoff, job_backend(launch.backend, hostfile), pp, np_ // pp)
     if np_ == 1 and hostfile is None:
-        from ..collectives import SINGLE
+        from ..parallel.collectives import SINGLE
 
         return SINGLE
-    from .. import launcher  # looked up at the call: tests replace launcher.launch
+    from ..cluster import launcher  # looked up at the call: tests replace launcher.launch
 
     check_placement(model, np_, pp, weights, split)
     env = fetch_env(model, launch, np_, pp, weights, split, ctx.params.get("adapter_path"))
@@ -78,9 +78,9 @@ def fetch_env(model, launch, np_: int, pp: int, weights, split: str, adapter_pat
     `dry`: only the per-host byte counts (plan --ask-hosts), as fetch summary lines."""
     if launch.hostfile is None or not launch.fetch or model is None:
         return None
-    from .. import fetch, shardcache
-    from ..hostfile import assign_ranks, read_hostfile
-    from ..loader import open_model
+    from ..checkpoint import fetch, shardcache
+    from ..cluster.hostfile import assign_ranks, read_hostfile
+    from ..checkpoint.loader import open_model
 
     placement = assign_ranks(read_hostfile(launch.hostfile).hosts, np_)
     hosts = fetch.receiving_hosts(placement)
@@ -101,7 +101,7 @@ def job_backend(backend: str, hostfile) -> str:
     """The backend a launch will use (`auto` resolved as the launcher will)."""
     if backend != "auto":
         return backend
-    from ..hostfile import read_hostfile
+    from ..cluster.hostfile import read_hostfile
 
     info = read_hostfile(hostfile) if hostfile is not None else None
     return backends.default_backend(info is None, info)
@@ -137,7 +137,7 @@ def hostfile_weights(ctx: typer.Context, hostfile: Path, np_: int):
     """The ranks' weights from the hostfile's per-host ``weight`` (None when it
     sets none); put in the ranks' argv as --rank-weights (the ranks never read
     the hostfile)."""
-    from ..hostfile import rank_weights, read_hostfile
+    from ..cluster.hostfile import rank_weights, read_hostfile
 
     weights = rank_weights(read_hostfile(hostfile).hosts, np_)
     if weights is not None:
@@ -147,7 +147,7 @@ def hostfile_weights(ctx: typer.Context, hostfile: Path, np_: int):
 
 def check_moe_split(value: Optional[str]) -> str:
     """--moe-split's value (default intermediate)."""
-    from ..partition import MOE_SPLITS
+    from ..parallel.partition import MOE_SPLITS
 
     value = value or "intermediate"
     if value not in MOE_SPLITS:
@@ -174,10 +174,10 @@ def parse_rank_weights(text: Optional[str]):
 def check_placement(model, np_: int, pp: int, weights, moe_split: str | None = None) -> None:
     """Before launch, on paper: the model splits over np_ ranks (with --pp:
     into pp stages, each split np_ / pp ways)."""
-    from ..loader import check_shardable, check_stageable
+    from ..checkpoint.loader import check_shardable, check_stageable
 
     if pp > 1:
-        from ..pipeline import member_weights
+        from ..parallel.pipeline import member_weights
 
         check_stageable(model, pp, weights)
         T = np_ // pp
@@ -195,7 +195,7 @@ def kv_options(model, load):
     kv = KVOptions(load.max_kv_size, load.kv_bits, load.kv_group_size)
     if load.kv_bits is None:
         return kv.check()
-    from ..loader import open_model
+    from ..checkpoint.loader import open_model
     from ..models import get_model_module
 
     ck = open_model(model)
@@ -211,8 +211,8 @@ def adapter(model, adapter_path):
     launched; each rank reads it again)."""
     if adapter_path is None:
         return None
-    from ..loader import build_model, open_model
-    from ..lora import Adapter
+    from ..checkpoint.loader import build_model, open_model
+    from ..nn.lora import Adapter
 
     adapter = Adapter(adapter_path)
     adapter.check(build_model(open_model(model).config))
@@ -226,7 +226,7 @@ def checked(model, load):
 
 def load_shard(model, dtype, group, pp: int = 1, kv=None, adapter=None):
     """Load this rank's shard (or pipeline stage); rank 0 shows a progress bar on stderr."""
-    from ..loader import load_model
+    from ..checkpoint.loader import load_model
 
     if not group.is_root:
         return load_model(model, dtype=dtype, group=group, pp=pp, kv=kv, adapter=adapter)

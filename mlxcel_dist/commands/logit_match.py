@@ -9,10 +9,10 @@ from pathlib import Path
 import numpy as np
 import typer
 
-from ..engine import check_tokens
+from ..engine.guard import check_tokens
 from ..errors import UserError
 from ..harness import all_mode_logits, compare, default_tokens, model_window, rel_tol_for
-from ..loader import load_model, open_model
+from ..checkpoint.loader import load_model, open_model
 from .common import err, pick_model, pp_note, read_tokens
 from .launch import (check_moe_split, check_placement, checked, distribute, fetch_env, hostfile_weights, job_backend,
                      load_shard, parse_rank_weights)
@@ -24,7 +24,7 @@ def main(ctx, a) -> None:
     if np_ < 1:
         raise UserError(f"--np must be >= 1, got {np_}")
     if pp != 1:  # --np's default (2) is tensor parallelism's: with --pp alone, one rank per stage
-        from .. import pipeline
+        from ..parallel import pipeline
 
         given = ctx.get_parameter_source("np_").name not in ("DEFAULT", "DEFAULT_MAP")
         np_ = pipeline.check_pp_ranks(np_ if given else 1, pp)
@@ -74,7 +74,7 @@ def main(ctx, a) -> None:
 
 def _ranks_logits(ctx, a, model_dir: Path, ids, np_: int) -> dict:
     """Every mode's logits from np_ ranks: `modes` launched on them."""
-    from .. import launcher
+    from ..cluster import launcher
 
     load, launch = a.load, a.launch
     with tempfile.TemporaryDirectory(prefix="mlxcel-match-") as tmp:
@@ -91,7 +91,7 @@ def _ranks_logits(ctx, a, model_dir: Path, ids, np_: int) -> dict:
         split = check_moe_split(launch.moe_split)
         argv += ["--moe-split", split]
         if launch.pp > 1:
-            from .. import pipeline
+            from ..parallel import pipeline
 
             argv += ["--pp", str(launch.pp), "--pp-handoff", launch.pp_handoff]
             pipeline.handoff_mode(launch.pp_handoff, job_backend(launch.backend, launch.hostfile), launch.pp,

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..engine import check_tokens
-from ..generation import sequence_logits
+from ..engine.guard import check_tokens
+from ..engine.generation import sequence_logits
 from ..errors import UserError
-from ..loader import open_model
+from ..checkpoint.loader import open_model
 from .common import check_out, err, pp_note, read_tokens
 from .launch import checked, distribute, load_shard
 

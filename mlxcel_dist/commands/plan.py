@@ -3,9 +3,9 @@ time, from the checkpoint's headers only (plan.make_plan)."""
 
 from __future__ import annotations
 
-from .. import backends
+from ..cluster import backends
 from ..errors import UserError
-from ..loader import open_model
+from ..checkpoint.loader import open_model
 from ..plan import format_plan, make_plan
 from .common import pick_model
 from .launch import check_moe_split, check_placement, job_backend, parse_rank_weights
@@ -21,7 +21,7 @@ def main(ctx, a) -> None:
             raise UserError(f"{name} must be >= 0, got {v}")
     host_layer = None if a.host_us_per_layer is None else a.host_us_per_layer * 1e-6
     if a.hostfile is not None:
-        from ..hostfile import rank_host_layer, rank_memory, rank_weights as host_weights, read_hostfile
+        from ..cluster.hostfile import rank_host_layer, rank_memory, rank_weights as host_weights, read_hostfile
 
         hosts = read_hostfile(a.hostfile).hosts
         np_ = np_ if np_ > 1 else sum(h.slots for h in hosts)
@@ -38,7 +38,7 @@ def main(ctx, a) -> None:
     if weights is not None and len(weights) != np_:
         raise UserError(f"--rank-weights gives {len(weights)} weights for {np_} ranks")
     if pp > 1:
-        from ..pipeline import check_pp_ranks
+        from ..parallel.pipeline import check_pp_ranks
 
         np_ = check_pp_ranks(np_, pp)
     split = check_moe_split(a.moe_split)
@@ -61,8 +61,8 @@ def _fetch_lines(a, ck, np_: int, pp: int, weights, split) -> list[str]:
     (--ask-hosts), or the most it could be (its ranks' shards)."""
     from types import SimpleNamespace
 
-    from .. import fetch, shardcache
-    from ..hostfile import assign_ranks, read_hostfile
+    from ..checkpoint import fetch, shardcache
+    from ..cluster.hostfile import assign_ranks, read_hostfile
     from ..units import format_size
     from .launch import fetch_env
 

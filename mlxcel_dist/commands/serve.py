@@ -16,11 +16,11 @@ def main(ctx, a) -> None:
     # first: MLX reads these at its first GPU evaluation (set after one, they
     # are ignored; measured); the ranks started below inherit them
     long_lived_env()
-    from ..engine import check_generation_options
-    from ..sampling import SamplingParams
+    from ..engine.guard import check_generation_options
+    from ..engine.sampling import SamplingParams
     from ..serve.lifecycle import Options, run
     from ..serve.openai_schema import Defaults
-    from ..tokenizer import Tokenizer
+    from ..checkpoint.tokenizer import Tokenizer
     from ..units import parse_size
 
     load, launch = a.load, a.launch
@@ -71,7 +71,7 @@ def main(ctx, a) -> None:
     defaults = Defaults(temp=a.temp, top_p=a.top_p, top_k=a.top_k, min_p=a.min_p, max_tokens=a.max_tokens)
     kv, adapter = checked(model, load)
     if a.extra_eos_token and not os.environ.get("MLXCEL_DIST_WORLD"):  # an unknown token fails before launch
-        from ..loader import open_model
+        from ..checkpoint.loader import open_model
 
         ck = open_model(model)
         Tokenizer(ck.dir, ck.config, extra_eos=a.extra_eos_token)

@@ -37,13 +37,13 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..attention import causal_attention
-from ..blocks import MLP, PreNormBlock
+from ..nn.attention import causal_attention
+from ..nn.blocks import MLP, PreNormBlock
 from ..cache import SLIDING, ConvKVCache, KVCache, RotatingKVCache
 from ..errors import UserError
-from ..layers import RMSNorm, activation
-from ..rope import RoPE
-from ..shard import shard_mlp, shard_packed_attention
+from ..nn.layers import RMSNorm, activation
+from ..nn.rope import RoPE
+from ..parallel.shard import shard_mlp, shard_packed_attention
 from .base import FULL, BaseModelArgs, CausalLM, DecoderStack
 
 

@@ -23,11 +23,11 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..cache import FULL, SLIDING, SharedKVCache, make_layer_caches
-from ..collectives import SINGLE, Group
+from ..parallel.collectives import SINGLE, Group
 from ..errors import UserError
 from ..cache import layer_masks
-from ..partition import split_ranges
-from ..shard import plan_sharded_linears, shard_layers, vocab_parallel_logits
+from ..parallel.partition import split_ranges
+from ..parallel.shard import plan_sharded_linears, shard_layers, vocab_parallel_logits
 
 __all__ = ["FULL", "SLIDING", "LanguageModel", "Capabilities", "BaseModelArgs", "CausalLM", "DecoderStack"]
 

@@ -100,17 +100,17 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..attention import causal_attention
+from ..nn.attention import causal_attention
 from ..cache import KVCache, LatentCache
-from ..blocks import MLP, PreNormBlock
-from ..collectives import SINGLE
+from ..nn.blocks import MLP, PreNormBlock
+from ..parallel.collectives import SINGLE
 from ..errors import UserError
-from ..experts import SwitchGLU, top_k, use_grouped
-from ..layers import LayerNorm, RMSNorm, activation, gated_fp32
-from ..masks import CAUSAL, create_causal_mask
-from ..rope import RoPE
-from ..shard import shard_expert_mlps, shard_latent_attention, shard_mlp, shard_switch_glu
-from ..weights import View, join
+from ..nn.experts import SwitchGLU, top_k, use_grouped
+from ..nn.layers import LayerNorm, RMSNorm, activation, gated_fp32
+from ..nn.masks import CAUSAL, create_causal_mask
+from ..nn.rope import RoPE
+from ..parallel.shard import shard_expert_mlps, shard_latent_attention, shard_mlp, shard_switch_glu
+from ..checkpoint.weights import View, join
 from .base import FULL, BaseModelArgs, CausalLM, DecoderStack, describe_layers
 
 DENSE, SPARSE = "dense", "sparse"

@@ -43,12 +43,12 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..blocks import MLP, Gemma4Attention, Gemma4Block, Gemma4Experts, Gemma4Router, gemma4_expert_name, \
+from ..nn.blocks import MLP, Gemma4Attention, Gemma4Block, Gemma4Experts, Gemma4Router, gemma4_expert_name, \
     gemma4_rope, gemma4_rope_params
 from ..cache import PrefixViewCache, make_layer_caches
 from ..errors import UserError
-from ..layers import RMSNormFP32Scale, activation, gated_fp32
-from ..shard import shard_attention, shard_mlp, shard_switch_glu
+from ..nn.layers import RMSNormFP32Scale, activation, gated_fp32
+from ..parallel.shard import shard_attention, shard_mlp, shard_switch_glu
 from .base import FULL, SLIDING, BaseModelArgs, CausalLM, DecoderStack, derive_layer_types
 
 _DROP = ("model.encoder.vision_tower.", "model.encoder.embed_vision.")

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 import mlx.nn as nn
 
-from ..blocks import MLP, Attention
+from ..nn.blocks import MLP, Attention
 from ..errors import UserError
-from ..layers import RMSNorm, activation
-from ..rope import RoPE
+from ..nn.layers import RMSNorm, activation
+from ..nn.rope import RoPE
 from .base import FULL, SLIDING, BaseModelArgs, CausalLM, DecoderStack, derive_layer_types
 
 

@@ -36,12 +36,12 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..blocks import MLP, Attention, PreNormBlock
-from ..collectives import SINGLE
+from ..nn.blocks import MLP, Attention, PreNormBlock
+from ..parallel.collectives import SINGLE
 from ..errors import UserError
-from ..layers import RMSNorm, activation
-from ..rope import RoPE
-from ..shard import shard_attention, shard_expert_mlps, shard_mlp
+from ..nn.layers import RMSNorm, activation
+from ..nn.rope import RoPE
+from ..parallel.shard import shard_attention, shard_expert_mlps, shard_mlp
 from .base import (
     FULL,
     SLIDING,

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from ..blocks import MLP, Attention, SandwichBlock
+from ..nn.blocks import MLP, Attention, SandwichBlock
 from ..errors import UserError
-from ..layers import GemmaRMSNorm, activation
-from ..rope import RoPE
+from ..nn.layers import GemmaRMSNorm, activation
+from ..nn.rope import RoPE
 from .base import SLIDING, BaseModelArgs, CausalLM, DecoderStack, derive_layer_types
 
 # transformers' Gemma2Config: without layer_types, every 2nd layer is full

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from ..blocks import MLP, Attention, SandwichBlock
+from ..nn.blocks import MLP, Attention, SandwichBlock
 from ..errors import UserError
-from ..layers import GemmaRMSNorm, activation
+from ..nn.layers import GemmaRMSNorm, activation
 from ..cache import layer_masks
-from ..rope import RoPE
+from ..nn.rope import RoPE
 from .base import FULL, SLIDING, BaseModelArgs, CausalLM, DecoderStack, derive_layer_types
 
 

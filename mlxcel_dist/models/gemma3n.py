@@ -43,12 +43,12 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..attention import causal_attention
-from ..collectives import SINGLE
+from ..nn.attention import causal_attention
+from ..parallel.collectives import SINGLE
 from ..errors import UserError
-from ..layers import RMSNormFP32Scale, activation
-from ..rope import RoPE
-from ..shard import shard_attention, shard_mlp
+from ..nn.layers import RMSNormFP32Scale, activation
+from ..nn.rope import RoPE
+from ..parallel.shard import shard_attention, shard_mlp
 from .base import (FULL, SLIDING, BaseModelArgs, CausalLM, DecoderStack, derive_layer_types, receive_packed,
                    send_packed, shared_kv_caches)
 

@@ -35,13 +35,13 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..blocks import MLP, Attention, PreNormBlock
-from ..collectives import SINGLE
+from ..nn.blocks import MLP, Attention, PreNormBlock
+from ..parallel.collectives import SINGLE
 from ..errors import UserError
-from ..experts import SwitchGLU, stack_expert_refs, top_k, use_grouped
-from ..layers import RMSNorm, activation, gated_fp32
-from ..rope import RoPE
-from ..shard import shard_attention, shard_expert_mlps, shard_mlp, shard_switch_glu
+from ..nn.experts import SwitchGLU, stack_expert_refs, top_k, use_grouped
+from ..nn.layers import RMSNorm, activation, gated_fp32
+from ..nn.rope import RoPE
+from ..parallel.shard import shard_attention, shard_expert_mlps, shard_mlp, shard_switch_glu
 from .base import BaseModelArgs, CausalLM, DecoderStack, derive_layer_types, describe_layers
 
 DENSE, SPARSE = "dense", "sparse"

@@ -25,12 +25,12 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..blocks import Attention, PreNormBlock
-from ..collectives import SINGLE
+from ..nn.blocks import Attention, PreNormBlock
+from ..parallel.collectives import SINGLE
 from ..errors import UserError
-from ..layers import RMSNormFP32Scale
-from ..rope import RoPE
-from ..shard import shard_attention, shard_moe
+from ..nn.layers import RMSNormFP32Scale
+from ..nn.rope import RoPE
+from ..parallel.shard import shard_attention, shard_moe
 from .base import (
     SLIDING,
     BaseModelArgs,

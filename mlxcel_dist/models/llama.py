@@ -13,9 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-from ..blocks import Attention, MLP, PreNormBlock
-from ..layers import RMSNorm, activation
-from ..rope import RoPE
+from ..nn.blocks import Attention, MLP, PreNormBlock
+from ..nn.layers import RMSNorm, activation
+from ..nn.rope import RoPE
 from .base import BaseModelArgs, CausalLM, DecoderStack, derive_layer_types
 
 

@@ -42,16 +42,16 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..blocks import MLP, Attention
+from ..nn.blocks import MLP, Attention
 from ..cache import CHUNKED, make_layer_caches
-from ..collectives import SINGLE
+from ..parallel.collectives import SINGLE
 from ..errors import UserError
-from ..experts import SwitchGLU, top_k
-from ..layers import RMSNorm, activation, gated_fp32
+from ..nn.experts import SwitchGLU, top_k
+from ..nn.layers import RMSNorm, activation, gated_fp32
 from ..cache import layer_masks
-from ..rope import RoPE
-from ..shard import shard_attention, shard_expert_mlps, shard_mlp, shard_switch_glu
-from ..weights import join, swap_last_axes
+from ..nn.rope import RoPE
+from ..parallel.shard import shard_attention, shard_expert_mlps, shard_mlp, shard_switch_glu
+from ..checkpoint.weights import join, swap_last_axes
 from .base import FULL, BaseModelArgs, CausalLM, DecoderStack, single_rope_params
 
 DEFAULT_THETA = 500_000.0  # Llama4TextConfig.default_theta

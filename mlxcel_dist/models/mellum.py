@@ -33,13 +33,13 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..blocks import MLP, Attention, PreNormBlock
-from ..collectives import SINGLE
+from ..nn.blocks import MLP, Attention, PreNormBlock
+from ..parallel.collectives import SINGLE
 from ..errors import UserError
-from ..experts import softmax_top_k
-from ..layers import RMSNorm, activation
-from ..rope import RoPE
-from ..shard import shard_attention, shard_expert_mlps, shard_mlp
+from ..nn.experts import softmax_top_k
+from ..nn.layers import RMSNorm, activation
+from ..nn.rope import RoPE
+from ..parallel.shard import shard_attention, shard_expert_mlps, shard_mlp
 from .base import FULL, SLIDING, BaseModelArgs, CausalLM, DecoderStack, derive_layer_types, describe_layers
 
 DENSE, SPARSE = "dense", "sparse"

@@ -46,15 +46,15 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..blocks import Attention
-from ..collectives import SINGLE
+from ..nn.blocks import Attention
+from ..parallel.collectives import SINGLE
 from ..errors import UserError
-from ..experts import SwitchGLU, top_k
-from ..layers import RMSNorm, activation, gated_fp32
-from ..rope import RoPE
-from ..partition import head_partition, slot_ranges
-from ..shard import rank_heads, shard_attention, shard_head_vector, shard_switch_glu
-from ..weights import join
+from ..nn.experts import SwitchGLU, top_k
+from ..nn.layers import RMSNorm, activation, gated_fp32
+from ..nn.rope import RoPE
+from ..parallel.partition import head_partition, slot_ranges
+from ..parallel.shard import rank_heads, shard_attention, shard_head_vector, shard_switch_glu
+from ..checkpoint.weights import join
 from .base import FULL, BaseModelArgs, CausalLM, DecoderStack, describe_layers, single_rope_params
 
 DEFAULT_THETA = 5_000_000.0  # MiniMaxM2Config.default_theta

@@ -19,10 +19,10 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from ..blocks import Attention, MLP, PreNormBlock
+from ..nn.blocks import Attention, MLP, PreNormBlock
 from ..errors import UserError
-from ..layers import RMSNorm, activation
-from ..rope import RoPE
+from ..nn.layers import RMSNorm, activation
+from ..nn.rope import RoPE
 from .base import SLIDING, BaseModelArgs, CausalLM, DecoderStack, derive_layer_types
 
 # Ministral3Config's rope_parameters when config.json has none.

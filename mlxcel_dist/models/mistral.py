@@ -17,10 +17,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-from ..blocks import Attention, MLP, PreNormBlock
+from ..nn.blocks import Attention, MLP, PreNormBlock
 from ..errors import UserError
-from ..layers import RMSNorm, activation
-from ..rope import RoPE
+from ..nn.layers import RMSNorm, activation
+from ..nn.rope import RoPE
 from .base import SLIDING, BaseModelArgs, CausalLM, DecoderStack, derive_layer_types
 
 

@@ -21,13 +21,13 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..blocks import MLP, Attention
-from ..collectives import SINGLE
+from ..nn.blocks import MLP, Attention
+from ..parallel.collectives import SINGLE
 from ..errors import UserError
-from ..layers import RMSNormFP32Scale, activation
-from ..rope import RoPE
-from ..partition import head_partition, slot_ranges
-from ..shard import rank_heads, shard_head_vector
+from ..nn.layers import RMSNormFP32Scale, activation
+from ..nn.rope import RoPE
+from ..parallel.partition import head_partition, slot_ranges
+from ..parallel.shard import rank_heads, shard_head_vector
 from .base import FULL, SLIDING, BaseModelArgs, CausalLM, DecoderStack, derive_layer_types, single_rope_params
 
 # Olmo3Config.default_theta: the RoPE base when the config names none.

@@ -2,7 +2,7 @@
 Qwen3_5MoeForConditionalGeneration as hub checkpoints store it, Qwen3.5-35B-A3B
 / 397B-A17B; `qwen3_5_moe_text`: Qwen3_5MoeForCausalLM).
 
-Hidden states [B, L, hidden]. The hybrid decoder of mlxcel_dist/deltanet.py
+Hidden states [B, L, hidden]. The hybrid decoder of mlxcel_dist/nn/deltanet.py
 (as qwen3_next) with Qwen3.5's DeltaNet projections: `in_proj_qkv` (rows: q
 of every key head, then k, then v), `in_proj_z`, `in_proj_b`, `in_proj_a`.
 Every layer's MLP is the routed MoE with a gated shared expert (top-k
@@ -28,13 +28,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .. import deltanet
-from ..deltanet import LINEAR, GatedAttention, GatedDeltaNet, HybridLayer, SharedExpertMoE
+from ..nn import deltanet
+from ..nn.deltanet import LINEAR, GatedAttention, GatedDeltaNet, HybridLayer, SharedExpertMoE
 from ..errors import UserError
-from ..experts import stack_expert_refs
-from ..layers import GemmaRMSNorm
-from ..rope import RoPE
-from ..weights import swap_last_axes, take_range
+from ..nn.experts import stack_expert_refs
+from ..nn.layers import GemmaRMSNorm
+from ..nn.rope import RoPE
+from ..checkpoint.weights import swap_last_axes, take_range
 from .base import BaseModelArgs, CausalLM, DecoderStack
 
 NOT_TEXT = ("model.visual.", "visual.", "vision_tower.", "model.vision_tower.", "mtp.", "model.mtp.")

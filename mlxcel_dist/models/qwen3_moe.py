@@ -23,12 +23,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..blocks import MLP, Attention, PreNormBlock
+from ..nn.blocks import MLP, Attention, PreNormBlock
 from ..errors import UserError
-from ..experts import SoftmaxMoE, stack_expert_refs
-from ..layers import RMSNorm, activation
-from ..rope import RoPE
-from ..shard import shard_attention, shard_mlp, shard_switch_glu
+from ..nn.experts import SoftmaxMoE, stack_expert_refs
+from ..nn.layers import RMSNorm, activation
+from ..nn.rope import RoPE
+from ..parallel.shard import shard_attention, shard_mlp, shard_switch_glu
 from .base import FULL, SLIDING, BaseModelArgs, CausalLM, DecoderStack, derive_layer_types, describe_layers, \
     single_rope_params
 

@@ -1,6 +1,6 @@
 """Qwen3-Next (`qwen3_next`, Qwen3NextForCausalLM: Qwen3-Next-80B-A3B).
 
-Hidden states [B, L, hidden]. The hybrid decoder of mlxcel_dist/deltanet.py:
+Hidden states [B, L, hidden]. The hybrid decoder of mlxcel_dist/nn/deltanet.py:
 `layer_types` (or every `full_attention_interval`-th layer full, default 4)
 picks a gated DeltaNet layer (`linear_attn`, fused `in_proj_qkvz` /
 `in_proj_ba` per key head) or gated full attention (`self_attn`: q_proj
@@ -25,14 +25,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .. import deltanet
-from ..blocks import MLP
-from ..deltanet import LINEAR, GatedAttention, GatedDeltaNet, HybridLayer, SharedExpertMoE
+from ..nn import deltanet
+from ..nn.blocks import MLP
+from ..nn.deltanet import LINEAR, GatedAttention, GatedDeltaNet, HybridLayer, SharedExpertMoE
 from ..errors import UserError
-from ..experts import stack_expert_refs
-from ..layers import GemmaRMSNorm, activation
-from ..rope import RoPE
-from ..weights import swap_last_axes
+from ..nn.experts import stack_expert_refs
+from ..nn.layers import GemmaRMSNorm, activation
+from ..nn.rope import RoPE
+from ..checkpoint.weights import swap_last_axes
 from .base import FULL, BaseModelArgs, CausalLM, DecoderStack
 
 DENSE, SPARSE = "dense", "sparse"

@@ -33,13 +33,13 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..blocks import MLP, Attention
+from ..nn.blocks import MLP, Attention
 from ..cache import RECURRENT, SLIDING, RecurrentCache, RotatingKVCache
 from ..errors import UserError
-from ..layers import GemmaRMSNorm, activation
+from ..nn.layers import GemmaRMSNorm, activation
 from ..cache import layer_masks
-from ..rope import RoPE
-from ..shard import shard_attention, shard_mlp, shard_recurrent_block
+from ..nn.rope import RoPE
+from ..parallel.shard import shard_attention, shard_mlp, shard_recurrent_block
 from .base import BaseModelArgs, CausalLM, DecoderStack, run_layers
 
 BLOCK_KINDS = {"recurrent": RECURRENT, "attention": SLIDING}

@@ -42,14 +42,14 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..attention import causal_attention
-from ..blocks import Attention
-from ..collectives import SINGLE
+from ..nn.attention import causal_attention
+from ..nn.blocks import Attention
+from ..parallel.collectives import SINGLE
 from ..errors import UserError
-from ..experts import SwitchGLU, top_k
-from ..layers import GemmaRMSNorm
-from ..rope import RoPE
-from ..shard import (
+from ..nn.experts import SwitchGLU, top_k
+from ..nn.layers import GemmaRMSNorm
+from ..nn.rope import RoPE
+from ..parallel.shard import (
     rank_heads,
     shard_attention,
     shard_expert_mlps,
@@ -57,7 +57,7 @@ from ..shard import (
     shard_mlp,
     shard_switch_glu,
 )
-from ..weights import View
+from ..checkpoint.weights import View
 from .base import FULL, SLIDING, BaseModelArgs, CausalLM, DecoderStack, derive_layer_types, describe_layers
 
 # transformers' Step3p7TextConfig aliases (attribute_map) -> field names

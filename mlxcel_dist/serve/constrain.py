@@ -8,7 +8,7 @@ are special tokens here). Every refusal an :class:`ApiError`."""
 
 from __future__ import annotations
 
-from .. import grammar
+from ..engine import grammar
 from ..errors import UserError
 from . import tools as tools_fmt
 from .openai_schema import ApiError, NamedToolChoice, ParseContext, show

@@ -18,7 +18,7 @@ import numpy as np
 
 from ..errors import UserError
 from .log import log
-from ..generation import OneRowEngine
+from ..engine.generation import OneRowEngine
 from .protocol import Link, advance, follow
 from .wire import KIND_SHUTDOWN
 
@@ -113,18 +113,18 @@ def make_engine(model, group, opts: Options, eos_ids, tokenizer_json=None):
     against (grammar.Vocab, built at the first such request)."""
     if not batchable(model):
         return OneRowEngine(model, group, eos_ids)
-    from ..batch import BatchEngine
-    from ..batch_spec import serve_drafts
-    from ..engine import vocab_size
-    from ..grammar import Vocab
-    from ..prompt_cache import DEFAULT_MAX_BYTES, PromptCache
+    from ..engine.batch import BatchEngine
+    from ..engine.batch_spec import serve_drafts
+    from ..engine.guard import vocab_size
+    from ..engine.grammar import Vocab
+    from ..engine.prompt_cache import DEFAULT_MAX_BYTES, PromptCache
 
     size, limit = opts.prompt_cache_size, opts.prompt_cache_bytes
     pc = PromptCache(size, DEFAULT_MAX_BYTES if limit is None else limit) if size else None
     vocab = Vocab(tokenizer_json, vocab_size(model), eos_ids) if tokenizer_json else None
     spec = serve_drafts(opts.num_draft_tokens, opts.draft_model, opts.prompt_lookup, opts.dtype, opts.prefill_step,
                         log if group.is_root else None)
-    from ..prefill import Budget, default_budget
+    from ..engine.prefill import Budget, default_budget
 
     budget = Budget(opts.max_num_batched_tokens) if opts.max_num_batched_tokens else default_budget()
     return BatchEngine(model, opts.prefill_step, prompt_cache=pc, micro=opts.micro_batches, vocab=vocab, spec=spec,
@@ -157,7 +157,7 @@ class Beats:
 
     @classmethod
     def open(cls, group, link: Link) -> "Beats":
-        from ..watchdog import HeartbeatMonitor
+        from ..cluster.watchdog import HeartbeatMonitor
 
         if group.single or link.channel is None:  # without the channel, rank 0 has no address for beats
             return cls()
@@ -237,7 +237,7 @@ def _ignore_signals() -> None:
 
 def run(model, tok, group, opts: Options, sock: socket.socket | None = None, config: dict | None = None) -> None:
     """Every rank: set up at the same points, then serve (rank 0) or follow."""
-    from ..engine import RankAgreement
+    from ..engine.guard import RankAgreement
 
     engine = make_engine(model, group, opts, tok.eos_ids, tok.model_dir / "tokenizer.json")
     vocab = getattr(engine, "vocab", None)
@@ -279,7 +279,7 @@ def _build_vocab(vocab, root: bool) -> None:
 
 def _grammar_refusal(one_row: bool) -> str | None:
     """Why this server cannot constrain decoding (None: it can)."""
-    from .. import grammar
+    from ..engine import grammar
 
     if one_row:
         return "this model runs its own generation loop"
@@ -353,7 +353,7 @@ def _cluster_status(sched, engine, group, link, beats, health, model: str, pp: i
     """GET /v1/cluster's answer, built when asked: what rank 0 knows of the job
     (its scheduler and metrics, its own memory, the other ranks' from their
     heartbeats: none without the host channel)."""
-    from ..distributed import ENV_BACKEND
+    from ..parallel.distributed import ENV_BACKEND
 
     started, host = time.monotonic(), socket.gethostname()
 
@@ -380,7 +380,7 @@ def _cluster_status(sched, engine, group, link, beats, health, model: str, pp: i
 
 def _loop(sched, engine, link, guard) -> None:
     """Rank 0's main thread: plan, advance every rank, absorb, until shutdown."""
-    from ..engine import RanksDiverged
+    from ..engine.guard import RanksDiverged
     from .scheduler import SHUTDOWN_MESSAGE
 
     def busy(t):

@@ -16,9 +16,9 @@ import re
 import uuid
 from dataclasses import dataclass
 
-from .. import grammar
+from ..engine import grammar
 from ..errors import UserError
-from ..sampling import SamplingParams
+from ..engine.sampling import SamplingParams
 from . import reasoning
 from . import tools as tools_fmt
 from .constrain import call_format, calls_forced, request_grammar

@@ -20,8 +20,8 @@ from typing import Protocol
 
 import numpy as np
 
-from ..collectives import CollectiveError, Group, HostChannel
-from ..prefill import Request
+from ..parallel.collectives import CollectiveError, Group, HostChannel
+from ..engine.prefill import Request
 from . import wire
 from .wire import CONTROL_INTS, KIND_IDLE, KIND_SHUTDOWN, KIND_STEP, Step
 

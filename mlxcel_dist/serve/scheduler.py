@@ -18,9 +18,9 @@ import threading
 import time
 from dataclasses import dataclass, replace
 
-from ..sampling import SEED_LIMIT
+from ..engine.sampling import SEED_LIMIT
 
-from ..tokenizer import RowText
+from ..checkpoint.tokenizer import RowText
 from .log import log
 from .metrics import Metrics
 from .pacing import Pacer

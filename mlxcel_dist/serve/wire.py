@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field, fields
 
 import numpy as np
 
-from ..sampling import SEED_LIMIT, SamplingParams
+from ..engine.sampling import SEED_LIMIT, SamplingParams
 
 MAGIC = 0x4D4C5853  # "MLXS"
 KIND_JOB = 1
@@ -67,7 +67,7 @@ class GenRequest:
     logprobs: int | None = None  # None: off; k: each token's logprob and the k most likely
     ignore_eos: bool = False  # vLLM's extra field: EOS is an ordinary token (runs to max_tokens or a stop string)
     stop_ids: list = _ids()  # vLLM's stop_token_ids: generation ends at one, as at EOS
-    grammar: str | None = None  # constrained decoding (mlxcel_dist.grammar's text): response_format, forced tools
+    grammar: str | None = None  # constrained decoding (mlxcel_dist.engine.grammar's text): response_format, forced tools
     speculative: bool = True  # False: the request opted out of drafts (serve --draft-model / --prompt-lookup)
     echo: int | None = None  # the prompt's logprobs too (OpenAI's echo), with the k most likely each
 

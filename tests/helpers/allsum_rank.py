@@ -22,7 +22,7 @@ import signal
 import sys
 import time
 
-from mlxcel_dist.distributed import init_from_env, launched_world, world
+from mlxcel_dist.parallel.distributed import init_from_env, launched_world, world
 from mlxcel_dist.errors import UserError
 
 

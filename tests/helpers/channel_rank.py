@@ -19,8 +19,8 @@ import sys
 
 import numpy as np
 
-from mlxcel_dist.collectives import HostChannel
-from mlxcel_dist.distributed import init_from_env
+from mlxcel_dist.parallel.collectives import HostChannel
+from mlxcel_dist.parallel.distributed import init_from_env
 
 
 def main() -> int:

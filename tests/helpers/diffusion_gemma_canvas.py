@@ -10,8 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
-from mlxcel_dist import distributed
-from mlxcel_dist.loader import load_model
+from mlxcel_dist.parallel import distributed
+from mlxcel_dist.checkpoint.loader import load_model
 
 sys.path.insert(0, str(Path(__file__).parent.parent))
 from test_diffusion_gemma import canvas_outputs, greedy_ids  # noqa: E402

@@ -20,10 +20,10 @@ from pathlib import Path
 import numpy as np
 from mlx.utils import tree_flatten
 
-from mlxcel_dist import distributed
-from mlxcel_dist.generation import sequence_logits
+from mlxcel_dist.parallel import distributed
+from mlxcel_dist.engine.generation import sequence_logits
 from mlxcel_dist.harness import all_mode_logits, model_window, short_length
-from mlxcel_dist.loader import load_model
+from mlxcel_dist.checkpoint.loader import load_model
 
 
 DECODE_TOKENS, DECODE_STEPS = 12, 4

@@ -13,9 +13,10 @@ from pathlib import Path
 
 import numpy as np
 
-from mlxcel_dist import distributed, weights
+from mlxcel_dist.parallel import distributed
+from mlxcel_dist.checkpoint import weights
 from mlxcel_dist.harness import all_mode_logits
-from mlxcel_dist.loader import load_model
+from mlxcel_dist.checkpoint.loader import load_model
 
 
 def main():

@@ -11,8 +11,9 @@ from pathlib import Path
 
 from mlx.utils import tree_flatten
 
-from mlxcel_dist import distributed, weights
-from mlxcel_dist.loader import load_model
+from mlxcel_dist.parallel import distributed
+from mlxcel_dist.checkpoint import weights
+from mlxcel_dist.checkpoint.loader import load_model
 
 
 def main():

@@ -16,10 +16,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: spec_drafts
 
-import mlxcel_dist.batch as batch  # noqa: E402
-from mlxcel_dist import distributed  # noqa: E402
-from mlxcel_dist.loader import load_model  # noqa: E402
-from mlxcel_dist.batch_spec import BatchDrafts  # noqa: E402
+import mlxcel_dist.engine.batch as batch  # noqa: E402
+from mlxcel_dist.parallel import distributed  # noqa: E402
+from mlxcel_dist.checkpoint.loader import load_model  # noqa: E402
+from mlxcel_dist.engine.batch_spec import BatchDrafts  # noqa: E402
 from spec_drafts import ScriptedDrafts, misled, plain_ids, spec_ids  # noqa: E402
 
 K, N = 3, 20

@@ -1,0 +1,327 @@
+"""Prompts on their way into the batch engine's rows, prefilled a chunk at a
+time so that the steps of the rows already decoding never wait for a whole
+prompt (the engine's prefill scheduling; batch.py owns the rows).
+
+An admitted request becomes a job in `Prefills`' queue: `Alone` (one prompt
+through the model's own caches, chunk by chunk, exact as `generate`) or
+`Together` (several prompts in one forward per chunk over [B, chunk] in
+`cache.PrefillCache` buffers, each row at its own offset; a shorter prompt's chunk
+padded after its end, its pad keys masked from its real queries). Each
+engine step gives the queue its prompt tokens (`Budget`, from what the
+decoding rows take): the oldest job runs first, a job's forward takes at most what is left, and a job whose
+prompts are done moves them into rows before the step's decode forward, so
+their first ids come from that step. With no rows decoding, nothing waits on
+a prefill: each job runs one forward of its full chunk (`prefill_step` a
+prompt) per step. Every rank makes the same queue decisions (they depend on
+rows and prompt lengths only).
+
+How many prompt tokens a step takes beside its rows: the number a step
+brings (serve's pacing, serve/pacing.py, from the steps' times), else the
+engine's `Budget`: a fixed token budget per step (vLLM's
+`--max-num-batched-tokens`: the rows' tokens first, prompts take the rest, at
+least a quarter), or, until pacing has measured anything, `default_budget()`
+(docs/benchmarks.md, "Streams beside a long prompt").
+
+A job's forward is evaluated before the step goes on (its time is the step's,
+which serve's pacing reads), after the decode step in flight, which it
+follows on the device.
+
+Chunks of any size give the same keys as one pass (the sliding-window
+invariant, docs/architecture.md): a budgeted chunk changes when a prompt's
+keys are written, not which.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import mlx.core as mx
+import numpy as np
+
+from ..cache import ring_slots
+from ..parallel.pipeline import outstanding_sends
+from .sampling import SamplingParams
+
+
+@dataclass(eq=False)
+class Admission:
+    """A request on its way into a row: its prompt, the prompt-cache prefix,
+    and what the row carries (the one admission record, serve's wire included)."""
+
+    rid: object
+    prompt: np.ndarray
+    last: int  # its last prompt token's position (the row's first input)
+    sampling: SamplingParams | None
+    start: int  # prompt tokens the prompt cache supplies
+    cache: list | None  # their caches (None: a miss)
+    budget: int | None = None
+    grammar: object = None  # grammar.Matcher: the row's constrained decoding
+    drafts: bool = True  # drafts may be verified for it (batch_spec.py)
+    echo: int | None = None  # its prompt's logprobs, with the k most likely each (OpenAI's echo)
+
+
+class Request(NamedTuple):
+    """What `BatchEngine.add_many` takes for one request (a plain tuple in
+    this order does too)."""
+
+    rid: object
+    prompt_ids: object
+    sampling: SamplingParams | None = None
+    budget: int | None = None  # ids the caller reads at most (max_tokens); 0: the prompt's logprobs only
+    grammar: object = None  # a grammar.Matcher, or a grammar's text for the engine's vocab
+    drafts: bool = True  # False: opted out of drafts
+    echo: int | None = None  # the prompt's logprobs (k most likely each)
+
+
+def prompt_logprobs(logits: mx.array, following: np.ndarray, k: int) -> tuple:
+    """Lazy (logprob of each following id [m], top-k ids [m, k], their
+    logprobs [m, k]) from one forward's logits [m, V]: the model's own
+    distribution (log-softmax, as vLLM's prompt_logprobs)."""
+    x = logits.astype(mx.float32)
+    lse = mx.logsumexp(x, axis=-1, keepdims=True)
+    lp = mx.take_along_axis(x, mx.array(following, mx.int32)[:, None], axis=-1)[:, 0] - lse[:, 0]
+    if not k:
+        return lp, None, None
+    top = mx.argsort(-x, axis=-1)[:, :k]
+    return lp, top, mx.take_along_axis(x, top, axis=-1) - lse
+
+
+def read_prompt_logprobs(prompt, parts: list) -> list:
+    """Per prompt token: None (the first), else (logprob, [(id, logprob), ...])."""
+    out = [None]
+    for lp, top, top_lp in parts:
+        lp = np.array(lp).tolist()
+        tops = np.array(top).tolist() if top is not None else [[] for _ in lp]
+        tlps = np.array(top_lp).tolist() if top_lp is not None else [[] for _ in lp]
+        out += [(v, list(zip(t, tl))) for v, t, tl in zip(lp, tops, tlps)]
+    return out[: len(prompt)]
+
+
+PREFILL_PER_DECODE = 2  # the CPU default: prompt tokens a step per decoding token
+MIN_PREFILL = 8  # ... and at least this many
+
+
+@dataclass(frozen=True)
+class Budget:
+    """The prompt tokens one step computes beside `decoding` row tokens:
+    `tokens` a step in all (less the rows', at least a quarter of it), or
+    without it PREFILL_PER_DECODE x the rows' (at least MIN_PREFILL)."""
+
+    tokens: int | None = None
+
+    def prefill(self, decoding: int) -> int:
+        if self.tokens is None:
+            return max(PREFILL_PER_DECODE * decoding, MIN_PREFILL)
+        return max(self.tokens - decoding, self.tokens // 4, 1)
+
+
+# Before pacing has measured a step: on a CPU a step is compute-bound, a prompt token
+# costing about a decoding row's token (the 24M bf16 llama of benchmarks/serve_stall.py:
+# 18-23 ms against 25 ms), so prompts get twice the rows' tokens; a GPU step of few
+# rows is bound by reading the weights, which a chunk shares: a fixed budget there.
+GPU_TOKEN_BUDGET = 512
+
+
+def default_budget() -> Budget:
+    return Budget() if mx.default_device() == mx.cpu else Budget(GPU_TOKEN_BUDGET)
+
+
+PAD_SLACK = 1.25  # prompts prefill together while the padded tokens stay within 25% of the real ones
+
+
+def _chunks(admits: list, L: int):
+    """The chunk schedule of prompts sorted by tokens left (most first):
+    per forward (each active row's offset, its tokens in the chunk, the
+    largest end); a row leaves after its last chunk, so the active rows are
+    always the first ones."""
+    offs = [a.start for a in admits]
+    while offs:
+        lens = [min(L, a.last - o) for a, o in zip(admits, offs)]
+        n = max(lens)
+        yield offs, lens, max(o + n for o in offs)
+        offs = [o + m for a, o, m in zip(admits, offs, lens) if o + m < a.last]
+
+
+def pad_groups(admits: list, step: int) -> list:
+    """Prompts (sorted by tokens left) in groups prefilled together: a prompt
+    joins the group before it while the group's forwards, padded to their
+    longest chunk, cost at most PAD_SLACK x its real tokens (on a CPU the
+    padding is pure cost; a GPU gains by fewer, larger forwards)."""
+    admits = sorted(admits, key=lambda a: a.start - a.last)
+    groups = []
+    for a in admits:
+        g = groups[-1] + [a] if groups else None
+        if g is not None:
+            L = min(step, g[0].last - g[0].start)
+            padded = sum(len(offs) * max(lens) for offs, lens, _ in _chunks(g, L))
+            if padded <= PAD_SLACK * sum(x.last - x.start for x in g):
+                groups[-1] = g
+                continue
+        groups.append([a])
+    return groups
+
+
+def _read_row(buf: mx.array, b: int, slots) -> mx.array:
+    """buf[b, :, slots, :] as [1, H, n, D] (a view when `slots` is a slice)."""
+    return buf[b : b + 1][:, :, slots, :]
+
+
+def _write_row(buf: mx.array, b: int, slots, x: mx.array) -> None:
+    """buf[b, :, slots, :] = x[0] in place of the Python object `buf`."""
+    if isinstance(slots, slice):
+        buf[b : b + 1, :, slots, :] = x
+        return
+    row_buf = buf[b : b + 1]
+    row_buf[..., slots, :] = x
+    buf[b : b + 1] = row_buf
+
+
+class Alone:
+    """One prompt through the model's own caches, a chunk per `run` (exact as
+    `generate`); done, its caches move into a row (or stay its eager cache)."""
+
+    def __init__(self, engine, a: Admission):
+        self.engine, self.a = engine, a
+        self.cache = a.cache if a.cache is not None else engine.model.make_cache()
+        self.at = a.start
+        self.admits = [a]
+        self.echoed = []  # (logprobs, top ids, top logprobs) per forward: the prompt's, when a.echo is set
+
+    def left(self) -> int:
+        return self.a.last - self.at
+
+    def width(self) -> int:
+        return 1
+
+    def run(self, n: int) -> int:
+        """One forward of up to `n` prompt tokens; the tokens it ran."""
+        m = min(n, self.left())
+        if m > 0:
+            model = self.engine.model
+            logits = model(mx.array(self.a.prompt[self.at : self.at + m])[None], self.cache)
+            if self.a.echo is not None:  # every rank: the head's collectives run alike
+                self.echoed.append(prompt_logprobs(logits[0], self.a.prompt[self.at + 1 : self.at + m + 1],
+                                                   self.a.echo))
+            mx.eval([c.state for c in self.cache] if self.cache else [], outstanding_sends(model),
+                    [x for x in (self.echoed[-1] if self.a.echo is not None else ()) if x is not None])
+            self.at += m
+        return m
+
+    def finish(self) -> None:
+        e, a = self.engine, self.a
+        if e.prompt_cache is not None and a.start < a.last:
+            e.prompt_cache.store(a.prompt[: a.last], self.cache)
+        if a.echo is not None:
+            e.echoed(a, read_prompt_logprobs(a.prompt, self.echoed))
+        e.place_prefilled(a, self.cache)
+
+
+class Together:
+    """Several prompts (sorted by tokens left, most first) prefilled in one
+    forward per chunk over the active ones ([B, chunk], PrefillCache buffers,
+    per-row offsets and masks). A chunk moves every active row on alike, so
+    the prompts finished after it are the last rows: they move into batch
+    rows and the prefill buffers keep the first rows. A shorter prompt's
+    chunk is padded with id 0 at the positions after its end; its pad keys
+    are masked from its real queries, land where its later tokens (or nothing
+    it keeps) go, and are finite (no query row is all masked)."""
+
+    def __init__(self, engine, admits: list, L: int):
+        self.engine = engine
+        self.admits = sorted(admits, key=lambda a: a.start - a.last)  # stable: ties keep their order
+        self.L = L  # the longest chunk a row takes (rings are sized for it)
+        self.offs = [a.start for a in self.admits]
+        T = max(a.last for a in self.admits) + L  # slots written, pads included, at most
+        layout = engine.layout  # batch_rows.LayerRows per layer (only KV kinds prefill together)
+        self.rings = [None if not lay.kv else (T if lay.window is None else min(lay.window + L, T))
+                      for lay in layout]  # (None: a layer that reads another's)
+        B = len(self.admits)
+        self.bufs = bufs = {"offsets": None, "end": None, "upto": 0}
+        self.kv = [name for lay, R in zip(layout, self.rings) if R is not None for name in lay.kv]
+        for lay, R in zip(layout, self.rings):
+            for name in lay.kv if R is not None else ():
+                shape = engine.shapes[name]
+                bufs[name] = mx.zeros((B, shape[1], R, shape[3]), engine.dtypes[name])
+        for b, a in enumerate(self.admits):  # a prompt-cache prefix: its keys/values at their slots
+            for lay, R, c in zip(layout, self.rings, a.cache or ()):
+                if R is None:
+                    continue
+                held, _ = c.held()
+                slots = ring_slots(a.start - held[0].shape[2], held[0].shape[2], R)
+                for name, x in zip(lay.kv, held):
+                    _write_row(bufs[name], b, slots, x)
+                c.release()
+        self.views = []  # each layer's kind makes its view (cache.PrefillCache, ...)
+        for i, (lay, R) in enumerate(zip(layout, self.rings)):
+            self.views.append(lay.cache.prefill_view(bufs, i, R, R is not None and R < T, self.views))
+
+    def left(self) -> int:
+        return sum(a.last - o for a, o in zip(self.admits, self.offs))
+
+    def width(self) -> int:
+        return len(self.offs)
+
+    def run(self, n: int) -> int:
+        """One forward of up to `n` tokens over the active rows (at least one
+        each); the tokens it ran. Finished rows move into the batch."""
+        offs, B = self.offs, len(self.offs)
+        c = max(1, min(self.L, n // B))
+        lens = [min(c, a.last - o) for a, o in zip(self.admits, offs)]
+        m = max(lens)
+        tokens = np.zeros((B, m), np.int32)
+        for b, (a, o, k) in enumerate(zip(self.admits, offs, lens)):
+            tokens[b, :k] = a.prompt[o : o + k]
+        bufs = self.bufs
+        bufs["offsets"] = mx.array(offs, mx.int32)
+        bufs["end"], bufs["upto"] = bufs["offsets"] + m, max(o + m for o in offs)
+        model = self.engine.model
+        model(mx.array(tokens), self.views)
+        mx.eval([bufs[name] for name in self.kv], outstanding_sends(model))
+        keep = sum(o + k < a.last for a, o, k in zip(self.admits, offs, lens))  # the finished are the last rows
+        for b in range(keep, B):
+            self._finish_row(self.admits[b], b)
+        for name in self.kv:
+            bufs[name] = bufs[name][:keep]
+        self.offs = [o + k for o, k in zip(offs[:keep], lens[:keep])]
+        self.admits = self.admits[:keep]
+        return sum(lens)
+
+    def _finish_row(self, a: Admission, b: int) -> None:
+        """Row b of the prefill buffers holds prompt `a` up to a.last: keep it
+        in the prompt cache and move it into a batch row."""
+        e = self.engine
+        kv = []
+        for lay, R in zip(e.layout, self.rings):
+            if R is None:
+                kv.append(None)
+                continue
+            w = lay.window
+            n = a.last if w is None else min(a.last, w)  # a ring of w + chunk slots holds the last w
+            slots = ring_slots(a.last - n, n, R)
+            kv.append(([_read_row(self.bufs[name], b, slots) for name in lay.kv], []))
+        if e.prompt_cache is not None:
+            e.prompt_cache.store_layers(a.prompt[: a.last], [e.entry(i, x) for i, x in enumerate(kv)], e.windows)
+        e.place_layers(a, kv)
+
+    def finish(self) -> None:
+        """Every row has moved in (`run` moves them as they finish)."""
+
+
+class Prefills:
+    """The queue of prefill jobs, oldest first (see the module docstring)."""
+
+    def __init__(self):
+        self.jobs: list = []
+        self.cancelled: set = set()
+
+    def __bool__(self) -> bool:
+        return bool(self.jobs)
+
+    def __contains__(self, rid) -> bool:
+        return any(a.rid == rid for j in self.jobs for a in j.admits)
+
+    def cancel(self, rid) -> None:
+        """A queued request's row leaves as soon as it is placed (its prefill
+        work runs on: a group's other rows need the same forwards)."""
+        self.cancelled.add(rid)
