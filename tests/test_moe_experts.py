@@ -226,10 +226,7 @@ def test_joined_gate_up_gives_the_separate_logits(d, monkeypatch):
     import mlxcel_dist.nn.experts as experts
     from mlxcel_dist.engine.decode import splittable
 
-    try:
-        from mlxcel_dist.engine.guard import sequence_logits
-    except ImportError:  # generation.py's once generate runs as the engine's one row
-        from mlxcel_dist.engine.generation import sequence_logits
+    from mlxcel_dist.engine.generation import sequence_logits
 
     ids = np.load(d / ("reference.npz" if (d / "reference.npz").exists() else "mlx_lm_reference.npz"))["ids"]
 
