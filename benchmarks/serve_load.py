@@ -64,6 +64,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
+BIN_LM = Path(os.environ.get("MLX_LM_BIN", BIN))  # mlx_lm.server / mlx.launch from another venv (mlx-lm needs transformers)
 
 LLAMA_24M = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
                  num_key_value_heads=4, head_dim=64, vocab_size=512)
@@ -121,7 +122,7 @@ def server_cmd(name: str, model: Path, port: int, backend: str | None = None, dr
     lookup = ["--prompt-lookup", "--num-draft-tokens", str(k)]
     multi = ["--backend", backend] if backend else []  # for our multi-rank servers
     # `python -m mlx_lm.server` where the console script is not installed (a PYTHONPATH-only setup)
-    script = BIN / "mlx_lm.server"
+    script = BIN_LM / "mlx_lm.server"
     mlx_lm = ([str(script)] if script.exists() else [sys.executable, "-m", "mlx_lm.server"]) + [
         "--model", str(model), "--port", str(port)]
     return {
@@ -139,7 +140,7 @@ def server_cmd(name: str, model: Path, port: int, backend: str | None = None, dr
         "ours-np1-warmup": ours + ["--warmup"],
         "ours-np2-warmup": ours + ["--np", "2", "--warmup"],
         "mlx_lm-np1": mlx_lm,
-        "mlx_lm-np2": [str(BIN / "mlx.launch"), "--backend", "ring", "-n", "2", *mlx_lm],
+        "mlx_lm-np2": [str(BIN_LM / "mlx.launch"), "--backend", "ring", "-n", "2", *mlx_lm],
     }[name]
 
 
