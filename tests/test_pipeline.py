@@ -63,10 +63,12 @@ def _tied(d) -> bool:
 
 
 # pp 2: per family a case with a tied head and one with its own where the family has both (the last
-# stage then holds the embedding matrix as its head, or an lm_head), and the quantized checkpoints
+# stage then holds the embedding matrix as its head, or an lm_head), the ring's two cases (the
+# collective hand-off's runs are held to these) and the quantized checkpoints
+_RING_PP2 = [FIXTURES / n for n in ("gemma3/gqa_bf16", "llama/mqa_tied_fp32")]
 _PP2 = list({(d.parent.name, _tied(d)): d for d in sorted(CASES, key=lambda d: "fp32" in d.name)}.values())
 RUNS = {
-    ("mpi", 2, 2): _PP2 + QUANTIZED,
+    ("mpi", 2, 2): list(dict.fromkeys(_PP2 + _RING_PP2)) + QUANTIZED,
     # 4 ranks on CI's 2 cores are slow: one case per fixture family (its first with a cut into 4:
     # >= 4 layers, and for gemma3n / gemma4 the KV-sharing layers with their sources, which no fixture has)
     ("mpi", 4, 4): list({d.parent.name: d for d in reversed(CASES) if _layers(d) >= 4 and _cuts_into(d, 4)}.values()),
@@ -78,7 +80,7 @@ RUNS = {
                     if d.parent.name in ("llama", "cohere2", "gemma3n", "gpt_oss", "recurrent_gemma", "baichuan_m1")],
     # ring: send/recv over its sockets too, on two cases (its spinning receives make
     # every case slow on CI's 2 cores); 6 ranks: 2 stages of 3 (uneven heads)
-    ("ring", 2, 2): [FIXTURES / n for n in ("gemma3/gqa_bf16", "llama/mqa_tied_fp32")],
+    ("ring", 2, 2): _RING_PP2,
     ("mpi", 6, 2): [FIXTURES / "llama/gqa_fp32"],
 }
 # every launch: harness.short_length tokens (as tests/test_tp.py's SHORT: each mode still crosses
