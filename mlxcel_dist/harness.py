@@ -25,7 +25,7 @@ def rel_tol_for(dtype_name: str) -> float:
 
 
 def modes(window: int, T: int) -> dict:
-    """Feeding modes (kwargs of engine.sequence_logits) for a sequence of T
+    """Feeding modes (kwargs of generation.sequence_logits) for a sequence of T
     tokens on a model whose sliding window is `window`."""
     below = max(2, window // 2 - 1)
     return {

@@ -2,7 +2,7 @@
 every row on the row buffers (batch_rows.py), each row's id drawn as its
 `choice.Choice` says, the host read.
 
-Pipelined as engine.TokenGenerator's: `BatchEngine.step` launches step n+1
+Pipelined (as the old TokenGenerator was): `BatchEngine.step` launches step n+1
 (`mx.async_eval`) with step n's lazy ids [n] as its input tokens before the
 host reads them, so one step is in flight between calls. A row removed
 between calls has already been fed its last read id by that step: the K/V

@@ -417,7 +417,7 @@ class Model(CausalLM):
         return out, passes
 
     def generate_ids(self, prompt_ids, max_tokens: int, sampling=None, eos_ids=(), group=None):
-        """The engine's generation hook (engine.generate_text uses it when a
+        """The engine's generation hook (generation.generate_text uses it when a
         model has one): ids from `block_diffusion`, up to EOS (not yielded)
         and at most `max_tokens`. Temperature 0 (the CLI's default): the
         greedy variant (argmax denoiser draws); otherwise the denoiser
