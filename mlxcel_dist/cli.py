@@ -132,7 +132,8 @@ KvBitsOpt = Annotated[
                  "5, 6), attention on the quantized cache (default: the compute dtype).", show_default=False),
 ]
 KvGroupSizeOpt = Annotated[
-    int, typer.Option("--kv-group-size", metavar="G", help="Values per scale and bias with --kv-bits: 32, 64 or 128.")
+    Optional[int], typer.Option("--kv-group-size", metavar="G", show_default=False,
+                                help="Values per scale and bias with --kv-bits: 32, 64 or 128 (default: the largest that divides head_dim).")
 ]
 AdapterOpt = Annotated[
     Optional[Path],
@@ -165,7 +166,7 @@ PromptLookupOpt = Annotated[
 class LoadOptions:
     max_kv_size: MaxKvSizeOpt = None
     kv_bits: KvBitsOpt = None
-    kv_group_size: KvGroupSizeOpt = 64
+    kv_group_size: KvGroupSizeOpt = None
     adapter_path: AdapterOpt = None
     dtype: DtypeOpt = None
 

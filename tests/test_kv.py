@@ -22,6 +22,7 @@ from mlxcel_dist.engine.prefill import Together
 from mlxcel_dist.cache import (KVCache, KVOptions, QuantizedKV, QuantizedKVCache, RotatingKVCache,
                                SharedKVCache, kv_caches)
 from mlxcel_dist.cli import app
+from mlxcel_dist.errors import UserError
 from mlxcel_dist.engine.generation import Generation, sequence_logits
 from mlxcel_dist.harness import FP32_REL_TOL, compare, modes
 from mlxcel_dist.checkpoint.loader import default_model_dir, load_model
@@ -168,7 +169,8 @@ def test_extra_eos_token_stops_generation():
 
 @pytest.mark.parametrize("args,message", [
     (["--kv-bits", "7"], "--kv-bits must be one of 2, 3, 4, 5, 6, 8"),
-    (["--kv-bits", "4"], "--kv-group-size 64 does not divide the model's head_dim 32: use --kv-group-size 32"),
+    (["--kv-bits", "4", "--kv-group-size", "64"],
+     "--kv-group-size 64 does not divide the model's head_dim 32: use --kv-group-size 32"),  # asked for: kept
     (["--kv-bits", "4", "--kv-group-size", "48"], "--kv-group-size must be one of 32, 64, 128"),
     (["--kv-bits", "4", "--max-kv-size", "64"], "give one of them"),
     (["--max-kv-size", "0"], "--max-kv-size must be >= 1"),
@@ -180,6 +182,22 @@ def test_bad_kv_and_eos_options_are_one_line(args, message):
         r = runner.invoke(app, [*cmd, *args])
         assert r.exit_code == 2, (cmd, r.output)
         assert r.stderr.startswith("error: ") and message in r.stderr and r.stderr.count("\n") == 1, r.stderr
+
+
+def test_kv_group_size_when_not_given_is_the_largest_dividing_head_dim():
+    # the default model's head_dim is 32: 128 and 64 do not divide it, so --kv-bits alone quantizes in 32s
+    kv = KVOptions(bits=8).check(head_dim=32)
+    assert kv.group_size == 32 and "groups of 32 (the largest" in kv.describe()
+    assert KVOptions(bits=4).check(head_dim=256).group_size == 128
+    assert KVOptions(bits=4).check(head_dim=192).group_size == 64
+    assert KVOptions(bits=4, group_size=32).check(head_dim=256).group_size == 32  # a given size is kept
+    with pytest.raises(UserError, match="head_dim 48 is not a multiple of 32"):
+        KVOptions(bits=4).check(head_dim=48)
+    r = runner.invoke(app, ["generate", "-n", "6", "--kv-bits", "8", "--verbose"])
+    assert r.exit_code == 0, r.output
+    assert "kv cache: 8-bit, groups of 32 (the largest of 128/64/32 dividing head_dim" in r.stderr
+    quantized = runner.invoke(app, ["generate", "-n", "6", "--kv-bits", "8", "--kv-group-size", "32"])
+    assert quantized.exit_code == 0 and r.stdout == quantized.stdout  # the same cache as asking for 32
 
 
 # Real launcher: 2 ranks -------------------------------------------------------------------------

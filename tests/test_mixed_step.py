@@ -224,3 +224,30 @@ def test_serve_refuses_a_token_budget_under_1():
 
     r = CliRunner().invoke(app, ["serve", "--max-num-batched-tokens", "0"])
     assert r.exit_code == 2 and "error: --max-num-batched-tokens must be >= 1, got 0" in r.output
+
+
+@pytest.mark.parametrize("d", CASES, ids=_ids)
+def test_buffers_shrink_when_a_long_row_leaves_and_the_rest_keep_their_ids(d):
+    # a long prompt (max 2 ids) and five short ones: when the long row leaves, the
+    # streams no longer attend over its length, and when four more leave the one left
+    # no longer computes eight buffer rows; every row's ids stay its ids alone
+    model = load_model(d).model
+    rng = np.random.default_rng(7)
+    V = model.args.vocab_size
+    short = [(i, rng.integers(3, V, 3 + i), GREEDY) for i in range(5)]
+    long_ = (9, rng.integers(3, V, 70), GREEDY)
+    want = {rid: alone(model, p, 14, s) for rid, p, s in short} | {9: alone(model, long_[1], 2)}
+    eng = BatchEngine(model, prefill_step=16)
+    eng.add_many([(rid, p, s, 14) for rid, p, s in short] + [(9, long_[1], GREEDY, 2)])
+    got = {rid: [] for rid in want}
+    seen = []  # (rows, buffer rows, slots) after each step's removals
+    for step in range(12):
+        for rid, t in eng.step().items():
+            got[rid].append(t)
+            if len(got[rid]) == (2 if rid == 9 else 8 if rid else 14):  # rows 1-4 leave after 8 ids
+                eng.remove(rid)
+        seen.append((len(eng), eng.store.capacity(), eng.store.slots()))
+    assert got == {rid: ids[: len(got[rid])] for rid, ids in want.items()} and len(got[0]) == 12
+    slots_with_long = seen[0][2]
+    assert slots_with_long > 70 and seen[2][2] <= slots_with_long // 2, seen  # the long row gone: slots cut
+    assert seen[-1][0] == 1 and seen[-1][1] <= 2, seen  # one row left: at most 2 buffer rows (SHRINK), not 8

@@ -15,13 +15,27 @@ KV_BITS = (2, 3, 4, 5, 6, 8)  # MLX's affine quantization
 KV_GROUP_SIZES = (32, 64, 128)
 
 
-def check_kv_options(max_size: int | None, bits: int | None, group_size: int, head_dim: int | None = None) -> None:
+def fitting_group_size(head_dim: int | None) -> int | None:
+    """--kv-group-size when the user gave none: the largest of 128 / 64 / 32
+    dividing head_dim (64 where the config has no head_dim; None: none fits)."""
+    if not head_dim:
+        return 64
+    return next((g for g in sorted(KV_GROUP_SIZES, reverse=True) if head_dim % g == 0), None)
+
+
+def check_kv_options(max_size: int | None, bits: int | None, group_size: int | None,
+                     head_dim: int | None = None) -> None:
     """--max-kv-size / --kv-bits / --kv-group-size, before any rank starts
-    (`head_dim`: the config's, when it has one)."""
+    (`head_dim`: the config's, when it has one; `group_size` None: chosen)."""
     from ..errors import UserError
 
     if max_size is not None and max_size < 1:
         raise UserError(f"--max-kv-size must be >= 1, got {max_size}")
+    if group_size is None:
+        if bits is not None and fitting_group_size(head_dim) is None:
+            raise UserError(f"--kv-bits: the model's head_dim {head_dim} is not a multiple of 32 "
+                            "(MLX quantizes in groups of 32, 64 or 128)")
+        group_size = fitting_group_size(head_dim) or 64
     if group_size not in KV_GROUP_SIZES:
         raise UserError(f"--kv-group-size must be one of {', '.join(map(str, KV_GROUP_SIZES))}, got {group_size}")
     if bits is None:
@@ -76,15 +90,27 @@ def kv_caches(caches: list | None, max_size: int | None = None, bits: int | None
 class KVOptions:
     """--max-kv-size / --kv-bits / --kv-group-size as one value (`kv_caches`)."""
 
-    def __init__(self, max_size: int | None = None, bits: int | None = None, group_size: int = 64):
-        self.max_size, self.bits, self.group_size = max_size, bits, group_size
+    def __init__(self, max_size: int | None = None, bits: int | None = None, group_size: int | None = None):
+        # group_size None: `check` picks the largest of 128 / 64 / 32 dividing head_dim (`chosen`)
+        self.max_size, self.bits = max_size, bits
+        self.chosen = group_size is None
+        self.group_size = 64 if group_size is None else group_size
 
     def __bool__(self) -> bool:
         return self.max_size is not None or self.bits is not None
 
     def check(self, head_dim: int | None = None) -> "KVOptions":
-        check_kv_options(self.max_size, self.bits, self.group_size, head_dim)
+        check_kv_options(self.max_size, self.bits, None if self.chosen else self.group_size, head_dim)
+        if self.chosen:
+            self.group_size = fitting_group_size(head_dim) or 64
         return self
+
+    def describe(self) -> str:
+        """The --verbose line of the quantized cache (empty without --kv-bits)."""
+        if self.bits is None:
+            return ""
+        how = " (the largest of 128/64/32 dividing head_dim; --kv-group-size sets it)" if self.chosen else ""
+        return f"kv cache: {self.bits}-bit, groups of {self.group_size}{how}"
 
     def apply(self, model) -> None:
         """Make the model's `make_cache` (every caller's: generation, logits,

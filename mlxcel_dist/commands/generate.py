@@ -74,6 +74,8 @@ def main(ctx, a) -> None:
         seeded = "" if "seed" in sampling.describe() else f" (seed {seed}, unused)"
         err(f"prompt {len(ids)} tokens ({how}); sampling: {sampling.describe()}{seeded}; "
             f"EOS ids {tok.eos_ids}; stop strings {stops}; np {group.size()}")
+        if kv.describe():
+            err(kv.describe())
 
     def compiling():  # rank 0, on a timer thread: the first step of a new decode graph is slow
         err("compiling kernels for this model's decode step (the first run of this configuration on "

@@ -85,7 +85,8 @@ def _ranks_logits(ctx, a, model_dir: Path, ids, np_: int) -> dict:
         if load.max_kv_size is not None:
             argv += ["--max-kv-size", str(load.max_kv_size)]
         if load.kv_bits is not None:
-            argv += ["--kv-bits", str(load.kv_bits), "--kv-group-size", str(load.kv_group_size)]
+            argv += ["--kv-bits", str(load.kv_bits)]
+            argv += ["--kv-group-size", str(load.kv_group_size)] if load.kv_group_size is not None else []
         if load.adapter_path is not None:
             argv += ["--adapter-path", str(Path(load.adapter_path).resolve())]
         split = check_moe_split(launch.moe_split)

@@ -376,6 +376,8 @@ class BatchEngine:
             self.store.sync_pos()
             if not self.rows:
                 self.store.release()
+            else:
+                self.store.reserve(len(self.rows), max(r.pos for r in self.rows) + self.store.margin, fit=True)
 
     def _keep(self, b: int) -> None:
         """Store row b's keys/values of the tokens it has fed, oldest first.

@@ -37,6 +37,8 @@ from .prefill import _read_row, _write_row
 from .prompt_cache import PromptCache
 from .sampling import Sampler
 
+SHRINK = 2  # buffers shrink once over this x the rows' need (not to the need: regrowing costs a copy and a trace)
+
 
 @dataclass(frozen=True)
 class LayerRows:
@@ -133,14 +135,24 @@ class RowBuffers:
         self.stateful = any(c.static_state for c in cache)
         self.cacheable = PromptCache.cacheable(cache)
 
-    def reserve(self, n_rows: int, max_pos: int) -> None:
+    def reserve(self, n_rows: int, max_pos: int, fit: bool = False) -> None:
         """Buffers with at least `n_rows` rows (a power of two) and slot
         `max_pos` for every layer (full layers: pos < S; sliding: up to the
-        window, then a ring)."""
+        window, then a ring). `fit` (rows left): buffers over SHRINK x what
+        the rows need shrink to it, since every step computes every buffer
+        row and attends over every slot (a long prompt's row gone, the
+        streams left would each read its length a step)."""
         C, S = self.capacity(), self.slots()
-        want_c = max(C, 1 << (n_rows - 1).bit_length())
+        rows = 1 << (n_rows - 1).bit_length()
         need = max_pos + 1
+        want_c = max(C, rows)
         want_s = S if S >= need else _round_up(need + need // 4, self.grain())
+        if fit and self.buffers:
+            # every live row's positions are < need: its slots are [0, pos] in every layer, a
+            # ring too (pos % S = pos), so a buffer cut to `fitted` slots keeps them in place
+            fitted = _round_up(need + need // 4, self.grain())
+            want_c = rows if C > SHRINK * rows else want_c
+            want_s = fitted if S > SHRINK * fitted else want_s
         if self.buffers and want_c == C and want_s == S:
             return
         self._size = want_s
@@ -154,14 +166,15 @@ class RowBuffers:
                 if old is not None:
                     # A sliding buffer already at the window keeps its ring; a
                     # growing one is in temporal order: copy the slots held.
-                    keep = min(old.shape[2], s)
-                    buf[: old.shape[0], :, :keep, :] = old[:, :, :keep, :]
+                    keep, c = min(old.shape[2], s), min(old.shape[0], want_c)
+                    buf[:c, :, :keep, :] = old[:c, :, :keep, :]
                 new[name] = buf
             for name in lay.state:  # a state: rows only
                 old = self.buffers.get(name)
                 buf = mx.zeros((want_c, *self.shapes[name][1:]), self.dtypes[name])
                 if old is not None:
-                    buf[: old.shape[0]] = old
+                    c = min(old.shape[0], want_c)
+                    buf[:c] = old[:c]
                 new[name] = buf
         self.buffers.clear()
         self.buffers.update(new)
