@@ -5,6 +5,8 @@
 #
 #   bash benchmarks/h200_issue42.sh json   # json_schema / text at 1, 16, 64 clients, 12B gemma3 bf16, serve --np 1
 #   bash benchmarks/h200_issue42.sh spec   # benchmarks/spec_7b.py: the 7.5B / 4-layer draft pair, prompt lookup
+#   bash benchmarks/h200_issue42.sh fam    # issue 39: decode per family (llama 11.3B, gemma3 12B) against mlx-lm,
+#                                          # through the one engine's row (gpu_compare.py --families)
 #   bash benchmarks/h200_issue42.sh cpu    # the host's CPU pinned to 2 cores (MLX's CPU wheel from .dev/cpu):
 #                                          # bench np 1 / np 2 against aff0c91 (.dev/base), serve at 8 clients
 #                                          # against aff0c91 and mlx_lm.server
@@ -29,6 +31,11 @@ EOF
     --requests 2 --tokens 64 --formats text,json_schema,text,json_schema --json "$O/json42.json" 2>&1 \
     | tee "$O/json42.log" | grep -v "^\s*$" | tail -40
   ;;
+fam)
+  nvidia-smi --query-gpu=name,clocks.sm,memory.used --format=csv,noheader
+  timeout 560 python3 benchmarks/gpu_compare.py --families llama,gemma3 --prompt 2048 --gen 128 --repeat 3 \
+    --out "$O/fam39.jsonl" 2>&1 | tee "$O/fam39.log" | cut -c1-300 | tail -40
+  ;;
 spec)
   timeout 560 python3 benchmarks/spec_7b.py --json "$O/spec7b.jsonl" 2>&1 | tee "$O/spec7b.log" | cut -c1-400
   ;;
@@ -47,5 +54,5 @@ serve8)
   taskset -c 0,1 timeout 400 python3 benchmarks/serve_load.py --servers ours-np1,ours-np1@.dev/base,mlx_lm-np1 \
     --clients 8 --requests 2 --json "$O/serve8.json" 2>&1 | tee "$O/serve8.log" | grep -v "^\s*$" | tail -30
   ;;
-*) echo "usage: $0 json|spec|cpu|serve8"; exit 2 ;;
+*) echo "usage: $0 json|fam|spec|cpu|serve8"; exit 2 ;;
 esac

@@ -197,12 +197,13 @@ def test_budget_rules():
     assert share.prefill(32) == prefill.PREFILL_PER_DECODE * 32
 
 
-def test_pacer_keeps_a_mixed_step_within_its_stall_bound():
-    # decode steps of 100 ms, prompt tokens of 5 ms inside a step: (STALL - 1) x 100 / 5 tokens,
-    # so a mixed step takes STALL x the plain one
+@pytest.mark.parametrize("stall", [3.0, 5.0])
+def test_pacer_keeps_a_mixed_step_within_its_stall_bound(stall):
+    # decode steps of 100 ms, prompt tokens of 5 ms inside a step: (stall - 1) x 100 / 5 tokens,
+    # so a mixed step takes `stall` x the plain one (serve --max-stall)
     from mlxcel_dist.serve import pacing
 
-    p = pacing.Pacer()
+    p = pacing.Pacer(stall)
     assert p.tokens() == 0  # nothing measured: the engine's own budget
     p.observe(0.1, 4, 0)
     assert p.tokens() == 0
@@ -211,8 +212,8 @@ def test_pacer_keeps_a_mixed_step_within_its_stall_bound():
         p.observe(0.1 + 0.005 * n, 4, n)
         p.observe(0.1, 4, 0)
     n = p.tokens()
-    assert n == int((pacing.STALL - 1) * 0.1 / 0.005)
-    assert abs((0.1 + 0.005 * n) / 0.1 - pacing.STALL) <= 0.1
+    assert n == int((stall - 1) * 0.1 / 0.005)
+    assert abs((0.1 + 0.005 * n) / 0.1 - stall) <= 0.1
     p.observe(5.0, 0, 10)  # a prefill alone (no rows): the token's whole cost
     assert p.tokens() >= pacing.MIN_TOKENS
 
@@ -224,6 +225,10 @@ def test_serve_refuses_a_token_budget_under_1():
 
     r = CliRunner().invoke(app, ["serve", "--max-num-batched-tokens", "0"])
     assert r.exit_code == 2 and "error: --max-num-batched-tokens must be >= 1, got 0" in r.output
+    for args, message in ((["--max-stall", "1"], "--max-stall must be in [1.1, 100], got 1"),
+                          (["--max-stall", "4", "--max-num-batched-tokens", "64"], "give one of them")):
+        r = CliRunner().invoke(app, ["serve", *args])
+        assert r.exit_code == 2 and r.output.count("\n") == 1 and message in r.output, r.output
 
 
 @pytest.mark.parametrize("d", CASES, ids=_ids)

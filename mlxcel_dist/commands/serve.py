@@ -43,6 +43,10 @@ def main(ctx, a) -> None:
         raise UserError(f"--prompt-concurrency must be >= 1, got {a.prompt_concurrency}")
     if a.max_num_batched_tokens is not None and a.max_num_batched_tokens < 1:
         raise UserError(f"--max-num-batched-tokens must be >= 1, got {a.max_num_batched_tokens}")
+    if not 1.1 <= a.max_stall <= 100:
+        raise UserError(f"--max-stall must be in [1.1, 100], got {a.max_stall:g}")
+    if a.max_stall != 3.0 and a.max_num_batched_tokens is not None:
+        raise UserError("--max-stall paces the prefill; --max-num-batched-tokens fixes it: give one of them")
     if not 1 <= a.micro_batches <= 64:
         raise UserError(f"--micro-batches must be in [1, 64], got {a.micro_batches}")
     if a.micro_batches > 1 and launch.pp <= 1:
@@ -84,6 +88,7 @@ def main(ctx, a) -> None:
                    decode_concurrency=a.decode_concurrency, prompt_concurrency=a.prompt_concurrency,
                    prompt_cache_size=a.prompt_cache_size, prompt_cache_bytes=cache_bytes,
                    prefill_step=a.prefill_step, max_num_batched_tokens=a.max_num_batched_tokens, warmup=a.warmup,
+                   max_stall=a.max_stall,
                    micro_batches=a.micro_batches,
                    served_names=list(dict.fromkeys(names)), header_timeout_s=a.header_timeout,
                    tool_call_parser=a.tool_call_parser, reasoning_parser=a.reasoning_parser,

@@ -18,6 +18,7 @@ import numpy as np
 
 from ..errors import UserError
 from .log import log
+from .pacing import STALL
 from ..engine.generation import OneRowEngine
 from .protocol import Link, advance, follow
 from .wire import KIND_SHUTDOWN
@@ -90,6 +91,7 @@ class Options:
     prompt_cache_bytes: int | None = None
     prefill_step: int | None = None
     max_num_batched_tokens: int | None = None  # None: paced (serve.pacing), prefill.default_budget() until measured
+    max_stall: float = STALL  # --max-stall: the pacing's bound on a running stream's gap (serve.pacing)
     warmup: bool = False
     micro_batches: int = 1  # --micro-batches: each step's rows in that many parts (pipeline stages)
     served_names: list = field(default_factory=list)  # vLLM's --served-model-name: the first is the id shown
@@ -300,7 +302,7 @@ def _serve(model, tok, group, opts, sock, config, engine, link, beats, guard) ->
     one_row = not batchable(model)
     sched = Scheduler(tok, 1 if one_row else opts.decode_concurrency, 1 if one_row else opts.prompt_concurrency,
                       sleeping_followers=group.single or link.channel is not None,
-                      pace=not one_row and not opts.max_num_batched_tokens, vocab=getattr(engine, "vocab", None))
+                      pace=None if one_row or opts.max_num_batched_tokens else opts.max_stall, vocab=getattr(engine, "vocab", None))
     ctx = schema.ParseContext(tokenizer=tok, vocab_size=model.args.vocab_size, model_ids=tuple(opts.served_names),
                            max_tokens_cap=opts.max_tokens_cap, context_length=api.context_limit(config),
                            defaults=opts.defaults or schema.Defaults(), plain_chat=api.no_chat_template(tok),

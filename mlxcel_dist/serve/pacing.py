@@ -16,14 +16,21 @@ averages are known it answers 0: the engine's own `prefill.Budget` applies.
 
 from __future__ import annotations
 
-STALL = 3.0  # a running stream's gap while prompts prefill, at most this x its plain gap
+STALL = 3.0  # a running stream's gap while prompts prefill, at most this x its plain gap (serve --max-stall)
 MIN_TOKENS = 8  # prompt tokens a step at the least (prompts always move)
 MAX_TOKENS = 8192
 EMA = 0.2  # weight of the newest step in each average
 
 
 class Pacer:
-    def __init__(self):
+    """`stall`: the bound S. Where a prompt token costs what it costs alone,
+    the prompt then runs (S - 1) / S of each step: its first token comes at
+    least 1 + 1 / (S - 1) x later than alone (1.5x at 3), the trade-off
+    --max-stall moves (MIN_TOKENS can exceed S where one prompt token costs
+    over (S - 1) / MIN_TOKENS of a step: long prompts on a CPU)."""
+
+    def __init__(self, stall: float = STALL):
+        self.stall = stall
         self.decode_s: float | None = None  # d: a step of decoding rows alone
         self.token_s: float | None = None  # p: one prompt token inside a step
 
@@ -39,4 +46,4 @@ class Pacer:
         """Prompt tokens for the next step (0: not measured yet)."""
         if self.decode_s is None or not self.token_s:
             return 0
-        return int(min(max((STALL - 1) * self.decode_s / self.token_s, MIN_TOKENS), MAX_TOKENS))
+        return int(min(max((self.stall - 1) * self.decode_s / self.token_s, MIN_TOKENS), MAX_TOKENS))

@@ -23,7 +23,7 @@ from ..engine.sampling import SEED_LIMIT
 from ..checkpoint.tokenizer import RowText
 from .log import log
 from .metrics import Metrics
-from .pacing import Pacer
+from .pacing import STALL, Pacer
 from .wire import KIND_IDLE, KIND_SHUTDOWN, KIND_STEP, RID_LIMIT, GenRequest, Step
 
 SHUTDOWN_MESSAGE = "the server is shutting down"
@@ -137,11 +137,12 @@ class StepTimes:
 
 class Scheduler:
     def __init__(self, tokenizer, decode_concurrency: int = 32, prompt_concurrency: int = 8,
-                 sleeping_followers: bool = True, pace: bool = True, vocab=None):
+                 sleeping_followers: bool = True, pace: float | None = STALL, vocab=None):
         """`sleeping_followers`: the other ranks wait for the next step asleep
         (host channel, or np 1), so an idle scheduler sends nothing; else it
         sends idle notes that let them sleep between collectives. `pace`: each
-        step's prompt tokens from the steps' times (serve.pacing); False: the
+        step's prompt tokens from the steps' times, a stream's gap within
+        `pace` x its plain one (serve.pacing, --max-stall); None: the
         engine's fixed budget (--max-num-batched-tokens). `vocab`
         (grammar.Vocab, the engine's): a constrained row's ids are matched
         here too, so a grammar llguidance gives up on mid-answer (which the
@@ -168,7 +169,7 @@ class Scheduler:
         self.busy_since = None  # when the engine step in progress started (stuck-rank watchdog)
         self.step_s = 0.0  # moving average of an engine step
         self.metrics = Metrics()  # GET /metrics
-        self.pacer = Pacer() if pace else None
+        self.pacer = Pacer(pace) if pace else None
 
     # -- HTTP side (any thread) --------------------------------------------------
     def submit(self, job: Job) -> bool:
