@@ -273,6 +273,23 @@ def test_qwen3_235b_from_its_headers(tmp_path):
     assert tp["token_s"] == pytest.approx(max(r.reads for r in tp["ranks"]) / 819e9 + 94 * 250e-6 + tp["comm_s"])
 
 
+def test_m3_ultra_hostfile_from_public_runs(tmp_path):
+    """hostfiles/four-m3-ultras-tb5.txt's host_us_per_layer= is the derivation
+    benchmarks/moe_plan.py makes from a public M3 Ultra run (Qwen3-0.6B-4bit,
+    819 GB/s): (1 / tok/s - reads / bandwidth) / (layers x kernel ratio) x a
+    Qwen3-MoE layer's kernel ratio; its four ranks weigh 1 each."""
+    sys.path[:0] = [str(Path(__file__).parent / "helpers"), str(Path(__file__).parent.parent / "benchmarks")]
+    from mlxcel_dist.cluster.hostfile import rank_host_layer, rank_weights, read_hostfile
+    from moe_plan import M3_ULTRA_BW, QWEN3_235B, depth_ratio, m3_ultra_host
+
+    bw, h = m3_ultra_host(tmp_path)["given"]
+    assert bw == M3_ULTRA_BW and 60e-6 < h < 80e-6, h
+    layer = h * depth_ratio(QWEN3_235B, {"group_size": 64, "bits": 8}, tmp_path)
+    hosts = read_hostfile(Path(__file__).parent.parent / "hostfiles" / "four-m3-ultras-tb5.txt").hosts
+    assert rank_host_layer(hosts, 4) == pytest.approx([layer] * 4, abs=0.5e-6)
+    assert list(rank_weights(hosts, 4)) == [1, 1, 1, 1]
+
+
 def test_hosts_own_host_time(tmp_path):
     """A hostfile's host_us_per_layer= is its ranks' (the slowest one's
     counts in a stage); --host-us-per-layer is every rank's; a bad value is
