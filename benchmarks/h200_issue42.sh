@@ -7,6 +7,8 @@
 #   bash benchmarks/h200_issue42.sh spec   # benchmarks/spec_7b.py: the 7.5B / 4-layer draft pair, prompt lookup
 #   bash benchmarks/h200_issue42.sh fam    # issue 39: decode per family (llama 11.3B, gemma3 12B) against mlx-lm,
 #                                          # through the one engine's row (gpu_compare.py --families)
+#   bash benchmarks/h200_issue42.sh pp     # issue 41: one stream np 1 vs pp 2 (pp_gpu.py, 4B gemma3 shape);
+#   bash benchmarks/h200_issue42.sh ppserve #  serve np 1 / pp 2 / pp 2 before (.dev/prev) / pp 2 micro 2 at 1, 16 clients
 #   bash benchmarks/h200_issue42.sh cpu    # the host's CPU pinned to 2 cores (MLX's CPU wheel from .dev/cpu):
 #                                          # bench np 1 / np 2 against aff0c91 (.dev/base), serve at 8 clients
 #                                          # against aff0c91 and mlx_lm.server
@@ -36,6 +38,17 @@ fam)
   timeout 560 python3 benchmarks/gpu_compare.py --families llama,gemma3 --prompt 2048 --gen 128 --repeat 3 \
     --out "$O/fam39.jsonl" 2>&1 | tee "$O/fam39.log" | cut -c1-300 | tail -40
   ;;
+pp)
+  timeout 560 python3 benchmarks/pp_gpu.py --rounds 2 --configs np1 pp2-send --handoff-iters 0 \
+    --ckpt /tmp/ckpt/g4b 2>&1 | tee "$O/pp41.log" | cut -c1-300 | tail -30
+  ;;
+ppserve)  # [SERVERS] [SECONDS]
+  [ -d /tmp/ckpt/g4b ] || python3 benchmarks/pp_gpu.py --rounds 0 --configs np1 --handoff-iters 0 --ckpt /tmp/ckpt/g4b
+  timeout "${3:-570}" python3 benchmarks/serve_load.py --model /tmp/ckpt/g4b --backend ring --clients 1,16 \
+    --requests 2 --tokens 64 --servers "${2:-ours-np1,ours-pp2,ours-pp2@.dev/prev,ours-pp2-micro2}" \
+    --json "$O/ppserve41.json" 2>&1 | tee "$O/ppserve41.log" | grep -v "^\s*$" | tail -30
+  for f in /tmp/serve-load-*/*.log; do cp "$f" "$O/$(basename "$(dirname "$f")")-$(basename "$f")"; done
+  ;;
 spec)
   timeout 560 python3 benchmarks/spec_7b.py --json "$O/spec7b.jsonl" 2>&1 | tee "$O/spec7b.log" | cut -c1-400
   ;;
@@ -54,5 +67,5 @@ serve8)
   taskset -c 0,1 timeout 400 python3 benchmarks/serve_load.py --servers ours-np1,ours-np1@.dev/base,mlx_lm-np1 \
     --clients 8 --requests 2 --json "$O/serve8.json" 2>&1 | tee "$O/serve8.log" | grep -v "^\s*$" | tail -30
   ;;
-*) echo "usage: $0 json|fam|spec|cpu|serve8"; exit 2 ;;
+*) echo "usage: $0 json|fam|pp|ppserve|spec|cpu|serve8"; exit 2 ;;
 esac

@@ -160,7 +160,8 @@ def _open(req, attempts: int = 20):
 
 def post_stream(base: str, body: dict, on_text=None) -> tuple[int, float, float]:
     """(completion tokens, ttft s, latency s) of one streaming request;
-    `on_text(t)` at each text chunk's arrival (perf_counter)."""
+    `on_text(t)` at each text chunk's arrival (perf_counter; with logprobs
+    asked, at each chunk carrying a token, its text held back or not)."""
     data = json.dumps({**body, "stream": True, "stream_options": {"include_usage": True}}).encode()
     req = urllib.request.Request(base + "/v1/completions", data=data, headers={"Content-Type": "application/json"})
     t0 = time.perf_counter()
@@ -174,7 +175,7 @@ def post_stream(base: str, body: dict, on_text=None) -> tuple[int, float, float]
             if d.get("usage"):
                 tokens = d["usage"]["completion_tokens"]
             for c in d.get("choices") or []:
-                if c.get("text"):
+                if c.get("text") or (c.get("logprobs") or {}).get("tokens"):
                     chunks += 1
                     if on_text is not None:
                         on_text(time.perf_counter())

@@ -25,6 +25,12 @@ CLI = [sys.executable, "-m", "mlxcel_dist.cli"]
 NAME = "tiny"
 PROMPTS = ["The sea", "Once upon a time", "A cat", "Rain fell on", "The old man said", "In the morning",
            "Numbers: 1, 2,", "She opened the door and"]
+# rows that draw otherwise (the last stage draws every row's id and logprobs: batch_step's share):
+# sampled with a seed, constrained by a JSON schema (their masks on every rank, the draw on the last stage)
+OTHERS = [("The river", {"temperature": 0.9, "seed": 11}),
+          ("Give a number:", {"extra_body": {"response_format": {"type": "json_schema", "json_schema": {
+              "name": "n", "schema": {"type": "object", "properties": {"n": {"type": "integer"}},
+                                      "required": ["n"]}}}}})]
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +45,7 @@ def alone(model_dir, tmp_path_factory):
     """Each prompt's greedy completion and logprobs from a one-process server."""
     s = Server(model_dir, 1, tmp_path_factory.mktemp("pp-np1"), extra=["--served-model-name", NAME])
     try:
-        return [_complete(s, p) for p in PROMPTS]
+        return [_complete(s, p) for p in PROMPTS] + [_complete(s, p, **kw) for p, kw in OTHERS]
     finally:
         assert s.stop() == 0
 
@@ -48,9 +54,9 @@ def _client(s):
     return openai.OpenAI(base_url=s.base + "/v1", api_key="none", max_retries=0, timeout=120)
 
 
-def _complete(s, prompt, stream=False):
-    r = _client(s).completions.create(model=NAME, prompt=prompt, max_tokens=20, temperature=0,
-                                      logprobs=1, stream=stream)
+def _complete(s, prompt, stream=False, **kw):
+    r = _client(s).completions.create(model=NAME, prompt=prompt, max_tokens=20, logprobs=1, stream=stream,
+                                      **{"temperature": 0, **kw})
     if not stream:
         c = r.choices[0]
         return c.text, c.logprobs.tokens, c.logprobs.token_logprobs
@@ -70,16 +76,17 @@ def _complete(s, prompt, stream=False):
                          ids=["pp2-micro2", "pp2x2", "pp2-collective-ring"])
 def test_concurrent_requests_through_stages_get_the_text_alone(model_dir, alone, np_, extra, backend, tmp_path):
     s = Server(model_dir, np_, tmp_path, extra=["--pp", "2", *extra, "--served-model-name", NAME], backend=backend)
-    got, errors = [None] * len(PROMPTS), []
+    asks = [(p, {}) for p in PROMPTS] + OTHERS
+    got, errors = [None] * len(asks), []
 
     def worker(i):
         try:
-            got[i] = _complete(s, PROMPTS[i], stream=bool(i % 2))
+            got[i] = _complete(s, asks[i][0], stream=bool(i % 2), **asks[i][1])
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(repr(e))
 
     try:
-        threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(PROMPTS))]
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(asks))]
         for t in threads:
             t.start()
         for t in threads:

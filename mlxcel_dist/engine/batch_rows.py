@@ -37,7 +37,7 @@ from .prefill import _read_row, _write_row
 from .prompt_cache import PromptCache
 from .sampling import Sampler
 
-SHRINK = 2  # buffers shrink once over this x the rows' need (not to the need: regrowing costs a copy and a trace)
+SHRINK = 2  # slots shrink once over this x the rows' need (each new slot count is a new compiled trace)
 
 
 @dataclass(frozen=True)
@@ -138,10 +138,12 @@ class RowBuffers:
     def reserve(self, n_rows: int, max_pos: int, fit: bool = False) -> None:
         """Buffers with at least `n_rows` rows (a power of two) and slot
         `max_pos` for every layer (full layers: pos < S; sliding: up to the
-        window, then a ring). `fit` (rows left): buffers over SHRINK x what
-        the rows need shrink to it, since every step computes every buffer
-        row and attends over every slot (a long prompt's row gone, the
-        streams left would each read its length a step)."""
+        window, then a ring). `fit` (rows left): the buffer rows shrink to
+        the rows' power of two (its compiled step is kept: a trace per
+        shape) and the slots to what they need once over SHRINK x it, since
+        every step computes every buffer row and attends over every slot (a
+        long prompt's row gone, the streams left would each read its length
+        a step)."""
         C, S = self.capacity(), self.slots()
         rows = 1 << (n_rows - 1).bit_length()
         need = max_pos + 1
@@ -151,7 +153,7 @@ class RowBuffers:
             # every live row's positions are < need: its slots are [0, pos] in every layer, a
             # ring too (pos % S = pos), so a buffer cut to `fitted` slots keeps them in place
             fitted = _round_up(need + need // 4, self.grain())
-            want_c = rows if C > SHRINK * rows else want_c
+            want_c = rows
             want_s = fitted if S > SHRINK * fitted else want_s
         if self.buffers and want_c == C and want_s == S:
             return
