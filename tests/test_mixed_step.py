@@ -256,3 +256,27 @@ def test_buffers_shrink_when_a_long_row_leaves_and_the_rest_keep_their_ids(d):
     slots_with_long = seen[0][2]
     assert slots_with_long > 70 and seen[2][2] <= slots_with_long // 2, seen  # the long row gone: slots cut
     assert seen[-1][:2] == (1, 1), seen  # one row left: one buffer row, not 8
+
+
+def test_a_prompts_last_chunk_and_its_placement_take_two_steps():
+    # beside a decoding row, the step that runs a prompt's last chunk does not also grow the
+    # buffers for its row and step it: the row joins at the next step; the ids stay the ids alone
+    model = load_model(default_model_dir()).model
+    rng = np.random.default_rng(5)
+    V = model.args.vocab_size
+    early, late = (0, rng.integers(3, V, 4), GREEDY), (1, rng.integers(3, V, 20), GREEDY)
+    want = {rid: alone(model, p, 8) for rid, p, _ in (early, late)}
+    eng = BatchEngine(model, prefill_step=16, budget=Budget(8))
+    eng.add_many([(0, early[1], GREEDY, 8)])
+    got = {0: [eng.step()[0]], 1: []}
+    eng.add_many([(1, late[1], GREEDY, 8)])
+    seen = []  # (prompt tokens prefilled so far, whether row 1 is placed) after each step
+    while len(got[1]) < 8:
+        for rid, t in eng.step().items():
+            got[rid].append(t)
+        seen.append((eng.prefilled, any(r.rid == 1 for r in eng.rows)))
+        if len(got[0]) == 8 and 0 in eng:
+            eng.remove(0)
+    done = next(i for i, (n, _) in enumerate(seen) if n == 19 + 3)  # the step of the last chunk (19 + 3 fed)
+    assert not seen[done][1] and seen[done + 1][1], seen  # placed one step later
+    assert got[1] == want[1] and got[0][:8] == want[0], (got, want)

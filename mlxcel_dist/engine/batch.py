@@ -218,8 +218,14 @@ class BatchEngine:
                 if budget is not None and budget <= 0:
                     return
                 try:
+                    if job.left() == 0:  # prefilled by an earlier step, or nothing to prefill: placed now
+                        self.prefills.jobs.remove(job)
+                        job.finish()
+                        continue
                     ran = job.run(self.prefill_step * job.width() if budget is None else budget)
-                    if job.left() == 0:
+                    # beside decoding rows a prompt's last chunk and its placement (the buffers grown
+                    # for it, its rows' first step) take two steps: one step would stall the rows for both
+                    if job.left() == 0 and (budget is None or not self.rows):
                         self.prefills.jobs.remove(job)
                         job.finish()
                 except CollectiveError:
