@@ -8,6 +8,7 @@ import os
 
 from ..errors import UserError
 from ..serve.lifecycle import listen, long_lived_env
+from ..serve.pacing import STALL
 from .common import pick_model
 from .launch import checked, distribute, load_shard
 
@@ -45,7 +46,7 @@ def main(ctx, a) -> None:
         raise UserError(f"--max-num-batched-tokens must be >= 1, got {a.max_num_batched_tokens}")
     if not 1.1 <= a.max_stall <= 100:
         raise UserError(f"--max-stall must be in [1.1, 100], got {a.max_stall:g}")
-    if a.max_stall != 3.0 and a.max_num_batched_tokens is not None:
+    if a.max_stall != STALL and a.max_num_batched_tokens is not None:
         raise UserError("--max-stall paces the prefill; --max-num-batched-tokens fixes it: give one of them")
     if not 1 <= a.micro_batches <= 64:
         raise UserError(f"--micro-batches must be in [1, 64], got {a.micro_batches}")
