@@ -193,6 +193,9 @@ def test_kv_group_size_when_not_given_is_the_largest_dividing_head_dim():
     assert KVOptions(bits=4, group_size=32).check(head_dim=256).group_size == 32  # a given size is kept
     with pytest.raises(UserError, match="head_dim 48 is not a multiple of 32"):
         KVOptions(bits=4).check(head_dim=48)
+    unchecked = KVOptions(bits=8)  # a library caller that never calls check: applied, it fits the model
+    load_model(default_model_dir(), kv=unchecked)
+    assert unchecked.group_size == 32
     r = runner.invoke(app, ["generate", "-n", "6", "--kv-bits", "8", "--verbose"])
     assert r.exit_code == 0, r.output
     assert "kv cache: 8-bit, groups of 32 (the largest of 128/64/32 dividing head_dim" in r.stderr

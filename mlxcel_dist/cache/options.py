@@ -15,6 +15,11 @@ KV_BITS = (2, 3, 4, 5, 6, 8)  # MLX's affine quantization
 KV_GROUP_SIZES = (32, 64, 128)
 
 
+def config_head_dim(args) -> int:
+    """A model's head_dim from its ModelArgs (the config's, else hidden / heads)."""
+    return getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads
+
+
 def fitting_group_size(head_dim: int | None) -> int | None:
     """--kv-group-size when the user gave none: the largest of 128 / 64 / 32
     dividing head_dim (64 where the config has no head_dim; None: none fits)."""
@@ -122,6 +127,8 @@ class KVOptions:
             from ..errors import UserError
 
             raise UserError(f"--kv-bits: {model.args.model_type} cannot take a quantized cache ({refused})")
+        if self.chosen and self.bits is not None:  # (a caller that built these options without `check`)
+            self.check(config_head_dim(model.args))
         make = model.make_cache
         model.make_cache = lambda: kv_caches(make(), self.max_size, self.bits, self.group_size)
         model.kv_options = self  # (harness.model_window: the modes cross N)

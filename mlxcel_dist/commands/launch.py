@@ -191,6 +191,7 @@ def kv_options(model, load):
     """--max-kv-size / --kv-bits / --kv-group-size checked against the model's
     head_dim (before any rank is launched) as a cache.KVOptions."""
     from ..cache import KVOptions
+    from ..cache.options import config_head_dim
 
     kv = KVOptions(load.max_kv_size, load.kv_bits, load.kv_group_size)
     if load.kv_bits is None:
@@ -203,7 +204,7 @@ def kv_options(model, load):
     refused = get_model_module(a.model_type).Model.kv_bits_refused
     if refused:
         raise UserError(f"--kv-bits: {a.model_type} cannot take a quantized cache ({refused})")
-    return kv.check(getattr(a, "head_dim", None) or a.hidden_size // a.num_attention_heads)
+    return kv.check(config_head_dim(a))
 
 
 def adapter(model, adapter_path):
