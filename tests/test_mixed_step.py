@@ -280,3 +280,49 @@ def test_a_prompts_last_chunk_and_its_placement_take_two_steps():
     done = next(i for i, (n, _) in enumerate(seen) if n == 19 + 3)  # the step of the last chunk (19 + 3 fed)
     assert not seen[done][1] and seen[done + 1][1], seen  # placed one step later
     assert got[1] == want[1] and got[0][:8] == want[0], (got, want)
+
+
+@pytest.mark.parametrize("d", CASES, ids=_ids)
+def test_a_prompt_that_reads_one_id_is_answered_from_its_prefill(d):
+    # max_tokens 1 (lm-eval's loglikelihood, a classifier), asked twice (n = 2: a greedy copy
+    # with logprobs and a sampled one) beside two decoding rows: drawn from the prompt's own
+    # prefilled caches, it never takes a row, so the rows' buffers never grow to its length;
+    # each id is the first id the same request gets as a row (max_tokens 2, alone), the rows
+    # get an id every step and keep their ids alone
+    model = load_model(d).model
+    rng = np.random.default_rng(11)
+    V = model.args.vocab_size
+    early = [(0, rng.integers(3, V, 4), GREEDY), (1, rng.integers(3, V, 6), SamplingParams(temp=0.8, seed=2))]
+    long_ = rng.integers(3, V, 100)  # past the first buffer's 64 slots
+    sampled = SamplingParams(temp=1.0, seed=4)
+    want = {rid: alone(model, p, 10, s) for rid, p, s in early}
+    as_row = Generation(model, long_, 2, GREEDY, eos_ids=(), logprobs=2)
+    first = list(as_row)[0]
+    first_lp = as_row.finish().logprobs[0]
+    first_sampled = alone(model, long_, 2, sampled)[0]
+    assert alone(model, long_, 1) == [first]  # alone too: the id a row would draw
+
+    eng = BatchEngine(model, prefill_step=16, budget=Budget(8))
+    eng.add_many([(rid, p, s, 10) for rid, p, s in early])
+    got = {0: [], 1: [], 7: [], 8: []}
+    lps, most_slots, fed = {}, 0, True
+    for step in range(40):
+        if step == 2:
+            eng.add_many([(7, long_, GREEDY, 1, None, True, None, 2), (8, long_, sampled, 1)])
+        out = eng.step()
+        assert not any(r.rid in (7, 8) for r in eng.rows), step
+        running = [rid for rid in (0, 1) if rid in eng and len(got[rid]) < 10]
+        fed = fed and all(rid in out for rid in running)
+        for rid, t in out.items():
+            got[rid].append(t)
+            if rid == 7:
+                lps[rid] = eng.logprobs.get(rid)
+            if len(got[rid]) == (1 if rid >= 7 else 10):
+                eng.remove(rid)
+        most_slots = max(most_slots, eng.store.slots())
+        if not len(eng) and not eng.prefilling:
+            break
+    assert got == {0: want[0], 1: want[1], 7: [first], 8: [first_sampled]}, (got, want, first, first_sampled)
+    assert fed
+    assert most_slots < len(long_), most_slots  # the rows never attended over the long prompt
+    assert lps[7][1][0][0] == first and abs(lps[7][0] - first_lp[0]) < 1e-4, (lps, first_lp)

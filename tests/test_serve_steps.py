@@ -54,6 +54,9 @@ class FakeEngine:
                 raise ValueError("poisoned prompt")
         for rid, prompt, *_ in items:
             self.rows[rid] = [self.scripts.get(prompt[0], [prompt[0]]), 0]
+        for r in items:  # the record's logprobs (prefill.Request), as BatchEngine.add_many takes them
+            if r.logprobs is not None:
+                self.want[r.rid] = r.logprobs
 
     def remove(self, rid):
         self.calls.append(("remove", rid))

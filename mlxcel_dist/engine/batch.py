@@ -19,6 +19,9 @@ of a model that cannot batch (a cache with a state: a padded chunk would
 feed its pads into it). A prompt given several times (serve's n > 1) is
 prefilled once and its copies forked from its row (`_fork`). Only a cache
 with no static form steps row by row on its own caches (`eager_cache`).
+A prompt prefilled alone whose requests read one id each (max_tokens 1)
+takes no row: its last token is fed through its own caches and the ids
+drawn there (`answer`), so the decoding rows never grow to its length.
 
 Drafts (serve --draft-model / --prompt-lookup): with `spec` (a
 batch_spec.BatchDrafts) every step is its round for all rows, through
@@ -55,7 +58,9 @@ from ..parallel.collectives import CollectiveError
 from . import decode
 from .guard import DEFAULT_PREFILL_STEP, check_tokens, vocab_size
 from .prefill import Admission, Alone, Budget, Prefills, Request, Together, pad_groups
-from .sampling import Sampler, SamplingParams
+from .choice import Choice, draw, grammar_masks, logprobs as choice_logprobs
+from ..parallel.pipeline import outstanding_sends
+from .sampling import Sampler, SamplingParams, read_logprobs
 
 # Buffer granularity of the batch's static KV, per device. A batch step
 # attends every row over the whole buffer (masked), so slack slots cost
@@ -120,6 +125,7 @@ class BatchEngine:
         self._copies: dict = {}  # rid -> copies of its prompt (n > 1) forked once it is placed
         self.failed: dict = {}  # rid -> message: requests whose prefill failed (taken by the caller)
         self.prompt_logprobs: dict = {}  # rid -> its prompt's logprobs (echo; taken by the caller)
+        self.answered: dict = {}  # rid -> (id, logprobs) drawn from its prefill (`answer`), out with the next step
         # an engine.RankAgreement whose checks ride on the steps' reads (generate: each id is checked
         # in the host sync that reads it); serve checks its steps' ids through the step protocol instead
         self.guard = None
@@ -167,9 +173,11 @@ class BatchEngine:
         jobs run to the end here; with one, `step` runs them a budget at a time
         beside the decode rows. Every rank makes the same calls."""
         todo, first = [], {}
-        for rid, prompt_ids, sampling, budget, grammar, drafts, echo in (Request(*r) for r in requests):
+        for rid, prompt_ids, sampling, budget, grammar, drafts, echo, lps in (Request(*r) for r in requests):
             if isinstance(grammar, str):  # a request's grammar text (serve.wire): this rank's matcher, one a row
                 grammar = self.vocab.matcher(grammar)
+            if lps is not None:
+                self.want[rid] = lps
             prompt = check_tokens(prompt_ids, vocab_size(self.model))
             key = prompt.tobytes() if budget != 0 else rid  # (a request of no ids takes no row to copy)
             if key in first:  # a copy (serve's n > 1): forked once its source is placed
@@ -225,7 +233,7 @@ class BatchEngine:
                     ran = job.run(self.prefill_step * job.width() if budget is None else budget)
                     # beside decoding rows a prompt's last chunk and its placement (the buffers grown
                     # for it, its rows' first step) take two steps: one step would stall the rows for both
-                    if job.left() == 0 and (budget is None or not self.rows):
+                    if job.left() == 0 and (budget is None or not self.rows or job.answers()):
                         self.prefills.jobs.remove(job)
                         job.finish()
                 except CollectiveError:
@@ -267,6 +275,37 @@ class BatchEngine:
             return
         self.store.reserve(len(self.rows) + 1, a.last + 1)
         self._join(row, [None if a.last == 0 else c.held() for c in cache])
+        for c in cache:
+            c.release()
+
+    def answerable(self, a: Admission) -> bool:
+        """Whether prompt `a` is answered from its own prefilled caches
+        (`answer`): it and every copy read one id (max_tokens 1: lm-eval's
+        loglikelihood, a classifier)."""
+        return a.budget == 1 and all(c[2] == 1 for c in self._copies.get(a.rid, ()))
+
+    def answer(self, a: Admission, cache: list) -> None:
+        """A prompt whose requests read one id each: the last prompt token fed
+        through its own caches and each one's id drawn from those logits as
+        its row's first step would draw it (choice.py: sampler, grammar mask,
+        logprobs), so it never takes a row: the rows decoding meanwhile do not
+        grow to its length or attend over it. Its ids come with the next
+        `step`'s. Every rank alike (the head's collectives run here)."""
+        logits = self.model(mx.array(a.prompt[a.last : a.last + 1])[None], cache)[0, -1]
+        asks = [(a.rid, a.sampling, a.grammar)] + [(c[0], c[1], c[3]) for c in self._copies.pop(a.rid, ())]
+        for rid, sampling, grammar in asks:
+            if rid in self.prefills.cancelled:
+                self.prefills.cancelled.discard(rid)
+                continue
+            row = Row(rid, Sampler(sampling or SamplingParams(), len(a.prompt)), a.prompt.tolist(), a.last + 1,
+                      0, budget=1, grammar=grammar)
+            choice = [Choice(row, self.want)]
+            masks = grammar_masks(choice)
+            ids, _ = draw(choice, [logits], None, masks)
+            lps = choice_logprobs(choice, [logits], ids, None, masks)
+            mx.eval(ids, lps, outstanding_sends(self.model))
+            self.answered[rid] = (int(ids[0].item()), read_logprobs(lps[rid]) if rid in lps else None)
+            row.took([self.answered[rid][0]])  # (its grammar advanced, as a row's read would)
         for c in cache:
             c.release()
 
@@ -449,12 +488,22 @@ class BatchEngine:
         (`spec`, static caches): {rid: [ids]}, 1 .. K + 1 a row, unpipelined."""
         if self.prefills:
             self._prefill(prefill if prefill and self.rows and self.budget is not None else self._step_budget())
+        answered, self.answered = self.answered, {}
         if not self.rows:
             self.steps.flights.clear()
-            return {}
-        if self.spec is not None and self.spec.active(self):
-            return self.spec.step(self)
-        return self.steps.plain_step()
+            out = {}
+        elif self.spec is not None and self.spec.active(self):
+            out = self.spec.step(self)
+        else:
+            out = self.steps.plain_step()
+        if answered:
+            if not self.rows:
+                self.logprobs = {}
+            for rid, (tok, lp) in answered.items():
+                out[rid] = tok
+                if lp is not None:
+                    self.logprobs[rid] = lp
+        return out
 
     def _step_budget(self) -> int | None:
         """This step's prefill tokens (`budget` of the decoding rows' tokens:

@@ -196,10 +196,8 @@ class Generation:
         faults.at("prefill", self.rank)
         if not isinstance(e, OneRowEngine):
             e.guard = self.guard
-        e.add_many([Request(ROW, self.prompt, self.sampling, self.max_tokens, self.grammar)])
+        e.add_many([Request(ROW, self.prompt, self.sampling, self.max_tokens, self.grammar, logprobs=self.logprobs)])
         self._added = True
-        if self.logprobs is not None:
-            e.want[ROW] = self.logprobs
         if ROW in e.failed:  # (every rank alike: the same data)
             raise RuntimeError(f"the prompt's prefill failed: {e.failed.pop(ROW)}")
         t_chunks, traces = time.perf_counter(), e.traces

@@ -72,6 +72,7 @@ class Request(NamedTuple):
     grammar: object = None  # a grammar.Matcher, or a grammar's text for the engine's vocab
     drafts: bool = True  # False: opted out of drafts
     echo: int | None = None  # the prompt's logprobs (k most likely each)
+    logprobs: int | None = None  # each id's logprob with the k most likely (the engine's `want`)
 
 
 def prompt_logprobs(logits: mx.array, following: np.ndarray, k: int) -> tuple:
@@ -214,7 +215,15 @@ class Alone:
             e.prompt_cache.store(a.prompt[: a.last], self.cache)
         if a.echo is not None:
             e.echoed(a, read_prompt_logprobs(a.prompt, self.echoed))
+        if e.answerable(a):
+            e.answer(a, self.cache)
+            return
         e.place_prefilled(a, self.cache)
+
+    def answers(self) -> bool:
+        """Its one request is answered from these caches, no row taken
+        (`BatchEngine.answer`): finished in the step of its last chunk."""
+        return self.engine.answerable(self.a)
 
 
 class Together:
@@ -306,6 +315,9 @@ class Together:
 
     def finish(self) -> None:
         """Every row has moved in (`run` moves them as they finish)."""
+
+    def answers(self) -> bool:
+        return False
 
 
 class Prefills:

@@ -30,7 +30,7 @@ class Engine(Protocol):
     tests' scripted engines): rows by request id, added and removed in the
     step's order, `step` their next ids."""
 
-    want: dict  # rid -> k: logprobs asked with each id
+    want: dict  # rid -> k: logprobs asked with each id (add_many sets it from a record's `logprobs`)
     logprobs: dict  # rid -> logprobs of the last step (rank 0 reads them)
     failed: dict  # rid -> message: prompts whose prefill failed in a step (taken by apply_step)
     prompt_logprobs: dict  # rid -> its prompt's logprobs (echo), once prefilled (taken by apply_step)
@@ -110,8 +110,8 @@ class StepResult:
 def _admit(engine, admissions: list, keep_logprobs: bool, failed: dict) -> None:
     """add_many of a step's admissions; when it fails (every rank alike: the
     same data), each is retried alone so only the failing request ends."""
-    items = [Request(rid, req.prompt_ids, req.sampling, req.max_tokens, req.grammar, req.speculative, req.echo)
-             for rid, req in admissions]
+    items = [Request(rid, req.prompt_ids, req.sampling, req.max_tokens, req.grammar, req.speculative, req.echo,
+                     req.logprobs if keep_logprobs else None) for rid, req in admissions]
     try:
         engine.add_many(items)
     except CollectiveError:
@@ -126,10 +126,6 @@ def _admit(engine, admissions: list, keep_logprobs: bool, failed: dict) -> None:
                 raise
             except Exception as e:  # noqa: BLE001 - that request's failure alone
                 failed[rid] = f"{type(e).__name__}: {e}"
-    if keep_logprobs:
-        for rid, req in admissions:
-            if req.logprobs is not None and rid not in failed:
-                engine.want[rid] = req.logprobs
 
 
 def apply_step(engine, step: Step, guard, keep_logprobs: bool = False, busy=None) -> StepResult | None:
