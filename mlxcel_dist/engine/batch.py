@@ -228,12 +228,16 @@ class BatchEngine:
                 try:
                     if job.left() == 0:  # prefilled by an earlier step, or nothing to prefill: placed now
                         self.prefills.jobs.remove(job)
+                        if budget is not None and job.answers():
+                            budget -= 1  # its answer: one more token's forward
                         job.finish()
                         continue
                     ran = job.run(self.prefill_step * job.width() if budget is None else budget)
                     # beside decoding rows a prompt's last chunk and its placement (the buffers grown
-                    # for it, its rows' first step) take two steps: one step would stall the rows for both
-                    if job.left() == 0 and (budget is None or not self.rows or job.answers()):
+                    # for it, its rows' first step) take two steps: one step would stall the rows for
+                    # both; an answer (one token's forward, no row) follows in the same step if the
+                    # budget has room for it
+                    if job.left() == 0 and (budget is None or not self.rows or (job.answers() and budget > ran)):
                         self.prefills.jobs.remove(job)
                         job.finish()
                 except CollectiveError:
