@@ -17,7 +17,7 @@ averages are known it answers 0: the engine's own `prefill.Budget` applies.
 from __future__ import annotations
 
 STALL = 3.0  # a running stream's gap while prompts prefill, at most this x its plain gap (serve --max-stall)
-MIN_TOKENS = 1  # prompt tokens a step at the least (prompts always move)
+MIN_TOKENS = 8  # prompt tokens a step at the least (prompts always move)
 MAX_TOKENS = 8192
 EMA = 0.2  # weight of the newest step in each average
 
@@ -26,8 +26,9 @@ class Pacer:
     """`stall`: the bound S. Where a prompt token costs what it costs alone,
     the prompt then runs (S - 1) / S of each step: its first token comes at
     least 1 + 1 / (S - 1) x later than alone (1.5x at 3), the trade-off
-    --max-stall moves (one token a step at least exceeds S only where one
-    prompt token costs over (S - 1) x a plain step)."""
+    --max-stall moves (MIN_TOKENS can exceed S where one prompt token costs
+    over (S - 1) / MIN_TOKENS of a step: long prompts on a CPU, where a
+    floor of 1 measured a worse first token for no shorter gap)."""
 
     def __init__(self, stall: float = STALL):
         self.stall = stall
