@@ -9,6 +9,8 @@
 #                                          # through the one engine's row (gpu_compare.py --families)
 #   bash benchmarks/h200_issue42.sh pp     # issue 41: one stream np 1 vs pp 2 (pp_gpu.py, 4B gemma3 shape);
 #   bash benchmarks/h200_issue42.sh ppserve #  serve np 1 / pp 2 / pp 2 before (.dev/prev) / pp 2 micro 2 at 1, 16 clients
+#   bash benchmarks/h200_issue42.sh moefirst # a 4-bit qwen3_moe's first / second run against mlx-lm (moe_first_run.py)
+#   bash benchmarks/h200_issue42.sh stall [TOKENS] [ROUNDS] # issue 39: streams beside a long prompt, 12B gemma3
 #   bash benchmarks/h200_issue42.sh cpu    # the host's CPU pinned to 2 cores (MLX's CPU wheel from .dev/cpu):
 #                                          # bench np 1 / np 2 against aff0c91 (.dev/base), serve at 8 clients
 #                                          # against aff0c91 and mlx_lm.server
@@ -48,6 +50,17 @@ ppserve)  # [SERVERS] [SECONDS]
     --requests 2 --tokens 64 --servers "${2:-ours-np1,ours-pp2,ours-pp2@.dev/prev,ours-pp2-micro2}" \
     --json "$O/ppserve41.json" 2>&1 | tee "$O/ppserve41.log" | grep -v "^\s*$" | tail -30
   for f in /tmp/serve-load-*/*.log; do cp "$f" "$O/$(basename "$(dirname "$f")")-$(basename "$f")"; done
+  ;;
+moefirst)  # issue 42: a 4-bit qwen3_moe's first and second run, ours and mlx-lm, each with empty kernel caches
+  t=$(date +%s); python3 benchmarks/moe_first_run.py build /tmp/ckpt/qwen3moe-4bit 2>&1 | tail -3
+  echo "built in $(( $(date +%s) - t )) s"
+  timeout 480 python3 benchmarks/moe_first_run.py all /tmp/ckpt/qwen3moe-4bit --runs 2 --json "$O/moefirst42.jsonl"
+  ;;
+stall)  # issue 39: streams beside a long prompt on one GPU (12B gemma3 bf16, serve --np 1)
+  python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from gpu_compare import GEMMA3_12B; \
+from random_ckpt import gemma3_checkpoint; gemma3_checkpoint('/tmp/ckpt/gemma3-12b', **GEMMA3_12B)"
+  timeout 500 python3 benchmarks/serve_stall.py --model /tmp/ckpt/gemma3-12b --servers ours-np1 --lengths 1500,4000 \
+    --stream-tokens "${2:-400}" --settle 10 --rounds "${3:-2}" --verbose --json "$O/stall39.json" 2>&1 | tee "$O/stall39.log" | tail -30
   ;;
 spec)
   timeout 560 python3 benchmarks/spec_7b.py --json "$O/spec7b.jsonl" 2>&1 | tee "$O/spec7b.log" | cut -c1-400

@@ -1,0 +1,129 @@
+"""A 4-bit MoE's first and second run on one GPU, ours against mlx-lm, each
+in fresh processes with its own empty kernel caches (issue 42: "a first
+run's time to first token no more than mlx-lm's, and a second run's under
+5 s").
+
+    python benchmarks/moe_first_run.py build /tmp/ckpt/qwen3moe-4bit     # once: the checkpoint
+    python benchmarks/moe_first_run.py all /tmp/ckpt/qwen3moe-4bit [--runs 2] [--json out.jsonl]
+
+`build` writes issue 42's qwen3_moe shape (moe_decode.py's: hidden 2048, 16
+layers, 128 experts top-8, moe_intermediate 768; random bf16 weights, the
+same arrays both sides) as mlx-lm's model quantized to 4 bits, group 64
+(what `mlx_lm.convert -q` writes: experts stacked as `switch_mlp`), so both
+load one file. `all` runs, per implementation, `--runs` fresh processes one
+after another, the first with empty caches (MLX's compiled kernels,
+MLX_PTX_CACHE_DIR, and the CUDA driver's, CUDA_CACHE_PATH: a directory of
+its own per implementation), the later ones reusing them. Each process
+reports (JSON line): import_s, load_s (weights read and evaluated),
+ttft_s (a 128-token prompt submitted to its first id read: prefill, first
+decode step and every kernel they compile) and decode tok/s of the next 64.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+T_START = time.perf_counter()
+HERE = Path(__file__).resolve().parent
+PROMPT, GEN = 128, 64
+
+
+def build(out: Path) -> None:
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+
+    sys.path.insert(0, str(HERE.parent))
+    sys.path.insert(0, str(HERE))
+    import gpu_compare as G
+    import moe_decode as M
+
+    a = argparse.Namespace(layers=16, hidden=2048, experts=128, top_k=8, moe_intermediate=768, small=False)
+    cfg = M.shape(a)
+    ours = G.build_ours(cfg)
+    lm = G.build_mlx_lm(cfg, tree_flatten(ours.parameters()))
+    del ours
+    nn.quantize(lm, group_size=64, bits=4)
+    weights = dict(tree_flatten(lm.parameters()))
+    mx.eval(weights)
+    out.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (out / "config.json").write_text(json.dumps({**cfg, "architectures": ["Qwen3MoeForCausalLM"],
+                                                 "quantization": {"group_size": 64, "bits": 4}}, indent=1))
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(HERE.parent / "models" / "gemma3-tiny" / f, out / f)
+    print(f"wrote {out}: {sum(v.nbytes for v in weights.values()) / 1e9:.2f} GB", file=sys.stderr)
+
+
+def one(impl: str, path: Path) -> dict:
+    """This process: import, load, first id of a 128-token prompt, 64 more."""
+    import mlx.core as mx
+    import numpy as np
+
+    ids = np.random.default_rng(0).integers(3, 4000, PROMPT).tolist()
+    if impl == "ours":
+        from mlxcel_dist.checkpoint.loader import load_model
+        from mlxcel_dist.engine.generation import Generation
+
+        t_import = time.perf_counter()
+        model = load_model(str(path)).model
+        mx.eval(model.parameters())
+        t_load = time.perf_counter()
+        stamps = []
+        gen = Generation(model, ids, GEN + 1)
+        for _ in gen:
+            stamps.append(time.perf_counter())
+        gen.finish()
+    else:
+        from mlx_lm.generate import generate_step
+        from mlx_lm.utils import load_model as lm_load
+
+        t_import = time.perf_counter()
+        model = lm_load(path)[0]
+        mx.eval(model.parameters())
+        t_load = time.perf_counter()
+        stamps = []
+        for _ in generate_step(mx.array(ids), model, max_tokens=GEN + 1):
+            stamps.append(time.perf_counter())
+    return {"impl": impl, "import_s": round(t_import - T_START, 2), "load_s": round(t_load - t_import, 2),
+            "ttft_s": round(stamps[0] - t_load, 2),
+            "decode_tok_s": round(GEN / (stamps[-1] - stamps[0]), 1) if len(stamps) > 1 else None}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("what", choices=["build", "all", "one-ours", "one-mlx-lm"])
+    ap.add_argument("path", type=Path)
+    ap.add_argument("--runs", type=int, default=2)
+    ap.add_argument("--json", type=Path)
+    a = ap.parse_args()
+    if a.what == "build":
+        return build(a.path)
+    if a.what.startswith("one-"):
+        print(json.dumps(one(a.what[4:], a.path)), flush=True)
+        return
+    for impl in ("ours", "mlx-lm"):
+        caches = Path(f"/tmp/first-run-{impl}")
+        shutil.rmtree(caches, ignore_errors=True)
+        env = {**os.environ, "MLX_PTX_CACHE_DIR": str(caches / "ptx"), "CUDA_CACHE_PATH": str(caches / "nv"),
+               "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
+        for run in range(a.runs):
+            out = subprocess.run([sys.executable, __file__, f"one-{impl}", str(a.path)], env=env, text=True,
+                                 capture_output=True)
+            rows = [json.loads(x) for x in out.stdout.splitlines() if x.startswith("{")]
+            row = {**rows[-1], "run": run} if rows else {"impl": impl, "run": run, "error": out.stderr[-800:]}
+            print(json.dumps(row), flush=True)
+            if a.json:
+                with a.json.open("a") as f:
+                    f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()
