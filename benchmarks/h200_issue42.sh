@@ -59,8 +59,10 @@ moefirst)  # issue 42: a 4-bit qwen3_moe's first and second run, ours and mlx-lm
 stall)  # issue 39: streams beside a long prompt on one GPU (12B gemma3 bf16, serve --np 1)
   python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from gpu_compare import GEMMA3_12B; \
 from random_ckpt import gemma3_checkpoint; gemma3_checkpoint('/tmp/ckpt/gemma3-12b', **GEMMA3_12B)"
-  timeout 500 python3 benchmarks/serve_stall.py --model /tmp/ckpt/gemma3-12b --servers ours-np1 --lengths 1500,4000 \
-    --stream-tokens "${2:-400}" --settle 10 --rounds "${3:-2}" --verbose --json "$O/stall39.json" 2>&1 | tee "$O/stall39.log" | tail -30
+  MLXCEL_DIST_STEP_LOG=1 timeout 500 python3 benchmarks/serve_stall.py --model /tmp/ckpt/gemma3-12b --servers ours-np1 \
+    --stream-tokens "${2:-400}" --settle 10 --rounds "${3:-2}" --lengths "${4:-1500,4000}" --verbose \
+    --json "$O/stall39.json" 2>&1 | tee "$O/stall39.log" | tail -30
+  for f in /tmp/serve_stall_logs/*.log; do cp "$f" "$O/stall39-server-$(basename "$f")"; done
   ;;
 spec)
   timeout 560 python3 benchmarks/spec_7b.py --json "$O/spec7b.jsonl" 2>&1 | tee "$O/spec7b.log" | cut -c1-400

@@ -47,9 +47,9 @@ def build(out: Path) -> None:
 
     a = argparse.Namespace(layers=16, hidden=2048, experts=128, top_k=8, moe_intermediate=768, small=False)
     cfg = M.shape(a)
-    ours = G.build_ours(cfg)
-    lm = G.build_mlx_lm(cfg, tree_flatten(ours.parameters()))
-    del ours
+    ours, weights = G.build_ours(cfg)
+    lm = G.build_mlx_lm(cfg, weights)
+    del ours, weights
     nn.quantize(lm, group_size=64, bits=4)
     weights = dict(tree_flatten(lm.parameters()))
     mx.eval(weights)

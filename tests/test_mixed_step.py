@@ -218,6 +218,38 @@ def test_pacer_keeps_a_mixed_step_within_its_stall_bound(stall):
     assert p.tokens() >= pacing.MIN_TOKENS
 
 
+@pytest.mark.parametrize("fixed", [0.05, 0.3])
+def test_pacer_fits_a_chunks_fixed_cost(fixed):
+    # a mixed step costs d + c + n p (c: the chunk's forward whatever its size, as a GPU's
+    # host time). Room for a chunk within the bound (c = 0.05 beside d = 0.1, S = 3): the
+    # prompt fills the bound exactly. No room (c = 0.3): every mixed step breaks the bound,
+    # so the prompt takes chunks of (S - 1) x (d + c) work: few stalls, not many small ones
+    from mlxcel_dist.serve import pacing
+
+    d, p_tok = 0.1, 0.005
+    p = pacing.Pacer(3.0)
+    p.observe(d, 4, 0)
+    p.observe(fixed + p_tok * 512, 0, 512)  # a prompt alone, one long chunk (no rows)
+    for _ in range(40):
+        n = p.tokens() or 8
+        p.observe(d + fixed + p_tok * n, 4, n)
+    c, per = p.cost()
+    assert abs(c - fixed) < 1e-6 and abs(per - p_tok) < 1e-9, (c, per)
+    n = p.tokens()
+    if fixed < 2 * d:
+        assert n == int((2 * d - fixed) / p_tok) and abs((d + fixed + p_tok * n) / d - 3.0) < 0.05
+    else:
+        assert n == int(2 * (d + fixed) / p_tok)
+
+
+def test_pacer_fit_falls_back_where_chunks_do_not_differ():
+    from mlxcel_dist.serve.pacing import fit
+
+    assert fit([(16, 0.32)] * 4) == (0.0, 0.02)  # one size: no fixed part told apart
+    c, p = fit([(8, 0.05), (64, 0.05), (512, 0.04)])  # the slope lost in noise: the fixed part
+    assert c == 0.04 and p == 0.04 / 512
+
+
 def test_serve_refuses_a_token_budget_under_1():
     from typer.testing import CliRunner
 

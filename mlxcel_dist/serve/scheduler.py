@@ -13,6 +13,7 @@ HTTP in here: tests drive it in process against a fake engine.
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -30,6 +31,8 @@ SHUTDOWN_MESSAGE = "the server is shutting down"
 IDLE_AFTER_S = 0.5  # without a host channel: idle this long before the followers are told to sleep
 IDLE_SLEEP_S = 0.3  # ... for this long (a first request after a quiet spell waits at most this),
 IDLE_SLEEP_MAX_S = 1.2  # doubling while the quiet lasts, up to this: a long-idle job wakes less often
+# MLXCEL_DIST_STEP_LOG=1: a log line for every step that prefills or admits (its ids, prompt tokens, time)
+STEP_LOG = os.environ.get("MLXCEL_DIST_STEP_LOG") == "1"
 WAIT_S = 0.2  # how long plan() blocks on an empty queue before it looks at the stop flag again
 
 
@@ -334,6 +337,9 @@ class Scheduler:
             t.prompt_tokens += sum(len(req.prompt_ids) for _, req in step.admissions)
         if self.pacer is not None:
             self.pacer.observe(result.step_s, len(result.ids), result.prefilled)
+        if STEP_LOG and (result.prefilled or step.admissions):
+            log(f"step: {len(result.ids)} ids, {result.prefilled} prompt tokens ({step.prefill_tokens} paced), "
+                f"{1e3 * result.step_s:.1f} ms")
         if result.ids:
             t.steps += 1
             t.tokens += sum(len(x) if isinstance(x, list) else 1 for x in result.ids.values())
