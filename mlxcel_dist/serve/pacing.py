@@ -84,5 +84,10 @@ class Pacer:
         c, p = self.cost()
         d, s = self.decode_s, self.stall
         room = (s - 1) * d - c
-        n = room / p if room >= MIN_TOKENS * p else (s - 1) * (d + c) / p
+        if room >= MIN_TOKENS * p:
+            n = room / p
+        else:  # no chunk keeps the bound: a chunk's work (S - 1) x the smallest mixed step's, its
+            # per-token cost the larger of the fit's and a long chunk's whole (a slope lost in noise)
+            long_p = self.long[1] / self.long[0] if self.long is not None else 0.0
+            n = (s - 1) * (d + c) / max(p, long_p)
         return int(min(max(n, MIN_TOKENS), MAX_TOKENS))
