@@ -344,6 +344,7 @@ def build_rank(ck: Checkpoint, group: Group, pp: int, target, refs: dict | None 
             m.stage.tp = tp
     elif not group.single:
         m.shard(group)
+    m.ranks = group.size()
     return m, refs, full_shapes
 
 

@@ -49,6 +49,8 @@ step, not per sequence.
 
 from __future__ import annotations
 
+import contextlib
+
 import mlx.core as mx
 import numpy as np
 
@@ -125,6 +127,12 @@ class BatchEngine:
         self._copies: dict = {}  # rid -> copies of its prompt (n > 1) forked once it is placed
         self.failed: dict = {}  # rid -> message: requests whose prefill failed (taken by the caller)
         self.prompt_logprobs: dict = {}  # rid -> its prompt's logprobs (echo; taken by the caller)
+        # One process on a CPU (MLX's CPU ops run on one thread each): a paced step's prefill forwards
+        # go on a stream of their own and are evaluated with the step's decode launch, so the chunk and
+        # the rows' step compute on two cores at once (never beside collectives: ranks could order them apart)
+        self.side = mx.new_stream(mx.cpu) if mx.default_device() == mx.cpu and model.ranks == 1 else None
+        self.beside: list = []  # the prefill forwards' arrays waiting for the launch (`evaluate`)
+        self._defer = False
         self.answered: dict = {}  # rid -> (id, logprobs) drawn from its prefill (`answer`), out with the next step
         # an engine.RankAgreement whose checks ride on the steps' reads (generate: each id is checked
         # in the host sync that reads it); serve checks its steps' ids through the step protocol instead
@@ -210,6 +218,19 @@ class BatchEngine:
             if self.static:
                 self.store.learn(self.model, None, probe)
 
+    def evaluate(self, *arrays) -> None:
+        """A prefill forward's arrays: evaluated now, or with the step's decode
+        launch where they run beside it (`side`; `take_beside`)."""
+        if self._defer:
+            self.beside.append(arrays)
+        else:
+            mx.eval(*arrays)
+
+    def take_beside(self) -> list:
+        """The prefill work waiting for this step's launch (each launch takes it)."""
+        work, self.beside = self.beside, []
+        return work
+
     @property
     def prefilling(self) -> bool:
         """Prompts still being prefilled (their rows not placed yet)."""
@@ -232,7 +253,11 @@ class BatchEngine:
                             budget -= 1  # its answer: one more token's forward
                         job.finish()
                         continue
-                    ran = job.run(self.prefill_step * job.width() if budget is None else budget)
+                    # a paced step beside rows (one process, a CPU): the forward built on the side stream
+                    self._defer = budget is not None and bool(self.rows) and self.side is not None
+                    with mx.stream(self.side) if self._defer else contextlib.nullcontext():
+                        ran = job.run(self.prefill_step * job.width() if budget is None else budget)
+                    self._defer = False
                     # beside decoding rows a prompt's last chunk and its placement (the buffers grown
                     # for it, its rows' first step) take two steps: one step would stall the rows for
                     # both; an answer (one token's forward, no row) follows in the same step if the
@@ -500,6 +525,8 @@ class BatchEngine:
             out = self.spec.step(self)
         else:
             out = self.steps.plain_step()
+        if self.beside:  # no launch took it (no row left, a draft round)
+            mx.eval(self.take_beside())
         if answered:
             if not self.rows:
                 self.logprobs = {}

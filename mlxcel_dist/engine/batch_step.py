@@ -217,7 +217,7 @@ class Steps:
         extras = logprobs(sub, xs, got, ps, masks)
         f = _Flight(list(e.rows), None, extras, deferred=[(b, rows[b]) for b in later], drawn=ids,
                     logits=logits if e.static else None)
-        mx.async_eval([x for _, x in f.deferred], got, extras)
+        mx.async_eval([x for _, x in f.deferred], got, extras, self.e.take_beside())
         self._launched(f)
 
     def _parts(self, C: int) -> list:
@@ -268,7 +268,7 @@ class Steps:
         guard = self.e.guard
         rows = None if guard is None else guard.pending_rows(f.ids)
         f.read = f.ids if rows is None else mx.concatenate([f.ids, rows.reshape(-1)])
-        mx.async_eval(f.read, f.extras)
+        mx.async_eval(f.read, f.extras, self.e.take_beside())  # (a prefill chunk beside it: BatchEngine.evaluate)
         return f
 
     # -- deferred draws and the read ----------------------------------------

@@ -24,7 +24,9 @@ least a quarter), or, until pacing has measured anything, `default_budget()`
 
 A job's forward is evaluated before the step goes on (its time is the step's,
 which serve's pacing reads), after the decode step in flight, which it
-follows on the device.
+follows on the device; in one process on a CPU a paced step's forwards run
+on a stream of their own and are evaluated with the step's decode launch
+(`BatchEngine.evaluate`), so the two compute on two cores at once.
 
 Chunks of any size give the same keys as one pass (the sliding-window
 invariant, docs/architecture.md): a budgeted chunk changes when a prompt's
@@ -204,8 +206,8 @@ class Alone:
             if self.a.echo is not None:  # every rank: the head's collectives run alike
                 self.echoed.append(prompt_logprobs(logits[0], self.a.prompt[self.at + 1 : self.at + m + 1],
                                                    self.a.echo))
-            mx.eval([c.state for c in self.cache] if self.cache else [], outstanding_sends(model),
-                    [x for x in (self.echoed[-1] if self.a.echo is not None else ()) if x is not None])
+            self.engine.evaluate([c.state for c in self.cache] if self.cache else [], outstanding_sends(model),
+                                 [x for x in (self.echoed[-1] if self.a.echo is not None else ()) if x is not None])
             self.at += m
         return m
 
@@ -286,7 +288,7 @@ class Together:
         bufs["end"], bufs["upto"] = bufs["offsets"] + m, max(o + m for o in offs)
         model = self.engine.model
         model(mx.array(tokens), self.views)
-        mx.eval([bufs[name] for name in self.kv], outstanding_sends(model))
+        self.engine.evaluate([bufs[name] for name in self.kv], outstanding_sends(model))
         keep = sum(o + k < a.last for a, o, k in zip(self.admits, offs, lens))  # the finished are the last rows
         for b in range(keep, B):
             self._finish_row(self.admits[b], b)

@@ -114,6 +114,7 @@ class Capabilities:
     pipeline_stages = False  # True: runs in --pp stages (pipeline.py)
     kv_bits_refused = None  # why --kv-bits cannot serve it (a string), None: it can
     kv_options = None  # cache.KVOptions.apply: the --max-kv-size / --kv-bits it runs with
+    ranks = 1  # the ranks its forward runs across (loader.build_rank): > 1, collectives in its forwards
 
 
 @dataclasses.dataclass
