@@ -11,15 +11,16 @@ is left. On a device where a prompt token costs about a decode row's token
 (a CPU) that is a share of the work.
 
 Where a chunk's forward costs a fixed time whatever its size (a GPU's host
-time for an eager forward: 30-55 ms for a 12B gemma3 on the H200 beside a
+time for an eager forward: 20-55 ms for a 12B gemma3 on the H200 beside a
 15 ms decode step), p read from small chunks is mostly that fixed part, and
-even the smallest chunk breaks the bound: 8-token chunks then stall every
-step and take a long prompt 20x its time alone. `Pacer` tells this case
-apart by the last long chunk (LONG tokens or more: a prompt alone, or the
-engine's first budget): if its per-token cost p_long says the smallest chunk's
-own work fits the bound, what breaks it is fixed, so the prompt takes
-chunks of (STALL - 1) x (d + the smallest chunk's cost) / p_long tokens:
-fewer, longer gaps, and its first token about as soon as alone. Until both
+the smallest chunk nearly fills the bound or breaks it: 8-token chunks then
+stall every step and take a long prompt 13-22x its time alone. `Pacer`
+tells this case apart by the last long chunk (LONG tokens or more: a prompt
+alone, or the engine's first budget): where the smallest chunk's cost less
+its tokens' work at that chunk's per-token cost p_long (its fixed part)
+takes over half the room the bound leaves, the prompt takes chunks of
+(STALL - 1) x (d + the smallest chunk's cost) / p_long tokens: fewer,
+longer gaps, and its first token far sooner. Until both
 averages are known it answers 0: the engine's own `prefill.Budget` applies.
 `serve --max-num-batched-tokens` fixes the budget instead (no pacing).
 """
@@ -73,9 +74,10 @@ class Pacer:
         return int(min(max(n, MIN_TOKENS), MAX_TOKENS))
 
     def fixed(self) -> bool:
-        """The smallest chunk breaks the bound by a fixed cost, not by its
-        tokens' work (which a long chunk's per-token cost puts within it)."""
+        """A chunk's fixed cost (the smallest chunk's less its tokens' work at
+        a long chunk's per-token cost) takes over half the room the bound
+        leaves: small chunks would stall nearly as long as large ones."""
         if self.floor_s is None or not self.long_token_s:
             return False
         room = (self.stall - 1) * self.decode_s
-        return self.floor_s > room and MIN_TOKENS * self.long_token_s < room / 2
+        return self.floor_s - MIN_TOKENS * self.long_token_s > room / 2
