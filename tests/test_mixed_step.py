@@ -256,6 +256,14 @@ def test_pacer_keeps_the_floor_where_tokens_themselves_cost_the_step():
         n = p.tokens() or 8
         p.observe(0.085 + 0.03 * n, 4, n)
     assert not p.fixed() and p.tokens() == pacing.MIN_TOKENS
+    # np 2 late in a 4,000-token prompt: 8 tokens 160 ms beside a 55 ms step, a long chunk's
+    # average 12 ms a token: the excess is attention's growth with position, not a fixed cost
+    q = pacing.Pacer(3.0)
+    q.observe(0.055, 4, 0)
+    q.observe(0.012 * 2048, 0, 2048)
+    for _ in range(20):
+        q.observe(0.055 + 0.160, 4, 8)
+    assert not q.fixed() and q.tokens() == pacing.MIN_TOKENS
 
 
 def test_serve_refuses_a_token_budget_under_1():

@@ -257,12 +257,14 @@ class BatchEngine:
                     self._defer = budget is not None and bool(self.rows) and self.side is not None
                     with mx.stream(self.side) if self._defer else contextlib.nullcontext():
                         ran = job.run(self.prefill_step * job.width() if budget is None else budget)
-                    self._defer = False
+                    beside, self._defer = self._defer, False
                     # beside decoding rows a prompt's last chunk and its placement (the buffers grown
                     # for it, its rows' first step) take two steps: one step would stall the rows for
                     # both; an answer (one token's forward, no row) follows in the same step if the
-                    # budget has room for it
-                    if job.left() == 0 and (budget is None or not self.rows or (job.answers() and budget > ran)):
+                    # budget has room for it and the chunk is not waiting to run beside the launch
+                    # (the answer would read it first: chunk, answer and decode one after another)
+                    answer_now = job.answers() and budget is not None and budget > ran and not beside
+                    if job.left() == 0 and (budget is None or not self.rows or answer_now):
                         self.prefills.jobs.remove(job)
                         job.finish()
                 except CollectiveError:

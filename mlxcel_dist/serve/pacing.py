@@ -35,6 +35,7 @@ LONG = 128  # a chunk of at least this many tokens tells a per-token cost from a
 # the share of the bound's room the prompt is given: the bound is on the longest gap, so the
 # average mixed step aims below it (at 1.0 the longest gaps came out 3.3-3.6x at --max-stall 3)
 HEADROOM = 0.8
+FIXED = 0.75  # a chunk's cost is fixed where that part is over this share of the smallest chunk's
 
 
 class Pacer:
@@ -78,9 +79,13 @@ class Pacer:
 
     def fixed(self) -> bool:
         """A chunk's fixed cost (the smallest chunk's less its tokens' work at
-        a long chunk's per-token cost) takes over half the room the bound
-        leaves: small chunks would stall nearly as long as large ones."""
+        a long chunk's per-token cost) is most of the smallest chunk's cost
+        and over half the room the bound leaves: small chunks would stall
+        nearly as long as large ones. (Late in a long prompt on a CPU a token
+        costs more than a long chunk's average, by attention: that excess is
+        under FIXED of the smallest chunk's cost, a GPU's host time over 0.9.)"""
         if self.floor_s is None or not self.long_token_s:
             return False
         room = (self.stall - 1) * self.decode_s
-        return self.floor_s - MIN_TOKENS * self.long_token_s > room / 2
+        c = self.floor_s - MIN_TOKENS * self.long_token_s
+        return c > FIXED * self.floor_s and c > room / 2
