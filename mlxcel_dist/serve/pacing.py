@@ -7,8 +7,9 @@ from the steps it is told of: a step with decoding rows and no prefill (d),
 and a prompt token's cost inside a step (p, the step's time less d, per
 token prefilled). It then gives prompts HEADROOM x (STALL - 1) x d / p tokens
 a step, so a stream's gap stays within STALL x its plain gap (the headroom:
-for the steps' spread) while the prompts get what is left. On a device where a prompt token costs about a decode row's token
-(a CPU) that is a share of the work.
+for the steps' spread) while the prompts get what is left. On a device
+where a prompt token costs about a decode row's token (a CPU) that is a
+share of the work.
 
 Where a chunk's forward costs a fixed time whatever its size (a GPU's host
 time for an eager forward: 20-55 ms for a 12B gemma3 on the H200 beside a
@@ -17,11 +18,11 @@ the smallest chunk nearly fills the bound or breaks it: 8-token chunks then
 stall every step and take a long prompt 13-22x its time alone. `Pacer`
 tells this case apart by the last long chunk (LONG tokens or more: a prompt
 alone, or the engine's first budget): where the smallest chunk's cost less
-its tokens' work at that chunk's per-token cost p_long (its fixed part)
-takes over half the room the bound leaves, the prompt takes chunks of
-(STALL - 1) x (d + the smallest chunk's cost) / p_long tokens: fewer,
-longer gaps, and its first token far sooner. Until both
-averages are known it answers 0: the engine's own `prefill.Budget` applies.
+its tokens' work at that chunk's per-token cost p_long (its fixed part) is
+most of that cost and over half the room the bound leaves, the prompt takes
+chunks of (STALL - 1) x (d + the smallest chunk's cost) / p_long tokens:
+fewer, longer gaps, and its first token far sooner. Until both averages are
+known it answers 0: the engine's own `prefill.Budget` applies.
 `serve --max-num-batched-tokens` fixes the budget instead (no pacing).
 """
 
