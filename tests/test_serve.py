@@ -980,15 +980,29 @@ def _cpu_seconds(pids) -> float:
     return total / tick
 
 
-def _idle_share(server, settle: float, seconds: float) -> tuple[float, int]:
-    """(share of one core, process count) the whole job of `server`
-    (launcher, mpirun, ranks) uses over `seconds`, after `settle` seconds of
-    no request."""
-    time.sleep(settle)
-    family = [server.proc.pid] + descendants(server.proc.pid)
+IDLE_SHARE = 0.10  # of one core: an idle job sleeps (tests below assert it)
+SETTLE_MAX_S = 20.0
+
+
+def _share(family: list, seconds: float) -> float:
     t0, c0 = time.monotonic(), _cpu_seconds(family)
     time.sleep(seconds)
-    return (_cpu_seconds(family) - c0) / (time.monotonic() - t0), len(family)
+    return (_cpu_seconds(family) - c0) / (time.monotonic() - t0)
+
+
+def _idle_share(server, settle: float, seconds: float) -> tuple[float, int]:
+    """(share of one core, process count) the whole job of `server`
+    (launcher, mpirun, ranks) uses over `seconds`, once settled: at least
+    `settle` seconds of no request, then until a 1 s window is under
+    IDLE_SHARE (at most SETTLE_MAX_S: on a loaded box the last steps and the
+    idle hand-over run late, and a fixed settle read them as a busy idle job;
+    a job that never sleeps still fails the measure after it)."""
+    time.sleep(settle)
+    family = [server.proc.pid] + descendants(server.proc.pid)
+    end = time.monotonic() + SETTLE_MAX_S
+    while time.monotonic() < end and _share(family, 1.0) >= IDLE_SHARE:
+        pass
+    return _share(family, seconds), len(family)
 
 
 def test_idle_job_sleeps(server2):
@@ -996,7 +1010,7 @@ def test_idle_job_sleeps(server2):
     assert server2.json("/v1/completions", {**GREEDY, "max_tokens": 2})["choices"][0]["text"]
     used, procs = _idle_share(server2, 1.5, 5.0)  # settled: past the idle hand-over (IDLE_AFTER_S)
     print(f"idle np 2 job: {100 * used:.1f}% of a core over {procs} processes")
-    assert used < 0.10, f"the idle job uses {100 * used:.0f}% of a core"
+    assert used < IDLE_SHARE, f"the idle job uses {100 * used:.0f}% of a core"
     assert server2.json("/v1/completions", GREEDY)["choices"][0]["text"]  # and it still answers
     assert "no host channel" not in server2.output()  # the steps' control went over the host channel
     assert "serve: batch steps ready for 1-32 rows in" in server2.output()  # --warmup ran (and the ranks stayed paired)
@@ -1024,7 +1038,7 @@ def test_without_host_channel(model_dir, server1, tmp_path):
         assert got == alone
         # settled: past the idle hand-over and the idle notes' doubling (0.3, 0.6, 1.2 s sleeps)
         used, _ = _idle_share(s, 3.0, 3.0)
-        assert used < 0.10, f"the idle job uses {100 * used:.0f}% of a core"
+        assert used < IDLE_SHARE, f"the idle job uses {100 * used:.0f}% of a core"
         assert s.output().count("serve: no host channel to every rank") == 1, s.output()
         s.proc.send_signal(signal.SIGTERM)
         s.proc.wait(timeout=30)
@@ -1087,7 +1101,7 @@ def test_one_request_at_a_time_models_serve_alike_and_idle(diffusion_dir, tmp_pa
             if np_ == 2:
                 assert "no host channel" not in s.output()
                 used, _ = _idle_share(s, 1.0, 3.0)
-                assert used < 0.10, f"the idle job uses {100 * used:.0f}% of a core"
+                assert used < IDLE_SHARE, f"the idle job uses {100 * used:.0f}% of a core"
         finally:
             rc = s.stop()
         assert rc in (0, 128 + signal.SIGTERM), rc
