@@ -254,10 +254,12 @@ class BatchEngine:
                         job.finish()
                         continue
                     # a paced step beside rows (one process, a CPU): the forward built on the side stream
-                    self._defer = budget is not None and bool(self.rows) and self.side is not None
-                    with mx.stream(self.side) if self._defer else contextlib.nullcontext():
-                        ran = job.run(self.prefill_step * job.width() if budget is None else budget)
-                    beside, self._defer = self._defer, False
+                    beside = self._defer = budget is not None and bool(self.rows) and self.side is not None
+                    try:
+                        with mx.stream(self.side) if beside else contextlib.nullcontext():
+                            ran = job.run(self.prefill_step * job.width() if budget is None else budget)
+                    finally:
+                        self._defer = False  # (a failing job too: later evaluations run at once)
                     # beside decoding rows a prompt's last chunk and its placement (the buffers grown
                     # for it, its rows' first step) take two steps: one step would stall the rows for
                     # both; an answer (one token's forward, no row) follows in the same step if the
