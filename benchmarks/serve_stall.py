@@ -7,8 +7,8 @@
 The 24M bf16 llama of serve_load.py (random weights, the embedded
 tokenizer); the streams' ids biased to printable tokens, so each is a chunk. Per server and prompt length, a round: 4 streams decode
 (`--stream-tokens` each, EOS ignored, short prompts); once each has sent
-`--settle` chunks, one long prompt of random text ids is sent (max_tokens 1,
-streamed) and its time to first token taken. Each stream's gaps between
+`--settle` chunks, one long prompt of random text ids is sent (max_tokens 1 or
+`--long-tokens`, streamed) and its time to first token taken. Each stream's gaps between
 chunks: the median over the whole stream, the median with no prompt in
 (before its send and after its first token), and the longest while the long
 prompt was in (from its send to its first token). Reported: the worst
@@ -38,6 +38,7 @@ from serve_load import llama_checkpoint, post_stream, started  # noqa: E402
 
 STREAMS = 4
 VERBOSE = False
+LONG_TOKENS = 1  # the long prompt's max_tokens (--long-tokens)
 
 
 def stream(base: str, body: dict, times: list, first: list | None = None) -> None:
@@ -59,7 +60,7 @@ def long_ids(n: int, seed: int, vocab: int = 512) -> list:
 
 def alone_ttft(base: str, ids: list) -> float:
     t0, first = time.perf_counter(), []
-    stream(base, {"prompt": ids, "max_tokens": 1, "logit_bias": printable_bias()}, [], first)
+    stream(base, {"prompt": ids, "max_tokens": LONG_TOKENS, "logit_bias": printable_bias()}, [], first)
     return first[0] - t0
 
 
@@ -90,7 +91,7 @@ def one_round(base: str, n: int, seed: int, stream_tokens: int, settle: int) -> 
         time.sleep(0.01)
     ids = long_ids(n, seed)
     t0, first = time.perf_counter(), []
-    stream(base, {"prompt": ids, "max_tokens": 1, "logit_bias": printable_bias()}, [], first)
+    stream(base, {"prompt": ids, "max_tokens": LONG_TOKENS, "logit_bias": printable_bias()}, [], first)
     t1 = first[0]
     for t in threads:
         t.join()
@@ -125,12 +126,14 @@ def main() -> None:
     ap.add_argument("--settle", type=int, default=20, help="chunks each stream sends before the long prompt")
     ap.add_argument("--vs", type=Path, help="another checkout of ours: its servers too, interleaved")
     ap.add_argument("--flags", default="", help="extra flags for our servers (e.g. '--max-num-batched-tokens 128')")
+    ap.add_argument("--long-tokens", type=int, default=1, help="the long prompt's max_tokens (1: answered from its"
+                    " prefill, no row; more: it becomes a row)")
     ap.add_argument("--json", type=Path, help="write the rows here")
     ap.add_argument("--model", type=Path, help="instead of the 24M llama")
     ap.add_argument("--verbose", action="store_true", help="each stream's longest gaps")
     a = ap.parse_args()
-    global VERBOSE
-    VERBOSE = a.verbose
+    global VERBOSE, LONG_TOKENS
+    VERBOSE, LONG_TOKENS = a.verbose, a.long_tokens
     model = a.model or llama_checkpoint()
     log_dir = Path("/tmp/serve_stall_logs")
     log_dir.mkdir(exist_ok=True)

@@ -164,14 +164,20 @@ def test_a_request_cancelled_or_failing_in_its_prefill_leaves_the_others_alone(m
     assert 1 in eng and 4 in eng and eng.prefilling
     eng.remove(1)  # gone mid-prefill (with 2, in one group): 1 never gets a row, 2 and its copy do
     eng.remove(4)
-    real = prefill.Alone.run
+    real, staged = prefill.Alone.run, prefill.Together.stage
 
     def broken(self, n):
         if self.a.rid == 3:
             raise RuntimeError("no memory")
         return real(self, n)
 
+    def broken_stage(self, n, flat=True):  # (a prompt alone in prefill buffers, its chunks in the rows' step)
+        if any(a.rid == 3 for a in self.admits):
+            raise RuntimeError("no memory")
+        return staged(self, n, flat)
+
     monkeypatch.setattr(prefill.Alone, "run", broken)
+    monkeypatch.setattr(prefill.Together, "stage", broken_stage)
     eng.add_many([(3, p[3], GREEDY, 20)])
     while len(eng) or eng.prefilling:
         for rid, t in eng.step().items():
@@ -308,7 +314,9 @@ def test_buffers_shrink_when_a_long_row_leaves_and_the_rest_keep_their_ids(d):
 
 def test_a_prompts_last_chunk_and_its_placement_take_two_steps():
     # beside a decoding row, the step that runs a prompt's last chunk does not also grow the
-    # buffers for its row and step it: the row joins at the next step; the ids stay the ids alone
+    # buffers for its row and step it: the row joins after it (a chunk run alone: in the next
+    # step; one riding in the rows' step, flat.py: once that step is read) and its first id is
+    # launched by the next step; the ids stay the ids alone
     model = load_model(default_model_dir()).model
     rng = np.random.default_rng(5)
     V = model.args.vocab_size
@@ -322,11 +330,12 @@ def test_a_prompts_last_chunk_and_its_placement_take_two_steps():
     while len(got[1]) < 8:
         for rid, t in eng.step().items():
             got[rid].append(t)
-        seen.append((eng.prefilled, any(r.rid == 1 for r in eng.rows)))
+        seen.append((eng.prefilled, any(r.rid == 1 for r in eng.rows), len(got[1])))
         if len(got[0]) == 8 and 0 in eng:
             eng.remove(0)
-    done = next(i for i, (n, _) in enumerate(seen) if n == 19 + 3)  # the step of the last chunk (19 + 3 fed)
-    assert not seen[done][1] and seen[done + 1][1], seen  # placed one step later
+    done = next(i for i, (n, *_) in enumerate(seen) if n == 19 + 3)  # the step of the last chunk (19 + 3 fed)
+    assert seen[done + 1][1], seen  # placed by the next step
+    assert (seen[done][2], seen[done + 1][2], seen[done + 2][2]) == (0, 0, 1), seen  # first launched by it
     assert got[1] == want[1] and got[0][:8] == want[0], (got, want)
 
 
@@ -376,11 +385,13 @@ def test_a_prompt_that_reads_one_id_is_answered_from_its_prefill(d):
     assert lps[7][1][0][0] == first and abs(lps[7][0] - first_lp[0]) < 1e-4, (lps, first_lp)
 
 
-def test_a_paced_chunk_is_evaluated_with_the_decode_launch_on_its_own_stream():
+def test_a_paced_chunk_is_evaluated_with_the_decode_launch_on_its_own_stream(monkeypatch):
     # one process on a CPU: a paced step's prefill forward is built on the engine's side stream
     # and handed to the step's decode launch (one evaluation: two cores at once); the ids stay
     # the ids alone. Ranks that run collectives never do this (their order must match)
     import mlx.core as mx
+
+    monkeypatch.setenv("MLXCEL_DIST_FLAT", "0")  # (chunks run alone, not in the rows' step: flat.py)
 
     if mx.default_device() != mx.cpu:
         pytest.skip("the side stream is for a CPU (MLX's CPU ops run on one thread each)")
@@ -416,3 +427,47 @@ def test_a_paced_chunk_is_evaluated_with_the_decode_launch_on_its_own_stream():
         assert BatchEngine(model).side is None
     finally:
         model.ranks = 1
+
+
+FLAT = ["gemma3", "llama4", "gpt_oss", "gemma2", "qwen3_moe"]  # full + ring, chunked, sinks, softcap, experts
+
+
+@pytest.mark.parametrize("fam", FLAT)
+def test_a_chunk_in_the_rows_step_gives_the_ids_and_logprobs_of_a_chunk_alone(fam, monkeypatch):
+    # flat.py: a prompt's chunks ride in the decoding rows' forward (one forward a step); every
+    # row's ids and logprobs, the prompt's row's too, are those of the same steps with each chunk
+    # run alone (MLXCEL_DIST_FLAT=0), and the ids those of each request alone
+    from mlxcel_dist.engine.flat import fusable
+
+    model = load_model(FAMILY_CASES[fam]).model
+    early, late = _requests(model.args.vocab_size, seed=6)
+    late = [(10, np.resize(late[0][1], 70), GREEDY), late[1]]  # one long enough for several chunks
+    n = 10
+
+    def run(flat: bool):
+        monkeypatch.setenv("MLXCEL_DIST_FLAT", "1" if flat else "0")
+        eng = BatchEngine(model, prefill_step=32, budget=Budget(12))
+        eng.want = {rid: 2 for rid, *_ in early + late}
+        eng.add_many([(rid, p, s, n) for rid, p, s in early])
+        got, lps = {rid: [] for rid, *_ in early + late}, {rid: [] for rid, *_ in early + late}
+        step = 0
+        while len(eng) or eng.prefilling or step <= 2:
+            if step == 2:
+                assert fusable(eng) == flat
+                eng.add_many([(rid, p, s, n) for rid, p, s in late])
+            out = eng.step()
+            step += 1
+            for rid, t in out.items():
+                got[rid].append(t)
+                lps[rid].append(eng.logprobs[rid][0])
+                if len(got[rid]) >= n:
+                    eng.remove(rid)
+        return got, lps, eng.flat is not None
+
+    got, lps, used = run(True)
+    ref, ref_lps, ref_used = run(False)
+    assert used and not ref_used
+    assert got == ref, (got, ref)
+    assert got == {rid: alone(model, p, n, s) for rid, p, s in early + late}
+    worst = max(abs(a - b) for rid in lps for a, b in zip(lps[rid], ref_lps[rid]))
+    assert worst < 1e-4, worst

@@ -59,6 +59,7 @@ from .batch_step import Steps
 from ..parallel.collectives import CollectiveError
 from . import decode
 from .guard import DEFAULT_PREFILL_STEP, check_tokens, vocab_size
+from .flat import fusable
 from .prefill import Admission, Alone, Budget, Prefills, Request, Together, pad_groups
 from .choice import Choice, draw, grammar_masks, logprobs as choice_logprobs
 from ..parallel.pipeline import outstanding_sends
@@ -134,6 +135,10 @@ class BatchEngine:
         self.beside: list = []  # the prefill forwards' arrays waiting for the launch (`evaluate`)
         self._defer = False
         self.answered: dict = {}  # rid -> (id, logprobs) drawn from its prefill (`answer`), out with the next step
+        # a step beside a prompt as one forward (flat.py): the job whose chunk the next launch carries,
+        # then the one whose chunk it carried (its offsets move on and its finished rows join after it)
+        self.flat = None  # flat.FlatStep once some step carries a chunk
+        self.flat_job = self.flat_ran = None
         # an engine.RankAgreement whose checks ride on the steps' reads (generate: each id is checked
         # in the host sync that reads it); serve checks its steps' ids through the step protocol instead
         self.guard = None
@@ -203,6 +208,11 @@ class BatchEngine:
             if self.static and not self.store.stateful else []
         groups = [g for g in pad_groups(together, self.prefill_step) if len(g) > 1]
         grouped = {id(a) for g in groups for a in g}
+        if self.budget is not None and self.static and fusable(self):
+            # alone too in prefill buffers, so that its chunks can ride in the rows' steps (flat.py)
+            # (not a prompt whose logprobs are echoed: `together` leaves those out)
+            groups += [[a] for a in together if id(a) not in grouped]
+            grouped = {id(a) for g in groups for a in g}
         jobs = [Alone(self, a) for a in todo if id(a) not in grouped]
         jobs += [Together(self, g, min(self.prefill_step, max(a.last - a.start for a in g))) for g in groups]
         self.prefills.jobs += jobs
@@ -253,6 +263,12 @@ class BatchEngine:
                             budget -= 1  # its answer: one more token's forward
                         job.finish()
                         continue
+                    if budget is not None and self.rows and isinstance(job, Together) and fusable(self):
+                        # this step's chunk rides in the rows' forward (flat.py): one job a step
+                        ran = job.stage(budget)
+                        self.flat_job = job
+                        self.prefilled += ran
+                        return
                     # a paced step beside rows (one process, a CPU): the forward built on the side stream
                     beside = self._defer = budget is not None and bool(self.rows) and self.side is not None
                     try:
@@ -531,6 +547,12 @@ class BatchEngine:
             out = self.steps.plain_step()
         if self.beside:  # no launch took it (no row left, a draft round)
             mx.eval(self.take_beside())
+        job, self.flat_job = self.flat_job, None
+        if job is not None:  # no launch took it (every row's ids launched): alone
+            job.run_staged()
+        job, self.flat_ran = self.flat_ran, None
+        if job is not None:
+            job.advance()
         if answered:
             if not self.rows:
                 self.logprobs = {}

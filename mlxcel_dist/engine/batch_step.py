@@ -40,6 +40,7 @@ import numpy as np
 
 from .choice import argmax_ids, choose, draw, grammar_masks, logprobs
 from .decode import SplitSegments, splittable
+from .flat import FlatStep
 from .sampling import read_logprobs
 
 
@@ -135,6 +136,13 @@ class Steps:
         e.store.reserve(n, max(r.pos for r in e.rows))
         C = e.store.capacity()
         x = (tokens if C == n else mx.concatenate([tokens, mx.zeros((C - n,), mx.int32)])).reshape(C, 1)
+        if e.flat_job is not None:  # a prefill chunk rides in this step (flat.py)
+            if e.flat is None:
+                e.flat = FlatStep(e)
+            job, e.flat_job = e.flat_job, None
+            logits = e.flat(x.reshape(C), job)
+            e.flat_ran = job
+            return logits, [logits[b] for b in range(n)]
         logits = self._split_row(x) if self.splits(C) else self._compiled(x) if e.compiled else self._forward(x)
         return logits, [logits[b] for b in range(n)]
 

@@ -43,6 +43,7 @@ import numpy as np
 
 from ..cache import ring_slots
 from ..parallel.pipeline import outstanding_sends
+from .flat import chunk_size
 from .sampling import SamplingParams
 
 
@@ -263,6 +264,7 @@ class Together:
                 for name, x in zip(lay.kv, held):
                     _write_row(bufs[name], b, slots, x)
                 c.release()
+        self.staged = None  # (tokens [B, m], each row's real tokens): the forward `stage` planned
         self.views = []  # each layer's kind makes its view (cache.PrefillCache, ...)
         for i, (lay, R) in enumerate(zip(layout, self.rings)):
             self.views.append(lay.cache.prefill_view(bufs, i, R, R is not None and R < T, self.views))
@@ -276,27 +278,61 @@ class Together:
     def run(self, n: int) -> int:
         """One forward of up to `n` tokens over the active rows (at least one
         each); the tokens it ran. Finished rows move into the batch."""
+        ran = self.stage(n, flat=False)
+        self.run_staged()
+        return ran
+
+    def stage(self, n: int, flat: bool = True) -> int:
+        """Plan this job's next forward of up to `n` tokens (at least one a
+        row); the real tokens it takes. `flat`: it rides in the rows' step
+        (flat.FlatStep), its chunk a power of two (`flat.chunk_size`) so
+        that few graphs are traced; `run_staged` runs it alone instead."""
         offs, B = self.offs, len(self.offs)
         c = max(1, min(self.L, n // B))
+        if flat:
+            c = chunk_size(c, self.L)
         lens = [min(c, a.last - o) for a, o in zip(self.admits, offs)]
-        m = max(lens)
+        m = c if flat else max(lens)  # (a flat chunk keeps its size: its pads after a prompt's end)
         tokens = np.zeros((B, m), np.int32)
         for b, (a, o, k) in enumerate(zip(self.admits, offs, lens)):
             tokens[b, :k] = a.prompt[o : o + k]
+        self.staged = (tokens, lens)
         bufs = self.bufs
         bufs["offsets"] = mx.array(offs, mx.int32)
         bufs["end"], bufs["upto"] = bufs["offsets"] + m, max(o + m for o in offs)
+        return sum(lens)
+
+    def staged_tokens(self) -> np.ndarray:
+        return self.staged[0]
+
+    def flat_inputs(self) -> dict:
+        """The buffers a flat step takes (its `state`): keys/values, offsets, ends."""
+        return {name: self.bufs[name] for name in (*self.kv, "offsets", "end")}
+
+    def flat_done(self, state: dict) -> None:
+        """The flat step has written this chunk's keys/values (`state`: its outputs)."""
+        for name in self.kv:
+            self.bufs[name] = state[name]
+
+    def run_staged(self) -> None:
+        """The staged forward alone (eager), then `advance`."""
         model = self.engine.model
-        model(mx.array(tokens), self.views)
-        self.engine.evaluate([bufs[name] for name in self.kv], outstanding_sends(model))
+        model(mx.array(self.staged[0]), self.views)
+        self.engine.evaluate([self.bufs[name] for name in self.kv], outstanding_sends(model))
+        self.advance()
+
+    def advance(self) -> None:
+        """After the staged forward ran: the offsets move on; the rows it
+        finished move into the batch."""
+        (_, lens), self.staged = self.staged, None
+        offs, B = self.offs, len(self.offs)
         keep = sum(o + k < a.last for a, o, k in zip(self.admits, offs, lens))  # the finished are the last rows
         for b in range(keep, B):
             self._finish_row(self.admits[b], b)
         for name in self.kv:
-            bufs[name] = bufs[name][:keep]
+            self.bufs[name] = self.bufs[name][:keep]
         self.offs = [o + k for o, k in zip(offs[:keep], lens[:keep])]
         self.admits = self.admits[:keep]
-        return sum(lens)
 
     def _finish_row(self, a: Admission, b: int) -> None:
         """Row b of the prefill buffers holds prompt `a` up to a.last: keep it
@@ -311,8 +347,15 @@ class Together:
             n = a.last if w is None else min(a.last, w)  # a ring of w + chunk slots holds the last w
             slots = ring_slots(a.last - n, n, R)
             kv.append(([_read_row(self.bufs[name], b, slots) for name in lay.kv], []))
+        entries = [e.entry(i, x) for i, x in enumerate(kv)]
         if e.prompt_cache is not None:
-            e.prompt_cache.store_layers(a.prompt[: a.last], [e.entry(i, x) for i, x in enumerate(kv)], e.windows)
+            e.prompt_cache.store_layers(a.prompt[: a.last], entries, e.windows)
+        if e.answerable(a):  # its one id drawn from caches of its own (BatchEngine.answer), no row
+            cache = e.model.make_cache()
+            for c, entry in zip(cache, entries):
+                c.restore_kept(entry, a.last)
+            e.answer(a, cache)
+            return
         e.place_layers(a, kv)
 
     def finish(self) -> None:
