@@ -434,9 +434,9 @@ FLAT = ["gemma3", "llama4", "gpt_oss", "gemma2", "qwen3_moe"]  # full + ring, ch
 
 @pytest.mark.parametrize("fam", FLAT)
 def test_a_chunk_in_the_rows_step_gives_the_ids_and_logprobs_of_a_chunk_alone(fam, monkeypatch):
-    # flat.py: a prompt's chunks ride in the decoding rows' forward (one forward a step); every
-    # row's ids and logprobs, the prompt's row's too, are those of the same steps with each chunk
-    # run alone (MLXCEL_DIST_FLAT=0), and the ids those of each request alone
+    # flat.py: a prompt's chunks ride in the decoding rows' forward (one forward a step; taken on
+    # a GPU, here by MLXCEL_DIST_FLAT=1); every row's ids and logprobs, the prompt's row's too, are
+    # those of the same steps with each chunk run alone (=0), and the ids those of each request alone
     from mlxcel_dist.engine.flat import fusable
 
     model = load_model(FAMILY_CASES[fam]).model

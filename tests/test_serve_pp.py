@@ -187,11 +187,14 @@ def mixed_alone(model_dir, tmp_path_factory):
         assert s.stop() == 0
 
 
-@pytest.mark.parametrize("np_,extra", [(2, []), (2, ["--pp", "2"])], ids=["np2", "pp2"])
-def test_a_long_prompt_prefilled_beside_running_streams(model_dir, mixed_alone, np_, extra, tmp_path):
-    # 16 tokens a step: the long prompt takes ~16 steps beside the streams, on every rank alike;
-    # every text is the one a lone server gives each prompt
-    s = Server(model_dir, np_, tmp_path, extra=[*extra, "--max-num-batched-tokens", "16", "--served-model-name", NAME])
+@pytest.mark.parametrize("np_,extra,flat", [(2, [], "0"), (2, [], "1"), (2, ["--pp", "2"], "0")],
+                         ids=["np2", "np2-flat", "pp2"])
+def test_a_long_prompt_prefilled_beside_running_streams(model_dir, mixed_alone, np_, extra, flat, tmp_path):
+    # 16 tokens a step: the long prompt takes ~16 steps beside the streams, on every rank alike
+    # (flat: its chunks in the rows' forward, engine/flat.py, as on a GPU); every text is the one
+    # a lone server gives each prompt
+    s = Server(model_dir, np_, tmp_path, extra=[*extra, "--max-num-batched-tokens", "16", "--served-model-name", NAME],
+               env={"MLXCEL_DIST_FLAT": flat})
     try:
         assert _mixed(s) == mixed_alone
     finally:

@@ -34,19 +34,27 @@ from .decode import _NewKV, splittable
 def fusable(engine) -> bool:
     """Whether `engine`'s steps may carry a prefill chunk: static rows whose
     every layer keeps float K/V, a model with split-decode pieces, no drafts
-    (their rounds feed blocks), no micro-batches (pipeline stages).
-    MLXCEL_DIST_FLAT=0 turns it off (to compare against chunks run alone)."""
-    if os.environ.get("MLXCEL_DIST_FLAT", "1") == "0":
+    (their rounds feed blocks), no micro-batches (pipeline stages); on a GPU
+    (a step's cost there is host time a kernel, which the chunk then shares),
+    not on a CPU, where a step is compute-bound and a prompt token costs the
+    same in either forward (the 2-core CPU measured no gain, and one process
+    there runs the chunk on its second core instead: BatchEngine.side).
+    MLXCEL_DIST_FLAT=1 takes it on a CPU too (the tests), =0 nowhere."""
+    mode = os.environ.get("MLXCEL_DIST_FLAT")
+    if mode == "0" or (mode != "1" and mx.default_device() == mx.cpu):
         return False
     return (bool(engine.static) and not engine.store.stateful and engine.spec is None and engine.micro == 1
             and all(k == "kv" for k in engine.store.kinds) and splittable(engine.model))
 
 
 def chunk_size(n: int, cap: int) -> int:
-    """The chunk a prompt takes of `n` tokens on offer: the largest power of
-    two <= n, at most `cap` (its job's chunk, which sizes its rings)."""
-    m = 1 << max(0, min(n, cap).bit_length() - 1)
-    return max(1, min(m, cap))
+    """The chunk a prompt takes of `n` tokens on offer: the largest of 1, 2, 4,
+    then 2^k and 3 x 2^(k-1) (8, 12, 16, 24, 32, 48, ...) that is <= n and
+    <= `cap` (its job's chunk, which sizes its rings): few sizes, so few
+    traces, and at most a third of the offer left unused."""
+    n = max(1, min(n, cap))
+    m = 1 << (n.bit_length() - 1)
+    return m * 3 // 2 if m >= 4 and m * 3 // 2 <= n else m
 
 
 class FlatStep:

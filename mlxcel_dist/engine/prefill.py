@@ -166,6 +166,14 @@ def pad_groups(admits: list, step: int) -> list:
     return groups
 
 
+GROW = 64  # the fewest slots an unwrapped prefill buffer holds (then powers of two)
+
+
+def _grown(need: int, cap: int) -> int:
+    """Slots for `need`: a power of two, at least GROW, at most `cap`."""
+    return min(cap, max(GROW, 1 << (need - 1).bit_length()))
+
+
 def _read_row(buf: mx.array, b: int, slots) -> mx.array:
     """buf[b, :, slots, :] as [1, H, n, D] (a view when `slots` is a slice)."""
     return buf[b : b + 1][:, :, slots, :]
@@ -251,10 +259,12 @@ class Together:
         B = len(self.admits)
         self.bufs = bufs = {"offsets": None, "end": None, "upto": 0}
         self.kv = [name for lay, R in zip(layout, self.rings) if R is not None for name in lay.kv]
+        self.T = T
         for lay, R in zip(layout, self.rings):
             for name in lay.kv if R is not None else ():
                 shape = engine.shapes[name]
-                bufs[name] = mx.zeros((B, shape[1], R, shape[3]), engine.dtypes[name])
+                n = R if R < T else _grown(max(a.start for a in self.admits) + 1, T)  # (unwrapped: grown as written)
+                bufs[name] = mx.zeros((B, shape[1], n, shape[3]), engine.dtypes[name])
         for b, a in enumerate(self.admits):  # a prompt-cache prefix: its keys/values at their slots
             for lay, R, c in zip(layout, self.rings, a.cache or ()):
                 if R is None:
@@ -297,10 +307,23 @@ class Together:
         for b, (a, o, k) in enumerate(zip(self.admits, offs, lens)):
             tokens[b, :k] = a.prompt[o : o + k]
         self.staged = (tokens, lens)
+        self._fit(max(o + m for o in offs))
         bufs = self.bufs
         bufs["offsets"] = mx.array(offs, mx.int32)
         bufs["end"], bufs["upto"] = bufs["offsets"] + m, max(o + m for o in offs)
         return sum(lens)
+
+    def _fit(self, need: int) -> None:
+        """The unwrapped layers' buffers (slot = position) hold `need` slots:
+        they grow to a power of two as the prompts are written (at most T),
+        so a chunk's attention in a flat step covers about what is written,
+        in few shapes (each a trace)."""
+        for lay, R in zip(self.engine.layout, self.rings):
+            for name in lay.kv if R == self.T else ():
+                x = self.bufs[name]
+                if x.shape[2] < need:
+                    pad = mx.zeros((*x.shape[:2], _grown(need, self.T) - x.shape[2], x.shape[3]), x.dtype)
+                    self.bufs[name] = mx.concatenate([x, pad], axis=2)
 
     def staged_tokens(self) -> np.ndarray:
         return self.staged[0]
