@@ -10,7 +10,8 @@
 #   bash benchmarks/h200_issue42.sh pp     # issue 41: one stream np 1 vs pp 2 (pp_gpu.py, 4B gemma3 shape);
 #   bash benchmarks/h200_issue42.sh ppserve #  serve np 1 / pp 2 / pp 2 before (.dev/prev) / pp 2 micro 2 at 1, 16 clients
 #   bash benchmarks/h200_issue42.sh moefirst # a 4-bit qwen3_moe's first / second run against mlx-lm (moe_first_run.py)
-#   bash benchmarks/h200_issue42.sh stall [TOKENS] [ROUNDS] # issue 39: streams beside a long prompt, 12B gemma3
+#   [VS=.dev/base LONG=1] bash benchmarks/h200_issue42.sh stall [TOKENS] [ROUNDS] [LENGTHS] # issue 39: streams
+#          beside a long prompt, 12B gemma3 (VS: an older tree's server too; LONG: the long prompt's max_tokens)
 #   bash benchmarks/h200_issue42.sh cpu    # the host's CPU pinned to 2 cores (MLX's CPU wheel from .dev/cpu):
 #                                          # bench np 1 / np 2 against aff0c91 (.dev/base), serve at 8 clients
 #                                          # against aff0c91 and mlx_lm.server
@@ -59,9 +60,10 @@ moefirst)  # issue 42: a 4-bit qwen3_moe's first and second run, ours and mlx-lm
 stall)  # issue 39: streams beside a long prompt on one GPU (12B gemma3 bf16, serve --np 1)
   python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from gpu_compare import GEMMA3_12B; \
 from random_ckpt import gemma3_checkpoint; gemma3_checkpoint('/tmp/ckpt/gemma3-12b', **GEMMA3_12B)"
-  MLXCEL_DIST_STEP_LOG=1 timeout 500 python3 benchmarks/serve_stall.py --model /tmp/ckpt/gemma3-12b --servers ours-np1 \
-    --stream-tokens "${2:-400}" --settle 10 --rounds "${3:-2}" --lengths "${4:-1500,4000}" --verbose \
-    --json "$O/stall39.json" 2>&1 | tee "$O/stall39.log" | tail -30
+  # VS=<an older checkout of ours> runs its server too, interleaved; LONG=<n>: the long prompt's max_tokens
+  MLXCEL_DIST_STEP_LOG=1 timeout "${LIMIT:-500}" python3 benchmarks/serve_stall.py --model /tmp/ckpt/gemma3-12b \
+    --servers ours-np1 --stream-tokens "${2:-400}" --settle 10 --rounds "${3:-2}" --lengths "${4:-1500,4000}" --verbose \
+    ${VS:+--vs "$VS"} --long-tokens "${LONG:-1}" --json "$O/stall39.json" 2>&1 | tee "$O/stall39.log" | tail -30
   for f in /tmp/serve_stall_logs/*.log; do cp "$f" "$O/stall39-server-$(basename "$f")"; done
   ;;
 spec)

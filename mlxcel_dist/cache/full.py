@@ -302,6 +302,8 @@ class PrefillCache(LayerCache):
         return self.buffers["offsets"]
 
     def mask(self, L: int) -> mx.array:
+        if not self.wraps and self.window is None and self.chunk is None and self.buffers["offsets"].shape[0] == 1:
+            return CAUSAL  # one prompt, its keys up to the chunk's end: plain causal (a GPU's fused kernel)
         if not self.wraps:  # slot = position: the slots up to this chunk's last end
             pos = mx.arange(self.buffers["upto"])
         else:  # slot k: the latest position = k (mod R) before the row's chunk end (pads included); < 0: empty
