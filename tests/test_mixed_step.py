@@ -436,13 +436,15 @@ FLAT = ["gemma3", "llama4", "gpt_oss", "gemma2", "qwen3_moe"]  # full + ring, ch
 def test_a_chunk_in_the_rows_step_gives_the_ids_and_logprobs_of_a_chunk_alone(fam, monkeypatch):
     # flat.py: a prompt's chunks ride in the decoding rows' forward (one forward a step; taken on
     # a GPU, here by MLXCEL_DIST_FLAT=1); every row's ids and logprobs, the prompt's row's too, are
-    # those of the same steps with each chunk run alone (=0), and the ids those of each request alone
+    # those of the same steps with each chunk run alone (=0), and the ids those of each request alone;
+    # a prompt that reads one id (13) has its last token in its last chunk and is answered from it
     from mlxcel_dist.engine.flat import fusable
 
     model = load_model(FAMILY_CASES[fam]).model
     early, late = _requests(model.args.vocab_size, seed=6)
-    late = [(10, np.resize(late[0][1], 70), GREEDY), late[1]]  # one long enough for several chunks
+    late = [(10, np.resize(late[0][1], 70), GREEDY), late[1], (13, np.resize(late[1][1], 50), GREEDY)]
     n = 10
+    budget = {13: 1}
 
     def run(flat: bool):
         monkeypatch.setenv("MLXCEL_DIST_FLAT", "1" if flat else "0")
@@ -454,13 +456,13 @@ def test_a_chunk_in_the_rows_step_gives_the_ids_and_logprobs_of_a_chunk_alone(fa
         while len(eng) or eng.prefilling or step <= 2:
             if step == 2:
                 assert fusable(eng) == flat
-                eng.add_many([(rid, p, s, n) for rid, p, s in late])
+                eng.add_many([(rid, p, s, budget.get(rid, n)) for rid, p, s in late])
             out = eng.step()
             step += 1
             for rid, t in out.items():
                 got[rid].append(t)
                 lps[rid].append(eng.logprobs[rid][0])
-                if len(got[rid]) >= n:
+                if len(got[rid]) >= budget.get(rid, n) and rid in eng:
                     eng.remove(rid)
         return got, lps, eng.flat is not None
 
@@ -468,6 +470,6 @@ def test_a_chunk_in_the_rows_step_gives_the_ids_and_logprobs_of_a_chunk_alone(fa
     ref, ref_lps, ref_used = run(False)
     assert used and not ref_used
     assert got == ref, (got, ref)
-    assert got == {rid: alone(model, p, n, s) for rid, p, s in early + late}
+    assert got == {rid: alone(model, p, budget.get(rid, n), s) for rid, p, s in early + late}
     worst = max(abs(a - b) for rid in lps for a, b in zip(lps[rid], ref_lps[rid]))
     assert worst < 1e-4, worst

@@ -340,7 +340,13 @@ class BatchEngine:
         logprobs), so it never takes a row: the rows decoding meanwhile do not
         grow to its length or attend over it. Its ids come with the next
         `step`'s. Every rank alike (the head's collectives run here)."""
-        logits = self.model(mx.array(a.prompt[a.last : a.last + 1])[None], cache)[0, -1]
+        self.answer_with(a, self.model(mx.array(a.prompt[a.last : a.last + 1])[None], cache)[0, -1])
+        for c in cache:
+            c.release()
+
+    def answer_with(self, a: Admission, logits: mx.array) -> None:
+        """`answer` from its last prompt token's logits [V] (prefill.Together's
+        last chunk carried that token)."""
         asks = [(a.rid, a.sampling, a.grammar)] + [(c[0], c[1], c[3]) for c in self._copies.pop(a.rid, ())]
         for rid, sampling, grammar in asks:
             if rid in self.prefills.cancelled:
@@ -355,8 +361,6 @@ class BatchEngine:
             mx.eval(ids, lps, outstanding_sends(self.model))
             self.answered[rid] = (int(ids[0].item()), read_logprobs(lps[rid]) if rid in lps else None)
             row.took([self.answered[rid][0]])  # (its grammar advanced, as a row's read would)
-        for c in cache:
-            c.release()
 
     def place_layers(self, a: Admission, layers: list) -> None:
         """Prompt `a`, prefilled together with others, into a new row: `layers`

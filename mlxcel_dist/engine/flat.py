@@ -61,7 +61,8 @@ class FlatStep:
     """The engine's flattened mixed step: `__call__(x, job)` runs the rows'
     next tokens x [C] and `job`'s staged chunk (prefill.Together.stage) in
     one forward and returns the rows' lazy logits [C, V]; the job's buffers
-    are updated in place of its own (`Together.flat_done`)."""
+    are updated in place of its own, and a prompt answered after this chunk
+    gets its last token's logits (`Together.flat_done`)."""
 
     def __init__(self, engine):
         self.e = engine
@@ -75,8 +76,9 @@ class FlatStep:
         self.state.update(job.flat_inputs())
         X = mx.concatenate([x, mx.array(tokens.reshape(-1), mx.int32)])
         logits = self._compiled(X) if self.e.compiled else self._forward(X)
-        job.flat_done(self.state)
-        return logits
+        C = x.shape[0]
+        job.flat_done(self.state, logits[C:] if logits.shape[0] > C else None)
+        return logits[:C]
 
     def _forward(self, X: mx.array) -> mx.array:
         e, st = self.e, self.state
@@ -106,7 +108,11 @@ class FlatStep:
             o_chunk = attn.attend(_block(q[C:], B), kc, vc, mask=cmask[kinds[i]])  # [B, heads, m, D]
             h = layer.post(x, mx.concatenate([o_rows, _unblock(o_chunk)]))
         store.buffers["pos"] = rows + 1
-        return model.decode_logits(h[:C])[:, -1]
+        if "pick" in st:  # prompts answered after this chunk: their last tokens' logits too
+            h = mx.concatenate([h[:C], h[C:][st["pick"]]])
+        else:
+            h = h[:C]
+        return model.decode_logits(h)[:, -1]
 
 
 def _block(x: mx.array, B: int) -> mx.array:

@@ -252,7 +252,11 @@ class Together:
         self.admits = sorted(admits, key=lambda a: a.start - a.last)  # stable: ties keep their order
         self.L = L  # the longest chunk a row takes (rings are sized for it)
         self.offs = [a.start for a in self.admits]
-        T = max(a.last for a in self.admits) + L  # slots written, pads included, at most
+        # where each prompt's prefill ends: before its last token (its row's first input), or after it
+        # for a prompt answered from its prefill (BatchEngine.answerable): that token's logits come
+        # with the forward of its last chunk
+        self.ends = {id(a): a.last + engine.answerable(a) for a in self.admits}
+        T = max(self.ends.values()) + L  # slots written, pads included, at most
         layout = engine.layout  # batch_rows.LayerRows per layer (only KV kinds prefill together)
         self.rings = [None if not lay.kv else (T if lay.window is None else min(lay.window + L, T))
                       for lay in layout]  # (None: a layer that reads another's)
@@ -280,7 +284,7 @@ class Together:
             self.views.append(lay.cache.prefill_view(bufs, i, R, R is not None and R < T, self.views))
 
     def left(self) -> int:
-        return sum(a.last - o for a, o in zip(self.admits, self.offs))
+        return sum(self.ends[id(a)] - o for a, o in zip(self.admits, self.offs))
 
     def width(self) -> int:
         return len(self.offs)
@@ -301,12 +305,16 @@ class Together:
         c = max(1, min(self.L, n // B))
         if flat:
             c = chunk_size(c, self.L)
-        lens = [min(c, a.last - o) for a, o in zip(self.admits, offs)]
+        lens = [min(c, self.ends[id(a)] - o) for a, o in zip(self.admits, offs)]
         m = c if flat else max(lens)  # (a flat chunk keeps its size: its pads after a prompt's end)
         tokens = np.zeros((B, m), np.int32)
         for b, (a, o, k) in enumerate(zip(self.admits, offs, lens)):
             tokens[b, :k] = a.prompt[o : o + k]
-        self.staged = (tokens, lens)
+        # the prompts answered after this chunk: their last token's logits, at [b, lens[b] - 1]
+        pick = [b for b, (a, o, k) in enumerate(zip(self.admits, offs, lens))
+                if self.ends[id(a)] > a.last and o + k == self.ends[id(a)]]
+        self.staged = (tokens, lens, pick)
+        self.logits = None
         self._fit(max(o + m for o in offs))
         bufs = self.bufs
         bufs["offsets"] = mx.array(offs, mx.int32)
@@ -329,37 +337,51 @@ class Together:
         return self.staged[0]
 
     def flat_inputs(self) -> dict:
-        """The buffers a flat step takes (its `state`): keys/values, offsets, ends."""
-        return {name: self.bufs[name] for name in (*self.kv, "offsets", "end")}
+        """The buffers a flat step takes (its `state`): keys/values, offsets,
+        ends, and where a prompt answered after this chunk has its last token
+        among the chunk's B x m ("pick")."""
+        state = {name: self.bufs[name] for name in (*self.kv, "offsets", "end")}
+        tokens, lens, pick = self.staged
+        if pick:
+            state["pick"] = mx.array([b * tokens.shape[1] + lens[b] - 1 for b in pick], mx.int32)
+        return state
 
-    def flat_done(self, state: dict) -> None:
-        """The flat step has written this chunk's keys/values (`state`: its outputs)."""
+    def flat_done(self, state: dict, logits: mx.array | None) -> None:
+        """The flat step has written this chunk's keys/values (`state`: its
+        outputs); `logits` [len(pick), V]: the answered prompts' last tokens'."""
         for name in self.kv:
             self.bufs[name] = state[name]
+        self.logits = logits
 
     def run_staged(self) -> None:
         """The staged forward alone (eager), then `advance`."""
         model = self.engine.model
-        model(mx.array(self.staged[0]), self.views)
-        self.engine.evaluate([self.bufs[name] for name in self.kv], outstanding_sends(model))
+        tokens, lens, pick = self.staged
+        logits = model(mx.array(tokens), self.views)
+        if pick:
+            self.logits = logits[mx.array(pick), mx.array([lens[b] - 1 for b in pick])]
+        self.engine.evaluate([self.bufs[name] for name in self.kv], outstanding_sends(model),
+                             [self.logits] if pick else [])
         self.advance()
 
     def advance(self) -> None:
         """After the staged forward ran: the offsets move on; the rows it
         finished move into the batch."""
-        (_, lens), self.staged = self.staged, None
+        (_, lens, pick), self.staged = self.staged, None
         offs, B = self.offs, len(self.offs)
-        keep = sum(o + k < a.last for a, o, k in zip(self.admits, offs, lens))  # the finished are the last rows
+        keep = sum(o + k < self.ends[id(a)] for a, o, k in zip(self.admits, offs, lens))  # the finished: last rows
         for b in range(keep, B):
-            self._finish_row(self.admits[b], b)
+            self._finish_row(self.admits[b], b, self.logits[pick.index(b)] if b in pick else None)
+        self.logits = None
         for name in self.kv:
             self.bufs[name] = self.bufs[name][:keep]
         self.offs = [o + k for o, k in zip(offs[:keep], lens[:keep])]
         self.admits = self.admits[:keep]
 
-    def _finish_row(self, a: Admission, b: int) -> None:
+    def _finish_row(self, a: Admission, b: int, logits: mx.array | None = None) -> None:
         """Row b of the prefill buffers holds prompt `a` up to a.last: keep it
-        in the prompt cache and move it into a batch row."""
+        in the prompt cache and move it into a batch row, or, answered from its
+        prefill, draw its ids from its last token's `logits` [V]."""
         e = self.engine
         kv = []
         for lay, R in zip(e.layout, self.rings):
@@ -373,11 +395,8 @@ class Together:
         entries = [e.entry(i, x) for i, x in enumerate(kv)]
         if e.prompt_cache is not None:
             e.prompt_cache.store_layers(a.prompt[: a.last], entries, e.windows)
-        if e.answerable(a):  # its one id drawn from caches of its own (BatchEngine.answer), no row
-            cache = e.model.make_cache()
-            for c, entry in zip(cache, entries):
-                c.restore_kept(entry, a.last)
-            e.answer(a, cache)
+        if logits is not None:  # its one id, no row (BatchEngine.answer)
+            e.answer_with(a, logits)
             return
         e.place_layers(a, kv)
 
