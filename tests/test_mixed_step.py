@@ -473,3 +473,15 @@ def test_a_chunk_in_the_rows_step_gives_the_ids_and_logprobs_of_a_chunk_alone(fa
     assert got == {rid: alone(model, p, budget.get(rid, n), s) for rid, p, s in early + late}
     worst = max(abs(a - b) for rid in lps for a, b in zip(lps[rid], ref_lps[rid]))
     assert worst < 1e-4, worst
+
+
+def test_flat_chunk_sizes_are_few_and_use_most_of_the_offer():
+    from mlxcel_dist.engine.flat import chunk_size
+
+    sizes = {chunk_size(n, 4096) for n in range(1, 4097)}
+    assert len(sizes) <= 24, sorted(sizes)  # each size is a trace of the flat step
+    for n in range(1, 3000):
+        for cap in (1, 7, 32, 100, 2048):
+            m = chunk_size(n, cap)
+            assert 1 <= m <= min(n, cap)
+            assert m > min(n, cap) * 2 / 3 - 1, (n, cap, m)  # at most a third of the offer unused
