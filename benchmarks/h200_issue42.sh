@@ -12,6 +12,7 @@
 #   bash benchmarks/h200_issue42.sh moefirst # a 4-bit qwen3_moe's first / second run against mlx-lm (moe_first_run.py)
 #   [VS=.dev/base LONG=1] bash benchmarks/h200_issue42.sh stall [TOKENS] [ROUNDS] [LENGTHS] # issue 39: streams
 #          beside a long prompt, 12B gemma3 (VS: an older tree's server too; LONG: the long prompt's max_tokens)
+#   bash benchmarks/h200_issue42.sh mixed [PROMPT] [BUDGETS] [ROUNDS] # issue 39: mixed steps in process, flat vs apart
 #   bash benchmarks/h200_issue42.sh cpu    # the host's CPU pinned to 2 cores (MLX's CPU wheel from .dev/cpu):
 #                                          # bench np 1 / np 2 against aff0c91 (.dev/base), serve at 8 clients
 #                                          # against aff0c91 and mlx_lm.server
@@ -65,6 +66,12 @@ from random_ckpt import gemma3_checkpoint; gemma3_checkpoint('/tmp/ckpt/gemma3-1
     --servers ours-np1 --stream-tokens "${2:-400}" --settle 10 --rounds "${3:-2}" --lengths "${4:-1500,4000}" --verbose \
     ${VS:+--vs "$VS"} --long-tokens "${LONG:-1}" --json "$O/stall39.json" 2>&1 | tee "$O/stall39.log" | tail -30
   for f in /tmp/serve_stall_logs/*.log; do cp "$f" "$O/stall39-server-$(basename "$f")"; done
+  ;;
+mixed)  # issue 39: the engine's steps beside a long prompt, in process: flat (one forward) vs apart (12B gemma3)
+  python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from gpu_compare import GEMMA3_12B; \
+from random_ckpt import gemma3_checkpoint; gemma3_checkpoint('/tmp/ckpt/gemma3-12b', **GEMMA3_12B)"
+  timeout "${LIMIT:-400}" python3 benchmarks/mixed_step.py --model /tmp/ckpt/gemma3-12b --prompt "${2:-1500}" \
+    --budgets "${3:-64,256,1024}" --rounds "${4:-2}" 2>&1 | tee "$O/mixed39.jsonl" | tail -20
   ;;
 spec)
   timeout 560 python3 benchmarks/spec_7b.py --json "$O/spec7b.jsonl" 2>&1 | tee "$O/spec7b.log" | cut -c1-400
