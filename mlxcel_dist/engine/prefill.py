@@ -166,12 +166,15 @@ def pad_groups(admits: list, step: int) -> list:
     return groups
 
 
-GROW = 64  # the fewest slots an unwrapped prefill buffer holds (then powers of two)
+# The fewest slots an unwrapped prefill buffer holds (then powers of two): each size is a trace of the
+# flat step (flat.py), and a GPU's attention over slots not written yet costs little
+GROW_CPU, GROW_GPU = 64, 1024
 
 
 def _grown(need: int, cap: int) -> int:
-    """Slots for `need`: a power of two, at least GROW, at most `cap`."""
-    return min(cap, max(GROW, 1 << (need - 1).bit_length()))
+    """Slots for `need`: a power of two, at least GROW_CPU / GROW_GPU, at most `cap`."""
+    least = GROW_CPU if mx.default_device() == mx.cpu else GROW_GPU
+    return min(cap, max(least, 1 << (need - 1).bit_length()))
 
 
 def _read_row(buf: mx.array, b: int, slots) -> mx.array:
