@@ -250,6 +250,33 @@ def test_pacer_tells_a_chunks_fixed_cost_from_its_tokens(fixed):
         assert 2 * (d + fixed) <= t <= 3 * (d + fixed), steps[-5:]  # (the fixed part once, not on every step)
 
 
+@pytest.mark.parametrize("fixed,p_tok", [(0.02, 0.0001), (0.005, 0.0002), (0.06, 0.0001)])
+def test_pacer_of_flat_steps_learns_their_fixed_part_and_keeps_the_bound(fixed, p_tok):
+    # chunks in the rows' forward (flat.py): a step costs d + F + n p. The pacer measures F at
+    # MIN_TOKENS, probes LONG tokens once for p, then gives the prompt the room the bound leaves
+    # (or at least F's worth of tokens); traced steps (a new graph: seconds) are no measure.
+    # (the measured H200 case: d 22 ms, F ~20 ms, p ~0.1 ms a token)
+    from mlxcel_dist.serve import pacing
+
+    d = 0.022
+    p = pacing.Pacer(3.0)
+    p.observe(d, 4, 0)
+    p.observe(2.0, 4, 8, flat=True, traced=True)  # a trace: ignored
+    asked = []
+    for _ in range(12):
+        n = p.tokens() or 512
+        asked.append(n)
+        p.observe(d + fixed + p_tok * n, 4, n, flat=True)
+    assert asked[:3] == [512, pacing.MIN_TOKENS, pacing.LONG], asked  # (512: the engine's own first budget)
+    n = asked[-1]
+    room = pacing.HEADROOM * 2 * d
+    if fixed < room:
+        assert n >= fixed / p_tok * 0.99 and n > pacing.LONG, asked  # not creeping in small chunks
+        assert d + fixed + p_tok * n <= max(3 * d, d + 2 * fixed) + 1e-9, asked
+    else:
+        assert n >= 2 * (d + fixed) / p_tok * 0.99, asked  # few long steps
+
+
 def test_pacer_keeps_the_floor_where_tokens_themselves_cost_the_step():
     # late in a long prompt on a CPU a token costs a third of the step: 8 tokens break the
     # bound by their own work, which a long chunk's cost says too: no large chunks then

@@ -50,6 +50,7 @@ step, not per sequence.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 
 import mlx.core as mx
 import numpy as np
@@ -139,6 +140,7 @@ class BatchEngine:
         # then the one whose chunk it carried (its offsets move on and its finished rows join after it)
         self.flat = None  # flat.FlatStep once some step carries a chunk
         self.flat_job = self.flat_ran = None
+        self.flat_steps = 0  # steps that carried a chunk
         # an engine.RankAgreement whose checks ride on the steps' reads (generate: each id is checked
         # in the host sync that reads it); serve checks its steps' ids through the step protocol instead
         self.guard = None
@@ -208,11 +210,6 @@ class BatchEngine:
             if self.static and not self.store.stateful else []
         groups = [g for g in pad_groups(together, self.prefill_step) if len(g) > 1]
         grouped = {id(a) for g in groups for a in g}
-        if self.budget is not None and self.static and fusable(self):
-            # alone too in prefill buffers, so that its chunks can ride in the rows' steps (flat.py)
-            # (not a prompt whose logprobs are echoed: `together` leaves those out)
-            groups += [[a] for a in together if id(a) not in grouped]
-            grouped = {id(a) for g in groups for a in g}
         jobs = [Alone(self, a) for a in todo if id(a) not in grouped]
         jobs += [Together(self, g, min(self.prefill_step, max(a.last - a.start for a in g))) for g in groups]
         self.prefills.jobs += jobs
@@ -263,6 +260,9 @@ class BatchEngine:
                             budget -= 1  # its answer: one more token's forward
                         job.finish()
                         continue
+                    if budget is not None and self.rows and isinstance(job, Alone) and fusable(self) \
+                            and job.a.echo is None:
+                        job = self._into_buffers(job)  # so that its chunks can ride in the rows' forward
                     if budget is not None and self.rows and isinstance(job, Together) and fusable(self):
                         # this step's chunk rides in the rows' forward (flat.py): one job a step
                         ran = job.stage(budget)
@@ -295,6 +295,17 @@ class BatchEngine:
                     budget -= ran
             if not drain:
                 return
+
+    def _into_buffers(self, job: Alone) -> Together:
+        """A prompt prefilling alone through its own caches (fast where no row
+        decodes: a GPU's fused attention) moves into prefill buffers once rows
+        decode, its keys so far copied in (as a prompt-cache prefix), so that
+        its chunks can ride in the rows' steps (flat.py)."""
+        a = job.a
+        moved = replace(a, start=job.at, cache=job.cache if job.at > 0 else None)
+        together = Together(self, [moved], min(self.prefill_step, a.last + 1 - job.at))
+        self.prefills.jobs[self.prefills.jobs.index(job)] = together
+        return together
 
     def _fail(self, job, message: str) -> None:
         if job in self.prefills.jobs:

@@ -142,6 +142,7 @@ class Steps:
             job, e.flat_job = e.flat_job, None
             logits = e.flat(x.reshape(C), job)
             e.flat_ran = job
+            e.flat_steps += 1
             return logits, [logits[b] for b in range(n)]
         logits = self._split_row(x) if self.splits(C) else self._compiled(x) if e.compiled else self._forward(x)
         return logits, [logits[b] for b in range(n)]

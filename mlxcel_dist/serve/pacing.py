@@ -24,6 +24,14 @@ chunks of (STALL - 1) x (d + the smallest chunk's cost) / p_long tokens:
 fewer, longer gaps, and its first token far sooner. Until both averages are
 known it answers 0: the engine's own `prefill.Budget` applies.
 `serve --max-num-batched-tokens` fixes the budget instead (no pacing).
+
+Where the chunk rides in the rows' forward (a GPU: engine/flat.py), a step
+costs d + F + n x p: F, the flat step's own kernels (the chunk's attention,
+its writes), is most of a small chunk's cost and p is small. Those steps are
+paced apart: F from the steps of the fewest tokens (MIN_TOKENS), once, then
+one probe of LONG tokens for p, then (S - 1) x d x HEADROOM less F over p
+tokens a step (where F alone takes the room: (S - 1) x (d + F) / p, few long
+steps). A step that traced a new graph is no measure of either kind.
 """
 
 from __future__ import annotations
@@ -53,9 +61,18 @@ class Pacer:
         self.token_s: float | None = None  # p: one prompt token inside a step
         self.floor_s: float | None = None  # a smallest chunk's cost beyond d (MIN_TOKENS or fewer)
         self.long_token_s: float | None = None  # a token's cost in the last chunk of LONG tokens or more
+        self.flat = False  # chunks ride in the rows' forward: the flat pacing
+        self.flat_fixed_s: float | None = None  # F: a flat step's cost beyond d at MIN_TOKENS or fewer
+        self.flat_token_s: float | None = None  # p: a prompt token's cost beyond F in a flat step of LONG or more
 
-    def observe(self, seconds: float, rows: int, prefilled: int) -> None:
-        """One engine step: `rows` decoded an id, `prefilled` prompt tokens ran."""
+    def observe(self, seconds: float, rows: int, prefilled: int, flat: bool = False, traced: bool = False) -> None:
+        """One engine step: `rows` decoded an id, `prefilled` prompt tokens ran
+        (`flat`: in the rows' forward); `traced`: it traced a new graph."""
+        if traced:
+            return
+        if flat:
+            self._observe_flat(seconds - (self.decode_s or 0.0), prefilled)
+            return
         if rows and not prefilled:
             self.decode_s = seconds if self.decode_s is None else (1 - EMA) * self.decode_s + EMA * seconds
         elif prefilled and (self.decode_s is not None or not rows):
@@ -67,8 +84,33 @@ class Pacer:
             elif prefilled <= MIN_TOKENS and rows:
                 self.floor_s = extra if self.floor_s is None else (1 - EMA) * self.floor_s + EMA * extra
 
+    def _observe_flat(self, extra: float, n: int) -> None:
+        self.flat = True
+        extra = max(extra, 0.0)
+        if n <= MIN_TOKENS:
+            self.flat_fixed_s = extra if self.flat_fixed_s is None else (1 - EMA) * self.flat_fixed_s + EMA * extra
+        elif self.flat_fixed_s is not None:
+            per = max(extra - self.flat_fixed_s, 0.0) / n
+            if n >= LONG or self.flat_token_s is not None:
+                self.flat_token_s = per if self.flat_token_s is None else (1 - EMA) * self.flat_token_s + EMA * per
+
+    def _flat_tokens(self) -> int:
+        if self.flat_fixed_s is None:
+            return MIN_TOKENS  # F first
+        if self.flat_token_s is None:
+            return LONG  # then one probe for p
+        d, s, F = self.decode_s, self.stall, self.flat_fixed_s
+        p = max(self.flat_token_s, 1e-7)
+        room = HEADROOM * (s - 1) * d
+        # within the bound, and at least the tokens whose work is F (no step mostly overhead); where F
+        # alone takes the room, few long steps instead
+        n = max(room - F, F) / p if F < room else (s - 1) * (d + F) / p
+        return int(min(max(n, MIN_TOKENS), MAX_TOKENS))
+
     def tokens(self) -> int:
         """Prompt tokens for the next step (0: not measured yet)."""
+        if self.flat and self.decode_s is not None:
+            return self._flat_tokens()
         if self.decode_s is None or not self.token_s:
             return 0
         d, s = self.decode_s, self.stall

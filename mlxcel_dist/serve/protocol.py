@@ -104,6 +104,8 @@ class StepResult:
     step_s: float = 0.0
     admit_s: float = 0.0
     prefilled: int = 0  # prompt tokens the step ran through prefill forwards
+    flat: bool = False  # a prompt's chunk rode in the rows' forward (engine/flat.py)
+    traced: bool = False  # the step traced a new graph (its time is not the step's: pacing skips it)
     prompt_logprobs: dict = field(default_factory=dict)  # rid -> its prompt's logprobs (echo), rank 0's
 
 
@@ -147,13 +149,14 @@ def apply_step(engine, step: Step, guard, keep_logprobs: bool = False, busy=None
     if busy:
         # a step of prefill forwards alone (no row decodes yet) runs a whole chunk a prompt: never judged stuck
         busy(None if engine.prefilling and not len(engine) else t1)
-    before = engine.prefilled
+    before, flats, traces = engine.prefilled, getattr(engine, "flat_steps", 0), getattr(engine, "traces", 0)
     try:
         out.ids = engine.step(step.prefill_tokens or None)
     finally:
         if busy:
             busy(None)
     out.prefilled = engine.prefilled - before
+    out.flat, out.traced = getattr(engine, "flat_steps", 0) > flats, getattr(engine, "traces", 0) > traces
     if keep_logprobs:
         out.prompt_logprobs = dict(engine.prompt_logprobs)
     engine.prompt_logprobs.clear()

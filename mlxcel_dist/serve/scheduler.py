@@ -336,10 +336,10 @@ class Scheduler:
             t.prompts += len(step.admissions)
             t.prompt_tokens += sum(len(req.prompt_ids) for _, req in step.admissions)
         if self.pacer is not None:
-            self.pacer.observe(result.step_s, len(result.ids), result.prefilled)
+            self.pacer.observe(result.step_s, len(result.ids), result.prefilled, result.flat, result.traced)
         if STEP_LOG and (result.prefilled or step.admissions):
             log(f"step: {len(result.ids)} ids, {result.prefilled} prompt tokens ({step.prefill_tokens} paced), "
-                f"{1e3 * result.step_s:.1f} ms")
+                f"{1e3 * result.step_s:.1f} ms{', flat' if result.flat else ''}{', traced' if result.traced else ''}")
         if result.ids:
             t.steps += 1
             t.tokens += sum(len(x) if isinstance(x, list) else 1 for x in result.ids.values())
