@@ -277,6 +277,29 @@ def test_pacer_of_flat_steps_learns_their_fixed_part_and_keeps_the_bound(fixed, 
         assert n >= 2 * (d + fixed) / p_tok * 0.99, asked  # few long steps
 
 
+def test_pacer_of_flat_steps_survives_a_fixed_part_read_high():
+    # seen on the H200: the 8-token flat step right after a trace took 75 ms, the 128-token probe
+    # 32 ms (d 16 ms): F read high must not make a token free (it asked for 8192 tokens, steps of
+    # 160-270 ms); chunks stay bounded and settle as later steps measure p
+    from mlxcel_dist.serve import pacing
+
+    d, F, p_tok = 0.016, 0.012, 0.0001
+    p = pacing.Pacer(3.0)
+    p.observe(d, 4, 0)
+    p.observe(0.0755, 4, 8, flat=True)
+    asked = [p.tokens()]
+    assert asked == [pacing.LONG]
+    for _ in range(30):
+        n = asked[-1]
+        p.observe(d + F + p_tok * n, 4, n, flat=True)
+        asked.append(p.tokens())
+    assert max(asked) < 2000, asked
+    # F is then taken as the probe's whole extra (F + LONG tokens' work): the steps keep the rule's
+    # bound for that F (at most d + 2 F), not for the true one
+    F_read = F + pacing.LONG * p_tok
+    assert d + F + p_tok * asked[-1] <= max(3 * d, d + 2 * F_read) + 1e-9, asked
+
+
 def test_pacer_keeps_the_floor_where_tokens_themselves_cost_the_step():
     # late in a long prompt on a CPU a token costs a third of the step: 8 tokens break the
     # bound by their own work, which a long chunk's cost says too: no large chunks then

@@ -90,7 +90,12 @@ class Pacer:
         if n <= MIN_TOKENS:
             self.flat_fixed_s = extra if self.flat_fixed_s is None else (1 - EMA) * self.flat_fixed_s + EMA * extra
         elif self.flat_fixed_s is not None:
-            per = max(extra - self.flat_fixed_s, 0.0) / n
+            # a long step cheaper than F read F high (the H200: 8 tokens 75 ms, 128 tokens 32 ms,
+            # the first just after a trace): F is at most that step's extra, and a token costs at
+            # least a quarter of its share, so the chunk grows from there and its next steps correct p
+            high = extra <= self.flat_fixed_s
+            self.flat_fixed_s = min(self.flat_fixed_s, extra)
+            per = (extra / 4 if high else extra - self.flat_fixed_s) / n
             if n >= LONG or self.flat_token_s is not None:
                 self.flat_token_s = per if self.flat_token_s is None else (1 - EMA) * self.flat_token_s + EMA * per
 
