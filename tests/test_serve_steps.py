@@ -34,6 +34,7 @@ class FakeEngine:
 
     prefilling = False  # its prompts take their rows at once
     prefilled = 0
+    flat_steps = traces = 0
 
     def __init__(self, scripts=None):
         self.rows = {}

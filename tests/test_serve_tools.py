@@ -202,6 +202,7 @@ class ScriptedEngine:
 
     prefilling = False
     prefilled = 0
+    flat_steps = traces = 0
 
     def __init__(self, ids, eos):
         self.ids, self.eos = list(ids) + [eos], eos

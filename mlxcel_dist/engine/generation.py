@@ -51,6 +51,7 @@ class OneRowEngine:
     spec = None
     static = False
     traces = 0
+    flat_steps = 0
 
     def splits(self, C: int) -> bool:
         return False

@@ -29,9 +29,10 @@ Where the chunk rides in the rows' forward (a GPU: engine/flat.py), a step
 costs d + F + n x p: F, the flat step's own kernels (the chunk's attention,
 its writes), is most of a small chunk's cost and p is small. Those steps are
 paced apart: F from the steps of the fewest tokens (MIN_TOKENS), once, then
-one probe of LONG tokens for p, then (S - 1) x d x HEADROOM less F over p
-tokens a step (where F alone takes the room: (S - 1) x (d + F) / p, few long
-steps). A step that traced a new graph is no measure of either kind.
+one probe of LONG tokens for p, then max(room - F, F) / p tokens a step, the
+room HEADROOM x (S - 1) x d (where F alone takes the room: (S - 1) x (d + F)
+/ p, few long steps). A step that traced a new graph is no measure of either
+kind.
 """
 
 from __future__ import annotations

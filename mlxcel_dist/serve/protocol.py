@@ -36,6 +36,8 @@ class Engine(Protocol):
     prompt_logprobs: dict  # rid -> its prompt's logprobs (echo), once prefilled (taken by apply_step)
     prefilling: bool  # prompts still prefilling, no row yet (a step of prefill alone is never judged stuck)
     prefilled: int  # prompt tokens run through prefill forwards so far
+    flat_steps: int  # steps that carried a prompt's chunk in the rows' forward (engine/flat.py), so far
+    traces: int  # graphs traced so far (a step that traced one is no measure for pacing)
 
     def __len__(self) -> int: ...
     def __contains__(self, rid) -> bool: ...
@@ -149,14 +151,14 @@ def apply_step(engine, step: Step, guard, keep_logprobs: bool = False, busy=None
     if busy:
         # a step of prefill forwards alone (no row decodes yet) runs a whole chunk a prompt: never judged stuck
         busy(None if engine.prefilling and not len(engine) else t1)
-    before, flats, traces = engine.prefilled, getattr(engine, "flat_steps", 0), getattr(engine, "traces", 0)
+    before, flats, traces = engine.prefilled, engine.flat_steps, engine.traces
     try:
         out.ids = engine.step(step.prefill_tokens or None)
     finally:
         if busy:
             busy(None)
     out.prefilled = engine.prefilled - before
-    out.flat, out.traced = getattr(engine, "flat_steps", 0) > flats, getattr(engine, "traces", 0) > traces
+    out.flat, out.traced = engine.flat_steps > flats, engine.traces > traces
     if keep_logprobs:
         out.prompt_logprobs = dict(engine.prompt_logprobs)
     engine.prompt_logprobs.clear()
