@@ -11,16 +11,17 @@ layer, norm and MLP runs once over C + B x m tokens ([N, 1, hidden]: each
 token a batch row of one, RoPE at its own position), and only attention is
 split: the rows attend their row buffers (batch_rows.py, `RowCache`), the
 chunk its job's prefill buffers (prefill.Together, `PrefillCache`, [B, m]
-queries, causal by position). Rows' logits only (the chunk needs none: a
-prompt's last token is its row's first input).
+queries, causal by position). The rows' logits (a prompt's last token is its
+row's first input, so its chunks need none).
 
 Layers run through their split-decode pieces (`pre` -> `self_attn.attend`
 -> `post`, decode.SplitSegments'), so a layer's forward is still written
 once; families whose layers have them and whose every layer keeps float
 K/V (full, sliding ring, chunked) take it (`fusable`). One graph per
-(rows' buffers, B, m, the job's ring sizes): m is a power of two
+(rows' buffers, B, m, the job's ring sizes): m is 2^k or 3 x 2^(k-1)
 (`chunk_size`), a job's shorter last chunk padded after its end (the pads'
-keys land where nothing a query sees lives, as Together's)."""
+keys land where nothing a query sees lives, as Together's). A prompt answered
+from its prefill also gets its last token's logits from its last chunk."""
 
 from __future__ import annotations
 

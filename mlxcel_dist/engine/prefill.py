@@ -281,7 +281,9 @@ class Together:
                 for name, x in zip(lay.kv, held):
                     _write_row(bufs[name], b, slots, x)
                 c.release()
-        self.staged = None  # (tokens [B, m], each row's real tokens): the forward `stage` planned
+        # the forward `stage` planned: (tokens [B, m], each row's real tokens, the rows answered after it)
+        self.staged = None
+        self.logits = None  # those rows' last tokens' logits [len(pick), V], once the forward ran
         self.views = []  # each layer's kind makes its view (cache.PrefillCache, ...)
         for i, (lay, R) in enumerate(zip(layout, self.rings)):
             self.views.append(lay.cache.prefill_view(bufs, i, R, R is not None and R < T, self.views))
@@ -302,7 +304,7 @@ class Together:
     def stage(self, n: int, flat: bool = True) -> int:
         """Plan this job's next forward of up to `n` tokens (at least one a
         row); the real tokens it takes. `flat`: it rides in the rows' step
-        (flat.FlatStep), its chunk a power of two (`flat.chunk_size`) so
+        (flat.FlatStep), its chunk one of few sizes (`flat.chunk_size`) so
         that few graphs are traced; `run_staged` runs it alone instead."""
         offs, B = self.offs, len(self.offs)
         c = max(1, min(self.L, n // B))
