@@ -300,6 +300,27 @@ def test_pacer_of_flat_steps_survives_a_fixed_part_read_high():
     assert d + F + p_tok * asked[-1] <= max(3 * d, d + 2 * F_read) + 1e-9, asked
 
 
+def test_pacer_of_flat_steps_holds_its_size_through_noisy_steps():
+    # each new flat size is a graph to trace (100-270 ms on the H200): steps noisy by +-15% must
+    # not walk the size through the chunk ladder; a real change (the rows' step doubling) moves it
+    from mlxcel_dist.serve import pacing
+
+    rng = np.random.default_rng(0)
+    d, F, p_tok = 0.020, 0.010, 0.0001
+    p = pacing.Pacer(3.0)
+    p.observe(d, 4, 0)
+    asked = []
+    for i in range(60):
+        dd = d if i < 40 else 2 * d
+        n = p.tokens()
+        asked.append(n)
+        p.observe(dd * rng.uniform(0.85, 1.15), 4, 0)
+        p.observe((dd + F + p_tok * n) * rng.uniform(0.85, 1.15), 4, n, flat=True)
+    settled = asked[5:40]
+    assert len(set(settled)) <= 2, settled
+    assert asked[-1] > 1.5 * asked[39], asked[35:]  # the room doubled: the size follows
+
+
 def test_pacer_keeps_the_floor_where_tokens_themselves_cost_the_step():
     # late in a long prompt on a CPU a token costs a third of the step: 8 tokens break the
     # bound by their own work, which a long chunk's cost says too: no large chunks then
@@ -535,3 +556,36 @@ def test_flat_chunk_sizes_are_few_and_use_most_of_the_offer():
             m = chunk_size(n, cap)
             assert 1 <= m <= min(n, cap)
             assert m > min(n, cap) * 2 / 3 - 1, (n, cap, m)  # at most a third of the offer unused
+
+
+def test_a_second_prompt_beside_the_same_rows_traces_no_new_flat_graph(monkeypatch):
+    # a GPU server traces each flat graph once in its life (100-270 ms of host time each on the
+    # H200: the streams' longest gaps): a job's rings and buffers have sizes shared by every
+    # prompt (prefill.FLAT_CHUNK, powers of two) and its last chunk keeps its size, so a second
+    # prompt of another length, beside the same rows, runs on the graphs the first one traced
+    import mlxcel_dist.engine.batch as batch
+    import mlxcel_dist.engine.decode as decode
+
+    monkeypatch.setenv("MLXCEL_DIST_FLAT", "1")
+    monkeypatch.setattr(decode, "STEP", 256)  # (not this module's 8-slot buffers: the rows' buffers hold
+    monkeypatch.setattr(batch, "CPU_STEP", 64)  # every step here, so no trace is theirs)
+    model = load_model(FAMILY_CASES["gemma3"]).model  # full + sliding ring layers
+    V = model.args.vocab_size
+    rng = np.random.default_rng(4)
+    eng = BatchEngine(model, prefill_step=64, budget=Budget(12))
+    eng.add_many([(rid, rng.integers(3, V, 4), GREEDY, 200) for rid in range(3)])
+    for _ in range(3):
+        eng.step()
+
+    def admit(rid, n):  # a prompt that reads one id: answered from its prefill's last chunk
+        before, flat = eng.steps.traces, eng.flat_steps
+        eng.add_many([(rid, rng.integers(3, V, n), GREEDY, 1)])
+        got = {}
+        while rid not in got:
+            got.update(eng.step())
+        assert eng.flat_steps - flat >= n // 9  # its chunks rode in the rows' steps
+        return eng.steps.traces - before
+
+    assert admit(10, 70) > 0  # the first prompt traced the flat graphs (the count counts)
+    assert admit(11, 93) == 0
+    assert admit(12, 41) == 0

@@ -11,17 +11,19 @@ layer, norm and MLP runs once over C + B x m tokens ([N, 1, hidden]: each
 token a batch row of one, RoPE at its own position), and only attention is
 split: the rows attend their row buffers (batch_rows.py, `RowCache`), the
 chunk its job's prefill buffers (prefill.Together, `PrefillCache`, [B, m]
-queries, causal by position). The rows' logits (a prompt's last token is its
-row's first input, so its chunks need none).
+queries, causal by position). The rows' logits, and each job row's last
+token's in the chunk (a prompt answered from its prefill reads them; a
+prompt's last token is otherwise its row's first input).
 
 Layers run through their split-decode pieces (`pre` -> `self_attn.attend`
 -> `post`, decode.SplitSegments'), so a layer's forward is still written
 once; families whose layers have them and whose every layer keeps float
 K/V (full, sliding ring, chunked) take it (`fusable`). One graph per
-(rows' buffers, B, m, the job's ring sizes): m is 2^k or 3 x 2^(k-1)
-(`chunk_size`), a job's shorter last chunk padded after its end (the pads'
-keys land where nothing a query sees lives, as Together's). A prompt answered
-from its prefill also gets its last token's logits from its last chunk."""
+(rows' buffers, B, m, the job's buffer sizes), each traced once in a
+server's life: m is 2^k or 3 x 2^(k-1) (`chunk_size`), a job's last chunk
+the same m padded after its end (the pads' keys land where nothing a query
+sees lives, as Together's), a job's rings window + prefill.FLAT_CHUNK and
+its unwrapped buffers powers of two, whatever the prompt's length."""
 
 from __future__ import annotations
 
@@ -78,7 +80,7 @@ class FlatStep:
         X = mx.concatenate([x, mx.array(tokens.reshape(-1), mx.int32)])
         logits = self._compiled(X) if self.e.compiled else self._forward(X)
         C = x.shape[0]
-        job.flat_done(self.state, logits[C:] if logits.shape[0] > C else None)
+        job.flat_done(self.state, logits[C:])
         return logits[:C]
 
     def _forward(self, X: mx.array) -> mx.array:
@@ -109,10 +111,7 @@ class FlatStep:
             o_chunk = attn.attend(_block(q[C:], B), kc, vc, mask=cmask[kinds[i]])  # [B, heads, m, D]
             h = layer.post(x, mx.concatenate([o_rows, _unblock(o_chunk)]))
         store.buffers["pos"] = rows + 1
-        if "pick" in st:  # prompts answered after this chunk: their last tokens' logits too
-            h = mx.concatenate([h[:C], h[C:][st["pick"]]])
-        else:
-            h = h[:C]
+        h = mx.concatenate([h[:C], h[C:][st["pick"]]])  # and each job row's last token (an answered prompt's)
         return model.decode_logits(h)[:, -1]
 
 

@@ -43,7 +43,7 @@ import numpy as np
 
 from ..cache import ring_slots
 from ..parallel.pipeline import outstanding_sends
-from .flat import chunk_size
+from .flat import chunk_size, fusable
 from .sampling import SamplingParams
 
 
@@ -169,6 +169,11 @@ def pad_groups(admits: list, step: int) -> list:
 # The fewest slots an unwrapped prefill buffer holds (then powers of two): each size is a trace of the
 # flat step (flat.py), and a GPU's attention over slots not written yet costs little
 GROW_CPU, GROW_GPU = 64, 1024
+# A job whose chunks may ride in the rows' step takes at most this many tokens a row a chunk: its
+# rings (window + chunk) and buffers (a power of two) then have sizes shared by every prompt, so a
+# server traces each flat graph once, not once per prompt length (a chunk's array-masked attention
+# made a 768-token flat step slower than the chunk alone on the H200: docs/benchmarks.md)
+FLAT_CHUNK = 512
 
 
 def _grown(need: int, cap: int) -> int:
@@ -253,6 +258,9 @@ class Together:
     def __init__(self, engine, admits: list, L: int):
         self.engine = engine
         self.admits = sorted(admits, key=lambda a: a.start - a.last)  # stable: ties keep their order
+        flat = fusable(engine)
+        if flat:  # (a power of two: a prompt's length is no ring size of its own)
+            L = min(FLAT_CHUNK, 1 << (L - 1).bit_length())
         self.L = L  # the longest chunk a row takes (rings are sized for it)
         self.offs = [a.start for a in self.admits]
         # where each prompt's prefill ends: before its last token (its row's first input), or after it
@@ -260,6 +268,8 @@ class Together:
         # with the forward of its last chunk
         self.ends = {id(a): a.last + engine.answerable(a) for a in self.admits}
         T = max(self.ends.values()) + L  # slots written, pads included, at most
+        if flat:
+            T = 1 << (T - 1).bit_length()  # (a power of two: few buffer shapes, few flat graphs)
         layout = engine.layout  # batch_rows.LayerRows per layer (only KV kinds prefill together)
         self.rings = [None if not lay.kv else (T if lay.window is None else min(lay.window + L, T))
                       for lay in layout]  # (None: a layer that reads another's)
@@ -343,20 +353,22 @@ class Together:
 
     def flat_inputs(self) -> dict:
         """The buffers a flat step takes (its `state`): keys/values, offsets,
-        ends, and where a prompt answered after this chunk has its last token
-        among the chunk's B x m ("pick")."""
+        ends, and where each row's last token in the chunk is among its B x m
+        ("pick": read for the prompts answered after this chunk; every row's,
+        so that their last chunk is no graph of its own)."""
         state = {name: self.bufs[name] for name in (*self.kv, "offsets", "end")}
-        tokens, lens, pick = self.staged
-        if pick:
-            state["pick"] = mx.array([b * tokens.shape[1] + lens[b] - 1 for b in pick], mx.int32)
+        tokens, lens, _ = self.staged
+        state["pick"] = mx.array([b * tokens.shape[1] + k - 1 for b, k in enumerate(lens)], mx.int32)
         return state
 
-    def flat_done(self, state: dict, logits: mx.array | None) -> None:
+    def flat_done(self, state: dict, logits: mx.array) -> None:
         """The flat step has written this chunk's keys/values (`state`: its
-        outputs); `logits` [len(pick), V]: the answered prompts' last tokens'."""
+        outputs); `logits` [B, V]: each row's last token's in the chunk, kept
+        for the prompts answered after it."""
         for name in self.kv:
             self.bufs[name] = state[name]
-        self.logits = logits
+        pick = self.staged[2]
+        self.logits = logits[mx.array(pick)] if pick else None
 
     def run_staged(self) -> None:
         """The staged forward alone (eager), then `advance`."""

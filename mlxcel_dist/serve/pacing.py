@@ -32,7 +32,10 @@ paced apart: F from the steps of the fewest tokens (MIN_TOKENS), once, then
 one probe of LONG tokens for p, then max(room - F, F) / p tokens a step, the
 room HEADROOM x (S - 1) x d (where F alone takes the room: (S - 1) x (d + F)
 / p, few long steps). A step that traced a new graph is no measure of either
-kind.
+kind. The size it gives then holds while the rule's answer stays within
+[STICK_DOWN, STICK_UP) x it: each new size is a new graph to trace (100-270
+ms of host time on the H200), which the averages' drift would otherwise ask
+for again and again.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ LONG = 128  # a chunk of at least this many tokens tells a per-token cost from a
 # average mixed step aims below it (at 1.0 the longest gaps came out 3.3-3.6x at --max-stall 3)
 HEADROOM = 0.8
 FIXED = 0.75  # a chunk's cost is fixed where that part is over this share of the smallest chunk's
+STICK_DOWN, STICK_UP = 0.75, 2.0  # a flat step's size holds while the rule's answer is within these x it
 
 
 class Pacer:
@@ -65,6 +69,7 @@ class Pacer:
         self.flat = False  # chunks ride in the rows' forward: the flat pacing
         self.flat_fixed_s: float | None = None  # F: a flat step's cost beyond d at MIN_TOKENS or fewer
         self.flat_token_s: float | None = None  # p: a prompt token's cost beyond F in a flat step of LONG or more
+        self.flat_tokens: int | None = None  # the size flat steps hold (see the module docstring)
 
     def observe(self, seconds: float, rows: int, prefilled: int, flat: bool = False, traced: bool = False) -> None:
         """One engine step: `rows` decoded an id, `prefilled` prompt tokens ran
@@ -111,7 +116,11 @@ class Pacer:
         # within the bound, and at least the tokens whose work is F (no step mostly overhead); where F
         # alone takes the room, few long steps instead
         n = max(room - F, F) / p if F < room else (s - 1) * (d + F) / p
-        return int(min(max(n, MIN_TOKENS), MAX_TOKENS))
+        n = int(min(max(n, MIN_TOKENS), MAX_TOKENS))
+        held = self.flat_tokens
+        if held is None or not STICK_DOWN * held <= n < STICK_UP * held:
+            self.flat_tokens = held = n
+        return held
 
     def tokens(self) -> int:
         """Prompt tokens for the next step (0: not measured yet)."""
