@@ -589,3 +589,25 @@ def test_a_second_prompt_beside_the_same_rows_traces_no_new_flat_graph(monkeypat
     assert admit(10, 70) > 0  # the first prompt traced the flat graphs (the count counts)
     assert admit(11, 93) == 0
     assert admit(12, 41) == 0
+
+
+def test_pacer_skips_one_step_a_first_kernel_compile_made_long():
+    # seen on a fresh H200: an untraced step of 2.9 s (a kernel compiled for its shape) read as a
+    # prompt token's cost made the pacer ask for 12 tokens, then walk back up through new sizes
+    # (each a trace); one such step is skipped, two in a row are a real change
+    from mlxcel_dist.serve import pacing
+
+    d, F, p_tok = 0.016, 0.012, 0.00005
+    p = pacing.Pacer(3.0)
+    p.observe(d, 4, 0)
+    for _ in range(8):
+        n = p.tokens()
+        p.observe(d + F + p_tok * n, 4, n, flat=True)
+    n = p.tokens()
+    p.observe(2.9, 4, n, flat=True)
+    assert p.tokens() == n
+    p.observe(2.2, 4, 0)  # the same for a plain step
+    assert p.tokens() == n and p.decode_s < 0.02
+    for _ in range(2):  # the rows' step really is slower now: taken
+        p.observe(0.2, 4, 0)
+    assert p.decode_s > 0.05

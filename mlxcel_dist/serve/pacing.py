@@ -32,7 +32,10 @@ paced apart: F from the steps of the fewest tokens (MIN_TOKENS), once, then
 one probe of LONG tokens for p, then max(room - F, F) / p tokens a step, the
 room HEADROOM x (S - 1) x d (where F alone takes the room: (S - 1) x (d + F)
 / p, few long steps). A step that traced a new graph is no measure of either
-kind. The size it gives then holds while the rule's answer stays within
+kind, nor is a step OUTLIER x longer than its averages predict, once (a
+kernel compiled for a shape run the first time: 2-6 s on a fresh H200,
+untraced; a second such step of its kind in a row is taken as a real change). The size
+it gives then holds while the rule's answer stays within
 [STICK_DOWN, STICK_UP) x it: each new size is a new graph to trace (100-270
 ms of host time on the H200), which the averages' drift would otherwise ask
 for again and again.
@@ -49,6 +52,7 @@ LONG = 128  # a chunk of at least this many tokens tells a per-token cost from a
 # average mixed step aims below it (at 1.0 the longest gaps came out 3.3-3.6x at --max-stall 3)
 HEADROOM = 0.8
 FIXED = 0.75  # a chunk's cost is fixed where that part is over this share of the smallest chunk's
+OUTLIER = 5.0  # a step this many times longer than the averages predict is skipped, once
 STICK_DOWN, STICK_UP = 0.75, 2.0  # a flat step's size holds while the rule's answer is within these x it
 
 
@@ -70,11 +74,19 @@ class Pacer:
         self.flat_fixed_s: float | None = None  # F: a flat step's cost beyond d at MIN_TOKENS or fewer
         self.flat_token_s: float | None = None  # p: a prompt token's cost beyond F in a flat step of LONG or more
         self.flat_tokens: int | None = None  # the size flat steps hold (see the module docstring)
+        self._outlier: dict = {}  # per step kind: its last step was an outlier (see the module docstring)
 
     def observe(self, seconds: float, rows: int, prefilled: int, flat: bool = False, traced: bool = False) -> None:
         """One engine step: `rows` decoded an id, `prefilled` prompt tokens ran
         (`flat`: in the rows' forward); `traced`: it traced a new graph."""
         if traced:
+            return
+        expected = self._expected(rows, prefilled, flat)
+        kind = "flat" if flat else "mixed" if prefilled else "plain"
+        outlier = expected is not None and seconds > OUTLIER * expected
+        skip = outlier and not self._outlier.get(kind)
+        self._outlier[kind] = outlier
+        if skip:
             return
         if flat:
             self._observe_flat(seconds - (self.decode_s or 0.0), prefilled)
@@ -89,6 +101,19 @@ class Pacer:
                 self.long_token_s = per
             elif prefilled <= MIN_TOKENS and rows:
                 self.floor_s = extra if self.floor_s is None else (1 - EMA) * self.floor_s + EMA * extra
+
+    def _expected(self, rows: int, n: int, flat: bool) -> float | None:
+        """What the averages say a step of `rows` and `n` prompt tokens takes
+        (None: not measured yet)."""
+        if not rows or self.decode_s is None:
+            return None
+        if not n:
+            return self.decode_s
+        if flat:
+            if self.flat_fixed_s is None or self.flat_token_s is None:
+                return None
+            return self.decode_s + self.flat_fixed_s + n * self.flat_token_s
+        return self.decode_s + n * self.token_s if self.token_s else None
 
     def _observe_flat(self, extra: float, n: int) -> None:
         self.flat = True
