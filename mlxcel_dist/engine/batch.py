@@ -141,6 +141,7 @@ class BatchEngine:
         self.flat = None  # flat.FlatStep once some step carries a chunk
         self.flat_job = self.flat_ran = None
         self.flat_steps = 0  # steps that carried a chunk
+        self.flat_sizes: set = set()  # the chunk sizes they carried (prefill.Together.stage reuses them)
         # an engine.RankAgreement whose checks ride on the steps' reads (generate: each id is checked
         # in the host sync that reads it); serve checks its steps' ids through the step protocol instead
         self.guard = None

@@ -318,8 +318,10 @@ class Together:
         that few graphs are traced; `run_staged` runs it alone instead."""
         offs, B = self.offs, len(self.offs)
         c = max(1, min(self.L, n // B))
-        if flat:
-            c = chunk_size(c, self.L)
+        if flat:  # a size run before where one is at least half the offer: a new one is a trace
+            sizes = self.engine.flat_sizes
+            c = max([m for m in sizes if c // 2 <= m <= c], default=chunk_size(c, self.L))
+            sizes.add(c)
         lens = [min(c, self.ends[id(a)] - o) for a, o in zip(self.admits, offs)]
         m = c if flat else max(lens)  # (a flat chunk keeps its size: its pads after a prompt's end)
         tokens = np.zeros((B, m), np.int32)
