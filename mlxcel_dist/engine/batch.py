@@ -49,18 +49,14 @@ step, not per sequence.
 
 from __future__ import annotations
 
-import contextlib
-from dataclasses import replace
 
 import mlx.core as mx
 import numpy as np
 
 from .batch_rows import Row, RowBuffers
 from .batch_step import Steps
-from ..parallel.collectives import CollectiveError
 from . import decode
 from .guard import DEFAULT_PREFILL_STEP, check_tokens, vocab_size
-from .flat import fusable
 from .prefill import Admission, Alone, Budget, Prefills, Request, Together, pad_groups
 from .choice import Choice, draw, grammar_masks, logprobs as choice_logprobs
 from ..parallel.pipeline import outstanding_sends
@@ -245,70 +241,10 @@ class BatchEngine:
         return bool(self.prefills)
 
     def _prefill(self, budget: int | None, drain: bool = False) -> None:
-        """Run the prefill queue, oldest job first: with a `budget` (tokens)
-        until it is spent, a job's forward taking at most what is left; without
-        one, one forward of `prefill_step` tokens a prompt per job, or every
-        job to its end (`drain`). A job that fails ends its own requests
-        (`failed`), no other."""
-        while self.prefills:
-            for job in list(self.prefills.jobs):
-                if budget is not None and budget <= 0:
-                    return
-                try:
-                    if job.left() == 0:  # prefilled by an earlier step, or nothing to prefill: placed now
-                        self.prefills.jobs.remove(job)
-                        if budget is not None and job.answers():
-                            budget -= 1  # its answer: one more token's forward
-                        job.finish()
-                        continue
-                    if budget is not None and self.rows and isinstance(job, Alone) and fusable(self) \
-                            and job.a.echo is None:
-                        job = self._into_buffers(job)  # so that its chunks can ride in the rows' forward
-                    if budget is not None and self.rows and isinstance(job, Together) and fusable(self):
-                        # this step's chunk rides in the rows' forward (flat.py): one job a step
-                        ran = job.stage(budget)
-                        self.flat_job = job
-                        self.prefilled += ran
-                        return
-                    # a paced step beside rows (one process, a CPU): the forward built on the side stream
-                    beside = self._defer = budget is not None and bool(self.rows) and self.side is not None
-                    try:
-                        with mx.stream(self.side) if beside else contextlib.nullcontext():
-                            ran = job.run(self.prefill_step * job.width() if budget is None else budget)
-                    finally:
-                        self._defer = False  # (a failing job too: later evaluations run at once)
-                    # beside decoding rows a prompt's last chunk and its placement (the buffers grown
-                    # for it, its rows' first step) take two steps: one step would stall the rows for
-                    # both; an answer (one token's forward, no row) follows in the same step if the
-                    # budget has room for it and the chunk is not waiting to run beside the launch
-                    # (the answer would read it first: chunk, answer and decode one after another)
-                    answer_now = job.answers() and budget is not None and budget > ran and not beside
-                    if job.left() == 0 and (budget is None or not self.rows or answer_now):
-                        self.prefills.jobs.remove(job)
-                        job.finish()
-                except CollectiveError:
-                    raise
-                except Exception as e:  # noqa: BLE001 - that job's requests alone
-                    self._fail(job, f"{type(e).__name__}: {e}")
-                    continue
-                self.prefilled += ran
-                if budget is not None:
-                    budget -= ran
-            if not drain:
-                return
+        self.prefills.run(self, budget, drain)
 
-    def _into_buffers(self, job: Alone) -> Together:
-        """A prompt prefilling alone through its own caches (fast where no row
-        decodes: a GPU's fused attention) moves into prefill buffers once rows
-        decode, its keys so far copied in (as a prompt-cache prefix), so that
-        its chunks can ride in the rows' steps (flat.py)."""
-        a = job.a
-        moved = replace(a, start=job.at, cache=job.cache if job.at > 0 else None)
-        together = Together(self, [moved], min(self.prefill_step, a.last + 1 - job.at))
-        self.prefills.jobs[self.prefills.jobs.index(job)] = together
-        return together
-
-    def _fail(self, job, message: str) -> None:
+    def fail(self, job, message: str) -> None:
+        """Prefill `job` failed: its requests (their copies too) end with `message`."""
         if job in self.prefills.jobs:
             self.prefills.jobs.remove(job)
         for a in job.admits:

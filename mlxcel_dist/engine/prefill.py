@@ -35,13 +35,15 @@ keys are written, not which.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import contextlib
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import mlx.core as mx
 import numpy as np
 
 from ..cache import ring_slots
+from ..parallel.collectives import CollectiveError
 from ..parallel.pipeline import outstanding_sends
 from .flat import chunk_size, fusable
 from .sampling import SamplingParams
@@ -443,3 +445,67 @@ class Prefills:
         """A queued request's row leaves as soon as it is placed (its prefill
         work runs on: a group's other rows need the same forwards)."""
         self.cancelled.add(rid)
+
+    def run(self, e, budget: int | None, drain: bool = False) -> None:
+        """Run the queue for engine `e`, oldest job first: with a `budget` (tokens)
+        until it is spent, a job's forward taking at most what is left; without
+        one, one forward of `prefill_step` tokens a prompt per job, or every
+        job to its end (`drain`). A job that fails ends its own requests
+        (`failed`), no other."""
+        while self.jobs:
+            for job in list(self.jobs):
+                if budget is not None and budget <= 0:
+                    return
+                try:
+                    if job.left() == 0:  # prefilled by an earlier step, or nothing to prefill: placed now
+                        self.jobs.remove(job)
+                        if budget is not None and job.answers():
+                            budget -= 1  # its answer: one more token's forward
+                        job.finish()
+                        continue
+                    if budget is not None and e.rows and isinstance(job, Alone) and fusable(e) \
+                            and job.a.echo is None:
+                        job = self._into_buffers(e, job)  # so that its chunks can ride in the rows' forward
+                    if budget is not None and e.rows and isinstance(job, Together) and fusable(e):
+                        # this step's chunk rides in the rows' forward (flat.py): one job a step
+                        ran = job.stage(budget)
+                        e.flat_job = job
+                        e.prefilled += ran
+                        return
+                    # a paced step beside rows (one process, a CPU): the forward built on the side stream
+                    beside = e._defer = budget is not None and bool(e.rows) and e.side is not None
+                    try:
+                        with mx.stream(e.side) if beside else contextlib.nullcontext():
+                            ran = job.run(e.prefill_step * job.width() if budget is None else budget)
+                    finally:
+                        e._defer = False  # (a failing job too: later evaluations run at once)
+                    # beside decoding rows a prompt's last chunk and its placement (the buffers grown
+                    # for it, its rows' first step) take two steps: one step would stall the rows for
+                    # both; an answer (one token's forward, no row) follows in the same step if the
+                    # budget has room for it and the chunk is not waiting to run beside the launch
+                    # (the answer would read it first: chunk, answer and decode one after another)
+                    answer_now = job.answers() and budget is not None and budget > ran and not beside
+                    if job.left() == 0 and (budget is None or not e.rows or answer_now):
+                        self.jobs.remove(job)
+                        job.finish()
+                except CollectiveError:
+                    raise
+                except Exception as err:  # noqa: BLE001 - that job's requests alone
+                    e.fail(job, f"{type(err).__name__}: {err}")
+                    continue
+                e.prefilled += ran
+                if budget is not None:
+                    budget -= ran
+            if not drain:
+                return
+
+    def _into_buffers(self, e, job: Alone) -> Together:
+        """A prompt prefilling alone through its own caches (fast where no row
+        decodes: a GPU's fused attention) moves into prefill buffers once rows
+        decode, its keys so far copied in (as a prompt-cache prefix), so that
+        its chunks can ride in the rows' steps (flat.py)."""
+        a = job.a
+        moved = replace(a, start=job.at, cache=job.cache if job.at > 0 else None)
+        together = Together(e, [moved], min(e.prefill_step, a.last + 1 - job.at))
+        self.jobs[self.jobs.index(job)] = together
+        return together
