@@ -613,3 +613,29 @@ def test_pacer_skips_one_step_a_first_kernel_compile_made_long():
     for _ in range(2):  # the rows' step really is slower now: taken
         p.observe(0.2, 4, 0)
     assert p.decode_s > 0.05
+
+
+def test_a_flat_last_chunk_whose_pads_would_grow_the_buffers_takes_a_size_that_fits(monkeypatch):
+    # seen on the H200: a 4,000-token prompt's last 32 tokens in a 384-token chunk grew its buffers
+    # from 4,096 slots to 8,192 for pads alone (a new shape: an 8.7 s step with its kernel compiles);
+    # here 60 tokens in chunks of 24: the last chunk (12 real) would write slots 48-71 past the 64
+    # held, so it takes 16 (or a size run before that fits); the ids stay those of the prompt alone
+    import mlxcel_dist.engine.prefill as prefill
+
+    monkeypatch.setenv("MLXCEL_DIST_FLAT", "1")
+    model = load_model(FAMILY_CASES["llama4"]).model
+    V = model.args.vocab_size
+    rng = np.random.default_rng(5)
+    needs = []
+    fit = prefill.Together._fit
+    monkeypatch.setattr(prefill.Together, "_fit", lambda self, need: (needs.append(need), fit(self, need))[1])
+    eng = BatchEngine(model, prefill_step=64, budget=Budget(27))  # 3 rows: 24 prompt tokens a step
+    eng.add_many([(rid, rng.integers(3, V, 4), GREEDY, 40) for rid in range(3)])
+    eng.step()
+    prompt = rng.integers(3, V, 61)  # 60 prefilled, its last token the answer's input
+    eng.add_many([(9, prompt, GREEDY, 1)])
+    got = {}
+    while 9 not in got:
+        got.update(eng.step())
+    assert 24 in eng.flat_sizes and max(needs) <= 64, (sorted(eng.flat_sizes), needs)
+    assert [got[9]] == alone(model, prompt, 1)

@@ -320,10 +320,8 @@ class Together:
         that few graphs are traced; `run_staged` runs it alone instead."""
         offs, B = self.offs, len(self.offs)
         c = max(1, min(self.L, n // B))
-        if flat:  # a size run before where one is at least half the offer: a new one is a trace
-            sizes = self.engine.flat_sizes
-            c = max([m for m in sizes if c // 2 <= m <= c], default=chunk_size(c, self.L))
-            sizes.add(c)
+        if flat:
+            c = self._flat_size(c)
         lens = [min(c, self.ends[id(a)] - o) for a, o in zip(self.admits, offs)]
         m = c if flat else max(lens)  # (a flat chunk keeps its size: its pads after a prompt's end)
         tokens = np.zeros((B, m), np.int32)
@@ -339,6 +337,32 @@ class Together:
         bufs["offsets"] = mx.array(offs, mx.int32)
         bufs["end"], bufs["upto"] = bufs["offsets"] + m, max(o + m for o in offs)
         return sum(lens)
+
+    def _flat_size(self, c: int) -> int:
+        """A flat chunk's size for an offer of `c` tokens a row. Each new size
+        is a new graph (a trace, 100-170 ms of host time on the H200, and where
+        the machine's kernel cache lacks it MLX's kernel compiles, seconds)
+        where twice the tokens cost a few ms: so a size run before
+        (`BatchEngine.flat_sizes`) within [c / 2, 2 c], the largest up to c
+        first; else `chunk_size`. And a last chunk whose pads alone would grow
+        the buffers (a new shape for a few tokens) takes a size that fits."""
+        sizes = [m for m in self.engine.flat_sizes if m <= self.L]
+        m = max([m for m in sizes if c // 2 <= m <= c], default=None) \
+            or min([m for m in sizes if c < m <= 2 * c], default=None) or chunk_size(c, self.L)
+        held = self._held()
+        top, real = max(self.offs), max(min(m, self.ends[id(a)] - o) for a, o in zip(self.admits, self.offs))
+        if held is not None and top + m > held >= top + real:
+            fit = [k for k in sizes if real <= k <= held - top] or [chunk_size(held - top, self.L)]
+            m = max(fit) if max(fit) >= real else m
+        self.engine.flat_sizes.add(m)
+        return m
+
+    def _held(self) -> int | None:
+        """The slots the unwrapped layers' buffers hold now (None: every layer a ring)."""
+        for lay, R in zip(self.engine.layout, self.rings):
+            for name in lay.kv if R == self.T else ():
+                return self.bufs[name].shape[2]
+        return None
 
     def _fit(self, need: int) -> None:
         """The unwrapped layers' buffers (slot = position) hold `need` slots:
