@@ -49,7 +49,6 @@ step, not per sequence.
 
 from __future__ import annotations
 
-
 import mlx.core as mx
 import numpy as np
 

@@ -20,9 +20,11 @@ Layers run through their split-decode pieces (`pre` -> `self_attn.attend`
 once; families whose layers have them and whose every layer keeps float
 K/V (full, sliding ring, chunked) take it (`fusable`). One graph per
 (rows' buffers, B, m, the job's buffer sizes), each traced once in a
-server's life: m is 2^k or 3 x 2^(k-1) (`chunk_size`), a job's last chunk
-the same m padded after its end (the pads' keys land where nothing a query
-sees lives, as Together's), a job's rings window + prefill.FLAT_CHUNK and
+server's life: m is a size run before where one is near the offer, else 2^k
+or 3 x 2^(k-1) (`chunk_size`; prefill.Together._flat_size), a job's last
+chunk the same m padded after its end (the pads' keys land where nothing a
+query sees lives, as Together's) unless its pads alone would grow the
+buffers, a job's rings window + a power of two up to prefill.FLAT_CHUNK and
 its unwrapped buffers powers of two, whatever the prompt's length."""
 
 from __future__ import annotations
