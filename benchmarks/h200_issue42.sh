@@ -61,7 +61,8 @@ moefirst)  # issue 42: a 4-bit qwen3_moe's first and second run, ours and mlx-lm
 stall)  # issue 39: streams beside a long prompt on one GPU (12B gemma3 bf16, serve --np 1)
   python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from gpu_compare import GEMMA3_12B; \
 from random_ckpt import gemma3_checkpoint; gemma3_checkpoint('/tmp/ckpt/gemma3-12b', **GEMMA3_12B)"
-  # VS=<an older checkout of ours> runs its server too, interleaved; LONG=<n>: the long prompt's max_tokens
+  # VS=<an older checkout of ours> runs its server too, interleaved; LONG=<n>: the long prompt's max_tokens;
+  # the lengths go through one server in turn: the later ones read a server that has met the shapes
   MLXCEL_DIST_STEP_LOG=1 timeout "${LIMIT:-500}" python3 benchmarks/serve_stall.py --model /tmp/ckpt/gemma3-12b \
     --servers ours-np1 --stream-tokens "${2:-400}" --settle 10 --rounds "${3:-2}" --lengths "${4:-1500,4000}" --verbose \
     ${VS:+--vs "$VS"} --long-tokens "${LONG:-1}" --json "$O/stall39.json" 2>&1 | tee "$O/stall39.log" | tail -30
