@@ -34,11 +34,9 @@ room HEADROOM x (S - 1) x d (where F alone takes the room: (S - 1) x (d + F)
 / p, few long steps). A step that traced a new graph is no measure of either
 kind, nor is a step OUTLIER x longer than its averages predict, once (a
 kernel compiled for a shape run the first time: 2-6 s on a fresh H200,
-untraced; a second such step of its kind in a row is taken as a real change). The size
-it gives then holds while the rule's answer stays within
-[STICK_DOWN, STICK_UP) x it: each new size is a new graph to trace (100-270
-ms of host time on the H200), which the averages' drift would otherwise ask
-for again and again.
+untraced; a second such step of its kind in a row is taken as a real change). The
+engine turns the tokens into one of few chunk sizes (each a graph to trace:
+prefill.Together._flat_size), so the averages' drift asks for no new shape.
 """
 
 from __future__ import annotations
@@ -53,7 +51,6 @@ LONG = 128  # a chunk of at least this many tokens tells a per-token cost from a
 HEADROOM = 0.8
 FIXED = 0.75  # a chunk's cost is fixed where that part is over this share of the smallest chunk's
 OUTLIER = 5.0  # a step this many times longer than the averages predict is skipped, once
-STICK_DOWN, STICK_UP = 0.75, 2.0  # a flat step's size holds while the rule's answer is within these x it
 
 
 class Pacer:
@@ -73,7 +70,6 @@ class Pacer:
         self.flat = False  # chunks ride in the rows' forward: the flat pacing
         self.flat_fixed_s: float | None = None  # F: a flat step's cost beyond d at MIN_TOKENS or fewer
         self.flat_token_s: float | None = None  # p: a prompt token's cost beyond F in a flat step of LONG or more
-        self.flat_tokens: int | None = None  # the size flat steps hold (see the module docstring)
         self._outlier: dict = {}  # per step kind: its last step was an outlier (see the module docstring)
 
     def observe(self, seconds: float, rows: int, prefilled: int, flat: bool = False, traced: bool = False) -> None:
@@ -141,11 +137,7 @@ class Pacer:
         # within the bound, and at least the tokens whose work is F (no step mostly overhead); where F
         # alone takes the room, few long steps instead
         n = max(room - F, F) / p if F < room else (s - 1) * (d + F) / p
-        n = int(min(max(n, MIN_TOKENS), MAX_TOKENS))
-        held = self.flat_tokens
-        if held is None or not STICK_DOWN * held <= n < STICK_UP * held:
-            self.flat_tokens = held = n
-        return held
+        return int(min(max(n, MIN_TOKENS), MAX_TOKENS))
 
     def tokens(self) -> int:
         """Prompt tokens for the next step (0: not measured yet)."""
