@@ -316,8 +316,8 @@ class Together:
     def stage(self, n: int, flat: bool = True) -> int:
         """Plan this job's next forward of up to `n` tokens (at least one a
         row); the real tokens it takes. `flat`: it rides in the rows' step
-        (flat.FlatStep), its chunk one of few sizes (`flat.chunk_size`) so
-        that few graphs are traced; `run_staged` runs it alone instead."""
+        (flat.FlatStep), its chunk one of few sizes (`_flat_size`) so that
+        few graphs are traced; `run_staged` runs it alone instead."""
         offs, B = self.offs, len(self.offs)
         c = max(1, min(self.L, n // B))
         if flat:
