@@ -628,3 +628,22 @@ def test_a_flat_last_chunk_whose_pads_would_grow_the_buffers_takes_a_size_that_f
         got.update(eng.step())
     assert 24 in eng.flat_sizes and max(needs) <= 64, (sorted(eng.flat_sizes), needs)
     assert [got[9]] == alone(model, prompt, 1)
+
+
+def test_flat_chunks_keep_within_the_prefill_step(monkeypatch):
+    # a flat job's chunk cap is a power of two (rings shared by every prompt), rounded up from a
+    # short prompt's length but never past --prefill-step (48 here: not a power of two)
+    monkeypatch.setenv("MLXCEL_DIST_FLAT", "1")
+    model = load_model(FAMILY_CASES["gemma3"]).model
+    V = model.args.vocab_size
+    rng = np.random.default_rng(2)
+    eng = BatchEngine(model, prefill_step=48, budget=Budget(200))
+    eng.add_many([(rid, rng.integers(3, V, 4), GREEDY, 30) for rid in range(2)])
+    eng.step()
+    prompt = rng.integers(3, V, 101)
+    eng.add_many([(9, prompt, GREEDY, 1)])
+    got = {}
+    while 9 not in got:
+        got.update(eng.step())
+    assert eng.flat_sizes and max(eng.flat_sizes) <= 48, sorted(eng.flat_sizes)
+    assert [got[9]] == alone(model, prompt, 1)

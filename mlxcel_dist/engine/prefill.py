@@ -261,8 +261,8 @@ class Together:
         self.engine = engine
         self.admits = sorted(admits, key=lambda a: a.start - a.last)  # stable: ties keep their order
         flat = fusable(engine)
-        if flat:  # (a power of two: a prompt's length is no ring size of its own)
-            L = min(FLAT_CHUNK, 1 << (L - 1).bit_length())
+        if flat:  # (a power of two: a prompt's length is no ring size of its own; within --prefill-step)
+            L = min(FLAT_CHUNK, engine.prefill_step, 1 << (L - 1).bit_length())
         self.L = L  # the longest chunk a row takes (rings are sized for it)
         self.offs = [a.start for a in self.admits]
         # where each prompt's prefill ends: before its last token (its row's first input), or after it
