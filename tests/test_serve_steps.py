@@ -536,3 +536,22 @@ def test_several_prompts_in_one_job_take_rows_prompt_by_prompt(tok):
             texts[e.index] = texts.get(e.index, "") + e.text
     assert texts[0] == texts[1] != texts[2] == texts[3] != texts[4]  # each choice its own prompt's rows
     assert [type(e) for e in later][-1] is Done
+
+
+def test_next_idle_note_is_due_a_sleep_after_the_last_notes_sync(tok):
+    # without a host channel the ranks meet in a collective after each idle note, and whoever comes
+    # first spins there (MLX ring's wait is busy). The followers sleep from the note's sync end;
+    # rank 0's next note must be due from there too, or a sync that waited on a late rank once
+    # keeps rank 0 that much ahead (spinning) at every note after (an idle job at 73% of a core)
+    import time
+
+    from mlxcel_dist.serve.wire import KIND_IDLE
+
+    sched = Scheduler(tok, sleeping_followers=False)
+    sched.quiet_since = time.monotonic() - 10
+    step = sched.plan()
+    assert step.kind == KIND_IDLE
+    time.sleep(0.25)  # the note's sync waited on a late rank
+    sched.absorb(step, None)
+    t = time.monotonic()
+    assert sched.idle_until >= t + step.idle_ms / 1000 - 0.01

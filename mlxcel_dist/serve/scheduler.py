@@ -325,8 +325,15 @@ class Scheduler:
         self.outbox.clear()
 
     def absorb(self, step: Step, result) -> None:
-        """The applied step's ids: each row's text, its end, its events."""
+        """The applied step's ids: each row's text, its end, its events. After
+        an idle note the next one is due its sleep after the note's sync ended,
+        when the followers' sleep starts too (due from before the sync, a sync
+        that once waited X on a late rank kept rank 0 X ahead of them at every
+        note after: the first rank in a collective spins, MLX ring's wait
+        being a busy one; seen as an idle np 2 job at 73% of a core)."""
         self._t_rest = time.monotonic()
+        if step.kind == KIND_IDLE:
+            self.idle_until = self._t_rest + step.idle_ms / 1000
         if result is None:
             return
         t = self.times
