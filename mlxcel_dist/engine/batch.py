@@ -129,7 +129,7 @@ class BatchEngine:
         # the rows' step compute on two cores at once (never beside collectives: ranks could order them apart)
         self.side = mx.new_stream(mx.cpu) if mx.default_device() == mx.cpu and model.ranks == 1 else None
         self.beside: list = []  # the prefill forwards' arrays waiting for the launch (`evaluate`)
-        self._defer = False
+        self.deferring = False  # the prefill queue runs a forward beside the launch (`evaluate` defers it)
         self.answered: dict = {}  # rid -> (id, logprobs) drawn from its prefill (`answer`), out with the next step
         # a step beside a prompt as one forward (flat.py): the job whose chunk the next launch carries,
         # then the one whose chunk it carried (its offsets move on and its finished rows join after it)
@@ -224,7 +224,7 @@ class BatchEngine:
     def evaluate(self, *arrays) -> None:
         """A prefill forward's arrays: evaluated now, or with the step's decode
         launch where they run beside it (`side`; `take_beside`)."""
-        if self._defer:
+        if self.deferring:
             self.beside.append(arrays)
         else:
             mx.eval(*arrays)

@@ -497,12 +497,12 @@ class Prefills:
                         e.prefilled += ran
                         return
                     # a paced step beside rows (one process, a CPU): the forward built on the side stream
-                    beside = e._defer = budget is not None and bool(e.rows) and e.side is not None
+                    beside = e.deferring = budget is not None and bool(e.rows) and e.side is not None
                     try:
                         with mx.stream(e.side) if beside else contextlib.nullcontext():
                             ran = job.run(e.prefill_step * job.width() if budget is None else budget)
                     finally:
-                        e._defer = False  # (a failing job too: later evaluations run at once)
+                        e.deferring = False  # (a failing job too: later evaluations run at once)
                     # beside decoding rows a prompt's last chunk and its placement (the buffers grown
                     # for it, its rows' first step) take two steps: one step would stall the rows for
                     # both; an answer (one token's forward, no row) follows in the same step if the
