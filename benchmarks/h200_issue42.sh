@@ -8,6 +8,7 @@
 #   bash benchmarks/h200_issue42.sh fam    # issue 39: decode per family (llama 11.3B, gemma3 12B) against mlx-lm,
 #                                          # through the one engine's row (gpu_compare.py --families)
 #   bash benchmarks/h200_issue42.sh pp     # issue 41: one stream np 1 vs pp 2 (pp_gpu.py, 4B gemma3 shape);
+#   bash benchmarks/h200_issue42.sh ppfloor # issue 41: pp_floor.py, the same in MLX calls only (rounds interleaved)
 #   bash benchmarks/h200_issue42.sh ppserve #  serve np 1 / pp 2 / pp 2 before (.dev/prev) / pp 2 micro 2 at 1, 16 clients
 #   bash benchmarks/h200_issue42.sh moefirst # a 4-bit qwen3_moe's first / second run against mlx-lm (moe_first_run.py)
 #   [VS=.dev/base LONG=1] bash benchmarks/h200_issue42.sh stall [TOKENS] [ROUNDS] [LENGTHS] # issue 39: streams
@@ -45,6 +46,15 @@ fam)
 pp)
   timeout 560 python3 benchmarks/pp_gpu.py --rounds 2 --configs np1 pp2-send --handoff-iters 0 \
     --ckpt /tmp/ckpt/g4b 2>&1 | tee "$O/pp41.log" | cut -c1-300 | tail -30
+  ;;
+ppfloor)  # [ROUNDS]
+  for r in $(seq "${2:-2}"); do
+    for st in "" "--stage 0" "--stage 1"; do timeout 120 python3 benchmarks/pp_floor.py one $st; done
+    for b in ids logits; do
+      timeout 150 python3 -c "from mlx._distributed_utils.launch import main; main()" -n 2 --backend ring \
+        python3 benchmarks/pp_floor.py pp --hand-back $b
+    done
+  done 2>&1 | tee "$O/ppfloor41.jsonl"
   ;;
 ppserve)  # [SERVERS] [SECONDS]
   [ -d /tmp/ckpt/g4b ] || python3 benchmarks/pp_gpu.py --rounds 0 --configs np1 --handoff-iters 0 --ckpt /tmp/ckpt/g4b
@@ -92,5 +102,5 @@ serve8)
   taskset -c 0,1 timeout 400 python3 benchmarks/serve_load.py --servers ours-np1,ours-np1@.dev/base,mlx_lm-np1 \
     --clients 8 --requests 2 --json "$O/serve8.json" 2>&1 | tee "$O/serve8.log" | grep -v "^\s*$" | tail -30
   ;;
-*) echo "usage: $0 json|fam|pp|ppserve|spec|cpu|serve8"; exit 2 ;;
+*) echo "usage: $0 json|fam|pp|ppfloor|ppserve|spec|cpu|serve8"; exit 2 ;;
 esac
