@@ -400,7 +400,7 @@ def serve(
     *,
     load: LoadOptions,
     launch: LaunchOptions,
-    micro_batches: Annotated[int, typer.Option("--micro-batches", help="With --pp: each decode step's rows in N micro-batches that follow each other through the stages, so that the stages can work on different ones at once (default 1: see docs/benchmarks.md for what it measured).")] = 1,
+    micro_batches: Annotated[int, typer.Option("--micro-batches", help="With --pp: each decode step's rows in up to N micro-batches that follow each other through the stages, so that the stages can work on different ones at once; the server times steps in parts against whole ones and keeps whichever is faster (default 1).")] = 1,
     served_model_name: Annotated[Optional[list[str]], typer.Option("--served-model-name", metavar="NAME", help="A name requests may give as 'model' (vLLM's flag, repeatable; the first is the id the server shows; default: MODEL as given).", show_default=False)] = None,
     header_timeout: Annotated[float, typer.Option("--header-timeout", metavar="SECONDS", help="Close a connection that has not sent a whole request head within this many seconds (at its start or after a response).")] = 10.0,
     tool_call_parser: Annotated[Optional[str], typer.Option("--tool-call-parser", metavar="FORMAT", help="How the model writes tool calls: hermes, llama3_json, mistral, harmony (gpt-oss), deepseek_v3, deepseek_v31, glm45, kimi_k2 or minimax_m2 (default: from markers in the chat template; none found: requests with tools get a 400); tool_choice required / named force a call in that format.", show_default=False)] = None,

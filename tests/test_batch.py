@@ -47,10 +47,11 @@ def small_buffers(monkeypatch):
     monkeypatch.setattr(batch, "CPU_STEP", 8)
 
 
-def _run_batched(model, prompts, params, n, joins, micro=1):
+def _run_batched(model, prompts, params, n, joins, micro=1, schedule=None):
     """Rows join at the steps in `joins` (request i at joins[i]) and leave
     after n tokens; returns each request's ids. `micro`: the steps go in that
-    many micro-batches (what --pp stages do)."""
+    many micro-batches (what --pp stages do); `schedule(step)`: each step's
+    own (`BatchEngine.step`'s micro, as serve's MicroParts asks)."""
     eng = BatchEngine(model)
     eng.micro = micro
     got = {i: [] for i in range(len(prompts))}
@@ -59,7 +60,7 @@ def _run_batched(model, prompts, params, n, joins, micro=1):
         for i, at in enumerate(joins):
             if at == step:
                 eng.add(i, prompts[i], params[i])
-        out = eng.step()
+        out = eng.step(micro=schedule(step) if schedule else 0)
         for rid, tok in out.items():
             got[rid].append(tok)
             if len(got[rid]) == n:
@@ -113,6 +114,24 @@ def test_micro_batched_steps_decode_as_rows_alone(d, micro):
     greedy = [alone_ids(model, p, n, SamplingParams()) for p in prompts]
     got, _ = _run_batched(model, prompts, [SamplingParams()] * 5, n, joins=[0, 0, 0, 2, 2], micro=micro)
     assert [got[i] for i in range(len(prompts))] == greedy  # all greedy: the per-part argmax path
+
+
+def test_steps_switching_between_micro_batches_and_whole_decode_as_rows_alone():
+    # serve's MicroParts picks each step's micro-batches by the steps' times: a step
+    # in parts may follow a whole one and the other way round (its inputs the unread
+    # ids of a step launched the other way), with rows joining and leaving
+    model = load_model(default_model_dir()).model
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(3, model.args.vocab_size, k) for k in (5, 1, 40, 17, 70)]
+    params = [SamplingParams(), SamplingParams(temp=0.9, top_k=20, seed=7), SamplingParams(),
+              SamplingParams(repetition_penalty=1.3), SamplingParams()]
+    n = 14
+    alone = [alone_ids(model, p, n, s) for p, s in zip(prompts, params)]
+    modes = [3, 3, 1, 3, 1, 1, 2, 3]  # 2: fewer parts than the engine's 3
+    got, eng = _run_batched(model, prompts, params, n, joins=[0, 0, 3, 5, 6], micro=3,
+                            schedule=lambda s: modes[s % len(modes)])
+    assert [got[i] for i in range(len(prompts))] == alone
+    assert 0 < eng.micro_steps < 2 * n  # both kinds of step ran (about 30 steps in all)
 
 
 def test_warmup_compiles_every_capacity_once_and_changes_nothing(monkeypatch):

@@ -226,8 +226,8 @@ def test_hand_off_round_trip():
                        '{"grammars": []}', False, 2)]
     for req in reqs:
         assert decode_request(*encode_request(req)) == req
-    for step in (Step(removals=[4, 9], admissions=list(enumerate(reqs))), Step(KIND_IDLE, idle_ms=300),
-                 Step(KIND_SHUTDOWN), Step()):
+    for step in (Step(removals=[4, 9], admissions=list(enumerate(reqs)), prefill_tokens=96, micro=2),
+                 Step(KIND_IDLE, idle_ms=300), Step(KIND_SHUTDOWN), Step(micro=1)):
         assert decode_step(encode_step(step)) == step
 
 

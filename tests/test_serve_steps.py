@@ -34,7 +34,7 @@ class FakeEngine:
 
     prefilling = False  # its prompts take their rows at once
     prefilled = 0
-    flat_steps = traces = 0
+    flat_steps = traces = micro_steps = 0
 
     def __init__(self, scripts=None):
         self.rows = {}
@@ -64,7 +64,7 @@ class FakeEngine:
         self.rows.pop(rid)
         self.want.pop(rid, None)
 
-    def step(self, prefill=None):
+    def step(self, prefill=None, micro=0):
         self.calls.append(("step", tuple(sorted(self.rows))))
         out = {}
         for rid, r in self.rows.items():
@@ -474,7 +474,7 @@ def test_drafted_ids_share_their_step_in_time_per_output_token(tok):
             return self.t
 
     class DraftingEngine(FakeEngine):
-        def step(self, prefill=None):
+        def step(self, prefill=None, micro=0):
             clock.t += 0.3  # every step 0.3 s; step 1 gives a row 1 id, later steps 3
             out = {}
             for rid, r in self.rows.items():
@@ -555,3 +555,79 @@ def test_next_idle_note_is_due_a_sleep_after_the_last_notes_sync(tok):
     t = time.monotonic()  # (read before absorb: no margin that a loaded box could overrun)
     sched.absorb(step, None)
     assert sched.idle_until >= t + step.idle_ms / 1000
+
+
+@pytest.mark.parametrize("faster", [True, False])
+def test_micro_batches_run_only_where_the_steps_times_show_they_pay(tok, monkeypatch, faster):
+    """serve --micro-batches 2 (pipeline stages): each step's micro-batches
+    cross the wire in the step and the engine runs them; a step in parts that
+    takes longer than a whole one (two stages on one GPU, MLX's CPU backend)
+    is tried for a few steps, then whole steps are kept, and where parts pay
+    they are kept instead."""
+    from mlxcel_dist.serve import pacing
+
+    class Clock:
+        t = 0.0
+
+        def __call__(self):
+            return self.t
+
+    clock = Clock()
+    seen = []
+
+    class StagedEngine(FakeEngine):
+        def step(self, prefill=None, micro=0):
+            seen.append(micro)
+            parts = micro > 1 and len(self.rows) > 1
+            self.micro_steps += parts
+            clock.t += (0.08 if faster else 0.15) if parts else 0.1  # a whole 8-row step: 0.1 s
+            return super().step(prefill)
+
+    sched = Scheduler(tok, decode_concurrency=8, micro=2)
+    for i in range(8):
+        sched.submit(job(req([1000 + i], max_tokens=200))[0])
+    monkeypatch.setattr(pacing, "REPROBE", 1000)  # one trial of each mode in this run
+    monkeypatch.setattr(__import__("time"), "monotonic", clock)
+    drain(sched, StagedEngine({}))
+    steps = len(seen)
+    in_parts = sum(m == 2 for m in seen)
+    assert set(seen) <= {1, 2} and steps >= 200
+    if faster:
+        assert in_parts >= steps - 2 * (pacing.PROBE + 2)  # whole steps only while timing them
+    else:
+        assert 0 < in_parts <= pacing.PROBE + 2  # parts tried once, then never again in this run
+
+
+def test_micro_parts_try_the_other_mode_again_and_follow_a_change():
+    from mlxcel_dist.serve.pacing import PROBE, REPROBE, MicroParts
+
+    mp, cost = MicroParts(2), {1: 0.1, 2: 0.07}
+    modes = []
+    for i in range(3 * REPROBE):
+        if i == REPROBE:
+            cost[2] = 0.2  # the parts stop paying (load elsewhere, longer contexts)
+        m = mp.choose(8)
+        modes.append(m)
+        mp.observe(cost[m] * 8, 8, 0, False, m == 2)
+    assert modes[PROBE + 4 : REPROBE].count(2) == REPROBE - PROBE - 4  # parts kept while they pay
+    assert modes[-REPROBE:].count(2) <= PROBE + 1  # after the change: whole, parts tried once more at most
+    assert modes[REPROBE:].count(1) > 2 * REPROBE - 2 * (PROBE + 2) - REPROBE // 2  # switched within a reprobe
+
+
+def test_micro_parts_time_only_plain_steps_of_the_mode_they_ran():
+    from mlxcel_dist.serve.pacing import PROBE, MicroParts
+
+    mp = MicroParts(2)
+    for _ in range(PROBE):  # whole steps timed first: 0.1 s a row
+        assert mp.choose(8) == 1
+        mp.observe(0.8, 8, 0, False, False)
+    for _ in range(3 * PROBE):  # the parts' trial: steps that prefilled, traced or ran whole (a constrained
+        assert mp.choose(8) == 2  # row) are no measure of the parts, however fast
+        mp.observe(0.08, 8, 64, False, True)
+        mp.observe(0.08, 8, 0, True, True)
+        mp.observe(0.08, 8, 0, False, False)
+    assert (8, 2) not in mp.per_row
+    for _ in range(PROBE):
+        mp.choose(8)
+        mp.observe(1.6, 8, 0, False, True)  # 0.2 s a row in parts
+    assert mp.choose(8) == 1 and mp.choose(1) == 1  # whole kept; one row never splits

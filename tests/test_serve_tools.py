@@ -202,7 +202,7 @@ class ScriptedEngine:
 
     prefilling = False
     prefilled = 0
-    flat_steps = traces = 0
+    flat_steps = traces = micro_steps = 0
 
     def __init__(self, ids, eos):
         self.ids, self.eos = list(ids) + [eos], eos
@@ -219,7 +219,7 @@ class ScriptedEngine:
     def remove(self, rid):
         self.rows.pop(rid)
 
-    def step(self, prefill=None):
+    def step(self, prefill=None, micro=0):
         out = {}
         for rid, n in self.rows.items():
             out[rid] = self.ids[min(n, len(self.ids) - 1)]

@@ -96,8 +96,8 @@ class BatchEngine:
         (and finished rows' whole sequences) are kept in and reused from.
         `pipelined=False`: each step is read before the next is built (the
         reference the pipelined steps are tested against). `micro`: each step's
-        rows in that many micro-batches (serve --micro-batches, for pipeline
-        stages: batch_step's `_launch_micro`). `vocab`: a grammar.Vocab, for
+        rows in up to that many micro-batches (serve --micro-batches, for pipeline
+        stages: batch_step's `_launch_micro`; a step may ask for fewer, `step`). `vocab`: a grammar.Vocab, for
         requests that come with a grammar's text. `spec`: a batch_spec.BatchDrafts
         that drafts for the rows and runs every step (`feed` blocks, rollback);
         `margin`: ring slots past each window for drafted tokens (its K).
@@ -114,6 +114,8 @@ class BatchEngine:
         self.static: bool | None = None  # decided at the first add (the cache kinds)
         self.compiled = compiled  # False: the same steps run eagerly (tests' reference; --no-compile)
         self.micro = micro
+        self.parts = micro  # this step's micro-batches (`step`'s `micro`, else `micro`)
+        self.micro_steps = 0  # steps launched in micro-batches
         self.pipelined = pipelined
         self.steps = Steps(self)
         self.want: dict = {}  # rid -> k: that row's logprobs with each id (sampling.token_logprobs)
@@ -478,14 +480,16 @@ class BatchEngine:
         return np.stack(out)
 
     # -- steps (batch_step.Steps) ---------------------------------------------
-    def step(self, prefill: int | None = None) -> dict:
+    def step(self, prefill: int | None = None, micro: int = 0) -> dict:
         """One token for every row: {rid: sampled id} (read from the device);
         first the prefill queue's forwards (`prefill` prompt tokens when given
-        and rows decode, else the engine's `budget`).
+        and rows decode, else the engine's `budget`); the step it launches in
+        `micro` micro-batches (at most the engine's `micro`; 0: that).
         Pipelined, the next step is launched before this one is read, so a
         row that the caller removes after this call has already been fed its
         last id once more: that step's work for it is discarded. With drafts
         (`spec`, static caches): {rid: [ids]}, 1 .. K + 1 a row, unpipelined."""
+        self.parts = min(micro, self.micro) if micro else self.micro
         if self.prefills:
             self._prefill(prefill if prefill and self.rows and self.budget is not None else self._step_budget())
         answered, self.answered = self.answered, {}

@@ -202,7 +202,7 @@ class Steps:
         self._draw()
         n = len(e.rows)
         choices = choose(e.rows, e.want)
-        if e.static and e.micro > 1 and all(c.row.grammar is None for c in choices):
+        if e.static and e.parts > 1 and all(c.row.grammar is None for c in choices):
             e.store.reserve(n, max(r.pos for r in e.rows))
             if e.store.capacity() > 1:
                 return self._launch_micro(choices, e.store.capacity())
@@ -231,7 +231,7 @@ class Steps:
 
     def _parts(self, C: int) -> list:
         """The micro-batches' row ranges of a C-row step (as even as possible)."""
-        m = min(self.e.micro, C)
+        m = min(self.e.parts, C)
         cuts = [C * j // m for j in range(m + 1)]
         return [(cuts[j], cuts[j + 1]) for j in range(m)]
 
@@ -269,6 +269,7 @@ class Steps:
             ids_parts = [mx.stack(ids[a:min(e_, n)] + [pad] * (e_ - max(a, n))) for a, e_ in parts]
         stacked = mx.concatenate(ids_parts)[:n]
         f = _Flight(list(e.rows), stacked, logprobs(choices, rows, ids, pending), ids_parts)
+        e.micro_steps += 1
         self._launched(self._checked(f))
 
     def _checked(self, f: _Flight) -> _Flight:

@@ -52,6 +52,7 @@ class OneRowEngine:
     static = False
     traces = 0
     flat_steps = 0
+    micro_steps = 0
 
     def splits(self, C: int) -> bool:
         return False
@@ -86,7 +87,7 @@ class OneRowEngine:
             self.gen.close()  # every rank leaves the loop at the same id
             self.rid = self.gen = None
 
-    def step(self, prefill: int | None = None) -> dict:
+    def step(self, prefill: int | None = None, micro: int = 0) -> dict:
         if self.rid is None:
             return {}
         try:

@@ -164,3 +164,69 @@ class Pacer:
         room = (self.stall - 1) * self.decode_s
         c = self.floor_s - MIN_TOKENS * self.long_token_s
         return c > FIXED * self.floor_s and c > room / 2
+
+
+PROBE = 4  # steps a micro-batch mode is timed for when tried (after the one that switches to it)
+REPROBE = 256  # steps of a row count between tries of the mode not in use (speeds move: load, lengths)
+
+
+def _bucket(rows: int) -> int:
+    return 1 << (rows - 1).bit_length()  # row counts 3-4, 5-8, ... share their timings
+
+
+class MicroParts:
+    """`serve --micro-batches M` (pipeline stages): whether a step runs its
+    rows in M micro-batches or whole, by the steps' own times, per row count
+    (a power-of-two bucket). Each mode is tried for PROBE steps, the one of
+    fewer seconds a row kept, the other tried again every REPROBE steps of
+    that count. Micro-batches pay where the stages run their parts at once
+    and cost a split step where they cannot (MLX's CPU backend; two stages
+    on one GPU: 0.62x at 16 clients, docs/benchmarks.md), so a server never
+    stays on the slower one. Rank 0 decides; the step carries it (wire.Step.micro)."""
+
+    def __init__(self, parts: int):
+        self.parts = parts
+        self.per_row: dict = {}  # (bucket, mode) -> seconds a row of a step, moving average
+        self.use: dict = {}  # bucket -> the mode kept (1: whole steps)
+        self.trial: dict = {}  # bucket -> [mode, steps still to time]
+        self.since: dict = {}  # bucket -> steps since its last trial ended
+        self.last = 1  # the mode of the step decided last
+        self.settled = False  # ... and of the one before it (a switch's first step reads the last mode's)
+
+    def choose(self, rows: int) -> int:
+        """The next step's micro-batches (1: whole)."""
+        mode = 1
+        if self.parts > 1 and rows > 1:
+            b = _bucket(rows)
+            if b not in self.trial:
+                untried = [m for m in (1, self.parts) if (b, m) not in self.per_row]
+                if untried or self.since.get(b, 0) >= REPROBE:
+                    m = untried[0] if untried else self.parts if self.use.get(b, 1) == 1 else 1
+                    self.per_row.pop((b, m), None)  # timed afresh
+                    self.trial[b] = [m, PROBE]
+            mode = self.trial[b][0] if b in self.trial else self.use.get(b, 1)
+        self.settled, self.last = mode == self.last, mode
+        return mode
+
+    def observe(self, seconds: float, rows: int, prefilled: int, traced: bool, micro: bool) -> None:
+        """The step decided last, as it ran (`micro`: in micro-batches; a step
+        with a constrained row runs whole). Only a plain step of rows after
+        one of the same mode is a measure."""
+        if self.parts <= 1 or rows < 2 or prefilled or traced:
+            return
+        b, mode = _bucket(rows), self.parts if micro else 1
+        if not self.settled or mode != self.last:
+            return
+        key = (b, mode)
+        per = seconds / rows
+        self.per_row[key] = per if key not in self.per_row else (1 - EMA) * self.per_row[key] + EMA * per
+        trial = self.trial.get(b)
+        if trial is None:
+            self.since[b] = self.since.get(b, 0) + 1
+        elif trial[0] == mode:
+            trial[1] -= 1
+            if trial[1] <= 0:
+                del self.trial[b]
+                self.since[b] = 0
+                timed = {m: self.per_row[(b, m)] for m in (1, self.parts) if (b, m) in self.per_row}
+                self.use[b] = min(timed, key=timed.get)

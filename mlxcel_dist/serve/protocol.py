@@ -37,13 +37,15 @@ class Engine(Protocol):
     prefilling: bool  # prompts still prefilling, no row yet (a step of prefill alone is never judged stuck)
     prefilled: int  # prompt tokens run through prefill forwards so far
     flat_steps: int  # steps that carried a prompt's chunk in the rows' forward (engine/flat.py), so far
+    micro_steps: int  # steps launched in micro-batches (serve --micro-batches), so far
     traces: int  # graphs traced so far (a step that traced one is no measure for pacing)
 
     def __len__(self) -> int: ...
     def __contains__(self, rid) -> bool: ...
     def add_many(self, items) -> None: ...  # prefill.Request records
     def remove(self, rid) -> None: ...
-    def step(self, prefill: int | None = None) -> dict: ...  # prefill: this step's prompt tokens (None: its own)
+    def step(self, prefill: int | None = None, micro: int = 0) -> dict: ...  # prefill: this step's prompt tokens
+    # (None: its own); micro: the micro-batches of the step it launches (0: its own)
 
 
 IDLE_MARGIN_S = 0.02  # a follower wakes this much before rank 0 enters the next collective
@@ -108,6 +110,7 @@ class StepResult:
     prefilled: int = 0  # prompt tokens the step ran through prefill forwards
     flat: bool = False  # a prompt's chunk rode in the rows' forward (engine/flat.py)
     traced: bool = False  # the step traced a new graph (its time is not the step's: pacing skips it)
+    micro: bool = False  # the step it launched ran in micro-batches
     prompt_logprobs: dict = field(default_factory=dict)  # rid -> its prompt's logprobs (echo), rank 0's
 
 
@@ -151,14 +154,14 @@ def apply_step(engine, step: Step, guard, keep_logprobs: bool = False, busy=None
     if busy:
         # a step of prefill forwards alone (no row decodes yet) runs a whole chunk a prompt: never judged stuck
         busy(None if engine.prefilling and not len(engine) else t1)
-    before, flats, traces = engine.prefilled, engine.flat_steps, engine.traces
+    before, flats, traces, micros = engine.prefilled, engine.flat_steps, engine.traces, engine.micro_steps
     try:
-        out.ids = engine.step(step.prefill_tokens or None)
+        out.ids = engine.step(step.prefill_tokens or None, step.micro)
     finally:
         if busy:
             busy(None)
     out.prefilled = engine.prefilled - before
-    out.flat, out.traced = engine.flat_steps > flats, engine.traces > traces
+    out.flat, out.traced, out.micro = engine.flat_steps > flats, engine.traces > traces, engine.micro_steps > micros
     if keep_logprobs:
         out.prompt_logprobs = dict(engine.prompt_logprobs)
     engine.prompt_logprobs.clear()

@@ -24,7 +24,7 @@ from ..engine.sampling import SEED_LIMIT
 from ..checkpoint.tokenizer import RowText
 from .log import log
 from .metrics import Metrics
-from .pacing import STALL, Pacer
+from .pacing import STALL, MicroParts, Pacer
 from .wire import KIND_IDLE, KIND_SHUTDOWN, KIND_STEP, RID_LIMIT, GenRequest, Step
 
 SHUTDOWN_MESSAGE = "the server is shutting down"
@@ -140,7 +140,7 @@ class StepTimes:
 
 class Scheduler:
     def __init__(self, tokenizer, decode_concurrency: int = 32, prompt_concurrency: int = 8,
-                 sleeping_followers: bool = True, pace: float | None = STALL, vocab=None):
+                 sleeping_followers: bool = True, pace: float | None = STALL, vocab=None, micro: int = 1):
         """`sleeping_followers`: the other ranks wait for the next step asleep
         (host channel, or np 1), so an idle scheduler sends nothing; else it
         sends idle notes that let them sleep between collectives. `pace`: each
@@ -149,7 +149,10 @@ class Scheduler:
         engine's fixed budget (--max-num-batched-tokens). `vocab`
         (grammar.Vocab, the engine's): a constrained row's ids are matched
         here too, so a grammar llguidance gives up on mid-answer (which the
-        ranks' masks turn into EOS) ends its request with an error, not "stop"."""
+        ranks' masks turn into EOS) ends its request with an error, not "stop".
+        `micro` (--micro-batches, pipeline stages): each step's rows in up to
+        that many micro-batches, where the steps' times show they pay
+        (serve.pacing.MicroParts)."""
         self.tok = tokenizer
         self.vocab = vocab
         self.decode_concurrency = decode_concurrency
@@ -173,6 +176,7 @@ class Scheduler:
         self.step_s = 0.0  # moving average of an engine step
         self.metrics = Metrics()  # GET /metrics
         self.pacer = Pacer(pace) if pace else None
+        self.micro = MicroParts(micro) if micro > 1 else None  # --micro-batches: each step's, by the steps' times
 
     # -- HTTP side (any thread) --------------------------------------------------
     def submit(self, job: Job) -> bool:
@@ -301,7 +305,8 @@ class Scheduler:
                 keep.append(job)
         self.backlog = keep
         step = Step(KIND_STEP, self.removals, [(rid, job.choice_req(i)) for rid, job, i in admissions],
-                    prefill_tokens=self.pacer.tokens() if self.pacer is not None else 0)
+                    prefill_tokens=self.pacer.tokens() if self.pacer is not None else 0,
+                    micro=self.micro.choose(len(self.rows)) if self.micro is not None else 0)
         self.removals = []
         for rid, job, i in admissions:
             ids = job.prompts[i // job.group]
@@ -344,6 +349,8 @@ class Scheduler:
             t.prompt_tokens += sum(len(req.prompt_ids) for _, req in step.admissions)
         if self.pacer is not None:
             self.pacer.observe(result.step_s, len(result.ids), result.prefilled, result.flat, result.traced)
+        if self.micro is not None:
+            self.micro.observe(result.step_s, len(result.ids), result.prefilled, result.traced, result.micro)
         if STEP_LOG and (result.prefilled or step.admissions):
             log(f"step: {len(result.ids)} ids, {result.prefilled} prompt tokens ({step.prefill_tokens} paced), "
                 f"{1e3 * result.step_s:.1f} ms{', flat' if result.flat else ''}{', traced' if result.traced else ''}")

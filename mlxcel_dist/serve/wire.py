@@ -13,9 +13,10 @@ every rank builds. Its header: magic, kind (job), the JSON's byte count, each
 id list's length.
 
 A step (:class:`Step`, :func:`encode_step`): a control header (magic, kind,
-payload length, idle milliseconds, prompt tokens to prefill), then for a STEP with changes the
-removals and the admissions ([n_remove, rid..., n_admit, (rid, request
-header..., payload length, payload...)...]).
+payload length, then the step's other int fields in their order: a new one
+is one line of `Step`), then for a STEP with changes the removals and the
+admissions ([n_remove, rid..., n_admit, (rid, request header..., payload
+length, payload...)...]).
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ KIND_JOB = 1
 KIND_SHUTDOWN = 2
 KIND_STEP = 3
 KIND_IDLE = 4
-CONTROL_INTS = 5  # magic, kind, payload length, idle milliseconds, prompt tokens to prefill (0: the engine's)
 INT32_MAX = 2**31 - 1
 RID_LIMIT = 1 << 30  # row ids wrap below this
 
@@ -136,10 +136,15 @@ class Step:
     admissions: list = field(default_factory=list)  # (row id, GenRequest)
     idle_ms: int = 0
     prefill_tokens: int = 0  # prompt tokens the step prefills beside its rows (serve.pacing; 0: the engine's budget)
+    micro: int = 0  # the step's micro-batches (serve.pacing.MicroParts; 0: the engine's own)
 
     @property
     def changes(self) -> bool:
         return bool(self.removals or self.admissions)
+
+
+SCALARS = tuple(f.name for f in fields(Step) if f.type == "int" and f.name != "kind")  # the header's after the length
+CONTROL_INTS = 3 + len(SCALARS)  # magic, kind, payload length, SCALARS
 
 
 def encode_step(step: Step) -> np.ndarray:
@@ -153,15 +158,15 @@ def encode_step(step: Step) -> np.ndarray:
         payload = np.concatenate(parts)
     else:
         payload = np.zeros(0, np.int32)
-    control = np.array([MAGIC, step.kind, len(payload), step.idle_ms, step.prefill_tokens], np.int32)
+    control = np.array([MAGIC, step.kind, len(payload), *(getattr(step, f) for f in SCALARS)], np.int32)
     return np.concatenate([control, payload])
 
 
 def decode_step(msg: np.ndarray) -> Step:
     if len(msg) < CONTROL_INTS or int(msg[0]) != MAGIC:
         raise RuntimeError(f"serve: bad step header (magic {int(msg[0]) if len(msg) else 0:#x})")
-    _, kind, n, idle_ms, prefill = (int(x) for x in msg[:CONTROL_INTS])
-    step = Step(kind, idle_ms=idle_ms, prefill_tokens=prefill)
+    _, kind, n, *scalars = (int(x) for x in msg[:CONTROL_INTS])
+    step = Step(kind, **dict(zip(SCALARS, scalars)))
     payload = msg[CONTROL_INTS:CONTROL_INTS + n]
     if not n:
         return step
