@@ -313,12 +313,59 @@ def test_nccl_hosts(monkeypatch):
         assert s.files == {}
 
 
-def test_nccl_local_devices_wrap(monkeypatch):
+def test_nccl_local_devices_follow_cuda_visible_devices(monkeypatch):
     monkeypatch.setattr(backends.Nccl, "available", lambda self, python=None: True)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6")
-    specs = backends.get("nccl").rank_specs(Job.local(3))
-    assert [s.env["CUDA_VISIBLE_DEVICES"] for s in specs] == ["4", "6", "4"]
+    specs = backends.get("nccl").rank_specs(Job.local(2))
+    assert [s.env["CUDA_VISIBLE_DEVICES"] for s in specs] == ["4", "6"]
     assert len({s.env["NCCL_PORT"] for s in specs}) == 1
+    # a third rank would share a GPU, which NCCL refuses at init ("Duplicate GPU detected"): refused here
+    with pytest.raises(UserError, match="3 ranks need 3 GPUs and this host has 2 .*--backend ring"):
+        backends.get("nccl").rank_specs(Job.local(3))
+
+
+def _gpu_host(monkeypatch, tmp_path, n):
+    """This host with n NVIDIA GPUs as the driver lists them (no CUDA_VISIBLE_DEVICES)."""
+    from mlxcel_dist.cluster import gpus
+
+    proc = tmp_path / "gpus"
+    proc.mkdir()
+    for i in range(n):
+        (proc / f"0000:{i:02x}:00.0").mkdir()
+    monkeypatch.setattr(gpus, "PROC", str(proc))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+
+
+@pytest.mark.parametrize("n_gpus", [0, 1, 2, 4])
+def test_ring_ranks_on_one_host_get_a_gpu_each_while_there_are_enough(monkeypatch, tmp_path, n_gpus):
+    # ring (and mpi) ranks are the pipeline's send/recv path on GPUs: without a device each,
+    # every rank would run on GPU 0
+    _gpu_host(monkeypatch, tmp_path, n_gpus)
+    job = Job.local(2, env=dict(os.environ))
+    plan = backends.get("ring").plan(job)
+    got = [s.env.get("CUDA_VISIBLE_DEVICES") for s in plan.specs]
+    assert got == {0: [None, None], 1: ["0", "0"], 2: ["0", "1"], 4: ["0", "1"]}[n_gpus]
+    shared = [w for w in plan.warnings if "share" in w]
+    assert len(shared) == (n_gpus == 1) and (not shared or "2 ranks share this host's 1 GPU(s)" in shared[0])
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")  # the launcher's own choice, in its order
+    plan = backends.get("ring").plan(Job.local(3, env=dict(os.environ)))
+    assert [s.env["CUDA_VISIBLE_DEVICES"] for s in plan.specs] == ["3", "5", "3"]
+
+
+def test_mpi_ranks_pick_their_gpu_by_local_rank(monkeypatch, tmp_path):
+    from mlxcel_dist.cluster import gpus
+
+    _gpu_host(monkeypatch, tmp_path, 2)
+    env, export, warnings = backends.get("mpi").rank_env(Job.local(3, env=dict(os.environ)), "mpirun")
+    assert env[gpus.VAR] == "0,1" and gpus.VAR in export
+    assert any("3 ranks share this host's 2 GPU(s)" in w for w in warnings)
+    for local, want in (("0", "0"), ("1", "1"), ("2", "0")):
+        rank_env = {gpus.VAR: env[gpus.VAR], "OMPI_COMM_WORLD_LOCAL_RANK": local}
+        gpus.place(rank_env)
+        assert rank_env["CUDA_VISIBLE_DEVICES"] == want
+    bare = {"OMPI_COMM_WORLD_LOCAL_RANK": "1"}  # no GPUs exported (a CPU host): nothing set
+    gpus.place(bare)
+    assert "CUDA_VISIBLE_DEVICES" not in bare
 
 
 def test_nccl_without_cuda_is_refused_once_before_launch(monkeypatch):

@@ -197,7 +197,9 @@ def check_cluster(group: Group, model, present: bool) -> None:
 # What the launcher runs in every rank:
 #   python -c RANK_BOOTSTRAP -m <module> <args...>
 #   python -c RANK_BOOTSTRAP --script <path> <args...>
-RANK_BOOTSTRAP = "import mlxcel_dist.parallel.distributed as d; d._rank_main()"
+# (this rank's GPU first, before anything imports MLX: mpirun's ranks share one environment)
+RANK_BOOTSTRAP = ("import mlxcel_dist.cluster.gpus as g; g.place(); "
+                  "import mlxcel_dist.parallel.distributed as d; d._rank_main()")
 
 
 def exit_rank(code: int):

@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from ...errors import UserError
+from .. import gpus
 from ..hostfile import HostfileInfo
 from .base import Backend, Command, Job, RankSpec, signame
 from .registry import register
@@ -265,6 +266,11 @@ class Mpi(Backend):
         # print a stats line before (or inside) the text it follows.
         env["MLXCEL_DIST_REPORTS_ON_STDOUT"] = "1"
         export.append("MLXCEL_DIST_REPORTS_ON_STDOUT")
+        host = gpus.host_gpus(env) if job.single_node else []
+        if host:  # each rank picks its own from its local rank (gpus.place, in the rank bootstrap)
+            env[gpus.VAR] = ",".join(host)
+            export.append(gpus.VAR)
+            warnings += filter(None, [gpus.sharing(job.np, host)])
         return env, list(dict.fromkeys(export)), warnings
 
     def rank_specs(self, job: Job) -> list[RankSpec]:

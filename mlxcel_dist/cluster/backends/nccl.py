@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 from ...errors import UserError
+from .. import gpus
 from .base import Backend, Job, RankSpec, free_ports
 from .registry import register
 
@@ -57,6 +58,10 @@ class Nccl(Backend):
                             "(pip install 'mlx[cuda]' on a machine with NVIDIA GPUs)")
         specs = super().rank_specs(job)
         ip, port = self.coordinator(job)
+        host = gpus.host_gpus(job.env or None)  # (None: this process's environment)
+        if job.single_node and host and job.np > len(host):
+            raise UserError(f"backend nccl: {job.np} ranks need {job.np} GPUs and this host has {len(host)} "
+                            f"(NCCL refuses two ranks on one GPU); run --backend ring, whose ranks share them")
         visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d]
         local_index: dict[str, int] = {}
         for s in specs:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from ...errors import UserError
+from .. import gpus
 from ..hostfile import host_ip
 from .base import Backend, Job, Processes, RankSpec, free_ports
 from .registry import register
@@ -15,7 +16,9 @@ class Ring(Backend):
     """MLX's TCP ring. One node: ``127.0.0.1`` and free ports. Several: each
     host's ``ips`` (else its resolved name), ports from ``$MLXCEL_RING_PORT``
     counting up. Every rank gets ``MLX_RANK`` and ``MLX_HOSTFILE`` (a JSON
-    list with one ``["ip:port", ...]`` list per rank)."""
+    list with one ``["ip:port", ...]`` list per rank); on one host with CUDA
+    GPUs, ``CUDA_VISIBLE_DEVICES`` too (its own GPU while there are enough:
+    cluster/gpus.py)."""
 
     name = "ring"
     auto_order = 40
@@ -51,8 +54,11 @@ class Ring(Backend):
         if job.np == 1:
             return specs  # a singleton group needs no hostfile
         ring_json = json.dumps(self.addresses(job))
+        host = gpus.host_gpus(job.env) if job.single_node else []
         for s in specs:
             s.files["MLX_HOSTFILE"] = ring_json
+            if host:
+                s.env["CUDA_VISIBLE_DEVICES"] = gpus.device(s.rank, host)
         return specs
 
     def _plan(self, job: Job) -> Processes:
@@ -63,6 +69,7 @@ class Ring(Backend):
             return plan
         plan.notes.append(f"ring hostfile {ring_json}")
         if job.single_node:
+            plan.warnings += filter(None, [gpus.sharing(job.np, gpus.host_gpus(job.env))])
             # The ring's last rank connects to rank 0 before anyone else
             # connects; if rank 0 is not listening yet MLX backs off for a
             # whole second. The launcher starts it once the others listen.
