@@ -192,6 +192,7 @@ class MicroParts:
         self.since: dict = {}  # bucket -> steps since its last trial ended
         self.last = 1  # the mode of the step decided last
         self.settled = False  # ... and of the one before it (a switch's first step reads the last mode's)
+        self.verdict = None  # (bucket, {mode: seconds a row}) when a trial has just ended (the step log's)
 
     def choose(self, rows: int) -> int:
         """The next step's micro-batches (1: whole)."""
@@ -212,6 +213,7 @@ class MicroParts:
         """The step decided last, as it ran (`micro`: in micro-batches; a step
         with a constrained row runs whole). Only a plain step of rows after
         one of the same mode is a measure."""
+        self.verdict = None
         if self.parts <= 1 or rows < 2 or prefilled or traced:
             return
         b, mode = _bucket(rows), self.parts if micro else 1
@@ -230,3 +232,4 @@ class MicroParts:
                 self.since[b] = 0
                 timed = {m: self.per_row[(b, m)] for m in (1, self.parts) if (b, m) in self.per_row}
                 self.use[b] = min(timed, key=timed.get)
+                self.verdict = (b, timed)

@@ -351,6 +351,11 @@ class Scheduler:
             self.pacer.observe(result.step_s, len(result.ids), result.prefilled, result.flat, result.traced)
         if self.micro is not None:
             self.micro.observe(result.step_s, len(result.ids), result.prefilled, result.traced, result.micro)
+            if STEP_LOG and self.micro.verdict:
+                b, timed = self.micro.verdict
+                log(f"micro-batches at up to {b} rows: " + ", ".join(
+                    f"{'whole' if m == 1 else f'{m} parts'} {1e3 * s:.2f} ms a row" for m, s in timed.items())
+                    + f": {'whole' if self.micro.use[b] == 1 else 'parts'} kept")
         if STEP_LOG and (result.prefilled or step.admissions):
             log(f"step: {len(result.ids)} ids, {result.prefilled} prompt tokens ({step.prefill_tokens} paced), "
                 f"{1e3 * result.step_s:.1f} ms{', flat' if result.flat else ''}{', traced' if result.traced else ''}")
