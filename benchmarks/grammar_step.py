@@ -7,8 +7,8 @@ Variants, interleaved over --reps passes (medians of each pass's median step):
   json/<threads>/<when> the grammar; masks by llguidance's pool of that many
                         threads ("pool": llguidance's own default, 80% of the
                         CPUs; 1: one matcher after the other), computed
-                        "ahead" (the engine's worker thread, from `_finish`
-                        until the next launch) or "inline" (in `_finish`, on
+                        "ahead" (the engine's worker thread, from `finish`
+                        until the next launch) or "inline" (in `finish`, on
                         the stepping thread: the engine before issue 42)
 --host-ms X: X ms of pure-Python work between steps (the GIL held), standing
 for the scheduler's per-step work (detokenizing, events) that masks computed
@@ -17,9 +17,9 @@ ahead can overlap.
 Per step also the host time inside the engine's parts, timed by wrapping
 them: `launch` (the forward built and started; on MLX's CPU device this
 includes most of the forward), `collect` (the read; each matcher's
-`advance`), `_finish` (masks started, or computed inline), `_draw` (inside
+`advance`), `finish` (masks started, or computed inline), `_draw` (inside
 launch: waits for the masks, builds the draw) and `masks` (the mask
-computation itself, on whichever thread runs it). `_finish` + `_draw` +
+computation itself, on whichever thread runs it). `finish` + `_draw` +
 `advance` is the grammar's time on the stepping thread.
 
     python benchmarks/grammar_step.py [MODEL] --rows 16 --steps 32 --reps 5 [--host-ms 2] [--sampled] [--json]
@@ -94,8 +94,8 @@ def main() -> None:
               for i in range(args.rows)]
     parts = defaultdict(float)
     eng = BatchEngine(model, vocab=vocab)
-    for name in ("launch", "collect", "_finish", "_draw"):
-        timed(eng, name, parts)
+    for name in ("launch", "collect", "finish", "_draw"):  # (the engine's steps, batch_step.Steps)
+        timed(eng.steps, name, parts)
     timed(vocab, "masks", parts)
     timed(grammar.Matcher, "advance", parts)  # (the class: every row's matcher)
     ahead = vocab.masks_ahead
