@@ -54,8 +54,8 @@ def sharing(n: int, gpus: list[str]) -> str | None:
 
 def place(env=None) -> None:
     """Rank side, under mpirun: this rank's GPU from the exported list and its
-    local rank, before MLX is imported (nothing where either is missing or the
-    rank's CUDA_VISIBLE_DEVICES is already one GPU)."""
+    local rank, before MLX is imported (nothing where either is missing: a
+    host without GPUs, a rank another launcher started)."""
     env = os.environ if env is None else env
     gpus = [d for d in env.get(VAR, "").split(",") if d]
     local = next((env[v] for v in LOCAL_RANK_VARS if v in env), None)
