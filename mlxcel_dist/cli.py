@@ -463,9 +463,22 @@ def _check_flag_values(args: list[str]) -> None:
             raise UserError(f"{opt} is an on/off flag: give {give} alone, with no value (got {nxt!r} after it)")
 
 
+def _stack_dumps() -> None:
+    """`kill -USR1 PID` makes this process (launcher or rank) print every
+    thread's Python stack to its stderr: a hung job's first clue."""
+    import faulthandler
+    import signal
+
+    try:
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
+    except (AttributeError, ValueError, OSError, RuntimeError):  # no SIGUSR1 (Windows), or a stderr without a file
+        pass
+
+
 def main():
     """The console entry point: usage errors are one `error:` line, exit 2
     (click's own form is a multi-line box)."""
+    _stack_dumps()
     try:
         from typer._click import exceptions as click_exceptions  # newer typer vendors click
     except ImportError:  # pragma: no cover - typer on the click package

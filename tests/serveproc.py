@@ -69,6 +69,14 @@ class Server:
             try:
                 self.proc.wait(timeout=20)
             except subprocess.TimeoutExpired:
+                # every process's Python stacks into the log (cli._stack_dumps), shown with the failure
+                for pid in [self.proc.pid, *alive(descendants(self.proc.pid))]:
+                    try:
+                        os.kill(pid, signal.SIGUSR1)
+                    except OSError:
+                        pass
+                time.sleep(2)
+                print(f"the server did not stop within 20 s of SIGTERM; its log:\n{self.output()[-12000:]}")
                 os.killpg(self.proc.pid, signal.SIGKILL)  # the session we started
                 self.proc.wait(timeout=10)
         self.log.close()

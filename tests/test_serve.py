@@ -1243,3 +1243,22 @@ def test_prompt_cache_reuse_past_the_window_changes_nothing(server, model_dir):
     want = fresh(second)
     assert _text(server, {**body, "prompt": second})["text"] == want  # reuses `first`'s entry
     assert _text(server, {**body, "prompt": second})["text"] == want  # reuses its own
+
+
+def test_usr1_prints_every_ranks_stacks_and_the_job_goes_on(server2):
+    # a hung job's first clue (cli._stack_dumps): kill -USR1 on the launcher and on a rank
+    # writes each one's Python stacks into the job's output; serving goes on after
+    from testproc import alive
+
+    before = len(server2.output())
+    pids = [server2.proc.pid, *alive(descendants(server2.proc.pid))]
+    for pid in pids:
+        os.kill(pid, signal.SIGUSR1)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and server2.output()[before:].count("most recent call first") < 2:
+        time.sleep(0.2)
+    dumps = server2.output()[before:]
+    assert dumps.count("most recent call first") >= 2, dumps[-3000:]  # the launcher's and at least one rank's
+    assert "serve" in dumps or "scheduler" in dumps or "protocol" in dumps, dumps[-3000:]
+    r = server2.json("/v1/completions", {"prompt": "The sea", "max_tokens": 4, "temperature": 0})
+    assert r["usage"]["completion_tokens"] == 4
