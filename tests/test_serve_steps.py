@@ -614,20 +614,29 @@ def test_micro_parts_try_the_other_mode_again_and_follow_a_change():
     assert modes[REPROBE:].count(1) > 2 * REPROBE - 2 * (PROBE + 2) - REPROBE // 2  # switched within a reprobe
 
 
-def test_micro_parts_time_only_plain_steps_of_the_mode_they_ran():
+def test_micro_parts_time_only_plain_steps_and_end_a_trial_of_parts_that_cannot_run():
     from mlxcel_dist.serve.pacing import PROBE, MicroParts
 
     mp = MicroParts(2)
     for _ in range(PROBE):  # whole steps timed first: 0.1 s a row
         assert mp.choose(8) == 1
         mp.observe(0.8, 8, 0, False, False)
-    for _ in range(3 * PROBE):  # the parts' trial: steps that prefilled, traced or ran whole (a constrained
-        assert mp.choose(8) == 2  # row) are no measure of the parts, however fast
+    for _ in range(3 * PROBE):  # the parts' trial: steps that prefilled or traced are no measure, however fast
+        assert mp.choose(8) == 2
         mp.observe(0.08, 8, 64, False, True)
+    for _ in range(3 * PROBE):
+        assert mp.choose(8) == 2
         mp.observe(0.08, 8, 0, True, True)
-        mp.observe(0.08, 8, 0, False, False)
-    assert (8, 2) not in mp.per_row
+    assert (8, 2) not in mp.per_row and mp.verdict is None
     for _ in range(PROBE):
         mp.choose(8)
         mp.observe(1.6, 8, 0, False, True)  # 0.2 s a row in parts
-    assert mp.choose(8) == 1 and mp.choose(1) == 1  # whole kept; one row never splits
+    b, timed = mp.verdict
+    assert b == 8 and timed == pytest.approx({1: 0.1, 2: 0.2}) and mp.choose(8) == 1  # whole kept
+
+    mp = MicroParts(2)  # parts asked for and run whole (a constrained row, a one-row buffer): they cannot run
+    for _ in range(2 * PROBE + 1):
+        mp.choose(1)
+        mp.observe(0.1, 1, 0, False, False)
+    assert mp.per_row[(1, 2)] == float("inf") and mp.use[1] == 1
+    assert all(mp.choose(1) == 1 for _ in range(50))

@@ -197,7 +197,7 @@ class MicroParts:
     def choose(self, rows: int) -> int:
         """The next step's micro-batches (1: whole)."""
         mode = 1
-        if self.parts > 1 and rows > 1:
+        if self.parts > 1 and rows:
             b = _bucket(rows)
             if b not in self.trial:
                 untried = [m for m in (1, self.parts) if (b, m) not in self.per_row]
@@ -210,26 +210,33 @@ class MicroParts:
         return mode
 
     def observe(self, seconds: float, rows: int, prefilled: int, traced: bool, micro: bool) -> None:
-        """The step decided last, as it ran (`micro`: in micro-batches; a step
-        with a constrained row runs whole). Only a plain step of rows after
-        one of the same mode is a measure."""
+        """The step decided last, as it ran (`micro`: in micro-batches). Only a
+        plain step of rows after one of the same mode is a measure; parts asked
+        for and run whole (a constrained row; a one-row buffer) count as parts
+        that cannot run: their trial ends at whole steps."""
         self.verdict = None
-        if self.parts <= 1 or rows < 2 or prefilled or traced:
+        if self.parts <= 1 or not rows or prefilled or traced or not self.settled:
             return
         b, mode = _bucket(rows), self.parts if micro else 1
-        if not self.settled or mode != self.last:
+        trial = self.trial.get(b)
+        if mode != self.last:
+            if trial is not None and trial[0] == self.last:
+                self.per_row[(b, self.last)] = float("inf")
+                self._step_trial(b, trial)
             return
         key = (b, mode)
         per = seconds / rows
         self.per_row[key] = per if key not in self.per_row else (1 - EMA) * self.per_row[key] + EMA * per
-        trial = self.trial.get(b)
         if trial is None:
             self.since[b] = self.since.get(b, 0) + 1
         elif trial[0] == mode:
-            trial[1] -= 1
-            if trial[1] <= 0:
-                del self.trial[b]
-                self.since[b] = 0
-                timed = {m: self.per_row[(b, m)] for m in (1, self.parts) if (b, m) in self.per_row}
-                self.use[b] = min(timed, key=timed.get)
-                self.verdict = (b, timed)
+            self._step_trial(b, trial)
+
+    def _step_trial(self, b: int, trial: list) -> None:
+        trial[1] -= 1
+        if trial[1] <= 0:
+            del self.trial[b]
+            self.since[b] = 0
+            timed = {m: self.per_row[(b, m)] for m in (1, self.parts) if (b, m) in self.per_row}
+            self.use[b] = min(timed, key=timed.get)
+            self.verdict = (b, timed)

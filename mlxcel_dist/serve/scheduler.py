@@ -354,7 +354,8 @@ class Scheduler:
             if STEP_LOG and self.micro.verdict:
                 b, timed = self.micro.verdict
                 log(f"micro-batches at up to {b} rows: " + ", ".join(
-                    f"{'whole' if m == 1 else f'{m} parts'} {1e3 * s:.2f} ms a row" for m, s in timed.items())
+                    f"{'whole' if m == 1 else f'{m} parts'} " + (f"{1e3 * s:.2f} ms a row" if s < float("inf") else "not run")
+                    for m, s in timed.items())
                     + f": {'whole' if self.micro.use[b] == 1 else 'parts'} kept")
         if STEP_LOG and (result.prefilled or step.admissions):
             log(f"step: {len(result.ids)} ids, {result.prefilled} prompt tokens ({step.prefill_tokens} paced), "
