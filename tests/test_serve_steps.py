@@ -628,9 +628,12 @@ def test_micro_parts_time_only_plain_steps_and_end_a_trial_of_parts_that_cannot_
         assert mp.choose(8) == 2
         mp.observe(0.08, 8, 0, True, True)
     assert (8, 2) not in mp.per_row and mp.verdict is None
-    for _ in range(PROBE):
+    for i in range(PROBE):
         mp.choose(8)
         mp.observe(1.6, 8, 0, False, True)  # 0.2 s a row in parts
+        if i == 1:  # a step that launched nothing (every row at its budget) reads as run whole: no measure
+            assert mp.choose(8) == 2
+            mp.observe(0.01, 8, 0, False, False)
     b, timed = mp.verdict
     assert b == 8 and timed == pytest.approx({1: 0.1, 2: 0.2}) and mp.choose(8) == 1  # whole kept
 

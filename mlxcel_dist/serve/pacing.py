@@ -188,7 +188,7 @@ class MicroParts:
         self.parts = parts
         self.per_row: dict = {}  # (bucket, mode) -> seconds a row of a step, moving average
         self.use: dict = {}  # bucket -> the mode kept (1: whole steps)
-        self.trial: dict = {}  # bucket -> [mode, steps still to time]
+        self.trial: dict = {}  # bucket -> [mode, steps still to time, steps in a row that ran the other mode]
         self.since: dict = {}  # bucket -> steps since its last trial ended
         self.last = 1  # the mode of the step decided last
         self.settled = False  # ... and of the one before it (a switch's first step reads the last mode's)
@@ -204,25 +204,30 @@ class MicroParts:
                 if untried or self.since.get(b, 0) >= REPROBE:
                     m = untried[0] if untried else self.parts if self.use.get(b, 1) == 1 else 1
                     self.per_row.pop((b, m), None)  # timed afresh
-                    self.trial[b] = [m, PROBE]
+                    self.trial[b] = [m, PROBE, 0]
             mode = self.trial[b][0] if b in self.trial else self.use.get(b, 1)
         self.settled, self.last = mode == self.last, mode
         return mode
 
     def observe(self, seconds: float, rows: int, prefilled: int, traced: bool, micro: bool) -> None:
-        """The step decided last, as it ran (`micro`: in micro-batches). Only a
-        plain step of rows after one of the same mode is a measure; parts asked
-        for and run whole (a constrained row; a one-row buffer) count as parts
-        that cannot run: their trial ends at whole steps."""
+        """The step decided last, as it ran (`micro`: it launched micro-batches).
+        Only a plain step of rows after one of the same mode is a measure; a
+        trial of parts whose PROBE steps in a row all ran whole (a constrained
+        row, a one-row buffer; a step that launched nothing, at the end of
+        requests, reads the same) ends at whole steps: they cannot run."""
         self.verdict = None
         if self.parts <= 1 or not rows or prefilled or traced or not self.settled:
             return
         b, mode = _bucket(rows), self.parts if micro else 1
         trial = self.trial.get(b)
-        if mode != self.last:
-            if trial is not None and trial[0] == self.last:
+        if trial is not None and trial[0] == self.last:
+            trial[2] = trial[2] + 1 if mode != self.last else 0
+            if trial[2] >= PROBE:
                 self.per_row[(b, self.last)] = float("inf")
+                trial[1] = 1
                 self._step_trial(b, trial)
+                return
+        if mode != self.last:
             return
         key = (b, mode)
         per = seconds / rows
