@@ -61,7 +61,10 @@ def timed(step, first: mx.array, tokens: int, rounds: int) -> list:
     """ms a token per round: pipelined, one host read a token (round 0 a warm-up, not counted).
     A step returns the id [1], or a list whose last entry is the id (evaluated in list order)."""
     out = []
-    last = lambda x: x[-1] if isinstance(x, list) else x  # noqa: E731
+
+    def last(x):
+        return x[-1] if isinstance(x, list) else x
+
     for r in range(rounds + 1):
         nxt = step(first)
         mx.async_eval(nxt)

@@ -1,7 +1,7 @@
 """Which CUDA GPU each rank of a job on one host uses.
 
-Every backend gives each rank of a one-host job its own GPU where the host
-has NVIDIA GPUs (`CUDA_VISIBLE_DEVICES`, the rank's index on the host modulo
+The ring, mpi and nccl backends give each rank of a one-host job its own GPU
+where the host has NVIDIA GPUs (`CUDA_VISIBLE_DEVICES`, the rank's index on the host modulo
 the GPUs there): NCCL needs one a rank, and ring or MPI ranks (the pipeline's
 send/recv hand-off, which NCCL lacks) would otherwise all run on GPU 0. Ranks
 beyond the GPUs share them, which `sharing` says at launch: two ranks on one

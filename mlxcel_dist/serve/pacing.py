@@ -224,8 +224,7 @@ class MicroParts:
             trial[2] = trial[2] + 1 if mode != self.last else 0
             if trial[2] >= PROBE:
                 self.per_row[(b, self.last)] = float("inf")
-                trial[1] = 1
-                self._step_trial(b, trial)
+                self._end_trial(b)
                 return
         if mode != self.last:
             return
@@ -235,13 +234,14 @@ class MicroParts:
         if trial is None:
             self.since[b] = self.since.get(b, 0) + 1
         elif trial[0] == mode:
-            self._step_trial(b, trial)
+            trial[1] -= 1
+            if trial[1] <= 0:
+                self._end_trial(b)
 
-    def _step_trial(self, b: int, trial: list) -> None:
-        trial[1] -= 1
-        if trial[1] <= 0:
-            del self.trial[b]
-            self.since[b] = 0
-            timed = {m: self.per_row[(b, m)] for m in (1, self.parts) if (b, m) in self.per_row}
-            self.use[b] = min(timed, key=timed.get)
-            self.verdict = (b, timed)
+    def _end_trial(self, b: int) -> None:
+        """Keep the mode of fewer seconds a row for row count `b` (`verdict` says which)."""
+        del self.trial[b]
+        self.since[b] = 0
+        timed = {m: self.per_row[(b, m)] for m in (1, self.parts) if (b, m) in self.per_row}
+        self.use[b] = min(timed, key=timed.get)
+        self.verdict = (b, timed)

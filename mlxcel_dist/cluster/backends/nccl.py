@@ -58,11 +58,13 @@ class Nccl(Backend):
                             "(pip install 'mlx[cuda]' on a machine with NVIDIA GPUs)")
         specs = super().rank_specs(job)
         ip, port = self.coordinator(job)
-        host = gpus.host_gpus(job.env or None)  # (None: this process's environment)
+        env = job.env or os.environ
+        host = gpus.host_gpus(env)
         if job.single_node and host and job.np > len(host):
             raise UserError(f"backend nccl: {job.np} ranks need {job.np} GPUs and this host has {len(host)} "
                             f"(NCCL refuses two ranks on one GPU); run --backend ring, whose ranks share them")
-        visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d]
+        # every host's ranks by the launcher's CUDA_VISIBLE_DEVICES where set, else GPU i for local rank i
+        visible = [d for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d]
         local_index: dict[str, int] = {}
         for s in specs:
             h = job.placement[s.rank]
@@ -73,6 +75,6 @@ class Nccl(Backend):
                 "MLX_WORLD_SIZE": str(job.np),
                 "NCCL_HOST_IP": ip,
                 "NCCL_PORT": str(port),
-                "CUDA_VISIBLE_DEVICES": visible[i % len(visible)] if visible else str(i),
+                "CUDA_VISIBLE_DEVICES": gpus.device(i, visible) if visible else str(i),
             })
         return specs
