@@ -647,3 +647,60 @@ def test_flat_chunks_keep_within_the_prefill_step(monkeypatch):
         got.update(eng.step())
     assert eng.flat_sizes and max(eng.flat_sizes) <= 48, sorted(eng.flat_sizes)
     assert [got[9]] == alone(model, prompt, 1)
+
+
+def test_a_flat_prompts_first_id_is_drawn_from_its_last_chunk(monkeypatch):
+    # in flat steps a prompt's last token rides in its last chunk and its row's first id (its
+    # copies' too, each by its own choice: logprobs, a grammar) is drawn from that token's logits,
+    # read with the step after that chunk's: one step sooner than a first step of the row's own
+    # (a GPU: a long prompt's first token beside streams); the ids stay the ids alone
+    pytest.importorskip("llguidance")
+    from mlxcel_dist.engine import grammar
+    from mlxcel_dist.checkpoint.loader import read_config
+    from mlxcel_dist.checkpoint.tokenizer import Tokenizer
+
+    monkeypatch.setenv("MLXCEL_DIST_FLAT", "1")
+    d = default_model_dir()
+    model = load_model(d).model
+    tok = Tokenizer(d, read_config(d))
+    vocab = grammar.Vocab(d / "tokenizer.json", model.args.vocab_size, tok.eos_ids)
+    g = grammar.json_schema({"type": "object", "properties": {"a": {"enum": ["x", "y"]}}, "required": ["a"],
+                             "additionalProperties": False})
+    rng = np.random.default_rng(8)
+    V = model.args.vocab_size
+    long, asked = rng.integers(3, V, 61), tok.encode("Answer in JSON. " * 6)
+    n = 8
+    eng = BatchEngine(model, prefill_step=16, vocab=vocab, budget=Budget(12))
+    eng.want = {11: 2}
+    eng.add_many([(rid, rng.integers(3, V, 4), GREEDY, 30) for rid in range(3)])
+    for _ in range(2):
+        eng.step()
+    late = {10: long, 11: long, 12: asked}
+    eng.add_many([(rid, p, GREEDY, n, g if rid == 12 else None) for rid, p in late.items()])
+    got, lps, first, flat = {rid: [] for rid in late}, [], {}, []
+    while any(len(got[rid]) < n for rid in late):
+        before = eng.flat_steps
+        out = eng.step()
+        flat.append(eng.flat_steps > before)
+        for rid, t in out.items():
+            if rid in late and len(got[rid]) < n:
+                first.setdefault(rid, len(flat) - 1)
+                got[rid].append(t)
+                if rid == 11:
+                    lps.append(eng.logprobs[rid])
+                if len(got[rid]) == n or t in tok.eos_ids:
+                    got[rid] += [None] * (n - len(got[rid]))
+                    eng.remove(rid)
+    for rid in late:  # its first id read in the step after the one that launched its last chunk
+        assert first[rid] >= 1 and flat[first[rid] - 1], (rid, first, flat)
+    assert first[10] == first[11]  # a copy's id drawn with its source's
+    assert got[10] == got[11] == alone(model, long, n)
+    assert len(lps) == n and all(len(top) == 2 for _, top in lps)
+    lone = BatchEngine(model, vocab=vocab)  # the constrained request alone
+    lone.add_many([(12, asked, GREEDY, n, g)])
+    ids = []
+    while len(lone):
+        ids.append(lone.step()[12])
+        if len(ids) >= n or ids[-1] in tok.eos_ids:
+            lone.remove(12)
+    assert [t for t in got[12] if t is not None] == ids

@@ -303,19 +303,46 @@ class BatchEngine:
                 continue
             row = Row(rid, Sampler(sampling or SamplingParams(), len(a.prompt)), a.prompt.tolist(), a.last + 1,
                       0, budget=1, grammar=grammar)
-            choice = [Choice(row, self.want)]
-            masks = grammar_masks(choice)
-            ids, _ = draw(choice, [logits], None, masks)
-            lps = choice_logprobs(choice, [logits], ids, None, masks)
-            mx.eval(ids, lps, outstanding_sends(self.model))
-            self.answered[rid] = (int(ids[0].item()), read_logprobs(lps[rid]) if rid in lps else None)
-            row.took([self.answered[rid][0]])  # (its grammar advanced, as a row's read would)
+            self._answer_now([row], logits)
 
-    def place_layers(self, a: Admission, layers: list) -> None:
+    def _first_ids(self, rows: list, logits: mx.array) -> tuple[list, dict]:
+        """Each of `rows`' first id, drawn lazily from its prompt's last token's
+        logits [V] as its row's first step would draw it (choice.py), and the
+        logprobs of those that want them."""
+        choices = [Choice(r, self.want) for r in rows]
+        masks = grammar_masks(choices)
+        xs = [logits] * len(rows)
+        ids, _ = draw(choices, xs, None, masks)
+        return ids, choice_logprobs(choices, xs, ids, None, masks)
+
+    def _answer_now(self, rows: list, logits: mx.array) -> None:
+        """`rows`' first ids read now, out with the next `step`'s (`answered`)."""
+        ids, lps = self._first_ids(rows, logits)
+        mx.eval(ids, lps, outstanding_sends(self.model))
+        for r, t in zip(rows, ids):
+            tok = int(t.item())
+            self.answered[r.rid] = (tok, read_logprobs(lps[r.rid]) if r.rid in lps else None)
+            r.took([tok])  # (its grammar advanced, as a row's read would)
+
+    def place_layers(self, a: Admission, layers: list, logits: mx.array | None = None) -> None:
         """Prompt `a`, prefilled together with others, into a new row: `layers`
-        as `RowBuffers.write` takes them."""
-        self.store.reserve(len(self.rows) + 1, a.last + 1)
-        self._join(self._row(a), layers)
+        as `RowBuffers.write` takes them. `logits` [V]: the prompt's last token
+        was prefilled too (a flat job's last chunk, flat.py) and these are its:
+        the row and its copies draw their first ids from them, lazily, and
+        join at the next position, those ids read with the step in flight
+        (`Steps.graft`): one step sooner than a first step of their own."""
+        fed = a.last + (logits is not None)  # the tokens its layers hold
+        self.store.reserve(len(self.rows) + 1, fed + 1)
+        row = self._row(a)
+        row.pos = fed
+        n = len(self.rows)
+        self._join(row, layers)
+        if logits is None:
+            return
+        rows = self.rows[n:]  # it and its copies (`_fork`), less any cancelled meanwhile
+        for r in rows:
+            r.launched = 1
+        self.steps.graft(rows, *self._first_ids(rows, logits))
 
     def _row(self, a: Admission) -> Row:
         return Row(a.rid, Sampler(a.sampling or SamplingParams(), len(a.prompt)), a.prompt.tolist(), a.last,

@@ -281,6 +281,23 @@ class Steps:
         mx.async_eval(f.read, f.extras, self.e.take_beside())  # (a prefill chunk beside it: BatchEngine.evaluate)
         return f
 
+    def graft(self, rows: list, ids: list, extras: dict) -> None:
+        """Rows just joined whose first ids were drawn lazily from their
+        prompts' last chunk (`BatchEngine.place_layers`): read with the step
+        in flight, as if it had fed them (so those ids are the next launch's
+        inputs), or as a flight of their own where none is."""
+        if not self.flights:
+            self.flights.append(self._checked(_Flight(list(rows), mx.stack(ids), extras)))
+            return
+        f = self.flights[-1]
+        f.rows.extend(rows)
+        f.extras = {**(f.extras or {}), **extras}
+        if f.ids is None:  # its constrained rows not drawn yet: `_draw_flight` stacks these with theirs
+            f.drawn.extend(ids)
+            return
+        f.ids = mx.concatenate([f.ids, mx.stack(ids)])
+        self._checked(f)
+
     # -- deferred draws and the read ----------------------------------------
     def finish(self) -> None:
         """Start the masks of the step in flight's deferred rows: their last

@@ -12,8 +12,8 @@ token a batch row of one, RoPE at its own position), and only attention is
 split: the rows attend their row buffers (batch_rows.py, `RowCache`), the
 chunk its job's prefill buffers (prefill.Together, `PrefillCache`, [B, m]
 queries, causal by position). The rows' logits, and each job row's last
-token's in the chunk (a prompt answered from its prefill reads them; a
-prompt's last token is otherwise its row's first input).
+token's in the chunk (a prompt's last token rides in its last chunk: its
+row's first id, or its one answer, is drawn from them).
 
 Layers run through their split-decode pieces (`pre` -> `self_attn.attend`
 -> `post`, decode.SplitSegments'), so a layer's forward is still written

@@ -266,9 +266,11 @@ class Together:
         self.L = L  # the longest chunk a row takes (rings are sized for it)
         self.offs = [a.start for a in self.admits]
         # where each prompt's prefill ends: before its last token (its row's first input), or after it
-        # for a prompt answered from its prefill (BatchEngine.answerable): that token's logits come
-        # with the forward of its last chunk
-        self.ends = {id(a): a.last + engine.answerable(a) for a in self.admits}
+        # for a prompt answered from its prefill (BatchEngine.answerable) and, in flat steps, for every
+        # prompt: that token's logits come with the forward of its last chunk and its row's first id is
+        # drawn from them (BatchEngine.place_layers), a step sooner than its row's own first step
+        first = flat and engine.pipelined and engine.guard is None
+        self.ends = {id(a): a.last + (first or engine.answerable(a)) for a in self.admits}
         T = max(self.ends.values()) + L  # slots written, pads included, at most
         if flat:
             T = 1 << (T - 1).bit_length()  # (a power of two: few buffer shapes, few flat graphs)
@@ -428,22 +430,28 @@ class Together:
         in the prompt cache and move it into a batch row, or, answered from its
         prefill, draw its ids from its last token's `logits` [V]."""
         e = self.engine
+        if e.prompt_cache is not None:
+            entries = [e.entry(i, x) for i, x in enumerate(self._row_kv(b, a.last))]
+            e.prompt_cache.store_layers(a.prompt[: a.last], entries, e.windows)
+        if logits is None:
+            e.place_layers(a, self._row_kv(b, a.last))
+        elif e.answerable(a):  # its one id, no row (BatchEngine.answer)
+            e.answer_with(a, logits)
+        else:  # its last token prefilled too: the row's first id drawn from its logits
+            e.place_layers(a, self._row_kv(b, a.last + 1), logits)
+
+    def _row_kv(self, b: int, n: int) -> list:
+        """Row b's keys/values of its first n tokens per layer, oldest first (a
+        sliding layer's last window of them), as RowBuffers.write takes them."""
         kv = []
-        for lay, R in zip(e.layout, self.rings):
+        for lay, R in zip(self.engine.layout, self.rings):
             if R is None:
                 kv.append(None)
                 continue
-            w = lay.window
-            n = a.last if w is None else min(a.last, w)  # a ring of w + chunk slots holds the last w
-            slots = ring_slots(a.last - n, n, R)
+            k = n if lay.window is None else min(n, lay.window)  # a ring of w + chunk slots holds the last w
+            slots = ring_slots(n - k, k, R)
             kv.append(([_read_row(self.bufs[name], b, slots) for name in lay.kv], []))
-        entries = [e.entry(i, x) for i, x in enumerate(kv)]
-        if e.prompt_cache is not None:
-            e.prompt_cache.store_layers(a.prompt[: a.last], entries, e.windows)
-        if logits is not None:  # its one id, no row (BatchEngine.answer)
-            e.answer_with(a, logits)
-            return
-        e.place_layers(a, kv)
+        return kv
 
     def finish(self) -> None:
         """Every row has moved in (`run` moves them as they finish)."""
