@@ -114,6 +114,43 @@ def test_k_adapts_to_acceptance_and_ids_stay(model):
     assert spec.total[1] < spec0.total[1] and sum(widths) < sum(widths0)
 
 
+def test_a_draft_row_feeds_only_the_ids_its_cache_lacks(model):
+    # a round that rejected a draft leaves the draft model's cache holding every agreed id but the
+    # last (the target's own): the next round feeds that one id (a lone row: the split one-row
+    # step); after a round that took all its drafts the last draft was never fed: two ids; a new
+    # row two. The ids stay plain greedy's
+    reqs = [(0, NO_REPEATS[0], GREEDY)]
+    want = run(BatchEngine(model), reqs, N)
+    draft = DraftRows(perturbed(load_model(default_model_dir()).model, 0.3), K)
+    spec = BatchDrafts(K, draft, adaptive=False)
+    engine = BatchEngine(model, spec=spec)
+    rounds, draft_of, feed = [], draft.draft, draft.engine.feed  # per round: [its first feed's width, full]
+
+    def drafting(rows, k):
+        rounds.append([None, None])
+        return draft_of(rows, k)
+
+    def feeding(tokens, pos):
+        if rounds[-1][0] is None:
+            rounds[-1][0] = tokens.shape[1]
+        return feed(tokens, pos)
+
+    step = engine.step
+
+    def stepping():
+        n = len(rounds)
+        out = step()
+        if len(rounds) > n:
+            rounds[-1][1] = spec.last[1] == spec.last[2]  # every draft accepted
+        return out
+
+    draft.draft, draft.engine.feed, engine.step = drafting, feeding, stepping
+    assert run(engine, reqs, N) == want
+    assert rounds[0][0] == 2
+    assert [w for w, _ in rounds[1:]] == [2 if full else 1 for _, full in rounds[:-1]], rounds
+    assert {w for w, _ in rounds[1:]} == {1, 2}, rounds  # both kinds of round seen
+
+
 def test_lookup_rows_whose_drafts_fail_rest(model):
     # random prompts: the tiny model's output repeats ids here and there, so lookups hit and often miss;
     # rows whose single drafts fail rest (plain steps when all rest or miss), the ids unchanged

@@ -67,10 +67,14 @@ MAX_REST = 16  # the longest rest of a prompt-lookup row whose drafts keep faili
 
 class DraftRows:
     """The draft model's rows, one per drafting target row (same rid), in a
-    BatchEngine of their own with margin K. A round refeeds each row's last
-    two agreed ids at their positions (so whatever it drafted past the
-    accepted ones is overwritten: no rollback to track), then its K - 1
-    drafts one step at a time; each row's position is set from its context."""
+    BatchEngine of their own with margin K. A round feeds each row's agreed
+    ids its cache lacks at their positions (so whatever it drafted past the
+    accepted ones is overwritten: no rollback to track): the last one after
+    a round that accepted fewer than all its drafts, the last two after one
+    that accepted all (its last draft was never fed), two for a new row;
+    then its K - 1 drafts one step at a time; each row's position is set
+    from its context. A round in which every row lacks one id feeds one id a
+    row (a lone row: the split one-row step, not the masked block)."""
 
     def __init__(self, model, k: int, compiled: bool = True, prefill_step: int | None = None):
         from .batch import BatchEngine
@@ -78,13 +82,30 @@ class DraftRows:
         check_draft(model)
         self.k = k
         self.engine = BatchEngine(model, prefill_step, compiled, pipelined=False, margin=k)
+        self.fed: dict = {}  # rid -> (its context's length at its last round, its row in that round's drafts)
+        self._drafts = None  # the last round's drafts [m, k] (lazy until its verify read them)
+        self.fed_k = 0  # their k
 
     def add(self, items: list) -> None:
         self.engine.add_many([(rid, ids, None) for rid, ids in items])
 
     def remove(self, rid) -> None:
+        self.fed.pop(rid, None)
         if rid in self.engine:
             self.engine.remove(rid)
+
+    def _lacks(self, rid, ctx: list, last: list | None) -> int:
+        """The agreed ids at the end of `ctx` whose keys row rid's cache lacks
+        (1 or 2); `last`: the last round's drafts as read."""
+        if rid not in self.fed or last is None:
+            return 2
+        n, b = self.fed[rid]
+        held = n  # its last round fed the context, then its drafts but the last from position n
+        for d in last[b][: self.fed_k - 1]:
+            if held >= len(ctx) - 1 or ctx[held] != d:
+                break
+            held += 1
+        return min(2, max(1, len(ctx) - held))
 
     def rids(self) -> list:
         return [r.rid for r in self.engine.rows]
@@ -93,8 +114,10 @@ class DraftRows:
         """The target rows `rows` (in this engine's row order): lazy drafts
         [m, k] (k <= K) and per row its draft logits [k, V] (sampled rows) or None."""
         ctxs = [r.context for r in rows]
-        starts = [max(len(c) - 2, 0) for c in ctxs]
-        first = [c[-2:] if len(c) > 1 else [c[-1], 0] for c in ctxs]  # a 1-id context: a pad, overwritten next
+        last = None if self._drafts is None else np.array(self._drafts).tolist()  # (read by the last verify)
+        L = max(self._lacks(r.rid, c, last) for r, c in zip(rows, ctxs))
+        starts = [max(len(c) - L, 0) for c in ctxs]
+        first = [c[-L:] if len(c) >= L else [c[-1], 0] for c in ctxs]  # a 1-id context: a pad, overwritten next
         logits = self.engine.feed(mx.array(first, mx.int32), starts)
         x = logits[mx.arange(len(rows)), mx.array([len(c) - 1 - s for c, s in zip(ctxs, starts)])]
         drafts, qs = [], [[] for _ in rows]
@@ -106,7 +129,9 @@ class DraftRows:
                 x = self.engine.feed(d.reshape(-1, 1), [len(c) + i for c in ctxs])[:, 0]
         for r, c in zip(self.engine.rows, ctxs):
             r.pos = len(c) - 1
-        return mx.stack(drafts, axis=1), [mx.stack(q) if q else None for q in qs]
+        self._drafts, self.fed_k = mx.stack(drafts, axis=1), k  # [m, k]
+        self.fed = {r.rid: (len(c), b) for b, (r, c) in enumerate(zip(rows, ctxs))}
+        return self._drafts, [mx.stack(q) if q else None for q in qs]
 
 
 class _Ngrams:
