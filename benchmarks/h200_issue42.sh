@@ -10,6 +10,8 @@
 #   bash benchmarks/h200_issue42.sh pp     # issue 41: one stream np 1 vs pp 2 (pp_gpu.py, 4B gemma3 shape);
 #   bash benchmarks/h200_issue42.sh ppfloor # issue 41: pp_floor.py, the same in MLX calls only (rounds interleaved)
 #   bash benchmarks/h200_issue42.sh ppserve #  serve np 1 / pp 2 / pp 2 before (.dev/prev) / pp 2 micro 2 at 1, 16 clients
+#   bash benchmarks/h200_issue42.sh floor  # issue 42 in MLX calls only: drafts' bound (draft_floor.py), 4-bit MoE
+#                                          # decode's spread in 3 fresh processes (moe_spread.py)
 #   bash benchmarks/h200_issue42.sh moefirst # a 4-bit qwen3_moe's first / second run against mlx-lm (moe_first_run.py)
 #   [VS=.dev/base LONG=1] bash benchmarks/h200_issue42.sh stall [TOKENS] [ROUNDS] [LENGTHS] # issue 39: streams
 #          beside a long prompt, 12B gemma3 (VS: an older tree's server too; LONG: the long prompt's max_tokens)
@@ -63,6 +65,11 @@ ppserve)  # [SERVERS] [SECONDS]
     --json "$O/ppserve41.json" 2>&1 | tee "$O/ppserve41.log" | grep -v "^\s*$" | tail -30
   for f in /tmp/serve-load-*/*.log; do cp "$f" "$O/$(basename "$(dirname "$f")")-$(basename "$f")"; done
   ;;
+floor)  # issue 42: what MLX itself allows, nothing of ours
+  nvidia-smi --query-gpu=name,clocks.sm,memory.used --format=csv,noheader
+  timeout 240 python3 benchmarks/draft_floor.py --reps 3 2>&1 | tee "$O/draftfloor42.jsonl"
+  for p in 1 2 3; do timeout 110 python3 benchmarks/moe_spread.py --reps 4 "${@:2}"; done 2>&1 | tee "$O/moespread42.jsonl"
+  ;;
 moefirst)  # issue 42: a 4-bit qwen3_moe's first and second run, ours and mlx-lm, each with empty kernel caches
   t=$(date +%s); python3 benchmarks/moe_first_run.py build /tmp/ckpt/qwen3moe-4bit 2>&1 | tail -3
   echo "built in $(( $(date +%s) - t )) s"
@@ -102,5 +109,5 @@ serve8)
   taskset -c 0,1 timeout 400 python3 benchmarks/serve_load.py --servers ours-np1,ours-np1@.dev/base,mlx_lm-np1 \
     --clients 8 --requests 2 --json "$O/serve8.json" 2>&1 | tee "$O/serve8.log" | grep -v "^\s*$" | tail -30
   ;;
-*) echo "usage: $0 json|fam|pp|ppfloor|ppserve|spec|cpu|serve8"; exit 2 ;;
+*) echo "usage: $0 json|fam|pp|ppfloor|ppserve|floor|moefirst|stall|mixed|spec|cpu|serve8"; exit 2 ;;
 esac

@@ -176,6 +176,7 @@ def main():
     ap.add_argument("--alphas", default="0.05,0.1,0.2,0.4")
     ap.add_argument("--agree", type=float, default=0.7)
     ap.add_argument("--no-mlx-lm", action="store_true")
+    ap.add_argument("--pair-only", action="store_true", help="no prompt-lookup runs (the chain model)")
     ap.add_argument("--json")
     ap.add_argument("--tiny", action="store_true", help="a small model of the same construction (a check on a CPU)")
     a = ap.parse_args()
@@ -214,8 +215,13 @@ def main():
     dcfg, dweights, draft = draft_of(SHAPE, w)
     emit({"pair_alpha": alpha})
 
+    class TwoAlways(DraftRows):  # every round refeeds two agreed ids (the rounds before 2026-12-03)
+        def _lacks(self, *_):
+            return 2
+
     configs = {"plain": lambda: None,
                f"draft K={a.k}": lambda: BatchDrafts(a.k, DraftRows(draft, a.k)),
+               f"draft K={a.k} refeed 2": lambda: BatchDrafts(a.k, TwoAlways(draft, a.k)),
                f"draft K={a.k} fixed": lambda: BatchDrafts(a.k, DraftRows(draft, a.k), adaptive=False)}
     plain_ids = None
     for rep in range(a.reps):
@@ -240,6 +246,8 @@ def main():
                       "prefix_same_as_ours_plain": same_prefix(ids, plain_ids), "first": ids[:4], "ours_first": plain_ids[:4]})
         del mt, md
     del target
+    if a.pair_only:
+        return
 
     # the chain: lookup on a text with no repeats and on one it continues verbatim
     cw = scaled(base, 0, 1e-5)
