@@ -704,3 +704,23 @@ def test_a_flat_prompts_first_id_is_drawn_from_its_last_chunk(monkeypatch):
         if len(ids) >= n or ids[-1] in tok.eos_ids:
             lone.remove(12)
     assert [t for t in got[12] if t is not None] == ids
+
+
+def test_pacer_of_flat_steps_learns_a_tokens_cost_from_long_chunks():
+    # seen on the H200 (12B gemma3, 4 rows decoding): flat steps of 512 tokens cost 34-44 ms as
+    # those of 128 did, and a prompt's 64-token last chunk took 76 ms; read as a token's cost that
+    # one step cut the next prompts to 128-token chunks (first token 3.5x alone where 512-token
+    # chunks gave 1.7x). A token's cost now comes from chunks of LONG tokens or more
+    from mlxcel_dist.serve import pacing
+
+    d = 0.017
+    p = pacing.Pacer(3.0)
+    p.observe(d, 4, 0)
+    p.observe(d + 0.010, 4, 8, flat=True)  # F
+    p.observe(d + 0.025, 4, pacing.LONG, flat=True)  # the probe
+    for _ in range(3):
+        p.observe(0.035, 4, 512, flat=True)
+    settled = p.tokens()
+    assert settled >= 512, settled
+    p.observe(0.076, 4, 64, flat=True)  # a last chunk, slow
+    assert p.tokens() >= 0.9 * settled, (p.tokens(), settled)

@@ -29,7 +29,8 @@ Where the chunk rides in the rows' forward (a GPU: engine/flat.py), a step
 costs d + F + n x p: F, the flat step's own kernels (the chunk's attention,
 its writes), is most of a small chunk's cost and p is small. Those steps are
 paced apart: F from the steps of the fewest tokens (MIN_TOKENS), once, then
-one probe of LONG tokens for p, then max(room - F, F) / p tokens a step, the
+one probe of LONG tokens for p (kept by the steps of LONG tokens or more,
+each weighted by its tokens), then max(room - F, F) / p tokens a step, the
 room HEADROOM x (S - 1) x d (where F alone takes the room: (S - 1) x (d + F)
 / p, few long steps). A step that traced a new graph is no measure of either
 kind, nor is a step OUTLIER x longer than its averages predict, once (a
@@ -51,6 +52,7 @@ LONG = 128  # a chunk of at least this many tokens tells a per-token cost from a
 HEADROOM = 0.8
 FIXED = 0.75  # a chunk's cost is fixed where that part is over this share of the smallest chunk's
 OUTLIER = 5.0  # a step this many times longer than the averages predict is skipped, once
+MAX_WEIGHT = 0.5  # the most a flat step's tokens weigh in a token's cost (EMA at LONG tokens, more as they grow)
 
 
 class Pacer:
@@ -123,8 +125,12 @@ class Pacer:
             high = extra <= self.flat_fixed_s
             self.flat_fixed_s = min(self.flat_fixed_s, extra)
             per = (extra / 4 if high else extra - self.flat_fixed_s) / n
-            if n >= LONG or self.flat_token_s is not None:
-                self.flat_token_s = per if self.flat_token_s is None else (1 - EMA) * self.flat_token_s + EMA * per
+            # a token's cost from long chunks only, weighted by their tokens: a short chunk's noise
+            # over its few tokens (a prompt's 64-token last chunk, 76 ms on the H200) read as a
+            # costly token cut the next prompts to 128-token chunks where 512 cost the same 34-44 ms
+            if n >= LONG:
+                w = min(MAX_WEIGHT, EMA * n / LONG)
+                self.flat_token_s = per if self.flat_token_s is None else (1 - w) * self.flat_token_s + w * per
 
     def _flat_tokens(self) -> int:
         if self.flat_fixed_s is None:
