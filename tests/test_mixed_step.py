@@ -724,3 +724,21 @@ def test_pacer_of_flat_steps_learns_a_tokens_cost_from_long_chunks():
     assert settled >= 512, settled
     p.observe(0.076, 4, 64, flat=True)  # a last chunk, slow
     assert p.tokens() >= 0.9 * settled, (p.tokens(), settled)
+
+
+def test_pacer_of_flat_steps_moves_on_when_the_engine_runs_more_than_asked():
+    # seen on the H200: the first flat step ran 16 tokens (the engine's first offer), and asked for
+    # MIN_TOKENS next the engine reused that size (a size run before, within twice the offer), so F,
+    # measured at MIN_TOKENS or fewer, was never known and a 1,500-token prompt came in at 16 tokens a
+    # step. F is now read from the short chunks that ran, and the pacer goes on to its probe
+    from mlxcel_dist.serve import pacing
+
+    d = 0.020
+    p = pacing.Pacer(3.0)
+    p.observe(d, 4, 0)
+    asked = []
+    for _ in range(6):
+        n = max(p.tokens(), 16)  # the engine runs at least the 16-token chunk it ran first
+        asked.append(p.tokens())
+        p.observe(d + 0.012 + 0.00002 * n, 4, n, flat=True)
+    assert pacing.LONG in asked and max(asked) > pacing.LONG, asked

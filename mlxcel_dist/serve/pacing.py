@@ -116,7 +116,10 @@ class Pacer:
     def _observe_flat(self, extra: float, n: int) -> None:
         self.flat = True
         extra = max(extra, 0.0)
-        if n <= MIN_TOKENS:
+        # F from the smallest chunks; while it is unknown, from any short one (the engine reuses a chunk size
+        # run before, within twice the offer: asked MIN_TOKENS it ran 16 a step and F was never measured,
+        # so a 1,500-token prompt crept in at 16 tokens a step on the H200)
+        if n <= MIN_TOKENS or (self.flat_fixed_s is None and n < LONG):
             self.flat_fixed_s = extra if self.flat_fixed_s is None else (1 - EMA) * self.flat_fixed_s + EMA * extra
         elif self.flat_fixed_s is not None:
             # a long step cheaper than F read F high (the H200: 8 tokens 75 ms, 128 tokens 32 ms,
