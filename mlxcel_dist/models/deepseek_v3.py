@@ -110,7 +110,8 @@ from ..nn.layers import LayerNorm, RMSNorm, activation, gated_fp32
 from ..nn.masks import CAUSAL, create_causal_mask
 from ..nn.rope import RoPE
 from ..parallel.shard import shard_expert_mlps, shard_latent_attention, shard_mlp, shard_switch_glu
-from ..checkpoint.weights import View, join
+from ..checkpoint.mla_split import ArrayRef, DequantizedRef, kv_b_proj
+from ..checkpoint.weights import join
 from .base import FULL, BaseModelArgs, CausalLM, DecoderStack, describe_layers
 
 DENSE, SPARSE = "dense", "sparse"
@@ -483,74 +484,6 @@ class DeepseekV3Model(DecoderStack):
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
 
-class _KvbRef(View):
-    """kv_b_proj.weight [H * (nope + v), kv_lora] rebuilt from mlx-lm's split
-    of it (`embed_q` [H, kv_lora, nope], the k rows transposed; `unembed_out`
-    [H, v, kv_lora]): a rearrangement, exact. Reads only the heads a row
-    range needs."""
-
-    def __init__(self, wk, wv):
-        self.wk, self.wv = wk, wv
-        self.dtype = wk.dtype
-        H, R, nope = wk.shape
-        self.width = nope + wv.shape[1]  # rows per head
-        self.shape = (H * self.width, R)
-
-    def read(self, axis=None, ranges=None) -> mx.array:
-        if axis == 1:
-            return mx.concatenate([self.read()[:, s:e] for s, e in ranges], axis=1)
-        parts = []
-        for s, e in ranges or [(0, self.shape[0])]:
-            h0, h1 = s // self.width, -(-e // self.width)
-            wk, wv = self.wk.read(0, [(h0, h1)]), self.wv.read(0, [(h0, h1)])
-            rows = mx.concatenate([wk.swapaxes(1, 2), wv], axis=1).reshape(-1, self.shape[1])  # [heads * width, R]
-            parts.append(rows[s - h0 * self.width : e - h0 * self.width])
-        return parts[0] if len(parts) == 1 else mx.concatenate(parts)
-
-
-class _ArrayRef:
-    """An mx.array read like a TensorRef (read(axis, ranges))."""
-
-    def __init__(self, a):
-        self.a, self.shape, self.dtype = a, tuple(a.shape), a.dtype
-
-    def read(self, axis=None, ranges=None):
-        if axis is None:
-            return self.a
-        return mx.concatenate([self.a[(slice(None),) * axis + (slice(s, e),)] for s, e in ranges], axis=axis)
-
-
-class _DequantizedRef:
-    """A quantized stack [H, out, in] (mlx-lm's quantized `embed_q` /
-    `unembed_out`: packed words, scales, biases) read as its dequantized
-    values, head ranges only (axis 0): kv_b_proj is rebuilt from them in the
-    float dtype, as no kv_b_proj is stored to quantize."""
-
-    def __init__(self, w, scales, biases, in_dims: int):
-        self.w, self.scales, self.biases = w, scales, biases
-        self.group_size = in_dims // scales.shape[-1]
-        self.bits = w.shape[-1] * 32 // in_dims
-        self.dtype = scales.dtype
-        self.shape = (*w.shape[:-1], in_dims)
-
-    def read(self, axis=None, ranges=None) -> mx.array:
-        assert axis in (None, 0), "read by heads only"
-        w, scales, biases = ((a.read(0, ranges) if axis == 0 else a.read()) if a is not None else None
-                             for a in (self.w, self.scales, self.biases))
-        return mx.dequantize(w, scales, biases, group_size=self.group_size, bits=self.bits)
-
-
-def _kv_b_proj(wk, wv):
-    """kv_b_proj.weight from mlx-lm's embed_q / unembed_out weights (None:
-    names only; either may be a _DequantizedRef)."""
-    if wk is None:
-        return None
-    if isinstance(wk, mx.array) and isinstance(wv, mx.array):
-        return _KvbRef(_ArrayRef(wk), _ArrayRef(wv)).read()
-    ref = (lambda a: _ArrayRef(a) if isinstance(a, mx.array) else a)
-    return _KvbRef(ref(wk), ref(wv))
-
-
 class Model(CausalLM):
     pipeline_stages = True  # a DecoderStack of independent layers: runs in --pp stages (pipeline.py)
     # what --kv-bits would quantize is read by this file's own matmuls, not attention.causal_attention
@@ -592,9 +525,9 @@ class Model(CausalLM):
             base = name[: -len(".weight")]
             if w is None or base + ".scales" not in weights:
                 return w
-            wrap = (lambda a: _ArrayRef(a) if isinstance(a, mx.array) else a)
+            wrap = (lambda a: ArrayRef(a) if isinstance(a, mx.array) else a)
             biases = weights.get(base + ".biases")
-            return _DequantizedRef(wrap(w), wrap(weights[base + ".scales"]), None if biases is None else wrap(biases),
+            return DequantizedRef(wrap(w), wrap(weights[base + ".scales"]), None if biases is None else wrap(biases),
                                    ins[base.rsplit(".", 1)[1]])
 
         for name, w in weights.items():
@@ -610,7 +543,7 @@ class Model(CausalLM):
             if stem.endswith(".self_attn.embed_q") and stem.replace("embed_q", "unembed_out") + ".weight" in weights:
                 if leaf == "weight":
                     base = stem[: -len("embed_q")]
-                    out[base + "kv_b_proj.weight"] = _kv_b_proj(split_weight(name),
+                    out[base + "kv_b_proj.weight"] = kv_b_proj(split_weight(name),
                                                                 split_weight(base + "unembed_out.weight"))
                 continue
             head, sep, tail = name.partition(".mlp.experts.")
