@@ -30,6 +30,8 @@ import time
 
 import mlx.core as mx
 
+from mlx_only import attend
+
 H, LAYERS, NQ, NKV, D, I, V = 4096, 32, 32, 8, 128, 14336, 32000
 DRAFT = 4
 THETA, EPS = 500000.0, 1e-5
@@ -76,13 +78,7 @@ class Model:
             q = q.reshape(1, T, NQ, D).transpose(0, 2, 1, 3)  # [1, NQ, T, D]
             k = k.reshape(1, T, NKV, D).transpose(0, 2, 1, 3)
             v = v.reshape(1, T, NKV, D).transpose(0, 2, 1, 3)
-            q = mx.fast.rope(q, D, traditional=False, base=THETA, scale=1.0, offset=pos)
-            k = mx.fast.rope(k, D, traditional=False, base=THETA, scale=1.0, offset=pos)
-            self.k[i][..., pos:pos + T, :] = k
-            self.v[i][..., pos:pos + T, :] = v
-            o = mx.fast.scaled_dot_product_attention(q, self.k[i][..., :pos + T, :], self.v[i][..., :pos + T, :],
-                                                     scale=D ** -0.5, mask=None if T == 1 else "causal")
-            h = h + o.transpose(0, 2, 1, 3).reshape(1, T, NQ * D) @ L["o"].T
+            h = h + attend(q, k, v, self.k[i], self.v[i], pos, THETA) @ L["o"].T
             x = mx.fast.rms_norm(h, L["ln2"], EPS)
             h = h + swiglu(x @ L["gu"].T) @ L["down"].T
         return (mx.fast.rms_norm(h, self.p["norm"], EPS) @ self.p["head"].T)[0]

@@ -21,6 +21,8 @@ import time
 import mlx.core as mx
 import numpy as np
 
+from mlx_only import attend
+
 H, LAYERS, NQ, NKV, D, V = 2048, 16, 32, 4, 128, 151936
 E, TOP, MI = 128, 8, 768
 BITS, GROUP, EPS, THETA, S = 4, 64, 1e-6, 1000000.0, 1024
@@ -71,13 +73,7 @@ class Model:
             q = mx.fast.rms_norm(qmm(x, L["q"]).reshape(1, T, NQ, D), L["qn"], EPS).transpose(0, 2, 1, 3)
             k = mx.fast.rms_norm(qmm(x, L["k"]).reshape(1, T, NKV, D), L["kn"], EPS).transpose(0, 2, 1, 3)
             v = qmm(x, L["v"]).reshape(1, T, NKV, D).transpose(0, 2, 1, 3)
-            q = mx.fast.rope(q, D, traditional=False, base=THETA, scale=1.0, offset=pos)
-            k = mx.fast.rope(k, D, traditional=False, base=THETA, scale=1.0, offset=pos)
-            self.k[i][..., pos:pos + T, :] = k
-            self.v[i][..., pos:pos + T, :] = v
-            o = mx.fast.scaled_dot_product_attention(q, self.k[i][..., :pos + T, :], self.v[i][..., :pos + T, :],
-                                                     scale=D ** -0.5, mask=None if T == 1 else "causal")
-            h = h + qmm(o.transpose(0, 2, 1, 3).reshape(1, T, NQ * D), L["o"])
+            h = h + qmm(attend(q, k, v, self.k[i], self.v[i], pos, THETA), L["o"])
             h = h + self.moe(mx.fast.rms_norm(h, L["ln2"], EPS), L)
         return qmm(mx.fast.rms_norm(h, self.norm, EPS), self.head)[0]
 
