@@ -430,11 +430,11 @@ class Together:
         in the prompt cache and move it into a batch row, or, answered from its
         prefill, draw its ids from its last token's `logits` [V]."""
         e = self.engine
+        held = self._row_kv(b, a.last)  # (lazy slices of the buffers)
         if e.prompt_cache is not None:
-            entries = [e.entry(i, x) for i, x in enumerate(self._row_kv(b, a.last))]
-            e.prompt_cache.store_layers(a.prompt[: a.last], entries, e.windows)
+            e.prompt_cache.store_layers(a.prompt[: a.last], [e.entry(i, x) for i, x in enumerate(held)], e.windows)
         if logits is None:
-            e.place_layers(a, self._row_kv(b, a.last))
+            e.place_layers(a, held)
         elif e.answerable(a):  # its one id, no row (BatchEngine.answer)
             e.answer_with(a, logits)
         else:  # its last token prefilled too: the row's first id drawn from its logits
