@@ -742,3 +742,31 @@ def test_pacer_of_flat_steps_moves_on_when_the_engine_runs_more_than_asked():
         asked.append(p.tokens())
         p.observe(d + 0.012 + 0.00002 * n, 4, n, flat=True)
     assert pacing.LONG in asked and max(asked) > pacing.LONG, asked
+
+
+def test_a_flat_chunk_takes_a_short_tail_instead_of_leaving_it_a_step(monkeypatch):
+    # 1,600 tokens in 384-token chunks left a 64-token tail: a step of its own (49 ms on the H200,
+    # a whole gap for the streams and a fifth of the prompt's steps). A chunk that would leave a
+    # tail of at most a quarter of itself takes it, in a size run before (no new trace) up to
+    # 1.5 x its own; ids as alone
+    monkeypatch.setenv("MLXCEL_DIST_FLAT", "1")
+    model = load_model(FAMILY_CASES["gemma3"]).model
+    V = model.args.vocab_size
+    rng = np.random.default_rng(11)
+    eng = BatchEngine(model, prefill_step=64, budget=Budget(34))  # 32 prompt tokens a step beside 2 rows
+    eng.add_many([(rid, rng.integers(3, V, 4), GREEDY, 40) for rid in range(2)])
+    for _ in range(2):
+        eng.step()
+    eng.flat_sizes |= {32, 48}  # (as if earlier prompts had run them: the sizes this server has traced)
+    late = rng.integers(3, V, 3 * 32 + 6)  # 96 + 6 tokens to prefill (the last one's too)
+    eng.add_many([(9, late, GREEDY, 6)])
+    chunks, ids = [], []
+    while len(ids) < 6:
+        before = eng.prefilled
+        out = eng.step()
+        if eng.prefilled > before:
+            chunks.append(eng.prefilled - before)
+        if 9 in out:
+            ids.append(out[9])
+    assert chunks == [32, 32, 38], chunks  # not 32, 32, 32, 6
+    assert ids == alone(model, late, 6)

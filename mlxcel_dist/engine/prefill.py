@@ -346,11 +346,18 @@ class Together:
         the machine's kernel cache lacks it MLX's kernel compiles, seconds)
         where twice the tokens cost a few ms: so a size run before
         (`BatchEngine.flat_sizes`) within [c / 2, 2 c], the largest up to c
-        first; else `chunk_size`. And a last chunk whose pads alone would grow
-        the buffers (a new shape for a few tokens) takes a size that fits."""
+        first; else `chunk_size`. A chunk that would leave a tail of at most a
+        quarter of itself takes the tail too, in a size run before up to 1.5 x
+        its own (the tail's step would cost the streams a whole gap and the
+        prompt a step); a last chunk whose pads alone would grow the buffers (a new
+        shape for a few tokens) takes a size that fits."""
         sizes = [m for m in self.engine.flat_sizes if m <= self.L]
         m = max([m for m in sizes if c // 2 <= m <= c], default=None) \
             or min([m for m in sizes if c < m <= 2 * c], default=None) or chunk_size(c, self.L)
+        left = max(self.ends[id(a)] - o for a, o in zip(self.admits, self.offs))
+        if 0 < left - m <= m // 4:  # a short last chunk would be a step of its own: this one takes it too,
+            # in a size run before (a new one would be a trace, dearer than the step it saves)
+            m = min([k for k in sizes if left <= k <= m * 3 // 2], default=m)
         held = self._held()
         top, real = max(self.offs), max(min(m, self.ends[id(a)] - o) for a, o in zip(self.admits, self.offs))
         if held is not None and top + m > held >= top + real:
