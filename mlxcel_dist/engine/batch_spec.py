@@ -84,7 +84,6 @@ class DraftRows:
         self.engine = BatchEngine(model, prefill_step, compiled, pipelined=False, margin=k)
         self.fed: dict = {}  # rid -> (its context's length at its last round, its row in that round's drafts)
         self._drafts = None  # the last round's drafts [m, k] (lazy until its verify read them)
-        self.fed_k = 0  # their k
 
     def add(self, items: list) -> None:
         self.engine.add_many([(rid, ids, None) for rid, ids in items])
@@ -101,7 +100,7 @@ class DraftRows:
             return 2
         n, b = self.fed[rid]
         held = n  # its last round fed the context, then its drafts but the last from position n
-        for d in last[b][: self.fed_k - 1]:
+        for d in last[b][:-1]:  # (its last draft was never fed)
             if held >= len(ctx) - 1 or ctx[held] != d:
                 break
             held += 1
@@ -129,7 +128,7 @@ class DraftRows:
                 x = self.engine.feed(d.reshape(-1, 1), [len(c) + i for c in ctxs])[:, 0]
         for r, c in zip(self.engine.rows, ctxs):
             r.pos = len(c) - 1
-        self._drafts, self.fed_k = mx.stack(drafts, axis=1), k  # [m, k]
+        self._drafts = mx.stack(drafts, axis=1)  # [m, k]
         self.fed = {r.rid: (len(c), b) for b, (r, c) in enumerate(zip(rows, ctxs))}
         return self._drafts, [mx.stack(q) if q else None for q in qs]
 
