@@ -12,6 +12,8 @@
 #   bash benchmarks/h200_issue42.sh ppserve #  serve np 1 / pp 2 / pp 2 before (.dev/prev) / pp 2 micro 2 at 1, 16 clients
 #   bash benchmarks/h200_issue42.sh floor  # issue 42 in MLX calls only: drafts' bound (draft_floor.py), 4-bit MoE
 #                                          # decode's spread in 3 fresh processes (moe_spread.py)
+#   bash benchmarks/h200_issue42.sh drafts # issue 42: draft_floor.py over alphas (the pair's acceptance in MLX calls
+#                                          # only) and spec_7b.py --parts (our engine's steps, rounds) in one call
 #   bash benchmarks/h200_issue42.sh moefirst # a 4-bit qwen3_moe's first / second run against mlx-lm (moe_first_run.py)
 #   [VS=.dev/base LONG=1] bash benchmarks/h200_issue42.sh stall [TOKENS] [ROUNDS] [LENGTHS] # issue 39: streams
 #          beside a long prompt, 12B gemma3 (VS: an older tree's server too; LONG: the long prompt's max_tokens)
@@ -70,6 +72,12 @@ floor)  # issue 42: what MLX itself allows, nothing of ours
   timeout 240 python3 benchmarks/draft_floor.py --reps 3 2>&1 | tee "$O/draftfloor42.jsonl"
   for p in 1 2 3; do timeout 110 python3 benchmarks/moe_spread.py --reps 4 "${@:2}"; done 2>&1 | tee "$O/moespread42.jsonl"
   ;;
+drafts)  # issue 42: what K=3 rounds buy at the pair's acceptance, MLX calls only, then ours on spec_7b's pair
+  nvidia-smi --query-gpu=name,clocks.sm,memory.used --format=csv,noheader
+  timeout 200 python3 benchmarks/draft_floor.py --reps 2 --alphas "${2:-0.05,0.03,0.02}" 2>&1 | tee "$O/draftfloor42.jsonl"
+  timeout 330 python3 benchmarks/spec_7b.py --no-mlx-lm --pair-only --parts --alphas 0.05 --reps 4 \
+    --json "$O/spec7b_parts.jsonl" 2>&1 | cut -c1-400
+  ;;
 moefirst)  # issue 42: a 4-bit qwen3_moe's first and second run, ours and mlx-lm, each with empty kernel caches
   t=$(date +%s); python3 benchmarks/moe_first_run.py build /tmp/ckpt/qwen3moe-4bit 2>&1 | tail -3
   echo "built in $(( $(date +%s) - t )) s"
@@ -109,5 +117,5 @@ serve8)
   taskset -c 0,1 timeout 400 python3 benchmarks/serve_load.py --servers ours-np1,ours-np1@.dev/base,mlx_lm-np1 \
     --clients 8 --requests 2 --json "$O/serve8.json" 2>&1 | tee "$O/serve8.log" | grep -v "^\s*$" | tail -30
   ;;
-*) echo "usage: $0 json|fam|pp|ppfloor|ppserve|floor|moefirst|stall|mixed|spec|cpu|serve8"; exit 2 ;;
+*) echo "usage: $0 json|fam|pp|ppfloor|ppserve|floor|drafts|moefirst|stall|mixed|spec|cpu|serve8"; exit 2 ;;
 esac

@@ -158,6 +158,43 @@ def mlx_lm_run(target, draft, prompt, gen: int, k: int | None) -> tuple[list, di
     return ids, info
 
 
+def parts(target, draft, k: int, prompt) -> dict:
+    """ms a step through the engine's own calls, on a row holding the prompt: the target's plain
+    one-row step (64 pipelined steps, each read), then as chains of 64 launches with one read
+    (draft_floor.py's method, so the two read alike) its (k + 1)-id verify (`feed`, margin k) and the
+    draft's one-id step (DraftRows' engine, `feed` of one id: the split one-row step)."""
+    from mlxcel_dist.engine.batch import BatchEngine
+    from mlxcel_dist.engine.batch_spec import DraftRows
+
+    ids = [int(x) for x in prompt]
+
+    def chain(fn, n=64):
+        mx.eval(fn())
+        t = time.perf_counter()
+        mx.eval([fn() for _ in range(n)])
+        return (time.perf_counter() - t) / n * 1e3
+
+    e = BatchEngine(target)
+    e.add_many([(0, ids, None)])
+    for _ in range(8):
+        e.step()
+    t = time.perf_counter()
+    for _ in range(64):
+        e.step()
+    out = {"target_ms": (time.perf_counter() - t) / 64 * 1e3}
+    v = BatchEngine(target, pipelined=False, margin=k)
+    v.add_many([(0, ids, None)])
+    v.step()
+    block, at = mx.array([ids[-k - 1:]], mx.int32), [v.rows[0].pos]
+    out["verify_ms"] = chain(lambda: v.feed(block, at))
+    d = DraftRows(draft, k)
+    d.add([(0, ids)])
+    d.engine.step()
+    one, at = mx.array([[ids[-1]]], mx.int32), [d.engine.rows[0].pos]
+    out["draft_ms"] = chain(lambda: d.engine.feed(one, at))
+    return {n: round(x, 3) for n, x in out.items()}
+
+
 def same_prefix(a: list, b: list) -> int:
     n = 0
     for x, y in zip(a, b):
@@ -177,6 +214,7 @@ def main():
     ap.add_argument("--agree", type=float, default=0.7)
     ap.add_argument("--no-mlx-lm", action="store_true")
     ap.add_argument("--pair-only", action="store_true", help="no prompt-lookup runs (the chain model)")
+    ap.add_argument("--parts", action="store_true", help="per rep, the steps' times first (`parts`)")
     ap.add_argument("--json")
     ap.add_argument("--tiny", action="store_true", help="a small model of the same construction (a check on a CPU)")
     a = ap.parse_args()
@@ -225,6 +263,8 @@ def main():
                f"draft K={a.k} fixed": lambda: BatchDrafts(a.k, DraftRows(draft, a.k), adaptive=False)}
     plain_ids = None
     for rep in range(a.reps):
+        if a.parts:
+            emit({"model": "pair", "rep": rep, "parts": parts(target, draft, a.k, prompt)})
         for name, make in configs.items():
             ids, info = generate(target, prompt, a.gen, make())
             if name == "plain":
