@@ -23,7 +23,7 @@ at position n_b - 1):
              rejected positions' slots are hidden by the position masks and
              overwritten later (rings hold window + K slots: architecture.md,
              "Speculative decoding"); the draft rows need nothing (each round
-             refeeds a row's last two ids from where its context is agreed).
+             feeds the agreed ids a row's draft cache lacks, then drafts).
 
 So rows with different accepted lengths stay in one step. Every rank
 drafts alike (the draft model whole on every rank, prompt lookup on the
@@ -40,12 +40,16 @@ step read the one in flight first, then draft from the whole contexts
 (its ids lead the round's; with a logprobs row, whose steps give one id,
 the round waits for the next call).
 
-K per row (SGLang-style adaptive drafting, `BatchDrafts._adapt`): a row
-that takes all its drafts drafts one more next round (up to K), one that
-accepts a of them at most a + 1 and at least one fewer (down to 1); a
-prompt-lookup row whose one draft fails rests 1, 2, 4 .. 16 steps. The
-engine's margin stays K, so every k_b <= K rolls back as before; greedy
-ids are the plain ones whatever the k.
+K per row (`BatchDrafts._adapt`). A draft-model row drafts the k whose
+expected ids a round, from its acceptance seen at each draft position,
+per the round's cost is highest (`_worth`): a draft position costs a draft
+step and one more verify position, a small part of a target step on a GPU
+(whose steps are mostly kernel launches) and about a third of one on a CPU.
+A prompt-lookup row (SGLang-style adaptive drafting): one that takes all
+its drafts drafts one more next round (up to K), one that accepts a of them
+at most a + 1 and at least one fewer (down to 1); one whose one draft fails
+rests 1, 2, 4 .. 16 steps. The engine's margin stays K, so every k_b <= K
+rolls back as before; greedy ids are the plain ones whatever the k.
 
 Models whose caches are not all static KV step without drafts (a log line).
 """
@@ -63,6 +67,10 @@ from .spec import PromptLookup, check_draft, check_drafting
 
 
 MAX_REST = 16  # the longest rest of a prompt-lookup row whose drafts keep failing (steps)
+# A draft position's verify cost, in target steps: one row's 4-id verify against its 1-id step took
+# 1.1-1.3x on one H200 (draft_floor.py) and 1.9-2.2x on the 2-core CPU (spec_7b.py --tiny --parts)
+POSITION_COST = {"gpu": 0.08, "cpu": 0.35}
+PRIOR, RATE = 0.7, 0.2  # a draft position's acceptance before any is seen; the weight of each seen
 
 
 class DraftRows:
@@ -184,6 +192,8 @@ class BatchDrafts:
         self.total = [0, 0, 0]
         self.steps = {"plain": 0, "verify": 0, "reread": 0}
         self.row_k: dict = {}  # rid -> its drafts in the next round (adaptive; absent: k)
+        self.rates: dict = {}  # rid -> per draft position, its acceptance seen (a draft-model row; EMAs)
+        self.cost: float | None = None  # a draft position's cost in target steps (`_worth`; set at the first round)
         self._index = weakref.WeakKeyDictionary()  # Row -> its _Ngrams (prompt lookup)
         self.rest: dict = {}  # rid -> (the step it drafts again, its last rest) (prompt lookup, adaptive)
         self._t = 0  # steps taken
@@ -208,6 +218,7 @@ class BatchDrafts:
 
     def removed(self, rid) -> None:
         self.row_k.pop(rid, None)
+        self.rates.pop(rid, None)
         self.rest.pop(rid, None)
         if self.draft is not None:
             self.draft.remove(rid)
@@ -321,17 +332,18 @@ class BatchDrafts:
         return index.lookup(r.context)
 
     def _adapt(self, rid, k: int, a: int) -> None:
-        """Row rid's next k after it accepted a of k drafts: one more when it took them all,
-        else at most a + 1 and at least one less (SGLang's adaptive drafting, per row). A
-        lookup row whose one draft fails rests 1, 2, 4 .. MAX_REST steps (plain steps when
-        every row rests or misses), the rest reset by an accepted draft; a draft-model row
-        drafts every step (its draft rows stay at most two ids behind)."""
+        """Row rid's next k after it accepted a of k drafts. A draft-model row: `_worth`
+        (it drafts every step: its draft rows stay at most two ids behind). A lookup row:
+        one more when it took them all, else at most a + 1 and at least one less (SGLang's
+        adaptive drafting, per row); one whose one draft fails rests 1, 2, 4 .. MAX_REST
+        steps (plain steps when every row rests or misses), the rest reset by an accepted draft."""
         if not self.adaptive:
+            return
+        if self.draft is not None:
+            self.row_k[rid] = self._worth(rid, k, a)
             return
         cur = self.row_k.get(rid, self.k)
         self.row_k[rid] = min(self.k, cur + 1) if a == k else max(1, min(cur - 1, a + 1))
-        if self.lookup is None:
-            return
         if a:
             self.rest.pop(rid, None)
         elif cur == 1:
@@ -339,10 +351,38 @@ class BatchDrafts:
             n = min(MAX_REST, 2 * last or 1)
             self.rest[rid] = (self._t + n + 1, n)
 
+    def _worth(self, rid, k: int, a: int) -> int:
+        """A draft-model row's next k, after it accepted a of k drafts: with p_i its acceptance
+        seen at draft position i (given the ones before it were taken; EMAs from PRIOR), a round
+        of k drafts yields E(k) = 1 + p_1 + p_1 p_2 + ... + p_1 .. p_k ids for 1 + k x `cost`
+        target steps; the k with the most ids per step (the larger on a tie)."""
+        p = self.rates.setdefault(rid, [PRIOR] * self.k)
+        for i in range(min(a + 1, k)):  # positions seen: those taken and the first refused
+            p[i] += RATE * ((i < a) - p[i])
+        best, most, E, run = 1, 0.0, 1.0, 1.0
+        for j in range(self.k):
+            run *= p[j]
+            E += run
+            if E / (1 + (j + 1) * self.cost) >= most:
+                best, most = j + 1, E / (1 + (j + 1) * self.cost)
+        return best
+
+    def _costs(self, engine) -> float:
+        """A draft position's cost in target steps (deterministic: every rank picks the same k):
+        a draft step, as the draft's share of the target's layers (+1: embedding and head), and
+        one more verify position (POSITION_COST, by the device)."""
+        if self.cost is None:
+            device = "gpu" if mx.default_device().type == mx.DeviceType.gpu else "cpu"
+            d, t = len(self.draft.engine.model.model.layers), len(engine.model.model.layers)  # (every stage's)
+            self.cost = POSITION_COST[device] + (d + 1) / (t + 1)
+        return self.cost
+
     def _accept(self, engine, rows, logits, D, qs, ks) -> tuple[dict, dict]:
         """Each row's accepted ids ({rid: ids}, the rows not moved yet) and the
         logprobs of the rows that want them, read."""
         choices = choose(rows, engine.want)
+        if self.draft is not None:
+            self._costs(engine)
         lazy, extras = verify(choices, logits, D, qs, ks)
         mx.eval(lazy, D, extras)
         drafts = np.array(D).tolist()
