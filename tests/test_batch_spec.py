@@ -222,7 +222,9 @@ def test_a_draft_model_rows_k_is_the_most_ids_per_cost():
     assert _worth_after(0.0, [(4, 0)] * 6) == [4] * 6  # free drafts: K whatever is taken
     refused = _worth_after(0.2, [(4, 0)] * 8)  # every first draft refused: down to 1, one step at a time
     assert refused[-1] == 1 and all(a >= b for a, b in zip(refused, refused[1:]))
-    assert _worth_after(1.35, [(1, 1)] * 4) == [1] * 4  # a CPU-like cost (a draft as dear as the target)
+    # a CPU-like cost (a draft as dear as the target): one draft once the second is refused; all taken,
+    # one more next round (positions past k are never seen otherwise)
+    assert _worth_after(1.35, [(2, 1)] * 4) == [1] * 4 and _worth_after(1.35, [(1, 1)] * 2) == [2, 2]
     # the same acceptance (the second draft refused every other round), a dearer draft: fewer drafts
     mixed = [(4, 4), (4, 1)] * 6
     assert _worth_after(0.1, mixed)[-1] == 4 and _worth_after(0.6, mixed)[-1] == 1

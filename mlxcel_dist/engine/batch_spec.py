@@ -355,7 +355,8 @@ class BatchDrafts:
         """A draft-model row's next k, after it accepted a of k drafts: with p_i its acceptance
         seen at draft position i (given the ones before it were taken; EMAs from PRIOR), a round
         of k drafts yields E(k) = 1 + p_1 + p_1 p_2 + ... + p_1 .. p_k ids for 1 + k x `cost`
-        target steps; the k with the most ids per step (the larger on a tie)."""
+        target steps; the k with the most ids per step (the larger on a tie), and one more than
+        k after a round that took all k (positions past k are never seen otherwise)."""
         p = self.rates.setdefault(rid, [PRIOR] * self.k)
         for i in range(min(a + 1, k)):  # positions seen: those taken and the first refused
             p[i] += RATE * ((i < a) - p[i])
@@ -365,7 +366,7 @@ class BatchDrafts:
             E += run
             if E / (1 + (j + 1) * self.cost) >= most:
                 best, most = j + 1, E / (1 + (j + 1) * self.cost)
-        return best
+        return max(best, min(self.k, k + 1)) if a == k else best
 
     def _costs(self, engine) -> float:
         """A draft position's cost in target steps (deterministic: every rank picks the same k):
