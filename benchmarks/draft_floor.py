@@ -20,7 +20,7 @@ accepted drafts counted. The bound printed: a round yields E = 1 + a + a^2
 so drafts pay at most E x t_target / (K x t_draft + t_verify), E as
 counted (`bound`).
 
-    python benchmarks/draft_floor.py [--gen 256] [--k 3] [--reps 3] [--alphas 0.05,0.02]
+    python benchmarks/draft_floor.py [--gen 256] [--k 3] [--reps 3] [--alphas 0.05,0.02] [--verify masked]
 """
 
 from __future__ import annotations
@@ -74,6 +74,8 @@ class Model:
         self.v = [mx.zeros((1, NKV, S, D), mx.bfloat16) for _ in range(LAYERS)]
         mx.eval(self.k, self.v)
 
+    masked = False  # a block's attention over the whole buffer with an array mask (--verify masked)
+
     def __call__(self, ids: mx.array, pos: int, layers: int = LAYERS) -> mx.array:
         """ids [T] at positions pos .. pos + T - 1 through the first `layers` layers: logits [T, V]."""
         T = ids.shape[0]
@@ -85,7 +87,7 @@ class Model:
             q = q.reshape(1, T, NQ, D).transpose(0, 2, 1, 3)  # [1, NQ, T, D]
             k = k.reshape(1, T, NKV, D).transpose(0, 2, 1, 3)
             v = v.reshape(1, T, NKV, D).transpose(0, 2, 1, 3)
-            h = h + attend(q, k, v, self.k[i], self.v[i], pos, THETA) @ L["o"].T
+            h = h + attend(q, k, v, self.k[i], self.v[i], pos, THETA, self.masked) @ L["o"].T
             x = mx.fast.rms_norm(h, L["ln2"], EPS)
             h = h + swiglu(x @ L["gu"].T) @ L["down"].T
         return (mx.fast.rms_norm(h, self.p["norm"], EPS) @ self.p["head"].T)[0]
@@ -155,7 +157,12 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--alphas", default="0.05", help="comma-separated; each a pair of the same base weights")
     ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--shift", type=int, default=0,
+                    help="rep r's prompt is --prompt + r x shift ids long (key lengths no earlier rep saw)")
     ap.add_argument("--tiny", action="store_true", help="small widths (a CPU smoke run)")
+    ap.add_argument("--verify", default="causal", choices=["causal", "masked"],
+                    help="a verify block's attention: fused causal on the prefix (MLX CUDA: a cuDNN graph per "
+                         "key length), or masked over the whole buffer")
     a = ap.parse_args()
     if a.tiny:
         global H, NQ, NKV, D, I, V
@@ -173,18 +180,20 @@ def main() -> None:
             x = x + 1
         return x
 
-    prompt = mx.random.randint(0, V, (a.prompt,), key=mx.random.key(1)).astype(mx.int32)
+    prompts = mx.random.randint(0, V, (a.prompt + a.shift * a.reps,), key=mx.random.key(1)).astype(mx.int32)
     for alpha, rep in ((float(x), r) for x in a.alphas.split(",") for r in range(a.reps)):
         if rep == 0:
             m = None
             m = Model(scaled(base, alpha))
+            m.masked = a.verify == "masked"
+        prompt = prompts[: a.prompt + a.shift * rep]
         parts = {"target_ms": chain_ms(lambda: m(one, 600)), "verify_ms": chain_ms(lambda: m(four, 600)),
                  "draft_ms": chain_ms(lambda: m(one, 600, DRAFT)), "kernel_us": chain_ms(trivial) * 10}
         ids_p, tps_p = plain(m, prompt, a.gen)
         ids_d, tps_d, acc, E = drafted(m, prompt, a.gen, a.k)
         bound = E * parts["target_ms"] / (a.k * parts["draft_ms"] + parts["verify_ms"])
         same = next((i for i, (x, y) in enumerate(zip(ids_p, ids_d)) if x != y), len(ids_p))
-        print(json.dumps({"alpha": alpha, "rep": rep, **{k: round(v, 3) for k, v in parts.items()}, "plain_tps": round(tps_p, 1),
+        print(json.dumps({"alpha": alpha, "verify": a.verify, "rep": rep, **{k: round(v, 3) for k, v in parts.items()}, "plain_tps": round(tps_p, 1),
                           "drafted_tps": round(tps_d, 1), "ratio": round(tps_d / tps_p, 3),
                           "accepted": round(acc, 3), "ids_a_round": round(E, 3), "bound": round(bound, 3), "same_ids_first": same}), flush=True)
 

@@ -129,36 +129,6 @@ def test_split_steps_with_drafts_give_the_plain_ids(case, small_buffers):
     assert got == want and stats.drafted == 0
 
 
-@pytest.mark.parametrize("case", ["llama/gqa_fp32", "qwen3_moe/gqa_fp32"])
-def test_a_lone_rows_verify_block_runs_split_with_the_masked_blocks_logits(case, small_buffers, monkeypatch):
-    # One row, every layer full: a round's K + 1 ids go through the split segments (causal attention
-    # on the prefix 0 .. p + K, the fused kernel on a GPU) and give the masked whole-graph block's
-    # logits, and the eager forward's over the same ids
-    from mlxcel_dist.engine.batch import BatchEngine
-    from mlxcel_dist.engine.decode import SplitSegments
-
-    fed = []
-    call = SplitSegments.__call__
-    monkeypatch.setattr(SplitSegments, "__call__", lambda self, y, *a: fed.append(y.shape) or call(self, y, *a))
-    d = FIXTURES / case
-    model = load_model(d).model
-    ids = [int(x) for x in np.load(d / "reference.npz")["ids"][:5 + K + 1]]
-    e = BatchEngine(model, pipelined=False, margin=K)
-    e.add_many([(0, ids[:5], None)])
-    e.step()
-    p, block = e.rows[0].pos, mx.array([ids[5:]], mx.int32)
-    assert p == 5 and e.steps.splits(1)
-    split = e.feed(block, [p])
-    mx.eval(split)
-    assert split.shape == (1, K + 1, model.args.vocab_size) and fed[-1] == (1, K + 1)
-    e.store.sync_pos([p])
-    masked = e.steps._compiled_block(block)
-    eager = model(mx.array([ids]))[:, 5:]
-    scale = float(mx.abs(eager).max())
-    assert float(mx.abs(split - masked).max()) <= 2e-6 * scale
-    assert float(mx.abs(split - eager).max()) <= 2e-6 * scale
-
-
 def test_prompt_lookup_drafts_what_followed_the_latest_longest_match():
     pl = PromptLookup(3)
     assert pl.lookup([1, 2, 3, 4, 9, 2, 3, 5, 6, 7, 2, 3]) == [5, 6, 7]  # "2 3": its latest earlier occurrence

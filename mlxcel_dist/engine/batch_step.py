@@ -86,8 +86,7 @@ class Steps:
         (decode.SplitSegments: compiled segments between the layers' attention, which then runs
         unmasked on the written prefix, so GPU backends take their fused decode kernels). With a
         margin (drafts) only where no layer is a ring: a full layer's prefix 0 .. pos holds just this
-        row's positions (rejected drafts lie past it), a ring of window + margin slots does not; so
-        a verify's block of ids runs split too (causal on that prefix)."""
+        row's positions (rejected drafts lie past it), a ring of window + margin slots does not."""
         e = self.e
         if self.split is None:
             self.split = splittable(e.model) and all(lay.kind == "kv" for lay in e.store.layout)
@@ -159,9 +158,10 @@ class Steps:
         store.reserve(n, max(pos) + L - 1)
         C = store.capacity()
         store.sync_pos(pos)
-        if self.splits(C):  # one row (a draft model's step, a verify): split as a plain step
-            logits = self._split_row(tokens, pos[0])
-            return logits[:, None] if L == 1 else logits
+        # one row, one id (a draft model's step): split as a plain step. Not a block: MLX CUDA's
+        # SDPA for several queries builds a cuDNN graph per key length (40-57 ms each new one, one H200)
+        if L == 1 and self.splits(C):
+            return self._split_row(tokens, pos[0])[:, None]
         x = tokens if C == n else mx.concatenate([tokens, mx.zeros((C - n, L), mx.int32)])
         logits = self._compiled_block(x) if e.compiled else self._forward_block(x)
         return logits[:n]

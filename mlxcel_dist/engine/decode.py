@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from ..nn.masks import CAUSAL
-
 # (the kinds' static forms, where the engine imports them from)
 from ..cache import (QuantizedStaticCache, StaticCache, StaticConvKV, StaticState,  # noqa: F401
                     quantize_kv, ring_slots)
@@ -63,9 +61,7 @@ class SplitSegments:
     """A model's split step (the notes above): `__call__(y, state, views, p)`
     feeds token y [1, 1] at host position p through the compiled segments,
     writes each layer's new K/V into `state`'s buffers, replaces state["pos"]
-    and returns the lazy logits [1, V]: the batch engine's one-row step.
-    A block y [1, L] (a draft round's verify; full layers only, so the
-    prefix 0 .. p + L - 1 is the row's own) attends causally, logits [1, L, V]."""
+    and returns the lazy logits [1, V]: the batch engine's one-row step."""
 
     def __init__(self, model):
         self.model = model
@@ -84,8 +80,7 @@ class SplitSegments:
                     x, o, pos = args
                     h = layers[i - 1].post(x, o)
                     if i == n:
-                        L = h.shape[1]
-                        return (logits_of(h)[:, -1] if L == 1 else logits_of(h)), pos + L
+                        return logits_of(h)[:, -1], pos + 1
                 c = _NewKV(pos)
                 x, q, _, _ = layers[i].pre(h, c)
                 return x, q, *c.kv
@@ -97,8 +92,6 @@ class SplitSegments:
     def __call__(self, y: mx.array, s: dict, views: list, p: int) -> mx.array:
         segs = self.segments
         pos = s["pos"]
-        L = y.shape[1]
-        mask = None if L == 1 else CAUSAL  # (a block: the fused causal kernel, queries at the last keys)
         self.traced = False
         carry = (y,)
         for i, layer in enumerate(self.model.layers):
@@ -107,10 +100,10 @@ class SplitSegments:
             # (the previous buffer is donated to it: written in place)
             k, v = s[f"k{i}"], s[f"v{i}"]
             slot = views[i].slot(p)
-            k[..., slot : slot + L, :] = k_new
-            v[..., slot : slot + L, :] = v_new
-            m = min(views[i].last_slot(p + L - 1) + 1, k.shape[2])
-            carry = (x, layer.self_attn.attend(q, k[..., :m, :], v[..., :m, :], mask))
+            k[..., slot : slot + 1, :] = k_new
+            v[..., slot : slot + 1, :] = v_new
+            m = min(views[i].last_slot(p) + 1, k.shape[2])
+            carry = (x, layer.self_attn.attend(q, k[..., :m, :], v[..., :m, :]))
         logits, s["pos"] = segs[-1](*carry, pos)
         return logits
 
