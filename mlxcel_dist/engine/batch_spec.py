@@ -67,8 +67,8 @@ from .spec import PromptLookup, check_draft, check_drafting
 
 
 MAX_REST = 16  # the longest rest of a prompt-lookup row whose drafts keep failing (steps)
-# A draft position's verify cost, in target steps: one row's 4-id verify against its 1-id step took
-# 1.1-1.3x on one H200 (draft_floor.py) and 1.9-2.2x on the 2-core CPU (spec_7b.py --tiny --parts)
+# A verify position's cost, in target steps: a 4-id block cost 1.1-1.3x a 1-id one on one H200 (draft_floor.py's
+# chains: its steps are mostly launches) and 1.9-2.2x on the 2-core CPU (spec_7b.py --tiny --parts)
 POSITION_COST = {"gpu": 0.08, "cpu": 0.35}
 PRIOR, RATE = 0.7, 0.2  # a draft position's acceptance before any is seen; the weight of each seen
 
@@ -368,22 +368,20 @@ class BatchDrafts:
                 best, most = j + 1, E / (1 + (j + 1) * self.cost)
         return max(best, min(self.k, k + 1)) if a == k else best
 
-    def _costs(self, engine) -> float:
+    def _cost(self, engine) -> float:
         """A draft position's cost in target steps (deterministic: every rank picks the same k):
         a draft step, as the draft's share of the target's layers (+1: embedding and head), and
         one more verify position (POSITION_COST, by the device)."""
-        if self.cost is None:
-            device = "gpu" if mx.default_device().type == mx.DeviceType.gpu else "cpu"
-            d, t = len(self.draft.engine.model.model.layers), len(engine.model.model.layers)  # (every stage's)
-            self.cost = POSITION_COST[device] + (d + 1) / (t + 1)
-        return self.cost
+        device = "gpu" if mx.default_device().type == mx.DeviceType.gpu else "cpu"
+        d, t = len(self.draft.engine.model.model.layers), len(engine.model.model.layers)  # (every stage's)
+        return POSITION_COST[device] + (d + 1) / (t + 1)
 
     def _accept(self, engine, rows, logits, D, qs, ks) -> tuple[dict, dict]:
         """Each row's accepted ids ({rid: ids}, the rows not moved yet) and the
         logprobs of the rows that want them, read."""
         choices = choose(rows, engine.want)
-        if self.draft is not None:
-            self._costs(engine)
+        if self.draft is not None and self.cost is None:
+            self.cost = self._cost(engine)
         lazy, extras = verify(choices, logits, D, qs, ks)
         mx.eval(lazy, D, extras)
         drafts = np.array(D).tolist()
