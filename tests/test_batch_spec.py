@@ -92,7 +92,7 @@ def test_k_adapts_to_acceptance_and_ids_stay(model):
     def drafted(adaptive: bool):
         draft = DraftRows(perturbed(load_model(default_model_dir()).model, 0.3), K)
         spec = BatchDrafts(K, draft, adaptive=adaptive)
-        spec.cost = 0.2  # a GPU's (a draft of a few layers, cheap verify positions); the CPU's would keep k 1
+        spec.cost = 1.0, 0.2  # cheap drafts (a few-layer draft); the CPU's cost with this draft keeps k low
         engine = BatchEngine(model, spec=spec)
         widths, seen = counted(engine), []
         step = engine.step
@@ -198,16 +198,16 @@ def test_adapt_rule():
     assert "r" not in spec.rest and spec.row_k["r"] == 2
     # a draft-model row never rests (its draft rows must stay at most two ids behind)
     spec = BatchDrafts(4, DraftRows.__new__(DraftRows))
-    spec.cost = 0.2
+    spec.cost = (1.0, 0.2)
     for _ in range(3):
         spec._adapt("r", 1, 0)
     assert spec.rest == {} and 1 <= spec.row_k["r"] <= 4
 
 
-def _worth_after(cost: float, rounds: list, k: int = 4) -> list:
-    """A draft-model row's k after each (drafted, accepted) round, at a draft position's `cost`."""
+def _worth_after(cost: float, rounds: list, k: int = 4, fixed: float = 1.0) -> list:
+    """A draft-model row's k after each (drafted, accepted) round, a round costing `fixed` + k x `cost`."""
     spec = BatchDrafts(k, DraftRows.__new__(DraftRows))
-    spec.cost = cost
+    spec.cost = fixed, cost
     got = []
     for d, a in rounds:
         spec._adapt("r", d, a)
@@ -216,7 +216,7 @@ def _worth_after(cost: float, rounds: list, k: int = 4) -> list:
 
 
 def test_a_draft_model_rows_k_is_the_most_ids_per_cost():
-    # its acceptance by position (EMAs from 0.7, weight 0.2) against a round's 1 + k x cost steps
+    # its acceptance by position (EMAs from 0.7, weight 0.2) against a round's V + k x cost steps
     taken = _worth_after(0.2, [(4, 4)] * 6)  # all taken, drafts cheap: up to K as the rates rise
     assert taken[-1] == 4 and all(a <= b for a, b in zip(taken, taken[1:]))
     assert _worth_after(0.0, [(4, 0)] * 6) == [4] * 6  # free drafts: K whatever is taken
@@ -230,10 +230,17 @@ def test_a_draft_model_rows_k_is_the_most_ids_per_cost():
     assert _worth_after(0.1, mixed)[-1] == 4 and _worth_after(0.6, mixed)[-1] == 1
     # p = 0.8 at every position, cost 0.1: E(k) / (1 + 0.1 k) for k = 1..4 is 1.64, 2.03, 2.26, 2.40
     spec = BatchDrafts(4, DraftRows.__new__(DraftRows))
-    spec.cost, spec.rates["r"] = 0.1, [0.8] * 4
+    spec.cost, spec.rates["r"] = (1.0, 0.1), [0.8] * 4
     assert spec._worth("r", 0, 0) == 4
-    spec.cost = 0.5  # 1.20, 1.22, 1.18, 1.12: two
+    spec.cost = 1.0, 0.5  # 1.20, 1.22, 1.18, 1.12: two
     assert spec._worth("r", 0, 0) == 2
+    spec.cost = 1.0, 0.3  # E(k) / (1 + 0.3 k): 1.38, 1.53, 1.55, 1.53: three
+    assert spec._worth("r", 0, 0) == 3
+    spec.cost = 2.0, 0.3  # a verify whose fixed part is two steps: 0.78, 0.94, 1.02, 1.05: all four
+    assert spec._worth("r", 0, 0) == 4
+    # the same acceptance (the second draft refused every other round): a verify of two steps' fixed
+    # cost takes more drafts than one of one step's
+    assert _worth_after(0.3, mixed, fixed=2.0)[-1] > _worth_after(0.3, mixed, fixed=1.0)[-1]
 
 
 def test_ngram_index_drafts_what_prompt_lookup_drafts():

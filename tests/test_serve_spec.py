@@ -69,8 +69,8 @@ def test_batched_drafts_give_the_plain_ids(small_buffers):
     plain.want[1] = 2
     want = run(plain, reqs, N)
     spec = BatchDrafts(K, DraftRows(perturbed(load_model(d).model, 1.5), K, compiled=False))
-    spec.cost = 0.2  # a GPU's draft position (a few-layer draft): k moves over 1 .. K (on a CPU, with the
-    # target itself as the draft, a round of k drafts costs 1 + 1.35 k steps and k stays 1)
+    spec.cost = 1.0, 0.2  # cheap drafts (a few-layer draft): k moves over 1 .. K (on a CPU, with the target
+    # itself as the draft, a round of k drafts costs 1 + 1.35 k steps and k stays low)
     engine = BatchEngine(model, compiled=False, spec=spec)
     engine.want[1] = 2  # (set before the first step: a logprobs row never drafts)
     lengths = []

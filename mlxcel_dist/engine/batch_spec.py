@@ -42,9 +42,10 @@ the round waits for the next call).
 
 K per row (`BatchDrafts._adapt`). A draft-model row drafts the k whose
 expected ids a round, from its acceptance seen at each draft position,
-per the round's cost is highest (`_worth`): a draft position costs a draft
-step and one more verify position, a small part of a target step on a GPU
-(whose steps are mostly kernel launches) and about a third of one on a CPU.
+per the round's cost is highest (`_worth`): the verify's fixed part (two
+plain steps on a GPU, where the plain step runs the fused decode kernels and
+the verify a masked graph; one on a CPU) and per draft a draft step and one
+more verify position (little on a GPU, about a third of a step on a CPU).
 A prompt-lookup row (SGLang-style adaptive drafting): one that takes all
 its drafts drafts one more next round (up to K), one that accepts a of them
 at most a + 1 and at least one fewer (down to 1); one whose one draft fails
@@ -67,9 +68,11 @@ from .spec import PromptLookup, check_draft, check_drafting
 
 
 MAX_REST = 16  # the longest rest of a prompt-lookup row whose drafts keep failing (steps)
-# A verify position's cost, in target steps: a 4-id block cost 1.1-1.3x a 1-id one on one H200 (draft_floor.py's
-# chains: its steps are mostly launches) and 1.9-2.2x on the 2-core CPU (spec_7b.py --tiny --parts)
-POSITION_COST = {"gpu": 0.08, "cpu": 0.35}
+# A verify's cost in target steps: its fixed part and each position's. One H200, the 7.2B pair: a 4-id
+# verify (the masked graph) 9.8-12.5 ms against a 4.8-5.3 ms plain step (split, fused kernels), a block's
+# width costing little there (draft_floor.py's chains: 4 ids 1.1-1.3x one); the 2-core CPU
+# (spec_7b.py --tiny --parts): 4 ids 1.9-2.2x one step, the plain step the same kind of graph
+VERIFY_COST = {"gpu": (2.0, 0.05), "cpu": (1.0, 0.35)}
 PRIOR, RATE = 0.7, 0.2  # a draft position's acceptance before any is seen; the weight of each seen
 
 
@@ -193,7 +196,7 @@ class BatchDrafts:
         self.steps = {"plain": 0, "verify": 0, "reread": 0}
         self.row_k: dict = {}  # rid -> its drafts in the next round (adaptive; absent: k)
         self.rates: dict = {}  # rid -> per draft position, its acceptance seen (a draft-model row; EMAs)
-        self.cost: float | None = None  # a draft position's cost in target steps (`_worth`; set at the first round)
+        self.cost: tuple | None = None  # a round's fixed cost and a draft's, in target steps (`_worth`; set at the first round)
         self._index = weakref.WeakKeyDictionary()  # Row -> its _Ngrams (prompt lookup)
         self.rest: dict = {}  # rid -> (the step it drafts again, its last rest) (prompt lookup, adaptive)
         self._t = 0  # steps taken
@@ -354,27 +357,29 @@ class BatchDrafts:
     def _worth(self, rid, k: int, a: int) -> int:
         """A draft-model row's next k, after it accepted a of k drafts: with p_i its acceptance
         seen at draft position i (given the ones before it were taken; EMAs from PRIOR), a round
-        of k drafts yields E(k) = 1 + p_1 + p_1 p_2 + ... + p_1 .. p_k ids for 1 + k x `cost`
-        target steps; the k with the most ids per step (the larger on a tie), and one more than
+        of k drafts yields E(k) = 1 + p_1 + p_1 p_2 + ... + p_1 .. p_k ids for V + k c target
+        steps (`cost` = (V, c)); the k with the most ids per step (the larger on a tie), and one more than
         k after a round that took all k (positions past k are never seen otherwise)."""
         p = self.rates.setdefault(rid, [PRIOR] * self.k)
         for i in range(min(a + 1, k)):  # positions seen: those taken and the first refused
             p[i] += RATE * ((i < a) - p[i])
-        best, most, E, run = 1, 0.0, 1.0, 1.0
+        (V, c), best, most, E, run = self.cost, 1, 0.0, 1.0, 1.0
         for j in range(self.k):
             run *= p[j]
             E += run
-            if E / (1 + (j + 1) * self.cost) >= most:
-                best, most = j + 1, E / (1 + (j + 1) * self.cost)
+            if E / (V + (j + 1) * c) >= most:
+                best, most = j + 1, E / (V + (j + 1) * c)
         return max(best, min(self.k, k + 1)) if a == k else best
 
-    def _cost(self, engine) -> float:
-        """A draft position's cost in target steps (deterministic: every rank picks the same k):
-        a draft step, as the draft's share of the target's layers (+1: embedding and head), and
-        one more verify position (POSITION_COST, by the device)."""
+    def _cost(self, engine) -> tuple:
+        """A round's cost in target steps, (V, c): the verify's fixed part V and per draft c, a
+        draft step (the draft's share of the target's layers, +1: embedding and head) and one
+        more verify position (VERIFY_COST, by the device). From the device and the models, not
+        timings: every rank picks the same k."""
         device = "gpu" if mx.default_device().type == mx.DeviceType.gpu else "cpu"
         d, t = len(self.draft.engine.model.model.layers), len(engine.model.model.layers)  # (every stage's)
-        return POSITION_COST[device] + (d + 1) / (t + 1)
+        fixed, position = VERIFY_COST[device]
+        return fixed, position + (d + 1) / (t + 1)
 
     def _accept(self, engine, rows, logits, D, qs, ks) -> tuple[dict, dict]:
         """Each row's accepted ids ({rid: ids}, the rows not moved yet) and the
