@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from mlxcel_dist.engine.batch import BatchEngine
-from mlxcel_dist.engine.batch_spec import BatchDrafts, DraftRows
+from mlxcel_dist.engine.batch_spec import POSITION_COST as POSITION, BatchDrafts, DraftRows
 from mlxcel_dist.checkpoint.loader import default_model_dir, load_model
 from mlxcel_dist.engine.sampling import SamplingParams
 
@@ -91,8 +91,8 @@ def test_k_adapts_to_acceptance_and_ids_stay(model):
 
     def drafted(adaptive: bool):
         draft = DraftRows(perturbed(load_model(default_model_dir()).model, 0.3), K)
-        spec = BatchDrafts(K, draft, adaptive=adaptive)
-        spec.cost = 1.0, 0.2  # cheap drafts (a few-layer draft); the CPU's cost with this draft keeps k low
+        spec = BatchDrafts(K, draft, adaptive=adaptive, cost=(1.0, 0.2))  # cheap drafts (a few-layer
+        # draft's); with this draft the CPU's cost keeps k low
         engine = BatchEngine(model, spec=spec)
         widths, seen = counted(engine), []
         step = engine.step
@@ -241,6 +241,28 @@ def test_a_draft_model_rows_k_is_the_most_ids_per_cost():
     # the same acceptance (the second draft refused every other round): a verify of two steps' fixed
     # cost takes more drafts than one of one step's
     assert _worth_after(0.3, mixed, fixed=2.0)[-1] > _worth_after(0.3, mixed, fixed=1.0)[-1]
+
+
+def test_a_rounds_cost_comes_from_the_device_the_models_and_the_rows(monkeypatch):
+    # the verify's fixed part is two steps only for a lone row whose plain steps run split on a GPU
+    # (every layer full: llama), one elsewhere; a draft position costs the draft's share of the layers
+    from reference_cases import FIXTURES
+
+    import mlxcel_dist.engine.batch_spec as batch_spec
+
+    target = load_model(FIXTURES / "llama" / "gqa_fp32").model
+    spec = BatchDrafts(K, DraftRows(load_model(FIXTURES / "llama" / "gqa_fp32").model, K))
+    engine = BatchEngine(target, spec=spec)
+    engine.add_many([(0, [2, 5, 7, 9], GREEDY)])
+    engine.step()
+    share = 1.0  # (the same layers: (d + 1) / (t + 1))
+    assert spec.cost == spec._cost(engine) == (1.0, POSITION["cpu"] + share)
+    gpu = type("Device", (), {"type": mx.DeviceType.gpu})()
+    monkeypatch.setattr(batch_spec.mx, "default_device", lambda: gpu)
+    assert engine.steps.splits(1) and spec._cost(engine) == (batch_spec.SPLIT_VERIFY, POSITION["gpu"] + share)
+    engine.add_many([(1, [2, 6, 8], GREEDY)])
+    engine.step()
+    assert spec._cost(engine) == (1.0, POSITION["gpu"] + share)  # two rows: the masked graph either way
 
 
 def test_ngram_index_drafts_what_prompt_lookup_drafts():

@@ -68,9 +68,9 @@ def test_batched_drafts_give_the_plain_ids(small_buffers):
     plain = BatchEngine(model, compiled=False)
     plain.want[1] = 2
     want = run(plain, reqs, N)
-    spec = BatchDrafts(K, DraftRows(perturbed(load_model(d).model, 1.5), K, compiled=False))
-    spec.cost = 1.0, 0.2  # cheap drafts (a few-layer draft): k moves over 1 .. K (on a CPU, with the target
-    # itself as the draft, a round of k drafts costs 1 + 1.35 k steps and k stays low)
+    # cheap drafts (a few-layer draft's): k moves over 1 .. K (on a CPU, with the target itself as the
+    # draft, a round of k drafts costs 1 + 1.35 k steps and k stays low)
+    spec = BatchDrafts(K, DraftRows(perturbed(load_model(d).model, 1.5), K, compiled=False), cost=(1.0, 0.2))
     engine = BatchEngine(model, compiled=False, spec=spec)
     engine.want[1] = 2  # (set before the first step: a logprobs row never drafts)
     lengths = []

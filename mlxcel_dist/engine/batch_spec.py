@@ -68,11 +68,13 @@ from .spec import PromptLookup, check_draft, check_drafting
 
 
 MAX_REST = 16  # the longest rest of a prompt-lookup row whose drafts keep failing (steps)
-# A verify's cost in target steps: its fixed part and each position's. One H200, the 7.2B pair: a 4-id
-# verify (the masked graph) 9.8-12.5 ms against a 4.8-5.3 ms plain step (split, fused kernels), a block's
-# width costing little there (draft_floor.py's chains: 4 ids 1.1-1.3x one); the 2-core CPU
-# (spec_7b.py --tiny --parts): 4 ids 1.9-2.2x one step, the plain step the same kind of graph
-VERIFY_COST = {"gpu": (2.0, 0.05), "cpu": (1.0, 0.35)}
+# A verify position's cost in target steps: a block's width cost little on one H200 (draft_floor.py's chains:
+# 4 ids 1.1-1.3x one), a third of a step on the 2-core CPU (spec_7b.py --tiny --parts: 4 ids 1.9-2.2x one)
+POSITION_COST = {"gpu": 0.05, "cpu": 0.35}
+# A verify's fixed part where a lone row's plain steps run split on a GPU (fused decode kernels) and its verify
+# is the masked block: 9.8-12.5 ms against a 4.8-5.3 ms plain step (one H200, the 7.2B pair); elsewhere the
+# plain step is the same kind of graph as the verify (1: assumed for batches on a GPU, not measured)
+SPLIT_VERIFY = 2.0
 PRIOR, RATE = 0.7, 0.2  # a draft position's acceptance before any is seen; the weight of each seen
 
 
@@ -185,7 +187,7 @@ class BatchDrafts:
     flight read early for drafts that then were not there)."""
 
     def __init__(self, k: int, draft: DraftRows | None = None, log=None, adaptive: bool = True,
-                 lookup: PromptLookup | None = None):
+                 lookup: PromptLookup | None = None, cost: tuple | None = None):
         check_drafting(k)
         self.k, self.draft, self.adaptive = k, draft, adaptive
         self.lookup = None if draft is not None else lookup or PromptLookup(k)
@@ -196,7 +198,8 @@ class BatchDrafts:
         self.steps = {"plain": 0, "verify": 0, "reread": 0}
         self.row_k: dict = {}  # rid -> its drafts in the next round (adaptive; absent: k)
         self.rates: dict = {}  # rid -> per draft position, its acceptance seen (a draft-model row; EMAs)
-        self.cost: tuple | None = None  # a round's fixed cost and a draft's, in target steps (`_worth`; set at the first round)
+        self.given = cost  # a round's (V, c) for every round (tests), else `_cost`'s each round
+        self.cost = cost  # this round's (V, c) (`_worth`)
         self._index = weakref.WeakKeyDictionary()  # Row -> its _Ngrams (prompt lookup)
         self.rest: dict = {}  # rid -> (the step it drafts again, its last rest) (prompt lookup, adaptive)
         self._t = 0  # steps taken
@@ -372,20 +375,21 @@ class BatchDrafts:
         return max(best, min(self.k, k + 1)) if a == k else best
 
     def _cost(self, engine) -> tuple:
-        """A round's cost in target steps, (V, c): the verify's fixed part V and per draft c, a
-        draft step (the draft's share of the target's layers, +1: embedding and head) and one
-        more verify position (VERIFY_COST, by the device). From the device and the models, not
-        timings: every rank picks the same k."""
-        device = "gpu" if mx.default_device().type == mx.DeviceType.gpu else "cpu"
+        """This round's cost in target steps, (V, c): the verify's fixed part V (SPLIT_VERIFY for
+        a lone row stepping split on a GPU, else 1) and per draft c, a draft step (the draft's
+        share of the target's layers, +1: embedding and head) and one more verify position
+        (POSITION_COST). From the device, the models and the rows, not timings: every rank
+        picks the same k."""
+        gpu = mx.default_device().type == mx.DeviceType.gpu
         d, t = len(self.draft.engine.model.model.layers), len(engine.model.model.layers)  # (every stage's)
-        fixed, position = VERIFY_COST[device]
-        return fixed, position + (d + 1) / (t + 1)
+        fixed = SPLIT_VERIFY if gpu and len(engine.rows) == 1 and engine.steps.splits(1) else 1.0
+        return fixed, POSITION_COST["gpu" if gpu else "cpu"] + (d + 1) / (t + 1)
 
     def _accept(self, engine, rows, logits, D, qs, ks) -> tuple[dict, dict]:
         """Each row's accepted ids ({rid: ids}, the rows not moved yet) and the
         logprobs of the rows that want them, read."""
         choices = choose(rows, engine.want)
-        if self.draft is not None and self.cost is None:
+        if self.draft is not None and self.given is None:
             self.cost = self._cost(engine)
         lazy, extras = verify(choices, logits, D, qs, ks)
         mx.eval(lazy, D, extras)
