@@ -90,7 +90,7 @@ from random_ckpt import gemma3_checkpoint; gemma3_checkpoint('/tmp/ckpt/gemma3-1
   # the lengths go through one server in turn: the later ones read a server that has met the shapes
   MLXCEL_DIST_STEP_LOG=1 timeout "${LIMIT:-500}" python3 benchmarks/serve_stall.py --model /tmp/ckpt/gemma3-12b \
     --servers ours-np1 --stream-tokens "${2:-400}" --settle 10 --rounds "${3:-2}" --lengths "${4:-1500,4000}" --verbose \
-    ${VS:+--vs "$VS"} --long-tokens "${LONG:-1}" --json "$O/stall39.json" 2>&1 | tee "$O/stall39.log" | tail -30
+    ${VS:+--vs "$VS"} --long-tokens "${LONG:-1}" --alone-runs 2 --json "$O/stall39.json" 2>&1 | tee "$O/stall39.log" | tail -30
   for f in /tmp/serve_stall_logs/*.log; do cp "$f" "$O/stall39-server-$(basename "$f")"; done
   ;;
 mixed)  # issue 39: the engine's steps beside a long prompt, in process: flat (one forward) vs apart (12B gemma3)
