@@ -15,8 +15,9 @@
 #   bash benchmarks/h200_issue42.sh drafts # issue 42: draft_floor.py over alphas (the pair's acceptance in MLX calls
 #                                          # only) and spec_7b.py --parts (our engine's steps, rounds) in one call
 #   bash benchmarks/h200_issue42.sh moefirst # a 4-bit qwen3_moe's first / second run against mlx-lm (moe_first_run.py)
-#   [VS=.dev/base LONG=1] bash benchmarks/h200_issue42.sh stall [TOKENS] [ROUNDS] [LENGTHS] # issue 39: streams
-#          beside a long prompt, 12B gemma3 (VS: an older tree's server too; LONG: the long prompt's max_tokens)
+#   [VS=.dev/base LONG=1 SERVERS=ours-np1,ours-np2] bash benchmarks/h200_issue42.sh stall [TOKENS] [ROUNDS] [LENGTHS]
+#          # issue 39: streams beside a long prompt, 12B gemma3 (VS: an older tree's server too; LONG: the long
+#          # prompt's max_tokens; SERVERS: ours-np2 on nvidia-h200-x2, the launcher's backend there)
 #   bash benchmarks/h200_issue42.sh mixed [PROMPT] [BUDGETS] [ROUNDS] # issue 39: mixed steps in process, flat vs apart
 #   bash benchmarks/h200_issue42.sh cpu    # the host's CPU pinned to 2 cores (MLX's CPU wheel from .dev/cpu):
 #                                          # bench np 1 / np 2 against aff0c91 (.dev/base), serve at 8 clients
@@ -89,7 +90,7 @@ from random_ckpt import gemma3_checkpoint; gemma3_checkpoint('/tmp/ckpt/gemma3-1
   # VS=<an older checkout of ours> runs its server too, interleaved; LONG=<n>: the long prompt's max_tokens;
   # the lengths go through one server in turn: the later ones read a server that has met the shapes
   MLXCEL_DIST_STEP_LOG=1 timeout "${LIMIT:-500}" python3 benchmarks/serve_stall.py --model /tmp/ckpt/gemma3-12b \
-    --servers ours-np1 --stream-tokens "${2:-400}" --settle 10 --rounds "${3:-2}" --lengths "${4:-1500,4000}" --verbose \
+    --servers "${SERVERS:-ours-np1}" --stream-tokens "${2:-400}" --settle 10 --rounds "${3:-2}" --lengths "${4:-1500,4000}" --verbose \
     ${VS:+--vs "$VS"} --long-tokens "${LONG:-1}" --alone-runs 2 --json "$O/stall39.json" 2>&1 | tee "$O/stall39.log" | tail -30
   for f in /tmp/serve_stall_logs/*.log; do cp "$f" "$O/stall39-server-$(basename "$f")"; done
   ;;
