@@ -258,11 +258,16 @@ def test_a_rounds_cost_comes_from_the_device_the_models_and_the_rows(monkeypatch
     share = 1.0  # (the same layers: (d + 1) / (t + 1))
     assert spec.cost == spec._cost(engine) == (1.0, POSITION["cpu"] + share)
     gpu = type("Device", (), {"type": mx.DeviceType.gpu})()
-    monkeypatch.setattr(batch_spec.mx, "default_device", lambda: gpu)
-    assert engine.steps.splits(1) and spec._cost(engine) == (batch_spec.SPLIT_VERIFY, POSITION["gpu"] + share)
+
+    def on_a_gpu():
+        with monkeypatch.context() as m:  # (only around the reading: the steps run on this machine)
+            m.setattr(batch_spec.mx, "default_device", lambda: gpu)
+            return spec._cost(engine)
+
+    assert engine.steps.splits(1) and on_a_gpu() == (batch_spec.SPLIT_VERIFY, POSITION["gpu"] + share)
     engine.add_many([(1, [2, 6, 8], GREEDY)])
     engine.step()
-    assert spec._cost(engine) == (1.0, POSITION["gpu"] + share)  # two rows: the masked graph either way
+    assert on_a_gpu() == (1.0, POSITION["gpu"] + share)  # two rows: the masked graph either way
 
 
 def test_ngram_index_drafts_what_prompt_lookup_drafts():
