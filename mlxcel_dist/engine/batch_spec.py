@@ -382,7 +382,7 @@ class BatchDrafts:
         picks the same k."""
         gpu = mx.default_device().type == mx.DeviceType.gpu
         d, t = len(self.draft.engine.model.model.layers), len(engine.model.model.layers)  # (every stage's)
-        fixed = SPLIT_VERIFY if gpu and len(engine.rows) == 1 and engine.steps.splits(1) else 1.0
+        fixed = SPLIT_VERIFY if gpu and engine.steps.splits(engine.store.capacity()) else 1.0  # (as the plain step asks)
         return fixed, POSITION_COST["gpu" if gpu else "cpu"] + (d + 1) / (t + 1)
 
     def _accept(self, engine, rows, logits, D, qs, ks) -> tuple[dict, dict]:
