@@ -465,14 +465,34 @@ def _check_flag_values(args: list[str]) -> None:
 
 def _stack_dumps() -> None:
     """`kill -USR1 PID` makes this process (launcher or rank) print every
-    thread's Python stack to its stderr: a hung job's first clue."""
+    thread's Python stack to its stderr: a hung job's first clue. Printed by a
+    Python handler, under the GIL: faulthandler's C dump of every thread
+    crashed a serving rank (SIGSEGV) while another thread was starting. For a
+    process stuck in C with the GIL held (no Python handler runs), `kill -USR2`
+    is faulthandler's dump (unsafe while threads start or stop)."""
     import faulthandler
     import signal
 
+    def dump(signum, frame):
+        import threading
+        import traceback
+
+        names = {t.ident: t.name for t in threading.enumerate()}
+        out = []
+        for ident, f in sys._current_frames().items():
+            out.append(f"Thread {ident:#x} ({names.get(ident, '?')}, most recent call first):\n")
+            out.extend(reversed(traceback.format_stack(f)))
+        try:
+            sys.stderr.write("".join(out) + "\n")
+            sys.stderr.flush()
+        except (OSError, ValueError):  # (a closed stderr)
+            pass
+
     try:
-        faulthandler.register(signal.SIGUSR1, all_threads=True)
-    except (AttributeError, ValueError, OSError, RuntimeError):  # no SIGUSR1 (Windows), or a stderr without a file
-        pass
+        signal.signal(signal.SIGUSR1, dump)
+        faulthandler.register(signal.SIGUSR2, all_threads=True)
+    except (AttributeError, ValueError, OSError, RuntimeError):  # no SIGUSR1 (Windows), not the main thread,
+        pass  # or a stderr without a file
 
 
 def main():
