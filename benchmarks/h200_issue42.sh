@@ -12,8 +12,8 @@
 #   bash benchmarks/h200_issue42.sh ppserve #  serve np 1 / pp 2 / pp 2 before (.dev/prev) / pp 2 micro 2 at 1, 16 clients
 #   bash benchmarks/h200_issue42.sh floor  # issue 42 in MLX calls only: drafts' bound (draft_floor.py), 4-bit MoE
 #                                          # decode's spread in 3 fresh processes (moe_spread.py)
-#   bash benchmarks/h200_issue42.sh drafts # issue 42: draft_floor.py over alphas (the pair's acceptance in MLX calls
-#                                          # only) and spec_7b.py --parts (our engine's steps, rounds) in one call
+#   bash benchmarks/h200_issue42.sh drafts [ALPHA] [REPS] # issue 42: spec_7b.py --parts --mlx-only: our engine's
+#                                          # steps and rounds beside draft_floor.py's MLX-only loop on the same pair
 #   bash benchmarks/h200_issue42.sh moefirst # a 4-bit qwen3_moe's first / second run against mlx-lm (moe_first_run.py)
 #   [VS=.dev/base LONG=1 SERVERS=ours-np1,ours-np2] bash benchmarks/h200_issue42.sh stall [TOKENS] [ROUNDS] [LENGTHS]
 #          # issue 39: streams beside a long prompt, 12B gemma3 (VS: an older tree's server too; LONG: the long
@@ -73,11 +73,10 @@ floor)  # issue 42: what MLX itself allows, nothing of ours
   timeout 240 python3 benchmarks/draft_floor.py --reps 3 2>&1 | tee "$O/draftfloor42.jsonl"
   for p in 1 2 3; do timeout 110 python3 benchmarks/moe_spread.py --reps 4 "${@:2}"; done 2>&1 | tee "$O/moespread42.jsonl"
   ;;
-drafts)  # issue 42: what K=3 rounds buy at the pair's acceptance, MLX calls only, then ours on spec_7b's pair
+drafts)  # issue 42: our rounds and draft_floor.py's MLX-calls-only loop on one pair (spec_7b.py --mlx-only)
   nvidia-smi --query-gpu=name,clocks.sm,memory.used --format=csv,noheader
-  timeout 200 python3 benchmarks/draft_floor.py --reps 2 --alphas "${2:-0.05,0.03,0.02}" 2>&1 | tee "$O/draftfloor42.jsonl"
-  timeout 330 python3 benchmarks/spec_7b.py --no-mlx-lm --pair-only --parts --alphas 0.05 --reps 4 \
-    --json "$O/spec7b_parts.jsonl" 2>&1 | cut -c1-400
+  timeout 540 python3 benchmarks/spec_7b.py --no-mlx-lm --pair-only --parts --mlx-only --alphas "${2:-0.03}" \
+    --reps "${3:-3}" --json "$O/spec7b_pair.jsonl" 2>&1 | cut -c1-400
   ;;
 moefirst)  # issue 42: a 4-bit qwen3_moe's first and second run, ours and mlx-lm, each with empty kernel caches
   t=$(date +%s); python3 benchmarks/moe_first_run.py build /tmp/ckpt/qwen3moe-4bit 2>&1 | tail -3

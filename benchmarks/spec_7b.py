@@ -195,6 +195,33 @@ def parts(target, draft, k: int, prompt) -> dict:
     return {n: round(x, 3) for n, x in out.items()}
 
 
+def floor_model(weights: list, masked: bool = True):
+    """The same arrays as draft_floor.py's MLX-calls-only model (q/k/v and gate/up concatenated, as it
+    takes them; masked verify: the form MLX CUDA allows, sdpa_lengths.py), so its loop and ours read
+    one pair."""
+    import draft_floor as f
+
+    w = dict(weights)
+    if w["model.embed_tokens.weight"].shape[1] != f.H:  # --tiny: the floor model's widths follow
+        f.H, f.NQ, f.NKV, f.D, f.I, f.V = (SHAPE[k] for k in ("hidden_size", "num_attention_heads",
+                                           "num_key_value_heads", "head_dim", "intermediate_size", "vocab_size"))
+    f.LAYERS, f.DRAFT, f.THETA, f.EPS = SHAPE["num_hidden_layers"], DRAFT_LAYERS, SHAPE["rope_theta"], SHAPE["rms_norm_eps"]
+
+    def L(i):
+        a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        return dict(ln1=w[f"model.layers.{i}.input_layernorm.weight"],
+                    qkv=mx.concatenate([w[a + x + "_proj.weight"] for x in "qkv"]), o=w[a + "o_proj.weight"],
+                    ln2=w[f"model.layers.{i}.post_attention_layernorm.weight"],
+                    gu=mx.concatenate([w[m + "gate_proj.weight"], w[m + "up_proj.weight"]]), down=w[m + "down_proj.weight"])
+
+    p = dict(embed=w["model.embed_tokens.weight"], layers=[L(i) for i in range(f.LAYERS)],
+             norm=w["model.norm.weight"], head=w["lm_head.weight"])
+    mx.eval(p)
+    m = f.Model(p)
+    m.masked = masked
+    return f, m
+
+
 def same_prefix(a: list, b: list) -> int:
     n = 0
     for x, y in zip(a, b):
@@ -215,6 +242,9 @@ def main():
     ap.add_argument("--no-mlx-lm", action="store_true")
     ap.add_argument("--pair-only", action="store_true", help="no prompt-lookup runs (the chain model)")
     ap.add_argument("--parts", action="store_true", help="per rep, the steps' times first (`parts`)")
+    ap.add_argument("--mlx-only", action="store_true",
+                    help="per rep, draft_floor.py's MLX-calls-only loop on the same pair too (plain, K-draft rounds "
+                         "with the masked verify)")
     ap.add_argument("--json")
     ap.add_argument("--tiny", action="store_true", help="a small model of the same construction (a check on a CPU)")
     a = ap.parse_args()
@@ -253,14 +283,10 @@ def main():
     dcfg, dweights, draft = draft_of(SHAPE, w)
     emit({"pair_alpha": alpha})
 
-    class TwoAlways(DraftRows):  # every round refeeds two agreed ids (the rounds before 2026-12-03)
-        def _lacks(self, *_):
-            return 2
-
     configs = {"plain": lambda: None,
                f"draft K={a.k}": lambda: BatchDrafts(a.k, DraftRows(draft, a.k)),
-               f"draft K={a.k} refeed 2": lambda: BatchDrafts(a.k, TwoAlways(draft, a.k)),
                f"draft K={a.k} fixed": lambda: BatchDrafts(a.k, DraftRows(draft, a.k), adaptive=False)}
+    fl = floor_model(w) if a.mlx_only else None
     plain_ids = None
     for rep in range(a.reps):
         if a.parts:
@@ -271,6 +297,14 @@ def main():
                 plain_ids = plain_ids or ids
             emit({"model": "pair", "rep": rep, "config": name, **info,
                   "same_as_plain": ids == plain_ids})
+        if fl:  # the same pair in MLX calls only: its ids from the prompt's last id on, ours from the first
+            f, m = fl
+            f_ids, f_tps = f.plain(m, mx.array(prompt), a.gen)
+            d_ids, d_tps, acc, E = f.drafted(m, mx.array(prompt), a.gen, a.k)
+            emit({"model": "pair", "rep": rep, "config": "mlx-only plain", "decode_tok_s": f_tps,
+                  "prefix_same_as_ours_plain": same_prefix(f_ids, plain_ids[1:])})
+            emit({"model": "pair", "rep": rep, "config": f"mlx-only draft K={a.k} masked", "decode_tok_s": d_tps,
+                  "acceptance": acc, "ids_a_round": E, "same_as_its_plain": d_ids == f_ids})
 
     if not a.no_mlx_lm:
         mt = mlx_lm_model(SHAPE, w)
