@@ -12,7 +12,7 @@
 #   bash benchmarks/h200_issue42.sh ppserve #  serve np 1 / pp 2 / pp 2 before (.dev/prev) / pp 2 micro 2 at 1, 16 clients
 #   bash benchmarks/h200_issue42.sh floor  # issue 42 in MLX calls only: drafts' bound (draft_floor.py), 4-bit MoE
 #                                          # decode's spread in 3 fresh processes (moe_spread.py)
-#   bash benchmarks/h200_issue42.sh drafts [ALPHA] [REPS] # issue 42: spec_7b.py --parts --mlx-only: our engine's
+#   bash benchmarks/h200_issue42.sh drafts [ALPHA] [REPS] [--check] # issue 42: spec_7b.py --parts --mlx-only: our engine's
 #                                          # steps and rounds beside draft_floor.py's MLX-only loop on the same pair
 #   bash benchmarks/h200_issue42.sh moefirst # a 4-bit qwen3_moe's first / second run against mlx-lm (moe_first_run.py)
 #   [VS=.dev/base LONG=1 SERVERS=ours-np1,ours-np2] bash benchmarks/h200_issue42.sh stall [TOKENS] [ROUNDS] [LENGTHS]
@@ -76,7 +76,7 @@ floor)  # issue 42: what MLX itself allows, nothing of ours
 drafts)  # issue 42: our rounds and draft_floor.py's MLX-calls-only loop on one pair (spec_7b.py --mlx-only)
   nvidia-smi --query-gpu=name,clocks.sm,memory.used --format=csv,noheader
   timeout 540 python3 benchmarks/spec_7b.py --no-mlx-lm --pair-only --parts --mlx-only --alphas "${2:-0.03}" \
-    --reps "${3:-3}" --json "$O/spec7b_pair.jsonl" 2>&1 | cut -c1-400
+    --reps "${3:-3}" "${@:4}" --json "$O/spec7b_pair.jsonl" 2>&1 | cut -c1-500
   ;;
 moefirst)  # issue 42: a 4-bit qwen3_moe's first and second run, ours and mlx-lm, each with empty kernel caches
   t=$(date +%s); python3 benchmarks/moe_first_run.py build /tmp/ckpt/qwen3moe-4bit 2>&1 | tail -3

@@ -118,13 +118,14 @@ def generate(model, prompt, gen: int, spec=None) -> tuple[list, dict]:
     return ids, info
 
 
-def agreement(target, draft, prompt, gen: int) -> tuple[float, float]:
-    """Share of places along the target's greedy ids (after the prompt) where draft and target pick the
-    same id: by the argmax of the logits (ours), and by the argmax of log-probabilities rounded to the
-    logits' dtype (mlx-lm's generate_step draws greedy ids from `logits - logsumexp(logits)` in bf16,
-    where near-ties collapse and the lowest id wins)."""
-    ids, _ = generate(target, prompt, gen)
-    seq = mx.array(np.concatenate([prompt, ids[:-1]])[None])
+def agreement(target, draft, prompt, gen: int, ids: list | None = None) -> tuple[float, float]:
+    """Share of places along the target's greedy ids (after the prompt; `ids`: along these) where draft
+    and target pick the same id: by the argmax of the logits (ours), and by the argmax of log-probabilities
+    rounded to the logits' dtype (mlx-lm's generate_step draws greedy ids from `logits - logsumexp(logits)`
+    in bf16, where near-ties collapse and the lowest id wins)."""
+    if ids is None:
+        ids, _ = generate(target, prompt, gen)
+    seq = mx.array(np.concatenate([prompt, np.asarray(ids[:-1], np.int32)])[None])
     t, d = (m(seq)[0, len(prompt) - 1:] for m in (target, draft))
     lp = [x - mx.logsumexp(x, axis=-1, keepdims=True) for x in (t, d)]
     same = lambda a, b: float(np.mean(np.array(a.argmax(-1)) == np.array(b.argmax(-1))))  # noqa: E731
@@ -222,6 +223,45 @@ def floor_model(weights: list, masked: bool = True):
     return f, m
 
 
+def consistent(model, prompt, ids: list) -> float:
+    """Share of `ids` that are the argmax of one full forward of `model` over the prompt and the ids before
+    them (a loop's steps against the model's own prefill path: bf16 near-ties aside, 1.0)."""
+    seq = mx.array(np.concatenate([prompt, np.asarray(ids[:-1], np.int32)])[None])
+    return float(np.mean(np.array(model(seq)[0, len(prompt) - 1:].argmax(-1)) == np.array(ids)))
+
+
+def checked_drafts(draft, k: int):
+    """DraftRows recording each round's contexts and drafts, and `check()`: the share of drafts that are
+    the draft model's argmax in one full forward over the context and the drafts before them."""
+    from mlxcel_dist.engine.batch_spec import DraftRows
+
+    rounds = []
+
+    class Checked(DraftRows):
+        def draft(self, rows, k):
+            D, q = super().draft(rows, k)
+            rounds.append(([list(r.context) for r in rows], D))
+            return D, q
+
+        def check(self):
+            same = n = 0
+            for ctxs, D in rounds:
+                for c, d in zip(ctxs, np.array(D).tolist()):
+                    seq = mx.array([[int(x) for x in c] + d[:-1]])
+                    same += int(np.sum(np.array(draft(seq)[0, len(c) - 1:].argmax(-1)) == np.array(d)))
+                    n += len(d)
+            return same / max(n, 1)
+
+    return Checked(draft, k)
+
+
+def floor_agreement(f, m, prompt, ids: list) -> float:
+    """agreement() by the MLX-calls-only model's own forward: its draft (first layers) against its target."""
+    seq = mx.array(np.concatenate([prompt, np.asarray(ids[:-1], np.int32)]))
+    t, d = (np.array(m(seq, 0, n)[len(prompt) - 1:].argmax(-1)) for n in (f.LAYERS, f.DRAFT))
+    return float(np.mean(t == d))
+
+
 def same_prefix(a: list, b: list) -> int:
     n = 0
     for x, y in zip(a, b):
@@ -245,6 +285,10 @@ def main():
     ap.add_argument("--mlx-only", action="store_true",
                     help="per rep, draft_floor.py's MLX-calls-only loop on the same pair too (plain, K-draft rounds "
                          "with the masked verify)")
+    ap.add_argument("--check", action="store_true",
+                    help="per run, the share of ids (and drafts) that a full forward of the target (draft) gives")
+    ap.add_argument("--prompt-per-rep", action="store_true",
+                    help="rep r decodes from random prompt r (the pair's acceptance over several paths of ids)")
     ap.add_argument("--json")
     ap.add_argument("--tiny", action="store_true", help="a small model of the same construction (a check on a CPU)")
     a = ap.parse_args()
@@ -285,26 +329,43 @@ def main():
 
     configs = {"plain": lambda: None,
                f"draft K={a.k}": lambda: BatchDrafts(a.k, DraftRows(draft, a.k)),
-               f"draft K={a.k} fixed": lambda: BatchDrafts(a.k, DraftRows(draft, a.k), adaptive=False)}
+               f"draft K={a.k} fixed": lambda: BatchDrafts(a.k, (checked_drafts(draft, a.k) if a.check else
+                                                                 DraftRows(draft, a.k)), adaptive=False)}
     fl = floor_model(w) if a.mlx_only else None
     plain_ids = None
     for rep in range(a.reps):
+        if a.prompt_per_rep and rep:  # another random prompt: another path of greedy ids, another acceptance
+            prompt = np.random.default_rng(rep).integers(0, SHAPE["vocab_size"], a.prompt).astype(np.int32)
+            plain_ids = None
         if a.parts:
             emit({"model": "pair", "rep": rep, "parts": parts(target, draft, a.k, prompt)})
         for name, make in configs.items():
-            ids, info = generate(target, prompt, a.gen, make())
+            spec = make()
+            ids, info = generate(target, prompt, a.gen, spec)
+            if a.check:
+                info["ids_as_a_full_forward"] = round(consistent(target, prompt, ids), 4)
+                if hasattr(getattr(spec, "draft", None), "check"):
+                    info["drafts_as_a_full_forward"] = round(spec.draft.check(), 4)
             if name == "plain":
                 plain_ids = plain_ids or ids
+            if (name == "plain" and fl) or a.check:  # drafts pay by how often the draft agrees along the ids made
+                info.update(draft_agreement_on_its_ids=round(agreement(target, draft, prompt, 0, ids)[0], 3),
+                            distinct_ids=len(set(ids)))
             emit({"model": "pair", "rep": rep, "config": name, **info,
                   "same_as_plain": ids == plain_ids})
         if fl:  # the same pair in MLX calls only: its ids from the prompt's last id on, ours from the first
             f, m = fl
             f_ids, f_tps = f.plain(m, mx.array(prompt), a.gen)
             d_ids, d_tps, acc, E = f.drafted(m, mx.array(prompt), a.gen, a.k)
+            own = [plain_ids[0], *f_ids]  # (its ids follow the prompt's first id, the same as ours)
             emit({"model": "pair", "rep": rep, "config": "mlx-only plain", "decode_tok_s": f_tps,
-                  "prefix_same_as_ours_plain": same_prefix(f_ids, plain_ids[1:])})
+                  "prefix_same_as_ours_plain": same_prefix(f_ids, plain_ids[1:]),
+                  "draft_agreement_on_its_ids": round(agreement(target, draft, prompt, 0, own)[0], 3),
+                  "its_draft_agreement_by_itself": round(floor_agreement(f, m, prompt, own), 3),
+                  "distinct_ids": len(set(own))})
             emit({"model": "pair", "rep": rep, "config": f"mlx-only draft K={a.k} masked", "decode_tok_s": d_tps,
-                  "acceptance": acc, "ids_a_round": E, "same_as_its_plain": d_ids == f_ids})
+                  "acceptance": acc, "ids_a_round": E, "same_as_its_plain": d_ids == f_ids,
+                  "its_draft_agreement_by_itself": round(floor_agreement(f, m, prompt, [plain_ids[0], *d_ids]), 3)})
 
     if not a.no_mlx_lm:
         mt = mlx_lm_model(SHAPE, w)
