@@ -103,15 +103,18 @@ def generate(model, prompt, gen: int, spec=None) -> tuple[list, dict]:
     from mlxcel_dist.engine.generation import Generation
 
     g = Generation(model, np.asarray(prompt, np.int32), gen, spec=spec)
-    ids, t0 = [], None
+    ids, t0, at = [], None, []
     for i in g:
         if t0 is None:
             mx.synchronize()
             t0 = time.perf_counter()
         ids.append(int(i))
+        at.append(time.perf_counter())
     dt = time.perf_counter() - t0
     s = g.finish()
-    info = {"decode_tok_s": (len(ids) - 1) / dt, "gen": len(ids)}
+    gaps = np.diff(at) * 1e3
+    info = {"decode_tok_s": (len(ids) - 1) / dt, "gen": len(ids), "longest_gap_ms": round(float(gaps.max()), 1),
+            "ms_in_gaps_over_100": round(float(gaps[gaps > 100].sum()), 1)}
     if spec is not None:
         info.update(drafted=s.drafted, accepted=s.accepted, verify_rounds=s.rounds,
                     acceptance=s.accepted / s.drafted if s.drafted else 0.0, steps=dict(spec.steps))
