@@ -152,6 +152,44 @@ def test_a_draft_row_feeds_only_the_ids_its_cache_lacks(model):
     assert {w for w, _ in rounds[1:]} == {1, 2}, rounds  # both kinds of round seen
 
 
+def test_draft_model_rows_that_do_not_pay_rest_and_catch_up(model):
+    # a draft that agrees little, at a cost where a round of k drafts must yield 0.8 (1 + 0.5 k) ids: its rows rest
+    # (plain pipelined steps while all rest), come back, and feed the draft the ids of the plain
+    # steps since (blocks of K + 1): every draft the draft model's own greedy id on the context as
+    # read, the ids plain greedy's
+    rng = np.random.default_rng(1)
+    reqs = [(i, rng.integers(3, 512, 8).tolist(), GREEDY) for i in range(2)]
+    want = run(BatchEngine(model), reqs, 3 * N)
+    dmodel = perturbed(load_model(default_model_dir()).model, 1.0)
+    draft = DraftRows(dmodel, K)
+    spec = BatchDrafts(K, draft, cost=(1.0, 0.5))
+    engine = BatchEngine(model, spec=spec)
+    rounds, widths, draft_of, feed = [], [], draft.draft, draft.engine.feed
+
+    def drafting(rows, k):
+        d, q = draft_of(rows, k)
+        rounds.append(([list(r.context) for r in rows], np.array(d).tolist()))
+        return d, q
+
+    def feeding(tokens, pos):
+        widths.append(tokens.shape[1])
+        return feed(tokens, pos)
+
+    resting, step = [], engine.step
+
+    def stepping():
+        resting.append(len(spec.rest))
+        return step()
+
+    draft.draft, draft.engine.feed, engine.step = drafting, feeding, stepping
+    assert run(engine, reqs, 3 * N) == want
+    assert spec.steps["plain"] > 0 and max(resting) == 2 and max(widths) == K + 1  # both rested, caught up
+    for ctxs, drafts in rounds:
+        for c, d in zip(ctxs, drafts):
+            seq = c + d[:-1]
+            assert mx.argmax(dmodel(mx.array([seq]))[0, len(c) - 1:], axis=-1).tolist() == d
+
+
 def test_lookup_rows_whose_drafts_fail_rest(model):
     # random prompts: the tiny model's output repeats ids here and there, so lookups hit and often miss;
     # rows whose single drafts fail rest (plain steps when all rest or miss), the ids unchanged

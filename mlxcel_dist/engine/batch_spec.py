@@ -45,7 +45,10 @@ expected ids a round, from its acceptance seen at each draft position,
 per the round's cost is highest (`_worth`): the verify's fixed part (two
 plain steps on a GPU, where the plain step runs the fused decode kernels and
 the verify a masked graph; one on a CPU) and per draft a draft step and one
-more verify position (little on a GPU, about a third of a step on a CPU).
+more verify position (little on a GPU, about a third of a step on a CPU);
+where no k yields more ids per step than the plain step's one, the row rests
+as a failing lookup row does (while every row rests, plain pipelined steps;
+the draft's rows then catch up on the ids they lack in blocks of K + 1).
 A prompt-lookup row (SGLang-style adaptive drafting): one that takes all
 its drafts drafts one more next round (up to K), one that accepts a of them
 at most a + 1 and at least one fewer (down to 1); one whose one draft fails
@@ -76,6 +79,10 @@ POSITION_COST = {"gpu": 0.05, "cpu": 0.35}
 # plain step is the same kind of graph as the verify (1: assumed for batches on a GPU, not measured)
 SPLIT_VERIFY = 2.0
 PRIOR, RATE = 0.7, 0.2  # a draft position's acceptance before any is seen; the weight of each seen
+# A draft-model row rests where its round's expected ids per target step fall under this share of a plain
+# step's one: the costs above come from the device kind and layer counts, not timings (the H200 pair's
+# rounds ran 2.0-2.9 steps where they say 2.7), so only a clear loss rests
+REST_BELOW = 0.8
 
 
 class DraftRows:
@@ -84,7 +91,9 @@ class DraftRows:
     ids its cache lacks at their positions (so whatever it drafted past the
     accepted ones is overwritten: no rollback to track): the last one after
     a round that accepted fewer than all its drafts, the last two after one
-    that accepted all (its last draft was never fed), two for a new row;
+    that accepted all (its last draft was never fed), two for a new row,
+    those of the plain steps since its last round (every row rested: blocks
+    of K + 1, each row's last block ending at its context's end);
     then its K - 1 drafts one step at a time; each row's position is set
     from its context. A round in which every row lacks one id feeds one id a
     row (a lone row: the split one-row step, not the masked block)."""
@@ -108,7 +117,7 @@ class DraftRows:
 
     def _lacks(self, rid, ctx: list, last: list | None) -> int:
         """The agreed ids at the end of `ctx` whose keys row rid's cache lacks
-        (1 or 2); `last`: the last round's drafts as read."""
+        (at least 1); `last`: the last round's drafts as read."""
         if rid not in self.fed or last is None:
             return 2
         n, b = self.fed[rid]
@@ -117,7 +126,7 @@ class DraftRows:
             if held >= len(ctx) - 1 or ctx[held] != d:
                 break
             held += 1
-        return min(2, max(1, len(ctx) - held))
+        return max(1, len(ctx) - held)
 
     def rids(self) -> list:
         return [r.rid for r in self.engine.rows]
@@ -127,10 +136,11 @@ class DraftRows:
         [m, k] (k <= K) and per row its draft logits [k, V] (sampled rows) or None."""
         ctxs = [r.context for r in rows]
         last = None if self._drafts is None else np.array(self._drafts).tolist()  # (read by the last verify)
-        L = max(self._lacks(r.rid, c, last) for r, c in zip(rows, ctxs))
-        starts = [max(len(c) - L, 0) for c in ctxs]
-        first = [c[-L:] if len(c) >= L else [c[-1], 0] for c in ctxs]  # a 1-id context: a pad, overwritten next
-        logits = self.engine.feed(mx.array(first, mx.int32), starts)
+        L, W = max(self._lacks(r.rid, c, last) for r, c in zip(rows, ctxs)), self.k + 1
+        for j in range(-(-L // W) - 1, 0, -1):  # plain steps ran (every row rested): blocks of W before the last
+            self._feed(ctxs, W, j * W)
+        logits = self._feed(ctxs, min(L, W), 0)
+        starts = [max(len(c) - min(L, W), 0) for c in ctxs]
         x = logits[mx.arange(len(rows)), mx.array([len(c) - 1 - s for c, s in zip(ctxs, starts)])]
         drafts, qs = [], [[] for _ in rows]
         choices = choose(rows, {})
@@ -144,6 +154,15 @@ class DraftRows:
         self._drafts = mx.stack(drafts, axis=1)  # [m, k]
         self.fed = {r.rid: (len(c), b) for b, (r, c) in enumerate(zip(rows, ctxs))}
         return self._drafts, [mx.stack(q) if q else None for q in qs]
+
+
+    def _feed(self, ctxs: list, L: int, back: int) -> mx.array:
+        """Each row's L context ids ending `back` ids before its context's end (a row whose context is
+        too short for it: its last L again, same keys; shorter than L: padded, the pads past its end
+        overwritten by its drafts): lazy logits [m, L, V]."""
+        starts = [len(c) - back - L if len(c) - back - L >= 0 else max(len(c) - L, 0) for c in ctxs]
+        ids = [(c[s:s + L] + [0] * L)[:L] for c, s in zip(ctxs, starts)]
+        return self.engine.feed(mx.array(ids, mx.int32), starts)
 
 
 class _Ngrams:
@@ -338,24 +357,38 @@ class BatchDrafts:
         return index.lookup(r.context)
 
     def _adapt(self, rid, k: int, a: int) -> None:
-        """Row rid's next k after it accepted a of k drafts. A draft-model row: `_worth`
-        (it drafts every step: its draft rows stay at most two ids behind). A lookup row:
-        one more when it took them all, else at most a + 1 and at least one less (SGLang's
-        adaptive drafting, per row); one whose one draft fails rests 1, 2, 4 .. MAX_REST
-        steps (plain steps when every row rests or misses), the rest reset by an accepted draft."""
+        """Row rid's next k after it accepted a of k drafts. A draft-model row: `_worth`, and
+        a rest where its k pays less than plain steps (`_pays`). A lookup row: one more when
+        it took them all, else at most a + 1 and at least one less (SGLang's adaptive
+        drafting, per row); one whose one draft fails rests. A rest: 1, 2, 4 .. MAX_REST steps
+        (plain steps when every row rests or misses), reset by a round that pays."""
         if not self.adaptive:
             return
         if self.draft is not None:
             self.row_k[rid] = self._worth(rid, k, a)
+            self._rest(rid, not self._pays(rid))
             return
         cur = self.row_k.get(rid, self.k)
         self.row_k[rid] = min(self.k, cur + 1) if a == k else max(1, min(cur - 1, a + 1))
-        if a:
+        if a or cur == 1:
+            self._rest(rid, not a)
+
+    def _rest(self, rid, rests: bool) -> None:
+        if not rests:
             self.rest.pop(rid, None)
-        elif cur == 1:
-            last = self.rest.get(rid, (0, 0))[1]
-            n = min(MAX_REST, 2 * last or 1)
-            self.rest[rid] = (self._t + n + 1, n)
+            return
+        last = self.rest.get(rid, (0, 0))[1]
+        n = min(MAX_REST, 2 * last or 1)
+        self.rest[rid] = (self._t + n + 1, n)
+
+    def _pays(self, rid) -> bool:
+        """Row rid's next round yields at least REST_BELOW of the one id a target step that a plain
+        step does (E(k) / (V + k c), its k and acceptance as `_worth` has them)."""
+        (V, c), k, E, run = self.cost, self.row_k[rid], 1.0, 1.0
+        for p in self.rates[rid][:k]:
+            run *= p
+            E += run
+        return E >= REST_BELOW * (V + k * c)
 
     def _worth(self, rid, k: int, a: int) -> int:
         """A draft-model row's next k, after it accepted a of k drafts: with p_i its acceptance
