@@ -153,10 +153,10 @@ def test_a_draft_row_feeds_only_the_ids_its_cache_lacks(model):
 
 
 def test_draft_model_rows_that_do_not_pay_rest_and_catch_up(model):
-    # a draft that agrees little, at a cost where a round of k drafts must yield 0.8 (1 + 0.5 k) ids: its rows rest
-    # (plain pipelined steps while all rest), come back, and feed the draft the ids of the plain
-    # steps since (blocks of K + 1): every draft the draft model's own greedy id on the context as
-    # read, the ids plain greedy's
+    # a draft that agrees little, at a cost where a round of k drafts must yield 0.8 (1 + 0.5 k)
+    # ids: its rows rest (plain pipelined steps while all rest), come back, and feed the draft the
+    # ids of the plain steps since (blocks of K + 1): every draft the draft model's own greedy id
+    # on the context as read, the ids plain greedy's
     rng = np.random.default_rng(1)
     reqs = [(i, rng.integers(3, 512, 8).tolist(), GREEDY) for i in range(2)]
     want = run(BatchEngine(model), reqs, 3 * N)

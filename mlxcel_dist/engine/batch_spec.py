@@ -46,8 +46,8 @@ per the round's cost is highest (`_worth`): the verify's fixed part (two
 plain steps on a GPU, where the plain step runs the fused decode kernels and
 the verify a masked graph; one on a CPU) and per draft a draft step and one
 more verify position (little on a GPU, about a third of a step on a CPU);
-where no k yields more ids per step than the plain step's one, the row rests
-as a failing lookup row does (while every row rests, plain pipelined steps;
+where its k yields under REST_BELOW ids per target step (a plain step: one),
+the row rests as a failing lookup row does (while every row rests, plain pipelined steps;
 the draft's rows then catch up on the ids they lack in blocks of K + 1).
 A prompt-lookup row (SGLang-style adaptive drafting): one that takes all
 its drafts drafts one more next round (up to K), one that accepts a of them
@@ -139,8 +139,7 @@ class DraftRows:
         L, W = max(self._lacks(r.rid, c, last) for r, c in zip(rows, ctxs)), self.k + 1
         for j in range(-(-L // W) - 1, 0, -1):  # plain steps ran (every row rested): blocks of W before the last
             self._feed(ctxs, W, j * W)
-        logits = self._feed(ctxs, min(L, W), 0)
-        starts = [max(len(c) - min(L, W), 0) for c in ctxs]
+        logits, starts = self._feed(ctxs, min(L, W), 0)
         x = logits[mx.arange(len(rows)), mx.array([len(c) - 1 - s for c, s in zip(ctxs, starts)])]
         drafts, qs = [], [[] for _ in rows]
         choices = choose(rows, {})
@@ -155,14 +154,13 @@ class DraftRows:
         self.fed = {r.rid: (len(c), b) for b, (r, c) in enumerate(zip(rows, ctxs))}
         return self._drafts, [mx.stack(q) if q else None for q in qs]
 
-
-    def _feed(self, ctxs: list, L: int, back: int) -> mx.array:
+    def _feed(self, ctxs: list, L: int, back: int) -> tuple[mx.array, list]:
         """Each row's L context ids ending `back` ids before its context's end (a row whose context is
         too short for it: its last L again, same keys; shorter than L: padded, the pads past its end
-        overwritten by its drafts): lazy logits [m, L, V]."""
+        overwritten by its drafts): lazy logits [m, L, V] and each row's first position."""
         starts = [len(c) - back - L if len(c) - back - L >= 0 else max(len(c) - L, 0) for c in ctxs]
         ids = [(c[s:s + L] + [0] * L)[:L] for c, s in zip(ctxs, starts)]
-        return self.engine.feed(mx.array(ids, mx.int32), starts)
+        return self.engine.feed(mx.array(ids, mx.int32), starts), starts
 
 
 class _Ngrams:
@@ -382,8 +380,8 @@ class BatchDrafts:
         self.rest[rid] = (self._t + n + 1, n)
 
     def _pays(self, rid) -> bool:
-        """Row rid's next round yields at least REST_BELOW of the one id a target step that a plain
-        step does (E(k) / (V + k c), its k and acceptance as `_worth` has them)."""
+        """Whether row rid's next round yields at least REST_BELOW ids per target step (a plain
+        step yields one): E(k) / (V + k c), its k and acceptance as `_worth` has them."""
         (V, c), k, E, run = self.cost, self.row_k[rid], 1.0, 1.0
         for p in self.rates[rid][:k]:
             run *= p
