@@ -190,6 +190,38 @@ def test_draft_model_rows_that_do_not_pay_rest_and_catch_up(model):
             assert mx.argmax(dmodel(mx.array([seq]))[0, len(c) - 1:], axis=-1).tolist() == d
 
 
+def test_a_catch_up_longer_than_a_sliding_window(monkeypatch):
+    # gemma3's windows of 16 (rings of 16 + K slots): a draft row that lagged more than a window
+    # through plain steps catches up in blocks of K + 1 through its rings; the ids plain greedy's
+    from reference_cases import FIXTURES
+
+    import mlxcel_dist.engine.batch_spec as batch_spec
+
+    d = FIXTURES / "gemma3" / "gqa_fp32"
+    model = load_model(d).model
+    ids = np.load(d / "reference.npz")["ids"].tolist()
+    reqs = [(0, ids[:3], GREEDY), (1, ids[:19], GREEDY), (3, ids[5:12], GREEDY)]
+    want = run(BatchEngine(model), reqs, 60)
+    lacked, lacks = [], batch_spec.DraftRows._lacks
+    monkeypatch.setattr(batch_spec.DraftRows, "_lacks", lambda *a: lacked.append(lacks(*a)) or lacked[-1])
+    dmodel = perturbed(load_model(d).model, 1.5)
+    draft = DraftRows(dmodel, K)
+    rounds, draft_of = [], draft.draft
+
+    def drafting(rows, k):
+        out = draft_of(rows, k)
+        rounds.append(([list(r.context) for r in rows], np.array(out[0]).tolist()))
+        return out
+
+    draft.draft = drafting
+    spec = BatchDrafts(K, draft, cost=(1.0, 0.5))
+    assert run(BatchEngine(model, spec=spec), reqs, 60) == want
+    assert max(lacked) > 16 + K and spec.total[2] > 0  # more ids than a ring holds; drafts were taken
+    for ctxs, drafts in rounds:  # (the ids alone would not show a wrong draft: the verify keeps them)
+        for c, dr in zip(ctxs, drafts):
+            assert mx.argmax(dmodel(mx.array([c + dr[:-1]]))[0, len(c) - 1:], axis=-1).tolist() == dr
+
+
 def test_lookup_rows_whose_drafts_fail_rest(model):
     # random prompts: the tiny model's output repeats ids here and there, so lookups hit and often miss;
     # rows whose single drafts fail rest (plain steps when all rest or miss), the ids unchanged
