@@ -12,7 +12,7 @@
 #   bash benchmarks/h200_issue42.sh ppserve #  serve np 1 / pp 2 / pp 2 before (.dev/prev) / pp 2 micro 2 at 1, 16 clients
 #   bash benchmarks/h200_issue42.sh floor  # issue 42 in MLX calls only: drafts' bound (draft_floor.py), 4-bit MoE
 #                                          # decode's spread in 3 fresh processes (moe_spread.py)
-#   bash benchmarks/h200_issue42.sh drafts [ALPHA] [REPS] [--check] # issue 42: spec_7b.py --parts --mlx-only: our engine's
+#   bash benchmarks/h200_issue42.sh drafts [ALPHA] [REPS] [spec_7b flags: --check --prompt-per-rep] # issue 42: spec_7b.py --parts --mlx-only: our engine's
 #                                          # steps and rounds beside draft_floor.py's MLX-only loop on the same pair
 #   bash benchmarks/h200_issue42.sh moefirst # a 4-bit qwen3_moe's first / second run against mlx-lm (moe_first_run.py)
 #   [VS=.dev/base LONG=1 SERVERS=ours-np1,ours-np2] bash benchmarks/h200_issue42.sh stall [TOKENS] [ROUNDS] [LENGTHS]

@@ -121,6 +121,12 @@ def generate(model, prompt, gen: int, spec=None) -> tuple[list, dict]:
     return ids, info
 
 
+def along(prompt, ids: list) -> mx.array:
+    """The prompt and the ids but the last, int32 [P + n - 1]: a forward's logits from the prompt's last
+    position on are the predictions of `ids`."""
+    return mx.array(np.concatenate([prompt, np.asarray(ids[:-1], np.int32)]))
+
+
 def agreement(target, draft, prompt, gen: int, ids: list | None = None) -> tuple[float, float]:
     """Share of places along the target's greedy ids (after the prompt; `ids`: along these) where draft
     and target pick the same id: by the argmax of the logits (ours), and by the argmax of log-probabilities
@@ -128,7 +134,7 @@ def agreement(target, draft, prompt, gen: int, ids: list | None = None) -> tuple
     in bf16, where near-ties collapse and the lowest id wins)."""
     if ids is None:
         ids, _ = generate(target, prompt, gen)
-    seq = mx.array(np.concatenate([prompt, np.asarray(ids[:-1], np.int32)])[None])
+    seq = along(prompt, ids)[None]
     t, d = (m(seq)[0, len(prompt) - 1:] for m in (target, draft))
     lp = [x - mx.logsumexp(x, axis=-1, keepdims=True) for x in (t, d)]
     same = lambda a, b: float(np.mean(np.array(a.argmax(-1)) == np.array(b.argmax(-1))))  # noqa: E731
@@ -229,7 +235,7 @@ def floor_model(weights: list, masked: bool = True):
 def consistent(model, prompt, ids: list) -> float:
     """Share of `ids` that are the argmax of one full forward of `model` over the prompt and the ids before
     them (a loop's steps against the model's own prefill path: bf16 near-ties aside, 1.0)."""
-    seq = mx.array(np.concatenate([prompt, np.asarray(ids[:-1], np.int32)])[None])
+    seq = along(prompt, ids)[None]
     return float(np.mean(np.array(model(seq)[0, len(prompt) - 1:].argmax(-1)) == np.array(ids)))
 
 
@@ -260,7 +266,7 @@ def checked_drafts(draft, k: int):
 
 def floor_agreement(f, m, prompt, ids: list) -> float:
     """agreement() by the MLX-calls-only model's own forward: its draft (first layers) against its target."""
-    seq = mx.array(np.concatenate([prompt, np.asarray(ids[:-1], np.int32)]))
+    seq = along(prompt, ids)
     t, d = (np.array(m(seq, 0, n)[len(prompt) - 1:].argmax(-1)) for n in (f.LAYERS, f.DRAFT))
     return float(np.mean(t == d))
 
@@ -356,11 +362,11 @@ def main():
                             distinct_ids=len(set(ids)))
             emit({"model": "pair", "rep": rep, "config": name, **info,
                   "same_as_plain": ids == plain_ids})
-        if fl:  # the same pair in MLX calls only: its ids from the prompt's last id on, ours from the first
+        if fl:  # the same pair in MLX calls only (its loops return the ids after the first one)
             f, m = fl
             f_ids, f_tps = f.plain(m, mx.array(prompt), a.gen)
             d_ids, d_tps, acc, E = f.drafted(m, mx.array(prompt), a.gen, a.k)
-            own = [plain_ids[0], *f_ids]  # (its ids follow the prompt's first id, the same as ours)
+            own = [plain_ids[0], *f_ids]  # (its first id, the prompt's argmax, taken as ours: the same forward)
             emit({"model": "pair", "rep": rep, "config": "mlx-only plain", "decode_tok_s": f_tps,
                   "prefix_same_as_ours_plain": same_prefix(f_ids, plain_ids[1:]),
                   "draft_agreement_on_its_ids": round(agreement(target, draft, prompt, 0, own)[0], 3),
