@@ -2,14 +2,19 @@
 process (issue 42): decode per token (median and spread), prefill by
 expert-prefill form, split against whole-graph decode steps.
 
-    python benchmarks/moe_decode.py [--layers 16] [--experts 128] [--top-k 8] [--prompt 128] [--gen 128]
-                                    [--reps 3] [--prefill-tokens 128,1024] [--small]
+    python benchmarks/moe_decode.py [--family qwen3_moe|deepseek_v3] [--layers 16] [--experts 128] [--top-k 8]
+                                    [--prompt 128] [--gen 128] [--reps 3] [--prefill-tokens 128,1024] [--small]
 
 The model is issue 42's qwen3_moe shape by default (hidden 2048, 16 layers,
 128 experts top-8, moe_intermediate 768, 32 q / 4 KV heads of 128, vocab
 151936: 10.6B parameters), random bf16 weights (std 0.02, gpu_compare's
 `build_ours`), both models `nn.quantize`d to 4 bits, group 64 (every
 Linear, SwitchLinear and the embedding: what `mlx_lm.convert -q` does).
+`--family deepseek_v3`: the same expert geometry (128 routed experts top-8,
+moe_intermediate 768, 16 layers) as DeepSeek-V3's blocks: MLA attention (16
+heads, q_lora 768, kv_lora 512, rope 64 + nope 128), sigmoid routing in 8
+groups (top 4 groups), one shared expert, the first layer dense, vocab
+129280 (9.9B parameters).
 Rows (JSON lines):
 
 - `logits`: ours vs mlx-lm on 64 tokens (max |diff| / max |ref|, argmax agreement);
@@ -43,6 +48,18 @@ import gpu_compare as G  # noqa: E402
 
 
 def shape(a) -> dict:
+    if a.family == "deepseek_v3":
+        return dict(model_type="deepseek_v3", hidden_size=a.hidden, intermediate_size=8192 if not a.small else 512,
+                    num_hidden_layers=a.layers, num_attention_heads=16 if not a.small else 4,
+                    num_key_value_heads=16 if not a.small else 4, vocab_size=129280 if not a.small else 4096,
+                    n_routed_experts=a.experts, num_experts_per_tok=a.top_k, moe_intermediate_size=a.moe_intermediate,
+                    n_group=8, topk_group=4, n_shared_experts=1, first_k_dense_replace=1, norm_topk_prob=True,
+                    routed_scaling_factor=2.5, q_lora_rank=768 if not a.small else 64,
+                    kv_lora_rank=512 if not a.small else 64, qk_nope_head_dim=128 if not a.small else 64,
+                    qk_rope_head_dim=64 if not a.small else 32, v_head_dim=128 if not a.small else 64,
+                    rope_theta=10000.0, rope_scaling=None, rms_norm_eps=1e-6, max_position_embeddings=8192,
+                    tie_word_embeddings=False, attention_bias=False, num_nextn_predict_layers=0,
+                    hidden_act="silu", topk_method="noaux_tc", scoring_func="sigmoid")
     return dict(model_type="qwen3_moe", hidden_size=a.hidden, intermediate_size=6144, num_hidden_layers=a.layers,
                 num_attention_heads=32 if not a.small else 4, num_key_value_heads=4 if not a.small else 2,
                 head_dim=128, vocab_size=151936 if not a.small else 4096, num_experts=a.experts,
@@ -113,6 +130,7 @@ def forward_ms(model, ids, make_cache, n=3):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--family", default="qwen3_moe", choices=("qwen3_moe", "deepseek_v3"))
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--experts", type=int, default=128)
@@ -152,8 +170,9 @@ def main() -> None:
     emit({"device": str(mx.default_device()), "mlx": mx.__version__, "mlx_lm": mlx_lm_version,
           "env": {k: v for k, v in os.environ.items() if k.startswith("MLX_")},
           "params_b": round(n_params / 1e9, 2), "build_s": round(time.perf_counter() - t, 1),
-          "active_mem_gb": round(mx.get_active_memory() / 1e9, 2), **{k: cfg[k] for k in (
-              "hidden_size", "num_hidden_layers", "num_experts", "num_experts_per_tok", "moe_intermediate_size")}})
+          "active_mem_gb": round(mx.get_active_memory() / 1e9, 2), "model_type": cfg["model_type"],
+          "experts": a.experts, **{k: cfg[k] for k in (
+              "hidden_size", "num_hidden_layers", "num_experts_per_tok", "moe_intermediate_size")}})
 
     prompt = mx.random.randint(0, cfg["vocab_size"], (max(a.prompt, 64),), key=mx.random.key(1)).tolist()
     import numpy as np

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -99,9 +100,50 @@ def draft_of(cfg: dict, weights: list):
     return dcfg, keep, ours(dcfg, keep)
 
 
-def generate(model, prompt, gen: int, spec=None) -> tuple[list, dict]:
+def _ptx_files() -> int:
+    d = os.environ.get("MLX_PTX_CACHE_DIR")
+    return sum(len(f) for _, _, f in os.walk(d)) if d and os.path.isdir(d) else -1
+
+
+def traced(spec, log: list):
+    """spec with its `step` (and its draft model's `draft`) timed: per call, ms, the
+    kind of step (the counter it moved), (rows, drafts, accepted), the buffers' capacity,
+    the draft's share and how many kernels MLX's on-disk cache gained (a compile:
+    MLX_PTX_CACHE_DIR set, else -1)."""
+    step, sub = spec.step, getattr(spec, "draft", None)
+    box = {"draft_ms": 0.0}
+    if sub is not None:
+        draft = sub.draft
+
+        def timed_draft(rows, k):
+            t = time.perf_counter()
+            out = draft(rows, k)
+            mx.eval(out[0])
+            box["draft_ms"] += (time.perf_counter() - t) * 1e3
+            return out
+        sub.draft = timed_draft
+
+    def timed(engine):
+        before, files, box["draft_ms"] = dict(spec.steps), _ptx_files(), 0.0
+        t = time.perf_counter()
+        out = step(engine)
+        dt = (time.perf_counter() - t) * 1e3
+        moved = [k for k, v in spec.steps.items() if v != before.get(k, 0)]
+        log.append({"i": len(log), "ms": round(dt, 1), "kind": ",".join(moved), "last": list(spec.last),
+                    "capacity": engine.store.capacity(), "draft_ms": round(box["draft_ms"], 1),
+                    "new_kernels": _ptx_files() - files if files >= 0 else -1,
+                    "ids": sum(len(v) for v in out.values())})
+        return out
+    spec.step = timed
+    return spec
+
+
+def generate(model, prompt, gen: int, spec=None, trace: bool = False) -> tuple[list, dict]:
     from mlxcel_dist.engine.generation import Generation
 
+    log = []
+    if spec is not None and trace:
+        traced(spec, log)
     g = Generation(model, np.asarray(prompt, np.int32), gen, spec=spec)
     ids, t0, at = [], None, []
     for i in g:
@@ -118,6 +160,10 @@ def generate(model, prompt, gen: int, spec=None) -> tuple[list, dict]:
     if spec is not None:
         info.update(drafted=s.drafted, accepted=s.accepted, verify_rounds=s.rounds,
                     acceptance=s.accepted / s.drafted if s.drafted else 0.0, steps=dict(spec.steps))
+    if log:  # the slowest steps, in order, and the kernels compiled over the run
+        info["slowest_steps"] = sorted(sorted(log, key=lambda r: -r["ms"])[:6], key=lambda r: r["i"])
+        info["steps_traced"] = len(log)
+        info["new_kernels"] = sum(max(0, r["new_kernels"]) for r in log)
     return ids, info
 
 
@@ -298,6 +344,9 @@ def main():
                     help="per run, the share of ids (and drafts) that a full forward of the target (draft) gives")
     ap.add_argument("--prompt-per-rep", action="store_true",
                     help="rep r decodes from random prompt r (the pair's acceptance over several paths of ids)")
+    ap.add_argument("--trace-steps", action="store_true",
+                    help="time each of our drafted runs' steps: the slowest, their kind and kernels compiled")
+    ap.add_argument("--fixed-first", action="store_true", help="run fixed K before k by cost")
     ap.add_argument("--json")
     ap.add_argument("--tiny", action="store_true", help="a small model of the same construction (a check on a CPU)")
     a = ap.parse_args()
@@ -340,6 +389,8 @@ def main():
                f"draft K={a.k}": lambda: BatchDrafts(a.k, DraftRows(draft, a.k)),
                f"draft K={a.k} fixed": lambda: BatchDrafts(a.k, (checked_drafts(draft, a.k) if a.check else
                                                                  DraftRows(draft, a.k)), adaptive=False)}
+    if a.fixed_first:  # which drafted run meets the draft model's first shapes (traces, kernel compiles)
+        configs = dict(sorted(configs.items(), key=lambda kv: "fixed" not in kv[0] and kv[0] != "plain"))
     fl = floor_model(w) if a.mlx_only else None
     plain_ids = None
     for rep in range(a.reps):
@@ -350,7 +401,7 @@ def main():
             emit({"model": "pair", "rep": rep, "parts": parts(target, draft, a.k, prompt)})
         for name, make in configs.items():
             spec = make()
-            ids, info = generate(target, prompt, a.gen, spec)
+            ids, info = generate(target, prompt, a.gen, spec, a.trace_steps)
             if a.check:
                 info["ids_as_a_full_forward"] = round(consistent(target, prompt, ids), 4)
                 if hasattr(getattr(spec, "draft", None), "check"):
