@@ -3,7 +3,8 @@
 # 10-minute limit, after MLX's CUDA wheel is staged (`source .dev/setup.sh`; the serving wheels and
 # llguidance in .dev/wheels, mlx-lm's source on PYTHONPATH for the comparisons):
 #
-#   bash benchmarks/h200_issue42.sh json   # json_schema / text at 1, 16, 64 clients, 12B gemma3 bf16, serve --np 1
+#   bash benchmarks/h200_issue42.sh json [CLIENTS] [REQUESTS] [PAIRS]  # json_schema / text at 1,16,64 clients
+#                                          # (2 requests a client, 2 pairs of rounds), 12B gemma3 bf16, serve --np 1
 #   bash benchmarks/h200_issue42.sh spec   # benchmarks/spec_7b.py: the 7.5B / 4-layer draft pair, prompt lookup
 #   bash benchmarks/h200_issue42.sh fam    # issue 39: decode per family (llama 11.3B, gemma3 12B) against mlx-lm,
 #                                          # through the one engine's row (gpu_compare.py --families)
@@ -39,8 +40,9 @@ t = time.perf_counter()
 p = gemma3_checkpoint("/tmp/ckpt/gemma3-12b", **GEMMA3_12B)
 print(f"checkpoint {p} ready in {time.perf_counter() - t:.0f} s", flush=True)
 EOF
-  timeout 520 python3 benchmarks/serve_load.py --model /tmp/ckpt/gemma3-12b --servers ours-np1 --clients 1,16,64 \
-    --requests 2 --tokens 64 --formats text,json_schema,text,json_schema --json "$O/json42.json" 2>&1 \
+  fmts=$(for i in $(seq "${4:-2}"); do printf "text,json_schema,"; done)
+  timeout 520 python3 benchmarks/serve_load.py --model /tmp/ckpt/gemma3-12b --servers ours-np1 --clients "${2:-1,16,64}" \
+    --requests "${3:-2}" --tokens 64 --formats "${fmts%,}" --json "$O/json42.json" 2>&1 \
     | tee "$O/json42.log" | grep -v "^\s*$" | tail -40
   ;;
 fam)

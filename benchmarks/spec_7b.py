@@ -145,6 +145,16 @@ def generate(model, prompt, gen: int, spec=None, trace: bool = False) -> tuple[l
     if spec is not None and trace:
         traced(spec, log)
     g = Generation(model, np.asarray(prompt, np.int32), gen, spec=spec)
+    spans = []  # (start, end, new kernels) of each engine step: where the longest gap went
+    if spec is not None and trace:
+        e_step = g.engine.step
+
+        def timed_engine(*args, **kw):
+            t, files = time.perf_counter(), _ptx_files()
+            out = e_step(*args, **kw)
+            spans.append((t, time.perf_counter(), _ptx_files() - files if files >= 0 else -1))
+            return out
+        g.engine.step = timed_engine
     ids, t0, at = [], None, []
     for i in g:
         if t0 is None:
@@ -160,6 +170,12 @@ def generate(model, prompt, gen: int, spec=None, trace: bool = False) -> tuple[l
     if spec is not None:
         info.update(drafted=s.drafted, accepted=s.accepted, verify_rounds=s.rounds,
                     acceptance=s.accepted / s.drafted if s.drafted else 0.0, steps=dict(spec.steps))
+    if spans:  # the longest gap between ids: its share in engine steps (spec.step is inside them)
+        j = int(gaps.argmax()) + 1
+        a, b = at[j - 1], at[j]
+        inside = [(max(s, a), min(e, b), k) for s, e, k in spans if e > a and s < b]
+        info["longest_gap"] = {"after_id": j, "in_engine_steps_ms": round(sum(e - s for s, e, _ in inside) * 1e3, 1),
+                               "engine_steps": len(inside), "kernels_in_them": sum(max(0, k) for *_, k in inside)}
     if log:  # the slowest steps, in order, and the kernels compiled over the run
         info["slowest_steps"] = sorted(sorted(log, key=lambda r: -r["ms"])[:6], key=lambda r: r["i"])
         info["steps_traced"] = len(log)
