@@ -109,7 +109,8 @@ def traced(spec, log: list):
     """spec with its `step` (and its draft model's `draft`) timed: per call, ms, the
     kind of step (the counter it moved), (rows, drafts, accepted), the buffers' capacity,
     the draft's share and how many kernels MLX's on-disk cache gained (a compile:
-    MLX_PTX_CACHE_DIR set, else -1)."""
+    MLX_PTX_CACHE_DIR set, else -1). The drafts are evaluated apart to time them: a
+    host sync a round that untraced runs do not have."""
     step, sub = spec.step, getattr(spec, "draft", None)
     box = {"draft_ms": 0.0}
     if sub is not None:
@@ -141,12 +142,12 @@ def traced(spec, log: list):
 def generate(model, prompt, gen: int, spec=None, trace: bool = False) -> tuple[list, dict]:
     from mlxcel_dist.engine.generation import Generation
 
-    log = []
-    if spec is not None and trace:
+    log, trace = [], spec is not None and trace
+    if trace:
         traced(spec, log)
     g = Generation(model, np.asarray(prompt, np.int32), gen, spec=spec)
     spans = []  # (start, end, new kernels) of each engine step: where the longest gap went
-    if spec is not None and trace:
+    if trace:
         e_step = g.engine.step
 
         def timed_engine(*args, **kw):
@@ -156,12 +157,16 @@ def generate(model, prompt, gen: int, spec=None, trace: bool = False) -> tuple[l
             return out
         g.engine.step = timed_engine
     ids, t0, at = [], None, []
-    for i in g:
-        if t0 is None:
-            mx.synchronize()
-            t0 = time.perf_counter()
-        ids.append(int(i))
-        at.append(time.perf_counter())
+    try:
+        for i in g:
+            if t0 is None:
+                mx.synchronize()
+                t0 = time.perf_counter()
+            ids.append(int(i))
+            at.append(time.perf_counter())
+    finally:
+        if trace:  # the model's engine is kept for later runs: unwrapped
+            g.engine.__dict__.pop("step", None)
     dt = time.perf_counter() - t0
     s = g.finish()
     gaps = np.diff(at) * 1e3
