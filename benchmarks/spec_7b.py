@@ -37,7 +37,9 @@ import argparse
 import json
 import os
 import sys
+import threading
 import time
+import traceback
 from pathlib import Path
 
 import numpy as np
@@ -150,10 +152,15 @@ def generate(model, prompt, gen: int, spec=None, trace: bool = False) -> tuple[l
     if trace:
         e_step = g.engine.step
 
-        def timed_engine(*args, **kw):
-            t, files = time.perf_counter(), _ptx_files()
+        me = threading.get_ident()
+
+        def timed_engine(*args, **kw):  # a step still running after 0.5 s: where it is (the main thread's stack)
+            t, files, where = time.perf_counter(), _ptx_files(), []
+            peek = threading.Timer(0.5, lambda: where.append(traceback.format_stack(sys._current_frames()[me])[-10:]))
+            peek.start()
             out = e_step(*args, **kw)
-            spans.append((t, time.perf_counter(), _ptx_files() - files if files >= 0 else -1))
+            peek.cancel()
+            spans.append((t, time.perf_counter(), _ptx_files() - files if files >= 0 else -1, where))
             return out
         g.engine.step = timed_engine
     ids, t0, at = [], None, []
@@ -178,9 +185,10 @@ def generate(model, prompt, gen: int, spec=None, trace: bool = False) -> tuple[l
     if spans:  # the longest gap between ids: its share in engine steps (spec.step is inside them)
         j = int(gaps.argmax()) + 1
         a, b = at[j - 1], at[j]
-        inside = [(max(s, a), min(e, b), k) for s, e, k in spans if e > a and s < b]
-        info["longest_gap"] = {"after_id": j, "in_engine_steps_ms": round(sum(e - s for s, e, _ in inside) * 1e3, 1),
-                               "engine_steps": len(inside), "kernels_in_them": sum(max(0, k) for *_, k in inside)}
+        inside = [(max(s, a), min(e, b), k, w) for s, e, k, w in spans if e > a and s < b]
+        info["longest_gap"] = {"after_id": j, "in_engine_steps_ms": round(sum(e - s for s, e, *_ in inside) * 1e3, 1),
+                               "engine_steps": len(inside), "kernels_in_them": sum(max(0, k) for _, _, k, _ in inside),
+                               "stack_at_0.5_s": [ln.strip() for _, _, _, w in inside for ln in (w[0] if w else [])]}
     if log:  # the slowest steps, in order, and the kernels compiled over the run
         info["slowest_steps"] = sorted(sorted(log, key=lambda r: -r["ms"])[:6], key=lambda r: r["i"])
         info["steps_traced"] = len(log)
