@@ -130,7 +130,8 @@ def forward_ms(model, ids, make_cache, n=3):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--family", default="qwen3_moe", choices=("qwen3_moe", "deepseek_v3"))
+    ap.add_argument("--family", default="qwen3_moe", choices=("qwen3_moe", "deepseek_v3"),
+                    help="the blocks around the experts (the docstring gives both shapes)")
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--experts", type=int, default=128)

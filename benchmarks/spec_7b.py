@@ -148,11 +148,9 @@ def generate(model, prompt, gen: int, spec=None, trace: bool = False) -> tuple[l
     if trace:
         traced(spec, log)
     g = Generation(model, np.asarray(prompt, np.int32), gen, spec=spec)
-    spans = []  # (start, end, new kernels) of each engine step: where the longest gap went
+    spans = []  # (start, end, new kernels, stack if still running at 0.5 s) of each engine step
     if trace:
-        e_step = g.engine.step
-
-        me = threading.get_ident()
+        e_step, me = g.engine.step, threading.get_ident()
 
         def timed_engine(*args, **kw):  # a step still running after 0.5 s: where it is (the main thread's stack)
             t, files, where = time.perf_counter(), _ptx_files(), []
@@ -189,8 +187,8 @@ def generate(model, prompt, gen: int, spec=None, trace: bool = False) -> tuple[l
         info["longest_gap"] = {"after_id": j, "in_engine_steps_ms": round(sum(e - s for s, e, *_ in inside) * 1e3, 1),
                                "engine_steps": len(inside), "kernels_in_them": sum(max(0, k) for _, _, k, _ in inside),
                                "stack_at_0.5_s": [ln.strip() for _, _, _, w in inside for ln in (w[0] if w else [])]}
-    if log:  # the slowest steps, in order, and the kernels compiled over the run
-        info["slowest_steps"] = sorted(sorted(log, key=lambda r: -r["ms"])[:6], key=lambda r: r["i"])
+    if log:  # the slowest steps, slowest first, and the kernels compiled over the run
+        info["slowest_steps"] = sorted(log, key=lambda r: -r["ms"])[:6]
         info["steps_traced"] = len(log)
         info["new_kernels"] = sum(max(0, r["new_kernels"]) for r in log)
     return ids, info
@@ -418,7 +416,7 @@ def main():
                f"draft K={a.k}": lambda: BatchDrafts(a.k, DraftRows(draft, a.k)),
                f"draft K={a.k} fixed": lambda: BatchDrafts(a.k, (checked_drafts(draft, a.k) if a.check else
                                                                  DraftRows(draft, a.k)), adaptive=False)}
-    if a.fixed_first:  # which drafted run meets the draft model's first shapes (traces, kernel compiles)
+    if a.fixed_first:  # which drafted run meets new shapes first (the draft's and the verify's kernel compiles)
         configs = dict(sorted(configs.items(), key=lambda kv: "fixed" not in kv[0] and kv[0] != "plain"))
     fl = floor_model(w) if a.mlx_only else None
     plain_ids = None
