@@ -15,6 +15,8 @@
 #                                          # decode's spread in 3 fresh processes (moe_spread.py)
 #   bash benchmarks/h200_issue42.sh drafts [ALPHA] [REPS] [spec_7b flags: --check --prompt-per-rep] # issue 42: spec_7b.py --parts --mlx-only: our engine's
 #                                          # steps and rounds beside draft_floor.py's MLX-only loop on the same pair
+#   bash benchmarks/h200_issue42.sh moeprefill [FAMILY] [TOKENS] [PROMPT] # 4-bit MoE prefill per expert form by
+#                                          # length (moe_decode.py --forms), then generate at PROMPT tokens vs mlx-lm
 #   bash benchmarks/h200_issue42.sh moefirst # a 4-bit qwen3_moe's first / second run against mlx-lm (moe_first_run.py)
 #   [VS=.dev/base LONG=1 SERVERS=ours-np1,ours-np2] bash benchmarks/h200_issue42.sh stall [TOKENS] [ROUNDS] [LENGTHS]
 #          # issue 39: streams beside a long prompt, 12B gemma3 (VS: an older tree's server too; LONG: the long
@@ -80,6 +82,12 @@ drafts)  # issue 42: our rounds and draft_floor.py's MLX-calls-only loop on one 
   timeout 540 python3 benchmarks/spec_7b.py --no-mlx-lm --pair-only --parts --mlx-only --alphas "${2:-0.03}" \
     --reps "${3:-3}" "${@:4}" --json "$O/spec7b_pair.jsonl" 2>&1 | cut -c1-500
   ;;
+moeprefill)  # issue 42: where quantized experts' grouped prefill overtakes the gathered one, and end to end
+  nvidia-smi --query-gpu=name,clocks.sm,memory.used --format=csv,noheader
+  timeout "${5:-540}" python3 benchmarks/moe_decode.py --family "${2:-qwen3_moe}" \
+    --prefill-tokens "${3:-128,192,256,384,512,768,1024,2048}" --forms "gather,grouped,by rows" \
+    --prompt "${4:-1024}" --gen 32 --reps 3 --impls "mlx-lm,ours split" --out "$O/moeprefill_${2:-qwen3_moe}.jsonl"
+  ;;
 moefirst)  # issue 42: a 4-bit qwen3_moe's first and second run, ours and mlx-lm, each with empty kernel caches
   t=$(date +%s); python3 benchmarks/moe_first_run.py build /tmp/ckpt/qwen3moe-4bit 2>&1 | tail -3
   echo "built in $(( $(date +%s) - t )) s"
@@ -119,5 +127,5 @@ serve8)
   taskset -c 0,1 timeout 400 python3 benchmarks/serve_load.py --servers ours-np1,ours-np1@.dev/base,mlx_lm-np1 \
     --clients 8 --requests 2 --json "$O/serve8.json" 2>&1 | tee "$O/serve8.log" | grep -v "^\s*$" | tail -30
   ;;
-*) echo "usage: $0 json|fam|pp|ppfloor|ppserve|floor|drafts|moefirst|stall|mixed|spec|cpu|serve8"; exit 2 ;;
+*) echo "usage: $0 json|fam|pp|ppfloor|ppserve|floor|drafts|moeprefill|moefirst|stall|mixed|spec|cpu|serve8"; exit 2 ;;
 esac

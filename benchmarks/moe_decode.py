@@ -20,7 +20,7 @@ Rows (JSON lines):
 - `logits`: ours vs mlx-lm on 64 tokens (max |diff| / max |ref|, argmax agreement);
 - `prefill`: one forward of T tokens into a fresh cache, ms (median of 3
   after a warm one), ours per `experts.PREFILL` form for quantized experts
-  ("sorted", "gather", "grouped") and mlx-lm's;
+  (`--forms`: "sorted", "gather", "grouped", "by rows": the default) and mlx-lm's;
 - `generate`: interleaved per rep: mlx-lm's `generate_step`, ours split
   decode steps, ours whole-graph steps (`BatchEngine.split` off: the path
   qwen3_moe took before it opted in): prefill tok/s, decode tok/s, and the
@@ -141,6 +141,8 @@ def main() -> None:
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--prefill-tokens", default="128,1024")
+    ap.add_argument("--forms", default="sorted,gather,grouped,by rows",
+                    help="the experts.PREFILL forms timed for quantized experts per prefill length ('by rows': the default)")
     ap.add_argument("--impls", default="mlx-lm,ours split,ours whole", help="which generate rows, in this order")
     ap.add_argument("--small", action="store_true", help="tiny heads and vocabulary (a CPU smoke run)")
     ap.add_argument("--out", default="", help="also append the rows to this file")
@@ -189,12 +191,14 @@ def main() -> None:
         row = {"row": "prefill", "tokens": T}
         row["mlx_lm_ms"], ref = forward_ms(theirs, ids, lambda: make_prompt_cache(theirs))
         last = {}
-        for mode in ("sorted", "gather", "grouped"):
+        forms = a.forms.split(",")
+        for mode in forms:
             experts.PREFILL[True] = mode
-            row[f"ours_{mode}_ms"], last[mode] = forward_ms(ours, ids, ours.make_cache)
-        scale = float(mx.abs(last["gather"]).max())  # each form's last logits against the gathered form's
-        row.update({f"{m}_vs_gather": round(float(mx.abs(last[m] - last["gather"]).max()) / scale, 5)
-                    for m in ("sorted", "grouped")}, mlx_lm_vs_gather=round(float(mx.abs(ref - last["gather"]).max()) / scale, 5))
+            row[f"ours_{mode.replace(' ', '_')}_ms"], last[mode] = forward_ms(ours, ids, ours.make_cache)
+        base = last.get("gather", last[forms[0]])  # each form's last logits against the gathered form's
+        scale = float(mx.abs(base).max())
+        row.update({f"{m.replace(' ', '_')}_vs_gather": round(float(mx.abs(last[m] - base).max()) / scale, 5)
+                    for m in forms if m != "gather"}, mlx_lm_vs_gather=round(float(mx.abs(ref - base).max()) / scale, 5))
         emit(row)
     experts.PREFILL.update(was)
 
