@@ -15,7 +15,7 @@
 #                                          # decode's spread in 3 fresh processes (moe_spread.py)
 #   bash benchmarks/h200_issue42.sh drafts [ALPHA] [REPS] [spec_7b flags: --check --prompt-per-rep] # issue 42: spec_7b.py --parts --mlx-only: our engine's
 #                                          # steps and rounds beside draft_floor.py's MLX-only loop on the same pair
-#   bash benchmarks/h200_issue42.sh moeprefill [FAMILY] [TOKENS] [PROMPT] # 4-bit MoE prefill per expert form by
+#   bash benchmarks/h200_issue42.sh moeprefill [FAMILY] [TOKENS] [PROMPT] [LIMIT_S] [REPS] [FRESH] # 4-bit MoE prefill per expert form by
 #                                          # length (moe_decode.py --forms), then generate at PROMPT tokens vs mlx-lm
 #   bash benchmarks/h200_issue42.sh moefirst # a 4-bit qwen3_moe's first / second run against mlx-lm (moe_first_run.py)
 #   [VS=.dev/base LONG=1 SERVERS=ours-np1,ours-np2] bash benchmarks/h200_issue42.sh stall [TOKENS] [ROUNDS] [LENGTHS]
@@ -86,7 +86,8 @@ moeprefill)  # issue 42: where quantized experts' grouped prefill overtakes the 
   nvidia-smi --query-gpu=name,clocks.sm,memory.used --format=csv,noheader
   timeout "${5:-540}" python3 benchmarks/moe_decode.py --family "${2:-qwen3_moe}" \
     --prefill-tokens "${3:-128,192,256,384,512,768,1024,2048}" --forms "gather,grouped,by rows" \
-    --prompt "${4:-1024}" --gen 32 --reps 3 --impls "mlx-lm,ours split" --out "$O/moeprefill_${2:-qwen3_moe}.jsonl"
+    --prompt "${4:-1024}" --gen 32 --reps "${6:-3}" --impls "mlx-lm,ours split" --fresh "${7:-0}" \
+    --out "$O/moeprefill_${2:-qwen3_moe}.jsonl"
   ;;
 moefirst)  # issue 42: a 4-bit qwen3_moe's first and second run, ours and mlx-lm, each with empty kernel caches
   t=$(date +%s); python3 benchmarks/moe_first_run.py build /tmp/ckpt/qwen3moe-4bit 2>&1 | tail -3

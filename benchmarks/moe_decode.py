@@ -112,8 +112,15 @@ def run_ours(model, prompt, gen, split: bool):
     return t0, stamps
 
 
+def ptx_files() -> int:
+    """Kernels MLX CUDA has compiled into MLX_PTX_CACHE_DIR so far (-1: not set)."""
+    d = os.environ.get("MLX_PTX_CACHE_DIR")
+    return sum(len(f) for _, _, f in os.walk(d)) if d else -1
+
+
 def forward_ms(model, ids, make_cache, n=3):
-    """(median ms of a forward of ids into a fresh cache, its last position's logits)."""
+    """(median ms of a forward of ids into a fresh cache, its last position's
+    logits); n=0: the first forward's time alone (no warm-up)."""
     out = []
 
     def once():
@@ -124,8 +131,8 @@ def forward_ms(model, ids, make_cache, n=3):
         out[:] = [y[0, -1].astype(mx.float32)]
         return (time.perf_counter() - t) * 1e3
 
-    once()
-    return round(statistics.median(once() for _ in range(n)), 2), out[0]
+    first = once()
+    return round(statistics.median(once() for _ in range(n)) if n else first, 2), out[0]
 
 
 def main() -> None:
@@ -143,7 +150,12 @@ def main() -> None:
     ap.add_argument("--prefill-tokens", default="128,1024")
     ap.add_argument("--forms", default="sorted,gather,grouped,by rows",
                     help="the experts.PREFILL forms timed for quantized experts per prefill length ('by rows': the default)")
-    ap.add_argument("--impls", default="mlx-lm,ours split,ours whole", help="which generate rows, in this order")
+    ap.add_argument("--fresh", type=int, default=0,
+                    help="per prefill length and form, N forwards each on a new random prompt (new routing: "
+                         "block sizes first met), ms each and kernels compiled (MLX_PTX_CACHE_DIR's new files)")
+    ap.add_argument("--impls", default="mlx-lm,ours split,ours whole",
+                    help="which generate rows, in this order ('ours gathered': ours split, quantized experts gathered)")
+    ap.add_argument("--new-prompt", action="store_true", help="a new random prompt each generate rep after the first")
     ap.add_argument("--small", action="store_true", help="tiny heads and vocabulary (a CPU smoke run)")
     ap.add_argument("--out", default="", help="also append the rows to this file")
     a = ap.parse_args()
@@ -200,12 +212,31 @@ def main() -> None:
         row.update({f"{m.replace(' ', '_')}_vs_gather": round(float(mx.abs(last[m] - base).max()) / scale, 5)
                     for m in forms if m != "gather"}, mlx_lm_vs_gather=round(float(mx.abs(ref - base).max()) / scale, 5))
         emit(row)
+        for mode in forms if a.fresh else ():
+            experts.PREFILL[True] = mode
+            ms, kernels = [], []
+            for i in range(a.fresh):
+                new = mx.random.randint(0, cfg["vocab_size"], (1, T), key=mx.random.key(1000 * T + 10 * i + forms.index(mode)))
+                files = ptx_files()
+                ms.append(forward_ms(ours, new, ours.make_cache, n=0)[0])
+                kernels.append(ptx_files() - files if files >= 0 else -1)
+            emit({"row": "fresh prefill", "tokens": T, "form": mode, "ms": ms, "new_kernels": kernels})
     experts.PREFILL.update(was)
+
+    def gathered(fn):  # ours with quantized experts gathered whatever the prefill's length (the old default)
+        experts.PREFILL[True] = "gather"
+        try:
+            return fn()
+        finally:
+            experts.PREFILL.update(was)
 
     prompt = prompt[: a.prompt]
     for rep in range(a.reps):
+        if a.new_prompt and rep:  # new routing each rep: no block sizes met before (see --fresh)
+            prompt = mx.random.randint(0, cfg["vocab_size"], (a.prompt,), key=mx.random.key(100 + rep)).tolist()
         runs = {"mlx-lm": lambda: run_mlx_lm(theirs, prompt, a.gen),
                 "ours split": lambda: run_ours(ours, prompt, a.gen, True),
+                "ours gathered": lambda: gathered(lambda: run_ours(ours, prompt, a.gen, True)),
                 "ours whole": lambda: run_ours(ours, prompt, a.gen, False)}
         for impl in a.impls.split(","):
             fn = runs[impl]

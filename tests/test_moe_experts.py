@@ -216,6 +216,38 @@ def test_prefill_by_expert_gives_the_gathered_logits(d, mode, monkeypatch):
     np.testing.assert_allclose(by_expert, gathered, rtol=0, atol=1e-6 * np.abs(gathered).max())
 
 
+def test_quantized_experts_group_a_long_prefill_on_a_cuda_gpu_only(monkeypatch):
+    """The default prefill form (experts.prefill_form): unquantized experts
+    group; quantized ones gather, except on a CUDA GPU from
+    QUANT_GROUP_PER_EXPERT rows an expert, where the model's block then runs
+    `_grouped` and gives the gathered logits."""
+    import mlxcel_dist.nn.experts as experts
+
+    per = experts.QUANT_GROUP_PER_EXPERT
+    assert experts.prefill_form(False, 64, 128) == "grouped"
+    assert experts.prefill_form(True, 10**6, 8) == "gather"  # this machine has no CUDA GPU
+    monkeypatch.setattr(experts, "_on_cuda", lambda: True)
+    assert [experts.prefill_form(True, r, 8) for r in (per * 8 - 1, per * 8)] == ["gather", "grouped"]
+
+    model = load_model(MLX_LM[0]).model
+    sw = next(m for _, m in model.named_modules() if isinstance(m, experts.SwitchGLU))
+    assert isinstance(sw.down_proj, experts.QuantizedSwitchLinear)
+    E, k = sw.num_experts, 2
+    calls = []
+    fn = experts.SwitchGLU._grouped
+    monkeypatch.setattr(experts.SwitchGLU, "_grouped", lambda self, *a: calls.append(a[1].size) or fn(self, *a))
+    rng = np.random.default_rng(5)
+    for n in (per * E // k - 1, per * E // k):  # tokens: one row short of the bound, then at it
+        x = mx.array(rng.normal(size=(n, model.args.hidden_size)).astype(np.float32)).astype(mx.bfloat16)
+        idx = mx.array(np.sort(rng.permuted(np.tile(np.arange(E), (n, 1)), axis=1)[:, :k], axis=1))
+        w = mx.softmax(mx.array(rng.normal(size=(n, k)).astype(np.float32)), axis=-1).astype(mx.bfloat16)
+        calls.clear()
+        got = sw(x, idx, w, grouped=True, ascending=True)
+        assert calls == ([] if n * k < per * E else [n * k])
+        want = sw(x, idx, w, grouped=False, ascending=True)
+        np.testing.assert_array_equal(np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32)))
+
+
 @pytest.mark.parametrize("d", [FIXTURES / "qwen3_moe" / "gqa_fp32", FIXTURES / "glm4_moe" / "mqa_bf16", MLX_LM[0]],
                          ids=_id)
 def test_joined_gate_up_gives_the_separate_logits(d, monkeypatch):

@@ -41,13 +41,19 @@ from ..checkpoint.weights import JoinedRef
 # None: always gathered. Decode steps (inside mx.compile) always gather (`use_grouped`).
 GROUP_ROWS = 64
 # How such a prefill runs, by whether the experts are quantized: "grouped" (`SwitchGLU._grouped`),
-# "sorted" (`SwitchGLU._sorted`: gathered on rows sorted by expert, no host sync) or "gather"
-# (as a decode step). On one H200 (MLX 0.32.4 CUDA, issue 42's 4-bit qwen3_moe shape, 128
-# experts, benchmarks/moe_decode.py) a 128-token forward took 42 ms gathered, 43 sorted, 196
-# grouped (mlx-lm 42); 1024 tokens 268 / 273 / 338 (mlx-lm 272): MLX CUDA's gather_qmm runs many
-# gathered rows as one tiled product (and ignores sorted_indices), so quantized experts gather.
-# Its gather_mm does one matrix-vector product per row (gpt_oss 0.09x): unquantized ones group.
-PREFILL = {True: "gather", False: "grouped"}
+# "sorted" (`SwitchGLU._sorted`: gathered on rows sorted by expert, no host sync), "gather" (as a
+# decode step) or "by rows" (`prefill_form`). MLX CUDA's gather_mm does one matrix-vector product
+# per row (gpt_oss 0.09x), so unquantized experts group; its gather_qmm runs gathered rows as one
+# tiled product (and ignores sorted_indices): quantized experts gather a short prefill and group
+# a long one.
+PREFILL = {True: "by rows", False: "grouped"}
+# Quantized experts on a CUDA GPU group from this many (token, expert) rows per expert on
+# average (a whole 2,048-token chunk at top-8 of 128 experts); below it, and on other devices,
+# they gather. On one H200 (MLX 0.32.4, issue 42's 4-bit qwen3_moe shape), one forward of a
+# prompt not seen before: 1,024 tokens 265 ms gathered, 295-321 grouped; 2,048 525 / 328-406;
+# 4,096 1,045 / 465-525 (a prompt seen before flatters grouped: its blocks' sizes repeat and
+# MLX CUDA reuses the graphs it built for them). End to end a 2,047-token chunk only tied.
+QUANT_GROUP_PER_EXPERT = 128
 
 
 # Separate gate_proj / up_proj stacks run as one gather on their joined rows
@@ -76,6 +82,19 @@ def softmax_top_k(logits: mx.array, k: int, renormalise: bool, ascending: bool =
     idx = top_k(probs, k, ascending)
     w = mx.take_along_axis(probs, idx, axis=-1)
     return idx, (w / w.sum(axis=-1, keepdims=True) if renormalise else w)
+
+
+def _on_cuda() -> bool:
+    return mx.default_device() == mx.gpu and mx.cuda.is_available()
+
+
+def prefill_form(quantized: bool, rows: int, num_experts: int) -> str:
+    """How a grouped-eligible block of `rows` (token, expert) rows over
+    `num_experts` experts runs (`PREFILL`): "grouped", "sorted" or "gather"."""
+    form = PREFILL[quantized]
+    if form != "by rows":
+        return form
+    return "grouped" if _on_cuda() and rows >= QUANT_GROUP_PER_EXPERT * num_experts else "gather"
 
 
 def use_grouped(rows: int, seq_len: int) -> bool:
@@ -264,15 +283,17 @@ class SwitchGLU(nn.Module):
     def __call__(self, x, idx, w, grouped: bool = False, ascending: bool = False):
         """x [N, hidden], idx [N, k] (global expert ids), w [N, k] -> [N, hidden],
         combined as `combine` says. `grouped` (a prefill, `use_grouped`): the
-        rows run as `PREFILL` says for these experts (quantized: gathered;
-        unquantized: per expert block, `_grouped`, skipping the experts this
-        rank does not hold). `ascending`: idx is already in ascending expert
+        rows run as `prefill_form` says for these experts (unquantized: per
+        expert block, `_grouped`, skipping the experts this rank does not
+        hold; quantized: so from enough rows an expert on a CUDA GPU, else
+        gathered). `ascending`: idx is already in ascending expert
         order per row (`top_k(..., ascending=True)`)."""
         if self.combine == "index_add" and not ascending:
             order = mx.argsort(idx, axis=-1)
             idx, w = mx.take_along_axis(idx, order, axis=-1), mx.take_along_axis(w, order, axis=-1)
         scale = w if self.combine == "inputs" else None
-        mode = PREFILL[isinstance(self.down_proj, QuantizedSwitchLinear)] if grouped else "gather"
+        quantized = isinstance(self.down_proj, QuantizedSwitchLinear)
+        mode = prefill_form(quantized, idx.size, self.num_experts) if grouped else "gather"
         if mode == "grouped":
             out = self._grouped(x, idx, scale)
         else:
