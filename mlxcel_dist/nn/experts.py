@@ -44,8 +44,8 @@ GROUP_ROWS = 64
 # "sorted" (`SwitchGLU._sorted`: gathered on rows sorted by expert, no host sync), "gather" (as a
 # decode step) or "by rows" (`prefill_form`). MLX CUDA's gather_mm does one matrix-vector product
 # per row (gpt_oss 0.09x), so unquantized experts group; its gather_qmm runs gathered rows as one
-# tiled product (and ignores sorted_indices): quantized experts gather a short prefill and group
-# a long one.
+# tiled product (and ignores sorted_indices): there quantized experts gather a short prefill and
+# group a long one.
 PREFILL = {True: "by rows", False: "grouped"}
 # Quantized experts on a CUDA GPU group from this many (token, expert) rows per expert on
 # average (a whole 2,048-token chunk at top-8 of 128 experts); below it, and on other devices,
@@ -85,7 +85,8 @@ def softmax_top_k(logits: mx.array, k: int, renormalise: bool, ascending: bool =
 
 
 def _on_cuda() -> bool:
-    return mx.default_device() == mx.gpu and mx.cuda.is_available()
+    cuda = getattr(mx, "cuda", None)  # (a build without CUDA may lack the module)
+    return mx.default_device() == mx.gpu and cuda is not None and cuda.is_available()
 
 
 def prefill_form(quantized: bool, rows: int, num_experts: int) -> str:
