@@ -73,6 +73,12 @@ FAMILIES = {
 }
 
 
+def ptx_files() -> int:
+    """Kernels MLX CUDA has compiled into MLX_PTX_CACHE_DIR so far (-1: not set)."""
+    d = os.environ.get("MLX_PTX_CACHE_DIR")
+    return sum(len(f) for _, _, f in os.walk(d)) if d and os.path.isdir(d) else -1
+
+
 def config(shape: dict) -> dict:
     return {
         "model_type": "gemma3_text", **shape,

@@ -112,12 +112,6 @@ def run_ours(model, prompt, gen, split: bool):
     return t0, stamps
 
 
-def ptx_files() -> int:
-    """Kernels MLX CUDA has compiled into MLX_PTX_CACHE_DIR so far (-1: not set)."""
-    d = os.environ.get("MLX_PTX_CACHE_DIR")
-    return sum(len(f) for _, _, f in os.walk(d)) if d else -1
-
-
 def forward_ms(model, ids, make_cache, n=3):
     """(median ms of a forward of ids into a fresh cache, its last position's
     logits); n=0: the first forward's time alone (no warm-up)."""
@@ -217,9 +211,9 @@ def main() -> None:
             ms, kernels = [], []
             for i in range(a.fresh):
                 new = mx.random.randint(0, cfg["vocab_size"], (1, T), key=mx.random.key(1000 * T + 10 * i + forms.index(mode)))
-                files = ptx_files()
+                files = G.ptx_files()
                 ms.append(forward_ms(ours, new, ours.make_cache, n=0)[0])
-                kernels.append(ptx_files() - files if files >= 0 else -1)
+                kernels.append(G.ptx_files() - files if files >= 0 else -1)
             emit({"row": "fresh prefill", "tokens": T, "form": mode, "ms": ms, "new_kernels": kernels})
     experts.PREFILL.update(was)
 

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import threading
 import time
@@ -50,6 +49,7 @@ sys.path.insert(0, str(HERE))
 
 import mlx.core as mx  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
+from gpu_compare import ptx_files  # noqa: E402
 
 SHAPE = dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
              num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=32000, rope_theta=500000.0,
@@ -102,11 +102,6 @@ def draft_of(cfg: dict, weights: list):
     return dcfg, keep, ours(dcfg, keep)
 
 
-def _ptx_files() -> int:
-    d = os.environ.get("MLX_PTX_CACHE_DIR")
-    return sum(len(f) for _, _, f in os.walk(d)) if d and os.path.isdir(d) else -1
-
-
 def traced(spec, log: list):
     """spec with its `step` (and its draft model's `draft`) timed: per call, ms, the
     kind of step (the counter it moved), (rows, drafts, accepted), the buffers' capacity,
@@ -127,14 +122,14 @@ def traced(spec, log: list):
         sub.draft = timed_draft
 
     def timed(engine):
-        before, files, box["draft_ms"] = dict(spec.steps), _ptx_files(), 0.0
+        before, files, box["draft_ms"] = dict(spec.steps), ptx_files(), 0.0
         t = time.perf_counter()
         out = step(engine)
         dt = (time.perf_counter() - t) * 1e3
         moved = [k for k, v in spec.steps.items() if v != before.get(k, 0)]
         log.append({"i": len(log), "ms": round(dt, 1), "kind": ",".join(moved), "last": list(spec.last),
                     "capacity": engine.store.capacity(), "draft_ms": round(box["draft_ms"], 1),
-                    "new_kernels": _ptx_files() - files if files >= 0 else -1,
+                    "new_kernels": ptx_files() - files if files >= 0 else -1,
                     "ids": sum(len(v) for v in out.values())})
         return out
     spec.step = timed
@@ -153,12 +148,12 @@ def generate(model, prompt, gen: int, spec=None, trace: bool = False) -> tuple[l
         e_step, me = g.engine.step, threading.get_ident()
 
         def timed_engine(*args, **kw):  # a step still running after 0.5 s: where it is (the main thread's stack)
-            t, files, where = time.perf_counter(), _ptx_files(), []
+            t, files, where = time.perf_counter(), ptx_files(), []
             peek = threading.Timer(0.5, lambda: where.append(traceback.format_stack(sys._current_frames()[me])[-10:]))
             peek.start()
             out = e_step(*args, **kw)
             peek.cancel()
-            spans.append((t, time.perf_counter(), _ptx_files() - files if files >= 0 else -1, where))
+            spans.append((t, time.perf_counter(), ptx_files() - files if files >= 0 else -1, where))
             return out
         g.engine.step = timed_engine
     ids, t0, at = [], None, []
