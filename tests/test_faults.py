@@ -56,6 +56,17 @@ def test_stopped_rank_ends_the_job_within_stall_timeout(tmp_path, backend, phase
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_a_rank_late_to_join_is_not_a_stall(tmp_path, backend):
+    """Rank 1 reaches the backend's connect LATE_S after rank 0, whose connect
+    holds the GIL (no heartbeats) meanwhile: longer than the stall timeout,
+    yet no stall (a loaded box starts ranks unevenly; CI once stopped a job so)."""
+    p, _ = _generate_with_fault(tmp_path, "late:1:join", backend, "--stall-timeout", "3")
+    assert p.returncode == 0, p.stderr
+    assert "stopped making progress" not in p.stderr
+    assert p.stdout.strip()  # the text, generated after the late join
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_long_computation_is_not_a_stall(capfd, backend):
     # every rank computes (GIL released inside MLX) for twice the stall timeout
     rc = launch(["--busy", "8"], 2, backend, script=HELPER, stall_timeout=4)

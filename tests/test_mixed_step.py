@@ -6,6 +6,8 @@ recurrent, conv, DeltaNet, shared KV; quantized in its own test), with drafts an
 grammar rows in the batch. The launched forms (np 2, pp 2) are in
 tests/test_serve_pp.py."""
 
+import re
+
 import numpy as np
 import pytest
 
@@ -187,6 +189,32 @@ def test_a_request_cancelled_or_failing_in_its_prefill_leaves_the_others_alone(m
                 eng.remove(rid)
     assert eng.failed == {3: "RuntimeError: no memory"}
     assert got == {0: alone(model, p[0], 20), 2: alone(model, p[2], 20)}
+
+
+@pytest.mark.parametrize("message,ends_job", [("[ring] connection to a peer was lost", True),
+                                              ("[host channel] rank 1 is gone (reset)", True),
+                                              ("[metal] no memory", False)])
+def test_a_lost_link_in_a_prefill_ends_the_job_not_the_request(monkeypatch, message, ends_job):
+    """A peer gone mid-prefill is the job's failure: it leaves the engine (the
+    rank's main prints one line and exits) instead of failing one request as
+    a prompt's own error does, which let a rank of generate print a traceback."""
+    from mlxcel_dist.engine import prefill
+
+    model = load_model(default_model_dir()).model
+    prompt = np.random.default_rng(2).integers(3, model.args.vocab_size, 40)
+
+    def lost(self, n):
+        raise RuntimeError(message)
+
+    monkeypatch.setattr(prefill.Alone, "run", lost)
+    monkeypatch.setattr(prefill.Together, "run", lost)
+    eng = BatchEngine(model)
+    if ends_job:
+        with pytest.raises(RuntimeError, match=re.escape(message)):
+            eng.add_many([(0, prompt, GREEDY, 4)])
+    else:
+        eng.add_many([(0, prompt, GREEDY, 4)])
+        assert eng.failed == {0: f"RuntimeError: {message}"}
 
 
 def test_budget_rules():

@@ -2,10 +2,12 @@
 ``MLXCEL_DIST_INJECT_FAULT`` variable. Unset, each hook costs one dict lookup
 and hands its value back unchanged.
 
-Process faults, ``ACTION:RANK:PHASE`` (:func:`at`): ACTION ``kill`` (SIGKILL)
-or ``stop`` (SIGSTOP, a hung rank), RANK the rank that does it, PHASE one of
-``load`` (before the first tensor is read), ``prefill`` (before the prompt's
-forward pass) or ``decode`` (before the second decode step).
+Process faults, ``ACTION:RANK:PHASE`` (:func:`at`): ACTION ``kill`` (SIGKILL),
+``stop`` (SIGSTOP, a hung rank) or ``late`` (sleeps `LATE_S`, beating: a rank
+slow to start on a loaded box), RANK the rank that does it, PHASE one of
+``join`` (before the backend connects), ``load`` (before the first tensor is
+read), ``prefill`` (before the prompt's forward pass) or ``decode`` (before
+the second decode step).
 ``MLXCEL_DIST_INJECT_FAULT_STAMP`` names a file that gets the time of the fault.
 
 Wrong-data faults, each read by one hook that takes the true value and
@@ -31,7 +33,8 @@ import signal
 import time
 
 ENV = "MLXCEL_DIST_INJECT_FAULT"
-_ACTIONS = {"kill": signal.SIGKILL, "stop": getattr(signal, "SIGSTOP", None)}
+_ACTIONS = {"kill": signal.SIGKILL, "stop": getattr(signal, "SIGSTOP", None), "late": "late"}
+LATE_S = 6.0
 
 
 def _spec() -> str:
@@ -39,7 +42,7 @@ def _spec() -> str:
 
 
 def at(phase: str, rank: int) -> None:
-    """Kill or stop this process here when the variable names this phase and rank."""
+    """Kill, stop or delay this process here when the variable names this phase and rank."""
     spec = _spec()
     if not spec or spec.count(":") != 2:
         return
@@ -51,7 +54,10 @@ def at(phase: str, rank: int) -> None:
     if stamp:  # when the fault happened, for tests that time the reaction
         with open(stamp, "w", encoding="ascii") as f:
             f.write(repr(time.time()))
-    os.kill(os.getpid(), sig)
+    if sig == "late":
+        time.sleep(LATE_S)
+    else:
+        os.kill(os.getpid(), sig)
 
 
 def _last_rank(name: str, group) -> bool:

@@ -14,10 +14,17 @@ silence the waiting ranks, so the rank named is the one that stopped.
 Launcher -> ranks: the same thread ends the rank when its parent (the
 launcher, mpirun's daemon, or sshd) is gone, so a launcher killed with
 SIGKILL leaves no rank behind blocked in a collective.
+
+Joining: MLX's backends hold the GIL while they connect (`mx.distributed.init`
+waits for every peer with the heartbeat thread starved), so a rank says
+``joining`` first and the launcher allows it `JOIN_TIMEOUT_S` of silence: a
+peer late to start (a loaded box) is not a stall; a peer stopped before it
+joins is still named by its own silence.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import socket
@@ -28,6 +35,8 @@ ENV_HEARTBEAT = "MLXCEL_DIST_HEARTBEAT"
 ENV_LAUNCHER = "MLXCEL_DIST_LAUNCHER"  # "host:pid:start" of the launcher process
 INTERVAL_S = 1.0
 DEFAULT_STALL_TIMEOUT_S = 30.0
+JOIN_TIMEOUT_S = 120.0  # the silence allowed a rank inside its backend's connect
+JOINING = b"+joining"  # the beat that says so (the next plain beat ends it)
 EXIT_ORPHANED = 75  # a rank whose launcher is gone (nobody reads this code)
 # A rank whose collective failed because a peer died or the link broke
 # (EX_IOERR): the launcher blames another rank's exit before this one.
@@ -133,7 +142,27 @@ def start_rank_watchdog() -> threading.Thread | None:
     t = threading.Thread(target=run, name="mlxcel-dist-heartbeat", daemon=True)
     t.start()
     start_rank_watchdog._thread = t  # type: ignore[attr-defined]
+    start_rank_watchdog._beat = (sock, message) if sock is not None else None  # type: ignore[attr-defined]
     return t
+
+
+@contextlib.contextmanager
+def joining():
+    """Around the backend's connect, where this rank cannot beat: the
+    launcher told before, and beaten to at once after (a rank not started
+    by the launcher: nothing to tell)."""
+    _beat_now(JOINING)
+    yield
+    _beat_now()
+
+
+def _beat_now(*extra: bytes) -> None:
+    beat = getattr(start_rank_watchdog, "_beat", None)
+    if beat is not None:
+        try:
+            beat[0].send(b" ".join([beat[1], *extra]))
+        except OSError:
+            pass
 
 
 class HeartbeatMonitor:
@@ -150,6 +179,7 @@ class HeartbeatMonitor:
         self.last: dict[int, float] = {}
         self.pids: dict[int, int] = {}
         self.info: dict[int, list] = {}  # what a beat carries after the pid (serve's: host and memory)
+        self.joining: set[int] = set()  # ranks inside their backend's connect (`joining`)
         self.started = time.monotonic()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="mlxcel-dist-heartbeats", daemon=True)
@@ -176,16 +206,22 @@ class HeartbeatMonitor:
                 continue
             self.last[rank] = time.monotonic()
             self.pids[rank] = pid
+            if parts[3:] == [JOINING]:
+                self.joining.add(rank)
+                continue
+            self.joining.discard(rank)
             self.info[rank] = [p.decode("utf-8", "replace") for p in parts[3:]]
 
     def stalled(self, n_ranks: int, timeout: float) -> tuple[int, float] | None:
         """(rank, seconds silent) of the rank silent longest past ``timeout``
-        (counted from the job's start for a rank not yet heard from)."""
+        (counted from the job's start for a rank not yet heard from; a rank
+        joining its backend past `JOIN_TIMEOUT_S` at least)."""
         now = time.monotonic()
         worst = None
         for r in range(n_ranks):
             silent = now - self.last.get(r, self.started)
-            if silent > timeout and (worst is None or silent > worst[1]):
+            allowed = max(timeout, JOIN_TIMEOUT_S) if r in self.joining else timeout
+            if silent > allowed and (worst is None or silent > worst[1]):
                 worst = (r, silent)
         return worst
 

@@ -43,7 +43,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..cache import ring_slots
-from ..parallel.collectives import CollectiveError
+from ..parallel.collectives import ends_the_job
 from ..parallel.pipeline import outstanding_sends
 from .flat import chunk_size, fusable
 from .sampling import SamplingParams
@@ -527,9 +527,9 @@ class Prefills:
                     if job.left() == 0 and (budget is None or not e.rows or answer_now):
                         self.jobs.remove(job)
                         job.finish()
-                except CollectiveError:
-                    raise
                 except Exception as err:  # noqa: BLE001 - that job's requests alone
+                    if ends_the_job(err):
+                        raise
                     e.fail(job, f"{type(err).__name__}: {err}")
                     continue
                 e.prefilled += ran

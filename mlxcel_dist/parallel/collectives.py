@@ -38,6 +38,22 @@ class CollectiveError(UserError):
     only rank 0 prints it (cli's error handler)."""
 
 
+def link_lost(err: BaseException) -> bool:
+    """`err` says a peer died or the link broke: MLX's backends prefix their
+    errors ("[ring] ...", "[mpi] ..."), the host channel "[host channel] ..."."""
+    from ..cluster.backends import names
+
+    first = (str(err).strip().splitlines() or [""])[0]
+    return isinstance(err, RuntimeError) and (
+        first.startswith(CHANNEL_PREFIX) or any(first.startswith(f"[{b}]") for b in names()))
+
+
+def ends_the_job(err: BaseException) -> bool:
+    """Not one request's failure but the job's, which no request may swallow:
+    a collective that failed on every rank alike, or a lost link."""
+    return isinstance(err, CollectiveError) or link_lost(err)
+
+
 class Group:
     """A job's ranks as seen from this one. `raw` is an mx.distributed.Group
     (None: a single process, or a planned group of `size` ranks)."""
@@ -363,7 +379,7 @@ class HandOff:
 
 
 # Host channel ------------------------------------------------------------------
-CHANNEL_PREFIX = "[host channel]"  # distributed._is_transport_error: a peer gone, not a bug here
+CHANNEL_PREFIX = "[host channel]"  # link_lost: a peer gone, not a bug here
 CHANNEL_CONNECT_S = 3.0  # per advertised address; a follower tries each in order
 
 

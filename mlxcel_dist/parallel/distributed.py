@@ -24,7 +24,9 @@ import os
 import sys
 
 from ..cluster import backends
-from .collectives import SINGLE, CollectiveError, Group
+from ..cluster import faults
+from ..cluster.watchdog import env_rank, joining
+from .collectives import SINGLE, CollectiveError, Group, link_lost
 from ..errors import UserError
 
 ENV_WORLD = "MLXCEL_DIST_WORLD"
@@ -101,8 +103,10 @@ def init_from_env() -> Group:
             raise UserError(
                 f"this mlx build has no {backend} backend ({hint})"
             )
+        faults.at("join", env_rank())
         try:
-            raw = mx.distributed.init(strict=True, backend=backend)
+            with joining():  # (the connect holds the GIL: no heartbeats until it returns)
+                raw = mx.distributed.init(strict=True, backend=backend)
         except (RuntimeError, ValueError) as e:
             first = (str(e).strip().splitlines() or [type(e).__name__])[0]
             detail = spec.failure_detail()
@@ -137,8 +141,6 @@ def world() -> Group:
     if _group is not None:
         return _group
     size = launched_world() or 1
-    from ..cluster.watchdog import env_rank
-
     r = env_rank() or 0
     return Group.planned(size, r if 0 <= r < size else 0)
 
@@ -233,14 +235,6 @@ def _exit_code(code) -> int:
     return 1
 
 
-def _is_transport_error(msg: str) -> bool:
-    """MLX's backends prefix their errors: "[ring] ...", "[mpi] ...", ...;
-    the host channel's "[host channel] ..."."""
-    from .collectives import CHANNEL_PREFIX
-
-    return msg.startswith(CHANNEL_PREFIX) or any(msg.startswith(f"[{b}]") for b in BACKENDS)
-
-
 def _rank_main() -> None:
     """Run ``-m module`` or ``--script path`` with the remaining arguments as
     ``__main__`` (as ``python -m module args`` would) and turn every failing
@@ -270,10 +264,10 @@ def _rank_main() -> None:
     except KeyboardInterrupt:
         code = 130
     except RuntimeError as e:
-        first = (str(e).strip().splitlines() or [""])[0]
-        if _is_transport_error(first):
+        if link_lost(e):
             # A peer died or the link broke: the launcher names the cause;
             # this rank's traceback would only bury it.
+            first = str(e).strip().splitlines()[0]
             print(f"error: rank {world().rank()} lost its connection to the other ranks: {first}",
                   file=sys.stderr)
             code = EXIT_LINK_LOST

@@ -20,7 +20,7 @@ from typing import Protocol
 
 import numpy as np
 
-from ..parallel.collectives import CollectiveError, Group, HostChannel
+from ..parallel.collectives import Group, HostChannel, ends_the_job
 from ..engine.prefill import Request
 from . import wire
 from .wire import CONTROL_INTS, KIND_IDLE, KIND_SHUTDOWN, KIND_STEP, Step
@@ -121,17 +121,17 @@ def _admit(engine, admissions: list, keep_logprobs: bool, failed: dict) -> None:
                      req.logprobs if keep_logprobs else None) for rid, req in admissions]
     try:
         engine.add_many(items)
-    except CollectiveError:
-        raise
-    except Exception:  # noqa: BLE001 - isolated below, request by request
+    except Exception as e:  # noqa: BLE001 - isolated below, request by request
+        if ends_the_job(e):
+            raise
         for (rid, req), item in zip(admissions, items):
             if rid in engine:
                 engine.remove(rid)
             try:
                 engine.add_many([item])
-            except CollectiveError:
-                raise
             except Exception as e:  # noqa: BLE001 - that request's failure alone
+                if ends_the_job(e):
+                    raise
                 failed[rid] = f"{type(e).__name__}: {e}"
 
 
