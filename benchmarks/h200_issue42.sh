@@ -3,8 +3,8 @@
 # 10-minute limit, after MLX's CUDA wheel is staged (`source .dev/setup.sh`; the serving wheels and
 # llguidance in .dev/wheels, mlx-lm's source on PYTHONPATH for the comparisons):
 #
-#   bash benchmarks/h200_issue42.sh json [CLIENTS] [REQUESTS] [PAIRS]  # json_schema / text at 1,16,64 clients
-#                                          # (2 requests a client, 2 pairs of rounds), 12B gemma3 bf16, serve --np 1
+#   [STEP_LOG=1] bash benchmarks/h200_issue42.sh json [CLIENTS] [REQUESTS] [PAIRS]  # json_schema / text at 1,16,64
+#                                          # clients (2 requests a client, 2 pairs of rounds), 12B gemma3 bf16, serve --np 1
 #   bash benchmarks/h200_issue42.sh spec   # benchmarks/spec_7b.py: the 7.5B / 4-layer draft pair, prompt lookup
 #   bash benchmarks/h200_issue42.sh fam    # issue 39: decode per family (llama 11.3B, gemma3 12B) against mlx-lm,
 #                                          # through the one engine's row (gpu_compare.py --families)
@@ -43,9 +43,11 @@ p = gemma3_checkpoint("/tmp/ckpt/gemma3-12b", **GEMMA3_12B)
 print(f"checkpoint {p} ready in {time.perf_counter() - t:.0f} s", flush=True)
 EOF
   fmts=$(for i in $(seq "${4:-2}"); do printf "text,json_schema,"; done)
-  timeout 520 python3 benchmarks/serve_load.py --model /tmp/ckpt/gemma3-12b --servers ours-np1 --clients "${2:-1,16,64}" \
-    --requests "${3:-2}" --tokens 64 --formats "${fmts%,}" --json "$O/json42.json" 2>&1 \
-    | tee "$O/json42.log" | grep -v "^\s*$" | tail -40
+  # STEP_LOG=1: the server logs each admitting step (kept in $O/json42-server.log.gz)
+  MLXCEL_DIST_STEP_LOG=${STEP_LOG:-0} timeout 520 python3 benchmarks/serve_load.py --model /tmp/ckpt/gemma3-12b \
+    --servers ours-np1 --clients "${2:-1,16,64}" --requests "${3:-2}" --tokens 64 --formats "${fmts%,}" \
+    --json "$O/json42.json" 2>&1 | tee "$O/json42.log" | grep -v "^\s*$" | tail -40
+  gzip -c "$(ls -td /tmp/serve-load-*/ | head -1)ours-np1.log" > "$O/json42-server.log.gz"
   ;;
 fam)
   nvidia-smi --query-gpu=name,clocks.sm,memory.used --format=csv,noheader
