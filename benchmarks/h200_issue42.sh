@@ -17,7 +17,8 @@
 #                                          # steps and rounds beside draft_floor.py's MLX-only loop on the same pair
 #   bash benchmarks/h200_issue42.sh moeprefill [FAMILY] [TOKENS] [PROMPT] [LIMIT_S] [REPS] [FRESH] # 4-bit MoE prefill per expert form by
 #                                          # length (moe_decode.py --forms), then generate at PROMPT tokens vs mlx-lm
-#   bash benchmarks/h200_issue42.sh moefirst # a 4-bit qwen3_moe's first / second run against mlx-lm (moe_first_run.py)
+#   [LIMIT=S] bash benchmarks/h200_issue42.sh moefirst [PROMPT] [IMPLS] # a 4-bit qwen3_moe's first / second run against
+#                                          # mlx-lm (moe_first_run.py; IMPLS e.g. ours,ours-gathered,mlx-lm)
 #   [VS=.dev/base LONG=1 SERVERS=ours-np1,ours-np2] bash benchmarks/h200_issue42.sh stall [TOKENS] [ROUNDS] [LENGTHS]
 #          # issue 39: streams beside a long prompt, 12B gemma3 (VS: an older tree's server too; LONG: the long
 #          # prompt's max_tokens; SERVERS: ours-np2 on nvidia-h200-x2, the launcher's backend there)
@@ -94,7 +95,8 @@ moeprefill)  # issue 42: where quantized experts' grouped prefill overtakes the 
 moefirst)  # issue 42: a 4-bit qwen3_moe's first and second run, ours and mlx-lm, each with empty kernel caches
   t=$(date +%s); python3 benchmarks/moe_first_run.py build /tmp/ckpt/qwen3moe-4bit 2>&1 | tail -3
   echo "built in $(( $(date +%s) - t )) s"
-  timeout 480 python3 benchmarks/moe_first_run.py all /tmp/ckpt/qwen3moe-4bit --runs 2 --json "$O/moefirst42.jsonl"
+  timeout "${LIMIT:-480}" python3 benchmarks/moe_first_run.py all /tmp/ckpt/qwen3moe-4bit --runs 2 --json "$O/moefirst42.jsonl" \
+    --prompt "${2:-128}" --impls "${3:-ours,mlx-lm}"
   ;;
 stall)  # issue 39: streams beside a long prompt on one GPU (12B gemma3 bf16, serve --np 1)
   python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from gpu_compare import GEMMA3_12B; \

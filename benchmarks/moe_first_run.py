@@ -5,6 +5,7 @@ run's time to first token no more than mlx-lm's, and a second run's under
 
     python benchmarks/moe_first_run.py build /tmp/ckpt/qwen3moe-4bit     # once: the checkpoint
     python benchmarks/moe_first_run.py all /tmp/ckpt/qwen3moe-4bit [--runs 2] [--json out.jsonl]
+    python benchmarks/moe_first_run.py all /tmp/ckpt/qwen3moe-4bit --prompt 4096 --impls ours,ours-gathered,mlx-lm
 
 `build` writes issue 42's qwen3_moe shape (moe_decode.py's: hidden 2048, 16
 layers, 128 experts top-8, moe_intermediate 768; random bf16 weights, the
@@ -15,8 +16,11 @@ after another, the first with empty caches (MLX's compiled kernels,
 MLX_PTX_CACHE_DIR, and the CUDA driver's, CUDA_CACHE_PATH: a directory of
 its own per implementation), the later ones reusing them. Each process
 reports (JSON line): import_s, load_s (weights read and evaluated),
-ttft_s (a 128-token prompt submitted to its first id read: prefill, first
-decode step and every kernel they compile) and decode tok/s of the next 64.
+ttft_s (a `--prompt`-token prompt, 128 by default, submitted to its first
+id read: prefill, first decode step and every kernel they compile) and
+decode tok/s of the next 64. "ours-gathered" is ours with the quantized
+experts' prefill kept gathered (no grouped form however long the prompt:
+what a long prompt's first run costs for the grouped form's kernels).
 """
 
 from __future__ import annotations
@@ -62,15 +66,19 @@ def build(out: Path) -> None:
     print(f"wrote {out}: {sum(v.nbytes for v in weights.values()) / 1e9:.2f} GB", file=sys.stderr)
 
 
-def one(impl: str, path: Path) -> dict:
-    """This process: import, load, first id of a 128-token prompt, 64 more."""
+def one(impl: str, path: Path, prompt: int = PROMPT) -> dict:
+    """This process: import, load, first id of a `prompt`-token prompt, 64 more."""
     import mlx.core as mx
     import numpy as np
 
-    ids = np.random.default_rng(0).integers(3, 4000, PROMPT).tolist()
-    if impl == "ours":
+    ids = np.random.default_rng(0).integers(3, 4000, prompt).tolist()
+    if impl.startswith("ours"):
         from mlxcel_dist.checkpoint.loader import load_model
         from mlxcel_dist.engine.generation import Generation
+        from mlxcel_dist.nn import experts
+
+        if impl == "ours-gathered":
+            experts.QUANT_GROUP_PER_EXPERT = 1 << 30
 
         t_import = time.perf_counter()
         model = load_model(str(path)).model
@@ -92,31 +100,33 @@ def one(impl: str, path: Path) -> dict:
         stamps = []
         for _ in generate_step(mx.array(ids), model, max_tokens=GEN + 1):
             stamps.append(time.perf_counter())
-    return {"impl": impl, "import_s": round(t_import - T_START, 2), "load_s": round(t_load - t_import, 2),
+    return {"impl": impl, "prompt": prompt, "import_s": round(t_import - T_START, 2), "load_s": round(t_load - t_import, 2),
             "ttft_s": round(stamps[0] - t_load, 2),
             "decode_tok_s": round(GEN / (stamps[-1] - stamps[0]), 1) if len(stamps) > 1 else None}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("what", choices=["build", "all", "one-ours", "one-mlx-lm"])
+    ap.add_argument("what", choices=["build", "all", "one-ours", "one-ours-gathered", "one-mlx-lm"])
     ap.add_argument("path", type=Path)
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--prompt", type=int, default=PROMPT, help="prompt tokens")
+    ap.add_argument("--impls", default="ours,mlx-lm", help="comma-separated: ours, ours-gathered, mlx-lm")
     a = ap.parse_args()
     if a.what == "build":
         return build(a.path)
     if a.what.startswith("one-"):
-        print(json.dumps(one(a.what[4:], a.path)), flush=True)
+        print(json.dumps(one(a.what[4:], a.path, a.prompt)), flush=True)
         return
-    for impl in ("ours", "mlx-lm"):
+    for impl in a.impls.split(","):
         caches = Path(f"/tmp/first-run-{impl}")
         shutil.rmtree(caches, ignore_errors=True)
         env = {**os.environ, "MLX_PTX_CACHE_DIR": str(caches / "ptx"), "CUDA_CACHE_PATH": str(caches / "nv"),
                "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
         for run in range(a.runs):
-            out = subprocess.run([sys.executable, __file__, f"one-{impl}", str(a.path)], env=env, text=True,
-                                 capture_output=True)
+            out = subprocess.run([sys.executable, __file__, f"one-{impl}", str(a.path), "--prompt", str(a.prompt)],
+                                 env=env, text=True, capture_output=True)
             rows = [json.loads(x) for x in out.stdout.splitlines() if x.startswith("{")]
             row = {**rows[-1], "run": run} if rows else {"impl": impl, "run": run, "error": out.stderr[-800:]}
             print(json.dumps(row), flush=True)
