@@ -17,6 +17,7 @@
 #                                          # steps and rounds beside draft_floor.py's MLX-only loop on the same pair
 #   bash benchmarks/h200_issue42.sh moeprefill [FAMILY] [TOKENS] [PROMPT] [LIMIT_S] [REPS] [FRESH] # 4-bit MoE prefill per expert form by
 #                                          # length (moe_decode.py --forms), then generate at PROMPT tokens vs mlx-lm
+#   bash benchmarks/h200_issue42.sh moekernels [PROMPT] # the kernels each expert form compiles (one MoE block)
 #   [LIMIT=S] bash benchmarks/h200_issue42.sh moefirst [PROMPT] [IMPLS] # a 4-bit qwen3_moe's first / second run against
 #                                          # mlx-lm (moe_first_run.py; IMPLS e.g. ours,ours-gathered,mlx-lm)
 #   [VS=.dev/base LONG=1 SERVERS=ours-np1,ours-np2] bash benchmarks/h200_issue42.sh stall [TOKENS] [ROUNDS] [LENGTHS]
@@ -91,6 +92,10 @@ moeprefill)  # issue 42: where quantized experts' grouped prefill overtakes the 
     --prefill-tokens "${3:-128,192,256,384,512,768,1024,2048}" --forms "gather,grouped,by rows" \
     --prompt "${4:-1024}" --gen 32 --reps "${6:-3}" --impls "mlx-lm,ours split" --fresh "${7:-0}" \
     --out "$O/moeprefill_${2:-qwen3_moe}.jsonl"
+  ;;
+moekernels)  # issue 42: the kernels each expert form compiles for one MoE block of a PROMPT-token prompt
+  python3 benchmarks/moe_first_run.py build /tmp/ckpt/qwen3moe-4bit 2>&1 | tail -1
+  timeout 400 python3 benchmarks/moe_first_run.py kernels /tmp/ckpt/qwen3moe-4bit --prompt "${2:-4096}" --json "$O/moekernels42.jsonl"
   ;;
 moefirst)  # issue 42: a 4-bit qwen3_moe's first and second run, ours and mlx-lm, each with empty kernel caches
   t=$(date +%s); python3 benchmarks/moe_first_run.py build /tmp/ckpt/qwen3moe-4bit 2>&1 | tail -3

@@ -6,6 +6,7 @@ run's time to first token no more than mlx-lm's, and a second run's under
     python benchmarks/moe_first_run.py build /tmp/ckpt/qwen3moe-4bit     # once: the checkpoint
     python benchmarks/moe_first_run.py all /tmp/ckpt/qwen3moe-4bit [--runs 2] [--json out.jsonl]
     python benchmarks/moe_first_run.py all /tmp/ckpt/qwen3moe-4bit --prompt 4096 --impls ours,ours-gathered,mlx-lm
+    python benchmarks/moe_first_run.py kernels /tmp/ckpt/qwen3moe-4bit --prompt 4096   # each form's own kernels
 
 `build` writes issue 42's qwen3_moe shape (moe_decode.py's: hidden 2048, 16
 layers, 128 experts top-8, moe_intermediate 768; random bf16 weights, the
@@ -49,7 +50,8 @@ def build(out: Path) -> None:
     import gpu_compare as G
     import moe_decode as M
 
-    a = argparse.Namespace(layers=16, hidden=2048, experts=128, top_k=8, moe_intermediate=768, small=False)
+    a = argparse.Namespace(family="qwen3_moe", layers=16, hidden=2048, experts=128, top_k=8, moe_intermediate=768,
+                           small=False)
     cfg = M.shape(a)
     ours, weights = G.build_ours(cfg)
     lm = G.build_mlx_lm(cfg, weights)
@@ -105,9 +107,35 @@ def one(impl: str, path: Path, prompt: int = PROMPT) -> dict:
             "decode_tok_s": round(GEN / (stamps[-1] - stamps[0]), 1) if len(stamps) > 1 else None}
 
 
+def kernels(form: str, path: Path, prompt: int) -> dict:
+    """This process (empty kernel caches): one MoE block of the model over
+    `prompt` random tokens in expert form `form` (gathered, grouped), timed
+    cold and warm; the kernel files MLX wrote (its PTX cache) listed."""
+    import mlx.core as mx
+
+    from mlxcel_dist.checkpoint.loader import load_model
+    from mlxcel_dist.nn import experts
+
+    experts.QUANT_GROUP_PER_EXPERT = 1 << 30 if form == "gathered" else 1
+    model = load_model(str(path)).model
+    mlp = model.model.layers[1].mlp
+    x = (mx.random.normal((1, prompt, model.args.hidden_size)) * 0.1).astype(mx.bfloat16)
+    mx.eval(x, mlp.parameters())
+    cache = Path(os.environ["MLX_PTX_CACHE_DIR"])
+    before = set(cache.rglob("*")) if cache.exists() else set()
+    times = []
+    for _ in range(2):
+        t = time.perf_counter()
+        mx.eval(mlp(x))
+        times.append(round(time.perf_counter() - t, 2))
+    new = sorted(str(p.relative_to(cache)) for p in set(cache.rglob("*")) - before if p.is_file())
+    return {"form": form, "prompt": prompt, "cold_s": times[0], "warm_s": times[1], "kernels": new}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("what", choices=["build", "all", "one-ours", "one-ours-gathered", "one-mlx-lm"])
+    ap.add_argument("what", choices=["build", "all", "kernels", "one-ours", "one-ours-gathered", "one-mlx-lm",
+                                     "kernels-gathered", "kernels-grouped"])
     ap.add_argument("path", type=Path)
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--json", type=Path)
@@ -116,6 +144,24 @@ def main() -> None:
     a = ap.parse_args()
     if a.what == "build":
         return build(a.path)
+    if a.what.startswith("kernels-"):
+        print(json.dumps(kernels(a.what[8:], a.path, a.prompt)), flush=True)
+        return
+    if a.what == "kernels":  # each form in a fresh process with its own empty caches
+        for form in ("gathered", "grouped"):
+            caches = Path(f"/tmp/kernels-{form}")
+            shutil.rmtree(caches, ignore_errors=True)
+            env = {**os.environ, "MLX_PTX_CACHE_DIR": str(caches / "ptx"), "CUDA_CACHE_PATH": str(caches / "nv"),
+                   "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
+            out = subprocess.run([sys.executable, __file__, f"kernels-{form}", str(a.path), "--prompt", str(a.prompt)],
+                                 env=env, text=True, capture_output=True)
+            rows = [json.loads(x) for x in out.stdout.splitlines() if x.startswith("{")]
+            row = rows[-1] if rows else {"form": form, "error": out.stderr[-800:]}
+            print(json.dumps(row), flush=True)
+            if a.json:
+                with a.json.open("a") as f:
+                    f.write(json.dumps(row) + "\n")
+        return
     if a.what.startswith("one-"):
         print(json.dumps(one(a.what[4:], a.path, a.prompt)), flush=True)
         return
