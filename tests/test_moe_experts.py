@@ -248,6 +248,43 @@ def test_quantized_experts_group_a_long_prefill_on_a_cuda_gpu_only(monkeypatch):
         np.testing.assert_array_equal(np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32)))
 
 
+def test_grouped_quantized_blocks_of_17_to_32_rows_run_padded_and_exact(monkeypatch):
+    """On a CUDA GPU a grouped quantized expert block of 17-32 rows runs as 33
+    (MLX CUDA's 64-row kernel, not a 32-row one compiled for it alone:
+    experts.QUANT_PAD_ROWS); the padding changes no row: the gathered output
+    exactly (the rule forced here on the CPU)."""
+    import mlxcel_dist.nn.experts as experts
+
+    assert experts.block_rows(20, True) == 20  # this machine has no CUDA GPU
+    monkeypatch.setattr(experts, "_on_cuda", lambda: True)
+    assert [experts.block_rows(n, True) for n in (1, 16, 17, 32, 33, 64)] == [1, 16, 33, 33, 33, 64]
+    assert experts.block_rows(20, False) == 20  # unquantized: dense products, no per-size kernel
+    monkeypatch.setattr(experts, "QUANT_GROUP_PER_EXPERT", 1)
+
+    model = load_model(MLX_LM[0]).model
+    sw = next(m for _, m in model.named_modules() if isinstance(m, experts.SwitchGLU))
+    E, k = sw.num_experts, 2
+    sizes = [5, 17, 20, 32, 33, 40][: E] + [0] * max(0, E - 6)  # rows each expert gets
+    rng = np.random.default_rng(7)
+    rows = rng.permutation(np.repeat(np.arange(E), sizes))  # [R] expert of each (token, slot) row
+    n = len(rows) // k
+    rows = rows[: n * k].reshape(n, k)
+    keep = rows[:, 0] != rows[:, 1]  # a token's k experts are distinct
+    idx = mx.array(np.sort(rows[keep], axis=1))
+    n = idx.shape[0]
+    x = mx.array(rng.normal(size=(n, model.args.hidden_size)).astype(np.float32)).astype(mx.bfloat16)
+    w = mx.softmax(mx.array(rng.normal(size=(n, k)).astype(np.float32)), axis=-1).astype(mx.bfloat16)
+    seen = []
+    dense = experts._dense
+    monkeypatch.setattr(experts, "_dense", lambda v, layer, e: seen.append(v.shape[0]) or dense(v, layer, e))
+    got = sw(x, idx, w, grouped=True, ascending=True)
+    counts = np.bincount(np.array(idx).ravel(), minlength=E)
+    assert sorted(set(seen)) == sorted({int(experts.block_rows(c, True)) for c in counts if c})
+    assert any(17 <= c <= 32 for c in counts) and 33 in seen
+    want = sw(x, idx, w, grouped=False, ascending=True)
+    np.testing.assert_array_equal(np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32)))
+
+
 @pytest.mark.parametrize("d", [FIXTURES / "qwen3_moe" / "gqa_fp32", FIXTURES / "glm4_moe" / "mqa_bf16", MLX_LM[0]],
                          ids=_id)
 def test_joined_gate_up_gives_the_separate_logits(d, monkeypatch):

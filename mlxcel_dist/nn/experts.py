@@ -54,6 +54,12 @@ PREFILL = {True: "by rows", False: "grouped"}
 # 4,096 1,045 / 465-525 (a prompt seen before flatters grouped: its blocks' sizes repeat and
 # MLX CUDA reuses the graphs it built for them). End to end a 2,047-token chunk only tied.
 QUANT_GROUP_PER_EXPERT = 128
+# MLX CUDA's quantized matmul JIT-compiles one kernel per row tile (16, 32 or 64: the next
+# power of two of the rows, clamped), each 30-40 s on a fresh machine. Gathered prefill and
+# decode use the 16- and 64-row ones; a grouped expert block of 17-32 rows would add the
+# 32-row one (a 4,096-token prompt's first run: 149-157 s grouped against 109-110 gathered
+# and mlx-lm's 111, one H200): such blocks run padded to this many rows (the 64-row tile).
+QUANT_PAD_ROWS = (17, 32, 33)  # (from, to, padded to)
 
 
 # Separate gate_proj / up_proj stacks run as one gather on their joined rows
@@ -96,6 +102,13 @@ def prefill_form(quantized: bool, rows: int, num_experts: int) -> str:
     if form != "by rows":
         return form
     return "grouped" if _on_cuda() and rows >= QUANT_GROUP_PER_EXPERT * num_experts else "gather"
+
+
+def block_rows(n: int, quantized: bool) -> int:
+    """The rows a grouped expert block of `n` rows runs as: padded where MLX
+    CUDA would compile a quantized kernel for its size alone (`QUANT_PAD_ROWS`)."""
+    lo, hi, to = QUANT_PAD_ROWS
+    return to if quantized and lo <= n <= hi and _on_cuda() else n
 
 
 def use_grouped(rows: int, seq_len: int) -> bool:
@@ -358,11 +371,15 @@ class SwitchGLU(nn.Module):
         if scale is not None:
             xs = xs * scale.flatten()[order][:, None]
         e0, e1 = self.expert_range or (0, E)
+        quantized = isinstance(self.down_proj, QuantizedSwitchLinear)
         outs, start = [], 0
         for e, n in enumerate(counts):
             if n and e0 <= e < e1:
-                h = self._hidden(xs[start : start + n], lambda layer, v: _dense(v, layer, e - e0))  # [n, I]
-                outs.append(_dense(h, self.down_proj, e - e0))  # [n, hidden]
+                v, m = xs[start : start + n], block_rows(n, quantized)
+                if m > n:  # zero rows: each row's product is its own
+                    v = mx.concatenate([v, mx.zeros((m - n, v.shape[-1]), v.dtype)])
+                h = self._hidden(v, lambda layer, u: _dense(u, layer, e - e0))  # [m, I]
+                outs.append(_dense(h, self.down_proj, e - e0)[:n])  # [n, hidden]
             elif n:
                 outs.append(mx.zeros((n, x.shape[-1]), x.dtype))  # another rank's expert
             start += n
