@@ -255,10 +255,9 @@ def test_grouped_quantized_blocks_of_17_to_32_rows_run_padded_and_exact(monkeypa
     exactly (the rule forced here on the CPU)."""
     import mlxcel_dist.nn.experts as experts
 
-    assert experts.block_rows(20, True) == 20  # this machine has no CUDA GPU
-    monkeypatch.setattr(experts, "_on_cuda", lambda: True)
     assert [experts.block_rows(n, True) for n in (1, 16, 17, 32, 33, 64)] == [1, 16, 33, 33, 33, 64]
-    assert experts.block_rows(20, False) == 20  # unquantized: dense products, no per-size kernel
+    assert experts.block_rows(20, False) == 20  # unquantized or not CUDA: no per-size kernel
+    monkeypatch.setattr(experts, "_on_cuda", lambda: True)
     monkeypatch.setattr(experts, "QUANT_GROUP_PER_EXPERT", 1)
 
     model = load_model(MLX_LM[0]).model

@@ -152,8 +152,10 @@ def joining():
     launcher told before, and beaten to at once after (a rank not started
     by the launcher: nothing to tell)."""
     _beat_now(JOINING)
-    yield
-    _beat_now()
+    try:
+        yield
+    finally:
+        _beat_now()
 
 
 def _beat_now(*extra: bytes) -> None:

@@ -104,11 +104,12 @@ def prefill_form(quantized: bool, rows: int, num_experts: int) -> str:
     return "grouped" if _on_cuda() and rows >= QUANT_GROUP_PER_EXPERT * num_experts else "gather"
 
 
-def block_rows(n: int, quantized: bool) -> int:
-    """The rows a grouped expert block of `n` rows runs as: padded where MLX
-    CUDA would compile a quantized kernel for its size alone (`QUANT_PAD_ROWS`)."""
+def block_rows(n: int, pad: bool) -> int:
+    """The rows a grouped expert block of `n` rows runs as; `pad` (quantized
+    experts on a CUDA GPU): padded where MLX CUDA would compile a quantized
+    kernel for its size alone (`QUANT_PAD_ROWS`)."""
     lo, hi, to = QUANT_PAD_ROWS
-    return to if quantized and lo <= n <= hi and _on_cuda() else n
+    return to if pad and lo <= n <= hi else n
 
 
 def use_grouped(rows: int, seq_len: int) -> bool:
@@ -371,11 +372,11 @@ class SwitchGLU(nn.Module):
         if scale is not None:
             xs = xs * scale.flatten()[order][:, None]
         e0, e1 = self.expert_range or (0, E)
-        quantized = isinstance(self.down_proj, QuantizedSwitchLinear)
+        pad = isinstance(self.down_proj, QuantizedSwitchLinear) and _on_cuda()
         outs, start = [], 0
         for e, n in enumerate(counts):
             if n and e0 <= e < e1:
-                v, m = xs[start : start + n], block_rows(n, quantized)
+                v, m = xs[start : start + n], block_rows(n, pad)
                 if m > n:  # zero rows: each row's product is its own
                     v = mx.concatenate([v, mx.zeros((m - n, v.shape[-1]), v.dtype)])
                 h = self._hidden(v, lambda layer, u: _dense(u, layer, e - e0))  # [m, I]
