@@ -147,39 +147,35 @@ def main() -> None:
     if a.what.startswith("kernels-"):
         print(json.dumps(kernels(a.what[8:], a.path, a.prompt)), flush=True)
         return
-    if a.what == "kernels":  # each form in a fresh process with its own empty caches
-        for form in ("gathered", "grouped"):
-            caches = Path(f"/tmp/kernels-{form}")
-            shutil.rmtree(caches, ignore_errors=True)
-            env = {**os.environ, "MLX_PTX_CACHE_DIR": str(caches / "ptx"), "CUDA_CACHE_PATH": str(caches / "nv"),
-                   "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
-            out = subprocess.run([sys.executable, __file__, f"kernels-{form}", str(a.path), "--prompt", str(a.prompt)],
-                                 env=env, text=True, capture_output=True)
-            rows = [json.loads(x) for x in out.stdout.splitlines() if x.startswith("{")]
-            row = rows[-1] if rows else {"form": form, "error": out.stderr[-800:]}
-            print(json.dumps(row), flush=True)
-            if a.json:
-                with a.json.open("a") as f:
-                    f.write(json.dumps(row) + "\n")
-        return
     if a.what.startswith("one-"):
         print(json.dumps(one(a.what[4:], a.path, a.prompt)), flush=True)
         return
+    if a.what == "kernels":  # each form in a fresh process with its own empty caches
+        for form in ("gathered", "grouped"):
+            _fresh(a, f"kernels-{form}", {"form": form})
+        return
     for impl in a.impls.split(","):
-        caches = Path(f"/tmp/first-run-{impl}")
-        shutil.rmtree(caches, ignore_errors=True)
-        env = {**os.environ, "MLX_PTX_CACHE_DIR": str(caches / "ptx"), "CUDA_CACHE_PATH": str(caches / "nv"),
-               "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
-        for run in range(a.runs):
-            out = subprocess.run([sys.executable, __file__, f"one-{impl}", str(a.path), "--prompt", str(a.prompt)],
-                                 env=env, text=True, capture_output=True)
-            rows = [json.loads(x) for x in out.stdout.splitlines() if x.startswith("{")]
-            row = {**rows[-1], "run": run} if rows else {"impl": impl, "run": run, "error": out.stderr[-800:]}
-            print(json.dumps(row), flush=True)
-            if a.json:
-                with a.json.open("a") as f:
-                    f.write(json.dumps(row) + "\n")
+        for run in range(a.runs):  # the first with empty caches, the later ones reusing them
+            _fresh(a, f"one-{impl}", {"impl": impl, "run": run}, keep=run > 0)
 
+
+def _fresh(a, what: str, tags: dict, keep: bool = False) -> None:
+    """`what` of this script in a new process with kernel caches of its own
+    (emptied first unless `keep`); its JSON row (with `tags`) printed and
+    appended to --json."""
+    caches = Path(f"/tmp/first-run-{what.split('-', 1)[1]}")
+    if not keep:
+        shutil.rmtree(caches, ignore_errors=True)
+    env = {**os.environ, "MLX_PTX_CACHE_DIR": str(caches / "ptx"), "CUDA_CACHE_PATH": str(caches / "nv"),
+           "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, __file__, what, str(a.path), "--prompt", str(a.prompt)],
+                         env=env, text=True, capture_output=True)
+    rows = [json.loads(x) for x in out.stdout.splitlines() if x.startswith("{")]
+    row = {**rows[-1], **tags} if rows else {**tags, "error": out.stderr[-800:]}
+    print(json.dumps(row), flush=True)
+    if a.json:
+        with a.json.open("a") as f:
+            f.write(json.dumps(row) + "\n")
 
 if __name__ == "__main__":
     main()
