@@ -33,8 +33,8 @@ import signal
 import time
 
 ENV = "MLXCEL_DIST_INJECT_FAULT"
-_ACTIONS = {"kill": signal.SIGKILL, "stop": getattr(signal, "SIGSTOP", None), "late": "late"}
-LATE_S = 6.0
+_SIGNALS = {"kill": signal.SIGKILL, "stop": getattr(signal, "SIGSTOP", None)}
+LATE_S = 6.0  # `late`: this long asleep (the heartbeat thread beats on)
 
 
 def _spec() -> str:
@@ -47,14 +47,14 @@ def at(phase: str, rank: int) -> None:
     if not spec or spec.count(":") != 2:
         return
     action, r, p = spec.split(":")
-    sig = _ACTIONS.get(action)
-    if sig is None or p != phase or not r.isdigit() or int(r) != rank:
+    sig = _SIGNALS.get(action)
+    if (sig is None and action != "late") or p != phase or not r.isdigit() or int(r) != rank:
         return
     stamp = os.environ.get(ENV + "_STAMP")
     if stamp:  # when the fault happened, for tests that time the reaction
         with open(stamp, "w", encoding="ascii") as f:
             f.write(repr(time.time()))
-    if sig == "late":
+    if sig is None:  # late
         time.sleep(LATE_S)
     else:
         os.kill(os.getpid(), sig)
