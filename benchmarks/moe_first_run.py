@@ -19,8 +19,10 @@ its own per implementation), the later ones reusing them. Each process
 reports (JSON line): import_s, load_s (weights read and evaluated),
 ttft_s (a `--prompt`-token prompt, 128 by default, submitted to its first
 id read: prefill, first decode step and every kernel they compile) and
-decode tok/s of the next 64. "ours-gathered" is ours with the quantized
-experts' prefill kept gathered (no grouped form however long the prompt:
+decode tok/s of the next 64, and the kernel files in its cache with the
+seconds after the process started that each was written (the gaps are
+compiles; ours' include those engine/warmup.py's helper published).
+"ours-gathered" is ours with the quantized experts' prefill kept gathered (no grouped form however long the prompt:
 what a long prompt's first run costs for the grouped form's kernels).
 """
 
@@ -76,6 +78,7 @@ def one(impl: str, path: Path, prompt: int = PROMPT) -> dict:
     ids = np.random.default_rng(0).integers(3, 4000, prompt).tolist()
     if impl.startswith("ours"):
         from mlxcel_dist.checkpoint.loader import load_model
+        from mlxcel_dist.engine import warmup
         from mlxcel_dist.engine.generation import Generation
         from mlxcel_dist.nn import experts
 
@@ -83,6 +86,7 @@ def one(impl: str, path: Path, prompt: int = PROMPT) -> dict:
             experts.QUANT_GROUP_PER_EXPERT = 1 << 30
 
         t_import = time.perf_counter()
+        warmup.start(str(path))  # as the CLI's load does: the decode's kernels compiled beside it on a fresh machine
         model = load_model(str(path)).model
         mx.eval(model.parameters())
         t_load = time.perf_counter()
@@ -168,10 +172,15 @@ def _fresh(a, what: str, tags: dict, keep: bool = False) -> None:
         shutil.rmtree(caches, ignore_errors=True)
     env = {**os.environ, "MLX_PTX_CACHE_DIR": str(caches / "ptx"), "CUDA_CACHE_PATH": str(caches / "nv"),
            "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
+    t0 = time.time()
     out = subprocess.run([sys.executable, __file__, what, str(a.path), "--prompt", str(a.prompt)],
                          env=env, text=True, capture_output=True)
     rows = [json.loads(x) for x in out.stdout.splitlines() if x.startswith("{")]
     row = {**rows[-1], **tags} if rows else {**tags, "error": out.stderr[-800:]}
+    ptx = caches / "ptx"
+    if ptx.exists() and what.startswith("one-"):  # the kernels MLX has compiled so far for this implementation
+        # each file's name and when it was written, seconds after the process started: compiles are the gaps
+        row["kernels"] = sorted((round(p.stat().st_mtime - t0, 1), p.name[:60]) for p in ptx.rglob("*.ptx"))
     print(json.dumps(row), flush=True)
     if a.json:
         with a.json.open("a") as f:

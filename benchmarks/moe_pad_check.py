@@ -54,7 +54,7 @@ def main() -> None:
         mx.eval(sw._grouped(x, idx, None))
         times.append(round(time.perf_counter() - t, 2))
     new = sorted(p.name for p in set(cache.rglob("*")) - before if p.suffix == ".ptx")
-    print(json.dumps({"sizes": sizes, "padded_to": [experts.block_rows(n, experts._on_cuda()) for n in sizes],
+    print(json.dumps({"sizes": sizes, "padded_to": [experts.block_rows(n, experts.on_cuda()) for n in sizes],
                       "cold_s": times[0], "warm_s": times[1], "kernels": new}))
 
 

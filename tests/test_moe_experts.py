@@ -226,7 +226,7 @@ def test_quantized_experts_group_a_long_prefill_on_a_cuda_gpu_only(monkeypatch):
     per = experts.QUANT_GROUP_PER_EXPERT
     assert experts.prefill_form(False, 64, 128) == "grouped"
     assert experts.prefill_form(True, 10**6, 8) == "gather"  # this machine has no CUDA GPU
-    monkeypatch.setattr(experts, "_on_cuda", lambda: True)
+    monkeypatch.setattr(experts, "on_cuda", lambda: True)
     assert [experts.prefill_form(True, r, 8) for r in (per * 8 - 1, per * 8)] == ["gather", "grouped"]
 
     model = load_model(MLX_LM[0]).model
@@ -257,7 +257,7 @@ def test_grouped_quantized_blocks_of_17_to_32_rows_run_padded_and_exact(monkeypa
 
     assert [experts.block_rows(n, True) for n in (1, 16, 17, 32, 33, 64)] == [1, 16, 33, 33, 33, 64]
     assert experts.block_rows(20, False) == 20  # unquantized or not CUDA: no per-size kernel
-    monkeypatch.setattr(experts, "_on_cuda", lambda: True)
+    monkeypatch.setattr(experts, "on_cuda", lambda: True)
     monkeypatch.setattr(experts, "QUANT_GROUP_PER_EXPERT", 1)
 
     model = load_model(MLX_LM[0]).model

@@ -226,8 +226,12 @@ def checked(model, load):
 
 
 def load_shard(model, dtype, group, pp: int = 1, kv=None, adapter=None):
-    """Load this rank's shard (or pipeline stage); rank 0 shows a progress bar on stderr."""
+    """Load this rank's shard (or pipeline stage); rank 0 shows a progress bar on stderr.
+    On a CUDA GPU the decode's kernels are compiled beside the load (engine/warmup.py)."""
     from ..checkpoint.loader import load_model
+    from ..engine import warmup
+
+    warmup.start(model, dtype)
 
     if not group.is_root:
         return load_model(model, dtype=dtype, group=group, pp=pp, kv=kv, adapter=adapter)

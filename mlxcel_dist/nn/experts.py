@@ -90,7 +90,7 @@ def softmax_top_k(logits: mx.array, k: int, renormalise: bool, ascending: bool =
     return idx, (w / w.sum(axis=-1, keepdims=True) if renormalise else w)
 
 
-def _on_cuda() -> bool:
+def on_cuda() -> bool:
     cuda = getattr(mx, "cuda", None)  # (a build without CUDA may lack the module)
     return mx.default_device() == mx.gpu and cuda is not None and cuda.is_available()
 
@@ -101,7 +101,7 @@ def prefill_form(quantized: bool, rows: int, num_experts: int) -> str:
     form = PREFILL[quantized]
     if form != "by rows":
         return form
-    return "grouped" if _on_cuda() and rows >= QUANT_GROUP_PER_EXPERT * num_experts else "gather"
+    return "grouped" if on_cuda() and rows >= QUANT_GROUP_PER_EXPERT * num_experts else "gather"
 
 
 def block_rows(n: int, pad: bool) -> int:
@@ -372,7 +372,7 @@ class SwitchGLU(nn.Module):
         if scale is not None:
             xs = xs * scale.flatten()[order][:, None]
         e0, e1 = self.expert_range or (0, E)
-        pad = isinstance(self.down_proj, QuantizedSwitchLinear) and _on_cuda()
+        pad = isinstance(self.down_proj, QuantizedSwitchLinear) and on_cuda()
         outs, start = [], 0
         for e, n in enumerate(counts):
             if n and e0 <= e < e1:
