@@ -97,6 +97,15 @@ def test_publish_copies_only_new_kernels_names_first_and_atomically(tmp_path, mo
     assert warmup.publish(private, shared) == []
 
 
+def test_the_helper_runs_only_where_it_fits_beside_the_model():
+    sizes = {"model.embed_tokens.weight": 10, "model.layers.0.mlp.weight": 20, "model.layers.1.mlp.weight": 20,
+             "model.layers.2.mlp.weight": 20, "lm_head.weight": 10}
+    assert warmup.fits(sizes, 2, 1, None)  # no memory figure (not CUDA): nothing to guard
+    assert warmup.fits(sizes, 2, 1, 200)  # 80 + 60 of 170 allowed
+    assert not warmup.fits(sizes, 2, 1, 160)  # 140 of 136
+    assert warmup.fits(sizes, 2, 4, 160)  # a quarter of the model a rank: 20 + 60
+
+
 def test_start_only_on_cuda_once_per_model_and_machine(tmp_path, monkeypatch):
     src = FIXTURES / "gemma3" / "gqa_fp32"
     assert warmup.start(src, "float32") is None  # this machine's MLX does not run on CUDA
@@ -128,6 +137,8 @@ def test_start_only_on_cuda_once_per_model_and_machine(tmp_path, monkeypatch):
     lock.unlink()
     assert warmup.start(src, "float32") is None
     assert warmup.start(src, "bfloat16") is not None  # another dtype: other kernels
+    monkeypatch.setattr(warmup.mx, "device_info", lambda: {"total_memory": 1000})
+    assert warmup.start(src, "float16") is None  # the model alone fills this GPU
     monkeypatch.setenv("MLXCEL_DIST_WARMUP", "0")
     assert warmup.start(FIXTURES / "llama" / "gqa_fp32", "float32") is None
     assert len(started) == 3

@@ -231,7 +231,7 @@ def load_shard(model, dtype, group, pp: int = 1, kv=None, adapter=None):
     from ..checkpoint.loader import load_model
     from ..engine import warmup
 
-    warmup.start(model, dtype)
+    warmup.start(model, dtype, group.size())
 
     if not group.is_root:
         return load_model(model, dtype=dtype, group=group, pp=pp, kv=kv, adapter=adapter)

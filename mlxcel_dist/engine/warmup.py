@@ -37,6 +37,7 @@ import mlx.core as mx
 from ..nn.experts import on_cuda
 
 MAX_LAYERS = 8  # the helper's layers at most: enough for each layer kind's first, few for memory
+MEMORY_SHARE = 0.85  # the helper runs only where the model's share and its layers take at most this of the GPU
 STALE_LOCK_S = 900  # a lock older than this was left by a run that was killed
 
 
@@ -159,16 +160,29 @@ def run_helper(model_dir: str, dtype: str, shared: Path, private: Path, marker: 
 _HELPER: list = []
 
 
-def start(model, dtype: str | None = None) -> subprocess.Popen | None:
+def fits(tensor_bytes: dict, layers: int, ranks: int, total_memory: int | None) -> bool:
+    """The helper's layers fit on the GPU beside this rank's share of the
+    model (`ranks` sharing it), with a margin: a first run is never put at
+    risk of running out of memory for it."""
+    if not total_memory:
+        return True
+    helper = sum(b for k, b in tensor_bytes.items() if (_layer_index(k) or 0) < layers)
+    return sum(tensor_bytes.values()) / ranks + helper <= MEMORY_SHARE * total_memory
+
+
+def start(model, dtype: str | None = None, ranks: int = 1) -> subprocess.Popen | None:
     """The helper for MODEL (as load_model takes it) at `dtype` (a name; None:
     the checkpoint's) on this machine, started unless not on a CUDA GPU,
-    turned off, already run (marker) or running (lock)."""
+    turned off, already run (marker) or running (lock), or short of memory
+    beside this rank's share of `ranks`."""
     if os.environ.get("MLXCEL_DIST_WARMUP", "1") == "0" or not on_cuda():
         return None
     from ..checkpoint.loader import open_model, parse_dtype
 
     ck = open_model(model)
     model_dir, dtype = ck.dir, parse_dtype(dtype) or ck.dtype
+    if not fits(ck.tensor_bytes(), helper_layers(ck.config, ck.args), ranks, mx.device_info().get("total_memory")):
+        return None
     shared = shared_dir()
     k = key(ck.config, dtype)
     marker, lock = shared / f".mlxcel-warmup-{k}", shared / f".mlxcel-warmup-{k}.lock"
