@@ -3,7 +3,7 @@
 # 10-minute limit, after MLX's CUDA wheel is staged (`source .dev/setup.sh`; the serving wheels and
 # llguidance in .dev/wheels, mlx-lm's source on PYTHONPATH for the comparisons):
 #
-#   [STEP_LOG=1] bash benchmarks/h200_issue42.sh json [CLIENTS] [REQUESTS] [PAIRS]  # json_schema / text at 1,16,64
+#   [STEP_LOG=1 PROF=1] bash benchmarks/h200_issue42.sh json [CLIENTS] [REQUESTS] [PAIRS]  # json_schema / text at 1,16,64
 #                                          # clients (2 requests a client, 2 pairs of rounds), 12B gemma3 bf16, serve --np 1
 #   bash benchmarks/h200_issue42.sh spec   # benchmarks/spec_7b.py: the 7.5B / 4-layer draft pair, prompt lookup
 #   bash benchmarks/h200_issue42.sh fam    # issue 39: decode per family (llama 11.3B, gemma3 12B) against mlx-lm,
@@ -46,10 +46,23 @@ print(f"checkpoint {p} ready in {time.perf_counter() - t:.0f} s", flush=True)
 EOF
   fmts=$(for i in $(seq "${4:-2}"); do printf "text,json_schema,"; done)
   # STEP_LOG=1: the server logs each admitting step (kept in $O/json42-server.log.gz)
+  # PROF=1: the server sampled by py-spy (staged in .dev/wheels) for 15 s every minute, prof1.txt .. (raw),
+  # the first and last side by side (pyspy_top.py): what grows in its CPU time a token over its life
+  if [ "${PROF:-0}" = 1 ]; then
+    spy=$(ls /tmp/site/bin/py-spy 2>/dev/null || command -v py-spy)
+    ( sleep 20; for i in 1 2 3 4 5 6 7 8; do
+        pid=$(pgrep -f "mlxcel_dist.cli serve" | head -1)
+        [ -n "$pid" ] && "$spy" record --nonblocking --pid "$pid" -d 15 -f raw -o "$O/prof$i.txt" >/dev/null 2>&1
+        sleep 45; done ) &
+  fi
   MLXCEL_DIST_STEP_LOG=${STEP_LOG:-0} timeout 520 python3 benchmarks/serve_load.py --model /tmp/ckpt/gemma3-12b \
     --servers ours-np1 --clients "${2:-1,16,64}" --requests "${3:-2}" --tokens 64 --formats "${fmts%,}" \
     --json "$O/json42.json" 2>&1 | tee "$O/json42.log" | grep -v "^\s*$" | tail -40
   gzip -c "$(ls -td /tmp/serve-load-*/ | head -1)ours-np1.log" > "$O/json42-server.log.gz"
+  if [ "${PROF:-0}" = 1 ]; then
+    profs=$(ls "$O"/prof*.txt 2>/dev/null | sort -V)
+    [ -n "$profs" ] && python3 benchmarks/pyspy_top.py $(echo "$profs" | head -1) $(echo "$profs" | tail -1) --top 40
+  fi
   ;;
 fam)
   nvidia-smi --query-gpu=name,clocks.sm,memory.used --format=csv,noheader
