@@ -137,6 +137,7 @@ def test_start_only_on_cuda_once_per_model_and_machine(tmp_path, monkeypatch):
     lock.unlink()
     assert warmup.start(src, "float32") is None
     assert warmup.start(src, "bfloat16") is not None  # another dtype: other kernels
+    assert warmup.start(tmp_path / "no-such-model", "float32") is None  # the load says what is wrong, not this
     monkeypatch.setattr(warmup.mx, "device_info", lambda: {"total_memory": 1000})
     assert warmup.start(src, "float16") is None  # the model alone fills this GPU
     monkeypatch.setenv("MLXCEL_DIST_WARMUP", "0")

@@ -157,9 +157,6 @@ def run_helper(model_dir: str, dtype: str, shared: Path, private: Path, marker: 
     return published
 
 
-_HELPER: list = []
-
-
 def fits(tensor_bytes: dict, layers: int, ranks: int, total_memory: int | None) -> bool:
     """The helper's layers fit on the GPU beside this rank's share of the
     model (`ranks` sharing it), with a margin: a first run is never put at
@@ -174,9 +171,18 @@ def start(model, dtype: str | None = None, ranks: int = 1) -> subprocess.Popen |
     """The helper for MODEL (as load_model takes it) at `dtype` (a name; None:
     the checkpoint's) on this machine, started unless not on a CUDA GPU,
     turned off, already run (marker) or running (lock), or short of memory
-    beside this rank's share of `ranks`."""
+    beside this rank's share of `ranks`. Never the run's failure: whatever
+    goes wrong here (a model the load will refuse with its own error) starts
+    no helper."""
     if os.environ.get("MLXCEL_DIST_WARMUP", "1") == "0" or not on_cuda():
         return None
+    try:
+        return _start(model, dtype, ranks)
+    except Exception:
+        return None
+
+
+def _start(model, dtype: str | None, ranks: int) -> subprocess.Popen | None:
     from ..checkpoint.loader import open_model, parse_dtype
 
     ck = open_model(model)
@@ -201,11 +207,10 @@ def start(model, dtype: str | None = None, ranks: int = 1) -> subprocess.Popen |
     env = {**os.environ, "MLX_PTX_CACHE_DIR": str(private), "MLXCEL_DIST_WARMUP": "0"}
     for k_ in ("MLXCEL_DIST_WORLD", "MLXCEL_DIST_BACKEND", "MLXCEL_DIST_FAULT"):  # a plain process, not a rank
         env.pop(k_, None)
-    log = open(private / "helper.log", "w")
-    p = subprocess.Popen([sys.executable, "-c", code, str(model_dir), str(dtype).split(".")[-1], str(shared),
-                          str(private), str(marker)], env=env, stdout=log, stderr=subprocess.STDOUT,
-                         stdin=subprocess.DEVNULL)
-    _HELPER.append(p)
+    with open(private / "helper.log", "w") as log:
+        p = subprocess.Popen([sys.executable, "-c", code, str(model_dir), str(dtype).split(".")[-1], str(shared),
+                              str(private), str(marker)], env=env, stdout=log, stderr=subprocess.STDOUT,
+                             stdin=subprocess.DEVNULL)
 
     def stop():  # this run is over: a helper still compiling is no use to it; the lock lets a later run retry
         if p.poll() is None:
