@@ -6,6 +6,7 @@ names-first, and the helper starts once per machine and model, never off CUDA.""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -143,3 +144,24 @@ def test_start_only_on_cuda_once_per_model_and_machine(tmp_path, monkeypatch):
     monkeypatch.setenv("MLXCEL_DIST_WARMUP", "0")
     assert warmup.start(FIXTURES / "llama" / "gqa_fp32", "float32") is None
     assert len(started) == 3
+
+
+def test_the_started_helper_runs_and_leaves_its_marker(tmp_path, monkeypatch):
+    """The real process `start` spawns (here on the CPU, where it compiles
+    nothing): it runs the small model through the engine and writes the
+    marker, so a later run starts none; the run's end removes its lock and
+    its own cache directory."""
+    src = FIXTURES / "mlx_lm" / "qwen3_moe_q4"
+    stops = []
+    monkeypatch.setattr(warmup, "on_cuda", lambda: True)
+    monkeypatch.setattr(warmup.atexit, "register", stops.append)
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path / "ptx"))
+    p = warmup.start(src)
+    assert p.wait(timeout=120) == 0
+    private = Path(p.args[-2])
+    marker = Path(p.args[-1])
+    assert marker.parent == tmp_path / "ptx" and json.loads(marker.read_text()) == {"published": []}  # CPU: no kernel
+    assert private.exists()
+    stops[0]()
+    assert not private.exists() and not list((tmp_path / "ptx").glob("*.lock"))
+    assert warmup.start(src) is None  # its marker: done on this machine
