@@ -7,7 +7,7 @@ by default <tmp>/mlx/<version>/ptx) where later processes read it when they
 first need it. So a fresh machine's first token waits for every kernel of its
 prefill and then every kernel of its first decode step, one by one.
 
-`start` (called by the loader) runs the decode step's kernels in a helper
+`start` (called by the CLI's load, commands/launch.load_shard) runs the decode step's kernels in a helper
 process while this one loads and prefills: the same family, dtype and
 quantization with the first few layers (zero weights), a one-token forward
 and then a few pipelined decode steps through the engine, its kernels
