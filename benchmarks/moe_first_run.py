@@ -22,8 +22,9 @@ id read: prefill, first decode step and every kernel they compile) and
 decode tok/s of the next 64, and the kernel files in its cache with the
 seconds after the process started that each was written (the gaps are
 compiles; ours' include those engine/warmup.py's helper published).
-"ours-gathered" is ours with the quantized experts' prefill kept gathered (no grouped form however long the prompt:
-what a long prompt's first run costs for the grouped form's kernels).
+"ours-gathered" is ours with the quantized experts' prefill kept gathered
+(no grouped form however long the prompt: what a long prompt's first run
+costs for the grouped form's kernels).
 """
 
 from __future__ import annotations

@@ -7,12 +7,12 @@ by default <tmp>/mlx/<version>/ptx) where later processes read it when they
 first need it. So a fresh machine's first token waits for every kernel of its
 prefill and then every kernel of its first decode step, one by one.
 
-`start` (called by the CLI's load, commands/launch.load_shard) runs the decode step's kernels in a helper
-process while this one loads and prefills: the same family, dtype and
-quantization with the first few layers (zero weights), a one-token forward
-and then a few pipelined decode steps through the engine, its kernels
-compiled into a cache directory of its own and published into the shared one
-after each phase. Publishing is atomic per kernel (written aside, renamed in;
+`start` (called by the CLI's load, commands/launch.load_shard) runs the
+decode step's kernels in a helper process while this one loads and
+prefills: the same family, dtype and quantization with the first few layers
+(zero weights), a one-token forward and then a few pipelined decode steps
+through the engine, its kernels compiled into a cache directory of its own
+and published into the shared one after each phase. Publishing is atomic per kernel (written aside, renamed in;
 the `.txt` of kernel names before the `.ptx`: MLX takes a `.ptx` it finds as
 complete and reads the `.txt` beside it). One helper per machine and model
 (a lock file), none once a marker says it ran; `MLXCEL_DIST_WARMUP=0` turns it
