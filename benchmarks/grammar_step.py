@@ -128,7 +128,7 @@ def main() -> None:
                 busy(args.host_ms)
                 walls.append(time.perf_counter() - t0)
                 assert len(out) == args.rows
-                for k, x in parts.items():
+                for k, x in list(parts.items()):  # (the masks thread may add to it meanwhile)
                     per[k].append(x)
             for i in range(args.rows):
                 eng.remove(i)

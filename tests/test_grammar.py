@@ -160,6 +160,25 @@ def test_masks_computed_ahead_are_the_masks_in_line(setup, monkeypatch):
         assert len(drawn) > 20 and max(drawn) == 7 and all(n.startswith("grammar-masks") for n in names), names
 
 
+def test_masks_ahead_shorten_the_gil_switch_interval_unless_the_process_set_one(setup):
+    """A thread waiting for the GIL gets it at the switch interval: at Python's 5 ms the
+    worker's masks began only once the step waited for them. The first worker sets
+    0.5 ms; a process that chose its own interval keeps it."""
+    import sys
+
+    model, tok, _ = setup
+    before = sys.getswitchinterval()
+    try:
+        for own, want in ((grammar.PYTHON_SWITCH_S, grammar.AHEAD_SWITCH_S), (0.002, 0.002)):
+            sys.setswitchinterval(own)
+            vocab = grammar.Vocab(default_model_dir() / "tokenizer.json", model.args.vocab_size, tok.eos_ids, 1)
+            m = vocab.matcher(grammar.json_schema(SCHEMA))
+            assert np.array_equal(vocab.masks_ahead([m]).result(), vocab.masks([m]))
+            assert sys.getswitchinterval() == pytest.approx(want)
+    finally:
+        sys.setswitchinterval(before)
+
+
 @pytest.fixture(scope="module")
 def special(setup, tmp_path_factory):
     """The default model over a vocabulary whose format markers are special

@@ -23,6 +23,7 @@ import importlib.util
 import json
 import os
 import re
+import sys
 import threading
 
 import numpy as np
@@ -445,7 +446,16 @@ class Vocab:
                 from concurrent.futures import ThreadPoolExecutor
 
                 self._ahead = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
+                if sys.getswitchinterval() == PYTHON_SWITCH_S:  # (a process's own setting is kept)
+                    sys.setswitchinterval(AHEAD_SWITCH_S)
         return self._ahead.submit(self.masks, matchers)
+
+
+# The stepping thread holds the GIL between its MLX calls, and a thread waiting for it gets it
+# at the switch interval (Python's 5 ms: longer than a GPU step), so masks computed ahead began
+# only once the step waited for them; at 0.5 ms they run beside it (benchmarks/grammar_step.py
+# --host-ms 2, 32 rows: the draw's wait for them 0.6 ms at 5 ms, about none at 0.5 ms).
+PYTHON_SWITCH_S, AHEAD_SWITCH_S = 0.005, 0.0005
 
 
 def mask_threads() -> int:
