@@ -3,7 +3,7 @@
 # 10-minute limit, after MLX's CUDA wheel is staged (`source .dev/setup.sh`; the serving wheels and
 # llguidance in .dev/wheels, mlx-lm's source on PYTHONPATH for the comparisons):
 #
-#   [STEP_LOG=1 PROF=1] bash benchmarks/h200_issue42.sh json [CLIENTS] [REQUESTS] [PAIRS]  # json_schema / text at 1,16,64
+#   [STEP_LOG=1 PROF=1 SWITCH_MS=x] bash benchmarks/h200_issue42.sh json [CLIENTS] [REQUESTS] [PAIRS]  # json_schema / text at 1,16,64
 #                                          # clients (2 requests a client, 2 pairs of rounds), 12B gemma3 bf16, serve --np 1
 #   bash benchmarks/h200_issue42.sh spec   # benchmarks/spec_7b.py: the 7.5B / 4-layer draft pair, prompt lookup
 #   bash benchmarks/h200_issue42.sh fam    # issue 39: decode per family (llama 11.3B, gemma3 12B) against mlx-lm,
@@ -48,6 +48,12 @@ EOF
   # STEP_LOG=1: the server logs each admitting step (kept in $O/json42-server.log.gz)
   # PROF=1: the server sampled by py-spy (staged in .dev/wheels) for 15 s every minute, prof1.txt .. (raw),
   # the first and last side by side (pyspy_top.py): what grows in its CPU time a token over its life
+  # SWITCH_MS=x: every process of the run starts with the GIL switch interval at x ms (a sitecustomize; 5.1
+  # holds the interval near Python's 5 ms, which the grammar worker would otherwise lower to 0.5 ms)
+  if [ -n "${SWITCH_MS:-}" ]; then
+    mkdir -p /tmp/switch && echo "import sys; sys.setswitchinterval(${SWITCH_MS} / 1e3)" > /tmp/switch/sitecustomize.py
+    export PYTHONPATH=/tmp/switch:$PYTHONPATH
+  fi
   if [ "${PROF:-0}" = 1 ]; then
     spy=$(ls /tmp/site/bin/py-spy 2>/dev/null || command -v py-spy)
     ( sleep 20; for i in 1 2 3 4 5 6 7 8; do
