@@ -62,9 +62,11 @@ def test_the_helper_runs_the_engine_on_a_small_zero_model(case, tmp_path):
     assert len(m.layers if hasattr(m, "layers") else m.model.layers) == warmup.helper_layers(ck.config, ck.args)
     assert all(not mx.any(p).item() for p in names.values())
     assert {str(p.dtype) for p in names.values() if mx.issubdtype(p.dtype, mx.floating)} == {str(dtype)}
-    if ck.quantization is not None:
-        q = [k for k in names if k.endswith(".scales")]
-        assert q and all(warmup._layer_index(k) is None or warmup._layer_index(k) < 8 for k in q)
+    if ck.quantization is not None:  # the same layers quantized as the whole model's first ones, with its bits
+        n = warmup.helper_layers(ck.config, ck.args)
+        full = dict(tree_flatten(ck.build()[0].parameters()))  # (lazy: nothing read)
+        want = {k: full[k].shape for k in full if k.endswith(".scales") and (warmup._layer_index(k) or 0) < n}
+        assert want and {k: p.shape for k, p in names.items() if k.endswith(".scales")} == want
     shared, private = tmp_path / "shared", tmp_path / "private"
     shared.mkdir(), private.mkdir()
     marker = shared / ".marker"
