@@ -44,7 +44,9 @@ t = time.perf_counter()
 p = gemma3_checkpoint("/tmp/ckpt/gemma3-12b", **GEMMA3_12B)
 print(f"checkpoint {p} ready in {time.perf_counter() - t:.0f} s", flush=True)
 EOF
-  fmts=$(for i in $(seq "${4:-2}"); do printf "text,json_schema,"; done)
+  # pairs in ABBA order (text first, then json_schema first, ...): a server that slows over its life
+  # (sessions 30-32) would otherwise always time json_schema on the slower side of its pair
+  fmts=$(for i in $(seq "${4:-2}"); do [ $((i % 2)) = 1 ] && printf "text,json_schema," || printf "json_schema,text,"; done)
   # STEP_LOG=1: the server logs each admitting step (kept in $O/json42-server.log.gz)
   # PROF=1: the server sampled by py-spy (staged in .dev/wheels) for 15 s every minute, prof1.txt .. (raw),
   # the first and last side by side (pyspy_top.py): what grows in its CPU time a token over its life

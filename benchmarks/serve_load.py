@@ -359,8 +359,9 @@ def _kill_port_servers(port: int) -> None:
 
 def ratios(rows: list) -> list:
     """Per server and client count, each constrained format's tok/s over
-    text's: the mean over rounds, and round by round (text, json_schema,
-    text, json_schema: the i-th of each paired), so drift shows."""
+    text's: the mean over rounds, and round by round (the i-th of each
+    paired, whatever the order: give them ABBA, text,json_schema,json_schema,
+    text, where a server may drift), so drift shows."""
     out = []
     for server, clients in dict.fromkeys((r["server"], r["clients"]) for r in rows):
         got = {}

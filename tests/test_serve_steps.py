@@ -643,3 +643,38 @@ def test_micro_parts_time_only_plain_steps_and_end_a_trial_of_parts_that_cannot_
         mp.observe(0.1, 1, 0, False, False)
     assert mp.per_row[(1, 2)] == float("inf") and mp.use[1] == 1
     assert all(mp.choose(1) == 1 for _ in range(50))
+
+
+def test_step_log_reports_the_loops_times_per_step_since_its_last_line(tok, monkeypatch, capfd):
+    """MLXCEL_DIST_STEP_LOG's interval line: the steps since the last line
+    and their times per step, the GC's time; nothing before REPORT_S or with
+    no step since; its GC hook gone at close."""
+    import gc
+
+    from mlxcel_dist.serve import lifecycle
+
+    sched = Scheduler(tok, decode_concurrency=4)
+    eng = FakeEngine()
+    for p in (50, 51):
+        sched.submit(job(req([p], max_tokens=100))[0])
+    run_once(sched, eng)  # (admission)
+    report = lifecycle._Report(sched, eng)
+    hooks = len(gc.callbacks)
+    for _ in range(5):
+        run_once(sched, eng)
+    report()  # REPORT_S not yet passed
+    assert "last " not in capfd.readouterr().err
+    monkeypatch.setattr(lifecycle, "REPORT_S", 0.0)
+    sched.times.rest += 0.005  # 1 ms a step of host time, as if measured
+    rest = 1e3 * (sched.times.rest - report.before.rest) / 5
+    gc.collect()  # a full collection, timed by the report's hook
+    report()
+    line = capfd.readouterr().err
+    assert "5 steps, 2.0 rows a step, 0 prompts; per step:" in line
+    assert float(line.split("rest ")[1].split(";")[0]) == pytest.approx(rest, abs=0.006)
+    assert int(line.split("ms (")[1].split(" full")[0]) >= 1
+    assert "MLX active" in line and "buffers" not in line  # (the fake engine has no row buffers)
+    report()  # no step since the last line: nothing
+    assert "last " not in capfd.readouterr().err
+    report.close()
+    assert len(gc.callbacks) == hooks - 1

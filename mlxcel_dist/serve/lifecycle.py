@@ -5,6 +5,7 @@ watchdog; the other ranks follow the step protocol until shutdown."""
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import resource
@@ -12,7 +13,7 @@ import signal
 import socket
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -381,10 +382,54 @@ def _cluster_status(sched, engine, group, link, beats, health, model: str, pp: i
     return status
 
 
+REPORT_S = 15.0  # under MLXCEL_DIST_STEP_LOG, the loop's interval report every this many seconds
+
+
+class _Report:
+    """Under MLXCEL_DIST_STEP_LOG, a line every REPORT_S seconds of serving:
+    the loop's times per step since the last line, the process's CPU, MLX's
+    memory, the engine's buffers, the garbage collector's time and the live
+    objects: what grows when a server slows over its life."""
+
+    def __init__(self, sched, engine):
+        self.sched, self.engine = sched, engine
+        self.gc_s, self.full, self._gc_t = 0.0, 0, 0.0
+        self._mark()
+        gc.callbacks.append(self._gc)
+
+    def _mark(self) -> None:
+        self.t, self.cpu, self.before = time.monotonic(), time.process_time(), replace(self.sched.times)
+        self.gc_s, self.full = 0.0, 0
+
+    def _gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_t = time.perf_counter()
+        else:
+            self.gc_s += time.perf_counter() - self._gc_t
+            self.full += info.get("generation") == 2
+
+    def __call__(self) -> None:
+        dt = time.monotonic() - self.t
+        if dt < REPORT_S or self.sched.times.steps == self.before.steps:
+            return
+        import mlx.core as mx
+
+        store = getattr(self.engine, "store", None)
+        buffers = f"buffers {store.capacity()} rows x {store.slots()} slots, " if store is not None else ""
+        log(f"last {dt:.0f} s: {self.sched.times.since(self.before)}; CPU {(time.process_time() - self.cpu) / dt:.2f} "
+            f"s a second; {buffers}MLX active {mx.get_active_memory() / 1e9:.2f} GB, cache "
+            f"{mx.get_cache_memory() / 1e9:.2f} GB; GC {1e3 * self.gc_s:.0f} ms ({self.full} full), "
+            f"{len(gc.get_objects())} objects")
+        self._mark()
+
+    def close(self) -> None:
+        gc.callbacks.remove(self._gc)
+
+
 def _loop(sched, engine, link, guard) -> None:
     """Rank 0's main thread: plan, advance every rank, absorb, until shutdown."""
     from ..engine.guard import RanksDiverged
-    from .scheduler import SHUTDOWN_MESSAGE
+    from .scheduler import SHUTDOWN_MESSAGE, STEP_LOG
 
     def busy(t):
         sched.busy_since = t
@@ -393,6 +438,7 @@ def _loop(sched, engine, link, guard) -> None:
         sched.synced(time.monotonic() - t_sync)
         sched.deliver()
 
+    report = _Report(sched, engine) if STEP_LOG else None
     try:
         while True:
             step = sched.plan()
@@ -402,6 +448,8 @@ def _loop(sched, engine, link, guard) -> None:
             if step.kind == KIND_SHUTDOWN:
                 return
             sched.absorb(step, result)
+            if report is not None:
+                report()
     except RanksDiverged as e:  # raised on every rank: they have all left
         sched.fail_all(str(e), 500)
         raise
@@ -411,6 +459,8 @@ def _loop(sched, engine, link, guard) -> None:
         raise
     finally:
         sched.busy_since = None
+        if report is not None:
+            report.close()
         if sched.times.steps:
             log(str(sched.times))
         link.close()

@@ -132,6 +132,15 @@ class StepTimes:
     sync: float = 0.0
     rest: float = 0.0
 
+    def since(self, before: "StepTimes") -> str:
+        """This loop's times since `before` (a copy taken then), per step: what
+        grows over a server's life, the engine's step or the host's rest."""
+        d = StepTimes(**{k: getattr(self, k) - getattr(before, k) for k in self.__dataclass_fields__})
+        n = max(d.steps, 1)
+        return (f"{d.steps} steps, {d.tokens / n:.1f} rows a step, {d.prompts} prompts; per step: engine "
+                f"{1e3 * d.step / n:.2f} ms, admissions {1e3 * d.admit / n:.2f}, sync {1e3 * d.sync / n:.2f}, "
+                f"rest {1e3 * d.rest / n:.2f}")
+
     def __str__(self) -> str:
         return (f"{self.steps} steps, {self.tokens} tokens ({self.tokens / max(self.steps, 1):.1f} rows a step): "
                 f"steps {self.step:.2f} s, admissions {self.admit:.2f} s ({self.prompts} prompts, "
