@@ -543,3 +543,28 @@ def test_openai_client_prompt_lists_responses_and_tokenize_across_ranks(server):
     t = client.post(server.base + "/tokenize", body={"prompt": "The sea"}, cast_to=object)
     assert t["count"] == len(t["tokens"]) and client.post(server.base + "/detokenize", body={"tokens": t["tokens"]},
                                                           cast_to=object)["prompt"] == "The sea"
+
+
+def test_greedy_constrained_rows_first_draw_as_one_argmax_beside_free_rows(setup, monkeypatch):
+    # constrained greedy rows that are a step's first rows, free rows after them: their masked argmax runs over
+    # the step's logits as they are and their ids join the free rows' by one concatenate (batch_step
+    # `_draw_flight`); the ids equal the unpipelined batch's and each row's alone
+    from mlxcel_dist.engine.batch_step import Steps
+
+    model, tok, vocab = setup
+    g = grammar.json_schema(SCHEMA)
+    prompts = [tok.encode(p) for p in PROMPTS]
+    # (admission places the rows by their prompts: the free one's prompt is the one that takes the last row)
+    rows = [(0, prompts[0], None, g), (1, prompts[2], None, g), (2, prompts[3], None, g), (3, prompts[1], None, None)]
+    seen, draw = [], Steps._draw_flight
+
+    def checked(steps, f):
+        seen.append((tuple(b for b, _ in f.deferred), len(f.drawn)))
+        return draw(steps, f)
+
+    with monkeypatch.context() as m:
+        m.setattr(Steps, "_draw_flight", checked)
+        ahead = _run(model, vocab, rows)
+    assert ((0, 1, 2), 4) in seen  # the three constrained rows first, the free row after them
+    assert ahead == _run(model, vocab, rows, pipelined=False)
+    assert _run(model, vocab, rows[:1]) == {0: ahead[0]}

@@ -323,12 +323,18 @@ class Steps:
         masks = mx.array(f.masks.result())  # [k, words]: every deferred row's mask from one llguidance call
         choices = choose([f.rows[b] for b, _ in f.deferred], self.e.want)
         xs = [x for _, x in f.deferred]
-        whole = len(f.deferred) == len(ids)  # every row deferred: the step's logits as they are
-        got, top = draw(choices, xs, None, masks, f.logits if whole else None)
+        k = len(f.deferred)
+        first = all(b == i for i, (b, _) in enumerate(f.deferred))  # the step's first k rows (the rest drawn or grafted)
+        batch = None if f.logits is None or not first else f.logits[:k]
+        got, top = draw(choices, xs, None, masks, batch)
         for (b, _), t in zip(f.deferred, got):
             ids[b] = t
         f.extras = {**f.extras, **logprobs(choices, xs, got, None, masks)}
-        f.ids, f.deferred, f.drawn = top if top is not None else mx.stack(ids), None, None
+        if top is None:
+            f.ids = mx.stack(ids)
+        else:  # the deferred rows' ids as one array, the rows after them (grafted: ids drawn) behind it
+            f.ids = top if k == len(ids) else mx.concatenate([top, mx.stack(ids[k:])])
+        f.deferred, f.drawn = None, None
         self._checked(f)
 
     def collect(self) -> dict:

@@ -73,13 +73,14 @@ def draw(choices: list, xs: list, pending: list | None = None, masks=None, batch
         top = argmax_ids(batch[:n])
         return [top[b] for b in range(n)], top
     ids = [None] * n
-    held = [b for b, c in enumerate(choices) if c.greedy and masks is not None and masks[b] is not None]
+    stacked = isinstance(masks, mx.array)  # one [n, words] array: every row has a mask (not sliced to ask)
+    held = [b for b, c in enumerate(choices) if c.greedy and masks is not None and (stacked or masks[b] is not None)]
     if len(held) > 1:
         # constrained greedy rows: one masked argmax over them (every row one: the step's logits and
         # masks as they are)
-        whole = len(held) == n and batch is not None and isinstance(masks, mx.array)
+        whole = len(held) == n and batch is not None and stacked
         x = (batch[:n] if whole else mx.stack([xs[b] for b in held])).astype(mx.float32)
-        bits = masks if whole else mx.stack([masks[b] for b in held])
+        bits = masks if stacked and len(held) == n else mx.stack([masks[b] for b in held])
         top = mx.argmax(mx.where(allowed_from_bits(bits, x.shape[-1]), x, NEG_INF), axis=-1).astype(mx.int32)
         if whole:
             return [top[b] for b in range(n)], top
