@@ -24,6 +24,8 @@
 #          # issue 39: streams beside a long prompt, 12B gemma3 (VS: an older tree's server too; LONG: the long
 #          # prompt's max_tokens; SERVERS: ours-np2 on nvidia-h200-x2, the launcher's backend there)
 #   bash benchmarks/h200_issue42.sh mixed [PROMPT] [BUDGETS] [ROUNDS] # issue 39: mixed steps in process, flat vs apart
+#   bash benchmarks/h200_issue42.sh maskup [LAYERS] # issue 42 in MLX calls only: a host-made grammar mask's cost to
+#                                          # a pipelined step (mask_upload.py: plain / masks on the device / from numpy)
 #   bash benchmarks/h200_issue42.sh cpu    # the host's CPU pinned to 2 cores (MLX's CPU wheel from .dev/cpu):
 #                                          # bench np 1 / np 2 against aff0c91 (.dev/base), serve at 8 clients
 #                                          # against aff0c91 and mlx_lm.server
@@ -33,6 +35,10 @@ O=${OUT:-/tmp/h200}
 mkdir -p "$O"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 case "${1:-}" in
+maskup)
+  timeout 540 python3 benchmarks/mask_upload.py --layers "${2:-200}" --steps 300 --reps 3 --json 2>&1 \
+    | tee "$O/mask_upload.jsonl" | tail -16
+  ;;
 json)
   nvidia-smi --query-gpu=name,clocks.sm,memory.used --format=csv,noheader
   python3 - <<'EOF'
