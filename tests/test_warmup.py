@@ -167,3 +167,16 @@ def test_the_started_helper_runs_and_leaves_its_marker(tmp_path, monkeypatch):
     stops[0]()
     assert not private.exists() and not list((tmp_path / "ptx").glob("*.lock"))
     assert warmup.start(src) is None  # its marker: done on this machine
+
+
+@pytest.mark.parametrize("case, flat", [("gemma3/gqa_bf16", True), ("mlx_lm/qwen3_next_q4", False)])
+def test_the_helpers_serve_phase_runs_a_mixed_step_and_two_rows(case, flat, monkeypatch):
+    """The helper's server steps: a prompt admitted beside a decoding row rides
+    in its forward where the family's rows can (flat steps, as on a GPU: forced
+    here on the CPU), not where a state cache keeps it apart (qwen3_next); both
+    rows then step together."""
+    monkeypatch.setenv("MLXCEL_DIST_FLAT", "1")
+    src = FIXTURES / case
+    m = warmup.build_small(src, open_model(src).dtype or mx.float32)
+    flat_steps, most = warmup.serve_phase(m, prompt=12)
+    assert (flat_steps > 0) == flat and most == 2

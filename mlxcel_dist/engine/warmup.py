@@ -140,7 +140,8 @@ def build_small(model_dir: Path, dtype):
 def run_helper(model_dir: str, dtype: str, shared: Path, private: Path, marker: Path, steps: int = 3) -> list[str]:
     """The helper's work (MLX_PTX_CACHE_DIR is `private` in its process): a
     one-token forward (the decode's matmul tiles), then `steps` pipelined
-    engine steps (the compiled step's fused kernels), publishing after each."""
+    engine steps (the compiled step's fused kernels), then a server's mixed
+    and several-row steps (`serve_phase`), publishing after each."""
     from ..checkpoint.loader import parse_dtype
     from .generation import Generation
 
@@ -153,8 +154,35 @@ def run_helper(model_dir: str, dtype: str, shared: Path, private: Path, marker: 
         pass
     gen.finish()
     published += publish(private, shared)
+    serve_phase(m)
+    published += publish(private, shared)
     marker.write_text(json.dumps({"published": published}))
     return published
+
+
+def serve_phase(model, prompt: int = 40) -> tuple[int, int]:
+    """A server's steps, after the decode's (published first: a lone stream's
+    first token waits on those): a row decoding, a prompt admitted beside it
+    (on a GPU its chunk rides in the rows' forward, engine/flat.py: the mixed
+    step's kernels, which a fresh server's first concurrent admission would
+    otherwise compile while its streams wait), then both rows decoding (the
+    several-row step). The chunk of `prompt` tokens asks for the quantized
+    matmul tile a server's chunks take (64 rows). Returns (flat steps, the
+    most rows a step gave)."""
+    from .batch import BatchEngine
+    from .prefill import default_budget
+    from .sampling import SamplingParams
+
+    eng = BatchEngine(model, budget=default_budget())  # (a budget: prompts run beside the rows, as serve's)
+    eng.add_many([(0, [1], SamplingParams(), 8)])
+    most = max(len(eng.step()), len(eng.step()))
+    eng.add_many([(1, [1] * prompt, SamplingParams(), 3)])
+    for _ in range(4):
+        most = max(most, len(eng.step(prefill=prompt)))
+    for rid in (0, 1):
+        if rid in eng:
+            eng.remove(rid)
+    return eng.flat_steps, most
 
 
 def fits(tensor_bytes: dict, layers: int, ranks: int, total_memory: int | None) -> bool:
