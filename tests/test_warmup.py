@@ -180,3 +180,20 @@ def test_the_helpers_serve_phase_runs_a_mixed_step_and_two_rows(case, flat, monk
     m = warmup.build_small(src, open_model(src).dtype or mx.float32)
     flat_steps, most = warmup.serve_phase(m, prompt=12)
     assert (flat_steps > 0) == flat and most == 2
+
+
+@pytest.mark.parametrize("case", ["baichuan_m1/mqa_conv3_fp32", "gemma3n/gqa_fp32", "gemma4/moe_fp32",
+                                  "step3p5/hub_layout_fp32", "diffusion_gemma/moe_fp32"])
+def test_the_helper_builds_families_whose_configs_index_their_layers(case):
+    """Configs that name layers by index (baichuan_m1's sliding_window_layers,
+    gemma4's per_layer_config, step3p5's moe_layers_enum and its MTP-padded
+    lists) or share KV across the last layers (gemma3n, gemma4): the small
+    model builds with fewer layers and runs a forward (session 31's helper
+    failed on these)."""
+    src = FIXTURES / case
+    ck = open_model(src)
+    m = warmup.build_small(src, ck.dtype or mx.float32)
+    n = warmup.helper_layers(ck.config, ck.args)
+    assert n < (ck.config.get("text_config") or ck.config)["num_hidden_layers"]
+    assert len(m.layers if hasattr(m, "layers") else m.model.layers) == n
+    assert m(mx.array([[1, 2]]), cache=m.make_cache()).shape[:2] == (1, 2)

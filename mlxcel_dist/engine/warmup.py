@@ -60,15 +60,33 @@ def helper_layers(config: dict, args) -> int:
     return min(n, need, MAX_LAYERS)
 
 
+INDEX_LISTS = ("mlp_only_layers", "moe_layers", "sliding_window_layers")  # configs' lists of layer indices
+
+
 def shrink(config: dict, layers: int) -> dict:
-    """`config` with `layers` decoder layers: num_hidden_layers and every
-    per-layer list (length num_hidden_layers) cut to that (a text_config's too)."""
+    """`config` with `layers` decoder layers (a text_config's too):
+    num_hidden_layers and every per-layer list cut to that (length
+    num_hidden_layers, or that plus the MTP layers a hub config lists:
+    step3p5), the lists and maps of layer indices kept below it
+    (`INDEX_LISTS`, step3p5's "1,2,3" `moe_layers_enum`, gemma4's
+    `per_layer_config`), and no KV-sharing layers (gemma3n, gemma4: the last
+    ones, read the same kernels' way as their sources)."""
 
     def cut(c: dict) -> dict:
         n = c.get("num_hidden_layers")
         if not isinstance(n, int) or n <= layers:
             return dict(c)
-        out = {k: (v[:layers] if isinstance(v, list) and len(v) == n else v) for k, v in c.items()}
+        per_layer = {n, n + int(c.get("num_nextn_predict_layers") or c.get("num_mtp_layers") or 0)}
+        out = {k: (v[:layers] if isinstance(v, list) and len(v) in per_layer else v) for k, v in c.items()}
+        for k in INDEX_LISTS:
+            if isinstance(out.get(k), list):
+                out[k] = [i for i in out[k] if isinstance(i, int) and i < layers]
+        if isinstance(out.get("moe_layers_enum"), str):
+            out["moe_layers_enum"] = ",".join(i for i in out["moe_layers_enum"].split(",") if int(i) < layers)
+        if isinstance(out.get("per_layer_config"), dict):
+            out["per_layer_config"] = {i: v for i, v in out["per_layer_config"].items() if int(i) < layers}
+        if out.get("num_kv_shared_layers"):
+            out["num_kv_shared_layers"] = 0
         out["num_hidden_layers"] = layers
         return out
 
@@ -154,8 +172,9 @@ def run_helper(model_dir: str, dtype: str, shared: Path, private: Path, marker: 
         pass
     gen.finish()
     published += publish(private, shared)
-    serve_phase(m)
-    published += publish(private, shared)
+    if not m.own_loop:  # (a model with its own loop is served a request at a time: no server steps of ours)
+        serve_phase(m)
+        published += publish(private, shared)
     marker.write_text(json.dumps({"published": published}))
     return published
 
