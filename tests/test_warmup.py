@@ -25,9 +25,14 @@ def test_shrink_cuts_the_layer_count_and_every_per_layer_list():
            "text_config": {"num_hidden_layers": 6, "layer_types": ["x"] * 6}}
     out = warmup.shrink(cfg, 2)
     assert out["num_hidden_layers"] == 2 and out["layer_types"] == ["a", "b"]
-    assert out["mlp_only_layers"] == [0, 5] and out["vocab_size"] == 6  # not per-layer: kept
+    assert out["mlp_only_layers"] == [0] and out["vocab_size"] == 6  # layer indices kept below the cut; the rest as is
     assert out["text_config"] == {"num_hidden_layers": 2, "layer_types": ["x", "x"]}
     assert cfg["num_hidden_layers"] == 6 and len(cfg["layer_types"]) == 6  # the caller's config untouched
+    hub = {"num_hidden_layers": 4, "num_nextn_predict_layers": 1, "layer_types": list("abcde"), "moe_layers_enum": "1,2,3",
+           "per_layer_config": {"1": {"head_dim": 8}, "3": {}}, "num_kv_shared_layers": 2, "eos_token_id": [1, 2, 3]}
+    assert warmup.shrink(hub, 2) == {"num_hidden_layers": 2, "num_nextn_predict_layers": 1, "layer_types": ["a", "b"],
+                                     "moe_layers_enum": "1", "per_layer_config": {"1": {"head_dim": 8}},
+                                     "num_kv_shared_layers": 0, "eos_token_id": [1, 2, 3]}
     assert warmup.shrink({"num_hidden_layers": 1}, 2) == {"num_hidden_layers": 1}
 
 
