@@ -18,6 +18,9 @@ ids. Variants, interleaved over --reps passes:
   mask-host-copy  mask-host, the uploaded array copied on the device first
              (`x + 0`: the copy's output is device memory; its input still
              migrates)
+  mask-host-16  mask-host with only each row's first 16 words handed over
+             (the rest disallowed, as sampling.allowed_from_bits reads a
+             short mask): what trimming a mask's all-zero tail would buy
 
 Each variant's wall ms a step (median of a pass's steps) and the host time a
 step spends building and launching (perf_counter around the launch part).
@@ -53,13 +56,18 @@ def run(variant: str, a, steps: int) -> dict:
     dev_masks = [mx.array(m) for m in host_masks]
     t_ = mx.arange(V)
     index = (t_ // 32, (t_ % 32).astype(mx.uint32))
-    mx.eval(dev_masks, index)
+    short = (mx.minimum(t_ // 32, 15), (t_ % 32).astype(mx.uint32), t_ < 16 * 32)  # a 16-word mask's
+    mx.eval(dev_masks, index, short)
 
     def draw(logits, t):
         if variant == "plain":
             return mx.argmax(logits, axis=-1).astype(mx.int32)
         if variant == "mask-dev":
             bits = dev_masks[t % 4]
+        elif variant == "mask-host-16":
+            bits = mx.array(np.ascontiguousarray(host_masks[t % 4][:, :16]))
+            allowed = mx.logical_and(unpack(bits, short[:2]), short[2])
+            return mx.argmax(mx.where(allowed, logits.astype(mx.float32), NEG_INF), axis=-1).astype(mx.int32)
         else:
             bits = mx.array(host_masks[t % 4])
             if variant == "mask-host-copy":
@@ -101,7 +109,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--variants", default="plain,mask-dev,mask-host,mask-host-copy")
+    ap.add_argument("--variants", default="plain,mask-dev,mask-host,mask-host-copy,mask-host-16")
     ap.add_argument("--json", action="store_true", help="one JSON line a variant and pass")
     a = ap.parse_args()
     global W
