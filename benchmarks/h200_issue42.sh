@@ -3,7 +3,7 @@
 # 10-minute limit, after MLX's CUDA wheel is staged (`source .dev/setup.sh`; the serving wheels and
 # llguidance in .dev/wheels, mlx-lm's source on PYTHONPATH for the comparisons):
 #
-#   [STEP_LOG=1 PROF=1 SWITCH_MS=x] bash benchmarks/h200_issue42.sh json [CLIENTS] [REQUESTS] [PAIRS]  # json_schema / text at 1,16,64
+#   [STEP_LOG=1 PROF=1 SWITCH_MS=x BIG_VOCAB=1] bash benchmarks/h200_issue42.sh json [CLIENTS] [REQUESTS] [PAIRS]  # json_schema / text at 1,16,64
 #                                          # clients (2 requests a client, 2 pairs of rounds), 12B gemma3 bf16, serve --np 1
 #   bash benchmarks/h200_issue42.sh spec   # benchmarks/spec_7b.py: the 7.5B / 4-layer draft pair, prompt lookup
 #   bash benchmarks/h200_issue42.sh fam    # issue 39: decode per family (llama 11.3B, gemma3 12B) against mlx-lm,
@@ -50,6 +50,26 @@ t = time.perf_counter()
 p = gemma3_checkpoint("/tmp/ckpt/gemma3-12b", **GEMMA3_12B)
 print(f"checkpoint {p} ready in {time.perf_counter() - t:.0f} s", flush=True)
 EOF
+  # BIG_VOCAB=1: the same checkpoint with the embedded tokenizer grown to 262,144 tokens (big_vocab_masks.py),
+  # so that json_schema's masks walk a trie of gemma3's size, not the embedded 512 tokens'
+  CKPT=/tmp/ckpt/gemma3-12b
+  if [ "${BIG_VOCAB:-0}" = 1 ]; then
+    python3 - <<'EOF'
+import sys
+from pathlib import Path
+sys.path.insert(0, "benchmarks")
+from big_vocab_masks import grow
+src, dst = Path("/tmp/ckpt/gemma3-12b"), Path("/tmp/ckpt/gemma3-12b-bigvocab")
+dst.mkdir(parents=True, exist_ok=True)
+for f in src.iterdir():
+    if f.name != "tokenizer.json" and not (dst / f.name).exists():
+        (dst / f.name).symlink_to(f)
+if not (dst / "tokenizer.json").exists():
+    grow(src / "tokenizer.json", 262144, dst)
+print(f"{dst}: the tokenizer grown to 262144 tokens", flush=True)
+EOF
+    CKPT=/tmp/ckpt/gemma3-12b-bigvocab
+  fi
   # pairs in ABBA order (text first, then json_schema first, ...): a server that slows over its life
   # (sessions 30-32) would otherwise always time json_schema on the slower side of its pair
   fmts=$(for i in $(seq "${4:-2}"); do [ $((i % 2)) = 1 ] && printf "text,json_schema," || printf "json_schema,text,"; done)
@@ -69,7 +89,7 @@ EOF
         [ -n "$pid" ] && "$spy" record --nonblocking --pid "$pid" -d 15 -f raw -o "$O/prof$i.txt" >/dev/null 2>&1
         sleep 45; done ) &
   fi
-  MLXCEL_DIST_STEP_LOG=${STEP_LOG:-0} timeout 520 python3 benchmarks/serve_load.py --model /tmp/ckpt/gemma3-12b \
+  MLXCEL_DIST_STEP_LOG=${STEP_LOG:-0} timeout 520 python3 benchmarks/serve_load.py --model "$CKPT" \
     --servers ours-np1 --clients "${2:-1,16,64}" --requests "${3:-2}" --tokens 64 --formats "${fmts%,}" \
     --json "$O/json42.json" 2>&1 | tee "$O/json42.log" | grep -v "^\s*$" | tail -40
   gzip -c "$(ls -td /tmp/serve-load-*/ | head -1)ours-np1.log" > "$O/json42-server.log.gz"
