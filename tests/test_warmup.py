@@ -131,10 +131,12 @@ def test_start_only_on_cuda_once_per_model_and_machine(tmp_path, monkeypatch):
     monkeypatch.setattr(warmup.atexit, "register", lambda f: None)
     monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path / "ptx"))
     monkeypatch.setenv("MLXCEL_DIST_WORLD", "x")
+    monkeypatch.setenv("MLXCEL_DIST_INJECT_FAULT", "kill:0:load")
     assert warmup.start(src, "float32") is not None
     argv, env = started[0]
     assert env["MLX_PTX_CACHE_DIR"] != str(tmp_path / "ptx") and env["MLXCEL_DIST_WARMUP"] == "0"
     assert "MLXCEL_DIST_WORLD" not in env  # the helper is a plain process, never a rank
+    assert "MLXCEL_DIST_INJECT_FAULT" not in env  # a test's fault is for the rank, not its helper
     assert argv[-3] == str(tmp_path / "ptx") and argv[-4] == "float32"
     assert warmup.start(src, "float32") is None  # one running (its lock)
     lock = next((tmp_path / "ptx").glob(".mlxcel-warmup-*.lock"))

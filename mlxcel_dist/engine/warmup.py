@@ -231,6 +231,8 @@ def start(model, dtype: str | None = None, ranks: int = 1) -> subprocess.Popen |
 
 def _start(model, dtype: str | None, ranks: int) -> subprocess.Popen | None:
     from ..checkpoint.loader import open_model, parse_dtype
+    from ..cluster import faults
+    from ..parallel.distributed import ENV_BACKEND, ENV_WORLD
 
     ck = open_model(model)
     model_dir, dtype = ck.dir, parse_dtype(dtype) or ck.dtype
@@ -252,7 +254,7 @@ def _start(model, dtype: str | None, ranks: int) -> subprocess.Popen | None:
     code = ("import sys; from pathlib import Path; from mlxcel_dist.engine import warmup; "
             "warmup.run_helper(sys.argv[1], sys.argv[2], *map(Path, sys.argv[3:6]))")
     env = {**os.environ, "MLX_PTX_CACHE_DIR": str(private), "MLXCEL_DIST_WARMUP": "0"}
-    for k_ in ("MLXCEL_DIST_WORLD", "MLXCEL_DIST_BACKEND", "MLXCEL_DIST_FAULT"):  # a plain process, not a rank
+    for k_ in (ENV_WORLD, ENV_BACKEND, faults.ENV):  # a plain process, not a rank: no injected fault either
         env.pop(k_, None)
     with open(private / "helper.log", "w") as log:
         p = subprocess.Popen([sys.executable, "-c", code, str(model_dir), str(dtype).split(".")[-1], str(shared),
