@@ -101,9 +101,9 @@ def main() -> None:
     ahead = vocab.masks_ahead
     executors = {t: llguidance.LLExecutor(None if t == "pool" else int(t)) for t in args.threads.split(",")}
 
-    def inline(matchers):  # the masks on the stepping thread, as the engine computed them before
+    def inline(matchers, then=None):  # the masks on the stepping thread, as the engine computed them before
         f = Future()
-        f.set_result(vocab.masks(matchers))
+        f.set_result(vocab.masks(matchers) if then is None else then(vocab.masks(matchers)))
         return f
 
     variants = ["none"] + [f"json/{t}/{w}" for t in executors for w in ("inline", "ahead")]

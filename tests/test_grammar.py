@@ -14,6 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 import mlx.core as mx
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 jsonschema = pytest.importorskip("jsonschema", reason="jsonschema validates the answers ([test] extra)")
 pytest.importorskip("llguidance", reason="constrained decoding needs llguidance ([test] / [grammar] extra)")
@@ -144,13 +146,16 @@ def test_masks_computed_ahead_are_the_masks_in_line(setup, monkeypatch):
     rows = [(i, prompts[i % 4], None if i % 2 else 50 + i, g if i != 5 else None) for i in range(8)]
     for threads in (1, 2):
         vocab = grammar.Vocab(default_model_dir() / "tokenizer.json", model.args.vocab_size, tok.eos_ids, threads)
-        compute, names, drawn = vocab.masks, set(), []
+        compute, names, drawn, engines = vocab.masks, set(), [], set()
         vocab.masks = lambda ms: (names.add(threading.current_thread().name), compute(ms))[1]
         draw = Steps._draw_flight
 
         def checked(steps, f):
             drawn.append(len(f.deferred))
-            assert np.array_equal(f.masks.result(), np.stack([f.rows[b].grammar.mask() for b, _ in f.deferred]))
+            engines.add(steps)
+            # trimmed to the last word any row allows (sampling.live_words), the rest all zero
+            got, want = np.array(f.masks.result()), np.stack([f.rows[b].grammar.mask() for b, _ in f.deferred])
+            assert np.array_equal(got, want[:, :got.shape[1]]) and not want[:, got.shape[1]:].any()
             return draw(steps, f)
 
         with monkeypatch.context() as m:
@@ -158,6 +163,28 @@ def test_masks_computed_ahead_are_the_masks_in_line(setup, monkeypatch):
             ahead = _run(model, vocab, rows)
         assert ahead == _run(model, vocab, rows, pipelined=False)
         assert len(drawn) > 20 and max(drawn) == 7 and all(n.startswith("grammar-masks") for n in names), names
+        (steps,) = engines  # its host clock (serve's step log) counted every deferred row and timed its parts
+        assert steps.clock["deferred"] == sum(drawn)
+        assert all(steps.clock[k] > 0 for k in ("launch", "masks", "upload", "draw", "read")), steps.clock
+        assert all(t > 0 for t in vocab.ahead_clock), vocab.ahead_clock
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(1, 5), V=st.integers(1, 700), last=st.integers(-1, 30), seed=st.integers(0, 2**16))
+def test_masks_trimmed_allow_what_the_whole_masks_allow(rows, V, last, seed):
+    # sampling.live_words keeps the words up to the last one any row allows a token in (a power of two of
+    # them, at most the whole), and allowed_from_bits reads missing words as disallowed: the same mask
+    from mlxcel_dist.engine.sampling import allowed_from_bits, live_words
+
+    words = -(-V // 32)
+    rng = np.random.default_rng(seed)
+    bits = rng.integers(-2**31, 2**31, size=(rows, words), dtype=np.int64).astype(np.int32)
+    bits[:, max(0, min(last, words - 1) + 1):] = 0  # nothing allowed past word `last` (-1: nothing at all)
+    bits[rng.random((rows, words)) < 0.3] = 0
+    got = live_words(bits)
+    w = got.shape[1]
+    assert w == words or (w & (w - 1) == 0 and not bits[:, w:].any() and bits[:, w // 2:].any() or w == 1)
+    assert np.array_equal(np.array(allowed_from_bits(mx.array(got), V)), np.array(allowed_from_bits(mx.array(bits), V)))
 
 
 def test_masks_ahead_shorten_the_gil_switch_interval_unless_the_process_set_one(setup):

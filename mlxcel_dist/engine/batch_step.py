@@ -35,13 +35,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import time
+
 import mlx.core as mx
 import numpy as np
 
 from .choice import argmax_ids, choose, draw, grammar_masks, logprobs
 from .decode import SplitSegments, splittable
 from .flat import FlatStep
-from .sampling import read_logprobs
+from .sampling import live_words, read_logprobs
+
+
+# Steps.clock's keys: "masks" the draw's wait for them, "upload" their hand-over to MLX, "deferred" rows (a count)
+CLOCK = ("launch", "masks", "upload", "draw", "read", "deferred")
 
 
 @dataclass(eq=False)
@@ -71,6 +77,9 @@ class Steps:
         self.flights: list = []  # launched steps not read yet (at most one between `step` calls)
         self.changed = False  # rows added/removed since the last launch
         self.traces = 0
+        # host seconds by part, summed over the engine's life (serve's MLXCEL_DIST_STEP_LOG reads them):
+        # building and starting steps, waiting for grammar masks, the deferred rows' draws, the host read
+        self.clock = dict.fromkeys(CLOCK, 0.0)
         self.split = None  # whether the model's one-row steps run split (`splits`), decided with the layout
         self._segments = None
         b = engine.store.buffers  # (one dict for the engine's life: the compiled steps' state)
@@ -202,6 +211,14 @@ class Steps:
         if not e.rows:
             return
         self._draw()
+        t0 = time.perf_counter()
+        try:
+            self._launch()
+        finally:
+            self.clock["launch"] += time.perf_counter() - t0
+
+    def _launch(self) -> None:
+        e = self.e
         n = len(e.rows)
         choices = choose(e.rows, e.want)
         if e.static and e.parts > 1 and all(c.row.grammar is None for c in choices):
@@ -228,7 +245,10 @@ class Steps:
         extras = logprobs(sub, xs, got, ps, masks)
         f = _Flight(list(e.rows), None, extras, deferred=[(b, rows[b]) for b in later], drawn=ids,
                     logits=logits if e.static else None)
-        mx.async_eval([x for _, x in f.deferred], got, extras, self.e.take_beside())
+        # the static batch's logits as one array, not a slice a deferred row: each evaluated output costs
+        # MLX CUDA host time (a step of 31 constrained rows launched 2 ms slower than its text twin)
+        held = [logits] if e.static else [x for _, x in f.deferred]
+        mx.async_eval(held, got, extras, self.e.take_beside())
         self._launched(f)
 
     def _parts(self, C: int) -> list:
@@ -309,7 +329,7 @@ class Steps:
         when their ids are next needed (the next `launch` or `collect`)."""
         f = self.flights[-1] if self.flights else None
         if f is not None and f.deferred is not None and f.masks is None:
-            f.masks = self.e.vocab.masks_ahead([f.rows[b].grammar for b, _ in f.deferred])
+            f.masks = self.e.vocab.masks_ahead([f.rows[b].grammar for b, _ in f.deferred], live_words)
 
     def _draw(self) -> None:
         """Draw the deferred rows of every step in flight whose masks `finish`
@@ -320,7 +340,11 @@ class Steps:
 
     def _draw_flight(self, f: _Flight) -> None:
         ids = list(f.drawn)
-        masks = mx.array(f.masks.result())  # [k, words]: every deferred row's mask from one llguidance call
+        t0 = time.perf_counter()
+        bits = f.masks.result()  # [k, words]: every deferred row's mask from one llguidance call, trimmed
+        t1 = time.perf_counter()
+        masks = mx.array(bits)  # (here: MLX calls stay on the stepping thread)
+        t2 = time.perf_counter()
         choices = choose([f.rows[b] for b, _ in f.deferred], self.e.want)
         xs = [x for _, x in f.deferred]
         k = len(f.deferred)
@@ -334,8 +358,12 @@ class Steps:
             f.ids = mx.stack(ids)
         else:  # the deferred rows' ids as one array, the rows after them (grafted: ids drawn) behind it
             f.ids = top if k == len(ids) else mx.concatenate([top, mx.stack(ids[k:])])
+        self.clock["deferred"] += k
         f.deferred, f.drawn = None, None
         self._checked(f)
+        self.clock["masks"] += t1 - t0
+        self.clock["upload"] += t2 - t1
+        self.clock["draw"] += time.perf_counter() - t2
 
     def collect(self) -> dict:
         """Read the oldest step in flight (the one host sync): {rid: id} of
@@ -345,7 +373,9 @@ class Steps:
         e = self.e
         self._draw()
         f = self.flights.pop(0)
+        t0 = time.perf_counter()
         read = np.array(f.read)  # the one host sync
+        self.clock["read"] += time.perf_counter() - t0
         n = len(f.rows)
         got = read[:n].tolist()
         if e.guard is not None:

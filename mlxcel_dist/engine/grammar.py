@@ -25,6 +25,7 @@ import os
 import re
 import sys
 import threading
+import time
 
 import numpy as np
 
@@ -383,6 +384,7 @@ class Vocab:
         self._compiled = {}  # grammar text -> its first Matcher (copied for each row)
         self._executor = None  # llguidance's thread pool for `masks`
         self._ahead = None  # the worker thread of `masks_ahead`
+        self.ahead_clock = [0.0, 0.0]  # seconds summed: masks_ahead's start after submit, its work (masks, `then`)
 
     def tokenizer(self):
         with self._lock:
@@ -438,9 +440,10 @@ class Vocab:
                 out[i] = _eos_bits(self.words, tuple(self.eos_ids))
         return out
 
-    def masks_ahead(self, matchers: list):
-        """`masks(matchers)` on this vocabulary's worker thread: a Future of them. The
-        matchers must not move (`advance`) until it is done."""
+    def masks_ahead(self, matchers: list, then=None):
+        """`masks(matchers)` on this vocabulary's worker thread, passed through
+        `then` there when given (the engine trims them there: sampling.live_words):
+        a Future of them. The matchers must not move (`advance`) until it is done."""
         with self._lock:
             if self._ahead is None:
                 from concurrent.futures import ThreadPoolExecutor
@@ -448,7 +451,16 @@ class Vocab:
                 self._ahead = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
                 if sys.getswitchinterval() == PYTHON_SWITCH_S:  # (a process's own setting is kept)
                     sys.setswitchinterval(AHEAD_SWITCH_S)
-        return self._ahead.submit(self.masks, matchers)
+        return self._ahead.submit(self._timed, matchers, then, time.perf_counter())
+
+    def _timed(self, matchers: list, then, submitted: float):
+        t0 = time.perf_counter()
+        out = self.masks(matchers)
+        if then is not None:
+            out = then(out)
+        self.ahead_clock[0] += t0 - submitted
+        self.ahead_clock[1] += time.perf_counter() - t0
+        return out
 
 
 # The stepping thread holds the GIL between its MLX calls, and a thread waiting for it gets it

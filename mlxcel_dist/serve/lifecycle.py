@@ -397,9 +397,31 @@ class _Report:
         self._mark()
         gc.callbacks.append(self._gc)
 
+    def _clock(self) -> dict:
+        steps = getattr(self.engine, "steps", None)  # the batch engine's (batch_step.Steps), else none
+        clock = dict(getattr(steps, "clock", {}))
+        vocab = getattr(self.engine, "vocab", None)
+        if clock and vocab is not None:  # its worker's masks: started after submit, computed (grammar.Vocab)
+            clock["start"], clock["compute"] = vocab.ahead_clock
+        return clock
+
     def _mark(self) -> None:
         self.t, self.cpu, self.before = time.monotonic(), time.process_time(), replace(self.sched.times)
+        self.thread_cpu, self.clock = time.thread_time(), self._clock()
         self.gc_s, self.full = 0.0, 0
+
+    def _parts(self, steps: int) -> str:
+        """The engine's host time a step by part (batch_step.Steps.clock) since the last line."""
+        now = self._clock()
+        if not now:
+            return ""
+        d = {k: now[k] - self.clock.get(k, 0.0) for k in now}
+        n = max(steps, 1)
+        ahead = (f" (their worker's start {1e3 * d['start'] / n:.2f}, compute {1e3 * d['compute'] / n:.2f})"
+                 if "start" in d else "")
+        return (f" (launch {1e3 * d['launch'] / n:.2f}, grammar masks' wait {1e3 * d['masks'] / n:.2f}{ahead}, "
+                f"upload {1e3 * d['upload'] / n:.2f}, their draw {1e3 * d['draw'] / n:.2f}, "
+                f"read {1e3 * d['read'] / n:.2f}; {d['deferred'] / n:.1f} constrained rows a step)")
 
     def _gc(self, phase: str, info: dict) -> None:
         if phase == "start":
@@ -416,8 +438,10 @@ class _Report:
 
         store = getattr(self.engine, "store", None)
         buffers = f"buffers {store.capacity()} rows x {store.slots()} slots, " if store is not None else ""
-        log(f"last {dt:.0f} s: {self.sched.times.since(self.before)}; CPU {(time.process_time() - self.cpu) / dt:.2f} "
-            f"s a second; {buffers}MLX active {mx.get_active_memory() / 1e9:.2f} GB, cache "
+        steps = self.sched.times.steps - self.before.steps
+        log(f"last {dt:.0f} s: {self.sched.times.since(self.before)}{self._parts(steps)}; CPU "
+            f"{(time.process_time() - self.cpu) / dt:.2f} s a second (this thread "
+            f"{(time.thread_time() - self.thread_cpu) / dt:.2f}); {buffers}MLX active {mx.get_active_memory() / 1e9:.2f} GB, cache "
             f"{mx.get_cache_memory() / 1e9:.2f} GB; GC {1e3 * self.gc_s:.0f} ms ({self.full} full), "
             f"{len(gc.get_objects())} objects")
         self._mark()
