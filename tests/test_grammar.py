@@ -169,6 +169,30 @@ def test_masks_computed_ahead_are_the_masks_in_line(setup, monkeypatch):
         assert all(t > 0 for t in vocab.ahead_clock), vocab.ahead_clock
 
 
+def test_the_pipelined_step_starts_its_masks_before_it_starts_itself(setup, monkeypatch):
+    # plain_step reads the step before between building a step with constrained rows and starting it, so
+    # that step's masks are computed while its start (MLX CUDA's long host part, the GIL released) runs:
+    # at every such start the step's masks are on their way already; the ids stay the unpipelined ones
+    import sys
+
+    model, tok, vocab = setup
+    g = grammar.json_schema(SCHEMA)
+    rows = [(i, tok.encode(PROMPTS[i % 4]), None if i % 2 else 7 + i, g) for i in range(4)]
+    want = _run(model, vocab, rows, pipelined=False, max_tokens=40)
+    start, seen = mx.async_eval, []
+
+    def watched(*args):
+        frame = sys._getframe(1)
+        if frame.f_code.co_name == "_launch":  # a step with deferred (constrained) rows starting
+            f = frame.f_locals["self"].flights[-1]
+            seen.append(f.deferred is not None and f.masks is not None)
+        return start(*args)
+
+    monkeypatch.setattr(mx, "async_eval", watched)
+    assert _run(model, vocab, rows, max_tokens=40) == want
+    assert len(seen) > 10 and all(seen), seen
+
+
 @settings(max_examples=60, deadline=None)
 @given(rows=st.integers(1, 5), V=st.integers(1, 700), last=st.integers(-1, 30), seed=st.integers(0, 2**16))
 def test_masks_trimmed_allow_what_the_whole_masks_allow(rows, V, last, seed):

@@ -23,10 +23,14 @@ from the lazy ids; a constrained row whose last id is unread keeps only its
 logits (`_Flight.deferred`); right after `collect` has read that id and
 advanced the row's matcher, `finish` starts the masks on the vocabulary's
 worker thread (grammar.Vocab.masks_ahead), and `_draw` draws those rows
-when their ids are next needed (the next `launch` or `collect`). So the
-masks are computed while the device runs the forward and the caller does
-its own host work, and only the small draw of those rows waits for them.
-Every rank computes the same masks from the same ids (no collective).
+when their ids are next needed (the next `launch` or `collect`). In
+`plain_step` that read comes inside the launch, between building the step
+and starting it (`launch(read=True)`): the step before's draw was started
+first, so the read waits little, and the masks are computed while the
+start runs (on MLX CUDA the longest host part of a step, the GIL released),
+not in the caller's shorter host work between steps. Only the small draw
+of those rows waits for them. Every rank computes the same masks from the
+same ids (no collective).
 Micro-batched steps (serve --micro-batches, for pipeline stages:
 `_launch_micro`) are skipped while a constrained row is in the batch.
 """
@@ -203,21 +207,26 @@ class Steps:
         self.flights.append(f)
         self.changed = False
 
-    def launch(self) -> None:
-        """Build one step for every row and start it (no host read): each row
-        feeds its next token at its position `pos`."""
+    def launch(self, read: bool = False) -> dict | None:
+        """Build one step for every row and start it: each row feeds its next
+        token at its position `pos`. No host read, unless `read` (plain_step's)
+        and the step defers constrained rows: then the step before it is read
+        (`collect`) between building this one and starting it, and its
+        constrained rows' masks start (`finish`), so they are computed while
+        this step's start runs (MLX releases the GIL there); that read's
+        {rid: id}, else None."""
         assert len(self.flights) <= 1, "a row's context may lack one unread id, not two"
         e = self.e
         if not e.rows:
-            return
+            return None
         self._draw()
-        t0 = time.perf_counter()
+        t0, read_s = time.perf_counter(), self.clock["read"]
         try:
-            self._launch()
-        finally:
-            self.clock["launch"] += time.perf_counter() - t0
+            return self._launch(read)
+        finally:  # (the host read inside it is counted as a read)
+            self.clock["launch"] += time.perf_counter() - t0 - (self.clock["read"] - read_s)
 
-    def _launch(self) -> None:
+    def _launch(self, read: bool) -> dict | None:
         e = self.e
         n = len(e.rows)
         choices = choose(e.rows, e.want)
@@ -245,11 +254,18 @@ class Steps:
         extras = logprobs(sub, xs, got, ps, masks)
         f = _Flight(list(e.rows), None, extras, deferred=[(b, rows[b]) for b in later], drawn=ids,
                     logits=logits if e.static else None)
+        self._launched(f)
+        out = None
+        if read and len(self.flights) > 1:
+            # the step before: read now (its draw was started by `_draw` above, so the wait is short),
+            # and the masks of this step's constrained rows start before the long start below
+            out = self.collect()
+            self.finish()
         # the static batch's logits as one array, not a slice a deferred row: each evaluated output costs
-        # MLX CUDA host time (a step of 31 constrained rows launched 2 ms slower than its text twin)
+        # MLX CUDA host time
         held = [logits] if e.static else [x for _, x in f.deferred]
         mx.async_eval(held, got, extras, self.e.take_beside())
-        self._launched(f)
+        return out
 
     def _parts(self, C: int) -> list:
         """The micro-batches' row ranges of a C-row step (as even as possible)."""
@@ -400,10 +416,11 @@ class Steps:
         if not self.flights:
             self.launch()
         # no step past every row's budget: its work would only be discarded (a lone request's last id)
+        read = None
         if e.pipelined and self.more():
-            self.launch()
+            read = self.launch(read=True)
         if self.traces > traces and e.on_new_graph is not None:  # before the wait: its kernels compile
             e.on_new_graph()
-        out = self.collect()
+        out = self.collect() if read is None else read
         self.finish()
         return out
