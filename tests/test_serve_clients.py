@@ -26,8 +26,8 @@ MSGS = [{"role": "user", "content": "The weather in Oslo"}]
 
 
 def _app(vocab_limits=None):
-    """(tokenizer, context, a scripted_app over the default model's BatchEngine);
-    the engine and the scheduler share one grammar.Vocab, as in serve."""
+    """(tokenizer, context, a scripted_app over the default model's BatchEngine
+    and its grammar.Vocab, as in serve)."""
     from mlxcel_dist.engine.batch import BatchEngine
     from mlxcel_dist.checkpoint.loader import load_model
 
@@ -37,7 +37,7 @@ def _app(vocab_limits=None):
     ctx = ParseContext(tokenizer=tok, vocab_size=cfg["vocab_size"], model_ids=("m",),
                        context_length=context_limit(cfg), **_template_formats(tok, None, None))
     vocab = grammar.Vocab(d / "tokenizer.json", cfg["vocab_size"], tok.eos_ids)
-    return tok, ctx, scripted_app(tok, ctx, None, lambda: BatchEngine(load_model(d).model, vocab=vocab), vocab)
+    return tok, ctx, scripted_app(tok, ctx, None, lambda: BatchEngine(load_model(d).model, vocab=vocab))
 
 
 @pytest.fixture(scope="module")
@@ -94,8 +94,8 @@ def test_forced_call_with_thousands_of_optional_parameters(app, monkeypatch):
 def test_a_grammar_that_gives_up_mid_answer_is_an_error_not_stop(monkeypatch):
     """With llguidance's default limits (as before they were raised) the
     600-property schema gives up mid-answer: the ranks' masks allow only EOS
-    then, and the scheduler's own match of the ids ends the request with an
-    error naming the grammar, whole (400) and streamed (an error event),
+    then, and the engine names the row (`StepResult.gave_up`), so the
+    request ends with an error naming the grammar, whole (400) and streamed (an error event),
     never content "{" with finish_reason "stop"."""
     import llguidance
 

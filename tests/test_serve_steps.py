@@ -267,6 +267,28 @@ def test_failing_row_ends_that_request_alone(tok, monkeypatch):
     assert not eng.rows
 
 
+def test_a_row_whose_grammar_gave_up_ends_its_request_with_a_400_alone(tok):
+    # the engine names a row whose grammar llguidance gave up on at this step's id (StepResult.gave_up):
+    # its request ends with an error naming llguidance, that id unsent and the row removed; the others go on
+    sched = Scheduler(tok)
+    eng = FakeEngine()
+    good, got_good = job(req([40], max_tokens=3))
+    bad, got_bad = job(req([41], max_tokens=3))
+    sched.submit(good)
+    sched.submit(bad)
+    run_once(sched, eng)  # admissions and first ids
+    rid = next(i for i, r in sched.rows.items() if r.job is bad)
+    eng.gave_up = {rid: "max is 2000"}
+    run_once(sched, eng)
+    eng.gave_up = {}
+    drain(sched, eng)
+    assert isinstance(got_bad[-1], Failed) and got_bad[-1].status == 400
+    assert "llguidance: max is 2000" in got_bad[-1].message and "after 1 tokens" in got_bad[-1].message
+    assert sum(isinstance(e, Text) for e in got_bad) == 1  # its first id's; the id it gave up at: none
+    assert sum(isinstance(e, Text) for e in got_good) == 3
+    assert got_good[-1].finish_reason == "length" and not eng.rows
+
+
 def test_shutdown_answers_every_open_request(tok):
     sched = Scheduler(tok, decode_concurrency=1)
     eng = FakeEngine()

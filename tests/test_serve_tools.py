@@ -228,12 +228,11 @@ class ScriptedEngine:
 
 
 @contextlib.contextmanager
-def scripted_app(tok, ctx, answer: str | None, make_engine=None, vocab=None):
+def scripted_app(tok, ctx, answer: str | None, make_engine=None):
     """The HTTP app in process over a ScriptedEngine answering `answer` to
     every request, or over the engine `make_engine()` builds on the loop's
     thread (MLX streams are per thread) (one rank: the step protocol's loop
-    on a thread); `vocab`: the scheduler's grammar.Vocab (its grammar
-    check); yields the base URL."""
+    on a thread); yields the base URL."""
     import uvicorn
 
     from mlxcel_dist.serve import responses as rs
@@ -245,7 +244,7 @@ def scripted_app(tok, ctx, answer: str | None, make_engine=None, vocab=None):
     if make_engine is None:
         def make_engine():
             return ScriptedEngine(tok.encode(answer, add_special_tokens=False), tok.eos_ids[0])
-    sched = Scheduler(tok, vocab=vocab)
+    sched = Scheduler(tok)
 
     class Ok:
         def status(self):

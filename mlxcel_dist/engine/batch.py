@@ -125,6 +125,7 @@ class BatchEngine:
         self.prefills = Prefills()  # prompts being prefilled (prefill.py)
         self._copies: dict = {}  # rid -> copies of its prompt (n > 1) forked once it is placed
         self.failed: dict = {}  # rid -> message: requests whose prefill failed (taken by the caller)
+        self.gave_up: dict = {}  # rid -> llguidance's reason: rows whose grammar gave up at the last step's ids
         self.prompt_logprobs: dict = {}  # rid -> its prompt's logprobs (echo; taken by the caller)
         # One process on a CPU (MLX's CPU ops run on one thread each): a paced step's prefill forwards
         # go on a stream of their own and are evaluated with the step's decode launch, so the chunk and
@@ -542,6 +543,9 @@ class BatchEngine:
                 out[rid] = tok
                 if lp is not None:
                     self.logprobs[rid] = lp
+        # rows whose grammar llguidance gave up on at these ids (a limit hit; its masks allow only EOS
+        # from here): serve ends those requests with an error naming it, not EOS and "stop"
+        self.gave_up = {r.rid: r.gave_up for r in self.rows if r.gave_up is not None and r.rid in out}
         return out
 
     def _step_budget(self) -> int | None:

@@ -70,6 +70,8 @@ class Row:
     budget: int | None = None  # ids the caller will read at most (max_tokens): no step launched past it
     launched: int = 0  # steps launched for it
     grammar: object = None  # grammar.Matcher (None: unconstrained), advanced with each id read
+    gave_up: str | None = None  # llguidance's reason once its grammar gave up (read here: the masks'
+    # worker may hold the matcher later)
     drafts: bool = True  # the request lets drafts be verified for it (batch_spec.py; serve's "speculative")
 
     def took(self, ids: list) -> None:
@@ -80,6 +82,7 @@ class Row:
         if self.grammar is not None:
             for t in ids:
                 self.grammar.advance(t)
+            self.gave_up = self.grammar.error
 
 
 class RowBuffers:

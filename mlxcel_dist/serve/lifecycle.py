@@ -303,7 +303,7 @@ def _serve(model, tok, group, opts, sock, config, engine, link, beats, guard) ->
     one_row = not batchable(model)
     sched = Scheduler(tok, 1 if one_row else opts.decode_concurrency, 1 if one_row else opts.prompt_concurrency,
                       sleeping_followers=group.single or link.channel is not None,
-                      pace=None if one_row or opts.max_num_batched_tokens else opts.max_stall, vocab=getattr(engine, "vocab", None),
+                      pace=None if one_row or opts.max_num_batched_tokens else opts.max_stall,
                       micro=1 if one_row else opts.micro_batches)
     ctx = schema.ParseContext(tokenizer=tok, vocab_size=model.args.vocab_size, model_ids=tuple(opts.served_names),
                            max_tokens_cap=opts.max_tokens_cap, context_length=api.context_limit(config),

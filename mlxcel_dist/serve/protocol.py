@@ -98,8 +98,9 @@ class Link:
 
 @dataclass
 class StepResult:
-    """What one applied step gave: each row's id, its logprobs (rank 0's
-    engine only), and the admissions that failed (every rank alike)."""
+    """What one applied step gave: each row's id, its logprobs and the rows
+    whose grammar gave up (rank 0's engine only), and the admissions that
+    failed (every rank alike)."""
 
     ids: dict = field(default_factory=dict)  # rid -> id, or [ids] (a step with drafts: 1 .. K + 1 a row)
     logprobs: dict = field(default_factory=dict)
@@ -112,6 +113,7 @@ class StepResult:
     traced: bool = False  # the step traced a new graph (its time is not the step's: pacing skips it)
     micro: bool = False  # the step it launched ran in micro-batches
     prompt_logprobs: dict = field(default_factory=dict)  # rid -> its prompt's logprobs (echo), rank 0's
+    gave_up: dict = field(default_factory=dict)  # rid -> llguidance's reason: its grammar gave up at this id, rank 0's
 
 
 def _admit(engine, admissions: list, keep_logprobs: bool, failed: dict) -> None:
@@ -176,6 +178,7 @@ def apply_step(engine, step: Step, guard, keep_logprobs: bool = False, busy=None
         out.spec = spec.last
     if keep_logprobs:
         out.logprobs = dict(engine.logprobs)
+        out.gave_up = dict(getattr(engine, "gave_up", {}))  # (own-loop engines take no grammar)
     return out
 
 

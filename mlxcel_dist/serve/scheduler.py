@@ -108,7 +108,6 @@ class _Row:
     job: Job
     text: RowText  # its text, EOS, stop strings and max_tokens (generate's rule too)
     index: int = 0  # the job's choice this row generates
-    check: object = None  # grammar.Matcher over the ids read: the grammar gave up (llguidance's error)
     last_t: float = 0.0  # when its previous token was read (metrics)
 
     @property
@@ -149,21 +148,19 @@ class StepTimes:
 
 class Scheduler:
     def __init__(self, tokenizer, decode_concurrency: int = 32, prompt_concurrency: int = 8,
-                 sleeping_followers: bool = True, pace: float | None = STALL, vocab=None, micro: int = 1):
+                 sleeping_followers: bool = True, pace: float | None = STALL, micro: int = 1):
         """`sleeping_followers`: the other ranks wait for the next step asleep
         (host channel, or np 1), so an idle scheduler sends nothing; else it
         sends idle notes that let them sleep between collectives. `pace`: each
         step's prompt tokens from the steps' times, a stream's gap within
         `pace` x its plain one (serve.pacing, --max-stall); None: the
-        engine's fixed budget (--max-num-batched-tokens). `vocab`
-        (grammar.Vocab, the engine's): a constrained row's ids are matched
-        here too, so a grammar llguidance gives up on mid-answer (which the
-        ranks' masks turn into EOS) ends its request with an error, not "stop".
-        `micro` (--micro-batches, pipeline stages): each step's rows in up to
+        engine's fixed budget (--max-num-batched-tokens). A grammar
+        llguidance gives up on mid-answer (which the ranks' masks turn into
+        EOS) ends its request with an error, not "stop": the engine names
+        those rows (`StepResult.gave_up`). `micro` (--micro-batches, pipeline stages): each step's rows in up to
         that many micro-batches, where the steps' times show they pay
         (serve.pacing.MicroParts)."""
         self.tok = tokenizer
-        self.vocab = vocab
         self.decode_concurrency = decode_concurrency
         self.prompt_concurrency = prompt_concurrency
         self.sleeping_followers = sleeping_followers
@@ -322,7 +319,7 @@ class Scheduler:
             # stop_token_ids end a row as EOS does, also under ignore_eos (vLLM's rule)
             eos = (set() if job.req.ignore_eos else set(self.tok.eos_ids)) | set(job.req.stop_ids)
             text = RowText(self.tok, job.req.stop, eos, job.req.max_tokens, list(ids)[-4:], job.keep_special)
-            self.rows[rid] = _Row(job, text, i, self._checker(job.req.grammar))
+            self.rows[rid] = _Row(job, text, i)
             if i % job.group == 0:
                 self.metrics.admitted(len(ids))
         if self._t_rest is not None and (self.rows or step.changes):
@@ -399,6 +396,9 @@ class Scheduler:
                 for tok in ids:
                     if rid not in self.rows:  # ended inside the list (EOS, stop, max_tokens): the rest is dropped
                         break
+                    if rid in result.gave_up:  # (a constrained row: one id a step)
+                        self._grammar_failed(rid, r, result.gave_up[rid])
+                        break
                     self._advance_row(rid, r, tok, result.logprobs.get(rid), since, len(ids))
             except Exception as e:  # noqa: BLE001 - one request's failure ends that request alone
                 log(f"request failed: {type(e).__name__}: {e}")
@@ -417,10 +417,6 @@ class Scheduler:
                 self.removals.append(rid)
 
     def _advance_row(self, rid: int, r: _Row, tok: int, lp, since: float | None, share: int) -> None:
-        if r.check is not None:
-            r.check.advance(tok)
-            if r.check.error is not None:
-                return self._grammar_failed(rid, r)
         text = r.text.add(tok)
         if r.text.reason == "eos":
             if text:
@@ -442,22 +438,13 @@ class Scheduler:
         if r.text.reason is not None:
             self._finish(rid, r, r.text.reason)
 
-    def _checker(self, grammar: str | None):
-        if self.vocab is None or not grammar:
-            return None
-        try:
-            return self.vocab.matcher(grammar)
-        except Exception as e:  # noqa: BLE001 - the engine's own matcher fails that admission alike
-            log(f"grammar check unavailable for a request: {type(e).__name__}: {e}")
-            return None
-
-    def _grammar_failed(self, rid: int, r: _Row) -> None:
-        log(f"grammar gave up after {r.generated} tokens: {r.check.error}")
+    def _grammar_failed(self, rid: int, r: _Row, error: str) -> None:
+        log(f"grammar gave up after {r.generated} tokens: {error}")
         self.rows.pop(rid)
         self.removals.append(rid)
         self._drop_job(r.job, set())
         self._end(r.job, Failed(f"constrained decoding stopped after {r.generated} tokens: the request's grammar "
-                                f"(response_format or forced tool call) hit a limit of llguidance: {r.check.error}; "
+                                f"(response_format or forced tool call) hit a limit of llguidance: {error}; "
                                 "a smaller schema (fewer optional properties) avoids it", 400))
 
     def _finish(self, rid: int, r: _Row, reason: str, removal: bool = True) -> None:
