@@ -73,7 +73,7 @@ EOF
   # pairs in ABBA order (text first, then json_schema first, ...): a server that slows over its life
   # (sessions 30-32) would otherwise always time json_schema on the slower side of its pair
   fmts=$(for i in $(seq "${4:-2}"); do [ $((i % 2)) = 1 ] && printf "text,json_schema," || printf "json_schema,text,"; done)
-  # STEP_LOG=1: the server logs each admitting step (kept in $O/json42-server.log.gz)
+  # STEP_LOG=1: the server logs each admitting step and its 15 s interval lines (kept in $O/json42-server.log.gz)
   # PROF=1: the server sampled by py-spy (staged in .dev/wheels) for 15 s every minute, prof1.txt .. (raw),
   # the first and last side by side (pyspy_top.py): what grows in its CPU time a token over its life
   # SWITCH_MS=x: every process of the run starts with the GIL switch interval at x ms (a sitecustomize; 5.1
@@ -93,6 +93,8 @@ EOF
     --servers ours-np1 --clients "${2:-1,16,64}" --requests "${3:-2}" --tokens 64 --formats "${fmts%,}" \
     --json "$O/json42.json" 2>&1 | tee "$O/json42.log" | grep -v "^\s*$" | tail -40
   gzip -c "$(ls -td /tmp/serve-load-*/ | head -1)ours-np1.log" > "$O/json42-server.log.gz"
+  # the interval lines' host parts a step, text intervals against json_schema ones (STEP_LOG=1)
+  [ "${STEP_LOG:-0}" = 1 ] && python3 benchmarks/step_log_parts.py "$O/json42-server.log.gz"
   if [ "${PROF:-0}" = 1 ]; then
     profs=$(ls "$O"/prof*.txt 2>/dev/null | sort -V)
     [ -n "$profs" ] && python3 benchmarks/pyspy_top.py $(echo "$profs" | head -1) $(echo "$profs" | tail -1) --top 40
