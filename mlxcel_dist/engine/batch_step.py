@@ -37,9 +37,8 @@ Micro-batched steps (serve --micro-batches, for pipeline stages:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import time
+from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np

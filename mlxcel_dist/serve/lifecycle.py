@@ -441,8 +441,8 @@ class _Report:
         steps = self.sched.times.steps - self.before.steps
         log(f"last {dt:.0f} s: {self.sched.times.since(self.before)}{self._parts(steps)}; CPU "
             f"{(time.process_time() - self.cpu) / dt:.2f} s a second (this thread "
-            f"{(time.thread_time() - self.thread_cpu) / dt:.2f}); {buffers}MLX active {mx.get_active_memory() / 1e9:.2f} GB, cache "
-            f"{mx.get_cache_memory() / 1e9:.2f} GB; GC {1e3 * self.gc_s:.0f} ms ({self.full} full), "
+            f"{(time.thread_time() - self.thread_cpu) / dt:.2f}); {buffers}MLX active "
+            f"{mx.get_active_memory() / 1e9:.2f} GB, cache {mx.get_cache_memory() / 1e9:.2f} GB; GC {1e3 * self.gc_s:.0f} ms ({self.full} full), "
             f"{len(gc.get_objects())} objects")
         self._mark()
 
