@@ -259,10 +259,15 @@ def scripted_app(tok, ctx, answer: str | None, make_engine=None):
     threading.Thread(target=server.run, daemon=True).start()
 
     def loop():
-        engine = make_engine()
-        while not sched.stopping.is_set():
-            step, result = advance(engine, Single(), Guard(), sched.plan(), keep_logprobs=True, agreed=sched.deliver)
-            sched.absorb(step, result)
+        try:
+            engine = make_engine()
+            while not sched.stopping.is_set():
+                step, result = advance(engine, Single(), Guard(), sched.plan(), keep_logprobs=True,
+                                       agreed=sched.deliver)
+                sched.absorb(step, result)
+        except BaseException as e:  # the loop died: every open request fails at once (a test fails, not hangs)
+            sched.fail_all(f"the test server's loop died: {type(e).__name__}: {e}", 500)
+            raise
 
     threading.Thread(target=loop, daemon=True).start()
     deadline = time.monotonic() + 30

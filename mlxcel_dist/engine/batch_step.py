@@ -83,6 +83,7 @@ class Steps:
         # host seconds by part, summed over the engine's life (serve's MLXCEL_DIST_STEP_LOG reads them):
         # building and starting steps, waiting for grammar masks, the deferred rows' draws, the host read
         self.clock = dict.fromkeys(CLOCK, 0.0)
+        self._early_s = 0.0  # a launch's read of the step before (`launch(read=True)`), kept out of its time
         self.split = None  # whether the model's one-row steps run split (`splits`), decided with the layout
         self._segments = None
         b = engine.store.buffers  # (one dict for the engine's life: the compiled steps' state)
@@ -219,11 +220,11 @@ class Steps:
         if not e.rows:
             return None
         self._draw()
-        t0, read_s = time.perf_counter(), self.clock["read"]
+        t0, self._early_s = time.perf_counter(), 0.0
         try:
             return self._launch(read)
-        finally:  # (the host read inside it is counted as a read)
-            self.clock["launch"] += time.perf_counter() - t0 - (self.clock["read"] - read_s)
+        finally:  # (a read inside it is no part of the launch's time, as a read after it is not)
+            self.clock["launch"] += time.perf_counter() - t0 - self._early_s
 
     def _launch(self, read: bool) -> dict | None:
         e = self.e
@@ -258,8 +259,10 @@ class Steps:
         if read and len(self.flights) > 1:
             # the step before: read now (its draw was started by `_draw` above, so the wait is short),
             # and the masks of this step's constrained rows start before the long start below
+            t0 = time.perf_counter()
             out = self.collect()
             self.finish()
+            self._early_s = time.perf_counter() - t0
         # the static batch's logits as one array, not a slice a deferred row: each evaluated output costs
         # MLX CUDA host time
         held = [logits] if e.static else [x for _, x in f.deferred]
