@@ -13,7 +13,7 @@ per step one `Vocab.masks` call (one matcher after the other, llguidance's pool
 of N threads, or the server's default: `grammar.mask_threads()`, half the CPUs
 up to 8), ms a batch.
 
-    python benchmarks/big_vocab_masks.py [--tokens 262144] [--rows 32] [--steps 40] [--threads 1,default]
+    python benchmarks/big_vocab_masks.py [--tokens 262144] [--rows 32] [--steps 40] [--threads 1,default] [--spread]
 """
 
 from __future__ import annotations
@@ -33,9 +33,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # serve_load's FORMATS
 
 
-def grow(src: Path, tokens: int, out: Path, seed: int = 0) -> Path:
+def grow(src: Path, tokens: int, out: Path, seed: int = 0, spread: bool = False) -> Path:
     """src's byte-level BPE tokenizer.json grown to `tokens` entries by merges
-    of two existing tokens (each new token the concatenation, at most 12 bytes)."""
+    of two existing tokens (each new token the concatenation, at most 12 bytes).
+    `spread`: the ordinary tokens' ids shuffled among themselves (special ones
+    kept), so short tokens sit anywhere in the id range, as in a real
+    tokenizer's, not all below 512: a grammar's masks then reach the last
+    words (their upload's width, sampling.live_words)."""
     spec = json.loads(src.read_text())
     vocab, merges = spec["model"]["vocab"], spec["model"]["merges"]
     special = {t["content"] for t in spec.get("added_tokens", [])}
@@ -49,6 +53,10 @@ def grow(src: Path, tokens: int, out: Path, seed: int = 0) -> Path:
         vocab[t] = len(vocab)
         merges.append([a, b])
         pool.append(t)
+    if spread:
+        ids = [vocab[t] for t in pool]
+        rng.shuffle(ids)
+        vocab.update(zip(pool, ids))
     out.mkdir(parents=True, exist_ok=True)
     path = out / "tokenizer.json"
     path.write_text(json.dumps(spec))
@@ -82,6 +90,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=32)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--threads", default="1,default", help="comma-separated: a number, or default (the server's)")
+    ap.add_argument("--spread", action="store_true", help="the grown tokenizer's ids shuffled (grow's `spread`)")
     a = ap.parse_args()
     from mlxcel_dist.checkpoint.loader import default_model_dir, read_config
     from mlxcel_dist.checkpoint.tokenizer import Tokenizer
@@ -89,7 +98,7 @@ def main() -> None:
     d = default_model_dir()
     eos = Tokenizer(d, read_config(d)).eos_ids
     t = time.perf_counter()
-    big = grow(d / "tokenizer.json", a.tokens, Path(tempfile.mkdtemp(prefix="big-vocab-")))
+    big = grow(d / "tokenizer.json", a.tokens, Path(tempfile.mkdtemp(prefix="big-vocab-")), spread=a.spread)
     print(f"synthetic tokenizer of {a.tokens} tokens in {time.perf_counter() - t:.1f} s", flush=True)
     n_vocab = max(a.tokens, 262208)  # both under gemma3's embedding rows, as the GPU benchmark's checkpoint
     for name, path in (("embedded (512 tokens)", d / "tokenizer.json"), (f"synthetic ({a.tokens} tokens)", big)):

@@ -3,7 +3,7 @@
 # 10-minute limit, after MLX's CUDA wheel is staged (`source .dev/setup.sh`; the serving wheels and
 # llguidance in .dev/wheels, mlx-lm's source on PYTHONPATH for the comparisons):
 #
-#   [STEP_LOG=1 PROF=1 SWITCH_MS=x BIG_VOCAB=1] bash benchmarks/h200_issue42.sh json [CLIENTS] [REQUESTS] [PAIRS]  # json_schema / text at 1,16,64
+#   [STEP_LOG=1 PROF=1 SWITCH_MS=x BIG_VOCAB=1|spread] bash benchmarks/h200_issue42.sh json [CLIENTS] [REQUESTS] [PAIRS]  # json_schema / text at 1,16,64
 #                                          # clients (2 requests a client, 2 pairs of rounds), 12B gemma3 bf16, serve --np 1
 #   bash benchmarks/h200_issue42.sh spec   # benchmarks/spec_7b.py: the 7.5B / 4-layer draft pair, prompt lookup
 #   bash benchmarks/h200_issue42.sh fam    # issue 39: decode per family (llama 11.3B, gemma3 12B) against mlx-lm,
@@ -51,24 +51,26 @@ p = gemma3_checkpoint("/tmp/ckpt/gemma3-12b", **GEMMA3_12B)
 print(f"checkpoint {p} ready in {time.perf_counter() - t:.0f} s", flush=True)
 EOF
   # BIG_VOCAB=1: the same checkpoint with the embedded tokenizer grown to 262,144 tokens (big_vocab_masks.py),
-  # so that json_schema's masks walk a trie of gemma3's size, not the embedded 512 tokens'
+  # so that json_schema's masks walk a trie of gemma3's size, not the embedded 512 tokens';
+  # BIG_VOCAB=spread: grown and its ids shuffled, so a mask's allowed ids reach its last words as a real
+  # tokenizer's do (the upload's full width; grown alone, this schema's masks stay within 16 words)
   CKPT=/tmp/ckpt/gemma3-12b
-  if [ "${BIG_VOCAB:-0}" = 1 ]; then
-    python3 - <<'EOF'
+  if [ "${BIG_VOCAB:-0}" != 0 ]; then
+    CKPT=/tmp/ckpt/gemma3-12b-bigvocab$([ "$BIG_VOCAB" = spread ] && echo -spread)
+    python3 - "$CKPT" "$BIG_VOCAB" <<'EOF'
 import sys
 from pathlib import Path
 sys.path.insert(0, "benchmarks")
 from big_vocab_masks import grow
-src, dst = Path("/tmp/ckpt/gemma3-12b"), Path("/tmp/ckpt/gemma3-12b-bigvocab")
+src, dst = Path("/tmp/ckpt/gemma3-12b"), Path(sys.argv[1])
 dst.mkdir(parents=True, exist_ok=True)
 for f in src.iterdir():
     if f.name != "tokenizer.json" and not (dst / f.name).exists():
         (dst / f.name).symlink_to(f)
 if not (dst / "tokenizer.json").exists():
-    grow(src / "tokenizer.json", 262144, dst)
+    grow(src / "tokenizer.json", 262144, dst, spread=sys.argv[2] == "spread")
 print(f"{dst}: the tokenizer grown to 262144 tokens", flush=True)
 EOF
-    CKPT=/tmp/ckpt/gemma3-12b-bigvocab
   fi
   # pairs in ABBA order (text first, then json_schema first, ...): a server that slows over its life
   # (sessions 30-32) would otherwise always time json_schema on the slower side of its pair
