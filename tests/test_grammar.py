@@ -146,16 +146,20 @@ def test_masks_computed_ahead_are_the_masks_in_line(setup, monkeypatch):
     rows = [(i, prompts[i % 4], None if i % 2 else 50 + i, g if i != 5 else None) for i in range(8)]
     for threads in (1, 2):
         vocab = grammar.Vocab(default_model_dir() / "tokenizer.json", model.args.vocab_size, tok.eos_ids, threads)
-        compute, names, drawn, engines = vocab.masks, set(), [], set()
+        compute, names, drawn, engines, packed = vocab.masks, set(), [], set(), []
         vocab.masks = lambda ms: (names.add(threading.current_thread().name), compute(ms))[1]
         draw = Steps._draw_flight
 
         def checked(steps, f):
             drawn.append(len(f.deferred))
             engines.add(steps)
-            # trimmed to the last word any row allows (sampling.live_words), the rest all zero
-            got, want = np.array(f.masks.result()), np.stack([f.rows[b].grammar.mask() for b, _ in f.deferred])
+            # packed for the upload (sampling.packed_masks): trimmed to the last word any row allows (the
+            # rest all zero), the distinct rows and each row's index among them
+            rows, index = f.masks.result()
+            got = rows if index is None else rows[index]
+            want = np.stack([f.rows[b].grammar.mask() for b, _ in f.deferred])
             assert np.array_equal(got, want[:, :got.shape[1]]) and not want[:, got.shape[1]:].any()
+            packed.append(index is not None)
             return draw(steps, f)
 
         with monkeypatch.context() as m:
@@ -163,6 +167,7 @@ def test_masks_computed_ahead_are_the_masks_in_line(setup, monkeypatch):
             ahead = _run(model, vocab, rows)
         assert ahead == _run(model, vocab, rows, pipelined=False)
         assert len(drawn) > 20 and max(drawn) == 7 and all(n.startswith("grammar-masks") for n in names), names
+        assert any(packed)  # (rows in one grammar state shared a mask at some step: the gather path ran)
         (steps,) = engines  # its host clock (serve's step log) counted every deferred row and timed its parts
         assert steps.clock["deferred"] == sum(drawn)
         assert all(steps.clock[k] > 0 for k in ("launch", "masks", "upload", "draw", "read")), steps.clock
@@ -195,10 +200,10 @@ def test_the_pipelined_step_starts_its_masks_before_it_starts_itself(setup, monk
 
 @settings(max_examples=60, deadline=None)
 @given(rows=st.integers(1, 5), V=st.integers(1, 700), last=st.integers(-1, 30), seed=st.integers(0, 2**16))
-def test_masks_trimmed_allow_what_the_whole_masks_allow(rows, V, last, seed):
+def test_masks_trimmed_and_packed_allow_what_the_whole_masks_allow(rows, V, last, seed):
     # sampling.live_words keeps the words up to the last one any row allows a token in (a power of two of
     # them, at most the whole), and allowed_from_bits reads missing words as disallowed: the same mask
-    from mlxcel_dist.engine.sampling import allowed_from_bits, live_words
+    from mlxcel_dist.engine.sampling import allowed_from_bits, device_masks, live_words, packed_masks
 
     words = -(-V // 32)
     rng = np.random.default_rng(seed)
@@ -208,7 +213,15 @@ def test_masks_trimmed_allow_what_the_whole_masks_allow(rows, V, last, seed):
     got = live_words(bits)
     w = got.shape[1]
     assert w == words or (w & (w - 1) == 0 and not bits[:, w:].any() and bits[:, w // 2:].any() or w == 1)
-    assert np.array_equal(np.array(allowed_from_bits(mx.array(got), V)), np.array(allowed_from_bits(mx.array(bits), V)))
+    whole = np.array(allowed_from_bits(mx.array(bits), V))
+    assert np.array_equal(np.array(allowed_from_bits(mx.array(got), V)), whole)
+    # and packed for the upload: the distinct rows only (copies of rows added), gathered back on the device
+    twice = np.concatenate([bits, bits[::-1]])
+    rows, index = packed_masks(twice)
+    assert index is not None and len(rows) == len({r.tobytes() for r in got})
+    again = np.array(allowed_from_bits(device_masks((rows, index)), V))
+    assert np.array_equal(again, np.concatenate([whole, whole[::-1]]))
+    assert packed_masks(got[:1])[1] is None  # one row: nothing to share
 
 
 def test_masks_ahead_shorten_the_gil_switch_interval_unless_the_process_set_one(setup):

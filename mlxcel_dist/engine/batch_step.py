@@ -46,7 +46,7 @@ import numpy as np
 from .choice import argmax_ids, choose, draw, grammar_masks, logprobs
 from .decode import SplitSegments, splittable
 from .flat import FlatStep
-from .sampling import live_words, read_logprobs
+from .sampling import device_masks, packed_masks, read_logprobs
 
 
 # Steps.clock's keys: "masks" the draw's wait for them, "upload" their hand-over to MLX, "deferred" rows (a count)
@@ -347,7 +347,7 @@ class Steps:
         when their ids are next needed (the next `launch` or `collect`)."""
         f = self.flights[-1] if self.flights else None
         if f is not None and f.deferred is not None and f.masks is None:
-            f.masks = self.e.vocab.masks_ahead([f.rows[b].grammar for b, _ in f.deferred], live_words)
+            f.masks = self.e.vocab.masks_ahead([f.rows[b].grammar for b, _ in f.deferred], packed_masks)
 
     def _draw(self) -> None:
         """Draw the deferred rows of every step in flight whose masks `finish`
@@ -359,9 +359,9 @@ class Steps:
     def _draw_flight(self, f: _Flight) -> None:
         ids = list(f.drawn)
         t0 = time.perf_counter()
-        bits = f.masks.result()  # [k, words]: every deferred row's mask from one llguidance call, trimmed
+        packed = f.masks.result()  # the deferred rows' masks from one llguidance call, trimmed and distinct
         t1 = time.perf_counter()
-        masks = mx.array(bits)  # (here: MLX calls stay on the stepping thread)
+        masks = device_masks(packed)  # [k, words] (here: MLX calls stay on the stepping thread)
         t2 = time.perf_counter()
         choices = choose([f.rows[b] for b, _ in f.deferred], self.e.want)
         xs = [x for _, x in f.deferred]

@@ -442,7 +442,7 @@ class Vocab:
 
     def masks_ahead(self, matchers: list, then=None):
         """`masks(matchers)` on this vocabulary's worker thread, passed through
-        `then` there when given (the engine trims them there: sampling.live_words):
+        `then` there when given (the engine packs them there: sampling.packed_masks):
         a Future of them. The matchers must not move (`advance`) until it is done."""
         with self._lock:
             if self._ahead is None:

@@ -211,6 +211,28 @@ def live_words(bits: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(bits[:, :words]) if words < bits.shape[-1] else bits
 
 
+def packed_masks(bits: np.ndarray) -> tuple:
+    """A batch's grammar masks [k, words] for the upload: (the distinct rows of
+    `live_words(bits)` [u, w], each row's index among them [k] int32, or None
+    when all k differ). Rows in the same grammar state share a mask (5 distinct
+    among 32 json_schema rows, median), and the upload is paid by its bytes;
+    `device_masks` rebuilds the batch's [k, w] on the device."""
+    bits = live_words(bits)
+    first, index = {}, []
+    for row in bits:
+        index.append(first.setdefault(row.tobytes(), len(first)))
+    if len(first) == len(bits):
+        return bits, None
+    keep = np.unique(np.asarray(index), return_index=True)[1]  # each distinct mask's first row
+    return np.ascontiguousarray(bits[keep]), np.asarray(index, np.int32)
+
+
+def device_masks(packed: tuple) -> mx.array:
+    """`packed_masks`' rows handed to MLX and gathered back to one row a mask: [k, w]."""
+    rows, index = packed
+    return mx.array(rows) if index is None else mx.take(mx.array(rows), mx.array(index), axis=0)
+
+
 @functools.lru_cache(maxsize=16)  # (live_words' widths: powers of two, and the whole)
 def _bit_index(V: int, words: int) -> tuple:
     ids = np.arange(V)
