@@ -172,6 +172,7 @@ def test_masks_computed_ahead_are_the_masks_in_line(setup, monkeypatch):
         assert steps.clock["deferred"] == sum(drawn)
         assert all(steps.clock[k] > 0 for k in ("launch", "masks", "upload", "draw", "read")), steps.clock
         assert all(t > 0 for t in vocab.ahead_clock), vocab.ahead_clock
+        assert steps.e.host_clock() == {**steps.clock, "start": vocab.ahead_clock[0], "compute": vocab.ahead_clock[1]}
 
 
 def test_the_pipelined_step_starts_its_masks_before_it_starts_itself(setup, monkeypatch):

@@ -674,6 +674,7 @@ def test_step_log_reports_the_loops_times_per_step_since_its_last_line(tok, monk
     no step since; its GC hook gone at close."""
     import gc
 
+    from mlxcel_dist.engine.batch import BatchEngine
     from mlxcel_dist.serve import lifecycle
 
     sched = Scheduler(tok, decode_concurrency=4)
@@ -684,6 +685,7 @@ def test_step_log_reports_the_loops_times_per_step_since_its_last_line(tok, monk
     eng.steps = SimpleNamespace(clock={"launch": 1.0, "masks": 0.0, "upload": 0.0, "draw": 0.0, "read": 2.0,
                                        "deferred": 3})
     eng.vocab = SimpleNamespace(ahead_clock=[1.0, 1.0])
+    eng.host_clock = lambda: BatchEngine.host_clock(eng)  # (the batch engine's: its steps' and its vocabulary's)
     report = lifecycle._Report(sched, eng)
     hooks = len(gc.callbacks)
     for _ in range(5):

@@ -574,6 +574,15 @@ class BatchEngine:
     def feed(self, tokens: mx.array, pos: list) -> mx.array:
         return self.steps.feed(tokens, pos)
 
+    def host_clock(self) -> dict:
+        """Host seconds by part, summed over the engine's life (serve's step log):
+        its steps' (batch_step.Steps.clock) and, with a grammar vocabulary, its
+        masks worker's start after submit and its work (grammar.Vocab.ahead_clock)."""
+        clock = dict(self.steps.clock)
+        if self.vocab is not None:
+            clock["start"], clock["compute"] = self.vocab.ahead_clock
+        return clock
+
     @property
     def in_flight(self) -> bool:
         """A launched step not read yet."""

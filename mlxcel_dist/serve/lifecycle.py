@@ -398,12 +398,8 @@ class _Report:
         gc.callbacks.append(self._gc)
 
     def _clock(self) -> dict:
-        steps = getattr(self.engine, "steps", None)  # the batch engine's (batch_step.Steps), else none
-        clock = dict(getattr(steps, "clock", {}))
-        vocab = getattr(self.engine, "vocab", None)
-        if clock and vocab is not None:  # its worker's masks: started after submit, computed (grammar.Vocab)
-            clock["start"], clock["compute"] = vocab.ahead_clock
-        return clock
+        clock = getattr(self.engine, "host_clock", None)  # the batch engine's parts (an own-loop engine: none)
+        return clock() if clock is not None else {}
 
     def _mark(self) -> None:
         self.t, self.cpu, self.before = time.monotonic(), time.process_time(), replace(self.sched.times)
@@ -442,8 +438,8 @@ class _Report:
         log(f"last {dt:.0f} s: {self.sched.times.since(self.before)}{self._parts(steps)}; CPU "
             f"{(time.process_time() - self.cpu) / dt:.2f} s a second (this thread "
             f"{(time.thread_time() - self.thread_cpu) / dt:.2f}); {buffers}MLX active "
-            f"{mx.get_active_memory() / 1e9:.2f} GB, cache {mx.get_cache_memory() / 1e9:.2f} GB; GC {1e3 * self.gc_s:.0f} ms ({self.full} full), "
-            f"{len(gc.get_objects())} objects")
+            f"{mx.get_active_memory() / 1e9:.2f} GB, cache {mx.get_cache_memory() / 1e9:.2f} GB; "
+            f"GC {1e3 * self.gc_s:.0f} ms ({self.full} full), {len(gc.get_objects())} objects")
         self._mark()
 
     def close(self) -> None:
