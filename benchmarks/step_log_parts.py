@@ -15,7 +15,7 @@ import argparse
 import gzip
 import re
 
-PARTS = {"engine": "engine", "launch": "launch", "wait": "grammar masks' wait", "start": "their worker's start",
+PARTS = {"engine": "engine", "launch": "launch", "eval": "MLX's start", "wait": "grammar masks' wait", "start": "their worker's start",
          "compute": "compute", "upload": "upload", "draw": "their draw", "read": "read", "rest": "rest",
          "admissions": "admissions", "thread": "this thread"}
 

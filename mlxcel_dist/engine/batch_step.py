@@ -50,7 +50,7 @@ from .sampling import device_masks, packed_masks, read_logprobs
 
 
 # Steps.clock's keys: "masks" the draw's wait for them, "upload" their hand-over to MLX, "deferred" rows (a count)
-CLOCK = ("launch", "masks", "upload", "draw", "read", "deferred")
+CLOCK = ("launch", "eval", "masks", "upload", "draw", "read", "deferred")
 
 
 @dataclass(eq=False)
@@ -81,7 +81,8 @@ class Steps:
         self.changed = False  # rows added/removed since the last launch
         self.traces = 0
         # host seconds by part, summed over the engine's life (serve's MLXCEL_DIST_STEP_LOG reads them):
-        # building and starting steps, waiting for grammar masks, the deferred rows' draws, the host read
+        # building and starting steps (of it MLX's start: "eval"), waiting for grammar masks, the deferred
+        # rows' draws, the host read
         self.clock = dict.fromkeys(CLOCK, 0.0)
         self._early_s = 0.0  # a launch's read of the step before (`launch(read=True)`), kept out of its time
         self.split = None  # whether the model's one-row steps run split (`splits`), decided with the layout
@@ -241,8 +242,11 @@ class Steps:
         if not later:
             masks = grammar_masks(choices)
             ids, stacked = draw(choices, rows, pending, masks, logits if e.static else None)
-            f = self._checked(_Flight(list(e.rows), stacked if stacked is not None else mx.stack(ids),
-                                      logprobs(choices, rows, ids, pending, masks)))
+            f = _Flight(list(e.rows), stacked if stacked is not None else mx.stack(ids),
+                        logprobs(choices, rows, ids, pending, masks))
+            t0 = time.perf_counter()
+            self._checked(f)
+            self.clock["eval"] += time.perf_counter() - t0
             return self._launched(f)
         now = [b for b in range(n) if b not in later]
         sub, xs, ps = [choices[b] for b in now], [rows[b] for b in now], [pending[b] for b in now]
@@ -266,7 +270,9 @@ class Steps:
         # the static batch's logits as one array, not a slice a deferred row: each evaluated output costs
         # MLX CUDA host time
         held = [logits] if e.static else [x for _, x in f.deferred]
+        t0 = time.perf_counter()
         mx.async_eval(held, got, extras, self.e.take_beside())
+        self.clock["eval"] += time.perf_counter() - t0
         return out
 
     def _parts(self, C: int) -> list:

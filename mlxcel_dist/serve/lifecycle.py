@@ -412,12 +412,11 @@ class _Report:
         if not now:
             return ""
         d = {k: now[k] - self.clock.get(k, 0.0) for k in now}
-        n = max(steps, 1)
-        ahead = (f" (their worker's start {1e3 * d['start'] / n:.2f}, compute {1e3 * d['compute'] / n:.2f})"
-                 if "start" in d else "")
-        return (f" (launch {1e3 * d['launch'] / n:.2f}, grammar masks' wait {1e3 * d['masks'] / n:.2f}{ahead}, "
-                f"upload {1e3 * d['upload'] / n:.2f}, their draw {1e3 * d['draw'] / n:.2f}, "
-                f"read {1e3 * d['read'] / n:.2f}; {d['deferred'] / n:.1f} constrained rows a step)")
+        ms = {k: 1e3 * v / max(steps, 1) for k, v in d.items()}
+        ahead = f" (their worker's start {ms['start']:.2f}, compute {ms['compute']:.2f})" if "start" in d else ""
+        return (f" (launch {ms['launch']:.2f} (MLX's start {ms['eval']:.2f}), grammar masks' wait {ms['masks']:.2f}"
+                f"{ahead}, upload {ms['upload']:.2f}, their draw {ms['draw']:.2f}, read {ms['read']:.2f}; "
+                f"{ms['deferred'] / 1e3:.1f} constrained rows a step)")
 
     def _gc(self, phase: str, info: dict) -> None:
         if phase == "start":
