@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .sampling import NEG_INF, allowed_from_bits, process_logits, token_logprobs
+from .sampling import masked_argmax, process_logits, token_logprobs
 from .spec import speculative_accept
 
 
@@ -79,9 +79,9 @@ def draw(choices: list, xs: list, pending: list | None = None, masks=None, batch
         # constrained greedy rows: one masked argmax over them (every row one: the step's logits and
         # masks as they are)
         whole = len(held) == n and batch is not None and stacked
-        x = (batch[:n] if whole else mx.stack([xs[b] for b in held])).astype(mx.float32)
+        x = batch[:n] if whole else mx.stack([xs[b] for b in held])
         bits = masks if stacked and len(held) == n else mx.stack([masks[b] for b in held])
-        top = mx.argmax(mx.where(allowed_from_bits(bits, x.shape[-1]), x, NEG_INF), axis=-1).astype(mx.int32)
+        top = masked_argmax(x, bits)
         if whole:
             return [top[b] for b in range(n)], top
         for i, b in enumerate(held):

@@ -248,6 +248,20 @@ def allowed_from_bits(bits: mx.array, V: int) -> mx.array:
     return mx.logical_and(on.astype(mx.bool_), inside)
 
 
+@mx.compile
+def _masked_argmax(x: mx.array, bits: mx.array, word: mx.array, shift: mx.array, inside: mx.array) -> mx.array:
+    on = (mx.take(bits.view(mx.uint32), word, axis=-1) >> shift) & 1  # [n, V]
+    allowed = mx.logical_and(on.astype(mx.bool_), inside)
+    return mx.argmax(mx.where(allowed, x.astype(mx.float32), NEG_INF), axis=-1).astype(mx.int32)
+
+
+def masked_argmax(x: mx.array, bits: mx.array) -> mx.array:
+    """Each row's argmax over the ids its grammar allows: int32 [n] from logits [n, V]
+    and bitmasks [n, words] (read as `allowed_from_bits` reads them). Compiled: its
+    elementwise part one kernel, as MLX CUDA's host time goes by the op (issue 42)."""
+    return _masked_argmax(x, bits, *_bit_index(x.shape[-1], bits.shape[-1]))
+
+
 def apply_mask(logits: mx.array, mask: mx.array | None) -> mx.array:
     """-inf where `mask` (bool [V], or a grammar's int32 bitmask) disallows."""
     if mask is None:
