@@ -226,6 +226,29 @@ def test_masks_trimmed_and_packed_allow_what_the_whole_masks_allow(rows, V, last
     assert packed_masks(got[:1])[1] is None  # one row: nothing to share
 
 
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(1, 6), V=st.integers(1, 700), words=st.integers(1, 24), bf16=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_the_compiled_masked_argmax_takes_the_best_allowed_id(rows, V, words, bf16, seed):
+    # sampling.masked_argmax (constrained greedy rows, one compiled graph): each row's highest float32 logit
+    # among the ids its bits allow, ids past the mask's words disallowed; shapes vary, as a server's do
+    from mlxcel_dist.engine.sampling import masked_argmax
+
+    rng = np.random.default_rng(seed)
+    x = mx.array(rng.normal(size=(rows, V)).astype(np.float32)).astype(mx.bfloat16 if bf16 else mx.float32)
+    bits = rng.integers(-2**31, 2**31, size=(rows, words), dtype=np.int64).astype(np.int32)
+    bits[rng.random((rows, words)) < 0.5] = 0
+    ids = np.arange(V)
+    allowed = (bits.view(np.uint32)[:, np.minimum(ids // 32, words - 1)] >> (ids % 32)) & 1
+    allowed = allowed.astype(bool) & (ids < 32 * words)
+    got = np.array(masked_argmax(x, mx.array(bits)))
+    xs = np.array(x.astype(mx.float32))
+    for b in range(rows):
+        if allowed[b].any():  # (a row allowing nothing takes -inf everywhere: no id to check)
+            assert allowed[b, got[b]] and xs[b, got[b]] == xs[b, allowed[b]].max()
+            assert got[b] == np.flatnonzero(allowed[b])[np.argmax(xs[b, allowed[b]])]  # the first of ties
+
+
 def test_masks_ahead_shorten_the_gil_switch_interval_unless_the_process_set_one(setup):
     """A thread waiting for the GIL gets it at the switch interval: at Python's 5 ms the
     worker's masks began only once the step waited for them. The first worker sets
