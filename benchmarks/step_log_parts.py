@@ -15,9 +15,9 @@ import argparse
 import gzip
 import re
 
-PARTS = {"engine": "engine", "launch": "launch", "eval": "MLX's start", "wait": "grammar masks' wait", "start": "their worker's start",
-         "compute": "compute", "upload": "upload", "draw": "their draw", "read": "read", "rest": "rest",
-         "admissions": "admissions", "thread": "this thread"}
+PARTS = {"engine": "engine", "launch": "launch", "eval": "MLX's start", "wait": "grammar masks' wait",
+         "start": "their worker's start", "compute": "compute", "upload": "upload", "draw": "their draw",
+         "read": "read", "rest": "rest", "admissions": "admissions", "thread": "this thread"}
 
 
 def intervals(path: str, json_rows: float, min_steps: int) -> dict:

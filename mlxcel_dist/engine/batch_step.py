@@ -49,7 +49,8 @@ from .flat import FlatStep
 from .sampling import device_masks, packed_masks, read_logprobs
 
 
-# Steps.clock's keys: "masks" the draw's wait for them, "upload" their hand-over to MLX, "deferred" rows (a count)
+# Steps.clock's keys: "eval" MLX's start (async_eval) inside "launch", "masks" the draw's wait for them, "upload"
+# their hand-over to MLX, "deferred" rows (a count)
 CLOCK = ("launch", "eval", "masks", "upload", "draw", "read", "deferred")
 
 

@@ -248,7 +248,7 @@ def allowed_from_bits(bits: mx.array, V: int) -> mx.array:
     return mx.logical_and(on.astype(mx.bool_), inside)
 
 
-@mx.compile
+@mx.compile  # (traced once per shape of rows and words: a server's are few)
 def _masked_argmax(x: mx.array, bits: mx.array, word: mx.array, shift: mx.array, inside: mx.array) -> mx.array:
     on = (mx.take(bits.view(mx.uint32), word, axis=-1) >> shift) & 1  # [n, V]
     allowed = mx.logical_and(on.astype(mx.bool_), inside)

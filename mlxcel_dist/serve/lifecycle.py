@@ -412,11 +412,12 @@ class _Report:
         if not now:
             return ""
         d = {k: now[k] - self.clock.get(k, 0.0) for k in now}
-        ms = {k: 1e3 * v / max(steps, 1) for k, v in d.items()}
+        ms = {k: 1e3 * v / max(steps, 1) for k, v in d.items() if k != "deferred"}
+        rows = d["deferred"] / max(steps, 1)  # (a count of rows, not seconds)
         ahead = f" (their worker's start {ms['start']:.2f}, compute {ms['compute']:.2f})" if "start" in d else ""
         return (f" (launch {ms['launch']:.2f} (MLX's start {ms['eval']:.2f}), grammar masks' wait {ms['masks']:.2f}"
                 f"{ahead}, upload {ms['upload']:.2f}, their draw {ms['draw']:.2f}, read {ms['read']:.2f}; "
-                f"{ms['deferred'] / 1e3:.1f} constrained rows a step)")
+                f"{rows:.1f} constrained rows a step)")
 
     def _gc(self, phase: str, info: dict) -> None:
         if phase == "start":
