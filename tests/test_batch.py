@@ -132,6 +132,8 @@ def test_steps_switching_between_micro_batches_and_whole_decode_as_rows_alone():
                             schedule=lambda s: modes[s % len(modes)])
     assert [got[i] for i in range(len(prompts))] == alone
     assert 0 < eng.micro_steps < 2 * n  # both kinds of step ran (about 30 steps in all)
+    clock = eng.steps.clock  # (serve's step log: MLX's start timed inside the launch, micro-batched or not)
+    assert 0 < clock["eval"] < clock["launch"], clock
 
 
 def test_warmup_compiles_every_capacity_once_and_changes_nothing(monkeypatch):

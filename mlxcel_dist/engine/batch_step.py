@@ -38,6 +38,7 @@ Micro-batched steps (serve --micro-batches, for pipeline stages:
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -245,9 +246,8 @@ class Steps:
             ids, stacked = draw(choices, rows, pending, masks, logits if e.static else None)
             f = _Flight(list(e.rows), stacked if stacked is not None else mx.stack(ids),
                         logprobs(choices, rows, ids, pending, masks))
-            t0 = time.perf_counter()
-            self._checked(f)
-            self.clock["eval"] += time.perf_counter() - t0
+            with self._timed("eval"):
+                self._checked(f)
             return self._launched(f)
         now = [b for b in range(n) if b not in later]
         sub, xs, ps = [choices[b] for b in now], [rows[b] for b in now], [pending[b] for b in now]
@@ -271,10 +271,18 @@ class Steps:
         # the static batch's logits as one array, not a slice a deferred row: each evaluated output costs
         # MLX CUDA host time
         held = [logits] if e.static else [x for _, x in f.deferred]
-        t0 = time.perf_counter()
-        mx.async_eval(held, got, extras, self.e.take_beside())
-        self.clock["eval"] += time.perf_counter() - t0
+        with self._timed("eval"):
+            mx.async_eval(held, got, extras, self.e.take_beside())
         return out
+
+    @contextmanager
+    def _timed(self, part: str):
+        """`clock[part]` += the seconds of the with-block."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.clock[part] += time.perf_counter() - t0
 
     def _parts(self, C: int) -> list:
         """The micro-batches' row ranges of a C-row step (as even as possible)."""
@@ -304,7 +312,8 @@ class Steps:
         logits = []
         for (a, e_), x in zip(parts, xs):
             out = step(x.reshape(-1, 1), a, e_)
-            mx.async_eval(out)
+            with self._timed("eval"):
+                mx.async_eval(out)
             logits.append(out)
         rows = [logits[j][b - a] for j, (a, e_) in enumerate(parts) for b in range(a, min(e_, n))]
         if all(c.fast for c in choices):  # every part's rows (its pads' too) by one argmax
@@ -317,7 +326,9 @@ class Steps:
         stacked = mx.concatenate(ids_parts)[:n]
         f = _Flight(list(e.rows), stacked, logprobs(choices, rows, ids, pending), ids_parts)
         e.micro_steps += 1
-        self._launched(self._checked(f))
+        with self._timed("eval"):
+            self._checked(f)
+        self._launched(f)
 
     def _checked(self, f: _Flight) -> _Flight:
         """Schedule flight `f` once its ids are complete: with a `guard`, its
