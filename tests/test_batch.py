@@ -10,6 +10,7 @@ import pytest
 
 from mlxcel_dist.engine import prefill
 from mlxcel_dist.engine.batch import BatchEngine
+from mlxcel_dist.engine.batch_step import Steps
 from mlxcel_dist.engine.prefill import Together
 from mlxcel_dist.engine.generation import Generation
 from mlxcel_dist.checkpoint.loader import default_model_dir, load_model
@@ -128,12 +129,21 @@ def test_steps_switching_between_micro_batches_and_whole_decode_as_rows_alone():
     n = 14
     alone = [alone_ids(model, p, n, s) for p, s in zip(prompts, params)]
     modes = [3, 3, 1, 3, 1, 1, 2, 3]  # 2: fewer parts than the engine's 3
-    got, eng = _run_batched(model, prompts, params, n, joins=[0, 0, 3, 5, 6], micro=3,
-                            schedule=lambda s: modes[s % len(modes)])
+    micro, started = Steps._launch_micro, []
+
+    def timed(steps, *a):  # serve's step log: MLX's start is timed inside a micro-batched launch too
+        before = steps.clock["eval"]
+        micro(steps, *a)
+        started.append(steps.clock["eval"] > before)
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(Steps, "_launch_micro", timed)
+        got, eng = _run_batched(model, prompts, params, n, joins=[0, 0, 3, 5, 6], micro=3,
+                                schedule=lambda s: modes[s % len(modes)])
     assert [got[i] for i in range(len(prompts))] == alone
     assert 0 < eng.micro_steps < 2 * n  # both kinds of step ran (about 30 steps in all)
-    clock = eng.steps.clock  # (serve's step log: MLX's start timed inside the launch, micro-batched or not)
-    assert 0 < clock["eval"] < clock["launch"], clock
+    assert len(started) == eng.micro_steps and all(started)
+    assert 0 < eng.steps.clock["eval"] < eng.steps.clock["launch"], eng.steps.clock
 
 
 def test_warmup_compiles_every_capacity_once_and_changes_nothing(monkeypatch):

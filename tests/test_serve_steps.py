@@ -682,8 +682,8 @@ def test_step_log_reports_the_loops_times_per_step_since_its_last_line(tok, monk
     for p in (50, 51):
         sched.submit(job(req([p], max_tokens=100))[0])
     run_once(sched, eng)  # (admission)
-    eng.steps = SimpleNamespace(clock={"launch": 1.0, "eval": 0.5, "masks": 0.0, "upload": 0.0, "draw": 0.0, "read": 2.0,
-                                       "deferred": 3})
+    eng.steps = SimpleNamespace(clock={"launch": 1.0, "eval": 0.5, "masks": 0.0, "upload": 0.0, "draw": 0.0,
+                                       "read": 2.0, "deferred": 3})
     eng.vocab = SimpleNamespace(ahead_clock=[1.0, 1.0])
     eng.host_clock = lambda: BatchEngine.host_clock(eng)  # (the batch engine's: its steps' and its vocabulary's)
     report = lifecycle._Report(sched, eng)
@@ -705,8 +705,8 @@ def test_step_log_reports_the_loops_times_per_step_since_its_last_line(tok, monk
     assert float(line.split("rest ")[1].split(" ")[0]) == pytest.approx(rest, abs=0.006)
     assert int(line.split("ms (")[1].split(" full")[0]) >= 1
     assert "MLX active" in line and "buffers" not in line  # (the fake engine has no row buffers)
-    assert ("(launch 3.00 (MLX's start 1.20), grammar masks' wait 0.50 (their worker's start 0.10, compute 0.60), upload 0.10, "
-            "their draw 0.20, read 4.00; 2.0 constrained rows a step)" in line)
+    assert ("(launch 3.00 (MLX's start 1.20), grammar masks' wait 0.50 (their worker's start 0.10, compute 0.60), "
+            "upload 0.10, their draw 0.20, read 4.00; 2.0 constrained rows a step)" in line)
     assert "s a second (this thread " in line
     report()  # no step since the last line: nothing
     assert "last " not in capfd.readouterr().err

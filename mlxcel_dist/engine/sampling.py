@@ -243,15 +243,17 @@ def _bit_index(V: int, words: int) -> tuple:
 def allowed_from_bits(bits: mx.array, V: int) -> mx.array:
     """bool [..., V] from grammars' int32 bitmasks [..., words] (bit t % 32 of word
     t // 32 = token t allowed; tokens past the words are not), unpacked on the device."""
-    word, shift, inside = _bit_index(V, bits.shape[-1])
-    on = (mx.take(bits.view(mx.uint32), word, axis=-1) >> shift) & 1
+    return _unpacked(bits, *_bit_index(V, bits.shape[-1]))
+
+
+def _unpacked(bits: mx.array, word: mx.array, shift: mx.array, inside: mx.array) -> mx.array:
+    on = (mx.take(bits.view(mx.uint32), word, axis=-1) >> shift) & 1  # [..., V]
     return mx.logical_and(on.astype(mx.bool_), inside)
 
 
 @mx.compile  # (traced once per shape of rows and words: a server's are few)
 def _masked_argmax(x: mx.array, bits: mx.array, word: mx.array, shift: mx.array, inside: mx.array) -> mx.array:
-    on = (mx.take(bits.view(mx.uint32), word, axis=-1) >> shift) & 1  # [n, V]
-    allowed = mx.logical_and(on.astype(mx.bool_), inside)
+    allowed = _unpacked(bits, word, shift, inside)
     return mx.argmax(mx.where(allowed, x.astype(mx.float32), NEG_INF), axis=-1).astype(mx.int32)
 
 
